@@ -1,0 +1,113 @@
+"""Counter keys, periods and the validation of the names in them.
+
+A key is ``(tenant, feature, period)``. ``period`` is the period's start as an ISO string:
+``"2026-11"`` for a UTC calendar month (the default) and ``"2026-11-30"`` for a UTC day.
+The two shapes never share a prefix, so a storage backend can list "every counter of a tenant
+in a period" with one prefix query. A new period is a new key: roll-over needs no reset.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import UTC, datetime
+from typing import Literal
+
+from meter.errors import InvalidArgument
+
+Key = tuple[str, str, str]
+PeriodKind = Literal["month", "day"]
+
+#: Longest tenant name, in UTF-8 bytes. Sized so a DynamoDB partition key (tenant) stays far
+#: inside its 2048-byte limit and a sort key (period + "#" + feature) inside 1024 bytes.
+MAX_TENANT_BYTES = 512
+#: Longest feature name, in UTF-8 bytes.
+MAX_FEATURE_BYTES = 256
+#: Tenants: letters, digits and ``_ - . : @ /`` (``/`` separates account/user levels).
+TENANT_RE = re.compile(r"[A-Za-z0-9_\-.:@/]+")
+#: Features: letters, digits and ``_ - . :``.
+FEATURE_RE = re.compile(r"[A-Za-z0-9_\-.:]+")
+#: A quantity is a signed 64-bit integer.
+QTY_MIN = -(2**63)
+QTY_MAX = 2**63 - 1
+#: Instants accepted in ``opts.at`` (epoch seconds): 1970 .. 9999.
+AT_MIN = 0
+AT_MAX = 253402300799
+
+
+def check_tenant(tenant: object) -> str:
+    """Return ``tenant`` if it is a valid tenant name, else raise :class:`InvalidArgument`."""
+    return _check_name("tenant", tenant, MAX_TENANT_BYTES, TENANT_RE)
+
+
+def check_feature(feature: object) -> str:
+    """Return ``feature`` if it is a valid feature name, else raise :class:`InvalidArgument`."""
+    return _check_name("feature", feature, MAX_FEATURE_BYTES, FEATURE_RE)
+
+
+def _check_name(what: str, name: object, max_bytes: int, pattern: re.Pattern[str]) -> str:
+    if isinstance(name, bytes | bytearray):
+        try:
+            name = bytes(name).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidArgument(f"{what} is not valid UTF-8") from None
+    if not isinstance(name, str):
+        raise InvalidArgument(f"{what} must be a string, got {type(name).__name__}")
+    if not name:
+        raise InvalidArgument(f"{what} must not be empty")
+    if len(name.encode("utf-8")) > max_bytes:
+        raise InvalidArgument(f"{what} is longer than {max_bytes} bytes")
+    if pattern.fullmatch(name) is None:
+        raise InvalidArgument(f"{what} {name[:64]!r} has characters outside {pattern.pattern}")
+    return name
+
+
+def check_qty(qty: object, *, what: str = "qty", allow_negative: bool = True) -> int:
+    """Return ``qty`` if it is an int in the signed 64-bit range, else raise."""
+    if isinstance(qty, bool) or not isinstance(qty, int):
+        raise InvalidArgument(f"{what} must be an integer, got {type(qty).__name__}")
+    if not QTY_MIN <= qty <= QTY_MAX:
+        raise InvalidArgument(f"{what} {qty} is outside the signed 64-bit range")
+    if not allow_negative and qty < 0:
+        raise InvalidArgument(f"{what} must not be negative, got {qty}")
+    return qty
+
+
+def check_at(at: object) -> float:
+    """Return an ``opts.at`` instant (epoch seconds, int or float) if valid, else raise."""
+    if isinstance(at, bool) or not isinstance(at, int | float):
+        raise InvalidArgument(f"at must be epoch seconds (int or float), got {type(at).__name__}")
+    if not AT_MIN <= at <= AT_MAX or at != at:  # NaN fails the range check only sometimes
+        raise InvalidArgument(f"at {at!r} is outside {AT_MIN}..{AT_MAX}")
+    return float(at)
+
+
+def period_start(kind: PeriodKind, at: float | None = None) -> str:
+    """The period of ``kind`` containing the instant ``at`` (epoch seconds, default now)."""
+    moment = datetime.fromtimestamp(time.time() if at is None else at, tz=UTC)
+    if kind == "month":
+        return f"{moment.year:04d}-{moment.month:02d}"
+    return f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}"
+
+
+def period_end(period: str) -> datetime:
+    """The first instant after ``period`` (UTC), used for retention (TTL) of stored counters."""
+    if len(period) == 7:
+        year, month = int(period[:4]), int(period[5:7])
+        return datetime(year + month // 12, month % 12 + 1, 1, tzinfo=UTC)
+    start = datetime.strptime(period, "%Y-%m-%d").replace(tzinfo=UTC)
+    return datetime.fromtimestamp(start.timestamp() + 86400, tz=UTC)
+
+
+def is_period(period: str) -> bool:
+    """Whether ``period`` is a well-formed month (``YYYY-MM``) or day (``YYYY-MM-DD``) period."""
+    try:
+        if len(period) == 7:
+            datetime.strptime(period, "%Y-%m")
+            return True
+        if len(period) == 10:
+            datetime.strptime(period, "%Y-%m-%d")
+            return True
+    except ValueError:
+        return False
+    return False
