@@ -1,0 +1,388 @@
+"""The embedded SQLite backend: the default when no DynamoDB table is configured.
+
+One table, ``counters``, keyed ``(tenant, period, feature)`` so that every counter of a tenant
+in a period is one primary-key range. Totals are stored as decimal TEXT because they may grow
+past SQLite's 64-bit INTEGER; the per-node flush sequences are a JSON object in ``seqs``;
+``expires_at`` (epoch seconds) is the end of the period plus the retention, for a purge job.
+
+``sqlite3`` blocks, so every statement runs on one dedicated worker thread that owns the
+connection: calls from many asyncio tasks are queued and run one at a time, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import re
+import sqlite3
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TypeVar
+
+from storage.base import (
+    EMPTY,
+    Applied,
+    Delta,
+    Key,
+    Snapshot,
+    Storage,
+    StorageError,
+    StoragePermanentError,
+    StorageUnavailable,
+)
+
+T = TypeVar("T")
+
+#: Bumped when the table layout changes; a file written by a newer layout is refused.
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS counters (
+    tenant     TEXT    NOT NULL,
+    period     TEXT    NOT NULL,
+    feature    TEXT    NOT NULL,
+    total      TEXT    NOT NULL,
+    seqs       TEXT    NOT NULL,
+    expires_at INTEGER NOT NULL,
+    PRIMARY KEY (tenant, period, feature)
+) WITHOUT ROWID
+"""
+
+_MONTH_RE = re.compile(r"\d{4}-\d{2}")
+_DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+#: How long a statement waits for another connection's lock before giving up (busy).
+BUSY_TIMEOUT_S = 5.0
+
+
+class SQLiteStorage(Storage):
+    """Counters in one SQLite file (WAL mode), written from one worker thread.
+
+    ``path`` is created with its parent directories on :meth:`open`; ``retention_days`` is how
+    long after the end of its period a counter's ``expires_at`` lies.
+    """
+
+    kind = "sqlite"
+
+    def __init__(self, path: str | Path, *, retention_days: int = 400) -> None:
+        if retention_days < 0:
+            raise ValueError(f"retention_days must not be negative, got {retention_days}")
+        self.path = Path(path)
+        self.retention_days = retention_days
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # Touched only on the worker thread.
+        self._conn: sqlite3.Connection | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Create the file, its directories and the schema; switch the file to WAL mode.
+
+        Raises :class:`StorageUnavailable` naming the path if the file cannot be opened or is
+        not a usable database.
+        """
+        if self._executor is not None:
+            return
+        executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="meter-sqlite"
+        )
+        self._executor = executor
+        try:
+            await self._run(self._open_sync)
+        except BaseException:
+            self._executor = None
+            executor.shutdown(wait=False)
+            raise
+
+    async def close(self) -> None:
+        """Close the connection (after every queued call has run) and stop the worker."""
+        executor = self._executor
+        if executor is None:
+            return
+        try:
+            await self._run(self._close_sync)
+        finally:
+            self._executor = None
+            # The close job was the last one queued, so the worker is idle or about to be.
+            executor.shutdown(wait=False)
+
+    async def init_schema(self) -> str:
+        """Nothing to do for SQLite; :meth:`open` creates the schema."""
+        return f"sqlite: schema is created automatically on open at {self.path} (nothing to do)"
+
+    # -- operations --------------------------------------------------------------------------
+
+    async def apply(self, node: str, deltas: Sequence[Delta]) -> dict[Key, Applied | StorageError]:
+        """Apply one node's deltas in a single ``BEGIN IMMEDIATE`` transaction."""
+        if not isinstance(node, str) or not node:
+            raise StoragePermanentError(f"node id must be a non-empty string, got {node!r}")
+        if not deltas:
+            return {}
+        batch = list(deltas)
+        return await self._run(lambda: self._apply_sync(node, batch))
+
+    async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]:
+        """Read the current snapshot of each key from one consistent read transaction."""
+        if not keys:
+            return {}
+        wanted = list(keys)
+        return await self._run(lambda: self._load_sync(wanted))
+
+    async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
+        """Every stored counter of ``tenant`` in ``period``: one primary-key range scan."""
+        return await self._run(lambda: self._list_sync(tenant, period))
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        executor = self._executor
+        if executor is None:
+            raise StorageUnavailable(f"sqlite storage at {self.path} is not open")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(executor, fn)
+        except RuntimeError as exc:
+            # The executor was shut down under us (close raced with this call).
+            if "shutdown" in str(exc):
+                raise StorageUnavailable(f"sqlite storage at {self.path} is closed") from exc
+            raise
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise StorageUnavailable(f"sqlite storage at {self.path} is not open")
+        return self._conn
+
+    def _open_sync(self) -> None:
+        memory = str(self.path) == ":memory:"
+        try:
+            if not memory:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageUnavailable(
+                f"cannot create the directory for sqlite database {self.path}: {exc}"
+            ) from exc
+        conn: sqlite3.Connection | None = None
+        try:
+            # isolation_level=None: we issue BEGIN/COMMIT ourselves. check_same_thread stays on
+            # as a guard: the connection is created here, on the worker, and only used here.
+            conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            mode = str(conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]).lower()
+            if mode != "wal" and not memory:
+                raise StorageUnavailable(
+                    f"sqlite database {self.path} refused WAL mode (journal_mode={mode})"
+                )
+            # FULL: a flush acknowledged to the node survives a power loss, not only a crash;
+            # the node truncates its own write-ahead log on that acknowledgement.
+            conn.execute("PRAGMA synchronous=FULL")
+            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+            if version > SCHEMA_VERSION:
+                raise StorageUnavailable(
+                    f"sqlite database {self.path} has schema version {version}; "
+                    f"this build knows up to {SCHEMA_VERSION}"
+                )
+            conn.execute(_SCHEMA)
+            if version < SCHEMA_VERSION:
+                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except sqlite3.Error as exc:
+            if conn is not None:
+                conn.close()
+            raise StorageUnavailable(
+                f"cannot open sqlite database {self.path}: {_describe(exc)}"
+            ) from exc
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        self._conn = conn
+
+    def _close_sync(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except sqlite3.Error as exc:
+                raise _map(exc, f"closing {self.path}") from exc
+
+    def _apply_sync(self, node: str, deltas: list[Delta]) -> dict[Key, Applied | StorageError]:
+        conn = self._connection()
+        out: dict[Key, Applied | StorageError] = {}
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise _map(exc, f"starting a write transaction on {self.path}") from exc
+        try:
+            for d in deltas:
+                problem = _check_delta(d)
+                if problem is not None:
+                    out[d.key] = StoragePermanentError(problem)
+                    continue
+                # A savepoint per key: a key that hits a permanent error is rolled back alone
+                # and the rest of the batch still commits.
+                conn.execute("SAVEPOINT k")
+                try:
+                    out[d.key] = self._apply_one(conn, node, d)
+                except (sqlite3.IntegrityError, sqlite3.ProgrammingError, ValueError) as exc:
+                    conn.execute("ROLLBACK TO k")
+                    out[d.key] = (
+                        _map(exc, f"applying {d.key}")
+                        if isinstance(exc, sqlite3.Error)
+                        else StoragePermanentError(f"bad stored item for {d.key}: {exc}")
+                    )
+                conn.execute("RELEASE k")
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            # The whole batch is abandoned: nothing of it is committed.
+            try:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            if isinstance(exc, sqlite3.Error):
+                raise _map(exc, f"applying a batch to {self.path}") from exc
+            raise
+        return out
+
+    def _apply_one(self, conn: sqlite3.Connection, node: str, d: Delta) -> Applied:
+        tenant, feature, period = d.key
+        row = conn.execute(
+            "SELECT total, seqs FROM counters WHERE tenant = ? AND period = ? AND feature = ?",
+            (tenant, period, feature),
+        ).fetchone()
+        current = EMPTY if row is None else _snapshot(row[0], row[1])
+        if current.seq_of(node) >= d.seq:
+            return Applied(current, duplicate=True)
+        seqs = dict(current.seqs)
+        seqs[node] = d.seq
+        snap = Snapshot(current.total + d.delta, seqs)
+        conn.execute(
+            "INSERT INTO counters (tenant, period, feature, total, seqs, expires_at)"
+            " VALUES (?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (tenant, period, feature) DO UPDATE SET"
+            " total = excluded.total, seqs = excluded.seqs, expires_at = excluded.expires_at",
+            (
+                tenant,
+                period,
+                feature,
+                str(snap.total),
+                json.dumps(seqs, sort_keys=True, separators=(",", ":")),
+                self._expires_at(period),
+            ),
+        )
+        return Applied(snap)
+
+    def _expires_at(self, period: str) -> int:
+        end = _period_end(period)
+        return int((end + timedelta(days=self.retention_days)).timestamp())
+
+    def _load_sync(self, keys: list[Key]) -> dict[Key, Snapshot]:
+        conn = self._connection()
+        out: dict[Key, Snapshot] = {}
+        try:
+            # One read transaction: every key is read from the same committed state.
+            conn.execute("BEGIN")
+            try:
+                for key in keys:
+                    tenant, feature, period = key
+                    row = conn.execute(
+                        "SELECT total, seqs FROM counters"
+                        " WHERE tenant = ? AND period = ? AND feature = ?",
+                        (tenant, period, feature),
+                    ).fetchone()
+                    out[key] = EMPTY if row is None else _snapshot(row[0], row[1])
+            finally:
+                conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            raise _map(exc, f"reading from {self.path}") from exc
+        except ValueError as exc:
+            raise StoragePermanentError(f"bad stored item in {self.path}: {exc}") from exc
+        return out
+
+    def _list_sync(self, tenant: str, period: str) -> dict[str, Snapshot]:
+        conn = self._connection()
+        try:
+            rows = conn.execute(
+                "SELECT feature, total, seqs FROM counters WHERE tenant = ? AND period = ?",
+                (tenant, period),
+            ).fetchall()
+            return {feature: _snapshot(total, seqs) for feature, total, seqs in rows}
+        except sqlite3.Error as exc:
+            raise _map(exc, f"listing {tenant}/{period} in {self.path}") from exc
+        except ValueError as exc:
+            raise StoragePermanentError(f"bad stored item in {self.path}: {exc}") from exc
+
+
+def _check_delta(d: Delta) -> str | None:
+    """Why ``d`` can never be applied, or ``None`` if it is well-formed."""
+    key = d.key
+    if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(p, str) for p in key)):
+        return f"key must be (tenant, feature, period) strings, got {key!r}"
+    if not key[0] or not key[1]:
+        return f"tenant and feature must not be empty: {key!r}"
+    if isinstance(d.seq, bool) or not isinstance(d.seq, int) or d.seq < 1:
+        return f"seq must be a positive integer, got {d.seq!r} for {key!r}"
+    if isinstance(d.delta, bool) or not isinstance(d.delta, int):
+        return f"delta must be an integer, got {d.delta!r} for {key!r}"
+    try:
+        _period_end(key[2])
+    except ValueError as exc:
+        return f"{key!r}: {exc}"
+    return None
+
+
+def _period_end(period: str) -> datetime:
+    """The first instant after ``period`` (``YYYY-MM`` or ``YYYY-MM-DD``, UTC).
+
+    Kept here rather than imported: storage must not depend on ``meter``.
+    """
+    try:
+        if _MONTH_RE.fullmatch(period):
+            start = datetime.strptime(period, "%Y-%m").replace(tzinfo=UTC)
+            if start.month == 12:
+                return start.replace(year=start.year + 1, month=1)
+            return start.replace(month=start.month + 1)
+        if _DAY_RE.fullmatch(period):
+            start = datetime.strptime(period, "%Y-%m-%d").replace(tzinfo=UTC)
+            return start + timedelta(days=1)
+    except (ValueError, OverflowError):
+        pass
+    raise ValueError(f"period {period!r} is not a valid YYYY-MM or YYYY-MM-DD period")
+
+
+def _snapshot(total: object, seqs: object) -> Snapshot:
+    """Decode a stored row; raises ``ValueError`` if it is not what this module writes."""
+    if not isinstance(total, str) or not isinstance(seqs, str):
+        raise ValueError(f"unexpected column types {type(total).__name__}/{type(seqs).__name__}")
+    decoded = json.loads(seqs)
+    if not isinstance(decoded, dict) or not all(
+        isinstance(n, str) and isinstance(s, int) and not isinstance(s, bool)
+        for n, s in decoded.items()
+    ):
+        raise ValueError(f"seqs column is not an object of node -> int: {seqs[:100]!r}")
+    return Snapshot(int(total), decoded)
+
+
+def _describe(exc: sqlite3.Error) -> str:
+    name = getattr(exc, "sqlite_errorname", None)
+    return f"{exc} ({name})" if name else str(exc)
+
+
+def _map(exc: sqlite3.Error, doing: str) -> StorageError:
+    """Map a ``sqlite3`` exception to the storage hierarchy.
+
+    Integrity and programming errors are bugs in the request: retrying cannot help. Everything
+    else (busy, locked, disk I/O, a corrupt or vanished file) may pass, or be fixed by an
+    operator, so the caller keeps its deltas and retries.
+    """
+    message = f"sqlite error while {doing}: {_describe(exc)}"
+    if isinstance(
+        exc,
+        sqlite3.IntegrityError
+        | sqlite3.ProgrammingError
+        | sqlite3.InterfaceError
+        | sqlite3.DataError
+        | sqlite3.NotSupportedError,
+    ):
+        return StoragePermanentError(message)
+    return StorageUnavailable(message)
