@@ -1,0 +1,222 @@
+"""The storage contract: every backend must pass this one suite.
+
+To add a backend, add its name to ``BACKENDS`` and a branch to ``_make``; backend-specific
+fixtures (a server, a temp dir) are pulled in there with ``request.getfixturevalue``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from storage.base import EMPTY, Applied, Delta, Key, Snapshot, Storage, StorageError
+from storage.memory import MemoryStorage
+from storage.sqlite import SQLiteStorage
+
+BACKENDS = ["memory", "sqlite"]
+
+K: Key = ("acme", "api_calls", "2026-11")
+
+
+def _make(backend: str, request: pytest.FixtureRequest) -> Storage:
+    if backend == "memory":
+        return MemoryStorage()
+    if backend == "sqlite":
+        tmp_path: Path = request.getfixturevalue("tmp_path")
+        return SQLiteStorage(tmp_path / "meter.db")
+    raise AssertionError(f"unknown backend {backend}")
+
+
+@pytest.fixture(params=BACKENDS)
+async def storage(request: pytest.FixtureRequest) -> AsyncIterator[Storage]:
+    """An opened, empty backend of each kind."""
+    store = _make(request.param, request)
+    await store.open()
+    await store.init_schema()
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def _ok(store: Storage, node: str, key: Key, seq: int, delta: int) -> Applied:
+    """Apply one delta and return its outcome, failing the test on a per-key error."""
+    out = await store.apply(node, [Delta(key, seq, delta)])
+    assert set(out) == {key}
+    result = out[key]
+    assert isinstance(result, Applied), result
+    return result
+
+
+async def test_kind_and_init_schema_report(storage: Storage) -> None:
+    assert storage.kind in BACKENDS
+    report = await storage.init_schema()  # idempotent: a second call is fine
+    assert isinstance(report, str) and "\n" not in report and report
+
+
+async def test_apply_new_key(storage: Storage) -> None:
+    got = await _ok(storage, "n1", K, 1, 5)
+    assert got == Applied(Snapshot(5, {"n1": 1}), duplicate=False)
+    assert (await storage.load([K]))[K] == Snapshot(5, {"n1": 1})
+
+
+async def test_totals_add_up(storage: Storage) -> None:
+    for seq, delta in enumerate([3, 4, 10, 1], start=1):
+        got = await _ok(storage, "n1", K, seq, delta)
+        assert not got.duplicate
+    assert got.snapshot == Snapshot(18, {"n1": 4})
+    assert (await storage.load([K]))[K].total == 18
+
+
+async def test_negative_deltas(storage: Storage) -> None:
+    await _ok(storage, "n1", K, 1, 10)
+    got = await _ok(storage, "n1", K, 2, -25)
+    assert got.snapshot.total == -15
+    assert (await storage.load([K]))[K].total == -15
+
+
+@pytest.mark.parametrize("big", [2**63 - 1, 2**63, 2**64 + 7, 10**30, -(10**30)])
+async def test_big_ints_keep_full_precision(storage: Storage, big: int) -> None:
+    await _ok(storage, "n1", K, 1, big)
+    got = await _ok(storage, "n1", K, 2, 1)
+    assert got.snapshot.total == big + 1
+    assert (await storage.load([K]))[K].total == big + 1
+    assert (await storage.list_period("acme", "2026-11"))["api_calls"].total == big + 1
+
+
+async def test_totals_past_int64_by_sums(storage: Storage) -> None:
+    # Each delta fits in int64 but the total does not.
+    for seq in range(1, 4):
+        await _ok(storage, "n1", K, seq, 2**63 - 1)
+    assert (await storage.load([K]))[K].total == 3 * (2**63 - 1)
+
+
+async def test_duplicate_is_refused_with_current_snapshot(storage: Storage) -> None:
+    await _ok(storage, "n1", K, 1, 5)
+    await _ok(storage, "n2", K, 1, 7)
+    again = await _ok(storage, "n1", K, 1, 5)
+    assert again.duplicate
+    # The current item, which holds the first attempt and the other node's write.
+    assert again.snapshot == Snapshot(12, {"n1": 1, "n2": 1})
+    assert (await storage.load([K]))[K].total == 12
+
+
+async def test_older_seq_is_refused(storage: Storage) -> None:
+    await _ok(storage, "n1", K, 5, 5)
+    older = await _ok(storage, "n1", K, 3, 100)
+    assert older.duplicate
+    assert older.snapshot == Snapshot(5, {"n1": 5})
+
+
+async def test_seq_gaps_are_accepted(storage: Storage) -> None:
+    await _ok(storage, "n1", K, 1, 1)
+    got = await _ok(storage, "n1", K, 10, 2)
+    assert not got.duplicate
+    assert got.snapshot == Snapshot(3, {"n1": 10})
+
+
+async def test_nodes_have_independent_seqs(storage: Storage) -> None:
+    await _ok(storage, "n1", K, 7, 1)
+    got = await _ok(storage, "n2", K, 1, 2)  # lower than n1's, but n2's own first
+    assert not got.duplicate
+    assert got.snapshot == Snapshot(3, {"n1": 7, "n2": 1})
+    dup = await _ok(storage, "n2", K, 1, 2)
+    assert dup.duplicate and dup.snapshot.total == 3
+
+
+async def test_seqs_are_per_key(storage: Storage) -> None:
+    other: Key = ("acme", "storage_gb", "2026-11")
+    await _ok(storage, "n1", K, 5, 1)
+    got = await _ok(storage, "n1", other, 1, 1)
+    assert not got.duplicate
+
+
+async def test_load_missing_keys_gives_empty(storage: Storage) -> None:
+    await _ok(storage, "n1", K, 1, 1)
+    missing: Key = ("nobody", "api_calls", "2026-11")
+    got = await storage.load([K, missing])
+    assert got == {K: Snapshot(1, {"n1": 1}), missing: EMPTY}
+    assert await storage.load([]) == {}
+
+
+async def test_list_period_only_that_tenant_and_period(storage: Storage) -> None:
+    writes: list[Key] = [
+        ("acme", "api_calls", "2026-11"),
+        ("acme", "storage", "2026-11"),
+        ("acme", "api_calls", "2026-11-01"),  # a day bucket: same prefix, other period
+        ("acme", "api_calls", "2026-12"),
+        ("acme", "api_calls", "2026-10"),
+        ("acme2", "api_calls", "2026-11"),  # a tenant whose name extends ours
+        ("acm", "api_calls", "2026-11"),
+        ("acme/user1", "api_calls", "2026-11"),  # a child tenant is its own tenant
+        ("other", "api_calls", "2026-11"),
+    ]
+    for i, key in enumerate(writes, start=1):
+        await _ok(storage, "n1", key, 1, i)
+    assert await storage.list_period("acme", "2026-11") == {
+        "api_calls": Snapshot(1, {"n1": 1}),
+        "storage": Snapshot(2, {"n1": 1}),
+    }
+    assert await storage.list_period("acme", "2026-11-01") == {"api_calls": Snapshot(3, {"n1": 1})}
+    assert await storage.list_period("acme2", "2026-11") == {"api_calls": Snapshot(6, {"n1": 1})}
+    assert await storage.list_period("acme", "2027-01") == {}
+    assert await storage.list_period("ghost", "2026-11") == {}
+
+
+async def test_batch_with_many_keys(storage: Storage) -> None:
+    keys: list[Key] = [("acme", f"f{i}", "2026-11") for i in range(300)]
+    out = await storage.apply("n1", [Delta(k, 1, i) for i, k in enumerate(keys)])
+    assert set(out) == set(keys)
+    for i, k in enumerate(keys):
+        assert out[k] == Applied(Snapshot(i, {"n1": 1}))
+    # A second batch mixing duplicates and new sequences.
+    mixed = [Delta(k, 1 if i % 2 else 2, 1) for i, k in enumerate(keys)]
+    out = await storage.apply("n1", mixed)
+    for i, k in enumerate(keys):
+        result = out[k]
+        assert isinstance(result, Applied)
+        assert result.duplicate == bool(i % 2)
+        assert result.snapshot.total == (i if i % 2 else i + 1)
+    listed = await storage.list_period("acme", "2026-11")
+    assert len(listed) == 300
+    assert sum(s.total for s in listed.values()) == sum(range(300)) + 150
+
+
+async def test_empty_batch(storage: Storage) -> None:
+    assert await storage.apply("n1", []) == {}
+
+
+@pytest.mark.parametrize(
+    ("tenant", "feature"),
+    [("a/b", "x:y"), (".", "."), ("a.b-c_d", "x:y:z"), ("a:b@c", "f.g-h_i"), ("a/b/c", "..")],
+)
+async def test_odd_names(storage: Storage, tenant: str, feature: str) -> None:
+    key: Key = (tenant, feature, "2026-11")
+    await _ok(storage, "node:1/a.b", key, 1, 4)
+    assert (await storage.load([key]))[key] == Snapshot(4, {"node:1/a.b": 1})
+    assert await storage.list_period(tenant, "2026-11") == {feature: Snapshot(4, {"node:1/a.b": 1})}
+
+
+async def test_outcomes_are_applied_or_storage_errors(storage: Storage) -> None:
+    out = await storage.apply("n1", [Delta(K, 1, 1)])
+    assert all(isinstance(v, Applied | StorageError) for v in out.values())
+
+
+async def test_sqlite_reopen_after_close_keeps_data(tmp_path: Path) -> None:
+    """Persistence is a property of the durable backends only (not ``memory``)."""
+    path = tmp_path / "nested" / "dir" / "meter.db"
+    first = SQLiteStorage(path)
+    await first.open()
+    await _ok(first, "n1", K, 1, 10**30)
+    await _ok(first, "n2", K, 4, -1)
+    await first.close()
+
+    second = SQLiteStorage(path)
+    await second.open()
+    try:
+        assert (await second.load([K]))[K] == Snapshot(10**30 - 1, {"n1": 1, "n2": 4})
+        assert (await _ok(second, "n1", K, 1, 10**30)).duplicate
+    finally:
+        await second.close()
