@@ -1,0 +1,199 @@
+"""The ``meter`` command: run a node, talk to one, prepare storage.
+
+Exit codes: 0 success, 1 a failed operation (node unreachable, error answer, drain incomplete),
+2 bad usage or configuration (one line naming the setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from meter import __version__
+from meter.config import NodeConfig, load
+from meter.errors import ConfigError, MeterError
+
+# Flags shared by every subcommand that reads the configuration: dest is the setting name.
+_NODE_FLAGS: list[tuple[str, str]] = [
+    ("--data-dir", "data directory (METER_DATA_DIR, default ./.meter)"),
+    ("--storage", "sqlite (default), memory or dynamodb (METER_STORAGE)"),
+    ("--node-id", "stable node id (METER_NODE_ID; default generated once, kept in data dir)"),
+    ("--flush-interval-ms", "flush period (METER_FLUSH_INTERVAL_MS, default 1000)"),
+    ("--gossip-interval-ms", "gossip period (METER_GOSSIP_INTERVAL_MS, default 100)"),
+    ("--redis-url", "Redis for gossip (METER_REDIS_URL; unset: run alone)"),
+    ("--dynamodb-table", "DynamoDB table (METER_DYNAMODB_TABLE, default meter_counters)"),
+    ("--dynamodb-endpoint", "DynamoDB endpoint URL (METER_DYNAMODB_ENDPOINT)"),
+    ("--socket-group", "make the socket 0660 for this group (METER_SOCKET_GROUP)"),
+    ("--log-level", "DEBUG, INFO, WARNING or ERROR (METER_LOG_LEVEL, default INFO)"),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meter", description="An in-memory usage-counter node.")
+    p.add_argument("--version", action="version", version=f"meter {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--config", help="TOML file of settings (METER_CONFIG)")
+        sp.add_argument("--socket", help="Unix socket path (METER_SOCKET, default ./meter.sock)")
+
+    serve = sub.add_parser("serve", help="run a node until SIGTERM")
+    common(serve)
+    for flag, text in _NODE_FLAGS:
+        serve.add_argument(flag, help=text)
+
+    track = sub.add_parser("track", help="count units")
+    common(track)
+    track.add_argument("tenant")
+    track.add_argument("feature")
+    track.add_argument("qty", nargs="?", type=int, default=1)
+    track.add_argument("--at", type=float, help="epoch seconds choosing the period")
+
+    usage = sub.add_parser("usage", help="read a counter, or every counter of a tenant")
+    common(usage)
+    usage.add_argument("tenant")
+    usage.add_argument("feature", nargs="?")
+    usage.add_argument("--at", type=float, help="epoch seconds choosing the period")
+
+    status = sub.add_parser("status", help="show a node's state")
+    common(status)
+    status.add_argument("--json", action="store_true", help="print the raw status map")
+
+    storage = sub.add_parser("storage", help="storage administration")
+    ssub = storage.add_subparsers(dest="storage_command", required=True, metavar="ACTION")
+    init = ssub.add_parser("init", help="create the backend's schema (idempotent)")
+    common(init)
+    for flag, text in _NODE_FLAGS:
+        init.add_argument(flag, help=text)
+    return p
+
+
+def _config(args: argparse.Namespace) -> NodeConfig:
+    flags: dict[str, Any] = {"socket": args.socket}
+    for flag, _ in _NODE_FLAGS:
+        dest = flag[2:].replace("-", "_")
+        if hasattr(args, dest):
+            flags[dest] = getattr(args, dest)
+    return load(file=args.config, flags=flags)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``meter`` console script."""
+    args = _parser().parse_args(argv)
+    try:
+        cfg = _config(args)
+    except ConfigError as exc:
+        print(f"meter: configuration error: {exc.message}", file=sys.stderr)
+        return 2
+    try:
+        if args.command == "serve":
+            return _serve(cfg)
+        if args.command == "storage":
+            return _run(_storage_init(cfg))
+        return _client_command(args, cfg)
+    except ConfigError as exc:
+        print(f"meter: configuration error: {exc.message}", file=sys.stderr)
+        return 2
+    except MeterError as exc:
+        print(f"meter: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(coro: Any) -> Any:
+    import uvloop
+
+    return uvloop.run(coro)
+
+
+def _serve(cfg: NodeConfig) -> int:
+    logging.basicConfig(
+        level=cfg.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from meter.node import Node
+
+    async def go() -> int:
+        node = Node(cfg)
+        await node.start()
+        return await node.run()
+
+    code: int = _run(go())
+    return code
+
+
+async def _storage_init(cfg: NodeConfig) -> int:
+    from meter.node import build_storage
+    from storage.base import StorageError
+
+    storage = build_storage(cfg)
+    try:
+        await storage.open()
+        report = await storage.init_schema()
+    except StorageError as exc:
+        print(f"meter: storage init failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await storage.close()
+    print(report)
+    return 0
+
+
+def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
+    from meter.client import Client
+
+    opts: dict[str, Any] = {}
+    if getattr(args, "at", None) is not None:
+        opts["at"] = args.at
+    with Client.connect(str(cfg.server.socket)) as client:
+        if args.command == "track":
+            value = client.track(args.tenant, args.feature, args.qty, **opts)
+            print("counted (total not known yet: storage unreachable)" if value is None else value)
+        elif args.command == "usage":
+            if args.feature is None:
+                for feature, v in sorted(client.usage_all(args.tenant, **opts).items()):
+                    print(f"{feature}\t{v}")
+            else:
+                print(client.usage(args.tenant, args.feature, **opts))
+        elif args.command == "status":
+            status = client.status()
+            print(json.dumps(status, indent=2, sort_keys=True) if args.json else _fmt(status))
+    return 0
+
+
+def _fmt(s: dict[str, Any]) -> str:
+    """A one-screen summary of ``status`` for operators."""
+    keys = s.get("keys", {})
+    flush = s.get("flush", {})
+    server = s.get("server", {})
+    res = s.get("reservations", {})
+    lines = [
+        f"node        {s.get('node_id')}  (meter {s.get('version')}, up {s.get('uptime_s')} s)",
+        f"storage     {s.get('storage')}   socket {s.get('socket')}   data {s.get('data_dir')}",
+        f"keys        warm {keys.get('warm')}  dirty {keys.get('dirty')}  "
+        f"unseeded {keys.get('unseeded')}  in flight {keys.get('inflight')}",
+        f"flush       last {flush.get('last_result')} {flush.get('last_age_s')} s ago, "
+        f"every {flush.get('interval_ms')} ms, {flush.get('keys_written')} keys written, "
+        f"{flush.get('failures')} failures",
+        f"backlog     {flush.get('backlog_keys')} keys, {flush.get('backlog_units')} units, "
+        f"age {flush.get('backlog_age_s')} s",
+        f"reservations open {res.get('open')}  expired {res.get('expired_total')}",
+        f"server      {server}",
+    ]
+    if flush.get("last_error"):
+        lines.append(f"last error  {flush['last_error']}")
+    for p in flush.get("poisoned") or []:
+        lines.append(f"PARKED      {'/'.join(map(str, p['key']))}: {p['error']}")
+    if "cluster" in s:
+        lines.append(f"cluster     {s['cluster']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""Configuration: one dataclass per subsystem, from defaults, a TOML file, ``METER_*`` environment
+variables and command-line flags, in that order of precedence (later wins).
+
+Every setting has one name used everywhere: the TOML key ``flush_interval_ms`` is the variable
+``METER_FLUSH_INTERVAL_MS`` and the flag ``--flush-interval-ms``. A bad value raises
+:class:`~meter.errors.ConfigError` naming the setting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meter.errors import ConfigError
+from meter.keys import FEATURE_RE, PeriodKind
+
+STORAGE_KINDS = ("sqlite", "memory", "dynamodb")
+NODE_ID_RE = re.compile(r"[A-Za-z0-9_\-]{1,64}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The Unix socket the node listens on."""
+
+    socket: Path = Path("./meter.sock")
+    #: When set, the socket is group-accessible (0660) and owned by this group.
+    socket_group: str | None = None
+    #: Largest request frame accepted, in bytes; a larger one closes the connection.
+    max_frame_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StorageConfig:
+    """Where counters are flushed to and seeded from."""
+
+    kind: str = "sqlite"
+    #: SQLite file (inside the data dir unless absolute).
+    sqlite_file: str = "counters.sqlite3"
+    dynamodb_table: str = "meter_counters"
+    dynamodb_endpoint: str | None = None
+    dynamodb_region: str | None = None
+    dynamodb_concurrency: int = 64
+    dynamodb_max_pool_connections: int = 64
+    dynamodb_connect_timeout_s: float = 2.0
+    dynamodb_read_timeout_s: float = 5.0
+    #: How long stored counters live after their period ends (the TTL attribute).
+    retention_days: int = 400
+
+
+@dataclass(frozen=True, slots=True)
+class CounterConfig:
+    """Counter periods and reservations."""
+
+    #: Feature -> period kind; features not listed count per UTC calendar month.
+    feature_periods: Mapping[str, PeriodKind] = field(default_factory=dict)
+    #: Lease of a reservation when the caller gives no ``ttl_ms``.
+    reservation_ttl_ms: int = 30_000
+    #: Longest lease a caller may ask for.
+    max_reservation_ttl_ms: int = 24 * 3600 * 1000
+    #: A warm key unused for this long (and with nothing pending) is dropped from memory.
+    evict_after_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class FlushConfig:
+    """The flusher."""
+
+    interval_ms: int = 1000
+    #: Keys per storage batch (one SQLite transaction; bounded concurrent writes for DynamoDB).
+    batch_keys: int = 10_000
+    #: Backoff after a failed flush: doubles from ``interval_ms`` up to this.
+    max_backoff_ms: int = 30_000
+    #: How long a draining node keeps trying to flush before it gives up and exits 1.
+    drain_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Gossip to peers (off when ``redis_url`` is unset)."""
+
+    redis_url: str | None = None
+    gossip_interval_ms: int = 100
+    cluster_name: str = "meter"
+    secret: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Everything a node needs, one object per subsystem."""
+
+    data_dir: Path = Path("./.meter")
+    #: Stable id of this node; generated once and kept in the data dir when not given.
+    node_id: str | None = None
+    log_level: str = "INFO"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    counters: CounterConfig = field(default_factory=CounterConfig)
+    flush: FlushConfig = field(default_factory=FlushConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+def _str(setting: str, raw: Any) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise ConfigError(setting, f"must be a non-empty string, got {raw!r}")
+    return raw
+
+
+def _opt_str(setting: str, raw: Any) -> str | None:
+    if raw is None or raw == "":
+        return None
+    return _str(setting, raw)
+
+
+def _path(setting: str, raw: Any) -> Path:
+    return Path(_str(setting, raw))
+
+
+def _int(lo: int, hi: int) -> Any:
+    def parse(setting: str, raw: Any) -> int:
+        if isinstance(raw, str):
+            try:
+                raw = int(raw.strip())
+            except ValueError:
+                raise ConfigError(setting, f"must be an integer, got {raw!r}") from None
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise ConfigError(setting, f"must be an integer, got {raw!r}")
+        if not lo <= raw <= hi:
+            raise ConfigError(setting, f"must be between {lo} and {hi}, got {raw}")
+        return raw
+
+    return parse
+
+
+def _float(lo: float, hi: float) -> Any:
+    def parse(setting: str, raw: Any) -> float:
+        if isinstance(raw, str):
+            try:
+                raw = float(raw.strip())
+            except ValueError:
+                raise ConfigError(setting, f"must be a number, got {raw!r}") from None
+        if isinstance(raw, bool) or not isinstance(raw, int | float) or raw != raw:
+            raise ConfigError(setting, f"must be a number, got {raw!r}")
+        if not lo <= raw <= hi:
+            raise ConfigError(setting, f"must be between {lo} and {hi}, got {raw}")
+        return float(raw)
+
+    return parse
+
+
+def _storage_kind(setting: str, raw: Any) -> str:
+    kind = _str(setting, raw).lower()
+    if kind not in STORAGE_KINDS:
+        raise ConfigError(setting, f"must be one of {', '.join(STORAGE_KINDS)}, got {raw!r}")
+    return kind
+
+
+def _node_id(setting: str, raw: Any) -> str | None:
+    value = _opt_str(setting, raw)
+    if value is not None and NODE_ID_RE.fullmatch(value) is None:
+        raise ConfigError(setting, f"must be 1-64 of [A-Za-z0-9_-], got {raw!r}")
+    return value
+
+
+def _log_level(setting: str, raw: Any) -> str:
+    level = _str(setting, raw).upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(setting, f"must be DEBUG, INFO, WARNING or ERROR, got {raw!r}")
+    return level
+
+
+def _url(schemes: tuple[str, ...]) -> Any:
+    def parse(setting: str, raw: Any) -> str | None:
+        value = _opt_str(setting, raw)
+        if value is not None and not value.startswith(schemes):
+            raise ConfigError(setting, f"must start with {' or '.join(schemes)}, got {raw!r}")
+        return value
+
+    return parse
+
+
+def _feature_periods(setting: str, raw: Any) -> dict[str, PeriodKind]:
+    """``{"api_calls": "day"}`` in TOML, or ``api_calls=day,seats=month`` in env/flags."""
+    if isinstance(raw, str):
+        pairs: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in raw.split(","))):
+            name, sep, kind = part.partition("=")
+            if not sep:
+                raise ConfigError(setting, f"expected feature=month|day, got {part!r}")
+            pairs[name.strip()] = kind.strip()
+        raw = pairs
+    if not isinstance(raw, dict):
+        raise ConfigError(setting, "must be a table of feature = 'month' | 'day'")
+    out: dict[str, PeriodKind] = {}
+    for name, kind in raw.items():
+        if not isinstance(name, str) or FEATURE_RE.fullmatch(name) is None:
+            raise ConfigError(setting, f"bad feature name {name!r}")
+        if kind not in ("month", "day"):
+            raise ConfigError(setting, f"period of {name!r} must be 'month' or 'day', got {kind!r}")
+        out[name] = kind
+    return out
+
+
+# setting name -> (subsystem, or "" for the top level; field name; parser)
+_SETTINGS: dict[str, tuple[str, str, Any]] = {
+    "data_dir": ("", "data_dir", _path),
+    "node_id": ("", "node_id", _node_id),
+    "log_level": ("", "log_level", _log_level),
+    "socket": ("server", "socket", _path),
+    "socket_group": ("server", "socket_group", _opt_str),
+    "max_frame_bytes": ("server", "max_frame_bytes", _int(1024, 64 << 20)),
+    "storage": ("storage", "kind", _storage_kind),
+    "sqlite_file": ("storage", "sqlite_file", _str),
+    "dynamodb_table": ("storage", "dynamodb_table", _str),
+    "dynamodb_endpoint": ("storage", "dynamodb_endpoint", _url(("http://", "https://"))),
+    "dynamodb_region": ("storage", "dynamodb_region", _opt_str),
+    "dynamodb_concurrency": ("storage", "dynamodb_concurrency", _int(1, 1024)),
+    "dynamodb_max_pool_connections": ("storage", "dynamodb_max_pool_connections", _int(1, 1024)),
+    "dynamodb_connect_timeout_s": ("storage", "dynamodb_connect_timeout_s", _float(0.05, 120)),
+    "dynamodb_read_timeout_s": ("storage", "dynamodb_read_timeout_s", _float(0.05, 600)),
+    "retention_days": ("storage", "retention_days", _int(1, 36500)),
+    "feature_periods": ("counters", "feature_periods", _feature_periods),
+    "reservation_ttl_ms": ("counters", "reservation_ttl_ms", _int(1, 24 * 3600 * 1000)),
+    "evict_after_s": ("counters", "evict_after_s", _float(1, 10**7)),
+    "flush_interval_ms": ("flush", "interval_ms", _int(1, 3_600_000)),
+    "flush_batch_keys": ("flush", "batch_keys", _int(1, 1_000_000)),
+    "flush_max_backoff_ms": ("flush", "max_backoff_ms", _int(1, 3_600_000)),
+    "drain_timeout_s": ("flush", "drain_timeout_s", _float(0, 3600)),
+    "redis_url": ("cluster", "redis_url", _url(("redis://", "rediss://", "unix://"))),
+    "gossip_interval_ms": ("cluster", "gossip_interval_ms", _int(1, 60_000)),
+    "cluster_name": ("cluster", "cluster_name", _str),
+    "cluster_secret": ("cluster", "secret", _opt_str),
+}
+
+#: Every setting name (TOML key; ``METER_`` + upper case is its environment variable).
+SETTING_NAMES = tuple(_SETTINGS)
+
+
+def env_name(setting: str) -> str:
+    """The environment variable of a setting (``flush_interval_ms`` -> ``METER_FLUSH_...``)."""
+    return "METER_" + setting.upper()
+
+
+def load(
+    *,
+    file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> NodeConfig:
+    """Build a :class:`NodeConfig` from a TOML file, the environment and flags (later wins).
+
+    ``file`` defaults to ``$METER_CONFIG`` when set. Unknown TOML keys and unknown ``METER_*``
+    variables are errors, so a typo never silently falls back to a default.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    file = file or env.get("METER_CONFIG") or None
+    if file is not None:
+        values.update(_read_toml(Path(file)))
+    known_env = {env_name(s): s for s in _SETTINGS} | {"METER_CONFIG": ""}
+    for name, raw in env.items():
+        if not name.startswith("METER_"):
+            continue
+        setting = known_env.get(name)
+        if setting is None:
+            raise ConfigError(name, "unknown setting (see docs/configuration.md)")
+        if setting:
+            values[setting] = raw
+    for setting, raw in (flags or {}).items():
+        if raw is not None:
+            values[setting] = raw
+    return _build(values)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError("config", f"file {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc}") from None
+    for key in data:
+        if key not in _SETTINGS:
+            raise ConfigError(key, f"unknown setting in {path}")
+    return data
+
+
+def _build(values: Mapping[str, Any]) -> NodeConfig:
+    parts: dict[str, dict[str, Any]] = {
+        "": {},
+        "server": {},
+        "storage": {},
+        "counters": {},
+        "flush": {},
+        "cluster": {},
+    }
+    for setting, raw in values.items():
+        if setting not in _SETTINGS:
+            raise ConfigError(setting, "unknown setting")
+        group, name, parse = _SETTINGS[setting]
+        parts[group][name] = parse(setting, raw)
+    cfg = NodeConfig(
+        **parts[""],
+        server=ServerConfig(**parts["server"]),
+        storage=StorageConfig(**parts["storage"]),
+        counters=CounterConfig(**parts["counters"]),
+        flush=FlushConfig(**parts["flush"]),
+        cluster=ClusterConfig(**parts["cluster"]),
+    )
+    if len(str(cfg.server.socket).encode()) > 100:
+        raise ConfigError("socket", "path longer than 100 bytes (the AF_UNIX limit is 107)")
+    return cfg

@@ -1,0 +1,201 @@
+"""The flusher: a thin loop that writes each dirty key's delta and re-bases it on the answer.
+
+Exactly once: a delta taken for flushing stays in flight in the table, under its sequence,
+until the store answers for that key. A failed or unknown outcome leaves it there, and the next
+round sends the same ``(key, seq, delta)`` again; the store refuses a sequence it already
+applied and answers with the item, so a retry of a write that did land counts nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from meter.keys import Key
+from meter.table import CounterTable
+from storage.base import Applied, Delta, Storage, StorageError
+
+log = logging.getLogger("meter.flusher")
+
+#: Called after every successful write with the keys and snapshots just stored (gossip hook).
+OnFlushed = Callable[[list[tuple[Key, Applied]]], Awaitable[None] | None]
+
+
+@dataclass
+class FlushStats:
+    """What ``status`` shows about flushing."""
+
+    rounds: int = 0
+    keys_written: int = 0
+    duplicates: int = 0
+    failures: int = 0
+    last_at: float | None = None
+    last_result: str = "never"
+    last_error: str | None = None
+    #: Wall-clock time since which some delta has been waiting because writes failed.
+    backlog_since: float | None = None
+    #: Keys whose write failed permanently (parked, never retried): key -> error.
+    poisoned: dict[Key, str] = field(default_factory=dict)
+
+
+class Flusher:
+    """Writes dirty keys every ``interval`` seconds, with backoff while writes fail."""
+
+    def __init__(
+        self,
+        table: CounterTable,
+        storage: Storage,
+        *,
+        interval: float = 1.0,
+        batch_keys: int = 10_000,
+        max_backoff: float = 30.0,
+        on_flushed: OnFlushed | None = None,
+    ) -> None:
+        self.table = table
+        self.storage = storage
+        self.interval = interval
+        self.batch_keys = batch_keys
+        self.max_backoff = max_backoff
+        self.on_flushed = on_flushed
+        self.stats = FlushStats()
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._failures_in_row = 0
+
+    async def run(self) -> None:
+        """Flush forever (until cancelled)."""
+        while True:
+            delay = self._next_delay()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+            self._wake.clear()
+            try:
+                await self.flush_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not stop flushing for good
+                log.exception("flush round failed unexpectedly")
+                self._failures_in_row += 1
+
+    def wake(self) -> None:
+        """Start the next round now instead of at the next interval."""
+        self._wake.set()
+
+    def _next_delay(self) -> float:
+        if self._failures_in_row == 0:
+            return self.interval
+        backoff = min(self.max_backoff, self.interval * 2 ** min(self._failures_in_row, 20))
+        return random.uniform(self.interval, max(self.interval, backoff))
+
+    async def flush_once(self) -> bool:
+        """One round: seed unseeded keys, write every dirty key. True if nothing failed."""
+        async with self._lock:
+            ok = await self._seed_unseeded()
+            keys = [k for k in self.table.dirty_keys() if k not in self.stats.poisoned]
+            for start in range(0, len(keys), self.batch_keys):
+                ok = await self._write(keys[start : start + self.batch_keys]) and ok
+            self._finish_round(ok)
+            return ok
+
+    async def drain(self, timeout: float) -> bool:
+        """Flush until nothing is left to write or ``timeout`` passes; True if all written."""
+        deadline = time.monotonic() + timeout
+        while True:
+            await self.flush_once()
+            if not self.backlog_keys():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def backlog_keys(self) -> list[Key]:
+        """Keys still holding units the store does not have (poisoned keys excluded)."""
+        return [k for k in self.table.dirty_keys() if k not in self.stats.poisoned] + [
+            k for k in self.table.unseeded_keys() if self.table.pending(k)
+        ]
+
+    async def _seed_unseeded(self) -> bool:
+        keys = self.table.unseeded_keys()
+        if not keys:
+            return True
+        try:
+            snaps = await self.storage.load(keys)
+        except StorageError as exc:
+            self._note_error(f"seeding {len(keys)} keys: {exc}")
+            return False
+        for key, snap in snaps.items():
+            self.table.seed(key, snap)
+        return True
+
+    async def _write(self, keys: list[Key]) -> bool:
+        deltas: list[Delta] = []
+        for key in keys:
+            taken = self.table.take_flush(key)
+            if taken is not None:
+                deltas.append(Delta(key, taken[0], taken[1]))
+        if not deltas:
+            return True
+        node = self.table.node
+        try:
+            results = await self.storage.apply(node, deltas)
+        except StorageError as exc:
+            # The batch's fate is unknown: every delta stays in flight for a retry.
+            for d in deltas:
+                self.table.flush_failed(d.key)
+            self._note_error(f"writing {len(deltas)} keys: {exc}")
+            return False
+        ok = True
+        written: list[tuple[Key, Applied]] = []
+        for d in deltas:
+            outcome = results.get(d.key)
+            if isinstance(outcome, Applied):
+                self.table.rebase(d.key, outcome.snapshot, "flush")
+                written.append((d.key, outcome))
+                self.stats.keys_written += 1
+                if outcome.duplicate:
+                    self.stats.duplicates += 1
+                continue
+            ok = False
+            self.table.flush_failed(d.key)
+            if outcome is None:
+                self._note_error(f"{_fmt(d.key)}: the store returned no outcome")
+            elif not outcome.retryable:
+                msg = f"{_fmt(d.key)} seq {d.seq}: {outcome}"
+                self.stats.poisoned[d.key] = str(outcome)
+                log.error("permanent write failure, delta parked (not retried): %s", msg)
+                self._note_error(msg)
+            else:
+                self._note_error(f"{_fmt(d.key)}: {outcome}")
+        if written and self.on_flushed is not None:
+            maybe = self.on_flushed(written)
+            if maybe is not None:
+                await maybe
+        return ok
+
+    def _note_error(self, message: str) -> None:
+        self.stats.failures += 1
+        self.stats.last_error = message
+        if self.stats.backlog_since is None:
+            self.stats.backlog_since = time.time()
+        log.warning("flush: %s", message)
+
+    def _finish_round(self, ok: bool) -> None:
+        self.stats.rounds += 1
+        self.stats.last_at = time.time()
+        if ok:
+            self._failures_in_row = 0
+            self.stats.last_result = "ok"
+            if not self.backlog_keys():
+                self.stats.backlog_since = None
+        else:
+            self._failures_in_row += 1
+            self.stats.last_result = "error"
+
+
+def _fmt(key: Key) -> str:
+    return f"{key[0]}/{key[1]}@{key[2]}"

@@ -1,0 +1,267 @@
+"""A node's lifecycle: data dir and id, storage, table, server, background loops, drain.
+
+``Node.run()`` serves until SIGTERM or SIGINT, then drains: it stops accepting connections,
+answers what is in flight, flushes every pending unit, closes the socket and returns 0 (or 1
+if storage could not take everything within the drain timeout; the log says how much).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import signal
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from meter.config import NodeConfig
+from meter.errors import ConfigError, Unavailable
+from meter.flusher import Flusher
+from meter.server import RpcServer, start_server
+from meter.service import Service
+from meter.table import CounterTable
+from storage.base import Storage, StorageError
+
+log = logging.getLogger("meter.node")
+
+
+def build_storage(cfg: NodeConfig) -> Storage:
+    """The storage backend the configuration names (not opened yet)."""
+    s = cfg.storage
+    if s.kind == "memory":
+        from storage.memory import MemoryStorage
+
+        return MemoryStorage()
+    if s.kind == "sqlite":
+        from storage.sqlite import SQLiteStorage
+
+        return SQLiteStorage(cfg.data_dir / s.sqlite_file, retention_days=s.retention_days)
+    if s.kind == "dynamodb":
+        from storage.dynamodb import DynamoDBStorage
+
+        return DynamoDBStorage(
+            s.dynamodb_table,
+            endpoint_url=s.dynamodb_endpoint,
+            region=s.dynamodb_region,
+            max_pool_connections=s.dynamodb_max_pool_connections,
+            connect_timeout=s.dynamodb_connect_timeout_s,
+            read_timeout=s.dynamodb_read_timeout_s,
+            concurrency=s.dynamodb_concurrency,
+            retention_days=s.retention_days,
+        )
+    raise ConfigError("storage", f"unknown storage kind {s.kind!r}")
+
+
+class DataDir:
+    """The node's data dir: holds its id and a lock so two nodes never share it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock_file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        """Create the dir and take its lock; :class:`ConfigError` if another node holds it."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fh = (self.path / "lock").open("a+")
+        except OSError as exc:
+            raise ConfigError("data_dir", f"cannot use {self.path}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.seek(0)
+            owner = fh.read().strip() or "?"
+            fh.close()
+            raise ConfigError(
+                "data_dir", f"{self.path} is in use by another node (pid {owner})"
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        self._lock_file = fh
+
+    def release(self) -> None:
+        """Drop the lock."""
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    def node_id(self, configured: str | None) -> str:
+        """The configured id, else the one kept in the dir, else a new one (then kept)."""
+        if configured:
+            return configured
+        file = self.path / "node_id"
+        try:
+            existing = file.read_text().strip()
+        except FileNotFoundError:
+            existing = ""
+        if existing:
+            return existing
+        new = "n" + secrets.token_hex(6)
+        tmp = file.with_suffix(".tmp")
+        tmp.write_text(new + "\n")
+        os.replace(tmp, file)
+        return new
+
+
+class Node:
+    """One running node. ``start()`` then ``run()``, or ``async with Node(cfg)`` in tests."""
+
+    def __init__(self, config: NodeConfig, *, storage: Storage | None = None) -> None:
+        self.config = config
+        self.data_dir = DataDir(config.data_dir)
+        self.storage = storage
+        self.table: CounterTable | None = None
+        self.service: Service | None = None
+        self.flusher: Flusher | None = None
+        self.server: RpcServer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
+        self.drained: bool | None = None
+
+    async def start(self) -> None:
+        """Take the data dir, open storage, start the loops and the socket server."""
+        cfg = self.config
+        self.data_dir.acquire()
+        try:
+            node_id = self.data_dir.node_id(cfg.node_id)
+            if self.storage is None:
+                self.storage = build_storage(cfg)
+            try:
+                await self.storage.open()
+            except StorageError as exc:
+                raise Unavailable(f"cannot open {self.storage.kind} storage: {exc}") from None
+            self.table = CounterTable(node_id)
+            self.flusher = Flusher(
+                self.table,
+                self.storage,
+                interval=cfg.flush.interval_ms / 1000,
+                batch_keys=cfg.flush.batch_keys,
+                max_backoff=cfg.flush.max_backoff_ms / 1000,
+            )
+            self.service = Service(
+                self.table, self.storage, cfg.counters, status_extra=self._status_extra
+            )
+            self.server = await start_server(
+                cfg.server.socket,
+                self.service,
+                group=cfg.server.socket_group,
+                max_frame=cfg.server.max_frame_bytes,
+            )
+        except BaseException:
+            self.data_dir.release()
+            raise
+        self._tasks = [
+            asyncio.create_task(self.flusher.run(), name="flusher"),
+            asyncio.create_task(self._expire_loop(), name="reservation-expiry"),
+            asyncio.create_task(self._evict_loop(), name="eviction"),
+        ]
+        log.info(
+            "node %s serving on %s (storage %s, data dir %s)",
+            node_id,
+            cfg.server.socket,
+            self.storage.kind,
+            cfg.data_dir,
+        )
+
+    def request_stop(self) -> None:
+        """Ask ``run()`` to drain and return (what SIGTERM does)."""
+        self._stop.set()
+
+    async def run(self) -> int:
+        """Serve until asked to stop (SIGTERM/SIGINT), drain, and return the exit code."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self._stop.wait()
+            log.info("stop requested: draining")
+            return await self.stop()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    async def stop(self) -> int:
+        """Drain: stop accepting, finish requests, flush everything, close. Returns 0 or 1."""
+        assert self.server is not None and self.flusher is not None and self.storage is not None
+        self.server.stop_accepting()
+        await self.server.close(drain_timeout=5.0)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        self.drained = await self.flusher.drain(self.config.flush.drain_timeout_s)
+        if not self.drained:
+            left = self.flusher.backlog_keys()
+            units = sum(self.table.pending(k) for k in left) if self.table else 0
+            log.error(
+                "drain timed out: %d keys (%d units) not stored: %s",
+                len(left),
+                units,
+                self.flusher.stats.last_error,
+            )
+        await self.storage.close()
+        self.data_dir.release()
+        log.info("node stopped (%s)", "drained" if self.drained else "NOT drained")
+        return 0 if self.drained else 1
+
+    async def __aenter__(self) -> Node:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.server is not None and self._tasks:
+            await self.stop()
+
+    async def _expire_loop(self) -> None:
+        assert self.service is not None
+        while True:
+            await asyncio.sleep(0.05)
+            self.service.expire_reservations()
+
+    async def _evict_loop(self) -> None:
+        assert self.table is not None
+        while True:
+            await asyncio.sleep(self.config.counters.evict_after_s)
+            dropped = self.table.evict_idle()
+            if dropped:
+                log.debug("evicted %d idle keys", dropped)
+
+    def _status_extra(self) -> dict[str, Any]:
+        assert self.flusher is not None and self.table is not None
+        fs = self.flusher.stats
+        backlog = self.flusher.backlog_keys()
+        now = time.time()
+        out: dict[str, Any] = {
+            "socket": str(self.config.server.socket),
+            "data_dir": str(self.config.data_dir),
+            "flush": {
+                "interval_ms": self.config.flush.interval_ms,
+                "last_result": fs.last_result,
+                "last_at": fs.last_at,
+                "last_age_s": None if fs.last_at is None else round(now - fs.last_at, 3),
+                "last_error": fs.last_error,
+                "rounds": fs.rounds,
+                "keys_written": fs.keys_written,
+                "duplicates": fs.duplicates,
+                "failures": fs.failures,
+                "backlog_keys": len(backlog),
+                "backlog_units": sum(self.table.pending(k) for k in backlog),
+                "backlog_age_s": None
+                if fs.backlog_since is None
+                else round(now - fs.backlog_since, 3),
+                "poisoned": [
+                    {"key": list(k), "error": e} for k, e in list(fs.poisoned.items())[:20]
+                ],
+            },
+        }
+        if self.server is not None:
+            out["server"] = self.server.stats()
+        return out
