@@ -1,0 +1,105 @@
+"""Configuration: defaults, TOML, environment and flags, and one clear error per bad setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meter.config import SETTING_NAMES, env_name, load
+from meter.errors import ConfigError
+
+
+def test_defaults() -> None:
+    cfg = load(env={})
+    assert cfg.server.socket == Path("./meter.sock")
+    assert cfg.data_dir == Path("./.meter")
+    assert cfg.storage.kind == "sqlite"
+    assert cfg.node_id is None
+    assert cfg.flush.interval_ms == 1000
+    assert cfg.cluster.gossip_interval_ms == 100
+    assert cfg.cluster.redis_url is None
+
+
+def test_fixed_environment_names() -> None:
+    env = {
+        "METER_SOCKET": "/tmp/x.sock",
+        "METER_DATA_DIR": "/tmp/d",
+        "METER_STORAGE": "dynamodb",
+        "METER_NODE_ID": "node-1",
+        "METER_FLUSH_INTERVAL_MS": "250",
+        "METER_GOSSIP_INTERVAL_MS": "50",
+        "METER_REDIS_URL": "redis://127.0.0.1:7000/0",
+        "METER_DYNAMODB_TABLE": "t1",
+        "METER_DYNAMODB_ENDPOINT": "http://127.0.0.1:8000",
+    }
+    cfg = load(env=env)
+    assert cfg.server.socket == Path("/tmp/x.sock")
+    assert cfg.data_dir == Path("/tmp/d")
+    assert cfg.storage.kind == "dynamodb"
+    assert cfg.node_id == "node-1"
+    assert cfg.flush.interval_ms == 250
+    assert cfg.cluster.gossip_interval_ms == 50
+    assert cfg.cluster.redis_url == "redis://127.0.0.1:7000/0"
+    assert cfg.storage.dynamodb_table == "t1"
+    assert cfg.storage.dynamodb_endpoint == "http://127.0.0.1:8000"
+
+
+def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
+    file = tmp_path / "meter.toml"
+    file.write_text(
+        'flush_interval_ms = 10\nstorage = "memory"\nnode_id = "from-file"\n'
+        "[feature_periods]\napi = 'day'\n"
+    )
+    cfg = load(file=file, env={"METER_FLUSH_INTERVAL_MS": "20"}, flags={"node_id": "flag"})
+    assert cfg.flush.interval_ms == 20
+    assert cfg.storage.kind == "memory"
+    assert cfg.node_id == "flag"
+    assert cfg.counters.feature_periods == {"api": "day"}
+
+
+def test_config_file_from_environment(tmp_path: Path) -> None:
+    file = tmp_path / "m.toml"
+    file.write_text("flush_interval_ms = 7\n")
+    assert load(env={"METER_CONFIG": str(file)}).flush.interval_ms == 7
+
+
+@pytest.mark.parametrize(
+    ("env", "setting"),
+    [
+        ({"METER_FLUSH_INTERVAL_MS": "soon"}, "flush_interval_ms"),
+        ({"METER_FLUSH_INTERVAL_MS": "0"}, "flush_interval_ms"),
+        ({"METER_GOSSIP_INTERVAL_MS": "-5"}, "gossip_interval_ms"),
+        ({"METER_STORAGE": "postgres"}, "storage"),
+        ({"METER_NODE_ID": "has space"}, "node_id"),
+        ({"METER_REDIS_URL": "http://x"}, "redis_url"),
+        ({"METER_DYNAMODB_ENDPOINT": "localhost:8000"}, "dynamodb_endpoint"),
+        ({"METER_LOG_LEVEL": "LOUD"}, "log_level"),
+        ({"METER_FEATURE_PERIODS": "api=week"}, "feature_periods"),
+        ({"METER_FEATURE_PERIODS": "api"}, "feature_periods"),
+        ({"METER_SOCKET": "/tmp/" + "s" * 120}, "socket"),
+        ({"METER_FLUSH_INTERVALMS": "5"}, "METER_FLUSH_INTERVALMS"),
+    ],
+)
+def test_bad_settings_name_the_setting(env: dict[str, str], setting: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(env=env)
+    assert info.value.setting == setting
+    assert setting in info.value.message
+
+
+def test_bad_toml(tmp_path: Path) -> None:
+    file = tmp_path / "bad.toml"
+    file.write_text("flush_interval_ms = [\n")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load(file=file, env={})
+    file.write_text("no_such_setting = 1\n")
+    with pytest.raises(ConfigError, match="no_such_setting"):
+        load(file=file, env={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(file=tmp_path / "missing.toml", env={})
+
+
+def test_every_setting_has_an_environment_name() -> None:
+    for name in SETTING_NAMES:
+        assert env_name(name) == "METER_" + name.upper()

@@ -1,0 +1,136 @@
+"""The flusher against the in-memory store with injected failures: exactly once, nothing lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from meter.flusher import Flusher
+from meter.table import CounterTable
+from storage.base import Applied, Delta, Snapshot, StorageError, StoragePermanentError
+from storage.memory import MemoryStorage
+
+K1 = ("acme", "api", "2026-11")
+K2 = ("acme", "seats", "2026-11")
+
+
+def seeded(node: str = "n1", *keys: Any) -> CounterTable:
+    table = CounterTable(node)
+    for key in keys or (K1, K2):
+        table.seed(key, Snapshot(0, {}))
+    return table
+
+
+async def test_flush_writes_dirty_keys_and_rebases() -> None:
+    store = MemoryStorage()
+    table = seeded()
+    table.incr(K1, 3)
+    table.incr(K2, 4)
+    flusher = Flusher(table, store)
+    assert await flusher.flush_once()
+    assert store.items[K1] == Snapshot(3, {"n1": 1})
+    assert store.items[K2] == Snapshot(4, {"n1": 1})
+    assert table.dirty_keys() == [] or all(table.take_flush(k) is None for k in (K1, K2))
+    assert table.value(K1) == 3 and table.pending(K1) == 0
+    assert flusher.stats.keys_written == 2 and flusher.stats.last_result == "ok"
+
+
+async def test_failed_write_keeps_the_delta_and_retries_same_sequence() -> None:
+    store = MemoryStorage()
+    table = seeded()
+    table.incr(K1, 5)
+    flusher = Flusher(table, store)
+    store.fail_next = 1
+    assert not await flusher.flush_once()
+    assert K1 not in store.items
+    assert table.value(K1) == 5 and table.pending(K1) == 5
+    assert flusher.stats.backlog_since is not None
+    table.incr(K1, 1)  # lands while the first delta is in flight: goes under the next seq
+    assert await flusher.flush_once()
+    assert store.items[K1] == Snapshot(5, {"n1": 1})
+    assert await flusher.flush_once()
+    assert store.items[K1] == Snapshot(6, {"n1": 2})
+    assert flusher.stats.backlog_since is None
+
+
+async def test_lost_acknowledgement_is_not_counted_twice() -> None:
+    store = MemoryStorage()
+    table = seeded()
+    flusher = Flusher(table, store)
+    for i in range(20):
+        table.incr(K1, 2)
+        table.incr(K2, 1)
+        if i % 3 == 0:
+            store.lose_next_ack = 1
+        await flusher.flush_once()
+    assert await flusher.drain(5)
+    assert store.items[K1].total == 40
+    assert store.items[K2].total == 20
+    assert table.value(K1) == 40
+    assert flusher.stats.duplicates > 0, "the retries after lost acks were refused as applied"
+
+
+async def test_permanent_error_parks_the_key_and_others_still_flush() -> None:
+    class Refusing(MemoryStorage):
+        async def apply(self, node: str, deltas: Any) -> dict[Any, Applied | StorageError]:
+            good = [d for d in deltas if d.key != K1]
+            out: dict[Any, Applied | StorageError] = dict(await super().apply(node, good))
+            if len(good) != len(deltas):
+                out[K1] = StoragePermanentError("ValidationException: item too large")
+            return out
+
+    store = Refusing()
+    table = seeded()
+    table.incr(K1, 1)
+    table.incr(K2, 1)
+    flusher = Flusher(table, store)
+    assert not await flusher.flush_once()
+    assert store.items[K2].total == 1
+    assert K1 in flusher.stats.poisoned
+    assert "ValidationException" in (flusher.stats.last_error or "")
+    writes = store.writes
+    await flusher.flush_once()
+    assert store.writes == writes, "a parked key is not retried"
+    assert table.pending(K1) == 1, "and its units are kept, not dropped"
+
+
+async def test_unseeded_keys_are_seeded_before_flushing() -> None:
+    store = MemoryStorage()
+    await store.apply("n1", [Delta(K1, 4, 100)])
+    table = CounterTable("n1")
+    assert table.incr(K1, 2) is None
+    flusher = Flusher(table, store)
+    assert await flusher.flush_once()
+    assert store.items[K1] == Snapshot(102, {"n1": 5}), "continues after the stored sequence"
+    assert table.value(K1) == 102
+
+
+async def test_batches_are_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = MemoryStorage()
+    keys = [("t", f"f{i}", "2026-11") for i in range(25)]
+    table = seeded("n1", *keys)
+    for k in keys:
+        table.incr(k, 1)
+    sizes: list[int] = []
+    real = store.apply
+
+    async def spy(node: str, deltas: list[Delta]) -> Any:
+        sizes.append(len(deltas))
+        return await real(node, deltas)
+
+    monkeypatch.setattr(store, "apply", spy)
+    assert await Flusher(table, store, batch_keys=10).flush_once()
+    assert sorted(sizes) == [5, 10, 10]
+    assert sum(s.total for s in store.items.values()) == 25
+
+
+async def test_drain_gives_up_after_timeout_when_storage_is_down() -> None:
+    store = MemoryStorage()
+    table = seeded()
+    table.incr(K1, 1)
+    store.fail_next = 10**6
+    flusher = Flusher(table, store)
+    assert not await flusher.drain(0.3)
+    assert flusher.backlog_keys() == [K1]
+    assert table.pending(K1) == 1

@@ -1,0 +1,290 @@
+"""The node's methods, called directly (no socket): arguments, answers, every error code."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+import pytest
+
+from meter.config import CounterConfig
+from meter.errors import (
+    InvalidArgument,
+    LimitExceeded,
+    NotFound,
+    Unavailable,
+    UnknownMethod,
+)
+from meter.keys import MAX_FEATURE_BYTES, MAX_TENANT_BYTES, QTY_MAX, QTY_MIN, period_start
+from meter.service import MAX_BATCH_ITEMS, Service
+from meter.table import CounterTable
+from storage.base import Delta, Snapshot, StorageUnavailable
+from storage.memory import MemoryStorage
+
+
+class DownStorage(MemoryStorage):
+    """A store that can be switched off: every call raises StorageUnavailable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    async def load(self, keys: Any) -> Any:
+        if self.down:
+            raise StorageUnavailable("down")
+        return await super().load(keys)
+
+    async def list_period(self, tenant: str, period: str) -> Any:
+        if self.down:
+            raise StorageUnavailable("down")
+        return await super().list_period(tenant, period)
+
+
+async def call(svc: Service, method: str, *params: Any) -> Any:
+    result = svc.dispatch(method, list(params))
+    if inspect.isawaitable(result):
+        return await result
+    return result
+
+
+@pytest.fixture
+def store() -> DownStorage:
+    return DownStorage()
+
+
+@pytest.fixture
+def svc(store: DownStorage) -> Service:
+    return Service(CounterTable("n1"), store, CounterConfig(feature_periods={"daily": "day"}))
+
+
+async def test_track_counts_and_returns_new_value(svc: Service) -> None:
+    assert await call(svc, "track", "acme", "api") == 1
+    assert await call(svc, "track", "acme", "api", 5) == 6
+    assert await call(svc, "track", "acme", "api", -2, {}) == 4
+    assert await call(svc, "usage", "acme", "api") == 4
+
+
+async def test_cold_key_is_seeded_from_storage_once(svc: Service, store: DownStorage) -> None:
+    period = period_start("month")
+    await store.apply("old", [Delta(("acme", "api", period), 1, 100)])
+    first = svc.dispatch("track", ["acme", "api", 1])
+    assert inspect.isawaitable(first), "a cold key must be seeded first"
+    assert await first == 101
+    warm = svc.dispatch("track", ["acme", "api", 1])
+    assert warm == 102, "a warm key is answered synchronously"
+
+
+async def test_track_with_at_chooses_the_period(svc: Service) -> None:
+    jan = 1767225600  # 2026-01-01T00:00:00Z
+    assert await call(svc, "track", "acme", "api", 3, {"at": jan}) == 3
+    assert await call(svc, "usage", "acme", "api", {"at": jan + 86400 * 30}) == 3
+    assert await call(svc, "usage", "acme", "api", {"at": jan - 1}) == 0
+
+
+async def test_day_period_feature_rolls_over_daily(svc: Service) -> None:
+    day = 1767225600
+    await call(svc, "track", "acme", "daily", 2, {"at": day})
+    assert await call(svc, "usage", "acme", "daily", {"at": day + 3600}) == 2
+    assert await call(svc, "usage", "acme", "daily", {"at": day + 86400}) == 0
+
+
+async def test_usage_all(svc: Service, store: DownStorage) -> None:
+    period = period_start("month")
+    await store.apply("other", [Delta(("acme", "stored", period), 1, 7)])
+    await call(svc, "track", "acme", "api", 2)
+    await call(svc, "track", "acme", "daily", 4)
+    await call(svc, "track", "acme2", "api", 9)
+    assert await call(svc, "usage_all", "acme") == {"api": 2, "stored": 7, "daily": 4}
+    assert await call(svc, "usage_all", "nobody") == {}
+
+
+async def test_track_many_counts_good_items_and_reports_bad_ones(svc: Service) -> None:
+    out = await call(
+        svc,
+        "track_many",
+        [["acme", "api", 2], ["acme", "", 1], ["acme", "api", "x"], ["acme", "api", 3], 7],
+    )
+    assert out[0] == 2 and out[3] == 5
+    assert out[1]["code"] == out[2]["code"] == out[4]["code"] == "invalid_argument"
+    assert await call(svc, "usage", "acme", "api") == 5
+
+
+async def test_track_many_limits(svc: Service) -> None:
+    with pytest.raises(InvalidArgument):
+        await call(svc, "track_many", "not a list")
+    with pytest.raises(InvalidArgument):
+        await call(svc, "track_many", [["a", "b", 1]] * (MAX_BATCH_ITEMS + 1))
+    assert await call(svc, "track_many", []) == []
+
+
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [
+        ("track", []),
+        ("track", ["acme"]),
+        ("track", ["acme", "api", 1, {}, "extra"]),
+        ("track", ["", "api"]),
+        ("track", ["acme", ""]),
+        ("track", [1, "api"]),
+        ("track", ["acme", None]),
+        ("track", ["a" * (MAX_TENANT_BYTES + 1), "api"]),
+        ("track", ["acme", "f" * (MAX_FEATURE_BYTES + 1)]),
+        ("track", ["ac me", "api"]),
+        ("track", ["acme", "a/b"]),
+        ("track", ["acme", "api\x00"]),
+        ("track", ["é", "api"]),
+        ("track", [b"\xff\xfe", "api"]),
+        ("track", ["acme", "api", 1.5]),
+        ("track", ["acme", "api", True]),
+        ("track", ["acme", "api", "1"]),
+        ("track", ["acme", "api", QTY_MAX + 1]),
+        ("track", ["acme", "api", QTY_MIN - 1]),
+        ("track", ["acme", "api", 1, []]),
+        ("track", ["acme", "api", 1, {"bogus": 1}]),
+        ("track", ["acme", "api", 1, {"at": "now"}]),
+        ("track", ["acme", "api", 1, {"at": -1}]),
+        ("track", ["acme", "api", 1, {"at": float("nan")}]),
+        ("track", ["acme", "api", 1, {"at": 10**12}]),
+        ("usage", ["acme"]),
+        ("usage", ["acme", "api", {"limit": 3}]),
+        ("usage_all", []),
+        ("usage_all", [""]),
+        ("reserve", ["acme", "api"]),
+        ("reserve", ["acme", "api", -1]),
+        ("reserve", ["acme", "api", 1, {"limit": -1}]),
+        ("reserve", ["acme", "api", 1, {"limit": "10"}]),
+        ("reserve", ["acme", "api", 1, {"ttl_ms": 0}]),
+        ("reserve", ["acme", "api", 1, {"ttl_ms": 10**12}]),
+        ("commit", []),
+        ("commit", [123]),
+        ("commit", [""]),
+        ("commit", ["x" * 65]),
+        ("release", []),
+        ("release", [None]),
+        ("ping", ["extra"]),
+        ("status", [1]),
+    ],
+)
+async def test_bad_arguments_are_invalid_argument(
+    svc: Service, method: str, params: list[Any]
+) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        await call(svc, method, *params)
+    assert info.value.to_wire()["code"] == "invalid_argument"
+    assert info.value.message
+
+
+async def test_tenant_and_feature_at_their_documented_limits_are_accepted(svc: Service) -> None:
+    tenant = "a" * MAX_TENANT_BYTES
+    feature = "f" * MAX_FEATURE_BYTES
+    assert await call(svc, "track", tenant, feature, QTY_MAX) == QTY_MAX
+    assert await call(svc, "track", "acct/user-1:x@y.z_", "f.x-y:z_", QTY_MIN) == QTY_MIN
+
+
+async def test_raw_bytes_names_are_accepted(svc: Service) -> None:
+    assert await call(svc, "track", b"acme", b"api", 2) == 2
+    assert await call(svc, "usage", "acme", "api") == 2
+
+
+async def test_unknown_method(svc: Service) -> None:
+    with pytest.raises(UnknownMethod):
+        svc.dispatch("incr", [])
+
+
+async def test_ping_and_status(svc: Service) -> None:
+    assert await call(svc, "ping") == "pong"
+    await call(svc, "track", "acme", "api")
+    st = await call(svc, "status")
+    assert st["node_id"] == "n1"
+    assert st["storage"] == "memory"
+    assert st["keys"]["warm"] == 1 and st["keys"]["dirty"] == 1
+
+
+async def test_reserve_commit_release(svc: Service) -> None:
+    rid = await call(svc, "reserve", "acme", "api", 5, {"limit": 10})
+    assert isinstance(rid, str)
+    assert await call(svc, "usage", "acme", "api") == 5, "held units count in usage"
+    with pytest.raises(LimitExceeded):
+        await call(svc, "reserve", "acme", "api", 6, {"limit": 10})
+    assert await call(svc, "usage", "acme", "api") == 5, "a refused reservation holds nothing"
+    assert await call(svc, "commit", rid, 3) == 3
+    with pytest.raises(NotFound):
+        await call(svc, "commit", rid)
+    rid2 = await call(svc, "reserve", "acme", "api", 7, {"limit": 10})
+    assert await call(svc, "release", rid2) is None
+    with pytest.raises(NotFound):
+        await call(svc, "release", rid2)
+    assert await call(svc, "usage", "acme", "api") == 3
+    rid3 = await call(svc, "reserve", "acme", "api", 7, {"limit": 10})
+    assert await call(svc, "commit", rid3) == 10, "commit without actual uses the reserved qty"
+
+
+async def test_commit_with_bad_actual_keeps_the_reservation(svc: Service) -> None:
+    rid = await call(svc, "reserve", "acme", "api", 5)
+    with pytest.raises(InvalidArgument):
+        await call(svc, "commit", rid, -3)
+    assert await call(svc, "commit", rid, 4) == 4
+
+
+async def test_reserve_limit_exactly_reached_is_allowed(svc: Service) -> None:
+    await call(svc, "track", "acme", "api", 7)
+    await call(svc, "reserve", "acme", "api", 3, {"limit": 10})
+    with pytest.raises(LimitExceeded) as info:
+        await call(svc, "reserve", "acme", "api", 1, {"limit": 10})
+    assert info.value.to_wire()["code"] == "limit_exceeded"
+
+
+async def test_expired_reservation_is_released(svc: Service) -> None:
+    rid = await call(svc, "reserve", "acme", "api", 5, {"ttl_ms": 50})
+    assert await call(svc, "usage", "acme", "api") == 5
+    assert svc.expire_reservations(time.monotonic() + 0.01) == 0
+    assert svc.expire_reservations(time.monotonic() + 0.06) == 1
+    assert await call(svc, "usage", "acme", "api") == 0
+    with pytest.raises(NotFound):
+        await call(svc, "commit", rid)
+
+
+async def test_storage_down_cold_track_is_counted_but_total_unknown(
+    svc: Service, store: DownStorage
+) -> None:
+    store.down = True
+    assert await call(svc, "track", "acme", "api", 4) is None
+    with pytest.raises(Unavailable):
+        await call(svc, "usage", "acme", "api")
+    with pytest.raises(Unavailable):
+        await call(svc, "usage_all", "acme")
+    with pytest.raises(Unavailable):
+        await call(svc, "reserve", "acme", "api", 1, {"limit": 100})
+    store.down = False
+    # Seeding succeeds now: the stored total (0) plus the 4 units counted during the outage.
+    assert await call(svc, "usage", "acme", "api") == 4
+    assert await call(svc, "track", "acme", "api", 1) == 5
+
+
+async def test_seeding_is_shared_by_concurrent_callers(store: DownStorage) -> None:
+    loads = 0
+
+    class Counting(DownStorage):
+        async def load(self, keys: Any) -> Any:
+            nonlocal loads
+            loads += 1
+            return await super().load(keys)
+
+    svc = Service(CounterTable("n1"), Counting())
+    pending = [svc.dispatch("track", ["acme", "api", 1]) for _ in range(50)]
+    results = [await p for p in pending]
+    assert sorted(results) == list(range(1, 51))
+    assert loads == 1
+
+
+async def test_storage_snapshot_with_own_sequence_is_respected(store: DownStorage) -> None:
+    """A restarted node continues its own flush sequence after the stored one."""
+    key = ("acme", "api", period_start("month"))
+    await store.apply("n1", [Delta(key, 7, 10)])
+    table = CounterTable("n1")
+    svc = Service(table, store)
+    assert await call(svc, "track", "acme", "api", 1) == 11
+    taken = table.take_flush(key)
+    assert taken == (8, 1)
+    assert store.items[key] == Snapshot(10, {"n1": 7})
