@@ -1,0 +1,518 @@
+"""The DynamoDB backend (aioboto3): exactly-once delta flushes, one UpdateItem per key.
+
+Table layout (see ``docs/storage.md``): partition key ``pk`` = tenant, sort key ``sk`` =
+``<period>#<feature>``, so every counter of a tenant in a period is one ``Query`` on the prefix
+``<period>#``. A month prefix (``2026-11#``) never matches a day item (``2026-11-01#...``)
+because ``#`` directly follows the period. Attributes: ``t`` (the total, a Number), ``s_<node>``
+(the last applied flush sequence of each node, a Number) and ``ttl`` (epoch seconds: the end of
+the period plus ``retention_days``).
+
+Each delta is written as ``ADD t :d SET s_<node> = :seq`` on the condition that ``s_<node>`` is
+absent or lower than ``:seq``. A retry of a write that already landed - ours or botocore's own,
+after a lost response - fails that condition instead of adding twice, and is answered from the
+item (``Applied(..., duplicate=True)``). Callers keep at most one sequence per (node, key) in
+flight and retry the same ``(key, seq, delta)`` until it is ``Applied``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import random
+import re
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
+from typing import Any
+from urllib.parse import urlsplit
+
+import aioboto3
+import aiohttp
+from aiobotocore.config import AioConfig
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+
+from storage.base import (
+    EMPTY,
+    Applied,
+    Delta,
+    Key,
+    Snapshot,
+    Storage,
+    StorageError,
+    StoragePermanentError,
+    StorageUnavailable,
+)
+
+#: DynamoDB's key size limits, in UTF-8 bytes.
+MAX_PK_BYTES = 2048
+MAX_SK_BYTES = 1024
+#: Keys per BatchGetItem request (DynamoDB's limit).
+BATCH_GET_LIMIT = 100
+#: Node ids become attribute names (``s_<node>``): keep them to a plain, printable charset.
+NODE_RE = re.compile(r"[A-Za-z0-9_\-.:@/]{1,128}")
+SEQ_PREFIX = "s_"
+
+#: Error codes worth retrying: the request did not (or may not) have been applied and the
+#: same request can succeed later. Retrying an UpdateItem is safe thanks to its condition.
+RETRYABLE_CODES = frozenset(
+    {
+        "ProvisionedThroughputExceededException",
+        "ThrottlingException",
+        "Throttling",
+        "RequestLimitExceeded",
+        "TransactionConflictException",
+        "InternalServerError",
+        "InternalFailure",
+        "ServiceUnavailable",
+        "LimitExceededException",
+    }
+)
+#: 4xx errors that a fix outside this request cures (credentials, a missing table): reported as
+#: unavailable so the caller keeps its deltas, but not retried in place since waiting won't help.
+OPERATOR_CODES = frozenset(
+    {
+        "ResourceNotFoundException",
+        "UnrecognizedClientException",
+        "InvalidSignatureException",
+        "ExpiredTokenException",
+        "AccessDeniedException",
+        "MissingAuthenticationTokenException",
+        "IncompleteSignatureException",
+    }
+)
+#: Failures of the transport: the request may or may not have reached DynamoDB.
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    HTTPClientError,  # botocore: connection refused/closed, read and connect timeouts
+    aiohttp.ClientError,
+    OSError,
+    asyncio.TimeoutError,
+)
+
+#: Credentials used against a loopback endpoint (DynamoDB Local) when none are configured.
+LOCAL_DUMMY_CREDENTIALS = ("meter-local", "meter-local")
+LOCAL_DEFAULT_REGION = "us-east-1"
+
+_UPDATE_EXPRESSION = "ADD #t :d SET #s = :seq, #ttl = if_not_exists(#ttl, :ttl)"
+_CONDITION = "attribute_not_exists(#s) OR #s < :seq"
+
+
+class _ConditionFailed(Exception):
+    """Internal: an UpdateItem's condition failed (the sequence was applied before)."""
+
+    def __init__(self, item: dict[str, Any] | None) -> None:
+        super().__init__("conditional check failed")
+        self.item = item
+
+
+class DynamoDBStorage(Storage):
+    """Counters in one DynamoDB table, written with conditional ``UpdateItem`` calls.
+
+    ``max_attempts`` is botocore's own attempt count per call (standard retry mode);
+    ``retries`` is how many more times this class tries a call that failed transiently,
+    with exponential backoff and full jitter between ``backoff_base`` and ``backoff_cap``
+    seconds. ``concurrency`` bounds the requests in flight across all calls. When
+    ``endpoint_url`` is a loopback address and no credentials are configured, dummy static
+    credentials are used so DynamoDB Local works without any AWS setup.
+    """
+
+    kind = "dynamodb"
+
+    def __init__(
+        self,
+        table: str,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        max_pool_connections: int = 64,
+        connect_timeout: float = 2,
+        read_timeout: float = 5,
+        concurrency: int = 64,
+        retention_days: int = 400,
+        max_attempts: int = 2,
+        retries: int = 2,
+        backoff_base: float = 0.05,
+        backoff_cap: float = 1.0,
+    ) -> None:
+        if not table:
+            raise ValueError("table must not be empty")
+        if concurrency < 1 or max_pool_connections < 1 or max_attempts < 1:
+            raise ValueError("concurrency, max_pool_connections and max_attempts must be >= 1")
+        if retries < 0 or retention_days < 0:
+            raise ValueError("retries and retention_days must not be negative")
+        self.table = table
+        self.endpoint_url = endpoint_url
+        self.region = region
+        self.retention_days = retention_days
+        self.retries = retries
+        self.backoff_base = backoff_base
+        self.backoff_cap = backoff_cap
+        self._config = AioConfig(
+            max_pool_connections=max_pool_connections,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            retries={"max_attempts": max_attempts, "mode": "standard"},
+        )
+        self._sem = asyncio.Semaphore(concurrency)
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._client: Any = None
+        #: Requests issued, by operation name (each of our attempts counts once).
+        self.calls: collections.Counter[str] = collections.Counter()
+        #: Deltas refused as already applied (answered from the item).
+        self.duplicates = 0
+
+    @property
+    def writes(self) -> int:
+        """UpdateItem requests issued so far (for benchmarks: writes per flush)."""
+        return self.calls["update_item"]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Create the session and enter the client; it lives until :meth:`close`."""
+        if self._client is not None:
+            return
+        session = await self._session()
+        stack = contextlib.AsyncExitStack()
+        try:
+            self._client = await stack.enter_async_context(
+                session.client("dynamodb", endpoint_url=self.endpoint_url, config=self._config)
+            )
+        except BotoCoreError as exc:  # e.g. an invalid endpoint URL
+            await stack.aclose()
+            raise StoragePermanentError(f"dynamodb: cannot create a client: {exc}") from exc
+        self._stack = stack
+
+    async def close(self) -> None:
+        """Exit the client's context (closes its connection pool)."""
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    async def _session(self) -> aioboto3.Session:
+        session = aioboto3.Session(region_name=self.region)
+        local = self.endpoint_url is not None and _is_loopback(self.endpoint_url)
+        if local:
+            # Instance/container roles make no sense for a local endpoint, and probing for them
+            # would reach the metadata service (a network round trip off this host).
+            resolver = session._session.get_component("credential_provider")
+            for name in ("container-role", "iam-role"):
+                with contextlib.suppress(Exception):
+                    resolver.remove(name)
+        try:
+            credentials = await session.get_credentials()
+        except BotoCoreError as exc:
+            raise StoragePermanentError(f"dynamodb: bad AWS credentials setup: {exc}") from exc
+        region = session.region_name or (LOCAL_DEFAULT_REGION if self.endpoint_url else None)
+        if region is None:
+            raise StoragePermanentError(
+                "dynamodb: no AWS region configured (set AWS_REGION or AWS_DEFAULT_REGION)"
+            )
+        if credentials is None and local:
+            key, secret = LOCAL_DUMMY_CREDENTIALS
+            return aioboto3.Session(
+                aws_access_key_id=key, aws_secret_access_key=secret, region_name=region
+            )
+        session._session.set_config_variable("region", region)
+        return session
+
+    # -- schema ------------------------------------------------------------------------------
+
+    async def init_schema(self) -> str:
+        """Create the table (on-demand) if missing, wait until ACTIVE, enable TTL on ``ttl``."""
+        created = False
+        try:
+            desc = await self._call("describe_table", "describe table", TableName=self.table)
+        except StorageUnavailable as exc:
+            if not isinstance(exc.__cause__, ClientError) or _code(exc.__cause__) != (
+                "ResourceNotFoundException"
+            ):
+                raise
+            desc = await self._create_table()
+            created = True
+        status = desc["Table"]["TableStatus"]
+        for _ in range(300):  # a fresh table is ACTIVE within seconds; bound the wait anyway
+            if status == "ACTIVE":
+                break
+            await asyncio.sleep(0.2)
+            desc = await self._call("describe_table", "describe table", TableName=self.table)
+            status = desc["Table"]["TableStatus"]
+        else:
+            raise StorageUnavailable(f"dynamodb: table {self.table} is still {status}")
+        ttl = await self._enable_ttl()
+        verb = "created" if created else "exists"
+        return f"dynamodb: table {self.table} {verb} (ACTIVE); {ttl}"
+
+    async def _create_table(self) -> dict[str, Any]:
+        try:
+            resp = await self._call(
+                "create_table",
+                "create table",
+                TableName=self.table,
+                BillingMode="PAY_PER_REQUEST",
+                KeySchema=[
+                    {"AttributeName": "pk", "KeyType": "HASH"},
+                    {"AttributeName": "sk", "KeyType": "RANGE"},
+                ],
+                AttributeDefinitions=[
+                    {"AttributeName": "pk", "AttributeType": "S"},
+                    {"AttributeName": "sk", "AttributeType": "S"},
+                ],
+            )
+        except StoragePermanentError as exc:
+            # Another process created it between our describe and create: that is fine.
+            if isinstance(exc.__cause__, ClientError) and _code(exc.__cause__) == (
+                "ResourceInUseException"
+            ):
+                return {"Table": {"TableStatus": "CREATING"}}
+            raise
+        return {"Table": {"TableStatus": resp["TableDescription"]["TableStatus"]}}
+
+    async def _enable_ttl(self) -> str:
+        try:
+            desc = await self._call("describe_time_to_live", "describe TTL", TableName=self.table)
+        except StoragePermanentError as exc:
+            return f"TTL not supported by this endpoint ({exc})"
+        ttl = desc.get("TimeToLiveDescription", {})
+        status, attr = ttl.get("TimeToLiveStatus"), ttl.get("AttributeName")
+        if status in ("ENABLED", "ENABLING"):
+            if attr == "ttl":
+                return "TTL on 'ttl' already enabled"
+            return f"TTL is on {attr!r}, not 'ttl': left as it is (change it by hand)"
+        try:
+            await self._call(
+                "update_time_to_live",
+                "enable TTL",
+                TableName=self.table,
+                TimeToLiveSpecification={"Enabled": True, "AttributeName": "ttl"},
+            )
+        except StoragePermanentError as exc:
+            # DynamoDB Local answers a repeated enable with a ValidationException.
+            if "already enabled" in str(exc):
+                return "TTL on 'ttl' already enabled"
+            raise
+        return "TTL on 'ttl' enabled"
+
+    # -- reads and writes --------------------------------------------------------------------
+
+    async def apply(self, node: str, deltas: Sequence[Delta]) -> dict[Key, Applied | StorageError]:
+        if not deltas:
+            return {}
+        if NODE_RE.fullmatch(node) is None:
+            bad = StoragePermanentError(f"dynamodb: node id {node[:64]!r} is not allowed")
+            return {d.key: bad for d in deltas}
+        attr = SEQ_PREFIX + node
+        results = await asyncio.gather(*(self._apply_one(attr, d) for d in deltas))
+        return {d.key: r for d, r in zip(deltas, results, strict=True)}
+
+    async def _apply_one(self, attr: str, d: Delta) -> Applied | StorageError:
+        try:
+            pk, sk = _item_key(d.key)
+            ttl = _ttl(d.key[2], self.retention_days)
+            resp = await self._call(
+                "update_item",
+                _describe(d.key),
+                TableName=self.table,
+                Key={"pk": {"S": pk}, "sk": {"S": sk}},
+                UpdateExpression=_UPDATE_EXPRESSION,
+                ConditionExpression=_CONDITION,
+                ExpressionAttributeNames={"#t": "t", "#s": attr, "#ttl": "ttl"},
+                ExpressionAttributeValues={
+                    ":d": {"N": str(d.delta)},
+                    ":seq": {"N": str(d.seq)},
+                    ":ttl": {"N": str(ttl)},
+                },
+                ReturnValues="ALL_NEW",
+                ReturnValuesOnConditionCheckFailure="ALL_OLD",
+            )
+            return Applied(_snapshot(resp["Attributes"]))
+        except _ConditionFailed as failed:
+            # Sequences of one node for one key only grow, so a failed condition - even on our
+            # first attempt - means this (node, key, seq) landed before: a retry whose first
+            # try's answer was lost. Answer with the item, which contains the delta.
+            self.duplicates += 1
+            if failed.item is not None and attr in failed.item:
+                return Applied(_snapshot(failed.item), duplicate=True)
+            try:
+                return Applied(await self._get(d.key), duplicate=True)
+            except StorageError as exc:
+                return exc  # the caller retries; the condition fails again; we read again
+        except StorageError as exc:
+            return exc
+
+    async def _get(self, key: Key) -> Snapshot:
+        pk, sk = _item_key(key)
+        resp = await self._call(
+            "get_item",
+            _describe(key),
+            TableName=self.table,
+            Key={"pk": {"S": pk}, "sk": {"S": sk}},
+            ConsistentRead=True,
+        )
+        item = resp.get("Item")
+        return EMPTY if item is None else _snapshot(item)
+
+    async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]:
+        wanted: dict[tuple[str, str], Key] = {}
+        for key in keys:
+            wanted[_item_key(key)] = key  # also drops repeats: BatchGetItem refuses them
+        pairs = list(wanted)
+        chunks = [pairs[i : i + BATCH_GET_LIMIT] for i in range(0, len(pairs), BATCH_GET_LIMIT)]
+        out: dict[Key, Snapshot] = dict.fromkeys(wanted.values(), EMPTY)
+        for items in await asyncio.gather(*(self._batch_get(c) for c in chunks)):
+            for item in items:
+                out[wanted[(item["pk"]["S"], item["sk"]["S"])]] = _snapshot(item)
+        return out
+
+    async def _batch_get(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        request: dict[str, Any] = {
+            self.table: {
+                "Keys": [{"pk": {"S": pk}, "sk": {"S": sk}} for pk, sk in pairs],
+                "ConsistentRead": True,
+            }
+        }
+        items: list[dict[str, Any]] = []
+        for attempt in range(10):
+            resp = await self._call("batch_get_item", "batch get", RequestItems=request)
+            items.extend(resp.get("Responses", {}).get(self.table, []))
+            request = resp.get("UnprocessedKeys") or {}
+            if not request:
+                return items
+            await asyncio.sleep(self._backoff(attempt))
+        raise StorageUnavailable(f"dynamodb: {len(request[self.table]['Keys'])} keys unprocessed")
+
+    async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
+        _check_period(period)
+        prefix = period + "#"
+        pk, _ = _item_key((tenant, "", period))
+        query: dict[str, Any] = {
+            "TableName": self.table,
+            "KeyConditionExpression": "pk = :pk AND begins_with(sk, :p)",
+            "ExpressionAttributeValues": {":pk": {"S": pk}, ":p": {"S": prefix}},
+            "ConsistentRead": True,
+        }
+        out: dict[str, Snapshot] = {}
+        what = f"query {tenant!r} {period}"
+        while True:
+            resp = await self._call("query", what, **query)
+            for item in resp.get("Items", []):
+                out[item["sk"]["S"][len(prefix) :]] = _snapshot(item)
+            last = resp.get("LastEvaluatedKey")
+            if not last:
+                return out
+            query["ExclusiveStartKey"] = last
+
+    # -- the boundary ------------------------------------------------------------------------
+
+    async def _call(self, op: str, what: str, **params: Any) -> dict[str, Any]:
+        """Call ``op``, retrying transient failures; map every failure to a StorageError."""
+        if self._client is None:
+            raise StorageUnavailable("dynamodb: storage is not open")
+        method = getattr(self._client, op)
+        attempt = 0
+        while True:
+            try:
+                async with self._sem:
+                    self.calls[op] += 1
+                    resp: dict[str, Any] = await method(**params)
+                return resp
+            except ClientError as exc:
+                code = _code(exc)
+                if code == "ConditionalCheckFailedException":
+                    raise _ConditionFailed(exc.response.get("Item")) from exc
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                message = exc.response.get("Error", {}).get("Message", str(exc))
+                text = f"dynamodb: {what}: {code}: {message}"
+                if code in RETRYABLE_CODES or status >= 500:
+                    error: StorageError = StorageUnavailable(text)
+                elif code in OPERATOR_CODES:
+                    raise StorageUnavailable(text) from exc
+                else:
+                    raise StoragePermanentError(text) from exc
+            except TRANSPORT_ERRORS as exc:
+                error = StorageUnavailable(f"dynamodb: {what}: {type(exc).__name__}: {exc}")
+            except BotoCoreError as exc:  # parameter validation, bad config: never helps to retry
+                raise StoragePermanentError(f"dynamodb: {what}: {exc}") from exc
+            if attempt >= self.retries:
+                raise error
+            await asyncio.sleep(self._backoff(attempt))
+            attempt += 1
+
+    def _backoff(self, attempt: int) -> float:
+        """Full jitter: uniform in [0, min(cap, base * 2**attempt)]."""
+        return random.uniform(0, min(self.backoff_cap, self.backoff_base * 2**attempt))
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _is_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def _describe(key: Key) -> str:
+    tenant, feature, period = key
+    return f"key ({tenant[:80]!r}, {feature[:80]!r}, {period[:16]!r})"
+
+
+def _item_key(key: Key) -> tuple[str, str]:
+    """The item's ``(pk, sk)``; a key DynamoDB cannot store raises StoragePermanentError."""
+    tenant, feature, period = key
+    _check_period(period)
+    sk = f"{period}#{feature}"
+    if not tenant or len(tenant.encode("utf-8")) > MAX_PK_BYTES:
+        raise StoragePermanentError(f"dynamodb: tenant of {_describe(key)} is empty or too long")
+    if len(sk.encode("utf-8")) > MAX_SK_BYTES:
+        raise StoragePermanentError(f"dynamodb: feature of {_describe(key)} is too long")
+    return tenant, sk
+
+
+def _check_period(period: str) -> None:
+    try:
+        if len(period) == 7:
+            datetime.strptime(period, "%Y-%m")
+            return
+        if len(period) == 10:
+            datetime.strptime(period, "%Y-%m-%d")
+            return
+    except ValueError:
+        pass
+    raise StoragePermanentError(f"dynamodb: period {period[:16]!r} is not YYYY-MM or YYYY-MM-DD")
+
+
+def _ttl(period: str, retention_days: int) -> int:
+    """Epoch seconds at which DynamoDB may expire the item: period end + retention."""
+    if len(period) == 7:
+        year, month = int(period[:4]), int(period[5:7])
+        end = datetime(year + month // 12, month % 12 + 1, 1, tzinfo=UTC).timestamp()
+    else:
+        end = datetime.strptime(period, "%Y-%m-%d").replace(tzinfo=UTC).timestamp() + 86400
+    return int(end) + retention_days * 86400
+
+
+def _number(value: dict[str, str]) -> int:
+    """A Number attribute as an exact int (we only ever write integers)."""
+    text = value["N"]
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        dec = Decimal(text)
+    except InvalidOperation:
+        raise StoragePermanentError(f"dynamodb: not a number: {text[:40]!r}") from None
+    if dec != dec.to_integral_value():
+        raise StoragePermanentError(f"dynamodb: not an integer: {text[:40]!r}")
+    return int(dec)
+
+
+def _snapshot(item: dict[str, Any]) -> Snapshot:
+    total = _number(item["t"]) if "t" in item else 0
+    seqs = {
+        name[len(SEQ_PREFIX) :]: _number(value)
+        for name, value in item.items()
+        if name.startswith(SEQ_PREFIX) and "N" in value
+    }
+    return Snapshot(total, seqs)
