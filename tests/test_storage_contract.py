@@ -15,7 +15,7 @@ from storage.base import EMPTY, Applied, Delta, Key, Snapshot, Storage, StorageE
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
 
-BACKENDS = ["memory", "sqlite"]
+BACKENDS = ["memory", "sqlite", "dynamodb"]
 
 K: Key = ("acme", "api_calls", "2026-11")
 
@@ -26,6 +26,13 @@ def _make(backend: str, request: pytest.FixtureRequest) -> Storage:
     if backend == "sqlite":
         tmp_path: Path = request.getfixturevalue("tmp_path")
         return SQLiteStorage(tmp_path / "meter.db")
+    if backend == "dynamodb":
+        from storage.dynamodb import DynamoDBStorage
+        from tests.conftest_dynamodb import new_table_name
+
+        # A fresh table per test in the session's DynamoDB Local; the fixture creates it.
+        endpoint: str = request.getfixturevalue("dynamodb_local")
+        return DynamoDBStorage(new_table_name(), endpoint_url=endpoint)
     raise AssertionError(f"unknown backend {backend}")
 
 
