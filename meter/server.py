@@ -1,0 +1,419 @@
+"""The socket server: MessagePack-RPC over a Unix socket, on uvloop or the default loop.
+
+Thin by design: bytes go through :mod:`meter.protocol`, requests go to a dispatcher
+(``dispatch(method, params)`` returning a result or an awaitable; ``notify(method, params)``
+optional), answers go back. Every complete request in a read batch is dispatched, and the
+synchronous answers of the batch leave in one write. Asynchronous answers are written when
+they are ready, so responses may arrive out of order; clients match them by msgid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import grp
+import inspect
+import logging
+import os
+import socket
+import stat
+from collections.abc import Awaitable
+from typing import Any, Protocol, cast
+
+from meter.errors import ConfigError, MeterError, Unavailable
+from meter.protocol import (
+    DEFAULT_MAX_FRAME,
+    Decoder,
+    Encoder,
+    ErrorMap,
+    Invalid,
+    Notification,
+    ProtocolError,
+    Request,
+    invalid_error,
+)
+
+log = logging.getLogger("meter.server")
+
+#: Pause reading a connection while more than this many answer bytes wait to be sent...
+DEFAULT_HIGH_WATER = 1 << 20
+#: ...and resume once the backlog is below this.
+DEFAULT_LOW_WATER = 256 << 10
+#: listen() backlog.
+DEFAULT_BACKLOG = 1024
+
+_INTERNAL: ErrorMap = {"code": "internal", "message": "internal error"}
+# Results of these types are answered at once; anything else is checked for awaitability.
+_PLAIN = frozenset({int, str, dict, list, type(None), bool, float, bytes})
+
+
+class Dispatcher(Protocol):
+    """What the server calls. ``notify(method, params)`` is optional."""
+
+    def dispatch(self, method: str, params: list[Any]) -> Any:
+        """Return the result, or an awaitable of it; raise MeterError for bad requests."""
+
+
+class _Connection(asyncio.Protocol):
+    __slots__ = (
+        "_answers",
+        "_decoder",
+        "_eof",
+        "_paused",
+        "_server",
+        "pending",
+        "transport",
+    )
+
+    def __init__(self, server: RpcServer) -> None:
+        self._server = server
+        self._decoder = Decoder(max_frame=server.max_frame)
+        self._answers: list[tuple[int, ErrorMap | None, Any]] = []
+        self._paused = False
+        self._eof = False
+        #: Asynchronous answers not sent yet.
+        self.pending = 0
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, hence a cast, not a check.
+        self.transport = cast(asyncio.Transport, transport)
+        srv = self._server
+        self.transport.set_write_buffer_limits(high=srv.high_water, low=srv.low_water)
+        srv._conns.add(self)
+        srv.accepted += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server._conns.discard(self)
+        self.transport = None
+
+    def pause_writing(self) -> None:
+        # The peer is not reading its answers: stop reading its requests until it catches up.
+        self._paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        srv = self._server
+        bad: ProtocolError | None = None
+        try:
+            messages = self._decoder.feed(data)
+        except ProtocolError as exc:
+            bad = exc
+            messages = exc.messages
+        answers = self._answers
+        dispatch = srv._dispatch
+        for msg in messages:
+            if isinstance(msg, Request):
+                msgid, method, params = msg
+                srv.requests += 1
+                if srv._draining:
+                    answers.append((msgid, _DRAINING, None))
+                    continue
+                try:
+                    result = dispatch(method, params)
+                except MeterError as exc:
+                    answers.append((msgid, exc.to_wire(), None))
+                    continue
+                except Exception:
+                    log.exception("internal error in %.64r", method)
+                    srv.internal_errors += 1
+                    answers.append((msgid, _INTERNAL, None))
+                    continue
+                if type(result) in _PLAIN or not inspect.isawaitable(result):
+                    answers.append((msgid, None, result))
+                else:
+                    srv._spawn(self, msgid, method, result)
+            elif isinstance(msg, Notification):
+                srv._notify_one(msg)
+            elif isinstance(msg, Invalid):
+                srv.invalid_requests += 1
+                if msg.msgid is not None:
+                    answers.append((msg.msgid, invalid_error(msg.reason), None))
+                else:
+                    log.debug("ignored a malformed notification: %s", msg.reason)
+        transport = self.transport
+        if answers:
+            if transport is not None and not transport.is_closing():
+                encoder = srv._encoder
+                before = encoder.encode_errors
+                transport.write(encoder.responses(answers))
+                if encoder.encode_errors != before:
+                    log.error(
+                        "unencodable result answered as internal: %s", encoder.last_encode_error
+                    )
+            answers.clear()
+        if bad is not None and transport is not None:
+            srv.protocol_errors += 1
+            log.warning("closing a connection after a protocol error: %s", bad)
+            # close(), not abort(): answers to the good requests before the fault still leave.
+            transport.close()
+
+    def eof_received(self) -> bool:
+        # A peer that half-closes after writing still gets its pending async answers.
+        self._eof = True
+        return self.pending > 0
+
+    def finished_one(self) -> None:
+        self.pending -= 1
+        if self._eof and self.pending == 0 and self.transport is not None:
+            self.transport.close()
+
+    def send(self, msgid: int, error: ErrorMap | None, result: Any) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        encoder = self._server._encoder
+        before = encoder.encode_errors
+        transport.write(encoder.response(msgid, error, result))
+        if encoder.encode_errors != before:
+            log.error("unencodable result answered as internal: %s", encoder.last_encode_error)
+
+
+_DRAINING: ErrorMap = Unavailable("the node is shutting down").to_wire()
+
+
+class RpcServer:
+    """A running server; build it with :func:`start_server`."""
+
+    def __init__(
+        self,
+        path: str,
+        dispatcher: Dispatcher,
+        *,
+        max_frame: int,
+        high_water: int,
+        low_water: int,
+    ) -> None:
+        self.path = path
+        self.dispatcher = dispatcher
+        self.max_frame = max_frame
+        self.high_water = high_water
+        self.low_water = low_water
+        self._dispatch = dispatcher.dispatch
+        self._notify = getattr(dispatcher, "notify", None)
+        self._encoder = Encoder()
+        self._conns: set[_Connection] = set()
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._inode: tuple[int, int] | None = None
+        self._draining = False
+        self._closed = False
+        #: Requests received (answered or in flight), across all connections.
+        self.requests = 0
+        #: Connections closed for garbage, oversized frames and the like.
+        self.protocol_errors = 0
+        #: Well-formed messages that were not valid requests (answered invalid_argument).
+        self.invalid_requests = 0
+        #: Requests whose handler raised something other than a MeterError.
+        self.internal_errors = 0
+        #: Connections accepted since start.
+        self.accepted = 0
+
+    @property
+    def connections(self) -> int:
+        """Open connections."""
+        return len(self._conns)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests whose (asynchronous) answer is not sent yet."""
+        return len(self._inflight)
+
+    def stats(self) -> dict[str, int]:
+        """Counters for ``status``."""
+        return {
+            "connections": len(self._conns),
+            "accepted": self.accepted,
+            "requests": self.requests,
+            "in_flight": len(self._inflight),
+            "protocol_errors": self.protocol_errors,
+            "invalid_requests": self.invalid_requests,
+            "internal_errors": self.internal_errors,
+        }
+
+    def _spawn(self, conn: _Connection, msgid: int, method: str, aw: Awaitable[Any]) -> None:
+        task = asyncio.get_running_loop().create_task(self._finish(conn, msgid, method, aw))
+        conn.pending += 1
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    async def _finish(self, conn: _Connection, msgid: int, method: str, aw: Awaitable[Any]) -> None:
+        try:
+            result = await aw
+        except MeterError as exc:
+            conn.send(msgid, exc.to_wire(), None)
+        except asyncio.CancelledError:
+            conn.send(msgid, _DRAINING, None)
+            raise
+        except Exception:
+            log.exception("internal error in %.64r", method)
+            self.internal_errors += 1
+            conn.send(msgid, _INTERNAL, None)
+        else:
+            conn.send(msgid, None, result)
+        finally:
+            conn.finished_one()
+
+    def _notify_one(self, msg: Notification) -> None:
+        if self._notify is None:
+            return
+        try:
+            result = self._notify(msg.method, msg.params)
+            if result is not None and inspect.isawaitable(result):
+                task = asyncio.ensure_future(result)
+                self._inflight.add(task)
+                task.add_done_callback(self._notification_done)
+        except Exception:
+            log.exception("notification %.64r failed", msg.method)
+
+    def _notification_done(self, task: asyncio.Future[Any]) -> None:
+        self._inflight.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("notification failed", exc_info=task.exception())
+
+    def stop_accepting(self) -> None:
+        """Stop accepting connections; open ones keep being served."""
+        if self._server is not None:
+            self._server.close()
+
+    async def close(self, drain_timeout: float = 5.0) -> None:
+        """Stop accepting, let in-flight requests finish (up to ``drain_timeout`` seconds),
+        close every connection and remove the socket file. New requests arriving meanwhile
+        are answered ``unavailable``."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stop_accepting()
+        self._draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout
+        if self._inflight:
+            _, pending = await asyncio.wait(set(self._inflight), timeout=drain_timeout)
+            if pending:
+                log.warning(
+                    "%d requests still running after %.1fs; cancelling", len(pending), drain_timeout
+                )
+                for task in pending:
+                    task.cancel()
+                await asyncio.wait(pending, timeout=1.0)
+        for conn in list(self._conns):
+            if conn.transport is not None:
+                conn.transport.close()  # flushes what is buffered, then closes
+        while self._conns and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for conn in list(self._conns):
+            if conn.transport is not None:
+                conn.transport.abort()  # a peer that never reads must not hold us up
+        self._conns.clear()
+        if self._server is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)
+        self._unlink()
+
+    def _unlink(self) -> None:
+        # Only our own socket file: a newer server may already have taken the path.
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._inode and stat.S_ISSOCK(st.st_mode):
+            os.unlink(self.path)
+
+    async def __aenter__(self) -> RpcServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _clear_stale(path: str) -> None:
+    """Remove a socket file nobody listens on; refuse a live one or a non-socket file."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(errno.EEXIST, "not a socket; refusing to replace it", path)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)
+    try:
+        await asyncio.wait_for(asyncio.get_running_loop().sock_connect(probe, path), 2.0)
+    except (ConnectionRefusedError, FileNotFoundError):
+        pass  # a dead server's leftover
+    except TimeoutError:
+        # A listener with a full backlog is still a listener.
+        raise OSError(errno.EADDRINUSE, "a server is listening on this socket", path) from None
+    else:
+        raise OSError(errno.EADDRINUSE, "a server is listening on this socket", path)
+    finally:
+        probe.close()
+    log.info("replacing stale socket file %s", path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _gid(group: str | int) -> int:
+    if isinstance(group, int):
+        return group
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        if group.isdigit():
+            return int(group)
+        raise ConfigError("socket_group", f"no such group {group!r}") from None
+
+
+async def start_server(
+    path: str | os.PathLike[str],
+    dispatcher: Dispatcher,
+    *,
+    mode: int | None = None,
+    group: str | int | None = None,
+    max_frame: int = DEFAULT_MAX_FRAME,
+    high_water: int = DEFAULT_HIGH_WATER,
+    low_water: int = DEFAULT_LOW_WATER,
+    backlog: int = DEFAULT_BACKLOG,
+) -> RpcServer:
+    """Listen on the Unix socket ``path`` and serve ``dispatcher`` until closed.
+
+    The socket file gets ``mode`` (default 0600, or 0660 when ``group`` is given; the file is
+    then chown'd to that group). A stale socket file is replaced; a live one raises
+    ``OSError(EADDRINUSE)``, any other file raises ``FileExistsError``.
+    """
+    spath = os.fspath(path)
+    if mode is None:
+        mode = 0o660 if group is not None else 0o600
+    gid = _gid(group) if group is not None else None
+    await _clear_stale(spath)
+    server = RpcServer(
+        spath, dispatcher, max_frame=max_frame, high_water=high_water, low_water=low_water
+    )
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bound = False
+    try:
+        sock.bind(spath)
+        bound = True
+        # Nobody can connect before listen(), so fixing the mode here leaves no window.
+        if gid is not None:
+            os.chown(spath, -1, gid)
+        os.chmod(spath, mode)
+        st = os.lstat(spath)
+        server._inode = (st.st_dev, st.st_ino)
+        sock.setblocking(False)
+        server._server = await asyncio.get_running_loop().create_unix_server(
+            lambda: _Connection(server), sock=sock, backlog=backlog
+        )
+    except BaseException:
+        sock.close()
+        if bound:
+            os.unlink(spath)
+        raise
+    log.info("listening on %s (mode %o)", spath, mode)
+    return server
