@@ -147,12 +147,21 @@ class Node:
             self.service = Service(
                 self.table, self.storage, cfg.counters, status_extra=self._status_extra
             )
-            self.server = await start_server(
-                cfg.server.socket,
-                self.service,
-                group=cfg.server.socket_group,
-                max_frame=cfg.server.max_frame_bytes,
-            )
+            try:
+                self.server = await start_server(
+                    cfg.server.socket,
+                    self.service,
+                    group=cfg.server.socket_group,
+                    max_frame=cfg.server.max_frame_bytes,
+                )
+            except FileExistsError:
+                raise ConfigError(
+                    "socket", f"{cfg.server.socket} exists and is not a socket"
+                ) from None
+            except OSError as exc:
+                raise ConfigError(
+                    "socket", f"cannot listen on {cfg.server.socket}: {exc.strerror or exc}"
+                ) from None
         except BaseException:
             self.data_dir.release()
             raise

@@ -1,0 +1,147 @@
+"""A real ``meter serve`` process: answers a foreign msgpack client, drains on SIGTERM, restarts
+with every acknowledged unit, refuses a shared data dir, and the CLI around it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from tests.nodes import ROOT, NodeProcess, raw_call, short_tmpdir
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    path = short_tmpdir()
+    yield path
+    subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("METER_")}
+    base["PYTHONPATH"] = str(ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "meter", *args],
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_foreign_msgpack_client_tracks_and_reads(workdir: Path) -> None:
+    with NodeProcess(workdir, METER_FLUSH_INTERVAL_MS="50") as node:
+        assert raw_call(node.socket, "track", "acme", "api", 5) == (None, 5)
+        assert raw_call(node.socket, "track", "acme", "api") == (None, 6)
+        assert raw_call(node.socket, "usage", "acme", "api") == (None, 6)
+        assert raw_call(node.socket, "usage_all", "acme") == (None, {"api": 6})
+        error, result = raw_call(node.socket, "track", "", "api")
+        assert result is None and error["code"] == "invalid_argument"
+        error, _ = raw_call(node.socket, "nope")
+        assert error["code"] == "unknown_method"
+
+
+def test_socket_is_private(workdir: Path) -> None:
+    with NodeProcess(workdir) as node:
+        mode = stat.S_IMODE(node.socket.stat().st_mode)
+        assert mode == 0o600
+
+
+def test_pipelined_raw_requests_on_one_connection(workdir: Path) -> None:
+    with NodeProcess(workdir) as node, socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(node.socket))
+        n = 2000
+        s.sendall(b"".join(msgpack.packb([0, i, "track", ["acme", "p", 1]]) for i in range(n)))
+        unpacker = msgpack.Unpacker(raw=False)
+        seen: dict[int, int] = {}
+        while len(seen) < n:
+            unpacker.feed(s.recv(1 << 16))
+            for _, msgid, error, result in unpacker:
+                assert error is None
+                seen[msgid] = result
+        assert sorted(seen.values()) == list(range(1, n + 1))
+        assert node.call("usage", "acme", "p") == n
+
+
+def test_sigterm_drains_and_restart_keeps_every_unit(workdir: Path) -> None:
+    # A flush interval far longer than the test: only the drain can have written the units.
+    node = NodeProcess(workdir, METER_FLUSH_INTERVAL_MS="3600000").start()
+    expected: dict[str, int] = {}
+    for i in range(300):
+        feature = f"f{i % 7}"
+        node.call("track", "acme", feature, i)
+        expected[feature] = expected.get(feature, 0) + i
+    rid = node.call("reserve", "acme", "f0", 1000)
+    assert node.stop(signal.SIGTERM) == 0, node.log()
+    assert not node.socket.exists(), "the socket file is removed on exit"
+    assert "drained" in node.log()
+    del rid  # an open reservation is a hold, not usage: it does not survive a restart
+
+    again = NodeProcess(workdir).start()
+    try:
+        assert again.call("usage_all", "acme") == expected
+        assert again.call("track", "acme", "f1", 1) == expected["f1"] + 1
+    finally:
+        assert again.stop() == 0
+
+
+def test_node_id_is_kept_in_the_data_dir(workdir: Path) -> None:
+    with NodeProcess(workdir) as node:
+        first = node.call("status")["node_id"]
+    with NodeProcess(workdir) as node:
+        assert node.call("status")["node_id"] == first
+    assert (workdir / "node-data" / "node_id").read_text().strip() == first
+
+
+def test_two_nodes_cannot_share_a_data_dir(workdir: Path) -> None:
+    with NodeProcess(workdir):
+        res = cli(
+            "serve",
+            env={"METER_DATA_DIR": str(workdir / "node-data"), "METER_SOCKET": str(workdir / "b")},
+        )
+        assert res.returncode == 2
+        assert "data_dir" in res.stderr and "in use" in res.stderr
+
+
+def test_cli_track_usage_status(workdir: Path) -> None:
+    with NodeProcess(workdir) as node:
+        env = {"METER_SOCKET": str(node.socket)}
+        assert cli("track", "acme", "api", "4", env=env).stdout.strip() == "4"
+        assert cli("track", "acme", "api", env=env).stdout.strip() == "5"
+        assert cli("usage", "acme", "api", env=env).stdout.strip() == "5"
+        assert cli("usage", "acme", env=env).stdout.strip() == "api\t5"
+        human = cli("status", env=env)
+        assert human.returncode == 0
+        for word in ("node", "storage", "sqlite", "backlog", "flush"):
+            assert word in human.stdout
+        raw = json.loads(cli("status", "--json", env=env).stdout)
+        assert raw["keys"]["warm"] == 1
+        bad = cli("track", "acme", "bad feature", env=env)
+        assert bad.returncode == 1 and "invalid_argument" in bad.stderr
+
+
+def test_cli_errors(workdir: Path) -> None:
+    res = cli("status", env={"METER_SOCKET": str(workdir / "nobody.sock")})
+    assert res.returncode == 1 and "unavailable" in res.stderr
+    res = cli("serve", env={"METER_FLUSH_INTERVAL_MS": "soon"})
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "meter: configuration error: flush_interval_ms: must be an integer, got 'soon'"
+    ]
+    res = cli("serve", "--storage", "oracle")
+    assert res.returncode == 2 and "storage" in res.stderr
+
+
+def test_storage_init_sqlite_says_nothing_to_do(workdir: Path) -> None:
+    res = cli("storage", "init", env={"METER_DATA_DIR": str(workdir / "d")})
+    assert res.returncode == 0, res.stderr
+    assert "sqlite" in res.stdout.lower()
