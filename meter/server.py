@@ -202,7 +202,7 @@ class RpcServer:
         self._conns: set[_Connection] = set()
         self._inflight: set[asyncio.Task[None]] = set()
         self._server: asyncio.AbstractServer | None = None
-        self._inode: tuple[int, int] | None = None
+        self._inode: tuple[int, int, int] | None = None
         self._draining = False
         self._closed = False
         #: Requests received (answered or in flight), across all connections.
@@ -323,7 +323,8 @@ class RpcServer:
             st = os.lstat(self.path)
         except FileNotFoundError:
             return
-        if (st.st_dev, st.st_ino) == self._inode and stat.S_ISSOCK(st.st_mode):
+        # The ctime too: a replacement file may reuse the inode number.
+        if (st.st_dev, st.st_ino, st.st_ctime_ns) == self._inode and stat.S_ISSOCK(st.st_mode):
             os.unlink(self.path)
 
     async def __aenter__(self) -> RpcServer:
@@ -405,7 +406,7 @@ async def start_server(
             os.chown(spath, -1, gid)
         os.chmod(spath, mode)
         st = os.lstat(spath)
-        server._inode = (st.st_dev, st.st_ino)
+        server._inode = (st.st_dev, st.st_ino, st.st_ctime_ns)
         sock.setblocking(False)
         server._server = await asyncio.get_running_loop().create_unix_server(
             lambda: _Connection(server), sock=sock, backlog=backlog
