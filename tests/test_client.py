@@ -1,0 +1,404 @@
+"""Both clients against the real socket server with a recording stand-in dispatcher.
+
+The blocking client runs in a worker thread (``asyncio.to_thread``) while the server runs on
+the test's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+
+from meter.client import AsyncClient, Client
+from meter.errors import (
+    BY_CODE,
+    InvalidArgument,
+    LimitExceeded,
+    MeterError,
+    NotFound,
+    Unavailable,
+)
+from meter.server import RpcServer, start_server
+
+T = TypeVar("T")
+WAIT = 20.0  # bounds waits so a bug fails instead of hanging; not a timing check
+
+
+class Recorder:
+    """Records every call and answers with canned, method-shaped results."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[Any]]] = []
+        self.gate = asyncio.Event()
+
+    def dispatch(self, method: str, params: list[Any]) -> Any:
+        self.calls.append((method, params))
+        if method == "track":
+            return None if params[0] == "cold" else 42
+        if method == "usage":
+            return 7
+        if method == "usage_all":
+            return {"api": 1, "storage": 2}
+        if method == "reserve":
+            opts = params[3] if len(params) > 3 else {}
+            if "limit" in opts and params[2] > opts["limit"]:
+                raise LimitExceeded("would exceed the limit")
+            return "r-1"
+        if method == "commit":
+            return 10
+        if method == "release":
+            if params[0] != "r-1":
+                raise NotFound(f"no reservation {params[0]!r}")
+            return None
+        if method == "ping":
+            return "pong"
+        if method == "status":
+            return {"node_id": "n1", "warm_keys": 3}
+        if method == "echo":
+            return params
+        if method == "raise":
+            cls = BY_CODE.get(params[0])
+            if cls is None:
+                err = MeterError("odd")
+                err.code = params[0]
+                raise err
+            raise cls(f"raised {params[0]}")
+        if method == "later":
+            return self._later(params[0])
+        if method == "hang":
+            return asyncio.get_running_loop().create_future()
+        raise BY_CODE["unknown_method"](f"unknown method {method!r}")
+
+    async def _later(self, value: Any) -> Any:
+        await self.gate.wait()
+        return value
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    d = tempfile.mkdtemp(dir="/tmp", prefix="mtc")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def path(sockdir: str) -> str:
+    return os.path.join(sockdir, "m.sock")
+
+
+@pytest.fixture
+def rec() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+async def server(path: str, rec: Recorder) -> AsyncIterator[RpcServer]:
+    srv = await start_server(path, rec)
+    yield srv
+    await srv.close(drain_timeout=0.5)
+
+
+@pytest.fixture
+async def aclient(server: RpcServer, path: str) -> AsyncIterator[AsyncClient]:
+    async with await AsyncClient.connect(path, timeout=WAIT) as client:
+        yield client
+
+
+async def blocking(path: str, fn: Callable[[Client], T]) -> T:
+    """Run ``fn`` with a fresh blocking client in a worker thread."""
+
+    def run() -> T:
+        with Client.connect(path, timeout=WAIT) as client:
+            return fn(client)
+
+    return await asyncio.to_thread(run)
+
+
+# (client call, expected (method, params) on the wire, expected result)
+CASES: list[tuple[Callable[[Any], Any], tuple[str, list[Any]], Any]] = [
+    (lambda c: c.track("acme", "api"), ("track", ["acme", "api", 1]), 42),
+    (lambda c: c.track("acme", "api", 5), ("track", ["acme", "api", 5]), 42),
+    (
+        lambda c: c.track("acme", "api", -2, at=1700000000),
+        ("track", ["acme", "api", -2, {"at": 1700000000}]),
+        42,
+    ),
+    (lambda c: c.track("cold", "api"), ("track", ["cold", "api", 1]), None),
+    (lambda c: c.usage("acme", "api"), ("usage", ["acme", "api"]), 7),
+    (lambda c: c.usage("acme", "api", at=5), ("usage", ["acme", "api", {"at": 5}]), 7),
+    (lambda c: c.usage_all("acme"), ("usage_all", ["acme"]), {"api": 1, "storage": 2}),
+    (
+        lambda c: c.usage_all("acme", at=5),
+        ("usage_all", ["acme", {"at": 5}]),
+        {"api": 1, "storage": 2},
+    ),
+    (lambda c: c.reserve("acme", "api", 3), ("reserve", ["acme", "api", 3]), "r-1"),
+    (
+        lambda c: c.reserve("acme", "api", 3, limit=10, ttl_ms=500),
+        ("reserve", ["acme", "api", 3, {"limit": 10, "ttl_ms": 500}]),
+        "r-1",
+    ),
+    (
+        lambda c: c.reserve("acme", "api", 3, ttl_ms=500),
+        ("reserve", ["acme", "api", 3, {"ttl_ms": 500}]),
+        "r-1",
+    ),
+    (lambda c: c.commit("r-1"), ("commit", ["r-1"]), 10),
+    (lambda c: c.commit("r-1", 2), ("commit", ["r-1", 2]), 10),
+    (lambda c: c.commit("r-1", actual_qty=0), ("commit", ["r-1", 0]), 10),
+    (lambda c: c.release("r-1"), ("release", ["r-1"]), None),
+    (lambda c: c.ping(), ("ping", []), "pong"),
+    (lambda c: c.status(), ("status", []), {"node_id": "n1", "warm_keys": 3}),
+    (
+        lambda c: c.call("echo", 1, "two", [3], {"four": 4}, None, b"\x05"),
+        ("echo", [1, "two", [3], {"four": 4}, None, b"\x05"]),
+        [1, "two", [3], {"four": 4}, None, b"\x05"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("invoke", "wire", "result"), CASES)
+async def test_async_marshalling(
+    aclient: AsyncClient,
+    rec: Recorder,
+    invoke: Callable[[Any], Any],
+    wire: tuple[str, list[Any]],
+    result: Any,
+) -> None:
+    assert await invoke(aclient) == result
+    assert rec.calls == [wire]
+
+
+@pytest.mark.parametrize(("invoke", "wire", "result"), CASES)
+async def test_blocking_marshalling(
+    server: RpcServer,
+    path: str,
+    rec: Recorder,
+    invoke: Callable[[Any], Any],
+    wire: tuple[str, list[Any]],
+    result: Any,
+) -> None:
+    assert await blocking(path, invoke) == result
+    assert rec.calls == [wire]
+
+
+CODES = sorted(BY_CODE)
+
+
+@pytest.mark.parametrize("code", CODES)
+async def test_async_typed_errors(aclient: AsyncClient, code: str) -> None:
+    with pytest.raises(BY_CODE[code]) as info:
+        await aclient.call("raise", code)
+    assert info.value.code == code
+    assert info.value.message == f"raised {code}"
+    assert await aclient.ping() == "pong"  # the connection survives
+
+
+@pytest.mark.parametrize("code", CODES)
+async def test_blocking_typed_errors(server: RpcServer, path: str, code: str) -> None:
+    def go(c: Client) -> MeterError:
+        try:
+            c.call("raise", code)
+        except MeterError as exc:
+            assert c.ping() == "pong"
+            return exc
+        raise AssertionError("no error raised")
+
+    err = await blocking(path, go)
+    assert type(err) is BY_CODE[code]
+    assert err.code == code
+
+
+async def test_unknown_error_code(aclient: AsyncClient) -> None:
+    with pytest.raises(MeterError) as info:
+        await aclient.call("raise", "brand_new_code")
+    assert type(info.value) is MeterError
+    assert info.value.code == "brand_new_code"
+
+
+async def test_methods_raise_typed_errors(
+    aclient: AsyncClient, server: RpcServer, path: str
+) -> None:
+    with pytest.raises(LimitExceeded):
+        await aclient.reserve("acme", "api", 11, limit=10)
+    with pytest.raises(NotFound):
+        await aclient.release("r-404")
+
+    def go(c: Client) -> None:
+        with pytest.raises(LimitExceeded):
+            c.reserve("acme", "api", 11, limit=10)
+        with pytest.raises(NotFound):
+            c.release("r-404")
+
+    await blocking(path, go)
+
+
+# -- connection failures ----------------------------------------------------------------------
+
+
+async def test_connect_refused_missing_path(path: str) -> None:
+    with pytest.raises(Unavailable):
+        await AsyncClient.connect(path)
+    with pytest.raises(Unavailable):
+        Client.connect(path)
+
+
+async def test_connect_refused_dead_socket(path: str) -> None:
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)  # a socket file nobody listens on: ECONNREFUSED
+    dead.close()
+    with pytest.raises(Unavailable):
+        await AsyncClient.connect(path)
+    with pytest.raises(Unavailable):
+        Client.connect(path)
+
+
+async def test_async_server_going_away_fails_pending_calls(path: str, rec: Recorder) -> None:
+    srv = await start_server(path, rec)
+    client = await AsyncClient.connect(path)
+    try:
+        pending = asyncio.create_task(client.call("hang"))
+        while not rec.calls:
+            await asyncio.sleep(0.001)
+        await srv.close(drain_timeout=0.01)
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(pending, WAIT)
+        with pytest.raises(Unavailable):
+            await client.ping()
+    finally:
+        await client.close()
+
+
+async def test_blocking_server_going_away(path: str, rec: Recorder) -> None:
+    srv = await start_server(path, rec)
+    client = await asyncio.to_thread(Client.connect, path, timeout=WAIT)
+    try:
+        assert await asyncio.to_thread(client.ping) == "pong"
+        await srv.close(drain_timeout=0.01)
+        with pytest.raises(Unavailable):
+            await asyncio.to_thread(client.ping)
+        with pytest.raises(Unavailable):
+            await asyncio.to_thread(client.ping)  # stays failed, no hang
+    finally:
+        client.close()
+
+
+async def test_blocking_timeout_is_unavailable(server: RpcServer, path: str) -> None:
+    def go() -> None:
+        with Client.connect(path, timeout=0.05) as c, pytest.raises(Unavailable):
+            c.call("hang")
+
+    await asyncio.to_thread(go)
+
+
+async def test_async_timeout_is_unavailable(server: RpcServer, path: str) -> None:
+    async with await AsyncClient.connect(path, timeout=0.05) as c:
+        with pytest.raises(Unavailable, match="may have been applied"):
+            await c.call("hang")
+        assert await c.ping() == "pong"  # a late answer would be dropped, not misdelivered
+
+
+async def test_closed_async_client(server: RpcServer, path: str) -> None:
+    client = await AsyncClient.connect(path)
+    await client.close()
+    with pytest.raises(Unavailable):
+        await client.ping()
+
+
+def test_closed_blocking_client() -> None:
+    a, b = socket.socketpair()
+    client = Client(a)
+    client.close()
+    client.close()
+    with pytest.raises(Unavailable):
+        client.ping()
+    b.close()
+
+
+def test_blocking_client_rejects_garbage_from_the_node() -> None:
+    a, b = socket.socketpair()
+    b.sendall(b"\xc1")
+    with Client(a, timeout=WAIT) as client, pytest.raises(Unavailable, match="bad data"):
+        client.ping()
+    b.close()
+
+
+# -- pipelining ---------------------------------------------------------------------------------
+
+
+async def test_async_concurrent_calls(aclient: AsyncClient) -> None:
+    results = await asyncio.gather(*(aclient.call("echo", i) for i in range(1000)))
+    assert results == [[i] for i in range(1000)]
+
+
+async def test_async_out_of_order_answers(aclient: AsyncClient, rec: Recorder) -> None:
+    slow = asyncio.create_task(aclient.call("later", "slow"))
+    assert await aclient.ping() == "pong"
+    assert not slow.done()
+    rec.gate.set()
+    assert await slow == "slow"
+
+
+async def test_async_pipeline(aclient: AsyncClient) -> None:
+    calls = [("echo", [i]) for i in range(1000)]
+    assert await aclient.pipeline(calls) == [[i] for i in range(1000)]
+    mixed = [("ping", []), ("raise", ["not_found"]), ("usage", ["a", "b"])]
+    out = await aclient.pipeline(mixed, return_exceptions=True)
+    assert out[0] == "pong" and isinstance(out[1], NotFound) and out[2] == 7
+    with pytest.raises(NotFound):
+        await aclient.pipeline(mixed)
+    assert await aclient.pipeline([]) == []
+
+
+async def test_blocking_pipeline(server: RpcServer, path: str, rec: Recorder) -> None:
+    def go(c: Client) -> tuple[list[Any], list[Any]]:
+        calls = [("echo", [i]) for i in range(1000)]
+        many = c.pipeline(calls)
+        mixed = c.pipeline(
+            [("ping", []), ("raise", ["invalid_argument"]), ("track", ["t", "f", 2])],
+            return_exceptions=True,
+        )
+        with pytest.raises(InvalidArgument):
+            c.pipeline([("raise", ["invalid_argument"]), ("ping", [])])
+        assert c.ping() == "pong"  # every answer was read: the stream is still in step
+        assert c.pipeline([]) == []
+        return many, mixed
+
+    many, mixed = await blocking(path, go)
+    assert many == [[i] for i in range(1000)]
+    assert mixed[0] == "pong" and isinstance(mixed[1], InvalidArgument) and mixed[2] == 42
+
+
+async def test_async_msgid_wraps(aclient: AsyncClient) -> None:
+    aclient._next = 2**32 - 2
+    assert await asyncio.gather(*(aclient.call("echo", i) for i in range(5))) == [
+        [i] for i in range(5)
+    ]
+    assert aclient._next == 3
+
+
+async def test_async_msgid_skips_ids_still_waiting(aclient: AsyncClient, rec: Recorder) -> None:
+    aclient._next = 0
+    slow = asyncio.create_task(aclient.call("later", "slow"))  # takes msgid 0
+    await asyncio.sleep(0)
+    aclient._next = 0  # as if the counter had wrapped around
+    assert await aclient.call("echo", "x") == ["x"]  # must not take msgid 0
+    rec.gate.set()
+    assert await slow == "slow"
+
+
+async def test_blocking_msgid_wraps(server: RpcServer, path: str) -> None:
+    def go(c: Client) -> list[Any]:
+        c._next = 2**32 - 2
+        out = [c.call("echo", i) for i in range(3)]
+        out += c.pipeline([("echo", [i]) for i in range(3, 6)])
+        return out
+
+    assert await blocking(path, go) == [[i] for i in range(6)]
