@@ -196,9 +196,12 @@ class Client:
         qty: int,
         limit: int | None = None,
         ttl_ms: int | None = None,
+        *,
+        at: float | None = None,
     ) -> str:
         """Hold ``qty`` against ``limit``; returns a reservation id (LimitExceeded if over)."""
-        params = _with_opts([tenant, feature, qty], {"limit": limit, "ttl_ms": ttl_ms})
+        opts = {"limit": limit, "ttl_ms": ttl_ms, "at": at}
+        params = _with_opts([tenant, feature, qty], opts)
         return cast(str, self.call("reserve", *params))
 
     def commit(self, reservation_id: str, actual_qty: int | None = None) -> int:
@@ -426,9 +429,12 @@ class AsyncClient:
         qty: int,
         limit: int | None = None,
         ttl_ms: int | None = None,
+        *,
+        at: float | None = None,
     ) -> str:
         """Hold ``qty`` against ``limit``; returns a reservation id (LimitExceeded if over)."""
-        params = _with_opts([tenant, feature, qty], {"limit": limit, "ttl_ms": ttl_ms})
+        opts = {"limit": limit, "ttl_ms": ttl_ms, "at": at}
+        params = _with_opts([tenant, feature, qty], opts)
         return cast(str, await self.call("reserve", *params))
 
     async def commit(self, reservation_id: str, actual_qty: int | None = None) -> int:

@@ -150,6 +150,11 @@ CASES: list[tuple[Callable[[Any], Any], tuple[str, list[Any]], Any]] = [
         ("reserve", ["acme", "api", 3, {"ttl_ms": 500}]),
         "r-1",
     ),
+    (
+        lambda c: c.reserve("acme", "api", 3, at=1700000000),
+        ("reserve", ["acme", "api", 3, {"at": 1700000000}]),
+        "r-1",
+    ),
     (lambda c: c.commit("r-1"), ("commit", ["r-1"]), 10),
     (lambda c: c.commit("r-1", 2), ("commit", ["r-1", 2]), 10),
     (lambda c: c.commit("r-1", actual_qty=0), ("commit", ["r-1", 0]), 10),
