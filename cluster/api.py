@@ -1,0 +1,65 @@
+"""What ``cluster/`` needs from the rest of the node, as structural types (no imports of it).
+
+The counter table satisfies :class:`GossipTable`; the flusher's ``Applied`` values satisfy
+:class:`AppliedView`. The node hands over a ``make_snapshot`` function (the storage
+``Snapshot`` class itself) so announcements become the snapshot type the table re-bases on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Protocol, TypeVar
+
+Key = tuple[str, str, str]
+"""``(tenant, feature, period)``."""
+
+S_contra = TypeVar("S_contra", contravariant=True)
+
+
+class GossipSource(Protocol):
+    """What the broadcaster takes gossip from."""
+
+    def touched_keys(self) -> list[Key]:
+        """Keys with units to gossip."""
+        ...
+
+    def take_gossip(self, key: Key) -> list[tuple[int, int]]:
+        """``[(flush_seq, delta)]`` not yet gossiped for ``key``."""
+        ...
+
+
+class GossipTable(GossipSource, Protocol[S_contra]):
+    """The counter table's public API as the gossip layer uses it."""
+
+    def apply_remote(self, key: Key, peer: str, seq: int, delta: int) -> bool:
+        """Add a peer's delta tagged with its flush sequence."""
+        ...
+
+    def rebase(self, key: Key, snap: S_contra, source: str = ...) -> bool:
+        """Re-base on a stored snapshot if it is at least as new as the row's."""
+        ...
+
+    def keys(self) -> Iterable[Key]:
+        """Every warm key."""
+        ...
+
+
+class SnapshotView(Protocol):
+    """A stored counter as written: total and last applied sequence per node."""
+
+    @property
+    def total(self) -> int: ...
+
+    @property
+    def seqs(self) -> Mapping[str, int]: ...
+
+
+class AppliedView(Protocol):
+    """A flusher outcome: the snapshot the write produced."""
+
+    @property
+    def snapshot(self) -> SnapshotView: ...
+
+
+#: Re-read ``keys`` (``None``: every warm key) from storage and re-base on them.
+Resync = Callable[[list[Key] | None], Awaitable[object]]

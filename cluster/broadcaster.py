@@ -1,0 +1,189 @@
+"""The broadcaster: turns this node's table into gossip frames and sends them, in order.
+
+Every tick it takes ``take_gossip`` of every touched key and publishes one message holding all
+the deltas (split only if it would pass the frame budget). After each flush the flusher hook
+hands it the snapshots written, which it announces. When nothing was sent for a heartbeat
+interval it sends a heartbeat, so peers see it alive and notice a lost last message.
+
+Frames are numbered when encoded and sent by one task in that order, so a peer's gap detection
+sees sequences in order, and a slow or dead Redis never blocks the flusher or the tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cluster.api import AppliedView, GossipSource, Key
+from cluster.bus import Bus, BusUnavailable
+from cluster.codec import AnnounceItem, Codec, DeltaItem, Header, Kind, chunks
+
+log = logging.getLogger("cluster.broadcaster")
+
+
+@dataclass
+class SendStats:
+    """What was sent (or not), for ``status``."""
+
+    messages: int = 0
+    deltas: int = 0
+    announcements: int = 0
+    heartbeats: int = 0
+    items: int = 0
+    bytes: int = 0
+    failed: int = 0  # publish failed (bus down): the frame is lost, peers see a gap
+    dropped: int = 0  # outbox full: the frame is lost, peers see a gap
+    last_error: str | None = None
+
+
+class Broadcaster:
+    """Encodes and sends this node's messages through ``bus``."""
+
+    def __init__(
+        self,
+        table: GossipSource,
+        bus: Bus,
+        codec: Codec,
+        *,
+        node_id: str,
+        incarnation: int,
+        interval: float,
+        heartbeat: float,
+        frame_budget: int = 256 * 1024,
+        max_outbox: int = 1024,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.table = table
+        self.bus = bus
+        self.codec = codec
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.interval = interval
+        self.heartbeat = heartbeat
+        self.frame_budget = frame_budget
+        self.clock = clock
+        self.stats = SendStats()
+        self.seq = 0
+        self._outbox: asyncio.Queue[tuple[Kind, int, bytes]] = asyncio.Queue(max_outbox)
+        self._last_sent = time.monotonic()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- producing frames (synchronous: callable from any hook) -------------------------------
+
+    def gossip_now(self) -> int:
+        """Take every touched key's gossip and queue it; return the number of deltas queued.
+
+        While the bus is down nothing is taken: the units stay in the table and go out in the
+        first tick after the bus returns.
+        """
+        if not self.bus.connected:
+            return 0
+        items: list[DeltaItem] = []
+        for key in self.table.touched_keys():
+            for seq, delta in self.table.take_gossip(key):
+                if delta:
+                    items.append((key[0], key[1], key[2], seq, delta))
+        for part in chunks(items, self.frame_budget):
+            self._queue("deltas", part)
+        return len(items)
+
+    def announce(self, written: Sequence[tuple[Key, AppliedView]]) -> None:
+        """Queue the snapshots just written by the flusher."""
+        if not written or not self.bus.connected:
+            return  # peers resync from storage when they (or we) reconnect
+        items: list[AnnounceItem] = [
+            (k[0], k[1], k[2], a.snapshot.total, dict(a.snapshot.seqs)) for k, a in written
+        ]
+        for part in chunks(items, self.frame_budget):
+            self._queue("announce", part)
+
+    def heartbeat_now(self) -> None:
+        """Queue a heartbeat."""
+        if self.bus.connected:
+            self._queue("heartbeat", ())
+
+    def _queue(self, kind: Kind, items: Sequence[DeltaItem] | Sequence[AnnounceItem]) -> None:
+        self.seq += 1
+        header = Header(self.codec.cluster, self.node_id, self.incarnation, self.seq, self.clock())
+        frame = self.codec.encode(header, kind, items)
+        try:
+            self._outbox.put_nowait((kind, len(items), frame))
+            self._idle.clear()
+        except asyncio.QueueFull:
+            self.stats.dropped += 1
+
+    # -- loops --------------------------------------------------------------------------------
+
+    async def run_ticks(self) -> None:
+        """Gossip every ``interval`` on a fixed schedule (a slow tick does not shift the next),
+        and heartbeat when nothing was sent for ``heartbeat`` seconds."""
+        loop = asyncio.get_running_loop()
+        next_at = loop.time() + self.interval
+        while True:
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            now = loop.time()
+            next_at += self.interval
+            if next_at < now:  # fell behind (a stalled loop): skip the missed ticks
+                next_at = now + self.interval
+            try:
+                self.gossip_now()
+                if time.monotonic() - self._last_sent >= self.heartbeat:
+                    self.heartbeat_now()
+            except Exception:
+                log.exception("gossip tick failed")
+
+    async def run_sender(self) -> None:
+        """Send queued frames in order, forever."""
+        while True:
+            kind, n, frame = await self._outbox.get()
+            try:
+                await self.bus.publish(frame)
+            except BusUnavailable as exc:
+                self.stats.failed += 1
+                self.stats.last_error = str(exc)
+            else:
+                self._count(kind, n, len(frame))
+            finally:
+                self._last_sent = time.monotonic()
+                if self._outbox.empty():
+                    self._idle.set()
+
+    async def drained(self, timeout: float) -> bool:
+        """Wait until every queued frame was sent (or failed); False on timeout."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return self._outbox.empty()
+
+    def _count(self, kind: Kind, n: int, size: int) -> None:
+        s = self.stats
+        s.messages += 1
+        s.bytes += size
+        s.items += n
+        if kind == "deltas":
+            s.deltas += 1
+        elif kind == "announce":
+            s.announcements += 1
+        else:
+            s.heartbeats += 1
+
+    def status(self) -> dict[str, object]:
+        """Counts for ``status``."""
+        s = self.stats
+        return {
+            "messages": s.messages,
+            "delta_messages": s.deltas,
+            "announce_messages": s.announcements,
+            "heartbeats": s.heartbeats,
+            "items": s.items,
+            "bytes": s.bytes,
+            "failed": s.failed,
+            "dropped": s.dropped,
+            "queued": self._outbox.qsize(),
+            "last_error": s.last_error,
+            "seq": self.seq,
+        }

@@ -1,0 +1,302 @@
+"""The gossip message codec. Pure: bytes in, values out; no I/O, no clock, no exceptions escape.
+
+A frame is::
+
+    b"mg" | version (1 byte) | flags (1 byte) | payload (MessagePack) | [HMAC-SHA256, 32 bytes]
+
+``flags`` bit 0 says a MAC is appended; the MAC covers every byte before it. The payload is the
+array ``[cluster, sender, incarnation, seq, sent_at, kind, body]``:
+
+``cluster``      the cluster name (two clusters may share one Redis);
+``sender``       the sending node's id;
+``incarnation``  a number the sender picks at start, larger than any earlier one of its own
+                 (its start time in ns), so a peer can tell a restart from a replay;
+``seq``          the sender's message sequence within the incarnation, 1, 2, 3, ... (gaps are
+                 lost messages);
+``sent_at``      the sender's wall clock in seconds (for the gossip lag);
+``kind``         0 heartbeat (body ``nil``), 1 deltas, 2 flush announcements;
+``body``         deltas: ``[[tenant, feature, period, flush_seq, delta], ...]``;
+                 announcements: ``[[tenant, feature, period, total, {node: seq}], ...]``.
+
+Deltas and totals that do not fit a signed 64-bit integer travel as decimal strings.
+:func:`decode` returns a :class:`Message` or a :class:`Rejected` with a reason; it never raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, cast
+
+import msgpack
+
+MAGIC: Final = b"mg"
+VERSION: Final = 1
+FLAG_MAC: Final = 0x01
+HEADER_LEN: Final = 4
+MAC_LEN: Final = 32
+#: The largest frame accepted or produced (Redis allows far more; peers must parse it).
+MAX_FRAME_BYTES: Final = 1 << 20
+#: Longest string field (node ids, names); generous against the node's own limits.
+MAX_STR: Final = 1024
+MAX_ITEMS: Final = 100_000
+INT64_MIN: Final = -(2**63)
+INT64_MAX: Final = 2**63 - 1
+#: Longest decimal string accepted for a big integer.
+MAX_BIGINT_DIGITS: Final = 80
+
+Kind = Literal["heartbeat", "deltas", "announce"]
+_KIND_CODE: Final[dict[str, int]] = {"heartbeat": 0, "deltas": 1, "announce": 2}
+_CODE_KIND: Final[dict[int, Kind]] = {0: "heartbeat", 1: "deltas", 2: "announce"}
+
+Reason = Literal["oversize", "malformed", "version", "unsigned", "bad_mac", "cluster"]
+#: Every rejection reason, for status maps that list zeros too.
+REASONS: Final[tuple[Reason, ...]] = (
+    "oversize",
+    "malformed",
+    "version",
+    "unsigned",
+    "bad_mac",
+    "cluster",
+)
+
+DeltaItem = tuple[str, str, str, int, int]
+"""``(tenant, feature, period, flush_seq, delta)``."""
+AnnounceItem = tuple[str, str, str, int, Mapping[str, int]]
+"""``(tenant, feature, period, total, {node: last applied seq})``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """Who sent a message and when."""
+
+    cluster: str
+    sender: str
+    incarnation: int
+    seq: int
+    sent_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A decoded, validated message."""
+
+    header: Header
+    kind: Kind
+    deltas: tuple[DeltaItem, ...] = ()
+    announcements: tuple[AnnounceItem, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """Why a frame was refused; ``detail`` is for logs only."""
+
+    reason: Reason
+    detail: str = field(default="", compare=False)
+
+
+class _Bad(Exception):
+    """Internal: a payload field is wrong (never leaves this module)."""
+
+
+class Codec:
+    """Encodes this node's messages and decodes peers'. ``secret`` turns on HMAC-SHA256.
+
+    With a secret, every frame sent carries a MAC and every frame received must carry a valid
+    one. Without a secret, MACs on received frames are not checked (there is no key).
+    """
+
+    def __init__(self, cluster: str, secret: str | bytes | None = None) -> None:
+        self.cluster = cluster
+        key = secret.encode() if isinstance(secret, str) else secret
+        self._key = key or None
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether frames are signed and checked (a secret is set)."""
+        return self._key is not None
+
+    # -- encoding ----------------------------------------------------------------------------
+
+    def encode(
+        self,
+        header: Header,
+        kind: Kind,
+        items: Sequence[DeltaItem] | Sequence[AnnounceItem] = (),
+    ) -> bytes:
+        """One frame. ``items`` are deltas or announcements according to ``kind``."""
+        body: Any
+        if kind == "heartbeat":
+            body = None
+        elif kind == "deltas":
+            body = [[t, f, p, s, _wire_int(cast(int, d))] for t, f, p, s, d in items]
+        else:
+            body = [
+                [t, f, p, _wire_int(n), dict(cast(Mapping[str, int], q))]
+                for t, f, p, n, q in items
+            ]
+        payload: bytes = msgpack.packb(
+            [
+                header.cluster,
+                header.sender,
+                header.incarnation,
+                header.seq,
+                header.sent_at,
+                _KIND_CODE[kind],
+                body,
+            ],
+            use_bin_type=True,
+        )
+        flags = FLAG_MAC if self._key else 0
+        head = MAGIC + struct.pack("BB", VERSION, flags)
+        frame = head + payload
+        if self._key:
+            frame += hmac.new(self._key, frame, hashlib.sha256).digest()
+        return frame
+
+    # -- decoding ----------------------------------------------------------------------------
+
+    def decode(self, frame: object) -> Message | Rejected:
+        """Validate and decode one frame; never raises."""
+        try:
+            return self._decode(frame)
+        except Exception as exc:  # a codec bug must not take the receive loop down
+            return Rejected("malformed", f"{type(exc).__name__}: {exc}")
+
+    def _decode(self, data: object) -> Message | Rejected:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            return Rejected("malformed", "not bytes")
+        frame = bytes(data)
+        if len(frame) > MAX_FRAME_BYTES:
+            return Rejected("oversize", f"{len(frame)} bytes")
+        if len(frame) < HEADER_LEN or frame[:2] != MAGIC:
+            return Rejected("malformed", "no header")
+        version, flags = frame[2], frame[3]
+        if version != VERSION:
+            return Rejected("version", f"version {version}")
+        if flags & ~FLAG_MAC:
+            return Rejected("malformed", f"unknown flags {flags:#x}")
+        end = len(frame)
+        if flags & FLAG_MAC:
+            end -= MAC_LEN
+            if end <= HEADER_LEN:
+                return Rejected("malformed", "truncated MAC")
+            if self._key is not None:
+                want = hmac.new(self._key, frame[:end], hashlib.sha256).digest()
+                if not hmac.compare_digest(want, frame[end:]):
+                    return Rejected("bad_mac")
+        elif self._key is not None:
+            return Rejected("unsigned")
+        try:
+            raw = msgpack.unpackb(
+                frame[HEADER_LEN:end],
+                raw=False,
+                strict_map_key=True,
+                max_buffer_size=MAX_FRAME_BYTES,
+            )
+        except Exception as exc:
+            return Rejected("malformed", f"msgpack: {type(exc).__name__}")
+        try:
+            return self._message(raw)
+        except _Bad as exc:
+            return Rejected("malformed", str(exc))
+
+    def _message(self, raw: Any) -> Message | Rejected:
+        if not isinstance(raw, list) or len(raw) != 7:
+            raise _Bad("payload is not a 7-element array")
+        cluster, sender, incarnation, seq, sent_at, code, body = raw
+        cluster = _str(cluster, "cluster")
+        if cluster != self.cluster:
+            return Rejected("cluster", f"cluster {cluster[:64]!r}")
+        header = Header(
+            cluster,
+            _str(sender, "sender"),
+            _uint(incarnation, "incarnation"),
+            _uint(seq, "seq", lo=1),
+            _time(sent_at),
+        )
+        kind = _CODE_KIND.get(code) if type(code) is int else None
+        if kind is None:
+            raise _Bad(f"unknown kind {code!r}")
+        if kind == "heartbeat":
+            if body is not None:
+                raise _Bad("heartbeat with a body")
+            return Message(header, kind)
+        if not isinstance(body, list) or len(body) > MAX_ITEMS:
+            raise _Bad("body is not an array (or too long)")
+        if kind == "deltas":
+            return Message(header, kind, deltas=tuple(_delta(i) for i in body))
+        return Message(header, kind, announcements=tuple(_announce(i) for i in body))
+
+
+def _wire_int(n: int) -> int | str:
+    return n if INT64_MIN <= n <= INT64_MAX else str(n)
+
+
+def _str(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not v or len(v) > MAX_STR:
+        raise _Bad(f"{what} is not a non-empty string")
+    return v
+
+
+def _uint(v: Any, what: str, lo: int = 0) -> int:
+    if type(v) is not int or not lo <= v <= INT64_MAX:
+        raise _Bad(f"{what} is not an integer in [{lo}, 2^63)")
+    return v
+
+
+def _bigint(v: Any, what: str) -> int:
+    if type(v) is int:
+        return v
+    if isinstance(v, str) and 0 < len(v) <= MAX_BIGINT_DIGITS:
+        digits = v[1:] if v[0] == "-" else v
+        if digits.isascii() and digits.isdigit():
+            return int(v)
+    raise _Bad(f"{what} is not an integer")
+
+
+def _time(v: Any) -> float:
+    if type(v) not in (int, float) or not 0 <= v < 1e11:  # also refuses NaN
+        raise _Bad("sent_at is not a time")
+    return float(v)
+
+
+def _key(item: Any, what: str) -> tuple[str, str, str]:
+    if not isinstance(item, list) or len(item) != 5:
+        raise _Bad(f"{what} item is not a 5-element array")
+    return _str(item[0], "tenant"), _str(item[1], "feature"), _str(item[2], "period")
+
+
+def _delta(item: Any) -> DeltaItem:
+    t, f, p = _key(item, "delta")
+    return (t, f, p, _uint(item[3], "flush_seq", lo=1), _bigint(item[4], "delta"))
+
+
+def _announce(item: Any) -> AnnounceItem:
+    t, f, p = _key(item, "announcement")
+    seqs = item[4]
+    if not isinstance(seqs, dict) or len(seqs) > MAX_ITEMS:
+        raise _Bad("announcement seqs is not a map")
+    clean = {_str(n, "node"): _uint(s, "node seq") for n, s in seqs.items()}
+    return (t, f, p, _bigint(item[3], "total"), clean)
+
+
+def chunks(items: Sequence[Any], budget: int = MAX_FRAME_BYTES // 2) -> Iterator[Sequence[Any]]:
+    """Split ``items`` (delta or announcement tuples) into runs that each encode under
+    ``budget`` bytes, estimated from their string lengths (ints cost at most 9 bytes each)."""
+    start = 0
+    size = 0
+    for i, item in enumerate(items):
+        cost = 16 + len(item[0]) + len(item[1]) + len(item[2]) + 18
+        extra = item[4]
+        if isinstance(extra, Mapping):
+            cost += sum(len(n) + 11 for n in extra)
+        if i > start and size + cost > budget:
+            yield items[start:i]
+            start, size = i, 0
+        size += cost
+    if start < len(items):
+        yield items[start:]

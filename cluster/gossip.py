@@ -1,0 +1,290 @@
+"""The gossip orchestrator a node owns: broadcaster, receiver, peer tracking, resync.
+
+Receiving: deltas go to ``table.apply_remote`` (tagged with the flush sequence they will be
+stored under), announcements to ``table.rebase(..., source="gossip")``. The tags make both exact:
+a snapshot whose sequence for a peer has reached a tag contains that delta, so the table drops
+it from ``remote`` exactly when the base takes it in (see ``docs/cluster.md``).
+
+Pub/sub is at-most-once. A gap in a peer's message sequence, a (re)connect of our bus, a peer
+restarting or going silent, and a periodic reconciliation all ask the node's ``resync``
+callback to re-read warm keys from storage and re-base on them. Requests are coalesced: one
+resync runs at a time, and any that arrive meanwhile become one more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from cluster.api import AppliedView, GossipTable, Key, Resync
+from cluster.broadcaster import Broadcaster
+from cluster.bus import Bus
+from cluster.codec import REASONS, Codec, Message, Rejected
+from cluster.peers import Peers, Seen
+
+log = logging.getLogger("cluster.gossip")
+
+S = TypeVar("S")
+
+#: Rejection reasons beyond the codec's: a replayed/old message, and another process using
+#: this node's id (a misconfiguration that would corrupt both nodes' flush sequences).
+EXTRA_REASONS = ("stale", "own_id")
+
+
+@dataclass(frozen=True, slots=True)
+class GossipSettings:
+    """Timings of the gossip layer, in seconds."""
+
+    interval: float = 0.1
+    heartbeat: float = 1.0
+    #: A peer silent this long is dead: its un-flushed gossip is forgotten.
+    peer_timeout: float = 5.0
+    #: Re-read every warm key this often to bound drift from lost messages (0: never).
+    reconcile: float = 60.0
+    #: Pause after a failed resync before trying again (doubles up to 30 s).
+    resync_retry: float = 1.0
+
+
+class Gossip(Generic[S]):
+    """Cluster membership of one node over one :class:`~cluster.bus.Bus`."""
+
+    def __init__(
+        self,
+        table: GossipTable[S],
+        bus: Bus,
+        *,
+        node_id: str,
+        cluster: str,
+        make_snapshot: Callable[[int, dict[str, int]], S],
+        resync: Resync,
+        secret: str | None = None,
+        settings: GossipSettings | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.table = table
+        self.bus = bus
+        self.node_id = node_id
+        self.settings = settings or GossipSettings()
+        self.make_snapshot = make_snapshot
+        self.resync = resync
+        self.clock = clock
+        # Increasing across restarts of this node (wall clock, ns): peers tell a restart from
+        # a replay of an old message by it.
+        self.incarnation = time.time_ns()
+        self.codec = Codec(cluster, secret)
+        self.peers = Peers(self.settings.peer_timeout)
+        self.broadcaster = Broadcaster(
+            table,
+            bus,
+            self.codec,
+            node_id=node_id,
+            incarnation=self.incarnation,
+            interval=self.settings.interval,
+            heartbeat=self.settings.heartbeat,
+            clock=clock,
+        )
+        self.received: dict[str, int] = {
+            "messages": 0,
+            "deltas_applied": 0,
+            "deltas_skipped": 0,
+            "announcements_applied": 0,
+            "announcements_skipped": 0,
+            "echoes": 0,
+        }
+        self.rejected: dict[str, int] = dict.fromkeys((*REASONS, *EXTRA_REASONS), 0)
+        self.resyncs: dict[str, int] = {"gap": 0, "connect": 0, "peer": 0, "reconcile": 0}
+        self.resync_failures = 0
+        self.resync_last_error: str | None = None
+        self.forgotten_units = 0
+        self._want_resync: set[str] = set()
+        self._resync_event = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._warned_own_id = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the bus (it connects in the background) and the loops."""
+        await self.bus.start(self.on_bytes, self.on_state)
+        self._tasks = [
+            asyncio.create_task(self.broadcaster.run_sender(), name="gossip-sender"),
+            asyncio.create_task(self.broadcaster.run_ticks(), name="gossip-ticks"),
+            asyncio.create_task(self._resync_loop(), name="gossip-resync"),
+            asyncio.create_task(self._maintenance_loop(), name="gossip-maintenance"),
+        ]
+
+    async def stop(self, timeout: float = 2.0) -> None:
+        """Publish what is left (last gossip; announcements already queued), then close."""
+        sender = self._tasks[0] if self._tasks else None
+        for task in self._tasks[1:]:
+            task.cancel()
+        for task in self._tasks[1:]:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if sender is not None:
+            self.broadcaster.gossip_now()
+            if not await self.broadcaster.drained(timeout):
+                left = self.broadcaster.status()["queued"]
+                log.warning("gossip: %s frames not sent at stop", left)
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
+        self._tasks = []
+        await self.bus.close()
+
+    async def on_flushed(self, written: Sequence[tuple[Key, AppliedView]]) -> None:
+        """The flusher hook: announce the snapshots just written."""
+        self.broadcaster.announce(written)
+
+    # -- receiving ----------------------------------------------------------------------------
+
+    def on_bytes(self, data: bytes) -> None:
+        """Handle one frame from the bus. Never raises."""
+        decoded = self.codec.decode(data)
+        if isinstance(decoded, Rejected):
+            self.rejected[decoded.reason] += 1
+            log.debug("gossip frame rejected: %s %s", decoded.reason, decoded.detail)
+            return
+        try:
+            self._receive(decoded)
+        except Exception:  # a bug here must not stop gossip; resync repairs the view
+            log.exception("applying a gossip message failed")
+            self.request_resync("gap")
+
+    def _receive(self, msg: Message) -> None:
+        h = msg.header
+        if h.sender == self.node_id:
+            if h.incarnation == self.incarnation:
+                self.received["echoes"] += 1  # our own message back from the channel
+                return
+            self.rejected["own_id"] += 1
+            if not self._warned_own_id:
+                self._warned_own_id = True
+                log.error("another process publishes as node id %r (must be unique)", h.sender)
+            return
+        verdict, missed = self.peers.observe(
+            h.sender, h.incarnation, h.seq, h.sent_at, self.clock(), time.monotonic()
+        )
+        if verdict is Seen.STALE:
+            self.rejected["stale"] += 1
+            return
+        self.received["messages"] += 1
+        if verdict is Seen.GAP:
+            log.info("gossip gap from %s: %d messages lost; resyncing", h.sender, missed)
+            self.request_resync("gap")
+        elif verdict is Seen.RESTART:
+            # Its earlier incarnation's un-flushed gossip will never be written as such.
+            self._forget(h.sender)
+            self.request_resync("peer")
+        table = self.table
+        if msg.kind == "deltas":
+            applied = 0
+            for t, f, p, seq, delta in msg.deltas:
+                if table.apply_remote((t, f, p), h.sender, seq, delta):
+                    applied += 1
+            self.received["deltas_applied"] += applied
+            self.received["deltas_skipped"] += len(msg.deltas) - applied
+        elif msg.kind == "announce":
+            applied = 0
+            for t, f, p, total, seqs in msg.announcements:
+                snap = self.make_snapshot(total, dict(seqs))
+                if table.rebase((t, f, p), snap, "gossip"):
+                    applied += 1
+            self.received["announcements_applied"] += applied
+            self.received["announcements_skipped"] += len(msg.announcements) - applied
+
+    def on_state(self, up: bool) -> None:
+        """The bus connected or lost its connection."""
+        if up:
+            # Whatever was published while we were away is lost to us: re-read storage. Peers'
+            # silence during our outage was ours, not theirs.
+            self.peers.touch_all(time.monotonic())
+            self.request_resync("connect")
+
+    def _forget(self, peer: str) -> None:
+        # The table may offer forget_peer(peer) -> units: drop a peer's remote deltas that will
+        # never be flushed (it died or restarted). Without it they stay until that peer (same
+        # id) flushes those sequences again.
+        forget = getattr(self.table, "forget_peer", None)
+        if forget is not None:
+            self.forgotten_units += int(forget(peer) or 0)
+
+    # -- resync and housekeeping ---------------------------------------------------------------
+
+    def request_resync(self, reason: str) -> None:
+        """Ask for every warm key to be re-read from storage (coalesced)."""
+        self._want_resync.add(reason)
+        self._resync_event.set()
+
+    async def _resync_loop(self) -> None:
+        backoff = self.settings.resync_retry
+        while True:
+            await self._resync_event.wait()
+            self._resync_event.clear()
+            reasons, self._want_resync = self._want_resync, set()
+            try:
+                await self.resync(None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.resync_failures += 1
+                self.resync_last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("gossip resync failed: %s", self.resync_last_error)
+                self._want_resync |= reasons
+                await asyncio.sleep(backoff)
+                backoff = min(30.0, backoff * 2)
+                self._resync_event.set()
+                continue
+            backoff = self.settings.resync_retry
+            for reason in reasons:
+                self.resyncs[reason] = self.resyncs.get(reason, 0) + 1
+
+    async def _maintenance_loop(self) -> None:
+        step = min(0.5, self.settings.peer_timeout / 4)
+        last_reconcile = time.monotonic()
+        while True:
+            await asyncio.sleep(step)
+            mono = time.monotonic()
+            if self.bus.connected:
+                for peer in self.peers.expire(mono):
+                    log.warning("peer %s is silent: forgetting its un-flushed gossip", peer)
+                    self._forget(peer)
+                    self.request_resync("peer")
+            reconcile = self.settings.reconcile
+            if reconcile > 0 and mono - last_reconcile >= reconcile:
+                last_reconcile = mono
+                self.request_resync("reconcile")
+
+    # -- status -------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Peers, counts of messages sent/received/rejected, gaps and resyncs."""
+        mono = time.monotonic()
+        peers = self.peers.status(mono)
+        return {
+            "node_id": self.node_id,
+            "cluster": self.codec.cluster,
+            "authenticated": self.codec.authenticated,
+            "interval_ms": round(self.settings.interval * 1000, 3),
+            "bus": self.bus.describe(),
+            "live_peers": self.peers.live(),
+            "peers": peers,
+            "sent": self.broadcaster.status(),
+            "received": dict(self.received),
+            "rejected": dict(self.rejected),
+            "gaps": sum(int(_num(p["gaps"])) for p in peers.values()),
+            "missed": sum(int(_num(p["missed"])) for p in peers.values()),
+            "resyncs": dict(self.resyncs),
+            "resync_failures": self.resync_failures,
+            "resync_last_error": self.resync_last_error,
+            "forgotten_units": self.forgotten_units,
+        }
+
+
+def _num(v: object) -> float:
+    return float(v) if isinstance(v, int | float) else 0.0

@@ -1,0 +1,171 @@
+"""The Redis pub/sub bus (``redis.asyncio``): ``redis://``, ``rediss://`` and ``unix://`` URLs,
+with AUTH (``redis://user:password@host:port/db``) taken from the URL.
+
+One subscriber connection reads the channel; publishes go through the client's pool. When the
+subscriber loses Redis the bus is *down*: :meth:`RedisBus.publish` fails fast without trying,
+and the subscriber reconnects with exponential backoff and full jitter (so a fleet does not
+reconnect in lock-step). Redis errors never leave this module: they become :class:`BusError`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import re
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
+
+from cluster.bus import Bus, BusUnavailable, OnMessage, OnState
+
+log = logging.getLogger("cluster.redis")
+
+
+def redact(url: str) -> str:
+    """``url`` without its password, for logs and ``status``."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+class RedisBus(Bus):
+    """A :class:`Bus` on one Redis pub/sub channel."""
+
+    kind = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        channel: str,
+        *,
+        connect_timeout: float = 1.0,
+        op_timeout: float = 2.0,
+        min_backoff: float = 0.05,
+        max_backoff: float = 5.0,
+        health_check_s: int = 5,
+    ) -> None:
+        super().__init__()
+        self.url = url
+        self.channel = channel
+        self.min_backoff = min_backoff
+        self.max_backoff = max_backoff
+        # No client-side retries: a failed publish is reported at once (the caller drops the
+        # message; peers see the gap), and reconnecting is this class' job, with backoff.
+        self._client: aioredis.Redis = aioredis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=op_timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=health_check_s,
+        )
+        self._task: asyncio.Task[None] | None = None
+        self._on_message: OnMessage | None = None
+        self._on_state: OnState | None = None
+        self._closing = False
+
+    async def start(self, on_message: OnMessage, on_state: OnState) -> None:
+        self._on_message = on_message
+        self._on_state = on_state
+        self._task = asyncio.create_task(self._run(), name="redis-bus")
+
+    async def publish(self, data: bytes) -> None:
+        if not self.connected:
+            raise BusUnavailable(f"redis is not connected: {self.last_error}")
+        try:
+            await self._client.publish(self.channel, data)
+        except (RedisError, OSError) as exc:
+            raise BusUnavailable(f"publish failed: {_describe(exc)}") from None
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._set_connected(False)
+        with contextlib.suppress(RedisError, OSError):
+            await self._client.aclose()
+
+    def describe(self) -> dict[str, object]:
+        out = super().describe()
+        out["url"] = redact(self.url)
+        out["channel"] = self.channel
+        return out
+
+    # -- the subscriber loop -----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        failures = 0
+        while not self._closing:
+            pubsub: Any = self._client.pubsub()
+            try:
+                await self._subscribe(pubsub)
+                failures = 0
+                self._set_connected(True)
+                await self._read(pubsub)
+            except (RedisError, OSError, TimeoutError) as exc:
+                self.last_error = _describe(exc)
+                if self.connected or failures == 0:
+                    log.warning("redis bus %s: %s", redact(self.url), self.last_error)
+                self._set_connected(False)
+                failures += 1
+            finally:
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    await asyncio.wait_for(pubsub.aclose(), 1.0)
+            if self._stopped():
+                return
+            cap = min(self.max_backoff, self.min_backoff * 2 ** min(failures, 16))
+            await asyncio.sleep(random.uniform(cap / 2, cap))
+
+    async def _subscribe(self, pubsub: Any) -> None:
+        await pubsub.subscribe(self.channel)
+        # Connected means subscribed: wait for Redis to confirm, so nothing published after
+        # this point is missed.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5.0
+        while loop.time() < deadline:
+            msg = await pubsub.get_message(timeout=1.0)
+            if msg is not None and msg.get("type") == "subscribe":
+                return
+        raise TimeoutError("no subscribe confirmation from redis")
+
+    async def _read(self, pubsub: Any) -> None:
+        while True:
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            if msg is None or msg.get("type") != "message":
+                continue
+            data = msg.get("data")
+            if isinstance(data, bytes) and self._on_message is not None:
+                try:
+                    self._on_message(data)
+                except Exception:  # a receiver bug must not kill the subscription
+                    log.exception("gossip receiver failed")
+
+    def _stopped(self) -> bool:
+        return self._closing
+
+    def _set_connected(self, up: bool) -> None:
+        if up == self.connected:
+            return
+        self.connected = up
+        if up:
+            self.connects += 1
+            self.last_error = None
+            log.info("redis bus connected to %s (%s)", redact(self.url), self.channel)
+        if self._on_state is not None:
+            try:
+                self._on_state(up)
+            except Exception:
+                log.exception("bus state callback failed")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, AuthenticationError) or (
+        isinstance(exc, ResponseError) and ("NOAUTH" in str(exc) or "WRONGPASS" in str(exc))
+    ):
+        return f"authentication failed: {exc}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
