@@ -16,6 +16,8 @@ from meter import __version__
 from meter.config import CounterConfig
 from meter.errors import InvalidArgument, MeterError, Unavailable, UnknownMethod
 from meter.keys import (
+    QTY_MAX,
+    QTY_MIN,
     Key,
     PeriodKind,
     check_at,
@@ -32,6 +34,9 @@ log = logging.getLogger("meter.service")
 
 #: Longest ``track_many`` batch.
 MAX_BATCH_ITEMS = 10_000
+
+#: Most (tenant, feature) pairs whose current key is cached; the cache starts over when full.
+KEY_CACHE_SIZE = 65_536
 
 _TRACK_OPTS = frozenset({"at"})
 _USAGE_OPTS = frozenset({"at"})
@@ -58,6 +63,13 @@ class Service:
         self.calls = 0
         self._seeding: dict[Key, asyncio.Future[None]] = {}
         self._periods: Mapping[str, PeriodKind] = self.config.feature_periods
+        # Hot-path cache: (tenant, feature) -> its validated key in the current period. Valid
+        # only within [_day_start, _day_end): the current UTC day, inside which neither a day
+        # nor a month period changes. Validation and period building then happen once per
+        # pair per day instead of once per call, and every row of a pair shares one key tuple.
+        self._keys: dict[tuple[str, str], Key] = {}
+        self._day_start = 0.0
+        self._day_end = 0.0
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
             "track": self._track,
             "track_many": self._track_many,
@@ -90,9 +102,30 @@ class Service:
 
     def key_for(self, tenant: object, feature: object, at: float | None = None) -> Key:
         """Validate names and build the key of the period containing ``at`` (default now)."""
+        if at is None and type(tenant) is str and type(feature) is str:
+            now = time.time()
+            if self._day_start <= now < self._day_end:
+                key = self._keys.get((tenant, feature))
+                if key is not None:
+                    return key
+            else:
+                self._new_day(now)
+            t = check_tenant(tenant)
+            f = check_feature(feature)
+            key = (t, f, period_start(self._periods.get(f, "month"), now))
+            if len(self._keys) >= KEY_CACHE_SIZE:
+                self._keys.clear()
+            self._keys[(t, f)] = key
+            return key
         t = check_tenant(tenant)
         f = check_feature(feature)
         return (t, f, period_start(self._periods.get(f, "month"), at))
+
+    def _new_day(self, now: float) -> None:
+        """Start the key cache over for the UTC day containing ``now``."""
+        self._keys.clear()
+        self._day_start = now - now % 86400
+        self._day_end = self._day_start + 86400
 
     async def seed(self, key: Key) -> bool:
         """Make ``key`` seeded from storage; one load per key however many callers wait.
@@ -121,6 +154,14 @@ class Service:
     # -- methods ------------------------------------------------------------------------------
 
     def _track(self, params: list[Any]) -> Any:
+        if len(params) == 3:  # the common shape: no opts, so no period choice to check
+            key = self.key_for(params[0], params[1])
+            qty = params[2]
+            if type(qty) is not int or not QTY_MIN <= qty <= QTY_MAX:
+                qty = check_qty(qty)  # raises the usual error
+            if self.table.is_seeded(key):
+                return self.table.incr(key, qty)
+            return self._track_cold(key, qty)
         tenant, feature, qty, opts = _args("track", params, 2, 4, (1, {}))
         at = _opts("track", opts, _TRACK_OPTS).get("at")
         key = self.key_for(tenant, feature, None if at is None else check_at(at))
@@ -144,17 +185,30 @@ class Service:
         out: list[Any] = []
         cold: list[tuple[int, Key, int]] = []
         table = self.table
+        is_seeded, incr = table.is_seeded, table.incr
+        now = time.time()
+        # The key cache answers for the whole batch if it is valid now (see key_for).
+        cache = self._keys if self._day_start <= now < self._day_end else {}
         for i, item in enumerate(items):
             try:
-                if not isinstance(item, list | tuple) or len(item) != 3:
+                if (type(item) is list or isinstance(item, list | tuple)) and len(item) == 3:
+                    tenant, feature, qty = item
+                else:
                     raise InvalidArgument("item must be [tenant, feature, qty]")
-                key = self.key_for(item[0], item[1])
-                qty = check_qty(item[2])
+                key = (
+                    cache.get((tenant, feature))
+                    if type(tenant) is str and type(feature) is str
+                    else None
+                )
+                if key is None:
+                    key = self.key_for(tenant, feature)
+                if type(qty) is not int or not QTY_MIN <= qty <= QTY_MAX:
+                    qty = check_qty(qty)
             except MeterError as exc:
                 out.append(exc.to_wire())
                 continue
-            if table.is_seeded(key):
-                out.append(table.incr(key, qty))
+            if is_seeded(key):
+                out.append(incr(key, qty))
             else:
                 out.append(None)
                 cold.append((i, key, qty))
