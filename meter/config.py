@@ -87,6 +87,12 @@ class ClusterConfig:
     gossip_interval_ms: int = 100
     cluster_name: str = "meter"
     secret: str | None = None
+    #: A heartbeat is sent when nothing else was for this long.
+    heartbeat_ms: int = 1000
+    #: A peer silent this long is dead (its un-flushed gossip is forgotten).
+    peer_timeout_ms: int = 5000
+    #: Every warm key is re-read from storage this often to bound drift (0: never).
+    reconcile_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +240,9 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "gossip_interval_ms": ("cluster", "gossip_interval_ms", _int(1, 60_000)),
     "cluster_name": ("cluster", "cluster_name", _str),
     "cluster_secret": ("cluster", "secret", _opt_str),
+    "cluster_heartbeat_ms": ("cluster", "heartbeat_ms", _int(10, 600_000)),
+    "cluster_peer_timeout_ms": ("cluster", "peer_timeout_ms", _int(100, 3_600_000)),
+    "cluster_reconcile_s": ("cluster", "reconcile_s", _float(0, 10**7)),
 }
 
 #: Every setting name (TOML key; ``METER_`` + upper case is its environment variable).

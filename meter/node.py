@@ -15,16 +15,19 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO, Any
 
+from cluster.gossip import Gossip, GossipSettings
 from meter.config import NodeConfig
 from meter.errors import ConfigError, Unavailable
 from meter.flusher import Flusher
+from meter.keys import Key
 from meter.server import RpcServer, start_server
 from meter.service import Service
 from meter.table import CounterTable
-from storage.base import Storage, StorageError
+from storage.base import Snapshot, Storage, StorageError
 
 log = logging.getLogger("meter.node")
 
@@ -54,6 +57,48 @@ def build_storage(cfg: NodeConfig) -> Storage:
             retention_days=s.retention_days,
         )
     raise ConfigError("storage", f"unknown storage kind {s.kind!r}")
+
+
+def resync_from(
+    storage: Storage, table: CounterTable, chunk: int = 100
+) -> Callable[[list[Key] | None], Awaitable[int]]:
+    """The gossip layer's resync callback: re-read keys (``None``: every warm, seeded key) from
+    storage in chunks and re-base on them. Storage errors propagate (gossip retries later)."""
+
+    async def resync(keys: list[Key] | None) -> int:
+        wanted = [k for k in (table.keys() if keys is None else keys) if table.is_seeded(k)]
+        rebased = 0
+        for start in range(0, len(wanted), chunk):
+            snaps = await storage.load(wanted[start : start + chunk])
+            for key, snap in snaps.items():
+                rebased += table.rebase(key, snap, "read")
+        return rebased
+
+    return resync
+
+
+def build_gossip(cfg: NodeConfig, table: CounterTable, storage: Storage) -> Gossip[Snapshot]:
+    """The gossip layer over Redis pub/sub the configuration names (not started yet)."""
+    from cluster.bus import channel_name
+    from cluster.redis_bus import RedisBus
+
+    c = cfg.cluster
+    assert c.redis_url is not None
+    return Gossip(
+        table,
+        RedisBus(c.redis_url, channel_name(c.cluster_name)),
+        node_id=table.node,
+        cluster=c.cluster_name,
+        make_snapshot=Snapshot,
+        resync=resync_from(storage, table),
+        secret=c.secret,
+        settings=GossipSettings(
+            interval=c.gossip_interval_ms / 1000,
+            heartbeat=c.heartbeat_ms / 1000,
+            peer_timeout=c.peer_timeout_ms / 1000,
+            reconcile=c.reconcile_s,
+        ),
+    )
 
 
 class DataDir:
@@ -120,6 +165,7 @@ class Node:
         self.service: Service | None = None
         self.flusher: Flusher | None = None
         self.server: RpcServer | None = None
+        self.gossip: Gossip[Snapshot] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self.drained: bool | None = None
@@ -137,12 +183,15 @@ class Node:
             except StorageError as exc:
                 raise Unavailable(f"cannot open {self.storage.kind} storage: {exc}") from None
             self.table = CounterTable(node_id)
+            if cfg.cluster.redis_url:
+                self.gossip = build_gossip(cfg, self.table, self.storage)
             self.flusher = Flusher(
                 self.table,
                 self.storage,
                 interval=cfg.flush.interval_ms / 1000,
                 batch_keys=cfg.flush.batch_keys,
                 max_backoff=cfg.flush.max_backoff_ms / 1000,
+                on_flushed=None if self.gossip is None else self.gossip.on_flushed,
             )
             self.service = Service(
                 self.table, self.storage, cfg.counters, status_extra=self._status_extra
@@ -170,6 +219,8 @@ class Node:
             asyncio.create_task(self._expire_loop(), name="reservation-expiry"),
             asyncio.create_task(self._evict_loop(), name="eviction"),
         ]
+        if self.gossip is not None:
+            await self.gossip.start()  # connects in the background; serving does not wait
         log.info(
             "node %s serving on %s (storage %s, data dir %s)",
             node_id,
@@ -216,6 +267,9 @@ class Node:
                 units,
                 self.flusher.stats.last_error,
             )
+        if self.gossip is not None:
+            # The drain's announcements are queued: send them and any last gossip, then close.
+            await self.gossip.stop()
         await self.storage.close()
         self.data_dir.release()
         log.info("node stopped (%s)", "drained" if self.drained else "NOT drained")
@@ -273,4 +327,6 @@ class Node:
         }
         if self.server is not None:
             out["server"] = self.server.stats()
+        if self.gossip is not None:
+            out["cluster"] = self.gossip.status()
         return out
