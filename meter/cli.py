@@ -105,10 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _run(coro: Any) -> Any:
+def _run(coro: Any) -> int:
     import uvloop
 
-    return uvloop.run(coro)
+    code: int = uvloop.run(coro)
+    return code
 
 
 def _serve(cfg: NodeConfig) -> int:
@@ -124,8 +125,7 @@ def _serve(cfg: NodeConfig) -> int:
         await node.start()
         return await node.run()
 
-    code: int = _run(go())
-    return code
+    return _run(go())
 
 
 async def _storage_init(cfg: NodeConfig) -> int:

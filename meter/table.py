@@ -53,6 +53,7 @@ class Row:
     __slots__ = (
         "base",
         "gen",
+        "gossip_open",
         "inflight",
         "inflight_seq",
         "own_applied",
@@ -78,6 +79,10 @@ class Row:
         self.pending_flush = 0
         self.pending_gossip = 0
         self.sealed_gossip: list[Tagged] | None = None
+        # True once units tagged ``own_seq + 1`` were gossiped: that sequence must then be
+        # written, even with a net delta of zero, or peers would hold them in ``remote``
+        # forever, waiting for a sequence that never reaches the store.
+        self.gossip_open = False
         self.remote: dict[str, dict[int, int]] | None = None
         self.remote_total = 0
         self.reserved = 0
@@ -93,6 +98,7 @@ class Row:
             and self.pending_flush == 0
             and self.pending_gossip == 0
             and not self.sealed_gossip
+            and not self.gossip_open
             and self.reserved == 0
             and not self.remote
         )
@@ -239,7 +245,11 @@ class CounterTable:
         return row
 
     def seed(self, key: Key, snap: Snapshot) -> bool:
-        """Give a cold or unseeded key its stored snapshot. Warm seeded keys are left alone."""
+        """Give a cold or unseeded key its stored snapshot. Warm seeded keys are left alone.
+
+        ``snap`` must come from a read issued while the key was cold or unseeded (then it holds
+        every sequence this node ever stored for the key: nothing is flushed before seeding).
+        """
         with self._lock:
             row = self._row(key)
             if row.seeded:
@@ -320,9 +330,10 @@ class CounterTable:
                 return None
             if row.inflight_seq:
                 return (row.inflight_seq, row.inflight)
-            if row.pending_flush == 0:
+            if row.pending_flush == 0 and not row.gossip_open:
                 self._dirty.discard(key)
                 return None
+            row.gossip_open = False
             row.own_seq += 1
             row.inflight_seq = row.own_seq
             row.inflight = row.pending_flush
@@ -348,6 +359,7 @@ class CounterTable:
             if row.pending_gossip:
                 out.append((row.own_seq + 1, row.pending_gossip))
                 row.pending_gossip = 0
+                row.gossip_open = True
             return out
 
     def take_pending(self, key: Key, kind: PendingKind) -> list[Tagged]:
@@ -372,17 +384,19 @@ class CounterTable:
         Applied only if the snapshot is at least as new as the row's (its per-node sequences
         all at least the row's), so a late, older answer never moves the view backwards. If the
         snapshot holds this node's in-flight sequence, the in-flight delta is done. Remote
-        deltas the snapshot contains are dropped. Cold keys are skipped (returns ``False``).
+        deltas the snapshot contains are dropped. Cold and unseeded keys are skipped (returns
+        ``False``): only :meth:`seed`, with a fresh read, may seed a row, because a stale
+        snapshot could carry an old sequence of ours and the next flush would reuse it.
         """
         del source  # every source is handled alike: the sequences say what the total holds
         with self._lock:
             row = self._rows.get(key)
-            if row is None:
+            if row is None or not row.seeded:
                 return False
-            if row.seeded and not _covers(snap, self.node, row):
+            if not _covers(snap, self.node, row):
                 return False
             self._rebase_row(row, snap)
-            if row.inflight_seq == 0 and row.pending_flush == 0:
+            if row.inflight_seq == 0 and row.pending_flush == 0 and not row.gossip_open:
                 self._dirty.discard(key)
             return True
 

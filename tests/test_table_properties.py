@@ -501,13 +501,16 @@ def test_rebase_drops_exactly_the_remote_deltas_the_snapshot_holds() -> None:
 # -- bugs found by the state machine (minimal reproductions) ------------------------------------
 
 
-def test_rebase_that_seeds_an_unseeded_row_schedules_its_gossip() -> None:
+def test_only_seed_seeds_an_unseeded_row_and_schedules_its_gossip() -> None:
     """The broadcaster visits only ``touched_keys``. ``take_gossip`` on an unseeded row
-    un-touches it (``seed`` re-touches it); a ``rebase`` that seeds the row must too."""
+    un-touches it; seeding must touch it again. A ``rebase`` (possibly a stale announcement)
+    never seeds a row: only a fresh read does (see the stale-snapshot test below)."""
     t = CounterTable("a")
     t.incr(K, 1)  # unseeded row
     assert t.take_gossip(K) == []  # broadcaster tick: nothing to send yet, un-touched
-    assert t.rebase(K, Snapshot(0, {}), source="read")  # seeds the row
+    assert not t.rebase(K, Snapshot(0, {}), source="read")
+    assert not t.is_seeded(K)
+    assert t.seed(K, Snapshot(0, {}))
     assert t.columns(K)["pending_gossip"] == 1  # type: ignore[index]
     assert K in t.touched_keys()
 
