@@ -97,7 +97,13 @@ class Gossip(Generic[S]):
             "echoes": 0,
         }
         self.rejected: dict[str, int] = dict.fromkeys((*REASONS, *EXTRA_REASONS), 0)
-        self.resyncs: dict[str, int] = {"gap": 0, "connect": 0, "peer": 0, "reconcile": 0}
+        self.resyncs: dict[str, int] = {
+            "gap": 0,
+            "join": 0,
+            "connect": 0,
+            "peer": 0,
+            "reconcile": 0,
+        }
         self.resync_failures = 0
         self.resync_last_error: str | None = None
         self.forgotten_units = 0
@@ -177,6 +183,10 @@ class Gossip(Generic[S]):
         if verdict is Seen.GAP:
             log.info("gossip gap from %s: %d messages lost; resyncing", h.sender, missed)
             self.request_resync("gap")
+        elif verdict is Seen.FIRST and h.seq > 1:
+            # A peer that was running before we heard it: its earlier messages may hold
+            # deltas for keys we have warm. Cheap (once per peer), and closes that window.
+            self.request_resync("join")
         elif verdict is Seen.RESTART:
             # Its earlier incarnation's un-flushed gossip will never be written as such.
             self._forget(h.sender)
@@ -205,6 +215,8 @@ class Gossip(Generic[S]):
             # silence during our outage was ours, not theirs.
             self.peers.touch_all(time.monotonic())
             self.request_resync("connect")
+            # Tell peers at once that we are here (and where our sequence stands).
+            self.broadcaster.heartbeat_now()
 
     def _forget(self, peer: str) -> None:
         # The table may offer forget_peer(peer) -> units: drop a peer's remote deltas that will

@@ -1,0 +1,175 @@
+"""The gossip codec: round trips, every rejection reason, HMAC, and garbage that never raises."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import msgpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.codec import (
+    MAC_LEN,
+    MAX_FRAME_BYTES,
+    REASONS,
+    Codec,
+    Header,
+    Message,
+    Rejected,
+    chunks,
+)
+
+H = Header("prod", "node-a", 1_700_000_000_000_000_000, 7, 1_760_000_000.25)
+
+
+def test_round_trip_every_kind() -> None:
+    c = Codec("prod")
+    deltas = [("t1", "api", "2026-11", 3, 5), ("t/u", "seats", "2026-11-30", 1, -2)]
+    m = c.decode(c.encode(H, "deltas", deltas))
+    assert isinstance(m, Message)
+    assert m.header == H and m.kind == "deltas" and list(m.deltas) == deltas
+
+    ann = [("t1", "api", "2026-11", 42, {"node-a": 3, "node-b": 9})]
+    m = c.decode(c.encode(H, "announce", ann))
+    assert isinstance(m, Message) and m.kind == "announce"
+    assert [(t, f, p, n, dict(s)) for t, f, p, n, s in m.announcements] == ann
+
+    m = c.decode(c.encode(H, "heartbeat"))
+    assert isinstance(m, Message) and m.kind == "heartbeat" and m.deltas == ()
+
+
+def test_integers_beyond_64_bits_travel_as_decimal_strings() -> None:
+    c = Codec("prod")
+    big = 2**70
+    m = c.decode(c.encode(H, "deltas", [("t", "f", "2026-11", 1, -big)]))
+    assert isinstance(m, Message) and m.deltas[0][4] == -big
+    m = c.decode(c.encode(H, "announce", [("t", "f", "2026-11", big, {"a": 1})]))
+    assert isinstance(m, Message) and m.announcements[0][3] == big
+
+
+def test_hmac_round_trip_and_rejections() -> None:
+    signed = Codec("prod", "s3cret")
+    frame = signed.encode(H, "deltas", [("t", "f", "2026-11", 1, 1)])
+    assert isinstance(signed.decode(frame), Message)
+    assert signed.authenticated
+    # A receiver without the secret cannot check, and accepts (it has no key).
+    assert isinstance(Codec("prod").decode(frame), Message)
+    # Wrong key, flipped payload bit, flipped MAC bit: bad_mac.
+    assert Codec("prod", "other").decode(frame) == Rejected("bad_mac")
+    tampered = bytearray(frame)
+    tampered[10] ^= 1
+    assert signed.decode(bytes(tampered)) == Rejected("bad_mac")
+    tampered = bytearray(frame)
+    tampered[-1] ^= 1
+    assert signed.decode(bytes(tampered)) == Rejected("bad_mac")
+    # Unsigned frame to a receiver that requires a MAC.
+    assert signed.decode(Codec("prod").encode(H, "heartbeat")) == Rejected("unsigned")
+    # The MAC is HMAC-SHA256 of everything before it.
+    want = hmac.new(b"s3cret", frame[:-MAC_LEN], hashlib.sha256).digest()
+    assert frame[-MAC_LEN:] == want
+
+
+def _frame(payload: object, version: int = 1, flags: int = 0) -> bytes:
+    return b"mg" + bytes([version, flags]) + msgpack.packb(payload, use_bin_type=True)
+
+
+GOOD = ["prod", "n", 1, 1, 1.0, 0, None]
+
+
+def test_every_rejection_reason() -> None:
+    c = Codec("prod")
+    assert isinstance(c.decode(_frame(GOOD)), Message)
+    seen = {
+        c.decode(b"x" * (MAX_FRAME_BYTES + 1)).reason,  # type: ignore[union-attr]
+        c.decode(b"garbage").reason,  # type: ignore[union-attr]
+        c.decode(_frame(GOOD, version=2)).reason,  # type: ignore[union-attr]
+        Codec("prod", "k").decode(_frame(GOOD)).reason,  # type: ignore[union-attr]
+        Codec("prod", "k").decode(_frame(GOOD, flags=1) + b"\0" * 32).reason,  # type: ignore[union-attr]
+        c.decode(_frame(["other", *GOOD[1:]])).reason,  # type: ignore[union-attr]
+    }
+    assert seen == set(REASONS)
+
+
+def test_malformed_payloads() -> None:
+    c = Codec("prod")
+    bad = [
+        b"",
+        b"mg",
+        b"mg\x01\x00",  # no payload
+        b"mg\x01\x00\xc1",  # invalid msgpack
+        b"mg\x01\x04" + msgpack.packb(GOOD),  # unknown flag
+        b"mg\x01\x01" + b"\0" * 10,  # MAC flag but too short
+        _frame({"a": 1}),
+        _frame(GOOD[:6]),
+        _frame(["prod", "", 1, 1, 1.0, 0, None]),  # empty sender
+        _frame(["prod", "n", -1, 1, 1.0, 0, None]),  # negative incarnation
+        _frame(["prod", "n", 1, 0, 1.0, 0, None]),  # seq 0
+        _frame(["prod", "n", 1, 1, float("nan"), 0, None]),
+        _frame(["prod", "n", 1, 1, 1.0, 9, None]),  # unknown kind
+        _frame(["prod", "n", 1, 1, 1.0, True, None]),  # bool is not a kind
+        _frame(["prod", "n", 1, 1, 1.0, 0, []]),  # heartbeat with body
+        _frame(["prod", "n", 1, 1, 1.0, 1, {}]),  # deltas not a list
+        _frame(["prod", "n", 1, 1, 1.0, 1, [["t", "f", "p", 1]]]),  # short item
+        _frame(["prod", "n", 1, 1, 1.0, 1, [["t", "f", "p", 0, 1]]]),  # flush seq 0
+        _frame(["prod", "n", 1, 1, 1.0, 1, [["t", "f", "p", 1, "12x"]]]),
+        _frame(["prod", "n", 1, 1, 1.0, 1, [["t", "f", "p", 1, 1.5]]]),
+        _frame(["prod", "n", 1, 1, 1.0, 2, [["t", "f", "p", 5, []]]]),
+        _frame(["prod", "n", 1, 1, 1.0, 2, [["t", "f", "p", 5, {"a": -1}]]]),
+        _frame(["prod", "n", 1, 1, 1.0, 2, [["t", "f", "p", 5, {1: 1}]]]),
+        _frame(["prod", b"bin", 1, 1, 1.0, 0, None]),
+    ]
+    for frame in bad:
+        r = c.decode(frame)
+        assert isinstance(r, Rejected) and r.reason == "malformed", (frame, r)
+    assert c.decode("not bytes") == Rejected("malformed")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_random_bytes_never_raise(data: bytes) -> None:
+    for c in (Codec("prod"), Codec("prod", "k")):
+        assert isinstance(c.decode(data), Message | Rejected)
+        assert isinstance(c.decode(b"mg\x01\x00" + data), Message | Rejected)
+
+
+_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_values, min_size=7, max_size=7))
+def test_random_payloads_never_raise(payload: list[object]) -> None:
+    payload[0] = "prod"
+    assert isinstance(Codec("prod").decode(_frame(payload)), Message | Rejected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 200), st.integers(0, 255))
+def test_flipped_byte_in_signed_frame_is_rejected(pos: int, bit: int) -> None:
+    c = Codec("prod", "k")
+    frame = bytearray(c.encode(H, "deltas", [("t", "f", "2026-11", 1, 1)]))
+    pos %= len(frame)
+    if bit == 0:
+        return
+    frame[pos] ^= bit
+    assert isinstance(c.decode(bytes(frame)), Rejected)
+
+
+def test_chunks_split_big_batches_under_the_budget() -> None:
+    c = Codec("prod")
+    items = [(f"tenant-{i}", "feature", "2026-11", 1, i) for i in range(5000)]
+    parts = list(chunks(items, 16 * 1024))
+    assert len(parts) > 1
+    assert [x for p in parts for x in p] == items
+    for part in parts:
+        assert len(c.encode(H, "deltas", part)) <= 16 * 1024
+    assert list(chunks([], 100)) == []

@@ -1,0 +1,337 @@
+"""Gossip between real counter tables in one process over the in-process bus.
+
+Each node is a real :class:`CounterTable`, a real :class:`Flusher` and the real gossip layer; they
+share one :class:`MemoryStorage` (the "database"). Ticks and flushes are driven by hand so every
+interleaving is deterministic; ``settle()`` lets queued frames be sent and delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from cluster.bus import channel_name
+from cluster.codec import Codec, Header
+from cluster.gossip import Gossip, GossipSettings
+from cluster.local_bus import LocalHub
+from meter.flusher import Flusher
+from meter.node import resync_from
+from meter.table import CounterTable
+from storage.base import EMPTY, Snapshot
+from storage.memory import MemoryStorage
+
+KEYS = [("acme", "api", "2026-11"), ("acme", "seats", "2026-11"), ("zeta", "api", "2026-11")]
+# Ticks never fire by themselves: the tests call tick() (a huge interval and heartbeat).
+MANUAL = GossipSettings(interval=3600, heartbeat=3600, peer_timeout=3600, reconcile=0)
+
+
+@dataclass
+class N:
+    table: CounterTable
+    flusher: Flusher
+    gossip: Gossip[Snapshot]
+
+    def tick(self) -> int:
+        return self.gossip.broadcaster.gossip_now()
+
+    async def flush(self) -> None:
+        assert await self.flusher.flush_once()
+
+
+class Cluster:
+    def __init__(self, hub: LocalHub, store: MemoryStorage) -> None:
+        self.hub = hub
+        self.store = store
+        self.nodes: list[N] = []
+        self.acked = dict.fromkeys(KEYS, 0)
+
+    async def add(self, name: str, secret: str | None = None) -> N:
+        table = CounterTable(name)
+        gossip: Gossip[Snapshot] = Gossip(
+            table,
+            self.hub.bus(channel_name("t")),
+            node_id=name,
+            cluster="t",
+            make_snapshot=Snapshot,
+            resync=resync_from(self.store, table),
+            secret=secret,
+            settings=MANUAL,
+        )
+        flusher = Flusher(table, self.store, interval=3600, on_flushed=gossip.on_flushed)
+        snaps = await self.store.load(KEYS)
+        for key in KEYS:
+            table.seed(key, snaps.get(key, EMPTY))
+        await gossip.start()
+        node = N(table, flusher, gossip)
+        self.nodes.append(node)
+        await self.settle()
+        return node
+
+    def track(self, node: N, key: tuple[str, str, str], qty: int) -> None:
+        node.table.incr(key, qty)
+        self.acked[key] += qty
+
+    async def settle(self) -> None:
+        for _ in range(3):
+            for n in self.nodes:
+                assert await n.gossip.broadcaster.drained(2)
+            for _ in range(10):
+                await asyncio.sleep(0)
+        # Resyncs run in their own task; wait until none is wanted or running.
+        for _ in range(200):
+            if not any(n.gossip._resync_event.is_set() for n in self.nodes):
+                break
+            await asyncio.sleep(0.001)
+        for _ in range(10):
+            await asyncio.sleep(0)
+
+    async def quiet_tick(self) -> None:
+        for n in self.nodes:
+            n.tick()
+        await self.settle()
+
+    def views(self, key: tuple[str, str, str]) -> list[int | None]:
+        return [n.table.value(key) for n in self.nodes]
+
+    async def stored(self, key: tuple[str, str, str]) -> int:
+        return (await self.store.load([key]))[key].total
+
+    async def close(self) -> None:
+        for n in self.nodes:
+            await n.gossip.stop(timeout=1)
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    c = Cluster(LocalHub(), MemoryStorage())
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def test_views_converge_exactly_after_one_tick(cluster: Cluster) -> None:
+    a, b, c = [await cluster.add(x) for x in "abc"]
+    cluster.track(a, KEYS[0], 5)
+    cluster.track(b, KEYS[0], 7)
+    cluster.track(c, KEYS[1], 1)
+    await cluster.quiet_tick()
+    assert cluster.views(KEYS[0]) == [12, 12, 12]
+    assert cluster.views(KEYS[1]) == [1, 1, 1]
+    assert a.gossip.status()["live_peers"] == ["b", "c"]
+    assert a.gossip.status()["received"]["deltas_applied"] == 2
+
+
+async def test_flush_announcements_neither_double_count_nor_dip(cluster: Cluster) -> None:
+    a, b = [await cluster.add(x) for x in "ab"]
+    k = KEYS[0]
+    cluster.track(a, k, 10)
+    await cluster.quiet_tick()
+    assert cluster.views(k) == [10, 10]
+    # a flushes: b re-bases on the announced total, which contains the gossiped 10.
+    await a.flush()
+    await cluster.settle()
+    assert cluster.views(k) == [10, 10]
+    assert b.table.remote_since_rebase(k) == 0
+    # Units taken for flushing but not gossiped yet are sealed under the flush's sequence.
+    cluster.track(a, k, 3)
+    take = a.flusher.flush_once()  # takes seq 2 with the 3 units, then writes
+    await take
+    await cluster.settle()
+    assert cluster.views(k) == [13, 13]  # the announcement carried them before any gossip
+    a.tick()  # the sealed gossip (seq 2) arrives late: b's snapshot already has it
+    await cluster.settle()
+    assert cluster.views(k) == [13, 13]
+    assert b.gossip.status()["received"]["deltas_skipped"] == 1
+    # b's own flush after gossip from a: nothing is counted twice in the store or the views.
+    cluster.track(b, k, 4)
+    cluster.track(a, k, 6)
+    await cluster.quiet_tick()
+    await b.flush()
+    await cluster.settle()
+    assert cluster.views(k) == [23, 23]
+    await a.flush()
+    await cluster.settle()
+    assert cluster.views(k) == [23, 23]
+    assert await cluster.stored(k) == 23
+
+
+async def test_late_older_announcement_does_not_move_views_back(cluster: Cluster) -> None:
+    a, b, c = [await cluster.add(x) for x in "abc"]
+    k = KEYS[0]
+    cluster.track(a, k, 1)
+    await a.flush()
+    cluster.track(b, k, 2)
+    await b.flush()
+    await cluster.quiet_tick()
+    assert cluster.views(k) == [3, 3, 3]
+    # Replay a's first announcement (older snapshot) as if delayed: refused by the table.
+    frame = Codec("t").encode(
+        Header("t", "a", a.gossip.incarnation, a.gossip.broadcaster.seq + 1, 0.0),
+        "announce",
+        [(*k, 1, {"a": 1})],
+    )
+    a.gossip.broadcaster.seq += 1
+    c.gossip.on_bytes(frame)
+    assert cluster.views(k) == [3, 3, 3]
+
+
+async def test_lost_messages_are_detected_and_resynced(cluster: Cluster) -> None:
+    a, b = [await cluster.add(x) for x in "ab"]
+    k = KEYS[2]
+    a.gossip.broadcaster.heartbeat_now()  # b knows a's sequence from here on
+    await cluster.settle()
+    cluster.hub.drop = lambda frame: True
+    cluster.track(a, k, 9)
+    a.tick()  # lost
+    await a.flush()  # its announcement: lost too
+    await cluster.settle()
+    assert cluster.views(k) == [9, 0]
+    cluster.hub.drop = None
+    a.gossip.broadcaster.heartbeat_now()  # the next message shows the gap
+    await cluster.settle()
+    st = b.gossip.status()
+    assert st["gaps"] == 1 and st["missed"] == 2
+    assert st["resyncs"]["gap"] == 1
+    assert cluster.views(k) == [9, 9]  # re-read from storage
+
+
+async def test_bus_outage_then_reconnect_converges(cluster: Cluster) -> None:
+    a, b = [await cluster.add(x) for x in "ab"]
+    k = KEYS[0]
+    cluster.hub.set_up(False)
+    cluster.track(a, k, 4)
+    assert a.tick() == 0  # nothing taken while the bus is down
+    await a.flush()  # flushing goes on; the announcement is not sent
+    cluster.track(a, k, 1)  # gossip for the next sequence waits too
+    cluster.track(b, k, 2)
+    await cluster.settle()
+    assert cluster.views(k) == [5, 2]
+    cluster.hub.set_up(True)  # both reconnect: each resyncs from storage
+    await cluster.settle()
+    await cluster.quiet_tick()
+    assert cluster.views(k) == [7, 7]
+    assert b.gossip.status()["resyncs"]["connect"] >= 2  # first connect + reconnect
+    await a.flush()
+    await b.flush()
+    await cluster.settle()
+    assert cluster.views(k) == [7, 7] and await cluster.stored(k) == 7
+
+
+async def test_forged_garbage_and_foreign_messages_are_rejected_and_counted() -> None:
+    c = Cluster(LocalHub(), MemoryStorage())
+    try:
+        a = await c.add("a", secret="s3cret")
+        b = await c.add("b", secret="s3cret")
+        k = KEYS[0]
+        bus = c.hub.bus(channel_name("t"))
+        await bus.start(lambda _: None, lambda _: None)
+        h = Header("t", "mallory", 1, 1, 0.0)
+        await bus.publish(Codec("t", "guess").encode(h, "deltas", [(*k, 1, 1000)]))
+        await bus.publish(Codec("t").encode(h, "deltas", [(*k, 1, 1000)]))
+        foreign = Header("other", "mallory", 1, 1, 0.0)
+        await bus.publish(Codec("other", "s3cret").encode(foreign, "deltas", [(*k, 1, 1000)]))
+        await bus.publish(b"\x00garbage")
+        await bus.publish(b"mg\x07\x00")
+        # Replay of a genuine message: refused as stale.
+        c.track(a, k, 1)
+        a.tick()
+        await c.settle()
+        frames: list[bytes] = []
+        c.hub.drop = lambda f: frames.append(f) is not None  # capture, deliver
+        c.track(a, k, 1)
+        a.tick()
+        await c.settle()
+        c.hub.drop = None
+        await bus.publish(frames[0])
+        await c.settle()
+        assert c.views(k) == [2, 2]
+        rej = b.gossip.status()["rejected"]
+        assert rej["bad_mac"] == 1 and rej["unsigned"] == 1 and rej["malformed"] == 1
+        assert rej["version"] == 1 and rej["stale"] == 1
+        assert rej["cluster"] == 1
+        await bus.close()
+    finally:
+        await c.close()
+
+
+async def test_duplicate_node_id_is_refused_and_counted(cluster: Cluster) -> None:
+    a = await cluster.add("a")
+    b = await cluster.add("b")
+    impostor = Codec("t").encode(Header("t", "a", 1, 1, 0.0), "deltas", [(*KEYS[0], 1, 5)])
+    a.gossip.on_bytes(impostor)
+    assert a.gossip.status()["rejected"]["own_id"] == 1
+    assert cluster.views(KEYS[0]) == [0, 0]
+    del b
+
+
+async def test_restarted_peer_is_resynced(cluster: Cluster) -> None:
+    a, b = [await cluster.add(x) for x in "ab"]
+    k = KEYS[0]
+    cluster.track(a, k, 3)
+    await a.flush()
+    await cluster.quiet_tick()
+    a2 = Gossip(
+        a.table,
+        cluster.hub.bus(channel_name("t")),
+        node_id="a",
+        cluster="t",
+        make_snapshot=Snapshot,
+        resync=resync_from(cluster.store, a.table),
+        settings=MANUAL,
+    )
+    await a.gossip.stop()
+    await a2.start()
+    a2.broadcaster.heartbeat_now()
+    await asyncio.sleep(0.01)
+    assert b.gossip.status()["peers"]["a"]["restarts"] == 1
+    a.gossip = a2
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_random_interleavings_agree_exactly_after_a_quiet_tick(seed: int) -> None:
+    rng = random.Random(seed)
+    c = Cluster(LocalHub(), MemoryStorage())
+    try:
+        nodes = [await c.add(x) for x in "abc"]
+        lossy = seed % 3 == 0
+        actions: list[Callable[[], object]] = []
+        for _ in range(60):
+            n = rng.choice(nodes)
+            r = rng.random()
+            if r < 0.5:
+                c.track(n, rng.choice(KEYS), rng.randint(-3, 20))
+            elif r < 0.75:
+                n.tick()
+            elif r < 0.9:
+                await n.flush()
+            else:
+                await c.settle()
+            if lossy:
+                c.hub.drop = (lambda f: rng.random() < 0.2) if rng.random() < 0.3 else None
+            if rng.random() < 0.3:
+                await asyncio.sleep(0)
+        del actions
+        c.hub.drop = None
+        await c.quiet_tick()
+        if lossy:  # a heartbeat exposes any gap; flush so lost deltas reach storage
+            for n in nodes:
+                await n.flush()
+            for n in nodes:
+                n.gossip.broadcaster.heartbeat_now()
+            await c.settle()
+            await c.quiet_tick()
+        for k in KEYS:
+            assert c.views(k) == [c.acked[k]] * 3, (k, c.views(k), c.acked[k])
+        for n in nodes:
+            await n.flush()
+        await c.settle()
+        for k in KEYS:
+            assert c.views(k) == [c.acked[k]] * 3
+            assert await c.stored(k) == c.acked[k]
+    finally:
+        await c.close()
