@@ -1,1 +1,2 @@
 pytest_plugins = ["tests.conftest_dynamodb"]
+pytest_plugins += ["tests.conftest_redis"]

@@ -1,0 +1,110 @@
+"""The Redis pub/sub bus against a real redis-server: delivery, AUTH, outage and reconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from cluster.bus import BusUnavailable, channel_name
+from cluster.redis_bus import RedisBus, redact
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis
+
+
+class Probe:
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+        self.states: list[bool] = []
+
+    async def wait(self, cond: Callable[[], bool], timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, "condition not met in time"
+            await asyncio.sleep(0.01)
+
+
+async def _bus(url: str, channel: str) -> tuple[RedisBus, Probe]:
+    p = Probe()
+    bus = RedisBus(url, channel, min_backoff=0.02, max_backoff=0.2)
+    await bus.start(p.got.append, p.states.append)
+    await p.wait(lambda: bus.connected)
+    return bus, p
+
+
+async def test_publish_reaches_every_subscriber(
+    redis_server: RedisServer, cluster_name: str
+) -> None:
+    ch = channel_name(cluster_name)
+    a, pa = await _bus(redis_server.url, ch)
+    b, pb = await _bus(redis_server.url, ch)
+    other, po = await _bus(redis_server.url, channel_name(cluster_name + "-x"))
+    try:
+        for i in range(50):
+            await a.publish(b"m%d" % i)
+        await pb.wait(lambda: len(pb.got) == 50)
+        assert pb.got == [b"m%d" % i for i in range(50)]  # in order
+        await pa.wait(lambda: len(pa.got) == 50)  # the sender hears itself too
+        assert po.got == []  # another cluster's channel
+        assert a.describe()["connected"] is True
+    finally:
+        for bus in (a, b, other):
+            await bus.close()
+
+
+async def test_auth_in_the_url(
+    redis_factory: Callable[..., RedisServer], cluster_name: str
+) -> None:
+    server = redis_factory(password="pa55word")
+    ch = channel_name(cluster_name)
+    a, pa = await _bus(server.url, ch)
+    try:
+        await a.publish(b"hello")
+        await pa.wait(lambda: pa.got == [b"hello"])
+    finally:
+        await a.close()
+    wrong = RedisBus(f"redis://:nope@127.0.0.1:{server.port}/0", ch, min_backoff=0.02)
+    p = Probe()
+    await wrong.start(p.got.append, p.states.append)
+    try:
+        await p.wait(lambda: wrong.last_error is not None)
+        assert not wrong.connected
+        assert "authentication" in (wrong.last_error or "").lower()
+        with pytest.raises(BusUnavailable):
+            await wrong.publish(b"x")
+        assert "nope" not in str(wrong.describe())
+    finally:
+        await wrong.close()
+
+
+def test_redact_hides_passwords() -> None:
+    assert redact("redis://u:secret@h:1/0") == "redis://u:***@h:1/0"
+    assert redact("rediss://:secret@h:1") == "rediss://:***@h:1"
+    assert redact("redis://h:1/0") == "redis://h:1/0"
+
+
+async def test_outage_fails_fast_and_reconnects(
+    redis_factory: Callable[..., RedisServer], cluster_name: str
+) -> None:
+    server = redis_factory()
+    ch = channel_name(cluster_name)
+    a, pa = await _bus(server.url, ch)
+    try:
+        server.stop()
+        await pa.wait(lambda: not a.connected)
+        t0 = time.monotonic()
+        for _ in range(100):
+            with pytest.raises(BusUnavailable):
+                await a.publish(b"lost")
+        assert time.monotonic() - t0 < 1.0  # fails fast, no waiting on a dead Redis
+        server.start()
+        await pa.wait(lambda: a.connected)
+        assert pa.states == [True, False, True]
+        await a.publish(b"back")
+        await pa.wait(lambda: pa.got == [b"back"])
+        assert a.connects == 2
+    finally:
+        await a.close()
