@@ -1,0 +1,225 @@
+"""Helpers for multi-node tests and the convergence measurement: real ``meter serve`` processes
+sharing one redis-server and one DynamoDB Local table, and a persistent raw RPC connection."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from tests.nodes import NodeProcess
+
+KEY_TENANT = "acme"
+
+
+class Conn:
+    """One persistent MessagePack-RPC connection to a node (one request at a time)."""
+
+    def __init__(self, path: str | Path, timeout: float = 10) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(str(path))
+        self.unpacker = msgpack.Unpacker(raw=False)
+        self.msgid = 0
+
+    def call(self, method: str, *params: Any) -> tuple[Any, Any]:
+        """``(error, result)``."""
+        self.msgid += 1
+        self.sock.sendall(msgpack.packb([0, self.msgid, method, list(params)]))
+        while True:
+            for msg in self.unpacker:
+                assert msg[0] == 1 and msg[1] == self.msgid, msg
+                return msg[2], msg[3]
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("node closed the connection")
+            self.unpacker.feed(data)
+
+    def ok(self, method: str, *params: Any) -> Any:
+        """The result; AssertionError on an error answer."""
+        error, result = self.call(method, *params)
+        assert error is None, f"{method}: {error}"
+        return result
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def node_env(
+    *,
+    redis_url: str,
+    dynamodb_endpoint: str,
+    table: str,
+    cluster: str,
+    **extra: str,
+) -> dict[str, str]:
+    """The environment of a clustered node on DynamoDB."""
+    return {
+        "METER_STORAGE": "dynamodb",
+        "METER_DYNAMODB_ENDPOINT": dynamodb_endpoint,
+        "METER_DYNAMODB_TABLE": table,
+        "METER_REDIS_URL": redis_url,
+        "METER_CLUSTER_NAME": cluster,
+        "METER_GOSSIP_INTERVAL_MS": "100",
+        "METER_FLUSH_INTERVAL_MS": "500",
+        "METER_CLUSTER_HEARTBEAT_MS": "300",
+        "METER_CLUSTER_PEER_TIMEOUT_MS": "2000",
+        **extra,
+    }
+
+
+def start_nodes(workdir: Path, n: int, env: dict[str, str]) -> list[NodeProcess]:
+    """Start ``n`` nodes (ids n0, n1, ...) in parallel and wait until all see each other."""
+    nodes = [NodeProcess(workdir, f"n{i}", METER_NODE_ID=f"n{i}", **env) for i in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(lambda p: p.start(timeout=60), nodes))
+    ids = {f"n{i}" for i in range(n)}
+    wait_until(
+        lambda: all(
+            set(p.call("status")["cluster"]["live_peers"]) == ids - {p.name} for p in nodes
+        ),
+        timeout=20,
+        what="every node sees every peer",
+        nodes=nodes,
+    )
+    return nodes
+
+
+def wait_until(
+    cond: Callable[[], bool],
+    timeout: float,
+    what: str,
+    nodes: list[NodeProcess] | None = None,
+    step: float = 0.02,
+) -> float:
+    """Poll ``cond`` until true; return the seconds it took. Fails with the nodes' logs."""
+    t0 = time.monotonic()
+    while True:
+        if cond():
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            logs = "\n".join(f"--- {p.name}\n{p.log()[-3000:]}" for p in nodes or [])
+            raise AssertionError(f"timed out after {timeout}s waiting until {what}\n{logs}")
+        time.sleep(step)
+
+
+def usages(nodes: list[NodeProcess], feature: str) -> list[int]:
+    """Every node's view of one counter."""
+    return [p.call("usage", KEY_TENANT, feature) for p in nodes]
+
+
+class Load:
+    """Threads tracking units on the same keys through several nodes; counts what was acked."""
+
+    def __init__(self, nodes: list[NodeProcess], features: list[str], batch: int = 10) -> None:
+        self.nodes = nodes
+        self.features = features
+        self.batch = batch
+        self.acked = [0] * len(nodes)
+        self.errors = [0] * len(nodes)
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(len(nodes))
+        ]
+
+    def start(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _run(self, i: int) -> None:
+        try:
+            conn = Conn(self.nodes[i].socket, timeout=5)
+        except OSError:
+            self.errors[i] += 1
+            return
+        n = 0
+        try:
+            while not self._stop.is_set():
+                items = [
+                    [KEY_TENANT, self.features[(n + j) % len(self.features)], 1 + (n + j) % 3]
+                    for j in range(self.batch)
+                ]
+                n += self.batch
+                try:
+                    error, result = conn.call("track_many", items)
+                except OSError:  # the node died: what it acked so far is counted
+                    self.errors[i] += 1
+                    return
+                if error is not None:
+                    self.errors[i] += 1
+                    continue
+                for item, r in zip(items, result, strict=True):
+                    if not isinstance(r, dict):  # an error map means not counted
+                        self.acked[i] += item[2]
+                time.sleep(0.002)
+        finally:
+            conn.close()
+
+    def stop_node_load(self) -> None:
+        """Stop all threads and wait for them."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(10)
+
+    @property
+    def total(self) -> int:
+        return sum(self.acked)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of ``values``."""
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def measure_visibility(
+    nodes: list[NodeProcess], feature: str, samples: int, tick_s: float, timeout: float = 5.0
+) -> dict[str, Any]:
+    """Track one unit on node ``i % n`` and time until every other node shows it.
+
+    Returns per-sample latencies (ms, to the last node to see it) and ``anomalies``: readings
+    above the expected total (a double count) or below the previous one (a dip).
+    """
+    conns = [Conn(p.socket) for p in nodes]
+    try:
+        expected = conns[0].ok("usage", KEY_TENANT, feature)
+        for c in conns[1:]:
+            assert c.ok("usage", KEY_TENANT, feature) == expected
+        lat: list[float] = []
+        anomalies: list[tuple[int, int, int]] = []
+        for s in range(samples):
+            # Spread the samples over the tick's phase.
+            time.sleep(tick_s * ((s * 0.618) % 1.0))
+            src = s % len(nodes)
+            t0 = time.monotonic()
+            conns[src].ok("track", KEY_TENANT, feature, 1)
+            expected += 1
+            pending = [i for i in range(len(nodes)) if i != src]
+            while pending:
+                for i in list(pending):
+                    v = conns[i].ok("usage", KEY_TENANT, feature)
+                    if v > expected or v < expected - 1:
+                        anomalies.append((s, i, v - expected))
+                    if v == expected:
+                        pending.remove(i)
+                if time.monotonic() - t0 > timeout:
+                    raise AssertionError(f"sample {s}: nodes {pending} never saw the unit")
+            lat.append((time.monotonic() - t0) * 1000)
+        return {
+            "samples": len(lat),
+            "p50_ms": round(statistics.median(lat), 2),
+            "p99_ms": round(percentile(lat, 0.99), 2),
+            "max_ms": round(max(lat), 2),
+            "anomalies": anomalies,
+        }
+    finally:
+        for c in conns:
+            c.close()
