@@ -49,8 +49,14 @@ class Cluster:
         self.nodes: list[N] = []
         self.acked = dict.fromkeys(KEYS, 0)
 
-    async def add(self, name: str, secret: str | None = None) -> N:
-        table = CounterTable(name)
+    async def add(
+        self,
+        name: str,
+        secret: str | None = None,
+        settings: GossipSettings = MANUAL,
+        table_class: type[CounterTable] = CounterTable,
+    ) -> N:
+        table = table_class(name)
         gossip: Gossip[Snapshot] = Gossip(
             table,
             self.hub.bus(channel_name("t")),
@@ -59,7 +65,7 @@ class Cluster:
             make_snapshot=Snapshot,
             resync=resync_from(self.store, table),
             secret=secret,
-            settings=MANUAL,
+            settings=settings,
         )
         flusher = Flusher(table, self.store, interval=3600, on_flushed=gossip.on_flushed)
         snaps = await self.store.load(KEYS)
@@ -335,3 +341,57 @@ async def test_random_interleavings_agree_exactly_after_a_quiet_tick(seed: int) 
             assert await c.stored(k) == c.acked[k]
     finally:
         await c.close()
+
+
+async def test_periodic_reconciliation_repairs_silent_loss(cluster: Cluster) -> None:
+    timed = GossipSettings(interval=3600, heartbeat=3600, peer_timeout=3600, reconcile=0.2)
+    a = await cluster.add("a")
+    b = await cluster.add("b", settings=timed)
+    k = KEYS[1]
+    cluster.hub.drop = lambda frame: True
+    cluster.track(a, k, 6)
+    a.tick()
+    await a.flush()  # gossip and announcement both lost; a says nothing more
+    await cluster.settle()
+    cluster.hub.drop = None
+    assert cluster.views(k) == [6, 0]
+    await asyncio.sleep(0.8)
+    assert cluster.views(k) == [6, 6]
+    assert b.gossip.status()["resyncs"]["reconcile"] >= 1
+
+
+class ForgetfulTable(CounterTable):
+    """The table with the ``forget_peer`` the gossip layer uses when the table offers it (the
+    proposed addition to meter/table.py, see docs/cluster.md)."""
+
+    def forget_peer(self, peer: str) -> int:
+        with self._lock:
+            dropped = 0
+            for row in self._rows.values():
+                if row.remote and peer in row.remote:
+                    units = sum(row.remote.pop(peer).values())
+                    row.remote_total -= units
+                    dropped += units
+                    if not row.remote:
+                        row.remote = None
+            return dropped
+
+
+async def test_a_dead_peers_unflushed_gossip_is_forgotten(cluster: Cluster) -> None:
+    timed = GossipSettings(interval=3600, heartbeat=0.05, peer_timeout=0.3, reconcile=0)
+    a = await cluster.add("a", settings=timed, table_class=ForgetfulTable)
+    b = await cluster.add("b", settings=timed, table_class=ForgetfulTable)
+    k = KEYS[0]
+    cluster.track(a, k, 2)
+    await a.flush()
+    cluster.track(b, k, 3)
+    await b.flush()
+    cluster.track(b, k, 4)  # gossiped, never flushed: b "dies"
+    await cluster.quiet_tick()
+    assert cluster.views(k) == [9, 9]
+    await b.gossip.stop()
+    cluster.nodes.remove(b)
+    await asyncio.sleep(0.8)  # silent for longer than peer_timeout: dead
+    st = a.gossip.status()
+    assert st["live_peers"] == [] and st["forgotten_units"] == 4
+    assert a.table.value(k) == await cluster.stored(k) == 5
