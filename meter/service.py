@@ -183,9 +183,8 @@ class Service:
         if len(items) > MAX_BATCH_ITEMS:
             raise InvalidArgument(f"track_many: at most {MAX_BATCH_ITEMS} items per call")
         out: list[Any] = []
-        cold: list[tuple[int, Key, int]] = []
-        table = self.table
-        is_seeded, incr = table.is_seeded, table.incr
+        good: list[tuple[Key, int]] = []
+        where: list[int] = []  # out index of each good item
         now = time.time()
         # The key cache answers for the whole batch if it is valid now (see key_for).
         cache = self._keys if self._day_start <= now < self._day_end else {}
@@ -207,11 +206,17 @@ class Service:
             except MeterError as exc:
                 out.append(exc.to_wire())
                 continue
-            if is_seeded(key):
-                out.append(incr(key, qty))
-            else:
-                out.append(None)
+            out.append(None)
+            good.append((key, qty))
+            where.append(i)
+        # Every warm item is counted under one hold of the table's lock; cold ones are seeded
+        # first (and counted then), as track does.
+        cold: list[tuple[int, Key, int]] = []
+        for i, (key, qty), value in zip(where, good, self.table.incr_seeded(good), strict=True):
+            if value is None:
                 cold.append((i, key, qty))
+            else:
+                out[i] = value
         if not cold:
             return out
         return self._track_many_cold(out, cold)

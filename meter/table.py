@@ -280,6 +280,32 @@ class CounterTable:
                 return row.base + row.inflight + row.pending_flush + row.reserved + row.remote_total
             return None
 
+    def incr_seeded(self, items: Iterable[tuple[Key, int]]) -> list[int | None]:
+        """:meth:`incr` for each ``(key, qty)`` whose row is seeded, under one lock hold.
+
+        Returns the new values in order; ``None`` marks an item whose key is cold or unseeded,
+        which is left uncounted for the caller to seed first (``track_many``'s batch path).
+        """
+        out: list[int | None] = []
+        append = out.append
+        with self._lock:
+            rows, gen = self._rows, self._gen
+            dirty, touched = self._dirty.add, self._touched.add
+            for key, qty in items:
+                row = rows.get(key)
+                if row is None or not row.seeded:
+                    append(None)
+                    continue
+                row.gen = gen
+                row.pending_flush += qty
+                row.pending_gossip += qty
+                dirty(key)
+                touched(key)
+                append(
+                    row.base + row.inflight + row.pending_flush + row.reserved + row.remote_total
+                )
+        return out
+
     def reserve(self, key: Key, qty: int, limit: int | None) -> int | None:
         """Hold ``qty`` units against ``limit``; return the value including them.
 
