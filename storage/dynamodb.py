@@ -30,7 +30,16 @@ from urllib.parse import urlsplit
 import aioboto3
 import aiohttp
 from aiobotocore.config import AioConfig
-from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    HTTPClientError,
+    IncompleteReadError,
+    ResponseStreamingError,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from storage.base import (
     EMPTY,
@@ -83,7 +92,10 @@ OPERATOR_CODES = frozenset(
 )
 #: Failures of the transport: the request may or may not have reached DynamoDB.
 TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
-    HTTPClientError,  # botocore: connection refused/closed, read and connect timeouts
+    BotoConnectionError,  # botocore: connection refused, connect timeout, DNS, TLS
+    HTTPClientError,  # botocore: connection closed, read timeout
+    IncompleteReadError,
+    ResponseStreamingError,
     aiohttp.ClientError,
     OSError,
     asyncio.TimeoutError,
@@ -160,6 +172,8 @@ class DynamoDBStorage(Storage):
         self.calls: collections.Counter[str] = collections.Counter()
         #: Deltas refused as already applied (answered from the item).
         self.duplicates = 0
+        #: Items per Query page (None: DynamoDB's own 1 MB pages); small values test paging.
+        self.page_size: int | None = None
 
     @property
     def writes(self) -> int:
@@ -391,6 +405,8 @@ class DynamoDBStorage(Storage):
             "ExpressionAttributeValues": {":pk": {"S": pk}, ":p": {"S": prefix}},
             "ConsistentRead": True,
         }
+        if self.page_size is not None:
+            query["Limit"] = self.page_size
         out: dict[str, Snapshot] = {}
         what = f"query {tenant!r} {period}"
         while True:
@@ -431,6 +447,10 @@ class DynamoDBStorage(Storage):
                     raise StoragePermanentError(text) from exc
             except TRANSPORT_ERRORS as exc:
                 error = StorageUnavailable(f"dynamodb: {what}: {type(exc).__name__}: {exc}")
+                if isinstance(exc, EndpointConnectionError | ConnectTimeoutError):
+                    # No connection at all (botocore already tried again): the endpoint is
+                    # down. Fail fast - the node serves from memory and retries next flush.
+                    raise error from exc
             except BotoCoreError as exc:  # parameter validation, bad config: never helps to retry
                 raise StoragePermanentError(f"dynamodb: {what}: {exc}") from exc
             if attempt >= self.retries:
