@@ -1,0 +1,179 @@
+"""DynamoDB-specific behaviour of :class:`DynamoDBStorage` against the real DynamoDB Local.
+
+The backend-neutral semantics are in ``test_storage_contract.py``; here: the item layout, the
+TTL, paging, init_schema, error mapping and the write counter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aioboto3
+import pytest
+
+from storage.base import Applied, Delta, Key, Snapshot, StoragePermanentError, StorageUnavailable
+from storage.dynamodb import DynamoDBStorage
+from tests.dynamodb_local import free_port
+
+pytestmark = pytest.mark.dynamodb
+
+K: Key = ("acme", "api_calls", "2026-11")
+# 2026-12-01T00:00:00Z, the end of 2026-11.
+END_OF_NOV_2026 = 1796083200
+
+
+@pytest.fixture
+async def raw(dynamodb_local: str) -> AsyncIterator[Any]:
+    """A bare low-level client, to look at items as DynamoDB stores them."""
+    session = aioboto3.Session(
+        aws_access_key_id="x", aws_secret_access_key="x", region_name="us-east-1"
+    )
+    async with session.client("dynamodb", endpoint_url=dynamodb_local) as client:
+        yield client
+
+
+async def test_item_layout(dynamodb_storage: DynamoDBStorage, raw: Any) -> None:
+    await dynamodb_storage.apply("node-a", [Delta(K, 3, 10**30)])
+    await dynamodb_storage.apply("node-b", [Delta(K, 1, -1)])
+    resp = await raw.get_item(
+        TableName=dynamodb_storage.table,
+        Key={"pk": {"S": "acme"}, "sk": {"S": "2026-11#api_calls"}},
+        ConsistentRead=True,
+    )
+    assert resp["Item"] == {
+        "pk": {"S": "acme"},
+        "sk": {"S": "2026-11#api_calls"},
+        "t": {"N": str(10**30 - 1)},
+        "s_node-a": {"N": "3"},
+        "s_node-b": {"N": "1"},
+        "ttl": {"N": str(END_OF_NOV_2026 + 400 * 86400)},
+    }
+
+
+async def test_ttl_set_once_from_the_period_end(dynamodb_local: str, dynamodb_table: str) -> None:
+    store = DynamoDBStorage(dynamodb_table, endpoint_url=dynamodb_local, retention_days=30)
+    await store.open()
+    try:
+        day: Key = ("acme", "api_calls", "2026-11-30")
+        await store.apply("n1", [Delta(day, 1, 1)])
+        store.retention_days = 99  # a later write keeps the first TTL (if_not_exists)
+        await store.apply("n1", [Delta(day, 2, 1)])
+        client: Any = store._client
+        resp = await client.get_item(
+            TableName=dynamodb_table,
+            Key={"pk": {"S": "acme"}, "sk": {"S": "2026-11-30#api_calls"}},
+            ConsistentRead=True,
+        )
+        assert resp["Item"]["ttl"] == {"N": str(END_OF_NOV_2026 + 30 * 86400)}
+    finally:
+        await store.close()
+
+
+async def test_one_query_lists_a_period_across_pages(dynamodb_storage: DynamoDBStorage) -> None:
+    keys: list[Key] = [("acme", f"feature-{i:03d}", "2026-11") for i in range(45)]
+    keys += [("acme", "feature-000", "2026-11-01"), ("acme", "x", "2026-10")]
+    await dynamodb_storage.apply("n1", [Delta(k, 1, i) for i, k in enumerate(keys)])
+    dynamodb_storage.page_size = 10  # force several pages of the one Query
+    before = dynamodb_storage.calls["query"]
+    listed = await dynamodb_storage.list_period("acme", "2026-11")
+    assert listed == {f"feature-{i:03d}": Snapshot(i, {"n1": 1}) for i in range(45)}
+    assert dynamodb_storage.calls["query"] - before == 5  # 45 items, 10 a page (+1 empty)
+
+
+async def test_duplicate_answers_with_a_consistent_read(dynamodb_storage: DynamoDBStorage) -> None:
+    await dynamodb_storage.apply("n1", [Delta(K, 1, 5)])
+    await dynamodb_storage.apply("n2", [Delta(K, 9, 7)])
+    reads = dynamodb_storage.calls["get_item"]
+    out = await dynamodb_storage.apply("n1", [Delta(K, 1, 5)])
+    assert out[K] == Applied(Snapshot(12, {"n1": 1, "n2": 9}), duplicate=True)
+    assert dynamodb_storage.duplicates == 1
+    # DynamoDB Local returns no item with the failed condition: we read it, consistently.
+    assert dynamodb_storage.calls["get_item"] - reads == 1
+
+
+async def test_load_many_keys_in_chunks(dynamodb_storage: DynamoDBStorage) -> None:
+    keys: list[Key] = [("t", f"f{i}", "2026-11") for i in range(250)]
+    await dynamodb_storage.apply("n1", [Delta(k, 1, i + 1) for i, k in enumerate(keys[::2])])
+    before = dynamodb_storage.calls["batch_get_item"]
+    got = await dynamodb_storage.load(keys + keys[:5])  # repeats are fine
+    assert dynamodb_storage.calls["batch_get_item"] - before == 3
+    assert [got[k].total for k in keys[:4]] == [1, 0, 2, 0]
+    assert sum(s.total for s in got.values()) == sum(range(1, 126))
+
+
+async def test_init_schema_twice(dynamodb_local: str) -> None:
+    store = DynamoDBStorage("meter_init_twice", endpoint_url=dynamodb_local)
+    await store.open()
+    try:
+        first = await store.init_schema()
+        second = await store.init_schema()
+    finally:
+        await store.close()
+    assert "created" in first and "TTL on 'ttl' enabled" in first
+    assert "exists" in second and "already enabled" in second
+    assert "\n" not in first + second
+
+
+async def test_write_counter(dynamodb_storage: DynamoDBStorage) -> None:
+    keys: list[Key] = [("acme", f"f{i}", "2026-11") for i in range(20)]
+    await dynamodb_storage.apply("n1", [Delta(k, 1, 1000) for k in keys])
+    assert dynamodb_storage.writes == 20  # one UpdateItem per key, whatever the delta
+    await dynamodb_storage.apply("n1", [Delta(k, 1, 1000) for k in keys[:5]])
+    assert dynamodb_storage.writes == 25 and dynamodb_storage.duplicates == 5
+
+
+async def test_validation_error_is_permanent(dynamodb_storage: DynamoDBStorage) -> None:
+    other: Key = ("acme", "fine", "2026-11")
+    # 41 significant digits, beyond DynamoDB's 38: a ValidationException, never retried.
+    out = await dynamodb_storage.apply("n1", [Delta(K, 1, 10**40 + 1), Delta(other, 1, 1)])
+    assert isinstance(out[K], StoragePermanentError)
+    assert "api_calls" in str(out[K]) and "ValidationException" in str(out[K])
+    assert out[other] == Applied(Snapshot(1, {"n1": 1}))
+    assert dynamodb_storage.writes == 2
+
+
+async def test_bad_keys_and_node_ids_are_permanent(dynamodb_storage: DynamoDBStorage) -> None:
+    long_feature: Key = ("acme", "f" * 1100, "2026-11")
+    bad_period: Key = ("acme", "f", "2026-13")
+    out = await dynamodb_storage.apply("n1", [Delta(long_feature, 1, 1), Delta(bad_period, 1, 1)])
+    assert all(isinstance(r, StoragePermanentError) for r in out.values())
+    bad_node = await dynamodb_storage.apply("n 1", [Delta(K, 1, 1)])
+    assert isinstance(bad_node[K], StoragePermanentError)
+    assert dynamodb_storage.writes == 0  # refused before any request
+    with pytest.raises(StoragePermanentError):
+        await dynamodb_storage.load([long_feature])
+
+
+async def test_missing_table_is_unavailable(dynamodb_local: str) -> None:
+    store = DynamoDBStorage("meter_no_such_table", endpoint_url=dynamodb_local)
+    await store.open()
+    try:
+        out = await store.apply("n1", [Delta(K, 1, 1)])
+        assert isinstance(out[K], StorageUnavailable) and "ResourceNotFound" in str(out[K])
+        with pytest.raises(StorageUnavailable):
+            await store.list_period("acme", "2026-11")
+    finally:
+        await store.close()
+
+
+async def test_endpoint_down_is_unavailable(dynamodb_table: str) -> None:
+    # Nothing listens on this loopback port: connection refused, mapped, not hanging.
+    store = DynamoDBStorage(dynamodb_table, endpoint_url=f"http://127.0.0.1:{free_port()}")
+    await store.open()
+    try:
+        out = await store.apply("n1", [Delta(K, 1, 1)])
+        result = out[K]
+        assert isinstance(result, StorageUnavailable) and result.retryable
+        with pytest.raises(StorageUnavailable):
+            await store.load([K])
+        with pytest.raises(StorageUnavailable):
+            await store.init_schema()
+    finally:
+        await store.close()
+
+
+async def test_not_open_is_unavailable(dynamodb_table: str) -> None:
+    store = DynamoDBStorage(dynamodb_table, endpoint_url="http://127.0.0.1:9")
+    out = await store.apply("n1", [Delta(K, 1, 1)])
+    assert isinstance(out[K], StorageUnavailable)
