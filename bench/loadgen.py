@@ -1,0 +1,184 @@
+"""A raw-socket load generator: hand-built frames, several processes, one connection each.
+
+No client library on either side: the request frames are built once (MessagePack-RPC for the
+node, RESP for redis-server) and written as bytes; answers are counted, not interpreted beyond
+an error check. A worker writes ``depth`` requests in one ``sendall`` and waits for all
+``depth`` answers (``depth`` 1 is unpipelined); the latency recorded is that batch's round
+trip. Workers run for a fixed time and stop by themselves.
+"""
+
+from __future__ import annotations
+
+import array
+import multiprocessing as mp
+import socket
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgpack
+
+#: Give up on a silent server after this many seconds (the run then reports errors).
+SOCKET_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class Load:
+    """What every worker of one step sends."""
+
+    proto: str  # "meter" or "redis"
+    path: str  # Unix socket path
+    method: str  # "track", "track_many" or "incr"
+    connections: int
+    depth: int  # requests per round trip (1: unpipelined)
+    items: int = 1  # increments per request (track_many: items per call; redis: 1)
+    duration: float = 1.0
+    warmup: float = 0.2
+
+
+@dataclass
+class LoadResult:
+    """The merged outcome of one step."""
+
+    ops: int  # requests answered within the measured window
+    increments: int  # ops x items
+    errors: int
+    seconds: float
+    latencies_ns: list[int]  # one per round trip
+
+    @property
+    def ops_per_s(self) -> float:
+        return self.ops / self.seconds if self.seconds else 0.0
+
+    @property
+    def increments_per_s(self) -> float:
+        return self.increments / self.seconds if self.seconds else 0.0
+
+    def percentile_us(self, q: float) -> float:
+        """The ``q``-th percentile (0-100) of the round-trip latencies, in microseconds."""
+        lat = sorted(self.latencies_ns)
+        if not lat:
+            return 0.0
+        i = min(len(lat) - 1, max(0, round(q / 100 * (len(lat) - 1))))
+        return lat[i] / 1000
+
+
+def meter_frames(load: Load, worker: int) -> bytes:
+    """``depth`` MessagePack-RPC requests (msgids 0..depth-1) in one buffer."""
+    tenant = f"bench-{worker}"
+    out = bytearray()
+    for msgid in range(load.depth):
+        if load.method == "track_many":
+            items = [[tenant, f"f{j}", 1] for j in range(load.items)]
+            out += msgpack.packb([0, msgid, "track_many", [items]])
+        else:
+            out += msgpack.packb([0, msgid, "track", [tenant, "f", 1]])
+    return bytes(out)
+
+
+def redis_frames(load: Load, worker: int) -> bytes:
+    """``depth`` RESP ``INCR`` commands in one buffer (one key per worker)."""
+    key = f"bench-{worker}:f".encode()
+    one = b"*2\r\n$4\r\nINCR\r\n$%d\r\n%s\r\n" % (len(key), key)
+    return one * load.depth
+
+
+def _worker(load: Load, index: int, ready: Any, go: Any, out: Connection) -> None:
+    try:
+        out.send(_run(load, index, ready, go))
+    except Exception as exc:  # reported, never raised past the process boundary
+        out.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        out.close()
+
+
+def _run(load: Load, index: int, ready: Any, go: Any) -> tuple[Any, ...]:
+    frames = meter_frames(load, index) if load.proto == "meter" else redis_frames(load, index)
+    depth = load.depth
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(SOCKET_TIMEOUT)
+    sock.connect(load.path)
+    ready.release()
+    if not go.wait(60):
+        sock.close()
+        return ("error", "never started")
+    is_redis = load.proto == "redis"
+    unpacker = msgpack.Unpacker(raw=False)
+    lat = array.array("q")
+    now = time.perf_counter_ns
+    t_start = now() + int(load.warmup * 1e9)
+    t_end = t_start + int(load.duration * 1e9)
+    ops = errors = 0
+    sendall, recv = sock.sendall, sock.recv
+    while True:
+        t0 = now()
+        if t0 >= t_end:
+            break
+        sendall(frames)
+        got = 0
+        while got < depth:
+            data = recv(262144)
+            if not data:
+                raise ConnectionError("server closed the connection")
+            if is_redis:
+                got += data.count(b"\n")
+                if b"-" in data:
+                    errors += data.count(b"-")
+            else:
+                unpacker.feed(data)
+                for msg in unpacker:
+                    got += 1
+                    if msg[2] is not None:
+                        errors += 1
+        t1 = now()
+        if t0 >= t_start:
+            ops += depth
+            lat.append(t1 - t0)
+    sock.close()
+    return ("ok", ops, errors, lat.tobytes())
+
+
+def run_load(load: Load) -> LoadResult:
+    """Start ``load.connections`` worker processes, run them together, merge their results."""
+    ctx = mp.get_context("fork")
+    ready = ctx.Semaphore(0)
+    go = ctx.Event()
+    procs: list[Any] = []
+    pipes: list[Connection] = []
+    for i in range(load.connections):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_worker, args=(load, i, ready, go, child), daemon=True)
+        p.start()
+        child.close()
+        procs.append(p)
+        pipes.append(parent)
+    try:
+        for _ in procs:
+            if not ready.acquire(timeout=30):
+                raise RuntimeError("a load worker did not connect within 30 s")
+        go.set()
+        ops = errors = 0
+        latencies: list[int] = []
+        limit = load.warmup + load.duration + SOCKET_TIMEOUT + 30
+        for pipe in pipes:
+            if not pipe.poll(limit):
+                raise RuntimeError("a load worker did not report back in time")
+            msg = pipe.recv()
+            if msg[0] != "ok":
+                raise RuntimeError(f"load worker failed: {msg[1]}")
+            _, n, e, raw = msg
+            ops += n
+            errors += e
+            lat = array.array("q")
+            lat.frombytes(raw)
+            latencies.extend(lat)
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for pipe in pipes:
+            pipe.close()
+    return LoadResult(ops, ops * load.items, errors, load.duration, latencies)

@@ -1,0 +1,99 @@
+"""In-process micro-benchmarks of the hot path (no sockets): per-call cost of the layers.
+
+Used to measure each optimisation in isolation (``python -m bench.micro``); the end-to-end
+scenarios are in :mod:`bench.scenarios`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from meter.protocol import Decoder, Encoder, Request
+from meter.service import Service
+from meter.table import CounterTable
+from storage.base import EMPTY
+from storage.memory import MemoryStorage
+
+
+def _best(fn: Callable[[], object], n: int, repeat: int = 5) -> float:
+    """Best-of-``repeat`` nanoseconds per call of ``fn`` over ``n`` calls."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter_ns() - t0) / n)
+    return best
+
+
+def measure() -> dict[str, float]:
+    """ns per operation for each layer of a ``track`` and a 100-item ``track_many``."""
+    table = CounterTable("micro")
+    svc = Service(table, MemoryStorage())
+    items = [["micro-t", f"f{j}", 1] for j in range(100)]
+    for j in range(100):
+        key = svc.key_for("micro-t", f"f{j}")
+        table.seed(key, EMPTY)
+    key = svc.key_for("micro-t", "f0")
+    out: dict[str, float] = {}
+    out["table.incr"] = _best(lambda: table.incr(key, 1), 100_000)
+    out["service.key_for"] = _best(lambda: svc.key_for("micro-t", "f0"), 100_000)
+    out["service.track"] = _best(lambda: svc.dispatch("track", ["micro-t", "f0", 1]), 100_000)
+    out["service.track_many/item"] = _best(lambda: svc.dispatch("track_many", [items]), 1000) / 100
+    frames = b"".join(msgpack.packb([0, i, "track", ["micro-t", "f0", 1]]) for i in range(16))
+    dec = Decoder()
+    enc = Encoder()
+
+    def codec() -> None:
+        answers: list[tuple[int, dict[str, str] | None, Any]] = []
+        for msg in dec.feed(frames):
+            assert type(msg) is Request
+            answers.append((msg.msgid, None, 1))
+        enc.responses(answers)
+
+    out["codec/request (batch 16)"] = _best(codec, 10_000) / 16
+    out["server/track (batch 16)"] = _best(_server_feed(svc, frames), 10_000) / 16
+    many = msgpack.packb([0, 1, "track_many", [items]])
+    out["server/track_many/item"] = _best(_server_feed(svc, many), 2_000) / 100
+    return out
+
+
+class _NullTransport:
+    """Just enough of a transport for ``data_received``: writes are counted and dropped."""
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    def write(self, data: bytes) -> None:
+        self.written += len(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def set_write_buffer_limits(self, high: int, low: int) -> None:
+        pass
+
+
+def _server_feed(svc: Service, frames: bytes) -> Callable[[], None]:
+    """``data_received`` of a server connection fed ``frames``, without a socket."""
+    from meter.server import RpcServer, _Connection
+
+    srv = RpcServer("/nonexistent", svc, max_frame=1 << 20, high_water=1 << 20, low_water=1 << 18)
+    conn = _Connection(srv)
+    conn.connection_made(_NullTransport())  # type: ignore[arg-type]
+    return lambda: conn.data_received(frames)
+
+
+def main() -> None:
+    asyncio.run(asyncio.sleep(0))
+    for name, ns in measure().items():
+        print(f"{name:28s} {ns:8.0f} ns")
+
+
+if __name__ == "__main__":
+    main()

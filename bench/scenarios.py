@@ -1,0 +1,585 @@
+"""The benchmark scenarios. Each returns result rows; every ratio is measured side by side.
+
+A and B alternate (A B A B ...) for ``rounds`` rounds; a row holds the median of each side and
+the median of the per-round ratios, so a burst of noise on this shared machine moves one round,
+not the figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen import Load, LoadResult, run_load
+from bench.services import Services
+
+ROOT = Path(__file__).resolve().parent.parent
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How long and how big: ``full``, ``quick`` (about a minute) or ``smoke`` (seconds)."""
+
+    name: str
+    duration: float  # seconds per load step
+    rounds: int  # A/B rounds per comparison
+    rpc_configs: tuple[tuple[int, int], ...]  # (connections, depth)
+    ddb_seconds: float
+    ddb_rounds: int
+    flush_sizes: tuple[int, ...]
+    flush_rounds: int
+    memory_keys: int
+    conv_samples: int
+    conv_ticks: tuple[int, ...]
+
+
+FULL = Sizes(
+    "full",
+    2.0,
+    5,
+    ((1, 1), (4, 1), (16, 1), (4, 16), (4, 128)),
+    4.0,
+    3,
+    (1_000, 10_000, 100_000),
+    3,
+    1_000_000,
+    200,
+    (50, 100),
+)
+QUICK = Sizes(
+    "quick",
+    1.0,
+    3,
+    ((1, 1), (4, 1), (16, 1), (4, 16), (4, 128)),
+    2.0,
+    2,
+    (1_000, 5_000),
+    2,
+    100_000,
+    50,
+    (100,),
+)
+SMOKE = Sizes("smoke", 0.15, 1, ((1, 1), (2, 16)), 0.3, 1, (50,), 1, 2_000, 5, (100,))
+
+
+@dataclass
+class Row:
+    """One line of the table."""
+
+    scenario: str
+    metric: str
+    unit: str
+    ours: float | None
+    reference: float | None
+    ratio: float | None
+    target: str
+    met: bool | None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+def _ratios(a: list[float], b: list[float]) -> float:
+    return _median([x / y for x, y in zip(a, b, strict=True) if y])
+
+
+# -- 1. track vs Redis INCR ------------------------------------------------------------------
+
+
+def rpc_vs_redis(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    node = svc.node("rpc")
+    redis = svc.redis()
+    rows: list[Row] = []
+    for conns, depth in sizes.rpc_configs:
+        ours: list[LoadResult] = []
+        ref: list[LoadResult] = []
+        for r in range(sizes.rounds):
+            progress(f"track vs INCR: {conns} conn, depth {depth}, round {r + 1}/{sizes.rounds}")
+            ours.append(
+                run_load(
+                    Load("meter", str(node.socket), "track", conns, depth, duration=sizes.duration)
+                )
+            )
+            ref.append(
+                run_load(
+                    Load("redis", str(redis.socket), "incr", conns, depth, duration=sizes.duration)
+                )
+            )
+        errors = sum(x.errors for x in ours + ref)
+        o_ops = [x.ops_per_s for x in ours]
+        r_ops = [x.ops_per_s for x in ref]
+        ratio = _ratios(o_ops, r_ops)
+        if depth == 1:
+            target, need = ">= 0.8x Redis", 0.8
+        elif depth == 16:
+            target, need = ">= 0.5x Redis", 0.5
+        else:
+            target, need = "(context)", 0.0
+        label = f"track vs INCR, {conns} conn" + (f", pipelined {depth}" if depth > 1 else "")
+        lat = {
+            "ours_p50_us": _median([x.percentile_us(50) for x in ours]),
+            "ours_p99_us": _median([x.percentile_us(99) for x in ours]),
+            "redis_p50_us": _median([x.percentile_us(50) for x in ref]),
+            "redis_p99_us": _median([x.percentile_us(99) for x in ref]),
+        }
+        detail = {
+            "connections": conns,
+            "depth": depth,
+            "errors": errors,
+            **lat,
+            "rounds_ours_ops": o_ops,
+            "rounds_redis_ops": r_ops,
+        }
+        rows.append(
+            Row(
+                "1 track vs Redis",
+                label,
+                "ops/s",
+                _median(o_ops),
+                _median(r_ops),
+                ratio,
+                target,
+                (ratio >= need and errors == 0) if need else None,
+                detail,
+            )
+        )
+        p99_ratio = _ratios([x.percentile_us(99) for x in ours], [x.percentile_us(99) for x in ref])
+        rows.append(
+            Row(
+                "1 track vs Redis",
+                f"{label}: p99 latency",
+                "us",
+                lat["ours_p99_us"],
+                lat["redis_p99_us"],
+                p99_ratio,
+                "<= 2x Redis' p99",
+                p99_ratio <= 2.0,
+                {"connections": conns, "depth": depth, "latency": "batch round trip", **lat},
+            )
+        )
+    svc.stop_node(node)
+    return rows
+
+
+# -- 2. track_many ----------------------------------------------------------------------------
+
+
+def batch(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    node = svc.node("batch")
+    redis = svc.redis()
+    ours: list[LoadResult] = []
+    ref: list[LoadResult] = []
+    for r in range(sizes.rounds):
+        progress(f"track_many x100 vs INCR pipelined 100, round {r + 1}/{sizes.rounds}")
+        ours.append(
+            run_load(
+                Load(
+                    "meter",
+                    str(node.socket),
+                    "track_many",
+                    2,
+                    2,
+                    items=100,
+                    duration=sizes.duration,
+                )
+            )
+        )
+        ref.append(
+            run_load(Load("redis", str(redis.socket), "incr", 2, 200, duration=sizes.duration))
+        )
+    svc.stop_node(node)
+    o = [x.increments_per_s for x in ours]
+    b = [x.increments_per_s for x in ref]
+    errors = sum(x.errors for x in ours + ref)
+    value = _median(o)
+    return [
+        Row(
+            "2 batch",
+            "track_many, 100 items/call (ref: INCR pipelined)",
+            "incr/s",
+            value,
+            _median(b),
+            _ratios(o, b),
+            ">= 1,000,000 incr/s",
+            value >= 1e6 and errors == 0,
+            {
+                "connections": 2,
+                "calls_in_flight_per_conn": 2,
+                "errors": errors,
+                "ours_p50_us": _median([x.percentile_us(50) for x in ours]),
+                "ours_p99_us": _median([x.percentile_us(99) for x in ours]),
+                "rounds_ours": o,
+                "rounds_redis": b,
+            },
+        )
+    ]
+
+
+# -- 3. vs the write-per-event path -----------------------------------------------------------
+
+
+async def _create_table(endpoint: str, name: str) -> None:
+    from storage.dynamodb import DynamoDBStorage
+
+    store = DynamoDBStorage(name, endpoint_url=endpoint)
+    await store.open()
+    try:
+        await store.init_schema()
+    finally:
+        await store.close()
+
+
+def _per_event_worker(
+    endpoint: str, table: str, index: int, concurrency: int, seconds: float, out: Any
+) -> None:
+    """One process of the seeds' path: one UpdateItem ADD per event, ``concurrency`` at once."""
+    import aioboto3
+
+    async def go() -> tuple[int, int]:
+        session = aioboto3.Session(
+            aws_access_key_id="bench", aws_secret_access_key="bench", region_name="us-east-1"
+        )
+        done = errors = 0
+        async with session.client("dynamodb", endpoint_url=endpoint) as client:
+            deadline = time.monotonic() + seconds
+
+            async def lane(j: int) -> None:
+                nonlocal done, errors
+                key = {"pk": {"S": f"perevent-{index}"}, "sk": {"S": f"2026-11#f{j % 4}"}}
+                while time.monotonic() < deadline:
+                    try:
+                        await client.update_item(
+                            TableName=table,
+                            Key=key,
+                            UpdateExpression="ADD t :d",
+                            ExpressionAttributeValues={":d": {"N": "1"}},
+                        )
+                        done += 1
+                    except Exception:
+                        errors += 1
+
+            await asyncio.gather(*(lane(j) for j in range(concurrency)))
+        return done, errors
+
+    try:
+        out.send(asyncio.run(go()))
+    except Exception as exc:
+        out.send((0, 1))
+        print(f"per-event worker failed: {exc}", file=sys.stderr)
+
+
+def _per_event(
+    endpoint: str, table: str, procs: int, concurrency: int, seconds: float
+) -> tuple[float, int, int]:
+    ctx = mp.get_context("fork")
+    pipes, workers = [], []
+    for i in range(procs):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_per_event_worker,
+            args=(endpoint, table, i, concurrency, seconds, child),
+            daemon=True,
+        )
+        p.start()
+        child.close()
+        pipes.append(parent)
+        workers.append(p)
+    done = errors = 0
+    for parent, p in zip(pipes, workers, strict=True):
+        if parent.poll(seconds + 60):
+            d, e = parent.recv()
+            done += d
+            errors += e
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    return done / seconds, done, errors
+
+
+def _node_status(node: Any) -> dict[str, Any]:
+    status: dict[str, Any] = node.call("status")
+    return status
+
+
+def vs_dynamodb(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    progress("starting DynamoDB Local")
+    endpoint = svc.dynamodb()
+    table = f"meter_bench_{uuid.uuid4().hex[:8]}"
+    asyncio.run(_create_table(endpoint, table))
+    node = svc.node(
+        "ddb",
+        METER_STORAGE="dynamodb",
+        METER_DYNAMODB_ENDPOINT=endpoint,
+        METER_DYNAMODB_TABLE=table,
+        METER_FLUSH_INTERVAL_MS="1000",
+    )
+    procs, concurrency, conns = 4, 8, 4
+    ours: list[float] = []
+    ref: list[float] = []
+    per1k: list[float] = []
+    events_total = writes_total = ref_errors = errors = 0
+    for r in range(sizes.ddb_rounds):
+        progress(f"node+DynamoDB vs UpdateItem per event, round {r + 1}/{sizes.ddb_rounds}")
+        before = _node_status(node)["flush"]["keys_written"]
+        res = run_load(
+            Load("meter", str(node.socket), "track", conns, 1, duration=sizes.ddb_seconds)
+        )
+        errors += res.errors
+        # Let the node store everything it counted, then count its writes.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            st = _node_status(node)
+            if st["keys"]["dirty"] == 0 and st["keys"]["inflight"] == 0:
+                break
+            time.sleep(0.1)
+        writes = _node_status(node)["flush"]["keys_written"] - before
+        events = res.ops  # acknowledged in the measured window (warm-up excluded)
+        ours.append(res.ops_per_s)
+        per1k.append(1000 * writes / max(1, events))
+        events_total += events
+        writes_total += writes
+        rate, _, e = _per_event(endpoint, table, procs, concurrency, sizes.ddb_seconds)
+        ref.append(rate)
+        ref_errors += e
+    svc.stop_node(node)
+    ratio = _ratios(ours, ref)
+    w = _median(per1k)
+    return [
+        Row(
+            "3 vs write-per-event",
+            "events/s: node (DynamoDB storage) vs UpdateItem per event",
+            "events/s",
+            _median(ours),
+            _median(ref),
+            ratio,
+            ">= 100x",
+            ratio >= 100,
+            {
+                "node_connections": conns,
+                "per_event_processes": procs,
+                "per_event_in_flight": procs * concurrency,
+                "errors": errors,
+                "per_event_errors": ref_errors,
+                "hot_keys": conns,
+            },
+        ),
+        Row(
+            "3 vs write-per-event",
+            "DB writes per 1,000 events (hot keys)",
+            "writes",
+            w,
+            1000.0,
+            w / 1000,
+            "<= 1 per 1,000",
+            w <= 1.0,
+            {"events": events_total, "writes": writes_total, "flush_interval_ms": 1000},
+        ),
+    ]
+
+
+# -- 4. flush overhead ----------------------------------------------------------------------
+
+
+async def _flush_round(endpoint: str, table: str, n: int, tag: str) -> tuple[float, int]:
+    from meter.flusher import Flusher
+    from meter.keys import period_start
+    from meter.table import CounterTable
+    from storage.base import EMPTY
+    from storage.dynamodb import DynamoDBStorage
+
+    store = DynamoDBStorage(table, endpoint_url=endpoint, concurrency=64)
+    await store.open()
+    try:
+        counters = CounterTable("bench")
+        period = period_start("month")
+        for i in range(n):
+            key = (f"{tag}-{i // 100}", f"f{i % 100}", period)
+            counters.seed(key, EMPTY)
+            counters.incr(key, 1)
+        flusher = Flusher(counters, store, batch_keys=10_000)
+        t0 = time.perf_counter()
+        ok = await flusher.flush_once()
+        dt = time.perf_counter() - t0
+        if not ok:
+            raise RuntimeError(f"flush failed: {flusher.stats.last_error}")
+        return n / dt, store.writes
+    finally:
+        await store.close()
+
+
+async def _bare_round(endpoint: str, table: str, n: int, tag: str) -> float:
+    import aioboto3
+    from aiobotocore.config import AioConfig
+
+    session = aioboto3.Session(
+        aws_access_key_id="bench", aws_secret_access_key="bench", region_name="us-east-1"
+    )
+    config = AioConfig(max_pool_connections=64)
+    async with session.client("dynamodb", endpoint_url=endpoint, config=config) as client:
+        sem = asyncio.Semaphore(64)
+
+        async def one(i: int) -> None:
+            async with sem:
+                await client.update_item(
+                    TableName=table,
+                    Key={"pk": {"S": f"{tag}-{i // 100}"}, "sk": {"S": f"2026-11#f{i % 100}"}},
+                    UpdateExpression="ADD t :d",
+                    ExpressionAttributeValues={":d": {"N": "1"}},
+                )
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        return n / (time.perf_counter() - t0)
+
+
+def flush(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    progress("starting DynamoDB Local")
+    endpoint = svc.dynamodb()
+    table = f"meter_flush_{uuid.uuid4().hex[:8]}"
+    asyncio.run(_create_table(endpoint, table))
+    rows: list[Row] = []
+    for n in sizes.flush_sizes:
+        rounds = 1 if n >= 100_000 else sizes.flush_rounds
+        ours: list[float] = []
+        ref: list[float] = []
+        writes: list[int] = []
+        for r in range(rounds):
+            progress(f"flush of {n:,} dirty keys vs bare UpdateItem loop, round {r + 1}/{rounds}")
+            tag = uuid.uuid4().hex[:6]
+            rate, w = asyncio.run(_flush_round(endpoint, table, n, f"fl{tag}"))
+            ours.append(rate)
+            writes.append(w)
+            ref.append(asyncio.run(_bare_round(endpoint, table, n, f"bare{tag}")))
+        ratio = _ratios(ours, ref)
+        rows.append(
+            Row(
+                "4 flush overhead",
+                f"flush {n:,} dirty keys vs bare UpdateItem loop",
+                "keys/s",
+                _median(ours),
+                _median(ref),
+                ratio,
+                ">= 0.9x bare",
+                ratio >= 0.9,
+                {"keys": n, "concurrency": 64, "rounds": rounds, "writes": writes},
+            )
+        )
+    return rows
+
+
+# -- 5. convergence ---------------------------------------------------------------------------
+
+
+def convergence(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    try:
+        from tests.measure_convergence import measure
+    except ImportError:
+        return [
+            Row(
+                "5 convergence",
+                "3 nodes: track -> visible on the others",
+                "ms",
+                None,
+                None,
+                None,
+                "p99 <= tick + 20 ms",
+                None,
+                {"status": "not measured yet"},
+            )
+        ]
+    rows: list[Row] = []
+    for tick in sizes.conv_ticks:
+        progress(f"convergence: 3 nodes, gossip every {tick} ms, {sizes.conv_samples} samples")
+        try:
+            res = measure(3, tick, sizes.conv_samples)
+        except Exception as exc:
+            rows.append(
+                Row(
+                    "5 convergence",
+                    f"3 nodes, tick {tick} ms: p99",
+                    "ms",
+                    None,
+                    None,
+                    None,
+                    f"<= {tick + 20} ms",
+                    None,
+                    {"status": f"failed: {type(exc).__name__}: {exc}"[:300]},
+                )
+            )
+            continue
+        p99 = float(res["p99_ms"])
+        bound = float(tick + 20)
+        rows.append(
+            Row(
+                "5 convergence",
+                f"3 nodes, tick {tick} ms: p99 (ref: tick + 20 ms)",
+                "ms",
+                p99,
+                bound,
+                p99 / bound,
+                f"<= {tick + 20} ms",
+                p99 <= bound,
+                {k: v for k, v in res.items() if not isinstance(v, list)},
+            )
+        )
+    return rows
+
+
+# -- 6. memory --------------------------------------------------------------------------------
+
+
+def memory(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    n = sizes.memory_keys
+    out: dict[str, Any] = {}
+    for mode in ("rss", "tracemalloc"):
+        progress(f"memory: {n:,} warm keys in a fresh process ({mode})")
+        run = subprocess.run(
+            [sys.executable, "-m", "bench.memory", str(n), mode],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
+        out.update(json.loads(run.stdout))
+    per_key = float(out["bytes_per_key_tracemalloc"])
+    note = "" if n == 1_000_000 else f" (quick mode: {n:,} keys, not 1M)"
+    return [
+        Row(
+            "6 memory",
+            f"bytes per warm key at {n:,} keys{note}",
+            "B",
+            per_key,
+            300.0,
+            per_key / 300,
+            "<= 300 B",
+            per_key <= 300,
+            out,
+        )
+    ]
+
+
+SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
+    "rpc": rpc_vs_redis,
+    "batch": batch,
+    "dynamodb": vs_dynamodb,
+    "flush": flush,
+    "convergence": convergence,
+    "memory": memory,
+}

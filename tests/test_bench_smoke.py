@@ -1,0 +1,91 @@
+"""The bench runs end to end for about a second and produces its table and JSON.
+
+No timing assertion: only the structure of what it reports is checked.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench import report
+from bench.cli import run
+from bench.scenarios import SMOKE, Row
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
+    out = io.StringIO()
+    doc = run(SMOKE, ["rpc", "batch", "memory"], results_dir=tmp_path, out=out)
+    assert doc["failures"] == {}
+    assert doc["mode"] == "smoke"
+    assert {"nproc", "cpu", "python"} <= set(doc["machine"])
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert latest["rows"] == doc["rows"]
+    assert len(list(tmp_path.glob("*-smoke.json"))) == 1
+    scenarios = {r["scenario"] for r in doc["rows"]}
+    assert scenarios == {"1 track vs Redis", "2 batch", "6 memory"}
+    for r in doc["rows"]:
+        assert set(r) == {
+            "scenario",
+            "metric",
+            "unit",
+            "ours",
+            "reference",
+            "ratio",
+            "target",
+            "met",
+            "detail",
+        }
+        assert r["ours"] is not None and r["ours"] > 0
+        assert r["reference"] is not None and r["reference"] > 0
+        assert r["met"] in (True, False, None)
+    rpc = [r for r in doc["rows"] if r["unit"] == "ops/s"]
+    assert all(r["detail"]["errors"] == 0 for r in rpc)
+    text = out.getvalue()
+    assert "| scenario" in text and "track vs INCR" in text and "memory" in text
+    assert "[" in text.splitlines()[0]  # progress lines come first, with elapsed time
+
+
+def test_table_and_chart_render(tmp_path: Path) -> None:
+    rows = [
+        Row(
+            "1 track vs Redis",
+            "track vs INCR, 1 conn",
+            "ops/s",
+            10.0,
+            20.0,
+            0.5,
+            ">= 0.8x",
+            False,
+            {
+                "connections": 1,
+                "depth": 1,
+                "ours_p50_us": 1.0,
+                "ours_p99_us": 2.0,
+                "redis_p50_us": 1.0,
+                "redis_p99_us": 1.5,
+            },
+        ),
+        Row(
+            "5 convergence",
+            "3 nodes",
+            "ms",
+            None,
+            None,
+            None,
+            "p99 <= tick + 20 ms",
+            None,
+            {"status": "not measured yet"},
+        ),
+    ]
+    text = report.table(rows)
+    assert text.count("\n") == 3 and "not measured yet" in text and "NO" in text
+    png = report.chart(rows, tmp_path / "c.png", "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
