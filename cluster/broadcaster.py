@@ -121,19 +121,23 @@ class Broadcaster:
 
     async def run_ticks(self) -> None:
         """Gossip every ``interval`` on a fixed schedule (a slow tick does not shift the next),
-        and heartbeat when nothing was sent for ``heartbeat`` seconds."""
-        loop = asyncio.get_running_loop()
-        next_at = loop.time() + self.interval
+        and heartbeat whenever nothing was sent for ``heartbeat`` seconds (its own schedule:
+        the tick may be longer than the heartbeat)."""
+        next_at = time.monotonic() + self.interval
         while True:
-            await asyncio.sleep(max(0.0, next_at - loop.time()))
-            now = loop.time()
-            next_at += self.interval
-            if next_at < now:  # fell behind (a stalled loop): skip the missed ticks
-                next_at = now + self.interval
+            wake = min(next_at, self._last_sent + self.heartbeat)
+            await asyncio.sleep(max(0.0, wake - time.monotonic()))
+            now = time.monotonic()
             try:
-                self.gossip_now()
-                if time.monotonic() - self._last_sent >= self.heartbeat:
-                    self.heartbeat_now()
+                if now >= next_at:
+                    next_at += self.interval
+                    if next_at < now:  # fell behind (a stalled loop): skip the missed ticks
+                        next_at = now + self.interval
+                    self.gossip_now()
+                if now - self._last_sent >= self.heartbeat:
+                    if self._outbox.empty():
+                        self.heartbeat_now()
+                    self._last_sent = now  # queued (or bus down): next look in a heartbeat
             except Exception:
                 log.exception("gossip tick failed")
 

@@ -286,3 +286,31 @@ async def test_forged_and_garbage_messages_are_rejected_and_counted(
     wait_until(counted, 5, "every node counted the rejections", nodes)
     assert usages(nodes, "api") == [5, 5]
     assert all(p.proc is not None and p.proc.poll() is None for p in nodes)
+
+
+async def test_sigterm_drain_announces_the_final_flush(
+    workdir: Path,
+    redis_server: RedisServer,
+    dynamodb_local: str,
+    dynamodb_table: str,
+    cluster_name: str,
+    nodes_cleanup: list[NodeProcess],
+) -> None:
+    env = node_env(
+        redis_url=redis_server.url,
+        dynamodb_endpoint=dynamodb_local,
+        table=dynamodb_table,
+        cluster=cluster_name,
+        METER_FLUSH_INTERVAL_MS="60000",  # only the drain flushes
+        METER_GOSSIP_INTERVAL_MS="60000",  # only the drain gossips
+        METER_CLUSTER_RECONCILE_S="0",
+    )
+    nodes = start_nodes(workdir, 2, env)
+    nodes_cleanup.extend(nodes)
+    assert usages(nodes, "api") == [0, 0]
+    nodes[0].call("track", KEY_TENANT, "api", 42)
+    assert nodes[0].stop() == 0  # SIGTERM: drain, announce, close
+    assert await stored(dynamodb_local, dynamodb_table, "api") == 42
+    wait_until(lambda: usages(nodes[1:], "api") == [42], 5, "the drain's announcement", nodes)
+    received = nodes[1].call("status")["cluster"]["received"]
+    assert received["announcements_applied"] == 1
