@@ -135,8 +135,7 @@ class Codec:
             body = [[t, f, p, s, _wire_int(cast(int, d))] for t, f, p, s, d in items]
         else:
             body = [
-                [t, f, p, _wire_int(n), dict(cast(Mapping[str, int], q))]
-                for t, f, p, n, q in items
+                [t, f, p, _wire_int(n), dict(cast(Mapping[str, int], q))] for t, f, p, n, q in items
             ]
         payload: bytes = msgpack.packb(
             [
@@ -195,7 +194,6 @@ class Codec:
                 frame[HEADER_LEN:end],
                 raw=False,
                 strict_map_key=True,
-                max_buffer_size=MAX_FRAME_BYTES,
             )
         except Exception as exc:
             return Rejected("malformed", f"msgpack: {type(exc).__name__}")
