@@ -349,6 +349,7 @@ class ClusterMachine(RuleBasedStateMachine):
             table = self.tables[node]
             dirty, touched = set(table.dirty_keys()), set(table.touched_keys())
             warm = table.keys()
+            assert dirty <= set(warm) and touched <= set(warm), (node, dirty, touched, warm)
             for key in warm:
                 cols = table.columns(key)
                 assert cols is not None
@@ -554,3 +555,18 @@ def test_stale_snapshot_never_rewinds_a_reseeded_rows_sequence() -> None:
     a.seed(K, run(store.load([K]))[K])  # the seeding loop's fresh read (no-op if seeded)
     flush_all(a, store)
     assert run(store.load([K]))[K].total == 7
+
+
+def test_evicted_keys_leave_the_dirty_and_touched_sets() -> None:
+    """A zero-unit commit marks a clean key dirty and touched; once the row is evicted the
+    marks must go too, else the flusher visits the dead key every tick forever."""
+    t = CounterTable("a")
+    t.seed(K, Snapshot(3, {"a": 1}))
+    t.reserve(K, 1, limit=None)
+    t.commit(K, 1, 0)  # the work was free
+    t.evict_idle()
+    t.evict_idle()
+    assert not t.is_warm(K)
+    assert t.take_flush(K) is None
+    assert t.dirty_keys() == []
+    assert t.stats().dirty == 0
