@@ -39,6 +39,10 @@ class GossipTable(GossipSource, Protocol[S_contra]):
         """Re-base on a stored snapshot if it is at least as new as the row's."""
         ...
 
+    def forget_peer(self, peer: str) -> int:
+        """Drop every remote delta of a dead ``peer``; return the units dropped."""
+        ...
+
     def keys(self) -> Iterable[Key]:
         """Every warm key."""
         ...

@@ -219,12 +219,9 @@ class Gossip(Generic[S]):
             self.broadcaster.heartbeat_now()
 
     def _forget(self, peer: str) -> None:
-        # The table may offer forget_peer(peer) -> units: drop a peer's remote deltas that will
-        # never be flushed (it died or restarted). Without it they stay until that peer (same
-        # id) flushes those sequences again.
-        forget = getattr(self.table, "forget_peer", None)
-        if forget is not None:
-            self.forgotten_units += int(forget(peer) or 0)
+        # A dead (or restarted) peer will never flush what it gossiped under those sequences:
+        # drop it, or views would stay above the stored truth for good.
+        self.forgotten_units += self.table.forget_peer(peer)
 
     # -- resync and housekeeping ---------------------------------------------------------------
 

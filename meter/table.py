@@ -352,7 +352,10 @@ class CounterTable:
         """
         with self._lock:
             row = self._rows.get(key)
-            if row is None or not row.seeded:
+            if row is None:
+                self._dirty.discard(key)
+                return None
+            if not row.seeded:
                 return None
             if row.inflight_seq:
                 return (row.inflight_seq, row.inflight)
@@ -470,6 +473,23 @@ class CounterTable:
             row.remote_total += delta
             return True
 
+    def forget_peer(self, peer: str) -> int:
+        """Drop every remote delta of ``peer``; return the units dropped.
+
+        For a peer that died: what it gossiped but never flushed will never reach the store
+        under those sequences, so keeping it would hold views above the truth for good.
+        """
+        with self._lock:
+            dropped = 0
+            for row in self._rows.values():
+                if row.remote and peer in row.remote:
+                    units = sum(row.remote.pop(peer).values())
+                    row.remote_total -= units
+                    dropped += units
+                    if not row.remote:
+                        row.remote = None
+            return dropped
+
     # -- housekeeping ------------------------------------------------------------------------
 
     def evict_idle(self) -> int:
@@ -484,6 +504,9 @@ class CounterTable:
             doomed = [k for k, r in self._rows.items() if r.gen < cutoff and r.idle()]
             for key in doomed:
                 del self._rows[key]
+                # incr(key, 0) or commit(..., 0) leaves an idle row marked; unmark it too.
+                self._dirty.discard(key)
+                self._touched.discard(key)
                 tenant, feature, period = key
                 features = self._by_period.get((tenant, period))
                 if features is not None:

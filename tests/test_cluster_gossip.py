@@ -360,27 +360,10 @@ async def test_periodic_reconciliation_repairs_silent_loss(cluster: Cluster) -> 
     assert b.gossip.status()["resyncs"]["reconcile"] >= 1
 
 
-class ForgetfulTable(CounterTable):
-    """The table with the ``forget_peer`` the gossip layer uses when the table offers it (the
-    proposed addition to meter/table.py, see docs/cluster.md)."""
-
-    def forget_peer(self, peer: str) -> int:
-        with self._lock:
-            dropped = 0
-            for row in self._rows.values():
-                if row.remote and peer in row.remote:
-                    units = sum(row.remote.pop(peer).values())
-                    row.remote_total -= units
-                    dropped += units
-                    if not row.remote:
-                        row.remote = None
-            return dropped
-
-
 async def test_a_dead_peers_unflushed_gossip_is_forgotten(cluster: Cluster) -> None:
     timed = GossipSettings(interval=3600, heartbeat=0.05, peer_timeout=0.3, reconcile=0)
-    a = await cluster.add("a", settings=timed, table_class=ForgetfulTable)
-    b = await cluster.add("b", settings=timed, table_class=ForgetfulTable)
+    a = await cluster.add("a", settings=timed)
+    b = await cluster.add("b", settings=timed)
     k = KEYS[0]
     cluster.track(a, k, 2)
     await a.flush()

@@ -18,7 +18,6 @@ import redis
 from cluster.bus import channel_name
 from cluster.codec import Codec, Header
 from meter.keys import period_start
-from meter.table import CounterTable
 from storage.dynamodb import DynamoDBStorage
 from tests.cluster_harness import (
     KEY_TENANT,
@@ -231,12 +230,8 @@ async def test_a_sigkilled_node_loses_only_what_it_had_not_flushed(
     )
     assert 0 <= lost <= load.acked[2]
     assert views[0] == views[1]
-    if hasattr(CounterTable, "forget_peer"):
-        assert views == [db_total, db_total]
-    else:
-        # Without CounterTable.forget_peer, the dead node's gossiped-but-unflushed units stay
-        # in the survivors' remote column: at most what it lost.
-        assert 0 <= views[0] - db_total <= lost
+    # The survivors forget the dead node's gossiped-but-unflushed units: views == database.
+    assert views == [db_total, db_total]
 
 
 async def test_forged_and_garbage_messages_are_rejected_and_counted(
