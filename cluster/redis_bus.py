@@ -1,5 +1,7 @@
 """The Redis pub/sub bus (``redis.asyncio``): ``redis://``, ``rediss://`` and ``unix://`` URLs,
-with AUTH (``redis://user:password@host:port/db``) taken from the URL.
+with AUTH (``redis://user:password@host:port/db``) taken from the URL. TLS (``rediss://``)
+options are redis-py's ``ssl_*`` connection arguments as URL query parameters, for instance
+``rediss://:pw@host:6380/0?ssl_ca_certs=/etc/meter/redis-ca.pem`` (see docs/cluster.md).
 
 One subscriber connection reads the channel; publishes go through the client's pool. When the
 subscriber loses Redis the bus is *down*: :meth:`RedisBus.publish` fails fast without trying,
@@ -14,6 +16,7 @@ import contextlib
 import logging
 import random
 import re
+import ssl
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -27,8 +30,9 @@ log = logging.getLogger("cluster.redis")
 
 
 def redact(url: str) -> str:
-    """``url`` without its password, for logs and ``status``."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    """``url`` without its password (nor a TLS key's ``ssl_password``), for logs and ``status``."""
+    url = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    return re.sub(r"([?&]ssl_password=)[^&#]*", r"\1***", url)
 
 
 class RedisBus(Bus):
@@ -168,4 +172,6 @@ def _describe(exc: BaseException) -> str:
         isinstance(exc, ResponseError) and ("NOAUTH" in str(exc) or "WRONGPASS" in str(exc))
     ):
         return f"authentication failed: {exc}"
+    if isinstance(exc, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return f"TLS certificate verification failed: {exc}"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

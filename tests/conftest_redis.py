@@ -1,7 +1,7 @@
 """Pytest fixtures for a real ``redis-server`` (loaded as a plugin from ``tests/conftest.py``).
 
 ``redis_server`` is one session-wide server (tests share it; each uses its own cluster name, so
-its own channel); ``redis_factory`` starts private servers (for outage and AUTH tests) and
+its own channel); ``redis_factory`` starts private servers (for outage, AUTH and TLS tests) and
 stops them after the test. Never the Redis on port 6379.
 """
 
@@ -15,9 +15,9 @@ import pytest
 from tests.redis_server import RedisServer, RedisUnavailable
 
 
-def _start(password: str | None = None) -> RedisServer:
+def _start(password: str | None = None, tls: bool = False) -> RedisServer:
     try:
-        return RedisServer(password=password).start()
+        return RedisServer(password=password, tls=tls).start()
     except RedisUnavailable as exc:
         pytest.fail(f"redis-server is not available: {exc}", pytrace=False)
 
@@ -34,11 +34,12 @@ def redis_server() -> Iterator[RedisServer]:
 
 @pytest.fixture
 def redis_factory() -> Iterator[Callable[..., RedisServer]]:
-    """``redis_factory(password=None)``: a private redis-server, stopped after the test."""
+    """``redis_factory(password=None, tls=False)``: a private redis-server, stopped after the
+    test; ``tls=True`` serves TLS only, with a throw-away CA (``server.tls``)."""
     servers: list[RedisServer] = []
 
-    def make(password: str | None = None) -> RedisServer:
-        server = _start(password)
+    def make(password: str | None = None, tls: bool = False) -> RedisServer:
+        server = _start(password, tls)
         servers.append(server)
         return server
 

@@ -1,16 +1,17 @@
-"""The Redis pub/sub bus against a real redis-server: delivery, AUTH, outage and reconnect."""
+"""The Redis pub/sub bus against a real redis-server: delivery, AUTH, TLS, outage and reconnect."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from cluster.bus import BusUnavailable, channel_name
 from cluster.redis_bus import RedisBus, redact
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, make_tls_files
 
 pytestmark = pytest.mark.redis
 
@@ -80,10 +81,74 @@ async def test_auth_in_the_url(
         await wrong.close()
 
 
+async def test_tls_with_auth_trusting_the_ca_from_the_url(
+    redis_factory: Callable[..., RedisServer], cluster_name: str
+) -> None:
+    server = redis_factory(password="pa55word", tls=True)
+    assert server.tls is not None
+    url = server.url
+    assert url.startswith("rediss://:pa55word@127.0.0.1:")
+    assert f"ssl_ca_certs={server.tls.ca_cert}" in url
+    ch = channel_name(cluster_name)
+    a, pa = await _bus(url, ch)
+    b, pb = await _bus(url, ch)
+    try:
+        for i in range(20):
+            await a.publish(b"t%d" % i)
+        await pb.wait(lambda: len(pb.got) == 20)
+        assert pb.got == [b"t%d" % i for i in range(20)]
+        await pa.wait(lambda: len(pa.got) == 20)
+        assert "pa55word" not in str(a.describe())
+    finally:
+        for bus in (a, b):
+            await bus.close()
+    # Over TLS, AUTH is still checked.
+    wrong = RedisBus(server.tls_url(server.tls.ca_cert, password="nope"), ch, min_backoff=0.02)
+    p = Probe()
+    await wrong.start(p.got.append, p.states.append)
+    try:
+        await p.wait(lambda: wrong.last_error is not None)
+        assert not wrong.connected
+        assert "authentication" in (wrong.last_error or "").lower()
+    finally:
+        await wrong.close()
+
+
+async def _refused_over_tls(url: str, channel: str) -> None:
+    """The bus does not connect, says why, and publish fails at once with that reason."""
+    bus = RedisBus(url, channel, min_backoff=0.02, max_backoff=0.2)
+    p = Probe()
+    await bus.start(p.got.append, p.states.append)
+    try:
+        await p.wait(lambda: bus.last_error is not None)
+        assert not bus.connected
+        assert p.states == []
+        assert "TLS certificate verification failed" in (bus.last_error or "")
+        with pytest.raises(BusUnavailable, match="TLS certificate verification failed"):
+            await bus.publish(b"x")
+    finally:
+        await bus.close()
+
+
+async def test_tls_certificate_of_an_untrusted_ca_is_refused(
+    redis_factory: Callable[..., RedisServer], cluster_name: str, tmp_path: Path
+) -> None:
+    server = redis_factory(password="pa55word", tls=True)
+    ch = channel_name(cluster_name)
+    other_ca = make_tls_files(tmp_path / "other").ca_cert  # did not sign the server's certificate
+    await _refused_over_tls(server.tls_url(other_ca), ch)
+    # No CA in the URL: the system's trust store, which does not know the test CA either.
+    await _refused_over_tls(f"rediss://:pa55word@127.0.0.1:{server.port}/0", ch)
+
+
 def test_redact_hides_passwords() -> None:
     assert redact("redis://u:secret@h:1/0") == "redis://u:***@h:1/0"
     assert redact("rediss://:secret@h:1") == "rediss://:***@h:1"
     assert redact("redis://h:1/0") == "redis://h:1/0"
+    assert (
+        redact("rediss://:s@h:1/0?ssl_ca_certs=/ca.pem&ssl_password=kp&ssl_cert_reqs=required")
+        == "rediss://:***@h:1/0?ssl_ca_certs=/ca.pem&ssl_password=***&ssl_cert_reqs=required"
+    )
 
 
 async def test_outage_fails_fast_and_reconnects(
