@@ -267,6 +267,18 @@ class Node:
                 units,
                 self.flusher.stats.last_error,
             )
+        # Keys parked after a permanent write error are not retried, so the drain does not
+        # wait for them; but their units are not stored either: that is not a clean drain.
+        assert self.table is not None
+        parked = [k for k in self.flusher.stats.poisoned if self.table.pending(k)]
+        if parked:
+            log.error(
+                "drain: %d parked keys (%d units) not stored after permanent write errors: %s",
+                len(parked),
+                sum(self.table.pending(k) for k in parked),
+                "; ".join(f"{k}: {self.flusher.stats.poisoned[k]}" for k in parked[:20]),
+            )
+            self.drained = False
         if self.gossip is not None:
             # The drain's announcements are queued: send them and any last gossip, then close.
             await self.gossip.stop()
