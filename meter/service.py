@@ -139,16 +139,24 @@ class Service:
             fut = asyncio.get_running_loop().create_future()
             self._seeding[key] = fut
             try:
-                snaps = await self.storage.load([key])
-                self.table.seed(key, snaps[key])
-                fut.set_result(None)
+                # A read overtaken by an eviction pass may predate a flush of the key (warm
+                # meanwhile): the table refuses it, and we read again.
+                for _ in range(3):
+                    evictions = self.table.evictions
+                    snaps = await self.storage.load([key])
+                    if self.table.seed(key, snaps[key], evictions) or self.table.is_seeded(key):
+                        break
             except StorageError as exc:
                 log.warning("cannot seed %s: %s", key, exc)
-                fut.set_result(None)
             finally:
                 del self._seeding[key]
+                # Whatever happened (a backend bug, a cancelled request), waiters must wake;
+                # each looks at the table itself.
+                if not fut.done():
+                    fut.set_result(None)
         else:
-            await fut
+            # Shielded: one waiter's cancellation must not cancel the future all waiters share.
+            await asyncio.shield(fut)
         return self.table.is_seeded(key)
 
     # -- methods ------------------------------------------------------------------------------
@@ -209,21 +217,24 @@ class Service:
             out.append(None)
             good.append((key, qty))
             where.append(i)
-        # Every warm item is counted under one hold of the table's lock; cold ones are seeded
-        # first (and counted then), as track does.
-        cold: list[tuple[int, Key, int]] = []
-        for i, (key, qty), value in zip(where, good, self.table.incr_seeded(good), strict=True):
-            if value is None:
-                cold.append((i, key, qty))
-            else:
+        # All warm: every item is counted under one hold of the table's lock. Otherwise nothing
+        # is counted until the cold keys are seeded, so a batch cut short (a draining node
+        # cancels it, a read fails unexpectedly) has counted nothing and its error answer is
+        # true: a client retrying it counts nothing twice.
+        values = self.table.incr_seeded(good)
+        if values is not None:
+            for i, value in zip(where, values, strict=True):
                 out[i] = value
-        if not cold:
             return out
-        return self._track_many_cold(out, cold)
+        return self._track_many_cold(out, where, good)
 
-    async def _track_many_cold(self, out: list[Any], cold: list[tuple[int, Key, int]]) -> Any:
-        await asyncio.gather(*(self.seed(k) for k in {k for _, k, _ in cold}))
-        for i, key, qty in cold:
+    async def _track_many_cold(
+        self, out: list[Any], where: list[int], good: list[tuple[Key, int]]
+    ) -> Any:
+        cold = {k for k, _ in good if not self.table.is_seeded(k)}
+        await asyncio.gather(*(self.seed(k) for k in cold))
+        # Counted whether or not seeding worked, as track does: unseeded keys answer nil.
+        for i, (key, qty) in zip(where, good, strict=True):
             out[i] = self.table.incr(key, qty)
         return out
 
@@ -255,12 +266,22 @@ class Service:
         out: dict[str, int] = {}
         for kind in sorted(kinds):
             period = period_start(kind, at)
-            try:
-                stored = await self.storage.list_period(tenant, period)
-            except StorageError as exc:
-                raise Unavailable(f"storage is unreachable: {exc}") from None
-            for feature, snap in stored.items():
-                self.table.seed((tenant, feature, period), snap)
+            for _ in range(3):
+                evictions = self.table.evictions
+                try:
+                    stored = await self.storage.list_period(tenant, period)
+                except StorageError as exc:
+                    raise Unavailable(f"storage is unreachable: {exc}") from None
+                refused = [
+                    f
+                    for f, snap in stored.items()
+                    if not self.table.seed((tenant, f, period), snap, evictions)
+                    and not self.table.is_seeded((tenant, f, period))
+                ]
+                if not refused:  # else an eviction pass overtook the listing: list again
+                    break
+            else:
+                raise Unavailable("counters were evicted while being listed; retry")
             for feature, value in self.table.all_for(tenant, period).items():
                 if self._periods.get(feature, "month") == kind:
                     out[feature] = value

@@ -33,7 +33,7 @@ sequences the store already holds.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -130,6 +130,9 @@ class CounterTable:
         self._dirty: set[Key] = set()
         self._touched: set[Key] = set()
         self._gen = 0
+        #: Eviction passes that dropped keys. A seeding read issued before one may be older
+        #: than a flush of a key that was warm meanwhile (see :meth:`seed`).
+        self.evictions = 0
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -244,16 +247,23 @@ class CounterTable:
             row.gen = self._gen
         return row
 
-    def seed(self, key: Key, snap: Snapshot) -> bool:
+    def seed(self, key: Key, snap: Snapshot, evictions: int | None = None) -> bool:
         """Give a cold or unseeded key its stored snapshot. Warm seeded keys are left alone.
 
         ``snap`` must come from a read issued while the key was cold or unseeded (then it holds
         every sequence this node ever stored for the key: nothing is flushed before seeding).
+        The key may have been seeded, flushed and evicted while the read was on its way, so a
+        caller that cannot rule that out passes :attr:`evictions` as it was when the read was
+        issued: after any eviction since, the snapshot is refused (``False``: read again).
         """
         with self._lock:
-            row = self._row(key)
-            if row.seeded:
+            row = self._rows.get(key)
+            if row is not None and row.seeded:
+                row.gen = self._gen
                 return False
+            if evictions is not None and evictions != self.evictions:
+                return False
+            row = self._row(key)
             self._rebase_row(row, snap)
             if row.pending_flush or row.inflight_seq:
                 self._dirty.add(key)
@@ -280,22 +290,25 @@ class CounterTable:
                 return row.base + row.inflight + row.pending_flush + row.reserved + row.remote_total
             return None
 
-    def incr_seeded(self, items: Iterable[tuple[Key, int]]) -> list[int | None]:
-        """:meth:`incr` for each ``(key, qty)`` whose row is seeded, under one lock hold.
+    def incr_seeded(self, items: Sequence[tuple[Key, int]]) -> list[int] | None:
+        """:meth:`incr` for every ``(key, qty)``, under one lock hold, if every key is seeded.
 
-        Returns the new values in order; ``None`` marks an item whose key is cold or unseeded,
-        which is left uncounted for the caller to seed first (``track_many``'s batch path).
+        Returns the new values in order. If any key is cold or unseeded nothing is counted and
+        the answer is ``None``: the caller seeds first, so a batch is counted all or nothing
+        (``track_many`` must never answer an error after counting part of a batch).
         """
-        out: list[int | None] = []
-        append = out.append
         with self._lock:
             rows, gen = self._rows, self._gen
-            dirty, touched = self._dirty.add, self._touched.add
-            for key, qty in items:
+            found: list[Row] = []
+            for key, _ in items:
                 row = rows.get(key)
                 if row is None or not row.seeded:
-                    append(None)
-                    continue
+                    return None
+                found.append(row)
+            out: list[int] = []
+            append = out.append
+            dirty, touched = self._dirty.add, self._touched.add
+            for row, (key, qty) in zip(found, items, strict=True):
                 row.gen = gen
                 row.pending_flush += qty
                 row.pending_gossip += qty
@@ -502,6 +515,8 @@ class CounterTable:
             cutoff = self._gen
             self._gen += 1
             doomed = [k for k, r in self._rows.items() if r.gen < cutoff and r.idle()]
+            if doomed:
+                self.evictions += 1
             for key in doomed:
                 del self._rows[key]
                 # incr(key, 0) or commit(..., 0) leaves an idle row marked; unmark it too.

@@ -6,20 +6,33 @@ from meter.table import CounterTable
 from storage.base import EMPTY, Snapshot
 
 
-def test_incr_seeded_counts_warm_keys_like_incr_and_skips_cold_ones() -> None:
+def test_incr_seeded_counts_warm_keys_like_incr() -> None:
     a, b = CounterTable("n1"), CounterTable("n1")
     warm = ("t", "f", "2026-11")
     based = ("t", "g", "2026-11")
-    cold = ("t", "h", "2026-11")
     for t in (a, b):
         t.seed(warm, EMPTY)
         t.seed(based, Snapshot(40, {"n2": 3}))
-    got = a.incr_seeded([(warm, 2), (cold, 5), (based, 1), (warm, -1)])
-    want = [b.incr(warm, 2), None, b.incr(based, 1), b.incr(warm, -1)]
-    assert got == want == [2, None, 41, 1]
-    assert not a.is_warm(cold)  # left to the caller, uncounted
+    got = a.incr_seeded([(warm, 2), (based, 1), (warm, -1)])
+    want = [b.incr(warm, 2), b.incr(based, 1), b.incr(warm, -1)]
+    assert got == want == [2, 41, 1]
     for key in (warm, based):
         assert a.columns(key) == b.columns(key)
     assert sorted(a.dirty_keys()) == sorted(b.dirty_keys())
     assert sorted(a.touched_keys()) == sorted(b.touched_keys())
     assert a.incr_seeded([]) == []
+
+
+def test_incr_seeded_counts_nothing_if_any_key_is_cold_or_unseeded() -> None:
+    t = CounterTable("n1")
+    warm = ("t", "f", "2026-11")
+    cold = ("t", "h", "2026-11")
+    unseeded = ("t", "u", "2026-11")
+    t.seed(warm, EMPTY)
+    assert t.incr(unseeded, 1) is None
+    before = t.columns(warm)
+    assert t.incr_seeded([(warm, 2), (cold, 5)]) is None
+    assert t.incr_seeded([(warm, 2), (unseeded, 5)]) is None
+    assert t.columns(warm) == before, "nothing of the batch was counted"
+    assert not t.is_warm(cold)
+    assert t.pending(unseeded) == 1
