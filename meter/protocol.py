@@ -22,7 +22,7 @@ messages. It separates two kinds of trouble:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, cast
 
 import msgpack
 
@@ -95,9 +95,22 @@ class Invalid(NamedTuple):
 
 
 Message = Request | Response | Notification | Invalid
+#: What :meth:`Decoder.feed_raw` returns for the common well-formed request: the decoded array
+#: ``[0, msgid, method, params]`` itself, with ``msgid`` a uint32, ``method`` a str and
+#: ``params`` a list (exactly the checks :class:`Request` would get).
+RawRequest = list[Any]
 
 # NamedTuple.__new__ is a Python-level function; tuple.__new__ skips it on the hot path.
 _new = tuple.__new__
+
+
+# Compared by identity on the decoder's fast path (see Decoder._drain).
+_REQUEST_KIND: Final = REQUEST
+
+
+def _cook(messages: list[Any]) -> list[Message]:
+    """Turn the raw requests of a :meth:`Decoder.feed_raw` result into :class:`Request`."""
+    return [_new(Request, (m[1], m[2], m[3])) if type(m) is list else m for m in messages]
 
 
 def invalid_error(reason: str) -> ErrorMap:
@@ -134,6 +147,7 @@ class Decoder:
         "_fed",
         "_frame_start",
         "_max_frame",
+        "_server",
         "_unpacker",
     )
 
@@ -169,7 +183,8 @@ class Decoder:
             max_map_len=max_map_len,
             max_ext_len=MAX_EXT_LEN,
         )
-        self._classify = self._server_message if side == "server" else self._client_message
+        self._server = side == "server"
+        self._classify = self._server_message if self._server else self._client_message
         self._fed = 0  # total bytes fed
         self._frame_start = 0  # stream offset where the current (incomplete) frame starts
         self._broken: str | None = None
@@ -189,9 +204,23 @@ class Decoder:
 
         Raises :class:`ProtocolError` (carrying the messages decoded before the fault).
         """
+        try:
+            out = self.feed_raw(data)
+        except ProtocolError as exc:
+            exc.messages = _cook(exc.messages)
+            raise
+        return _cook(out) if self._server else cast(list[Message], out)
+
+    def feed_raw(self, data: bytes | bytearray | memoryview) -> list[RawRequest | Message]:
+        """Like :meth:`feed`, but a well-formed request with a str method comes back as its
+        decoded array (a :data:`RawRequest`, ``type(m) is list``) instead of a
+        :class:`Request`: the server's hot path, which saves building a tuple per request.
+        Every other message (a request with a raw/bin method name included) is classified
+        exactly as :meth:`feed` does. A :class:`ProtocolError`'s ``messages`` are raw too.
+        """
         if self._broken is not None:
             raise ProtocolError(self._broken)
-        out: list[Message] = []
+        out: list[RawRequest | Message] = []
         size = len(data)
         unpacker = self._unpacker
         room = self._buffer_size - (self._fed - unpacker.tell())
@@ -211,20 +240,44 @@ class Decoder:
             self._drain(out)
         return out
 
-    def _drain(self, out: list[Message]) -> None:
+    def _drain(self, out: list[Any]) -> None:
         unpacker = self._unpacker
+        tell = unpacker.tell
+        append = out.append
         max_frame = self._max_frame
         start = self._frame_start
         classify = self._classify
+        # Every frame completed below lies within the bytes received since `start` (the start
+        # of the first incomplete frame). If those fit the limit, no frame can exceed it and
+        # the per-frame comparison is skipped. tell() is still needed per frame: the next
+        # call's limit counts from where the last complete frame ended.
+        check = self._fed - start > max_frame
+        raw = self._server
+        msgid_max = MSGID_MAX
         try:
             for obj in unpacker:
-                end = unpacker.tell()
-                if end - start > max_frame:
+                end = tell()
+                if check and end - start > max_frame:
                     self._fail(
                         f"frame of {end - start} bytes exceeds the {max_frame}-byte limit", out
                     )
                 start = end
-                out.append(classify(obj))
+                # The common well-formed request, checked inline and passed through as is;
+                # anything that fails a check gets the full classification.
+                if raw and type(obj) is list and len(obj) == 4:
+                    kind, msgid, method, params = obj
+                    # `is`: a decoded 0 is CPython's cached small int; a kind that is 0 but
+                    # not that object (or False, or 0.0) just takes the full path.
+                    if (
+                        kind is _REQUEST_KIND
+                        and type(msgid) is int
+                        and 0 <= msgid <= msgid_max
+                        and type(method) is str
+                        and type(params) is list
+                    ):
+                        append(obj)
+                        continue
+                append(classify(obj))
         except ProtocolError as exc:
             self._broken = str(exc)
             exc.messages = out
@@ -238,7 +291,7 @@ class Decoder:
                 f"frame of more than {max_frame} bytes (received {self._fed - start} so far)", out
             )
 
-    def _fail(self, reason: str, out: list[Message]) -> None:
+    def _fail(self, reason: str, out: list[Any]) -> None:
         self._broken = reason
         raise ProtocolError(reason, out)
 
@@ -335,17 +388,20 @@ class Encoder:
 
     def responses(self, answers: list[tuple[int, ErrorMap | None, Any]]) -> bytes:
         """Several responses ``(msgid, error, result)`` in one buffer."""
-        packer = self._batch
+        return self.response_arrays([[RESPONSE, m, e, r] for m, e, r in answers])
+
+    def response_arrays(self, responses: list[list[Any]]) -> bytes:
+        """Several responses already shaped ``[1, msgid, error, result]``, in one buffer;
+        never raises for an unencodable result (that one is answered ``internal``)."""
         try:
-            for msgid, error, result in answers:
-                packer.pack([RESPONSE, msgid, error, result])
-            data: bytes = packer.bytes()
-            return data
+            # One pack call for the batch: pack the list of responses as one array and drop
+            # its header; what follows the header is exactly the responses back to back.
+            data: bytes = self._one.pack(responses)
         except (TypeError, ValueError, OverflowError):
-            # msgpack empties its buffer on a failed pack: rebuild one answer at a time.
-            return b"".join([self.response(m, e, r) for m, e, r in answers])
-        finally:
-            packer.reset()
+            return b"".join([self.response(m, e, r) for _, m, e, r in responses])
+        n = len(responses)
+        # fixarray header (1 byte) up to 15 elements, array 16 (3 bytes), array 32 (5 bytes).
+        return data[1 if n < 16 else 3 if n < 0x10000 else 5 :]
 
     def _unencodable(self, exc: Exception) -> ErrorMap:
         self.encode_errors += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgpack
@@ -388,3 +389,120 @@ def test_responses_batch_roundtrip() -> None:
         Response(i, None, i * 2) for i in range(100)
     ]
     assert enc.responses([]) == b""
+
+
+# -- the server's raw fast path (feed_raw) --------------------------------------------------
+
+# Shapes near the fast path's checks: each must come out of feed_raw exactly as feed
+# classifies it (a raw list only for a well-formed request with a str method).
+NEAR_MISSES: list[Any] = [
+    [0, 1, b"ping", []],  # bin method: a Request, decoded
+    [0, -1, "ping", []],
+    [0, MSGID_MAX + 1, "ping", []],
+    [0, True, "ping", []],
+    [0, 1.0, "ping", []],
+    [0, 1, "ping", {}],
+    [0, 1, "ping", None],
+    [0, 1, 7, []],
+    [0, 1, "ping"],
+    [0, 1, "ping", [], 5],
+    [1, 1, None, "pong"],
+    [2, "n", [1]],
+    [2, 1, [1]],
+]
+
+
+def test_feed_raw_passes_a_well_formed_request_through_as_its_array() -> None:
+    d = Decoder()
+    (msg,) = d.feed_raw(packb([0, 7, "track", ["t", "f", 1]]))
+    assert type(msg) is list
+    assert msg == [0, 7, "track", ["t", "f", 1]]
+    (msg,) = d.feed_raw(packb([0, MSGID_MAX, "ping", []]))
+    assert msg == [0, MSGID_MAX, "ping", []]
+
+
+@pytest.mark.parametrize("obj", NEAR_MISSES)
+def test_feed_raw_classifies_everything_else_like_feed(obj: Any) -> None:
+    data = packb(obj) + packb([0, 9, "ping", []])
+    try:
+        expected = Decoder().feed(data)
+    except ProtocolError as exc:
+        with pytest.raises(ProtocolError, match=re.escape(str(exc))):
+            Decoder().feed_raw(data)
+        return
+    raw = Decoder().feed_raw(data)
+    assert type(raw[0]) is not list
+    assert raw[0] == expected[0]
+    assert raw[1] == [0, 9, "ping", []]
+
+
+@pytest.mark.parametrize("kind", [False, 0.0, -0.0])
+def test_kind_that_equals_zero_but_is_not_int_zero(kind: Any) -> None:
+    with pytest.raises(ProtocolError, match="unknown message type"):
+        Decoder().feed_raw(packb([kind, 1, "ping", []]))
+    with pytest.raises(ProtocolError, match="unknown message type"):
+        Decoder().feed(packb([kind, 1, "ping", []]))
+
+
+def test_feed_raw_protocol_error_carries_raw_messages_feed_decoded_ones() -> None:
+    good = packb([0, 1, "ping", []]) + packb([0, 2, b"ping", []])
+    with pytest.raises(ProtocolError) as info:
+        Decoder().feed_raw(good + b"\xc1")
+    assert info.value.messages == [[0, 1, "ping", []], Request(2, "ping", [])]
+    with pytest.raises(ProtocolError) as info:
+        Decoder().feed(good + b"\xc1")
+    assert info.value.messages == [Request(1, "ping", []), Request(2, "ping", [])]
+    assert all(type(m) is Request for m in info.value.messages)
+
+
+@pytest.mark.parametrize("excess", [0, 1])
+def test_frame_limit_exact_mid_pipeline(excess: int) -> None:
+    # One frame of exactly the limit (or one byte over) between small ones, several limits'
+    # worth of bytes in one feed: the per-frame check applies whatever the batch size.
+    small = packb([0, 1, "p", []])
+    big = packb([0, 2, "x", ["a" * 300]])
+    d = Decoder(max_frame=len(big) - excess)
+    data = small * 100 + big + small * 100
+    if excess:
+        with pytest.raises(ProtocolError, match="exceeds"):
+            d.feed(data)
+    else:
+        assert len(d.feed(data)) == 201
+
+
+@pytest.mark.parametrize("excess", [0, 1])
+def test_frame_limit_exact_across_feeds(excess: int) -> None:
+    # The frame's bytes arrive after small frames in the same reads: its start must be exact.
+    small = packb([0, 1, "p", []])
+    big = packb([0, 2, "x", ["a" * 300]])
+    d = Decoder(max_frame=len(big) - excess)
+    data = small * 3 + big + small
+    cut = 3 * len(small) + len(big) // 2
+    out = d.feed(data[:cut])
+    assert len(out) == 3
+    assert d.buffered == len(big) // 2
+    if excess:
+        with pytest.raises(ProtocolError):
+            d.feed(data[cut:])
+    else:
+        assert len(d.feed(data[cut:])) == 2
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 65535, 65536, 65537])
+def test_response_arrays_every_array_header_size(n: int) -> None:
+    enc = Encoder()
+    data = enc.response_arrays([[1, i, None, i] for i in range(n)])
+    assert data == enc.responses([(i, None, i) for i in range(n)])
+    out = Decoder(side="client", max_frame=1 << 20).feed(data)
+    assert len(out) == n
+    assert all(r == Response(i, None, i) for i, r in enumerate(out))
+
+
+def test_response_arrays_with_an_unencodable_result_keeps_the_others() -> None:
+    enc = Encoder()
+    data = enc.response_arrays([[1, 1, None, "a"], [1, 2, None, {1}], [1, 3, None, "c"]])
+    out: list[Any] = Decoder(side="client").feed(data)
+    assert [r.msgid for r in out] == [1, 2, 3]
+    assert out[1].error["code"] == "internal"
+    assert enc.encode_errors == 1
+    assert enc.response_arrays([[1, 4, None, 1]]) == enc.response(4, None, 1)
