@@ -24,12 +24,15 @@ from typing import Any, Protocol, cast
 from meter.errors import ConfigError, MeterError, Unavailable
 from meter.protocol import (
     DEFAULT_MAX_FRAME,
+    RESPONSE,
     Decoder,
     Encoder,
     ErrorMap,
     Invalid,
+    Message,
     Notification,
     ProtocolError,
+    RawRequest,
     Request,
     invalid_error,
 )
@@ -69,7 +72,8 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: RpcServer) -> None:
         self._server = server
         self._decoder = Decoder(max_frame=server.max_frame)
-        self._answers: list[tuple[int, ErrorMap | None, Any]] = []
+        #: The synchronous answers of the batch being served, as response arrays.
+        self._answers: list[list[Any]] = []
         self._paused = False
         self._eof = False
         #: Asynchronous answers not sent yet.
@@ -103,47 +107,51 @@ class _Connection(asyncio.Protocol):
         srv = self._server
         bad: ProtocolError | None = None
         try:
-            messages = self._decoder.feed(data)
+            messages = self._decoder.feed_raw(data)
         except ProtocolError as exc:
             bad = exc
-            messages = exc.messages
+            # Raised by feed_raw, so its messages are raw too.
+            messages = cast(list[RawRequest | Message], exc.messages)
         answers = self._answers
-        dispatch = srv._dispatch
-        for msg in messages:
-            if isinstance(msg, Request):
-                msgid, method, params = msg
-                srv.requests += 1
-                if srv._draining:
-                    answers.append((msgid, _DRAINING, None))
+        if srv._draining:
+            for msg in messages:
+                self._other(msg, True)
+        else:
+            # The hot loop: a well-formed request is the decoded list [0, msgid, method, params]
+            # (see Decoder.feed_raw); everything else goes to _other. An answer is appended
+            # already shaped as the response array, so the encoder packs it as is.
+            append = answers.append
+            dispatch = srv._dispatch
+            plain = _PLAIN
+            isawaitable = inspect.isawaitable
+            # Counted once per batch (every message is a request but for the rare ones _other
+            # takes back out): a status request in the batch sees the whole batch as received.
+            srv.requests += len(messages)
+            for msg in messages:
+                if type(msg) is not list:
+                    self._other(msg, False)
                     continue
+                msgid = msg[1]
                 try:
-                    result = dispatch(method, params)
+                    result = dispatch(msg[2], msg[3])
                 except MeterError as exc:
-                    answers.append((msgid, exc.to_wire(), None))
+                    append([RESPONSE, msgid, exc.to_wire(), None])
                     continue
                 except Exception:
-                    log.exception("internal error in %.64r", method)
+                    log.exception("internal error in %.64r", msg[2])
                     srv.internal_errors += 1
-                    answers.append((msgid, _INTERNAL, None))
+                    append([RESPONSE, msgid, _INTERNAL, None])
                     continue
-                if type(result) in _PLAIN or not inspect.isawaitable(result):
-                    answers.append((msgid, None, result))
+                if type(result) in plain or not isawaitable(result):
+                    append([RESPONSE, msgid, None, result])
                 else:
-                    srv._spawn(self, msgid, method, result)
-            elif isinstance(msg, Notification):
-                srv._notify_one(msg)
-            elif isinstance(msg, Invalid):
-                srv.invalid_requests += 1
-                if msg.msgid is not None:
-                    answers.append((msg.msgid, invalid_error(msg.reason), None))
-                else:
-                    log.debug("ignored a malformed notification: %s", msg.reason)
+                    srv._spawn(self, msgid, msg[2], result)
         transport = self.transport
         if answers:
             if transport is not None and not transport.is_closing():
                 encoder = srv._encoder
                 before = encoder.encode_errors
-                transport.write(encoder.responses(answers))
+                transport.write(encoder.response_arrays(answers))
                 if encoder.encode_errors != before:
                     log.error(
                         "unencodable result answered as internal: %s", encoder.last_encode_error
@@ -154,6 +162,45 @@ class _Connection(asyncio.Protocol):
             log.warning("closing a connection after a protocol error: %s", bad)
             # close(), not abort(): answers to the good requests before the fault still leave.
             transport.close()
+
+    def _other(self, msg: RawRequest | Message, draining: bool) -> None:
+        """Everything but a well-formed request while serving: a request with a bin method
+        name, a notification, an invalid message; and every request while draining."""
+        srv = self._server
+        answers = self._answers
+        if type(msg) is list or isinstance(msg, Request):
+            if draining:
+                srv.requests += 1
+                msgid = msg[1] if type(msg) is list else msg[0]
+                answers.append([RESPONSE, msgid, _DRAINING, None])
+                return
+            # Only a Request with a method name sent as raw/bin gets here.
+            req = cast(Request, msg)
+            try:
+                result = srv._dispatch(req.method, req.params)
+            except MeterError as exc:
+                answers.append([RESPONSE, req.msgid, exc.to_wire(), None])
+                return
+            except Exception:
+                log.exception("internal error in %.64r", req.method)
+                srv.internal_errors += 1
+                answers.append([RESPONSE, req.msgid, _INTERNAL, None])
+                return
+            if type(result) in _PLAIN or not inspect.isawaitable(result):
+                answers.append([RESPONSE, req.msgid, None, result])
+            else:
+                srv._spawn(self, req.msgid, req.method, result)
+            return
+        if not draining:
+            srv.requests -= 1  # counted as a request by data_received; it is not one
+        if isinstance(msg, Notification):
+            srv._notify_one(msg)
+        elif isinstance(msg, Invalid):
+            srv.invalid_requests += 1
+            if msg.msgid is not None:
+                answers.append([RESPONSE, msg.msgid, invalid_error(msg.reason), None])
+            else:
+                log.debug("ignored a malformed notification: %s", msg.reason)
 
     def eof_received(self) -> bool:
         # A peer that half-closes after writing still gets its pending async answers.

@@ -272,6 +272,36 @@ async def test_pipelining_1000_in_one_write(raw: Raw, server: RpcServer) -> None
     assert server.requests == 1000
 
 
+async def test_mixed_batch_in_one_write(raw: Raw, server: RpcServer, disp: StandIn) -> None:
+    # Well-formed requests (the fast path) interleaved with every other kind of message in one
+    # read: each is answered (or not) as on its own, in order, and counted by kind.
+    data = b"".join(
+        [
+            msgpack.packb([0, 1, "echo", [1]]),
+            msgpack.packb([0, 2, b"echo", [2]], use_bin_type=True),  # bin method name
+            msgpack.packb([2, "note", ["n"]]),
+            msgpack.packb([0, 3, "ping"]),  # invalid, answerable
+            msgpack.packb([2, "note"]),  # invalid notification: ignored
+            msgpack.packb([0, 4, "limit", []]),
+            msgpack.packb([0, 5, "boom", []]),
+            msgpack.packb([0, 6, "echo", [6]]),
+        ]
+    )
+    await raw.send(data)
+    got = await raw.recv_n(6)
+    assert got[1] == [1, 1, None, [1]]
+    assert got[2] == [1, 2, None, [2]]
+    assert got[3][2]["code"] == "invalid_argument"
+    assert got[4][2]["code"] == "limit_exceeded"
+    assert got[5][2]["code"] == "internal"
+    assert got[6] == [1, 6, None, [6]]
+    assert disp.notified == [("note", ["n"])]
+    assert server.requests == 5
+    assert server.invalid_requests == 2
+    assert server.internal_errors == 1
+    assert server.protocol_errors == 0
+
+
 async def test_out_of_order_async_answers(raw: Raw, disp: StandIn) -> None:
     a, b = disp.gate("a"), disp.gate("b")
     await raw.send(
