@@ -27,7 +27,7 @@ from meter.keys import Key
 from meter.server import RpcServer, start_server
 from meter.service import Service
 from meter.table import CounterTable
-from storage.base import Applied, Snapshot, Storage, StorageError
+from storage.base import Snapshot, Storage, StorageError
 
 log = logging.getLogger("meter.node")
 
@@ -182,7 +182,8 @@ class Node:
                 await self.storage.open()
             except StorageError as exc:
                 raise Unavailable(f"cannot open {self.storage.kind} storage: {exc}") from None
-            self.table = CounterTable(node_id)
+            # Alone, nobody would take the gossip columns: the table does not keep them.
+            self.table = CounterTable(node_id, gossip=bool(cfg.cluster.redis_url))
             if cfg.cluster.redis_url:
                 self.gossip = build_gossip(cfg, self.table, self.storage)
             self.flusher = Flusher(
@@ -191,7 +192,7 @@ class Node:
                 interval=cfg.flush.interval_ms / 1000,
                 batch_keys=cfg.flush.batch_keys,
                 max_backoff=cfg.flush.max_backoff_ms / 1000,
-                on_flushed=self._drop_gossip if self.gossip is None else self.gossip.on_flushed,
+                on_flushed=None if self.gossip is None else self.gossip.on_flushed,
             )
             self.service = Service(
                 self.table, self.storage, cfg.counters, status_extra=self._status_extra
@@ -294,14 +295,6 @@ class Node:
     async def __aexit__(self, *exc: object) -> None:
         if self.server is not None and self._tasks:
             await self.stop()
-
-    def _drop_gossip(self, written: list[tuple[Key, Applied]]) -> None:
-        """Alone (no cluster) nobody takes the table's gossip columns: empty them for the keys
-        just written. Otherwise every flush seals one more entry per key that nobody takes,
-        and no row ever becomes idle (memory grows, nothing is ever evicted)."""
-        assert self.table is not None
-        for key, _ in written:
-            self.table.take_gossip(key)
 
     async def _expire_loop(self) -> None:
         assert self.service is not None

@@ -7,16 +7,17 @@ a unit by mixing them up::
 
 ``base``
     the stored total as of the stored snapshot this row was last re-based on; that snapshot's
-    per-node flush sequences are kept with it (``own_applied`` and ``peer_seqs``).
+    per-node flush sequences are kept with it (this node's as ``own_applied``, the peers' in
+    ``peer_seqs``).
 ``inflight``
-    this node's delta taken for flushing under sequence ``inflight_seq`` and not yet known to be
+    this node's delta taken for flushing under sequence ``own_seq`` and not yet known to be
     applied. It is retried unchanged (same sequence, same amount) until the storage answers.
 ``pending_flush``
     this node's units added since the last flush take; they will be written under
     ``own_seq + 1``.
 ``pending_gossip``
     this node's units added since the last gossip take, all tagged ``own_seq + 1``;
-    ``sealed_gossip`` holds not-yet-gossiped units whose flush sequence is already fixed.
+    ``sealed`` holds not-yet-gossiped units whose flush sequence is already fixed.
 ``remote``
     deltas gossiped by peers, per peer and per the flush sequence they will be written under.
     A snapshot whose sequence for that peer has reached the tag contains them, so re-basing
@@ -28,6 +29,11 @@ A key absent from the table is *cold*. A row is *unseeded* when it was created w
 snapshot (storage unreachable): its units are kept, but its value is unknown (``None``) and it
 is not flushed until a snapshot arrives, because only the snapshot says which of this node's
 sequences the store already holds.
+
+Memory: a warm key costs its key tuple, one dict entry and one small :class:`Row` of eight
+slots. Reservations, peers and sealed gossip, rare per key, live in an optional :class:`Ext`;
+their sum is kept in ``Row.extra`` so the value needs no branch. The dirty and touched sets are
+flag bits plus append-only lists compacted when read, not hash sets.
 """
 
 from __future__ import annotations
@@ -46,62 +52,98 @@ Tagged = tuple[int, int]
 
 PendingKind = Literal["flush", "gossip"]
 
+# Row.flags bits.
+SEEDED = 1  # the stored base is known
+INFLIGHT = 2  # ``inflight`` was taken under ``own_seq`` and is not known to be stored
+GOSSIP_OPEN = 4  # units tagged ``own_seq + 1`` were gossiped: that sequence must be written
+DIRTY = 8  # listed in the dirty list
+TOUCHED = 16  # listed in the touched list
+USED = 32  # used since the last eviction sweep
 
-class Row:
-    """One counter's columns. Mutated only under the table's lock."""
 
-    __slots__ = (
-        "base",
-        "gen",
-        "gossip_open",
-        "inflight",
-        "inflight_seq",
-        "own_applied",
-        "own_seq",
-        "peer_seqs",
-        "pending_flush",
-        "pending_gossip",
-        "remote",
-        "remote_total",
-        "reserved",
-        "sealed_gossip",
-        "seeded",
-    )
+class Ext:
+    """The parts of a row most keys never need: holds, peers' deltas, sealed gossip."""
 
-    def __init__(self, gen: int) -> None:
-        self.base = 0
-        self.seeded = False
-        self.own_applied = 0
+    __slots__ = ("peer_seqs", "remote", "remote_total", "reserved", "sealed")
+
+    def __init__(self) -> None:
+        self.reserved = 0
         self.peer_seqs: dict[str, int] | None = None
-        self.own_seq = 0
-        self.inflight = 0
-        self.inflight_seq = 0  # 0: nothing in flight
-        self.pending_flush = 0
-        self.pending_gossip = 0
-        self.sealed_gossip: list[Tagged] | None = None
-        # True once units tagged ``own_seq + 1`` were gossiped: that sequence must then be
-        # written, even with a net delta of zero, or peers would hold them in ``remote``
-        # forever, waiting for a sequence that never reaches the store.
-        self.gossip_open = False
         self.remote: dict[str, dict[int, int]] | None = None
         self.remote_total = 0
-        self.reserved = 0
-        self.gen = gen
+        self.sealed: list[Tagged] | None = None
+
+    def empty(self) -> bool:
+        return (
+            self.reserved == 0
+            and self.peer_seqs is None
+            and self.remote is None
+            and self.remote_total == 0
+            and self.sealed is None
+        )
+
+
+class Row:
+    """One counter's columns. Mutated only under the table's lock.
+
+    ``value = base + inflight + pending_flush + extra`` where ``extra`` is
+    ``ext.reserved + ext.remote_total`` (0 without ``ext``).
+    """
+
+    __slots__ = ("base", "ext", "extra", "flags", "inflight", "own_seq", "pending_flush",
+                 "pending_gossip")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.base = 0
+        self.flags = USED
+        self.own_seq = 0
+        self.inflight = 0
+        self.pending_flush = 0
+        self.pending_gossip = 0
+        self.extra = 0
+        self.ext: Ext | None = None
 
     def value(self) -> int:
-        return self.base + self.inflight + self.pending_flush + self.reserved + self.remote_total
+        return self.base + self.inflight + self.pending_flush + self.extra
+
+    @property
+    def seeded(self) -> bool:
+        return bool(self.flags & SEEDED)
+
+    @property
+    def inflight_seq(self) -> int:
+        """The sequence of the delta in flight, 0 if none."""
+        return self.own_seq if self.flags & INFLIGHT else 0
+
+    @property
+    def own_applied(self) -> int:
+        """This node's sequence in the snapshot ``base`` comes from.
+
+        Sequences advance one at a time, each only after the previous one is known stored, so
+        the snapshot holds ``own_seq`` unless that is still in flight.
+        """
+        return self.own_seq - 1 if self.flags & INFLIGHT else self.own_seq
+
+    def x(self) -> Ext:
+        """The row's :class:`Ext`, created on first need."""
+        ext = self.ext
+        if ext is None:
+            ext = self.ext = Ext()
+        return ext
+
+    def tidy(self) -> None:
+        """Drop an :class:`Ext` that holds nothing any more."""
+        if self.ext is not None and self.ext.empty():
+            self.ext = None
 
     def idle(self) -> bool:
         return (
-            self.seeded
-            and self.inflight_seq == 0
+            self.flags & (SEEDED | INFLIGHT | GOSSIP_OPEN) == SEEDED
             and self.pending_flush == 0
             and self.pending_gossip == 0
-            and not self.sealed_gossip
-            and not self.gossip_open
-            and self.reserved == 0
-            and not self.remote
-        )
+            and (self.ext is None or (self.ext.reserved == 0 and not self.ext.remote
+                                      and not self.ext.sealed))
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,17 +161,19 @@ class TableStats:
 class CounterTable:
     """All warm counters of one node, guarded by one lock.
 
-    ``node`` is this node's stable id: the name its flush sequences are stored under.
+    ``node`` is this node's stable id: the name its flush sequences are stored under. With
+    ``gossip=False`` (a node alone) no gossip column is kept: nobody would take it.
     """
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, *, gossip: bool = True) -> None:
         self.node = node
+        self.gossip = gossip
         self._lock = threading.Lock()
         self._rows: dict[Key, Row] = {}
-        self._by_period: dict[tuple[str, str], set[str]] = {}
-        self._dirty: set[Key] = set()
-        self._touched: set[Key] = set()
-        self._gen = 0
+        self._by_period: dict[tuple[str, str], list[str]] = {}
+        self._dirty: list[Key] = []
+        self._touched: list[Key] = []
+        self._unseeded: set[Key] = set()
         #: Eviction passes that dropped keys. A seeding read issued before one may be older
         #: than a flush of a key that was warm meanwhile (see :meth:`seed`).
         self.evictions = 0
@@ -146,28 +190,28 @@ class CounterTable:
     def is_seeded(self, key: Key) -> bool:
         """Whether ``key`` has a row whose stored base is known."""
         row = self._rows.get(key)
-        return row is not None and row.seeded
+        return row is not None and row.flags & SEEDED != 0
 
     def value(self, key: Key) -> int | None:
         """This node's view of the cluster-wide total; ``None`` if cold or unseeded."""
         with self._lock:
             row = self._rows.get(key)
-            if row is None or not row.seeded:
+            if row is None or not row.flags & SEEDED:
                 return None
-            row.gen = self._gen
-            return row.value()
+            row.flags |= USED
+            return row.base + row.inflight + row.pending_flush + row.extra
 
     def base(self, key: Key) -> int | None:
         """What this node believes the store holds for ``key`` (``None`` if unknown)."""
         with self._lock:
             row = self._rows.get(key)
-            return row.base if row is not None and row.seeded else None
+            return row.base if row is not None and row.flags & SEEDED else None
 
     def remote_since_rebase(self, key: Key) -> int:
         """Units of ``value`` that came from peers and are not in the base yet."""
         with self._lock:
             row = self._rows.get(key)
-            return row.remote_total if row is not None else 0
+            return row.ext.remote_total if row is not None and row.ext is not None else 0
 
     def pending(self, key: Key) -> int:
         """This node's units for ``key`` not yet known to be stored (in flight + pending)."""
@@ -181,7 +225,8 @@ class CounterTable:
             row = self._rows.get(key)
             if row is None:
                 return None
-            gossip = row.pending_gossip + sum(d for _, d in row.sealed_gossip or ())
+            ext = row.ext or Ext()
+            gossip = row.pending_gossip + sum(d for _, d in ext.sealed or ())
             return {
                 "value": row.value(),
                 "base": row.base,
@@ -192,8 +237,8 @@ class CounterTable:
                 "inflight_seq": row.inflight_seq,
                 "pending_flush": row.pending_flush,
                 "pending_gossip": gossip,
-                "remote": row.remote_total,
-                "reserved": row.reserved,
+                "remote": ext.remote_total,
+                "reserved": ext.reserved,
             }
 
     def all_for(self, tenant: str, period: str) -> dict[str, int]:
@@ -202,36 +247,40 @@ class CounterTable:
             out: dict[str, int] = {}
             for feature in self._by_period.get((tenant, period), ()):
                 row = self._rows[(tenant, feature, period)]
-                if row.seeded:
+                if row.flags & SEEDED:
                     out[feature] = row.value()
             return out
 
     def dirty_keys(self) -> list[Key]:
         """Keys with units to flush (pending or in flight)."""
         with self._lock:
+            self._dirty = _compact(self._dirty, self._rows, DIRTY)
             return list(self._dirty)
 
     def touched_keys(self) -> list[Key]:
         """Keys with units to gossip."""
         with self._lock:
+            self._touched = _compact(self._touched, self._rows, TOUCHED)
             return list(self._touched)
 
     def unseeded_keys(self) -> list[Key]:
         """Keys whose stored base is not known yet."""
         with self._lock:
-            return [k for k, r in self._rows.items() if not r.seeded]
+            return list(self._unseeded)
 
     def stats(self) -> TableStats:
         """Counts of warm, dirty, touched, unseeded, in-flight and reserved keys."""
         with self._lock:
             rows = self._rows.values()
+            self._dirty = _compact(self._dirty, self._rows, DIRTY)
+            self._touched = _compact(self._touched, self._rows, TOUCHED)
             return TableStats(
                 warm=len(self._rows),
                 dirty=len(self._dirty),
                 touched=len(self._touched),
-                unseeded=sum(1 for r in rows if not r.seeded),
-                inflight=sum(1 for r in rows if r.inflight_seq),
-                reserved_keys=sum(1 for r in rows if r.reserved),
+                unseeded=len(self._unseeded),
+                inflight=sum(1 for r in rows if r.flags & INFLIGHT),
+                reserved_keys=sum(1 for r in rows if r.ext is not None and r.ext.reserved),
             )
 
     # -- local mutations ---------------------------------------------------------------------
@@ -239,13 +288,28 @@ class CounterTable:
     def _row(self, key: Key) -> Row:
         row = self._rows.get(key)
         if row is None:
-            row = Row(self._gen)
+            row = Row()
             self._rows[key] = row
+            self._unseeded.add(key)
             tenant, feature, period = key
-            self._by_period.setdefault((tenant, period), set()).add(feature)
+            features = self._by_period.get((tenant, period))
+            if features is None:
+                self._by_period[(tenant, period)] = [feature]
+            else:
+                features.append(feature)
         else:
-            row.gen = self._gen
+            row.flags |= USED
         return row
+
+    def _mark(self, key: Key, row: Row) -> None:
+        """Put ``key`` on the dirty list, and on the touched list if gossip is kept."""
+        flags = row.flags
+        if not flags & DIRTY:
+            self._dirty.append(key)
+        if self.gossip and not flags & TOUCHED:
+            self._touched.append(key)
+            flags |= TOUCHED
+        row.flags = flags | DIRTY
 
     def seed(self, key: Key, snap: Snapshot, evictions: int | None = None) -> bool:
         """Give a cold or unseeded key its stored snapshot. Warm seeded keys are left alone.
@@ -258,17 +322,16 @@ class CounterTable:
         """
         with self._lock:
             row = self._rows.get(key)
-            if row is not None and row.seeded:
-                row.gen = self._gen
+            if row is not None and row.flags & SEEDED:
+                row.flags |= USED
                 return False
             if evictions is not None and evictions != self.evictions:
                 return False
             row = self._row(key)
             self._rebase_row(row, snap)
-            if row.pending_flush or row.inflight_seq:
-                self._dirty.add(key)
-            if row.pending_gossip:
-                self._touched.add(key)
+            self._unseeded.discard(key)
+            if row.pending_flush or row.flags & INFLIGHT:
+                self._mark(key, row)
             return True
 
     def incr(self, key: Key, qty: int) -> int | None:
@@ -280,14 +343,18 @@ class CounterTable:
             row = self._rows.get(key)
             if row is None:
                 row = self._row(key)
-            else:
-                row.gen = self._gen
             row.pending_flush += qty
-            row.pending_gossip += qty
-            self._dirty.add(key)
-            self._touched.add(key)
-            if row.seeded:  # row.value(), inlined: this is the hottest line of the node
-                return row.base + row.inflight + row.pending_flush + row.reserved + row.remote_total
+            flags = row.flags
+            if self.gossip:
+                row.pending_gossip += qty
+                if not flags & TOUCHED:
+                    self._touched.append(key)
+                    flags |= TOUCHED
+            if not flags & DIRTY:
+                self._dirty.append(key)
+            row.flags = flags | DIRTY | USED
+            if flags & SEEDED:  # row.value(), inlined: this is the hottest line of the node
+                return row.base + row.inflight + row.pending_flush + row.extra
             return None
 
     def incr_seeded(self, items: Sequence[tuple[Key, int]]) -> list[int] | None:
@@ -298,25 +365,28 @@ class CounterTable:
         (``track_many`` must never answer an error after counting part of a batch).
         """
         with self._lock:
-            rows, gen = self._rows, self._gen
+            rows = self._rows
             found: list[Row] = []
             for key, _ in items:
                 row = rows.get(key)
-                if row is None or not row.seeded:
+                if row is None or not row.flags & SEEDED:
                     return None
                 found.append(row)
             out: list[int] = []
             append = out.append
-            dirty, touched = self._dirty.add, self._touched.add
+            gossip = self.gossip
             for row, (key, qty) in zip(found, items, strict=True):
-                row.gen = gen
                 row.pending_flush += qty
-                row.pending_gossip += qty
-                dirty(key)
-                touched(key)
-                append(
-                    row.base + row.inflight + row.pending_flush + row.reserved + row.remote_total
-                )
+                flags = row.flags
+                if gossip:
+                    row.pending_gossip += qty
+                    if not flags & TOUCHED:
+                        self._touched.append(key)
+                        flags |= TOUCHED
+                if not flags & DIRTY:
+                    self._dirty.append(key)
+                row.flags = flags | DIRTY | USED
+                append(row.base + row.inflight + row.pending_flush + row.extra)
         return out
 
     def reserve(self, key: Key, qty: int, limit: int | None) -> int | None:
@@ -328,31 +398,38 @@ class CounterTable:
         with self._lock:
             row = self._row(key)
             if limit is not None:
-                if not row.seeded:
+                if not row.flags & SEEDED:
                     raise Unavailable("the counter's stored total is unknown; cannot check limit")
                 current = row.value()
                 if current + qty > limit:
                     raise LimitExceeded(
                         f"{key[0]}/{key[1]}: {current} + {qty} would exceed the limit {limit}"
                     )
-            row.reserved += qty
-            return row.value() if row.seeded else None
+            row.x().reserved += qty
+            row.extra += qty
+            row.tidy()
+            return row.value() if row.flags & SEEDED else None
 
     def commit(self, key: Key, reserved: int, actual: int) -> int | None:
         """Turn a reservation of ``reserved`` units into ``actual`` units of usage."""
         with self._lock:
             row = self._row(key)
-            row.reserved -= reserved
+            row.x().reserved -= reserved
+            row.extra -= reserved
+            row.tidy()
             row.pending_flush += actual
-            row.pending_gossip += actual
-            self._dirty.add(key)
-            self._touched.add(key)
-            return row.value() if row.seeded else None
+            if self.gossip:
+                row.pending_gossip += actual
+            self._mark(key, row)
+            return row.value() if row.flags & SEEDED else None
 
     def release(self, key: Key, reserved: int) -> None:
         """Give back a reservation of ``reserved`` units."""
         with self._lock:
-            self._row(key).reserved -= reserved
+            row = self._row(key)
+            row.x().reserved -= reserved
+            row.extra -= reserved
+            row.tidy()
 
     # -- takes (flusher and broadcaster) -----------------------------------------------------
 
@@ -366,42 +443,47 @@ class CounterTable:
         with self._lock:
             row = self._rows.get(key)
             if row is None:
-                self._dirty.discard(key)
                 return None
-            if not row.seeded:
+            flags = row.flags
+            if not flags & SEEDED:
                 return None
-            if row.inflight_seq:
-                return (row.inflight_seq, row.inflight)
-            if row.pending_flush == 0 and not row.gossip_open:
-                self._dirty.discard(key)
+            if flags & INFLIGHT:
+                return (row.own_seq, row.inflight)
+            if row.pending_flush == 0 and not flags & GOSSIP_OPEN:
+                row.flags = flags & ~DIRTY
                 return None
-            row.gossip_open = False
             row.own_seq += 1
-            row.inflight_seq = row.own_seq
+            row.flags = (flags | INFLIGHT) & ~GOSSIP_OPEN
             row.inflight = row.pending_flush
             row.pending_flush -= row.inflight
             if row.pending_gossip:
                 # These units now travel under a fixed sequence; seal them with it.
-                if row.sealed_gossip is None:
-                    row.sealed_gossip = []
-                row.sealed_gossip.append((row.own_seq, row.pending_gossip))
+                ext = row.x()
+                if ext.sealed is None:
+                    ext.sealed = []
+                ext.sealed.append((row.own_seq, row.pending_gossip))
                 row.pending_gossip = 0
-            return (row.inflight_seq, row.inflight)
+            return (row.own_seq, row.inflight)
 
     def take_gossip(self, key: Key) -> list[Tagged]:
         """This node's not-yet-gossiped units for ``key``, each tagged with its flush sequence."""
         with self._lock:
-            self._touched.discard(key)
             row = self._rows.get(key)
-            if row is None or not row.seeded:
+            if row is None:
+                return []
+            row.flags &= ~TOUCHED
+            if not row.flags & SEEDED:
                 # Its flush sequence is unknown until seeded; seed() marks it touched again.
                 return []
-            out = row.sealed_gossip or []
-            row.sealed_gossip = None
+            out: list[Tagged] = []
+            if row.ext is not None and row.ext.sealed is not None:
+                out = row.ext.sealed
+                row.ext.sealed = None
+                row.tidy()
             if row.pending_gossip:
                 out.append((row.own_seq + 1, row.pending_gossip))
                 row.pending_gossip = 0
-                row.gossip_open = True
+                row.flags |= GOSSIP_OPEN
             return out
 
     def take_pending(self, key: Key, kind: PendingKind) -> list[Tagged]:
@@ -415,8 +497,10 @@ class CounterTable:
     def flush_failed(self, key: Key) -> None:
         """Keep ``key`` dirty after a failed write, so the in-flight delta is retried."""
         with self._lock:
-            if key in self._rows:
-                self._dirty.add(key)
+            row = self._rows.get(key)
+            if row is not None and not row.flags & DIRTY:
+                self._dirty.append(key)
+                row.flags |= DIRTY
 
     # -- authoritative totals and peers ------------------------------------------------------
 
@@ -433,39 +517,47 @@ class CounterTable:
         del source  # every source is handled alike: the sequences say what the total holds
         with self._lock:
             row = self._rows.get(key)
-            if row is None or not row.seeded:
+            if row is None or not row.flags & SEEDED:
                 return False
             if not _covers(snap, self.node, row):
                 return False
             self._rebase_row(row, snap)
-            if row.inflight_seq == 0 and row.pending_flush == 0 and not row.gossip_open:
-                self._dirty.discard(key)
+            if row.pending_flush == 0 and not row.flags & (INFLIGHT | GOSSIP_OPEN):
+                row.flags &= ~DIRTY
             return True
 
     def _rebase_row(self, row: Row, snap: Snapshot) -> None:
         own = snap.seq_of(self.node)
         row.base = snap.total
-        row.own_applied = own
-        peers = {n: s for n, s in snap.seqs.items() if n != self.node}
-        row.peer_seqs = peers or None
-        row.seeded = True
+        if row.flags & INFLIGHT and own >= row.own_seq:
+            row.inflight = 0
+            row.flags &= ~INFLIGHT
         if own > row.own_seq:
             # The store knows later sequences of ours than we do (we restarted): continue
             # after them. Nothing can be in flight or gossiped yet, the row was unseeded.
             row.own_seq = own
-        if row.inflight_seq and own >= row.inflight_seq:
-            row.inflight = 0
-            row.inflight_seq = 0
-        if row.remote:
-            for peer in list(row.remote):
-                upto = peers.get(peer, 0)
-                by_seq = row.remote[peer]
-                for seq in [s for s in by_seq if s <= upto]:
-                    row.remote_total -= by_seq.pop(seq)
+        row.flags |= SEEDED
+        peers = {n: s for n, s in snap.seqs.items() if n != self.node} or None
+        ext = row.ext
+        if peers is not None:
+            ext = row.x()
+        if ext is None:
+            return
+        ext.peer_seqs = peers
+        if ext.remote:
+            upto = peers or {}
+            for peer in list(ext.remote):
+                by_seq = ext.remote[peer]
+                limit = upto.get(peer, 0)
+                for seq in [s for s in by_seq if s <= limit]:
+                    units = by_seq.pop(seq)
+                    ext.remote_total -= units
+                    row.extra -= units
                 if not by_seq:
-                    del row.remote[peer]
-            if not row.remote:
-                row.remote = None
+                    del ext.remote[peer]
+            if not ext.remote:
+                ext.remote = None
+        row.tidy()
 
     def apply_remote(self, key: Key, peer: str, seq: int, delta: int) -> bool:
         """Add a peer's gossiped ``delta``, tagged with the flush ``seq`` it goes under.
@@ -475,15 +567,18 @@ class CounterTable:
         """
         with self._lock:
             row = self._rows.get(key)
-            if row is None or not row.seeded or peer == self.node:
+            if row is None or not row.flags & SEEDED or peer == self.node:
                 return False
-            if row.peer_seqs is not None and row.peer_seqs.get(peer, 0) >= seq:
+            ext = row.x()
+            if ext.peer_seqs is not None and ext.peer_seqs.get(peer, 0) >= seq:
+                row.tidy()
                 return False
-            if row.remote is None:
-                row.remote = {}
-            by_seq = row.remote.setdefault(peer, {})
+            if ext.remote is None:
+                ext.remote = {}
+            by_seq = ext.remote.setdefault(peer, {})
             by_seq[seq] = by_seq.get(seq, 0) + delta
-            row.remote_total += delta
+            ext.remote_total += delta
+            row.extra += delta
             return True
 
     def forget_peer(self, peer: str) -> int:
@@ -495,12 +590,15 @@ class CounterTable:
         with self._lock:
             dropped = 0
             for row in self._rows.values():
-                if row.remote and peer in row.remote:
-                    units = sum(row.remote.pop(peer).values())
-                    row.remote_total -= units
+                ext = row.ext
+                if ext is not None and ext.remote and peer in ext.remote:
+                    units = sum(ext.remote.pop(peer).values())
+                    ext.remote_total -= units
+                    row.extra -= units
                     dropped += units
-                    if not row.remote:
-                        row.remote = None
+                    if not ext.remote:
+                        ext.remote = None
+                    row.tidy()
             return dropped
 
     # -- housekeeping ------------------------------------------------------------------------
@@ -512,22 +610,30 @@ class CounterTable:
         anything pending, in flight, reserved or from peers are never dropped.
         """
         with self._lock:
-            cutoff = self._gen
-            self._gen += 1
-            doomed = [k for k, r in self._rows.items() if r.gen < cutoff and r.idle()]
-            if doomed:
-                self.evictions += 1
+            doomed: list[Key] = []
+            for key, row in self._rows.items():
+                if row.flags & USED:
+                    row.flags &= ~USED
+                elif row.idle():
+                    doomed.append(key)
+            if not doomed:
+                return 0
+            self.evictions += 1
+            affected: set[tuple[str, str]] = set()
             for key in doomed:
+                # A dirty or touched mark left by incr(key, 0) goes with the row: the lists
+                # are compacted against the rows when read.
                 del self._rows[key]
-                # incr(key, 0) or commit(..., 0) leaves an idle row marked; unmark it too.
-                self._dirty.discard(key)
-                self._touched.discard(key)
-                tenant, feature, period = key
-                features = self._by_period.get((tenant, period))
-                if features is not None:
-                    features.discard(feature)
-                    if not features:
-                        del self._by_period[(tenant, period)]
+                affected.add((key[0], key[2]))
+            for tenant, period in affected:
+                features = [
+                    f for f in self._by_period[(tenant, period)]
+                    if (tenant, f, period) in self._rows
+                ]  # fmt: skip
+                if features:
+                    self._by_period[(tenant, period)] = features
+                else:
+                    del self._by_period[(tenant, period)]
             return len(doomed)
 
     def keys(self) -> Iterable[Key]:
@@ -536,12 +642,25 @@ class CounterTable:
             return list(self._rows)
 
 
+def _compact(listed: list[Key], rows: dict[Key, Row], bit: int) -> list[Key]:
+    """The keys of ``listed`` whose row still carries ``bit``, each once, in order."""
+    out: list[Key] = []
+    seen: set[Key] = set()
+    for key in listed:
+        row = rows.get(key)
+        if row is not None and row.flags & bit and key not in seen:
+            seen.add(key)
+            out.append(key)
+    return out
+
+
 def _covers(snap: Snapshot, node: str, row: Row) -> bool:
     """Whether ``snap`` is at least as new as the snapshot ``row`` was based on."""
     if snap.seq_of(node) < row.own_applied:
         return False
-    if row.peer_seqs:
-        for peer, seq in row.peer_seqs.items():
+    peers = row.ext.peer_seqs if row.ext is not None else None
+    if peers:
+        for peer, seq in peers.items():
             if snap.seq_of(peer) < seq:
                 return False
     return True
