@@ -163,12 +163,20 @@ class Service:
 
     def _track(self, params: list[Any]) -> Any:
         if len(params) == 3:  # the common shape: no opts, so no period choice to check
-            key = self.key_for(params[0], params[1])
-            qty = params[2]
+            tenant, feature, qty = params
+            key = None
+            if type(tenant) is str and type(feature) is str:
+                # key_for's cache, inlined: this is the node's hottest path.
+                now = time.time()
+                if self._day_start <= now < self._day_end:
+                    key = self._keys.get((tenant, feature))
+            if key is None:
+                key = self.key_for(tenant, feature)
             if type(qty) is not int or not QTY_MIN <= qty <= QTY_MAX:
                 qty = check_qty(qty)  # raises the usual error
-            if self.table.is_seeded(key):
-                return self.table.incr(key, qty)
+            value = self.table.try_incr(key, qty)
+            if value is not None:
+                return value
             return self._track_cold(key, qty)
         tenant, feature, qty, opts = _args("track", params, 2, 4, (1, {}))
         at = _opts("track", opts, _TRACK_OPTS).get("at")

@@ -357,6 +357,29 @@ class CounterTable:
                 return row.base + row.inflight + row.pending_flush + row.extra
             return None
 
+    def try_incr(self, key: Key, qty: int) -> int | None:
+        """:meth:`incr` if ``key`` is seeded; else count nothing and return ``None``.
+
+        The warm path of ``track``: one lookup decides and counts.
+        """
+        with self._lock:
+            row = self._rows.get(key)
+            if row is None:
+                return None
+            flags = row.flags
+            if not flags & SEEDED:
+                return None
+            row.pending_flush += qty
+            if self.gossip:
+                row.pending_gossip += qty
+                if not flags & TOUCHED:
+                    self._touched.append(key)
+                    flags |= TOUCHED
+            if not flags & DIRTY:
+                self._dirty.append(key)
+            row.flags = flags | DIRTY | USED
+            return row.base + row.inflight + row.pending_flush + row.extra
+
     def incr_seeded(self, items: Sequence[tuple[Key, int]]) -> list[int] | None:
         """:meth:`incr` for every ``(key, qty)``, under one lock hold, if every key is seeded.
 

@@ -36,3 +36,17 @@ def test_incr_seeded_counts_nothing_if_any_key_is_cold_or_unseeded() -> None:
     assert t.columns(warm) == before, "nothing of the batch was counted"
     assert not t.is_warm(cold)
     assert t.pending(unseeded) == 1
+
+
+def test_try_incr_counts_seeded_keys_only() -> None:
+    t, ref = CounterTable("n1"), CounterTable("n1")
+    warm = ("t", "f", "2026-11")
+    cold = ("t", "c", "2026-11")
+    unseeded = ("t", "u", "2026-11")
+    for table in (t, ref):
+        table.seed(warm, Snapshot(10, {}))
+        table.incr(unseeded, 1)
+    assert t.try_incr(warm, 3) == ref.incr(warm, 3) == 13
+    assert t.columns(warm) == ref.columns(warm)
+    assert t.try_incr(cold, 3) is None and not t.is_warm(cold)
+    assert t.try_incr(unseeded, 3) is None and t.pending(unseeded) == 1
