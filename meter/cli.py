@@ -168,30 +168,46 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
 
 
 def _fmt(s: dict[str, Any]) -> str:
-    """A one-screen summary of ``status`` for operators."""
+    """A one-screen summary of ``status`` for operators (``--json`` has everything)."""
     keys = s.get("keys", {})
     flush = s.get("flush", {})
     server = s.get("server", {})
     res = s.get("reservations", {})
     lines = [
-        f"node        {s.get('node_id')}  (meter {s.get('version')}, up {s.get('uptime_s')} s)",
-        f"storage     {s.get('storage')}   socket {s.get('socket')}   data {s.get('data_dir')}",
-        f"keys        warm {keys.get('warm')}  dirty {keys.get('dirty')}  "
+        f"node         {s.get('node_id')}  (meter {s.get('version')}, up {s.get('uptime_s')} s)",
+        f"storage      {s.get('storage')}   socket {s.get('socket')}   data {s.get('data_dir')}",
+        f"keys         warm {keys.get('warm')}  dirty {keys.get('dirty')}  "
         f"unseeded {keys.get('unseeded')}  in flight {keys.get('inflight')}",
-        f"flush       last {flush.get('last_result')} {flush.get('last_age_s')} s ago, "
+        f"flush        last {flush.get('last_result')} {flush.get('last_age_s')} s ago, "
         f"every {flush.get('interval_ms')} ms, {flush.get('keys_written')} keys written, "
         f"{flush.get('failures')} failures",
-        f"backlog     {flush.get('backlog_keys')} keys, {flush.get('backlog_units')} units, "
+        f"backlog      {flush.get('backlog_keys')} keys, {flush.get('backlog_units')} units, "
         f"age {flush.get('backlog_age_s')} s",
         f"reservations open {res.get('open')}  expired {res.get('expired_total')}",
-        f"server      {server}",
+        f"connections  {server.get('connections')} open, {server.get('requests')} requests, "
+        f"{server.get('protocol_errors')} protocol errors, "
+        f"{server.get('internal_errors')} internal errors",
     ]
     if flush.get("last_error"):
-        lines.append(f"last error  {flush['last_error']}")
+        lines.append(f"last error   {flush['last_error']}")
     for p in flush.get("poisoned") or []:
-        lines.append(f"PARKED      {'/'.join(map(str, p['key']))}: {p['error']}")
-    if "cluster" in s:
-        lines.append(f"cluster     {s['cluster']}")
+        lines.append(f"PARKED       {'/'.join(map(str, p['key']))}: {p['error']}")
+    cluster = s.get("cluster")
+    if isinstance(cluster, dict):
+        bus = cluster.get("bus") or {}
+        state = "up" if bus.get("connected") else f"DOWN ({bus.get('last_error')})"
+        rejected = {k: v for k, v in (cluster.get("rejected") or {}).items() if v}
+        lines.append(
+            f"cluster      {cluster.get('cluster')}  bus {state}  "
+            f"live peers {len(cluster.get('live_peers') or [])}  gaps {cluster.get('gaps')}  "
+            f"rejected {sum(rejected.values()) if rejected else 0} {rejected or ''}".rstrip()
+        )
+        for peer, p in sorted((cluster.get("peers") or {}).items()):
+            lines.append(
+                f"  peer {peer}  {'alive' if p.get('alive') else 'DEAD'}  "
+                f"seen {p.get('last_seen_age_s')} s ago  lag {p.get('lag_ms')} ms "
+                f"(p99 {p.get('lag_p99_ms')} ms)"
+            )
     return "\n".join(lines)
 
 
