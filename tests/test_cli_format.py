@@ -1,0 +1,50 @@
+"""``meter status``'s one-screen summary shows what an operator needs at a glance."""
+
+from __future__ import annotations
+
+from meter.cli import _fmt
+
+
+def test_summary_of_a_clustered_node_with_trouble() -> None:
+    status = {
+        "node_id": "n1",
+        "version": "0.1.0",
+        "uptime_s": 12.5,
+        "storage": "dynamodb",
+        "socket": "./meter.sock",
+        "data_dir": "./.meter",
+        "keys": {"warm": 10, "dirty": 3, "unseeded": 1, "inflight": 2},
+        "flush": {
+            "last_result": "error",
+            "last_age_s": 0.4,
+            "interval_ms": 1000,
+            "keys_written": 5,
+            "failures": 7,
+            "backlog_keys": 3,
+            "backlog_units": 42,
+            "backlog_age_s": 9.5,
+            "last_error": "acme/api@2026-11: throttled",
+            "poisoned": [{"key": ["acme", "big", "2026-11"], "error": "ValidationException"}],
+        },
+        "reservations": {"open": 1, "expired_total": 0},
+        "server": {"connections": 2, "requests": 99, "protocol_errors": 1, "internal_errors": 0},
+        "cluster": {
+            "cluster": "prod",
+            "bus": {"connected": False, "last_error": "connection refused"},
+            "live_peers": ["n2"],
+            "gaps": 4,
+            "rejected": {"bad_mac": 2, "malformed": 0},
+            "peers": {
+                "n2": {"alive": True, "last_seen_age_s": 0.1, "lag_ms": 1.5, "lag_p99_ms": 3.0},
+                "n3": {"alive": False, "last_seen_age_s": 30.0, "lag_ms": None},
+            },
+        },
+    }
+    text = _fmt(status)
+    assert "backlog      3 keys, 42 units, age 9.5 s" in text
+    assert "last error   acme/api@2026-11: throttled" in text
+    assert "PARKED       acme/big/2026-11: ValidationException" in text
+    assert "bus DOWN (connection refused)" in text
+    assert "rejected 2 {'bad_mac': 2}" in text
+    assert "peer n3  DEAD" in text and "peer n2  alive" in text
+    assert "unseeded 1" in text and "in flight 2" in text
