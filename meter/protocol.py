@@ -252,32 +252,37 @@ class Decoder:
         # the per-frame comparison is skipped. tell() is still needed per frame: the next
         # call's limit counts from where the last complete frame ended.
         check = self._fed - start > max_frame
-        raw = self._server
         msgid_max = MSGID_MAX
         try:
-            for obj in unpacker:
-                end = tell()
-                if check and end - start > max_frame:
-                    self._fail(
-                        f"frame of {end - start} bytes exceeds the {max_frame}-byte limit", out
-                    )
-                start = end
-                # The common well-formed request, checked inline and passed through as is;
+            if check or not self._server:
+                for obj in unpacker:
+                    end = tell()
+                    if end - start > max_frame:
+                        self._fail(
+                            f"frame of {end - start} bytes exceeds the {max_frame}-byte limit", out
+                        )
+                    start = end
+                    append(classify(obj))
+            else:
+                # The server's common case, specialised: no frame can exceed the limit, and
+                # the common well-formed request is checked inline and passed through as is;
                 # anything that fails a check gets the full classification.
-                if raw and type(obj) is list and len(obj) == 4:
-                    kind, msgid, method, params = obj
-                    # `is`: a decoded 0 is CPython's cached small int; a kind that is 0 but
-                    # not that object (or False, or 0.0) just takes the full path.
-                    if (
-                        kind is _REQUEST_KIND
-                        and type(msgid) is int
-                        and 0 <= msgid <= msgid_max
-                        and type(method) is str
-                        and type(params) is list
-                    ):
-                        append(obj)
-                        continue
-                append(classify(obj))
+                for obj in unpacker:
+                    start = tell()
+                    if type(obj) is list and len(obj) == 4:
+                        kind, msgid, method, params = obj
+                        # `is`: a decoded 0 is CPython's cached small int; a kind that is 0
+                        # but not that object (or False, or 0.0) takes the full path.
+                        if (
+                            kind is _REQUEST_KIND
+                            and type(msgid) is int
+                            and 0 <= msgid <= msgid_max
+                            and type(method) is str
+                            and type(params) is list
+                        ):
+                            append(obj)
+                            continue
+                    append(classify(obj))
         except ProtocolError as exc:
             self._broken = str(exc)
             exc.messages = out

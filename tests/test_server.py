@@ -432,6 +432,22 @@ async def test_oversized_frame_closes_only_that_connection(path: str, disp: Stan
         await srv.close()
 
 
+async def test_pipelined_batch_beyond_max_frame_is_served(path: str, disp: StandIn) -> None:
+    # A read larger than max_frame makes the decoder check every frame's size (its other
+    # path, which hands over decoded Requests): every request is still answered.
+    srv = await start_server(path, disp, max_frame=256)
+    raw = Raw(path)
+    try:
+        await raw.send(b"".join(msgpack.packb([0, i, "echo", [i]]) for i in range(200)))
+        got = await raw.recv_n(200)
+        assert all(got[i] == [1, i, None, [i]] for i in range(200))
+        assert srv.requests == 200
+        assert srv.protocol_errors == 0
+    finally:
+        raw.close()
+        await srv.close()
+
+
 async def test_oversized_frame_refused_before_it_is_complete(path: str, disp: StandIn) -> None:
     srv = await start_server(path, disp, max_frame=4096)
     bad = Raw(path)
