@@ -95,6 +95,41 @@ class Service:
         self.calls += 1
         return handler(params)
 
+    def warm_tracks(self, requests: list[Any]) -> list[int]:
+        """Count the leading run of plain warm ``track`` requests of a pipelined batch.
+
+        ``requests`` are MessagePack-RPC requests ``[0, msgid, method, params]``. From the
+        first, every request that is ``track(tenant, feature, qty)`` on a seeded key whose
+        names this node has already validated today is counted, under one hold of the table's
+        lock; the run stops at the first other request. Returns the new values of the
+        requests counted (answers to the first ``len(result)`` requests, in order); the caller
+        dispatches the rest one by one, in order, so pipelined requests keep their order.
+        """
+        now = time.time()
+        if not self._day_start <= now < self._day_end:
+            return []
+        cache = self._keys
+        items: list[tuple[Key, int]] = []
+        append = items.append
+        for req in requests:
+            if type(req) is not list or req[2] != "track":
+                break
+            params = req[3]
+            if len(params) != 3:
+                break
+            tenant, feature, qty = params
+            if type(tenant) is not str or type(feature) is not str or type(qty) is not int:
+                break
+            key = cache.get((tenant, feature))
+            if key is None or not QTY_MIN <= qty <= QTY_MAX:
+                break
+            append((key, qty))
+        if not items:
+            return []
+        values = self.table.incr_prefix(items)
+        self.calls += len(values)
+        return values
+
     def notify(self, method: str, params: list[Any]) -> None:
         """Notifications are accepted and ignored (none is defined yet)."""
 

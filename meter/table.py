@@ -380,6 +380,36 @@ class CounterTable:
             row.flags = flags | DIRTY | USED
             return row.base + row.inflight + row.pending_flush + row.extra
 
+    def incr_prefix(self, items: Sequence[tuple[Key, int]]) -> list[int]:
+        """:meth:`try_incr` for the leading items whose keys are seeded, under one lock hold.
+
+        Stops at the first cold or unseeded key (counting nothing from it on) and returns the
+        new values of the items counted, in order: the server's pipelined ``track`` batches.
+        """
+        out: list[int] = []
+        append = out.append
+        with self._lock:
+            rows = self._rows
+            gossip = self.gossip
+            for key, qty in items:
+                row = rows.get(key)
+                if row is None:
+                    break
+                flags = row.flags
+                if not flags & SEEDED:
+                    break
+                row.pending_flush += qty
+                if gossip:
+                    row.pending_gossip += qty
+                    if not flags & TOUCHED:
+                        self._touched.append(key)
+                        flags |= TOUCHED
+                if not flags & DIRTY:
+                    self._dirty.append(key)
+                row.flags = flags | DIRTY | USED
+                append(row.base + row.inflight + row.pending_flush + row.extra)
+        return out
+
     def incr_seeded(self, items: Sequence[tuple[Key, int]]) -> list[int] | None:
         """:meth:`incr` for every ``(key, qty)``, under one lock hold, if every key is seeded.
 
