@@ -143,8 +143,8 @@ class Load:
         n = 0
         try:
             while not self._stop.is_set():
-                items = [
-                    [KEY_TENANT, self.features[(n + j) % len(self.features)], 1 + (n + j) % 3]
+                items: list[tuple[str, str, int]] = [
+                    (KEY_TENANT, self.features[(n + j) % len(self.features)], 1 + (n + j) % 3)
                     for j in range(self.batch)
                 ]
                 n += self.batch

@@ -71,7 +71,8 @@ def test_hmac_round_trip_and_rejections() -> None:
 
 
 def _frame(payload: object, version: int = 1, flags: int = 0) -> bytes:
-    return b"mg" + bytes([version, flags]) + msgpack.packb(payload, use_bin_type=True)
+    body: bytes = msgpack.packb(payload, use_bin_type=True)
+    return b"mg" + bytes([version, flags]) + body
 
 
 GOOD = ["prod", "n", 1, 1, 1.0, 0, None]

@@ -248,7 +248,12 @@ async def test_forged_garbage_and_foreign_messages_are_rejected_and_counted() ->
         a.tick()
         await c.settle()
         frames: list[bytes] = []
-        c.hub.drop = lambda f: frames.append(f) is not None  # capture, deliver
+
+        def capture(frame: bytes) -> bool:
+            frames.append(frame)
+            return False  # deliver it too
+
+        c.hub.drop = capture
         c.track(a, k, 1)
         a.tick()
         await c.settle()

@@ -175,7 +175,11 @@ async def test_redis_killed_mid_load_and_restarted_loses_nothing(
     total = 0
     for f in FEATURES:
         db = await stored(dynamodb_local, dynamodb_table, f)
-        wait_until(lambda f=f, db=db: usages(nodes, f) == [db] * 3, 5, f"{f} converges", nodes)
+
+        def converged(f: str = f, db: int = db) -> bool:
+            return usages(nodes, f) == [db] * 3
+
+        wait_until(converged, 5, f"{f} converges", nodes)
         total += db
     assert total == load.total
     st = nodes[0].call("status")["cluster"]
