@@ -233,12 +233,31 @@ class Service:
             raise InvalidArgument("track_many: items must be an array of [tenant, feature, qty]")
         if len(items) > MAX_BATCH_ITEMS:
             raise InvalidArgument(f"track_many: at most {MAX_BATCH_ITEMS} items per call")
-        out: list[Any] = []
-        good: list[tuple[Key, int]] = []
-        where: list[int] = []  # out index of each good item
         now = time.time()
         # The key cache answers for the whole batch if it is valid now (see key_for).
         cache = self._keys if self._day_start <= now < self._day_end else {}
+        if cache:
+            # The common batch: every item a plain [str, str, int] on a known name pair and a
+            # seeded key. One pass builds it; anything else takes the general path below.
+            fast: list[tuple[Key, int]] = []
+            append = fast.append
+            for item in items:
+                if type(item) is not list or len(item) != 3:
+                    break
+                tenant, feature, qty = item
+                if type(tenant) is not str or type(feature) is not str or type(qty) is not int:
+                    break
+                key = cache.get((tenant, feature))
+                if key is None or not QTY_MIN <= qty <= QTY_MAX:
+                    break
+                append((key, qty))
+            else:
+                values = self.table.incr_seeded(fast)
+                if values is not None:
+                    return values
+        out: list[Any] = []
+        good: list[tuple[Key, int]] = []
+        where: list[int] = []  # out index of each good item
         for i, item in enumerate(items):
             try:
                 if (type(item) is list or isinstance(item, list | tuple)) and len(item) == 3:

@@ -288,3 +288,17 @@ async def test_storage_snapshot_with_own_sequence_is_respected(store: DownStorag
     taken = table.take_flush(key)
     assert taken == (8, 1)
     assert store.items[key] == Snapshot(10, {"n1": 7})
+
+
+async def test_track_many_fast_and_general_paths_agree(store: DownStorage) -> None:
+    """A batch of plain items on known names (the fast path) and the same batch with one odd
+    item (the general path) count alike."""
+    fast = Service(CounterTable("n1"), DownStorage())
+    slow = Service(CounterTable("n1"), DownStorage())
+    for svc in (fast, slow):
+        await call(svc, "track", "acme", "api", 1)
+        await call(svc, "track", "acme", "seats", 1)
+    items = [["acme", "api", 2], ["acme", "seats", 3], ["acme", "api", -1]]
+    assert await call(fast, "track_many", items) == [3, 4, 2]
+    assert await call(slow, "track_many", [*items, ("acme", "api", 0)]) == [3, 4, 2, 2]
+    assert await call(fast, "track_many", [["acme", "new", 5]]) == [5], "unknown names: general"
