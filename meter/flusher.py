@@ -143,11 +143,15 @@ class Flusher:
         node = self.table.node
         try:
             results = await self.storage.apply(node, deltas)
-        except StorageError as exc:
-            # The batch's fate is unknown: every delta stays in flight for a retry.
+        except Exception as exc:
+            # The batch's fate is unknown: every delta stays in flight for a retry. A backend
+            # bug (anything but a StorageError) is logged with its traceback, and must not
+            # stop the other batches of the round.
+            if not isinstance(exc, StorageError):
+                log.exception("storage.apply raised %s", type(exc).__name__)
             for d in deltas:
                 self.table.flush_failed(d.key)
-            self._note_error(f"writing {len(deltas)} keys: {exc}")
+            self._note_error(f"writing {len(deltas)} keys: {exc!r}"[:500])
             return False
         ok = True
         written: list[tuple[Key, Applied]] = []

@@ -88,26 +88,3 @@ def period_start(kind: PeriodKind, at: float | None = None) -> str:
     if kind == "month":
         return f"{moment.year:04d}-{moment.month:02d}"
     return f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}"
-
-
-def period_end(period: str) -> datetime:
-    """The first instant after ``period`` (UTC), used for retention (TTL) of stored counters."""
-    if len(period) == 7:
-        year, month = int(period[:4]), int(period[5:7])
-        return datetime(year + month // 12, month % 12 + 1, 1, tzinfo=UTC)
-    start = datetime.strptime(period, "%Y-%m-%d").replace(tzinfo=UTC)
-    return datetime.fromtimestamp(start.timestamp() + 86400, tz=UTC)
-
-
-def is_period(period: str) -> bool:
-    """Whether ``period`` is a well-formed month (``YYYY-MM``) or day (``YYYY-MM-DD``) period."""
-    try:
-        if len(period) == 7:
-            datetime.strptime(period, "%Y-%m")
-            return True
-        if len(period) == 10:
-            datetime.strptime(period, "%Y-%m-%d")
-            return True
-    except ValueError:
-        return False
-    return False

@@ -17,8 +17,10 @@ flight and retry the same ``(key, seq, delta)`` until it is ``Applied``.
 from __future__ import annotations
 
 import asyncio
+import calendar
 import collections
 import contextlib
+import logging
 import random
 import re
 from collections.abc import Sequence
@@ -52,6 +54,8 @@ from storage.base import (
     StoragePermanentError,
     StorageUnavailable,
 )
+
+log = logging.getLogger("meter.storage.dynamodb")
 
 #: DynamoDB's key size limits, in UTF-8 bytes.
 MAX_PK_BYTES = 2048
@@ -353,6 +357,9 @@ class DynamoDBStorage(Storage):
                 return exc  # the caller retries; the condition fails again; we read again
         except StorageError as exc:
             return exc
+        except Exception as exc:  # a bug must fail this key, not escape apply() (the contract)
+            log.exception("dynamodb: unexpected error writing %s", _describe(d.key))
+            return StoragePermanentError(f"dynamodb: {_describe(d.key)}: unexpected {exc!r}")
 
     async def _get(self, key: Key) -> Snapshot:
         pk, sk = _item_key(key)
@@ -506,7 +513,10 @@ def _ttl(period: str, retention_days: int) -> int:
     """Epoch seconds at which DynamoDB may expire the item: period end + retention."""
     if len(period) == 7:
         year, month = int(period[:4]), int(period[5:7])
-        end = datetime(year + month // 12, month % 12 + 1, 1, tzinfo=UTC).timestamp()
+        # Start + the month's length, never a datetime for the next month: after 9999-12
+        # there is none.
+        start = datetime(year, month, 1, tzinfo=UTC).timestamp()
+        end = start + calendar.monthrange(year, month)[1] * 86400
     else:
         end = datetime.strptime(period, "%Y-%m-%d").replace(tzinfo=UTC).timestamp() + 86400
     return int(end) + retention_days * 86400

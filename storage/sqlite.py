@@ -12,12 +12,13 @@ connection: calls from many asyncio tasks are queued and run one at a time, in o
 from __future__ import annotations
 
 import asyncio
+import calendar
 import concurrent.futures
 import json
 import re
 import sqlite3
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -273,8 +274,7 @@ class SQLiteStorage(Storage):
         return Applied(snap)
 
     def _expires_at(self, period: str) -> int:
-        end = _period_end(period)
-        return int((end + timedelta(days=self.retention_days)).timestamp())
+        return _period_end(period) + self.retention_days * 86400
 
     def _load_sync(self, keys: list[Key]) -> dict[Key, Snapshot]:
         conn = self._connection()
@@ -331,20 +331,20 @@ def _check_delta(d: Delta) -> str | None:
     return None
 
 
-def _period_end(period: str) -> datetime:
-    """The first instant after ``period`` (``YYYY-MM`` or ``YYYY-MM-DD``, UTC).
+def _period_end(period: str) -> int:
+    """The first instant after ``period`` (``YYYY-MM`` or ``YYYY-MM-DD``, UTC), epoch seconds.
 
-    Kept here rather than imported: storage must not depend on ``meter``.
+    Computed as start + length, never as a datetime of the next period: after 9999-12 there is
+    none. Kept here rather than imported: storage must not depend on ``meter``.
     """
     try:
         if _MONTH_RE.fullmatch(period):
             start = datetime.strptime(period, "%Y-%m").replace(tzinfo=UTC)
-            if start.month == 12:
-                return start.replace(year=start.year + 1, month=1)
-            return start.replace(month=start.month + 1)
+            days = calendar.monthrange(start.year, start.month)[1]
+            return int(start.timestamp()) + days * 86400
         if _DAY_RE.fullmatch(period):
             start = datetime.strptime(period, "%Y-%m-%d").replace(tzinfo=UTC)
-            return start + timedelta(days=1)
+            return int(start.timestamp()) + 86400
     except (ValueError, OverflowError):
         pass
     raise ValueError(f"period {period!r} is not a valid YYYY-MM or YYYY-MM-DD period")

@@ -134,3 +134,25 @@ async def test_drain_gives_up_after_timeout_when_storage_is_down() -> None:
     assert not await flusher.drain(0.3)
     assert flusher.backlog_keys() == [K1]
     assert table.pending(K1) == 1
+
+
+async def test_a_backend_bug_does_not_stop_the_round_or_lose_units() -> None:
+    """A storage backend raising something other than a StorageError (a bug) fails its batch
+    like an unknown outcome: the deltas stay in flight, other batches are still written."""
+
+    class Buggy(MemoryStorage):
+        async def apply(self, node: str, deltas: Any) -> dict[Any, Applied | StorageError]:
+            if any(d.key == K1 for d in deltas):
+                raise ValueError("year 10000 is out of range")
+            return await super().apply(node, deltas)
+
+    store = Buggy()
+    table = seeded()
+    table.incr(K1, 1)
+    table.incr(K2, 2)
+    flusher = Flusher(table, store, batch_keys=1)
+    assert not await flusher.flush_once()
+    assert store.items[K2].total == 2, "the other batch was written"
+    assert table.pending(K1) == 1, "the failed batch's units are kept, in flight"
+    assert "ValueError" in (flusher.stats.last_error or "")
+    assert not await flusher.drain(0.2), "drain reports it could not store everything"

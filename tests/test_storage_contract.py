@@ -206,6 +206,16 @@ async def test_odd_names(storage: Storage, tenant: str, feature: str) -> None:
     assert await storage.list_period(tenant, "2026-11") == {feature: Snapshot(4, {"node:1/a.b": 1})}
 
 
+@pytest.mark.parametrize("period", ["9999-12", "9999-12-31", "1970-01", "1970-01-01"])
+async def test_periods_at_the_ends_of_the_calendar(storage: Storage, period: str) -> None:
+    """The protocol accepts instants from 1970 to 9999: their periods store like any other
+    (the retention of a 9999-12 counter must not need a date in year 10000)."""
+    key: Key = ("edge", "api", period)
+    await _ok(storage, "n1", key, 1, 3)
+    assert (await storage.load([key]))[key] == Snapshot(3, {"n1": 1})
+    assert await storage.list_period("edge", period) == {"api": Snapshot(3, {"n1": 1})}
+
+
 async def test_outcomes_are_applied_or_storage_errors(storage: Storage) -> None:
     out = await storage.apply("n1", [Delta(K, 1, 1)])
     assert all(isinstance(v, Applied | StorageError) for v in out.values())
