@@ -174,8 +174,8 @@ class SQLiteStorage(Storage):
                 raise StorageUnavailable(
                     f"sqlite database {self.path} refused WAL mode (journal_mode={mode})"
                 )
-            # FULL: a flush acknowledged to the node survives a power loss, not only a crash;
-            # the node truncates its own write-ahead log on that acknowledgement.
+            # FULL: a flush acknowledged to the node survives a power loss, not only a crash:
+            # the node drops its copy of the delta on that acknowledgement.
             conn.execute("PRAGMA synchronous=FULL")
             version = int(conn.execute("PRAGMA user_version").fetchone()[0])
             if version > SCHEMA_VERSION:
