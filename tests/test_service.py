@@ -302,3 +302,10 @@ async def test_track_many_fast_and_general_paths_agree(store: DownStorage) -> No
     assert await call(fast, "track_many", items) == [3, 4, 2]
     assert await call(slow, "track_many", [*items, ("acme", "api", 0)]) == [3, 4, 2, 2]
     assert await call(fast, "track_many", [["acme", "new", 5]]) == [5], "unknown names: general"
+
+
+async def test_unknown_reservation_ids_are_not_found(svc: Service) -> None:
+    for method in ("commit", "release"):
+        with pytest.raises(NotFound) as info:
+            await call(svc, method, "r-never-issued")
+        assert info.value.to_wire()["code"] == "not_found"
