@@ -386,29 +386,8 @@ class CounterTable:
         Stops at the first cold or unseeded key (counting nothing from it on) and returns the
         new values of the items counted, in order: the server's pipelined ``track`` batches.
         """
-        out: list[int] = []
-        append = out.append
         with self._lock:
-            rows = self._rows
-            gossip = self.gossip
-            for key, qty in items:
-                row = rows.get(key)
-                if row is None:
-                    break
-                flags = row.flags
-                if not flags & SEEDED:
-                    break
-                row.pending_flush += qty
-                if gossip:
-                    row.pending_gossip += qty
-                    if not flags & TOUCHED:
-                        self._touched.append(key)
-                        flags |= TOUCHED
-                if not flags & DIRTY:
-                    self._dirty.append(key)
-                row.flags = flags | DIRTY | USED
-                append(row.base + row.inflight + row.pending_flush + row.extra)
-        return out
+            return self._count_run(items)
 
     def incr_seeded(self, items: Sequence[tuple[Key, int]]) -> list[int] | None:
         """:meth:`incr` for every ``(key, qty)``, under one lock hold, if every key is seeded.
@@ -419,27 +398,35 @@ class CounterTable:
         """
         with self._lock:
             rows = self._rows
-            found: list[Row] = []
             for key, _ in items:
                 row = rows.get(key)
                 if row is None or not row.flags & SEEDED:
                     return None
-                found.append(row)
-            out: list[int] = []
-            append = out.append
-            gossip = self.gossip
-            for row, (key, qty) in zip(found, items, strict=True):
-                row.pending_flush += qty
-                flags = row.flags
-                if gossip:
-                    row.pending_gossip += qty
-                    if not flags & TOUCHED:
-                        self._touched.append(key)
-                        flags |= TOUCHED
-                if not flags & DIRTY:
-                    self._dirty.append(key)
-                row.flags = flags | DIRTY | USED
-                append(row.base + row.inflight + row.pending_flush + row.extra)
+            return self._count_run(items)
+
+    def _count_run(self, items: Sequence[tuple[Key, int]]) -> list[int]:
+        """Count items up to the first cold or unseeded key; the caller holds the lock."""
+        out: list[int] = []
+        append = out.append
+        rows = self._rows
+        gossip = self.gossip
+        for key, qty in items:
+            row = rows.get(key)
+            if row is None:
+                break
+            flags = row.flags
+            if not flags & SEEDED:
+                break
+            row.pending_flush += qty
+            if gossip:
+                row.pending_gossip += qty
+                if not flags & TOUCHED:
+                    self._touched.append(key)
+                    flags |= TOUCHED
+            if not flags & DIRTY:
+                self._dirty.append(key)
+            row.flags = flags | DIRTY | USED
+            append(row.base + row.inflight + row.pending_flush + row.extra)
         return out
 
     def reserve(self, key: Key, qty: int, limit: int | None) -> int | None:
