@@ -46,17 +46,22 @@ def new_table_name() -> str:
     return f"meter_test_{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture
-async def dynamodb_table(dynamodb_local: str) -> str:
-    """A fresh table (created with ``init_schema``) in the session's DynamoDB Local."""
+async def create_table(endpoint: str) -> str:
+    """Create a fresh table (with ``init_schema``) at ``endpoint``; return its name."""
     name = new_table_name()
-    store = DynamoDBStorage(name, endpoint_url=dynamodb_local)
+    store = DynamoDBStorage(name, endpoint_url=endpoint)
     await store.open()
     try:
         await store.init_schema()
     finally:
         await store.close()
     return name
+
+
+@pytest.fixture
+async def dynamodb_table(dynamodb_local: str) -> str:
+    """A fresh table (created with ``init_schema``) in the session's DynamoDB Local."""
+    return await create_table(dynamodb_local)
 
 
 @pytest.fixture

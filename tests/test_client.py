@@ -10,7 +10,6 @@ import asyncio
 import os
 import shutil
 import socket
-import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -26,6 +25,7 @@ from meter.errors import (
     Unavailable,
 )
 from meter.server import RpcServer, start_server
+from tests.nodes import short_tmpdir
 
 T = TypeVar("T")
 WAIT = 20.0  # bounds waits so a bug fails instead of hanging; not a timing check
@@ -83,7 +83,7 @@ class Recorder:
 
 @pytest.fixture
 def sockdir() -> Iterator[str]:
-    d = tempfile.mkdtemp(dir="/tmp", prefix="mtc")
+    d = str(short_tmpdir("mtc"))
     yield d
     shutil.rmtree(d, ignore_errors=True)
 

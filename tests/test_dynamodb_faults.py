@@ -23,7 +23,7 @@ from botocore.config import Config
 
 from storage.base import Applied, Delta, Key, StorageError, StoragePermanentError
 from storage.dynamodb import DynamoDBStorage
-from tests.conftest_dynamodb import new_table_name
+from tests.conftest_dynamodb import create_table
 from tests.dynamodb_local import DynamoDBLocal
 from tests.lossy_proxy import LossyProxy
 
@@ -157,11 +157,7 @@ async def test_outage_and_restart_keeps_totals_exact(
     server = DynamoDBLocal(dynamodb_local_home, db_path=tmp_path / "ddb")
     await asyncio.to_thread(server.start)
     try:
-        table = new_table_name()
-        setup = DynamoDBStorage(table, endpoint_url=server.endpoint)
-        await setup.open()
-        await setup.init_schema()
-        await setup.close()
+        table = await create_table(server.endpoint)
 
         keys: list[Key] = [("acme", f"f{i}", "2026-11") for i in range(10)]
         # Short timeouts and few retries: fail fast while the server is down, as a node would.

@@ -22,7 +22,7 @@ from meter.client import AsyncClient
 from meter.errors import Unavailable
 from meter.keys import period_start
 from storage.dynamodb import DynamoDBStorage
-from tests.conftest_dynamodb import new_table_name
+from tests.conftest_dynamodb import create_table, new_table_name
 from tests.dynamodb_local import DynamoDBLocal
 from tests.lossy_proxy import LossyProxy
 from tests.nodes import ROOT, NodeProcess, short_tmpdir
@@ -160,11 +160,7 @@ async def test_dynamodb_outage_under_load_loses_nothing(
     server = DynamoDBLocal(dynamodb_local_home, db_path=workdir / "ddb")
     await asyncio.to_thread(server.start)
     try:
-        table = new_table_name()
-        setup = DynamoDBStorage(table, endpoint_url=server.endpoint)
-        await setup.open()
-        await setup.init_schema()
-        await setup.close()
+        table = await create_table(server.endpoint)
         node = NodeProcess(
             workdir,
             **dynamo_env(server.endpoint, table, METER_FLUSH_INTERVAL_MS="100"),

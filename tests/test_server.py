@@ -13,7 +13,6 @@ import os
 import shutil
 import socket
 import stat
-import tempfile
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -24,6 +23,7 @@ import uvloop
 
 from meter.errors import InvalidArgument, LimitExceeded, NotFound, UnknownMethod
 from meter.server import RpcServer, _Connection, start_server
+from tests.nodes import short_tmpdir
 
 # Overriding event_loop_policy is deprecated in pytest-asyncio 1.x in favour of a conftest hook
 # (pytest_asyncio_loop_factories); this module keeps the override to stay self-contained.
@@ -146,8 +146,7 @@ class Raw:
 
 @pytest.fixture
 def sockdir() -> Iterator[str]:
-    # tmp_path can exceed the 108-byte AF_UNIX limit; /tmp keeps paths short.
-    d = tempfile.mkdtemp(dir="/tmp", prefix="mtr")
+    d = str(short_tmpdir("mtr"))  # tmp_path can exceed the 108-byte AF_UNIX limit
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
