@@ -54,6 +54,35 @@ def nodes_cleanup() -> Iterator[list[NodeProcess]]:
             p.kill()
 
 
+StartCluster = Callable[..., list[NodeProcess]]
+
+
+@pytest.fixture
+def start_cluster(
+    workdir: Path,
+    redis_server: RedisServer,
+    dynamodb_local: str,
+    dynamodb_table: str,
+    cluster_name: str,
+    nodes_cleanup: list[NodeProcess],
+) -> StartCluster:
+    """``start_cluster(n, **METER_env)``: n real nodes on this test's Redis and table."""
+
+    def start(n: int, **extra: str) -> list[NodeProcess]:
+        env = node_env(
+            redis_url=redis_server.url,
+            dynamodb_endpoint=dynamodb_local,
+            table=dynamodb_table,
+            cluster=cluster_name,
+            **extra,
+        )
+        nodes = start_nodes(workdir, n, env)
+        nodes_cleanup.extend(nodes)
+        return nodes
+
+    return start
+
+
 async def stored(endpoint: str, table: str, feature: str) -> int:
     store = DynamoDBStorage(table, endpoint_url=endpoint)
     await store.open()
@@ -73,21 +102,9 @@ def flushed(nodes: list[NodeProcess]) -> bool:
 
 
 async def test_a_unit_is_visible_on_every_node_within_about_a_tick(
-    workdir: Path,
-    redis_server: RedisServer,
-    dynamodb_local: str,
-    dynamodb_table: str,
-    cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
+    start_cluster: StartCluster,
 ) -> None:
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-    )
-    nodes = start_nodes(workdir, 3, env)
-    nodes_cleanup.extend(nodes)
+    nodes = start_cluster(3)
     r = measure_visibility(nodes, "api", samples=40, tick_s=0.1)
     print(f"\nconvergence, 3 nodes, tick 100 ms: {r}")
     assert r["anomalies"] == []  # never above the truth, never below the previous value
@@ -98,21 +115,11 @@ async def test_a_unit_is_visible_on_every_node_within_about_a_tick(
 
 
 async def test_concurrent_load_on_three_nodes_agrees_exactly_with_the_database(
-    workdir: Path,
-    redis_server: RedisServer,
+    start_cluster: StartCluster,
     dynamodb_local: str,
     dynamodb_table: str,
-    cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
 ) -> None:
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-    )
-    nodes = start_nodes(workdir, 3, env)
-    nodes_cleanup.extend(nodes)
+    nodes = start_cluster(3)
     load = Load(nodes, FEATURES).start()
     time.sleep(3)
     load.stop_node_load()
@@ -188,22 +195,11 @@ async def test_redis_killed_mid_load_and_restarted_loses_nothing(
 
 
 async def test_a_sigkilled_node_loses_only_what_it_had_not_flushed(
-    workdir: Path,
-    redis_server: RedisServer,
+    start_cluster: StartCluster,
     dynamodb_local: str,
     dynamodb_table: str,
-    cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
 ) -> None:
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-        METER_FLUSH_INTERVAL_MS="1000",
-    )
-    nodes = start_nodes(workdir, 3, env)
-    nodes_cleanup.extend(nodes)
+    nodes = start_cluster(3, METER_FLUSH_INTERVAL_MS="1000")
     load = Load(nodes, FEATURES).start()
     time.sleep(2.5)
     victim = nodes[2]
@@ -239,22 +235,11 @@ async def test_a_sigkilled_node_loses_only_what_it_had_not_flushed(
 
 
 async def test_forged_and_garbage_messages_are_rejected_and_counted(
-    workdir: Path,
+    start_cluster: StartCluster,
     redis_server: RedisServer,
-    dynamodb_local: str,
-    dynamodb_table: str,
     cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
 ) -> None:
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-        METER_CLUSTER_SECRET="correct horse",
-    )
-    nodes = start_nodes(workdir, 2, env)
-    nodes_cleanup.extend(nodes)
+    nodes = start_cluster(2, METER_CLUSTER_SECRET="correct horse")
     nodes[0].call("track", KEY_TENANT, "api", 5)
     wait_until(lambda: usages(nodes, "api") == [5, 5], 5, "gossip works", nodes)
     key = (KEY_TENANT, "api", period_start("month", None))
@@ -288,24 +273,14 @@ async def test_forged_and_garbage_messages_are_rejected_and_counted(
 
 
 async def test_sigterm_drain_announces_the_final_flush(
-    workdir: Path,
-    redis_server: RedisServer,
-    dynamodb_local: str,
-    dynamodb_table: str,
-    cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
+    start_cluster: StartCluster, dynamodb_local: str, dynamodb_table: str
 ) -> None:
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
+    nodes = start_cluster(
+        2,
         METER_FLUSH_INTERVAL_MS="60000",  # only the drain flushes
         METER_GOSSIP_INTERVAL_MS="60000",  # only the drain gossips
         METER_CLUSTER_RECONCILE_S="0",
     )
-    nodes = start_nodes(workdir, 2, env)
-    nodes_cleanup.extend(nodes)
     assert usages(nodes, "api") == [0, 0]
     nodes[0].call("track", KEY_TENANT, "api", 42)
     assert nodes[0].stop() == 0  # SIGTERM: drain, announce, close
