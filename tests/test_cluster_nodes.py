@@ -95,8 +95,8 @@ async def stored(endpoint: str, table: str, feature: str) -> int:
 
 def flushed(nodes: list[NodeProcess]) -> bool:
     for p in nodes:
-        f = p.call("status")["flush"]
-        if f["backlog_keys"] or p.call("status")["keys"]["dirty"]:
+        st = p.call("status")
+        if st["flush"]["backlog_keys"] or st["keys"]["dirty"]:
             return False
     return True
 
