@@ -79,6 +79,32 @@ class FlushConfig:
     drain_timeout_s: float = 30.0
 
 
+DURABILITY_MODES = ("fsync", "interval", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class DurabilityConfig:
+    """The write-ahead log and request ids (see docs/durability.md)."""
+
+    #: ``fsync`` (answer after fsync), ``interval`` (answer after write, fsync every
+    #: ``fsync_interval_ms``) or ``off`` (no log). ``None``: ``off`` on ``memory`` storage,
+    #: else ``fsync``.
+    mode: str | None = None
+    fsync_interval_ms: int = 1000
+    #: A log segment is closed (and the log compacted) once it grows past this.
+    segment_bytes: int = 64 << 20
+    #: How long a request id is remembered.
+    idempotency_window_s: float = 86400.0
+    #: Most request ids remembered; past it the oldest are dropped (counted in ``status``).
+    idempotency_max_ids: int = 1_000_000
+
+    def effective_mode(self, storage_kind: str) -> str:
+        """The mode in force for ``storage_kind`` (resolves the default)."""
+        if self.mode is not None:
+            return self.mode
+        return "off" if storage_kind == "memory" else "fsync"
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """Gossip to peers (off when ``redis_url`` is unset)."""
@@ -108,6 +134,7 @@ class NodeConfig:
     counters: CounterConfig = field(default_factory=CounterConfig)
     flush: FlushConfig = field(default_factory=FlushConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    durability: DurabilityConfig = field(default_factory=DurabilityConfig)
 
 
 def _str(setting: str, raw: Any) -> str:
@@ -163,6 +190,13 @@ def _storage_kind(setting: str, raw: Any) -> str:
     if kind not in STORAGE_KINDS:
         raise ConfigError(setting, f"must be one of {', '.join(STORAGE_KINDS)}, got {raw!r}")
     return kind
+
+
+def _durability(setting: str, raw: Any) -> str:
+    mode = _str(setting, raw).lower()
+    if mode not in DURABILITY_MODES:
+        raise ConfigError(setting, f"must be one of {', '.join(DURABILITY_MODES)}, got {raw!r}")
+    return mode
 
 
 def _node_id(setting: str, raw: Any) -> str | None:
@@ -243,6 +277,11 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "cluster_heartbeat_ms": ("cluster", "heartbeat_ms", _int(10, 600_000)),
     "cluster_peer_timeout_ms": ("cluster", "peer_timeout_ms", _int(100, 3_600_000)),
     "cluster_reconcile_s": ("cluster", "reconcile_s", _float(0, 10**7)),
+    "durability": ("durability", "mode", _durability),
+    "wal_fsync_interval_ms": ("durability", "fsync_interval_ms", _int(1, 60_000)),
+    "wal_segment_bytes": ("durability", "segment_bytes", _int(4096, 1 << 40)),
+    "idempotency_window_s": ("durability", "idempotency_window_s", _float(1, 30 * 86400)),
+    "idempotency_max_ids": ("durability", "idempotency_max_ids", _int(1, 100_000_000)),
 }
 
 #: Every setting name (TOML key; ``METER_`` + upper case is its environment variable).
@@ -307,6 +346,7 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         "counters": {},
         "flush": {},
         "cluster": {},
+        "durability": {},
     }
     for setting, raw in values.items():
         if setting not in _SETTINGS:
@@ -320,6 +360,7 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         counters=CounterConfig(**parts["counters"]),
         flush=FlushConfig(**parts["flush"]),
         cluster=ClusterConfig(**parts["cluster"]),
+        durability=DurabilityConfig(**parts["durability"]),
     )
     if len(str(cfg.server.socket).encode()) > 100:
         raise ConfigError("socket", "path longer than 100 bytes (the AF_UNIX limit is 107)")

@@ -45,6 +45,12 @@ class NotFound(MeterError):
     code = "not_found"
 
 
+class Conflict(MeterError):
+    """A request id was reused with another method or payload; nothing was counted."""
+
+    code = "conflict"
+
+
 class Unavailable(MeterError):
     """The node cannot answer truthfully now (storage unreachable, draining); retry later."""
 
@@ -70,7 +76,15 @@ class ConfigError(MeterError):
 #: Wire code -> exception class, for clients turning error maps back into exceptions.
 BY_CODE: dict[str, type[MeterError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, UnknownMethod, LimitExceeded, NotFound, Unavailable, Internal)
+    for cls in (
+        InvalidArgument,
+        UnknownMethod,
+        LimitExceeded,
+        NotFound,
+        Conflict,
+        Unavailable,
+        Internal,
+    )
 }
 
 
