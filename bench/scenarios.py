@@ -42,6 +42,7 @@ class Sizes:
     memory_keys: int
     conv_samples: int
     conv_ticks: tuple[int, ...]
+    durable_configs: tuple[tuple[int, int], ...]  # (connections, depth) for ``durable``
 
 
 FULL = Sizes(
@@ -56,6 +57,7 @@ FULL = Sizes(
     1_000_000,
     200,
     (50, 100),
+    ((1, 1), (4, 1), (16, 1), (4, 16)),
 )
 QUICK = Sizes(
     "quick",
@@ -69,8 +71,9 @@ QUICK = Sizes(
     100_000,
     30,
     (100,),
+    ((1, 1), (4, 1), (16, 1), (4, 16)),
 )
-SMOKE = Sizes("smoke", 0.15, 1, ((1, 1), (2, 16)), 0.3, 1, (50,), 1, 2_000, 5, (100,))
+SMOKE = Sizes("smoke", 0.15, 1, ((1, 1), (2, 16)), 0.3, 1, (50,), 1, 2_000, 5, (100,), ((2, 4),))
 
 
 @dataclass
@@ -617,6 +620,183 @@ def memory(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     ]
 
 
+# -- 7. durable track vs Redis AOF ------------------------------------------------------------
+
+#: (node ``METER_DURABILITY``, redis ``appendfsync``): the pairs compared, like for like.
+DURABLE_PAIRS = (("fsync", "always"), ("interval", "everysec"))
+#: The node's fsync period in ``interval`` mode, as Redis' ``everysec``.
+WAL_FSYNC_INTERVAL_MS = 1000
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes in the files under ``path`` (0 when it does not exist)."""
+    total = 0
+    for f in path.rglob("*"):
+        try:
+            if f.is_file():
+                total += f.stat().st_size
+        except OSError:  # a log segment removed while we look
+            continue
+    return total
+
+
+def _disk_write_bytes(pid: int | None) -> int | None:
+    """``write_bytes`` of ``/proc/<pid>/io``: what the process sent to the block device."""
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+            if line.startswith("write_bytes:"):
+                return int(line.split(":", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _fs_type(path: Path) -> str:
+    """The file system ``path`` is on (from /proc/self/mounts; ``?`` if unknown)."""
+    best, kind = "", "?"
+    target = str(path.resolve())
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mnt = parts[1]
+        inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) > len(best):
+            best, kind = mnt, parts[2]
+    return kind
+
+
+def durable(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    """``track`` on a node with its write-ahead log against ``INCR`` on Redis with AOF.
+
+    ``METER_DURABILITY=fsync`` against ``appendfsync always`` (both answer only after an
+    fsync), then ``interval`` (fsync every second) against ``everysec``; memory storage,
+    so the log is the only disk work. The load is scenario 1's. Each round runs both sides,
+    alternating which goes first (A B, B A, ...).
+    """
+    rows: list[Row] = []
+    for mode, appendfsync in DURABLE_PAIRS:
+        progress(f"durable: node {mode} vs redis appendfsync {appendfsync}: starting both")
+        node = svc.node(
+            f"wal-{mode}",
+            METER_DURABILITY=mode,
+            METER_WAL_FSYNC_INTERVAL_MS=str(WAL_FSYNC_INTERVAL_MS),
+        )
+        redis = svc.redis_aof(appendfsync)
+        redis_persistence = redis.info("persistence")
+        setup = {
+            "node_durability": mode,
+            "node_wal_fsync_interval_ms": WAL_FSYNC_INTERVAL_MS if mode == "interval" else None,
+            "node_storage": "memory",
+            "node_data_dir_fs": _fs_type(node.data_dir.parent),
+            "redis_appendonly": redis_persistence.get("aof_enabled") == "1",
+            "redis_appendfsync": redis.config_get("appendfsync"),
+            "redis_dir_fs": _fs_type(redis.workdir),
+        }
+        side = {
+            "node": ("meter", str(node.socket), "track"),
+            "redis": ("redis", str(redis.socket), "incr"),
+        }
+        node_pid = node.proc.pid if node.proc else None
+        redis_pid = redis.proc.pid if redis.proc else None
+        for conns, depth in sizes.durable_configs:
+            ours: list[LoadResult] = []
+            ref: list[LoadResult] = []
+            # What each side's loads grew on disk: the node's data dir (its log; it holds
+            # only a node id and a lock without one) and the bytes each process had the
+            # kernel write to the disk (``/proc/<pid>/io``).
+            grown = 0
+            disk = {"node": 0, "redis": 0}
+            pids = {"node": node_pid, "redis": redis_pid}
+            for r in range(sizes.rounds):
+                progress(
+                    f"durable {mode} vs AOF {appendfsync}: {conns} conn, depth {depth}, "
+                    f"round {r + 1}/{sizes.rounds}"
+                )
+                order = ("node", "redis") if r % 2 == 0 else ("redis", "node")
+                for who in order:
+                    proto, path, method = side[who]
+                    size0 = _tree_bytes(node.data_dir)
+                    io0 = _disk_write_bytes(pids[who])
+                    res = run_load(Load(proto, path, method, conns, depth, duration=sizes.duration))
+                    io1 = _disk_write_bytes(pids[who])
+                    if io0 is not None and io1 is not None:
+                        disk[who] += io1 - io0
+                    if who == "node":
+                        ours.append(res)
+                        grown = max(grown, _tree_bytes(node.data_dir) - size0)
+                    else:
+                        ref.append(res)
+            errors = sum(x.errors for x in ours + ref)
+            o_ops = [x.ops_per_s for x in ours]
+            r_ops = [x.ops_per_s for x in ref]
+            ratio = _ratios(o_ops, r_ops)
+            label = f"track ({mode}) vs INCR (AOF {appendfsync}), {conns} conn" + (
+                f", pipelined {depth}" if depth > 1 else ""
+            )
+            # Until the node has a log, METER_DURABILITY is accepted and ignored: say so
+            # in the row rather than pass a no-log figure off as a durable one.
+            logged = grown > 0
+            if not logged:
+                label += " (node wrote no log)"
+            lat = {
+                "ours_p50_us": _median([x.percentile_us(50) for x in ours]),
+                "ours_p99_us": _median([x.percentile_us(99) for x in ours]),
+                "redis_p50_us": _median([x.percentile_us(50) for x in ref]),
+                "redis_p99_us": _median([x.percentile_us(99) for x in ref]),
+            }
+            detail = {
+                "connections": conns,
+                "depth": depth,
+                "errors": errors,
+                **setup,
+                "node_data_dir_growth_bytes": grown,
+                "node_disk_bytes_per_op": disk["node"] / max(1, sum(x.ops for x in ours)),
+                "redis_disk_bytes_per_op": disk["redis"] / max(1, sum(x.ops for x in ref)),
+                **lat,
+                "rounds_ours_ops": o_ops,
+                "rounds_redis_ops": r_ops,
+                "order": "alternating: node first in odd rounds, redis first in even rounds",
+            }
+            rows.append(
+                Row(
+                    "7 durable vs Redis AOF",
+                    label,
+                    "ops/s",
+                    _median(o_ops),
+                    _median(r_ops),
+                    ratio,
+                    ">= 1.0x Redis",
+                    (ratio >= 1.0 and errors == 0) if logged else None,
+                    detail,
+                )
+            )
+            rows.append(
+                Row(
+                    "7 durable vs Redis AOF",
+                    f"{label}: p99 latency",
+                    "us",
+                    lat["ours_p99_us"],
+                    lat["redis_p99_us"],
+                    _ratios(
+                        [x.percentile_us(99) for x in ours], [x.percentile_us(99) for x in ref]
+                    ),
+                    "(context)",
+                    None,
+                    {"connections": conns, "depth": depth, "latency": "batch round trip", **lat},
+                )
+            )
+        svc.stop_node(node)
+        svc.stop_redis(redis)
+    return rows
+
+
 SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "rpc": rpc_vs_redis,
     "batch": batch,
@@ -624,4 +804,5 @@ SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "flush": flush,
     "convergence": convergence,
     "memory": memory,
+    "durable": durable,
 }

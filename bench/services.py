@@ -1,8 +1,9 @@
 """The servers a bench run needs, each started on its own and stopped at the end.
 
 redis-server listens on a Unix socket in a temp dir (never a TCP port, never a running
-instance); nodes are ``python -m meter serve`` processes (:class:`tests.nodes.NodeProcess`);
-DynamoDB Local comes from :mod:`tests.dynamodb_local`.
+instance), without persistence unless an append-only file is asked for; nodes are
+``python -m meter serve`` processes (:class:`tests.nodes.NodeProcess`); DynamoDB Local comes
+from :mod:`tests.dynamodb_local`.
 """
 
 from __future__ import annotations
@@ -18,13 +19,24 @@ from typing import Any
 from tests.dynamodb_local import DynamoDBLocal, ensure_installed
 from tests.nodes import NodeProcess, short_tmpdir
 
+#: redis-server's ``appendfsync`` policies.
+APPENDFSYNC = ("always", "everysec", "no")
+
 
 class RedisServer:
-    """A private redis-server on ``<dir>/redis.sock``, no TCP, no persistence."""
+    """A private redis-server on ``<dir>/redis.sock``, no TCP.
 
-    def __init__(self, workdir: Path) -> None:
+    No persistence by default. With ``appendfsync`` (``always``, ``everysec`` or ``no``) it
+    runs with ``appendonly yes`` and that policy, its append-only file in ``workdir`` (keep
+    that on a real disk, not tmpfs, for the fsyncs to be real); still no RDB snapshots.
+    """
+
+    def __init__(self, workdir: Path, *, appendfsync: str | None = None) -> None:
+        if appendfsync is not None and appendfsync not in APPENDFSYNC:
+            raise ValueError(f"appendfsync must be one of {APPENDFSYNC}, got {appendfsync!r}")
         self.workdir = workdir
         self.socket = workdir / "redis.sock"
+        self.appendfsync = appendfsync
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 20.0) -> RedisServer:
@@ -41,8 +53,11 @@ class RedisServer:
             "700",
             "--save",
             "",
-            "--appendonly",
-            "no",
+            *(
+                ("--appendonly", "no")
+                if self.appendfsync is None
+                else ("--appendonly", "yes", "--appendfsync", self.appendfsync)
+            ),
             "--dir",
             str(self.workdir),
             "--daemonize",
@@ -73,6 +88,23 @@ class RedisServer:
             s.sendall(frame)
             return s.recv(65536)
 
+    def info(self, section: str) -> dict[str, str]:
+        """``INFO <section>`` as a dict (``persistence``: ``aof_enabled``...)."""
+        raw = self.command(b"INFO", section.encode()).decode(errors="replace")
+        out: dict[str, str] = {}
+        for line in raw.splitlines()[1:]:
+            key, sep, value = line.partition(":")
+            if sep:
+                out[key] = value
+        return out
+
+    def config_get(self, name: str) -> str:
+        """One ``CONFIG GET`` value (``appendfsync``...)."""
+        raw = self.command(b"CONFIG", b"GET", name.encode()).decode(errors="replace")
+        lines = raw.split("\r\n")
+        # *2 / $n / name / $m / value
+        return lines[4] if len(lines) > 4 else ""
+
     def stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
@@ -90,6 +122,7 @@ class Services:
     def __init__(self) -> None:
         self.workdir = short_tmpdir("mbench-")
         self._redis: RedisServer | None = None
+        self._aof: list[RedisServer] = []
         self._nodes: list[NodeProcess] = []
         self._ddb: DynamoDBLocal | None = None
 
@@ -97,6 +130,23 @@ class Services:
         if self._redis is None:
             self._redis = RedisServer(self.workdir).start()
         return self._redis
+
+    def redis_aof(self, appendfsync: str) -> RedisServer:
+        """A further private redis-server, ``appendonly yes`` with this ``appendfsync``.
+
+        Each has its own dir (its socket and append-only file) under the run's temp dir,
+        which is on /tmp, not tmpfs here. Stop it with :meth:`stop_redis` or at :meth:`close`.
+        """
+        workdir = self.workdir / f"redis-{appendfsync}-{len(self._aof)}"
+        workdir.mkdir()
+        server = RedisServer(workdir, appendfsync=appendfsync)
+        self._aof.append(server)
+        return server.start()
+
+    def stop_redis(self, server: RedisServer) -> None:
+        server.stop()
+        with contextlib.suppress(ValueError):
+            self._aof.remove(server)
 
     def node(self, name: str, **env: str) -> NodeProcess:
         """Start a node (``METER_*`` settings in ``env``; memory storage unless told)."""
@@ -126,6 +176,9 @@ class Services:
         self._nodes.clear()
         if self._redis is not None:
             self._redis.stop()
+        for server in self._aof:
+            server.stop()
+        self._aof.clear()
         if self._ddb is not None:
             self._ddb.__exit__()
         shutil.rmtree(self.workdir, ignore_errors=True)

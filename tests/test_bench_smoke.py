@@ -22,7 +22,7 @@ pytestmark = pytest.mark.redis
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
     out = io.StringIO()
-    doc = run(SMOKE, ["rpc", "batch", "memory"], results_dir=tmp_path, out=out)
+    doc = run(SMOKE, ["rpc", "batch", "memory", "durable"], results_dir=tmp_path, out=out)
     assert doc["failures"] == {}
     assert doc["mode"] == "smoke"
     assert {"nproc", "cpu", "python"} <= set(doc["machine"])
@@ -30,7 +30,7 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
     assert latest["rows"] == doc["rows"]
     assert len(list(tmp_path.glob("*-smoke.json"))) == 1
     scenarios = {r["scenario"] for r in doc["rows"]}
-    assert scenarios == {"1 track vs Redis", "2 batch", "6 memory"}
+    assert scenarios == {"1 track vs Redis", "2 batch", "6 memory", "7 durable vs Redis AOF"}
     for r in doc["rows"]:
         assert set(r) == {
             "scenario",
@@ -48,6 +48,15 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
         assert r["met"] in (True, False, None)
     rpc = [r for r in doc["rows"] if r["unit"] == "ops/s"]
     assert all(r["detail"]["errors"] == 0 for r in rpc)
+    durable = [r for r in rpc if r["scenario"].startswith("7")]
+    assert len(durable) == 2 * len(SMOKE.durable_configs)
+    assert {
+        (r["detail"]["node_durability"], r["detail"]["redis_appendfsync"]) for r in durable
+    } == {
+        ("fsync", "always"),
+        ("interval", "everysec"),
+    }
+    assert all(r["detail"]["redis_appendonly"] for r in durable)
     text = out.getvalue()
     assert "| scenario" in text and "track vs INCR" in text and "memory" in text
     assert "[" in text.splitlines()[0]  # progress lines come first, with elapsed time
