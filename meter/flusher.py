@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from meter.keys import Key
 from meter.table import CounterTable
+from meter.wal.log import WalError, WriteAheadLog
+from meter.wal.records import FLUSH
 from storage.base import Applied, Delta, Storage, StorageError
 
 log = logging.getLogger("meter.flusher")
@@ -55,8 +57,12 @@ class Flusher:
         batch_keys: int = 10_000,
         max_backoff: float = 30.0,
         on_flushed: OnFlushed | None = None,
+        wal: WriteAheadLog | None = None,
     ) -> None:
         self.table = table
+        #: Deltas are logged (and synced) here before they are sent, so a restarted node
+        #: re-sends the same ``(key, seq, delta)``.
+        self.wal = wal
         self.storage = storage
         self.interval = interval
         self.batch_keys = batch_keys
@@ -140,6 +146,16 @@ class Flusher:
                 deltas.append(Delta(key, taken[0], taken[1]))
         if not deltas:
             return True
+        if self.wal is not None:
+            self.wal.append([FLUSH, [[*d.key, d.seq, d.delta] for d in deltas]])
+            try:
+                await self.wal.durable()
+            except WalError as exc:
+                # Not sent: the deltas stay in flight and are logged again next round.
+                for d in deltas:
+                    self.table.flush_failed(d.key)
+                self._note_error(f"logging {len(deltas)} deltas before writing them: {exc}")
+                return False
         node = self.table.node
         try:
             results = await self.storage.apply(node, deltas)

@@ -23,10 +23,13 @@ from cluster.gossip import Gossip, GossipSettings
 from meter.config import NodeConfig
 from meter.errors import ConfigError, Unavailable
 from meter.flusher import Flusher
+from meter.idempotency import RequestIds
 from meter.keys import Key
+from meter.recovery import recover
 from meter.server import RpcServer, start_server
 from meter.service import Service
 from meter.table import CounterTable
+from meter.wal.log import WriteAheadLog
 from storage.base import Snapshot, Storage, StorageError
 
 log = logging.getLogger("meter.node")
@@ -166,6 +169,7 @@ class Node:
         self.flusher: Flusher | None = None
         self.server: RpcServer | None = None
         self.gossip: Gossip[Snapshot] | None = None
+        self.wal: WriteAheadLog | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self.drained: bool | None = None
@@ -184,6 +188,16 @@ class Node:
                 raise Unavailable(f"cannot open {self.storage.kind} storage: {exc}") from None
             # Alone, nobody would take the gossip columns: the table does not keep them.
             self.table = CounterTable(node_id, gossip=bool(cfg.cluster.redis_url))
+            d = cfg.durability
+            mode = d.effective_mode(self.storage.kind)
+            if mode != "off":
+                self.wal = WriteAheadLog(
+                    cfg.data_dir / "wal",
+                    node_id=node_id,
+                    mode=mode,
+                    fsync_interval=d.fsync_interval_ms / 1000,
+                    segment_bytes=d.segment_bytes,
+                )
             if cfg.cluster.redis_url:
                 self.gossip = build_gossip(cfg, self.table, self.storage)
             self.flusher = Flusher(
@@ -193,10 +207,19 @@ class Node:
                 batch_keys=cfg.flush.batch_keys,
                 max_backoff=cfg.flush.max_backoff_ms / 1000,
                 on_flushed=None if self.gossip is None else self.gossip.on_flushed,
+                wal=self.wal,
             )
             self.service = Service(
-                self.table, self.storage, cfg.counters, status_extra=self._status_extra
+                self.table,
+                self.storage,
+                cfg.counters,
+                status_extra=self._status_extra,
+                wal=self.wal,
+                ids=RequestIds(d.idempotency_window_s, d.idempotency_max_ids),
             )
+            if self.wal is not None:
+                # Before the socket opens: every acknowledged call is back in memory.
+                await recover(self.wal, self.service)
             try:
                 self.server = await start_server(
                     cfg.server.socket,
@@ -213,6 +236,8 @@ class Node:
                     "socket", f"cannot listen on {cfg.server.socket}: {exc.strerror or exc}"
                 ) from None
         except BaseException:
+            if self.wal is not None:
+                await self.wal.close(final_checkpoint=False)
             self.data_dir.release()
             raise
         self._tasks = [
@@ -283,6 +308,8 @@ class Node:
         if self.gossip is not None:
             # The drain's announcements are queued: send them and any last gossip, then close.
             await self.gossip.stop()
+        if self.wal is not None:
+            await self.wal.close()
         await self.storage.close()
         self.data_dir.release()
         log.info("node stopped (%s)", "drained" if self.drained else "NOT drained")
@@ -298,9 +325,15 @@ class Node:
 
     async def _expire_loop(self) -> None:
         assert self.service is not None
+        ticks = 0
         while True:
             await asyncio.sleep(0.05)
             self.service.expire_reservations()
+            ticks += 1
+            if ticks % 20 == 0:
+                now = time.time()
+                self.service.ids.expire(now)
+                self.service.done.expire(now)
 
     async def _evict_loop(self) -> None:
         assert self.table is not None
@@ -340,6 +373,10 @@ class Node:
         }
         if self.server is not None:
             out["server"] = self.server.stats()
+        out["durability"] = {
+            "mode": "off" if self.wal is None else self.wal.mode,
+            "wal": None if self.wal is None else self.wal.status(),
+        }
         if self.gossip is not None:
             out["cluster"] = self.gossip.status()
         return out

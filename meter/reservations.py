@@ -55,6 +55,10 @@ class Reservations:
             raise NotFound(f"reservation {lease_id!r} is unknown, finished or expired")
         return lease
 
+    def get(self, lease_id: str) -> Lease | None:
+        """The open lease ``lease_id``, if any."""
+        return self._open.get(lease_id)
+
     def open_again(self, lease: Lease) -> None:
         """Put back a lease that was closed by mistake (its deadline is unchanged)."""
         self._open[lease.id] = lease

@@ -19,7 +19,7 @@ import os
 import socket
 import stat
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from meter.errors import ConfigError, MeterError, Unavailable
 from meter.protocol import (
@@ -36,6 +36,9 @@ from meter.protocol import (
     Request,
     invalid_error,
 )
+
+if TYPE_CHECKING:
+    from meter.wal.log import WriteAheadLog
 
 log = logging.getLogger("meter.server")
 
@@ -161,8 +164,15 @@ class _Connection(asyncio.Protocol):
                 else:
                     srv._spawn(self, msgid, method, result)
         transport = self.transport
+        bad_after_hold: ProtocolError | None = None
         if answers:
-            if transport is not None and not transport.is_closing():
+            wal = srv.wal
+            if wal is not None and wal.dirty:
+                # Some state change of this pass is not in the log yet: answer after it is.
+                wal.hold(self._send_arrays if bad is None else self._send_and_close, answers[:])
+                bad_after_hold = bad
+                bad = None
+            elif transport is not None and not transport.is_closing():
                 encoder = srv._encoder
                 before = encoder.encode_errors
                 transport.write(encoder.response_arrays(answers))
@@ -171,6 +181,11 @@ class _Connection(asyncio.Protocol):
                         "unencodable result answered as internal: %s", encoder.last_encode_error
                     )
             answers.clear()
+        if bad_after_hold is not None:
+            srv.protocol_errors += 1
+            log.warning("closing a connection after a protocol error: %s", bad_after_hold)
+            if transport is not None:
+                transport.pause_reading()  # closed once its held answers are sent
         if bad is not None and transport is not None:
             srv.protocol_errors += 1
             log.warning("closing a connection after a protocol error: %s", bad)
@@ -226,7 +241,27 @@ class _Connection(asyncio.Protocol):
         if self._eof and self.pending == 0 and self.transport is not None:
             self.transport.close()
 
+    def _send_arrays(self, answers: list[list[Any]]) -> None:
+        """Send response arrays held until the write-ahead log committed them."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        encoder = self._server._encoder
+        before = encoder.encode_errors
+        transport.write(encoder.response_arrays(answers))
+        if encoder.encode_errors != before:
+            log.error("unencodable result answered as internal: %s", encoder.last_encode_error)
+
+    def _send_and_close(self, answers: list[list[Any]]) -> None:
+        self._send_arrays(answers)
+        if self.transport is not None:
+            self.transport.close()
+
     def send(self, msgid: int, error: ErrorMap | None, result: Any) -> None:
+        wal = self._server.wal
+        if wal is not None and wal.dirty:
+            wal.hold(self._send_arrays, [[RESPONSE, msgid, error, result]])
+            return
         transport = self.transport
         if transport is None or transport.is_closing():
             return
@@ -262,6 +297,8 @@ class RpcServer:
             dispatcher, "warm_tracks", None
         )
         self._notify = getattr(dispatcher, "notify", None)
+        #: The dispatcher's write-ahead log, if any: answers wait for its commits.
+        self.wal: WriteAheadLog | None = getattr(dispatcher, "wal", None)
         self._encoder = Encoder()
         self._conns: set[_Connection] = set()
         self._inflight: set[asyncio.Task[None]] = set()
@@ -367,6 +404,10 @@ class RpcServer:
                 for task in pending:
                     task.cancel()
                 await asyncio.wait(pending, timeout=1.0)
+        for _ in range(100):  # answers held for the log go out with its next commit
+            if self.wal is None or not self.wal.dirty:
+                break
+            await asyncio.sleep(0)
         for conn in list(self._conns):
             if conn.transport is not None:
                 conn.transport.close()  # flushes what is buffered, then closes

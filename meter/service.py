@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any, cast
 
 from meter import __version__
 from meter.config import CounterConfig
-from meter.errors import InvalidArgument, MeterError, Unavailable, UnknownMethod
+from meter.errors import Conflict, InvalidArgument, MeterError, NotFound, Unavailable, UnknownMethod
+from meter.idempotency import RequestIds, check_id, fingerprint
 from meter.keys import (
     QTY_MAX,
     QTY_MIN,
@@ -26,8 +27,11 @@ from meter.keys import (
     check_tenant,
     period_start,
 )
-from meter.reservations import Reservations
+from meter.reservations import Lease, Reservations
 from meter.table import CounterTable
+from meter.wal import records as R
+from meter.wal.log import WriteAheadLog
+from meter.wal.replay import COMMITTED, RELEASED
 from storage.base import Storage, StorageError
 
 log = logging.getLogger("meter.service")
@@ -38,9 +42,13 @@ MAX_BATCH_ITEMS = 10_000
 #: Most (tenant, feature) pairs whose current key is cached; the cache starts over when full.
 KEY_CACHE_SIZE = 65_536
 
-_TRACK_OPTS = frozenset({"at"})
+_TRACK_OPTS = frozenset({"at", "id"})
 _USAGE_OPTS = frozenset({"at"})
-_RESERVE_OPTS = frozenset({"limit", "ttl_ms", "at"})
+_RESERVE_OPTS = frozenset({"limit", "ttl_ms", "at", "id"})
+_FINISH_OPTS = frozenset({"id"})
+_ITEM_OPTS = frozenset({"id"})
+#: Items per record when the state is restated in a checkpoint.
+CHECKPOINT_ITEMS = 1000
 
 
 class Service:
@@ -53,11 +61,19 @@ class Service:
         config: CounterConfig | None = None,
         *,
         status_extra: Callable[[], Mapping[str, Any]] | None = None,
+        wal: WriteAheadLog | None = None,
+        ids: RequestIds | None = None,
     ) -> None:
         self.table = table
         self.storage = storage
         self.config = config or CounterConfig()
         self.reservations = Reservations()
+        #: The write-ahead log every state change is appended to (``None``: durability off).
+        self.wal = wal
+        #: Request ids of calls that counted, with their first answers.
+        self.ids = ids or RequestIds()
+        #: Finished reservations (commit/release are idempotent by reservation id).
+        self.done = RequestIds(self.ids.window_s, self.ids.max_ids)
         self.status_extra = status_extra
         self.started_at = time.time()
         self.calls = 0
@@ -108,6 +124,9 @@ class Service:
         now = time.time()
         if not self._day_start <= now < self._day_end:
             return []
+        wal = self.wal
+        if wal is not None and wal.broken is not None:
+            return []  # dispatch answers each one unavailable
         cache = self._keys
         items: list[tuple[Key, int]] = []
         append = items.append
@@ -128,6 +147,9 @@ class Service:
             return []
         values = self.table.incr_prefix(items)
         self.calls += len(values)
+        if wal is not None and values:
+            counted = items if len(values) == len(items) else items[: len(values)]
+            wal.append([R.TRACK_MANY, [[*k, q] for k, q in counted]])
         return values
 
     def notify(self, method: str, params: list[Any]) -> None:
@@ -209,23 +231,65 @@ class Service:
                 key = self.key_for(tenant, feature)
             if type(qty) is not int or not QTY_MIN <= qty <= QTY_MAX:
                 qty = check_qty(qty)  # raises the usual error
+            wal = self.wal
+            if wal is None:
+                value = self.table.try_incr(key, qty)
+                if value is not None:
+                    return value
+                return self._track_cold(key, qty, None)
+            if wal.broken is not None:
+                raise _log_down(wal)
             value = self.table.try_incr(key, qty)
             if value is not None:
+                wal.append([R.TRACK, key[0], key[1], key[2], qty])
                 return value
-            return self._track_cold(key, qty)
+            return self._track_cold(key, qty, None)
         tenant, feature, qty, opts = _args("track", params, 2, 4, (1, {}))
-        at = _opts("track", opts, _TRACK_OPTS).get("at")
+        o = _opts("track", opts, _TRACK_OPTS)
+        at = o.get("at")
+        rid = o.get("id")
         key = self.key_for(tenant, feature, None if at is None else check_at(at))
         qty = check_qty(qty)
+        idem: tuple[str, int] | None = None
+        if rid is not None:
+            idem = (check_id(rid), fingerprint("track", key, qty))
+            entry = self.ids.lookup(idem[0], idem[1], time.time())
+            if entry is not None:
+                return entry[1]  # a retry: counts nothing, answers as the first call did
+        self._check_log()
         if self.table.is_seeded(key):
-            return self.table.incr(key, qty)
-        return self._track_cold(key, qty)
+            return self._count(key, qty, idem)
+        return self._track_cold(key, qty, idem)
 
-    async def _track_cold(self, key: Key, qty: int) -> int | None:
+    async def _track_cold(self, key: Key, qty: int, idem: tuple[str, int] | None) -> int | None:
         await self.seed(key)
+        if idem is not None:
+            # A call with the same id may have counted while this one waited.
+            entry = self.ids.lookup(idem[0], idem[1], time.time())
+            if entry is not None:
+                return cast(int | None, entry[1])
+        self._check_log()
         # Counted whether or not seeding worked: usage is never dropped. An unseeded key
         # answers None, because its total is not known.
-        return self.table.incr(key, qty)
+        return self._count(key, qty, idem)
+
+    def _count(self, key: Key, qty: int, idem: tuple[str, int] | None) -> int | None:
+        """Count one track, remember its id, and log it."""
+        value = self.table.incr(key, qty)
+        if idem is None:
+            if self.wal is not None:
+                self.wal.append([R.TRACK, key[0], key[1], key[2], qty])
+            return value
+        expires = self.ids.remember(idem[0], idem[1], value, time.time())
+        if self.wal is not None:
+            self.wal.append([R.TRACK_ID, *key, qty, idem[0], idem[1], value, expires])
+        return value
+
+    def _check_log(self) -> None:
+        """Refuse a state change the log could not hold (raise before counting)."""
+        wal = self.wal
+        if wal is not None and wal.broken is not None:
+            raise _log_down(wal)
 
     def _track_many(self, params: list[Any]) -> Any:
         (items,) = _args("track_many", params, 1, 1, ())
@@ -252,18 +316,22 @@ class Service:
                     break
                 append((key, qty))
             else:
+                self._check_log()
                 values = self.table.incr_seeded(fast)
                 if values is not None:
+                    if self.wal is not None and fast:
+                        self.wal.append([R.TRACK_MANY, [[*k, q] for k, q in fast]])
                     return values
-        out: list[Any] = []
-        good: list[tuple[Key, int]] = []
-        where: list[int] = []  # out index of each good item
+        batch = _Batch()
+        out = batch.out
         for i, item in enumerate(items):
             try:
-                if (type(item) is list or isinstance(item, list | tuple)) and len(item) == 3:
-                    tenant, feature, qty = item
+                if (type(item) is list or isinstance(item, list | tuple)) and 3 <= len(item) <= 4:
+                    tenant, feature, qty = item[0], item[1], item[2]
                 else:
-                    raise InvalidArgument("item must be [tenant, feature, qty]")
+                    raise InvalidArgument(
+                        "item must be [tenant, feature, qty] or [tenant, feature, qty, {id}]"
+                    )
                 key = (
                     cache.get((tenant, feature))
                     if type(tenant) is str and type(feature) is str
@@ -273,31 +341,71 @@ class Service:
                     key = self.key_for(tenant, feature)
                 if type(qty) is not int or not QTY_MIN <= qty <= QTY_MAX:
                     qty = check_qty(qty)
+                idem: tuple[str, int] | None = None
+                if len(item) == 4:
+                    rid = _opts("track_many item", item[3], _ITEM_OPTS).get("id")
+                    if rid is not None:
+                        idem = (check_id(rid), fingerprint("track", key, qty))
+                        if batch.repeat(i, idem):
+                            continue
+                        entry = self.ids.lookup(idem[0], idem[1], now)
+                        if entry is not None:
+                            out.append(entry[1])  # a retry: counts nothing
+                            continue
             except MeterError as exc:
                 out.append(exc.to_wire())
                 continue
-            out.append(None)
-            good.append((key, qty))
-            where.append(i)
+            batch.add(i, key, qty, idem)
+        if batch.good:
+            self._check_log()
         # All warm: every item is counted under one hold of the table's lock. Otherwise nothing
         # is counted until the cold keys are seeded, so a batch cut short (a draining node
         # cancels it, a read fails unexpectedly) has counted nothing and its error answer is
         # true: a client retrying it counts nothing twice.
-        values = self.table.incr_seeded(good)
+        values = self.table.incr_seeded(batch.good)
         if values is not None:
-            for i, value in zip(where, values, strict=True):
-                out[i] = value
-            return out
-        return self._track_many_cold(out, where, good)
+            return self._finish_many(batch, values)
+        return self._track_many_cold(batch)
 
-    async def _track_many_cold(
-        self, out: list[Any], where: list[int], good: list[tuple[Key, int]]
-    ) -> Any:
-        cold = {k for k, _ in good if not self.table.is_seeded(k)}
+    async def _track_many_cold(self, batch: _Batch) -> Any:
+        cold = {k for k, _ in batch.good if not self.table.is_seeded(k)}
         await asyncio.gather(*(self.seed(k) for k in cold))
+        # Calls with the same ids may have counted while this one waited: answer those items
+        # as they were answered, and count the rest.
+        now = time.time()
+        for n, idem in enumerate(batch.idems):
+            if idem is not None:
+                entry = self.ids.lookup(idem[0], idem[1], now)
+                if entry is not None:
+                    batch.answered[n] = entry
+        self._check_log()
         # Counted whether or not seeding worked, as track does: unseeded keys answer nil.
-        for i, (key, qty) in zip(where, good, strict=True):
-            out[i] = self.table.incr(key, qty)
+        values: list[Any] = []
+        for n, (key, qty) in enumerate(batch.good):
+            entry = batch.answered.get(n)
+            values.append(entry[1] if entry is not None else self.table.incr(key, qty))
+        return self._finish_many(batch, values)
+
+    def _finish_many(self, batch: _Batch, values: list[Any]) -> list[Any]:
+        """Fill a batch's answers, remember its ids and log what it counted."""
+        out = batch.out
+        now = time.time()
+        logged: list[list[Any]] = []
+        for n, ((key, qty), idem, value) in enumerate(
+            zip(batch.good, batch.idems, values, strict=True)
+        ):
+            out[batch.where[n]] = value
+            if n in batch.answered:
+                continue
+            if idem is None:
+                logged.append([*key, qty])
+            else:
+                expires = self.ids.remember(idem[0], idem[1], value, now)
+                logged.append([*key, qty, idem[0], idem[1], value, expires])
+        for i, n in batch.dups:
+            out[i] = values[n]
+        if self.wal is not None and logged:
+            self.wal.append([R.TRACK_MANY, logged])
         return out
 
     def _usage(self, params: list[Any]) -> Any:
@@ -362,37 +470,123 @@ class Service:
         ttl_ms = check_qty(ttl_ms, what="ttl_ms", allow_negative=False)
         if not 1 <= ttl_ms <= self.config.max_reservation_ttl_ms:
             raise InvalidArgument(f"ttl_ms must be 1..{self.config.max_reservation_ttl_ms}")
+        idem: tuple[str, int] | None = None
+        rid = o.get("id")
+        if rid is not None:
+            idem = (check_id(rid), fingerprint("reserve", key, qty, limit, ttl_ms))
+            entry = self.ids.lookup(idem[0], idem[1], time.time())
+            if entry is not None:
+                return entry[1]
+        self._check_log()
         if self.table.is_seeded(key):
-            return self._reserve_now(key, qty, limit, ttl_ms)
-        return self._reserve_cold(key, qty, limit, ttl_ms)
+            return self._reserve_now(key, qty, limit, ttl_ms, idem)
+        return self._reserve_cold(key, qty, limit, ttl_ms, idem)
 
-    async def _reserve_cold(self, key: Key, qty: int, limit: int | None, ttl_ms: int) -> str:
+    async def _reserve_cold(
+        self, key: Key, qty: int, limit: int | None, ttl_ms: int, idem: tuple[str, int] | None
+    ) -> str:
         await self.seed(key)
-        return self._reserve_now(key, qty, limit, ttl_ms)
+        if idem is not None:
+            entry = self.ids.lookup(idem[0], idem[1], time.time())
+            if entry is not None:
+                return cast(str, entry[1])
+        self._check_log()
+        return self._reserve_now(key, qty, limit, ttl_ms, idem)
 
-    def _reserve_now(self, key: Key, qty: int, limit: int | None, ttl_ms: int) -> str:
+    def _reserve_now(
+        self, key: Key, qty: int, limit: int | None, ttl_ms: int, idem: tuple[str, int] | None
+    ) -> str:
         self.table.reserve(key, qty, limit)
         lease = self.reservations.open(key, qty, time.monotonic() + ttl_ms / 1000)
+        now = time.time()
+        rid = fp = expires = None
+        if idem is not None:
+            rid, fp = idem
+            expires = self.ids.remember(rid, fp, lease.id, now)
+        if self.wal is not None:
+            deadline = now + ttl_ms / 1000
+            self.wal.append([R.RESERVE, lease.id, *key, qty, deadline, rid, fp, expires])
         return lease.id
 
     def _commit(self, params: list[Any]) -> Any:
-        rid, actual = _args("commit", params, 1, 2, (None,))
-        lease = self.reservations.close(_reservation_id(rid))
+        lease_id, actual, opts = _args("commit", params, 1, 3, (None, {}))
+        lease_id = _reservation_id(lease_id)
+        if actual is not None:
+            actual = check_qty(actual, what="actual_qty", allow_negative=False)
+        now = time.time()
+        idem = self._finish_id("commit", opts, lease_id, actual, now)
+        if isinstance(idem, _Answer):
+            return idem.value
+        lease = self.reservations.get(lease_id)
+        if lease is None:
+            done = self.done.get(lease_id)
+            if done is not None and done[2] > now:
+                if done[0] == COMMITTED and (actual is None or actual == done[1][0]):
+                    return done[1][1]  # a repeated commit answers as the first did
+                what = "committed" if done[0] == COMMITTED else "released"
+                raise Conflict(f"reservation {lease_id!r} was already {what} differently")
+            raise NotFound(f"reservation {lease_id!r} is unknown or expired")
+        self._check_log()
+        self.reservations.close(lease_id)
         if actual is None:
             actual = lease.qty
-        else:
-            try:
-                actual = check_qty(actual, what="actual_qty", allow_negative=False)
-            except InvalidArgument:
-                # A bad argument must not cost the caller the reservation.
-                self.reservations.open_again(lease)
-                raise
-        return self.table.commit(lease.key, lease.qty, actual)
+        value = self.table.commit(lease.key, lease.qty, actual)
+        done_exp = self.done.remember(lease_id, COMMITTED, [actual, value], now)
+        rid, fp, expires = self._remember_finish(idem, value, now)
+        if self.wal is not None:
+            self.wal.append(
+                [R.COMMIT, lease_id, *lease.key, lease.qty, _wall(lease.deadline), actual,
+                 value, done_exp, rid, fp, expires]
+            )  # fmt: skip
+        return value
 
     def _release(self, params: list[Any]) -> None:
-        (rid,) = _args("release", params, 1, 1, ())
-        lease = self.reservations.close(_reservation_id(rid))
+        lease_id, opts = _args("release", params, 1, 2, ({},))
+        lease_id = _reservation_id(lease_id)
+        now = time.time()
+        idem = self._finish_id("release", opts, lease_id, None, now)
+        if isinstance(idem, _Answer):
+            return None
+        lease = self.reservations.get(lease_id)
+        if lease is None:
+            done = self.done.get(lease_id)
+            if done is not None and done[2] > now:
+                if done[0] == RELEASED:
+                    return None
+                raise Conflict(f"reservation {lease_id!r} was already committed")
+            raise NotFound(f"reservation {lease_id!r} is unknown or expired")
+        self._check_log()
+        self.reservations.close(lease_id)
         self.table.release(lease.key, lease.qty)
+        done_exp = self.done.remember(lease_id, RELEASED, None, now)
+        rid, fp, expires = self._remember_finish(idem, None, now)
+        if self.wal is not None:
+            self.wal.append(
+                [R.RELEASE, lease_id, *lease.key, lease.qty, _wall(lease.deadline), done_exp,
+                 rid, fp, expires]
+            )  # fmt: skip
+        return None
+
+    def _finish_id(
+        self, method: str, opts: Any, lease_id: str, actual: int | None, now: float
+    ) -> tuple[str, int] | _Answer | None:
+        """A commit/release request id: ``None``, the (id, fingerprint) to remember, or the
+        remembered answer of a retry."""
+        rid = _opts(method, opts, _FINISH_OPTS).get("id")
+        if rid is None:
+            return None
+        idem = (check_id(rid), fingerprint(method, lease_id, actual))
+        entry = self.ids.lookup(idem[0], idem[1], now)
+        if entry is not None:
+            return _Answer(entry[1])
+        return idem
+
+    def _remember_finish(
+        self, idem: tuple[str, int] | None, value: Any, now: float
+    ) -> tuple[str | None, int | None, float | None]:
+        if idem is None:
+            return None, None, None
+        return idem[0], idem[1], self.ids.remember(idem[0], idem[1], value, now)
 
     def expire_reservations(self, now: float | None = None) -> int:
         """Release every reservation past its deadline; return how many."""
@@ -400,6 +594,70 @@ class Service:
         for lease in leases:
             self.table.release(lease.key, lease.qty)
         return len(leases)
+
+    # -- the write-ahead log ----------------------------------------------------------------
+
+    def undo(self, records: list[list[Any]]) -> None:
+        """Take back the effects of records whose log write failed (newest first)."""
+        for rec in reversed(records):
+            kind = rec[0]
+            if kind == R.TRACK or kind == R.TRACK_ID:
+                self._undo_track(rec, 1)
+            elif kind == R.TRACK_MANY:
+                for item in reversed(rec[1]):
+                    self._undo_track(item, 0)
+            elif kind == R.RESERVE:
+                lease_id, t, f, p, qty = rec[1:6]
+                if self.reservations.get(lease_id) is not None:
+                    self.reservations.close(lease_id)
+                    self.table.release((t, f, p), qty)
+                if rec[7] is not None:
+                    self.ids.forget(rec[7])
+            elif kind == R.COMMIT or kind == R.RELEASE:
+                lease_id, t, f, p, qty, deadline = rec[1:7]
+                key = (t, f, p)
+                if kind == R.COMMIT and rec[7]:
+                    self.table.incr(key, -rec[7])
+                self.table.reserve(key, qty, None)
+                self.reservations.open_again(Lease(lease_id, key, qty, _mono(deadline)))
+                self.done.forget(lease_id)
+                rid = rec[10] if kind == R.COMMIT else rec[8]
+                if rid is not None:
+                    self.ids.forget(rid)
+
+    def _undo_track(self, rec: list[Any], at: int) -> None:
+        t, f, p, qty = rec[at : at + 4]
+        if qty:
+            self.table.incr((t, f, p), -qty)
+        if len(rec) > at + 4:
+            self.ids.forget(rec[at + 4])
+
+    def checkpoint(self) -> Iterator[list[Any]]:
+        """Records restating everything the log must keep, each read when it is yielded."""
+        keys = self.table.unstored_keys()
+        for start in range(0, len(keys), CHECKPOINT_ITEMS):
+            state = self.table.unstored_state(keys[start : start + CHECKPOINT_ITEMS])
+            yield [R.STATE, [[*k, seq, inflight, pending] for k, seq, inflight, pending in state]]
+        leases = [lease.id for lease in self.reservations.held()]
+        for start in range(0, len(leases), CHECKPOINT_ITEMS):
+            items = []
+            for lease_id in leases[start : start + CHECKPOINT_ITEMS]:
+                lease = self.reservations.get(lease_id)
+                if lease is not None:
+                    items.append([lease.id, *lease.key, lease.qty, _wall(lease.deadline)])
+            if items:
+                yield [R.LEASES, items]
+        for kind, registry in ((R.IDS, self.ids), (R.DONE, self.done)):
+            ids = registry.ids()
+            for start in range(0, len(ids), CHECKPOINT_ITEMS):
+                now = time.time()
+                items = []
+                for rid in ids[start : start + CHECKPOINT_ITEMS]:
+                    entry = registry.get(rid)
+                    if entry is not None and entry[2] > now:
+                        items.append([rid, *entry])
+                if items:
+                    yield [kind, items]
 
     def _ping(self, params: list[Any]) -> str:
         _args("ping", params, 0, 0, ())
@@ -425,6 +683,13 @@ class Service:
                 "expired_total": self.reservations.expired_total,
             },
             "calls": self.calls,
+            "request_ids": {
+                "remembered": len(self.ids),
+                "dropped_early": self.ids.dropped_early,
+                "window_s": self.ids.window_s,
+                "max": self.ids.max_ids,
+                "finished_reservations": len(self.done),
+            },
         }
         if self.status_extra is not None:
             out.update(self.status_extra())
@@ -462,3 +727,62 @@ def _reservation_id(rid: Any) -> str:
     if not isinstance(rid, str) or not rid or len(rid) > 64:
         raise InvalidArgument("reservation id must be a non-empty string of at most 64 chars")
     return rid
+
+
+class _Batch:
+    """A ``track_many`` call being answered: the items to count and where answers go."""
+
+    __slots__ = ("answered", "dups", "firsts", "good", "idems", "out", "where")
+
+    def __init__(self) -> None:
+        self.out: list[Any] = []
+        self.good: list[tuple[Key, int]] = []
+        self.where: list[int] = []  # out index of each good item
+        self.idems: list[tuple[str, int] | None] = []
+        self.firsts: dict[str, int] = {}  # request id -> its first good item
+        self.dups: list[tuple[int, int]] = []  # (out index, good item it repeats)
+        self.answered: dict[int, tuple[int, Any, float]] = {}  # good item -> remembered entry
+
+    def add(self, i: int, key: Key, qty: int, idem: tuple[str, int] | None) -> None:
+        self.out.append(None)
+        if idem is not None:
+            self.firsts[idem[0]] = len(self.good)
+        self.good.append((key, qty))
+        self.where.append(i)
+        self.idems.append(idem)
+
+    def repeat(self, i: int, idem: tuple[str, int]) -> bool:
+        """Whether an earlier item of this batch has the same id (then this one repeats it);
+        :class:`Conflict` if that item's payload differs."""
+        n = self.firsts.get(idem[0])
+        if n is None:
+            return False
+        first = self.idems[n]
+        if first is None or first[1] != idem[1]:
+            raise Conflict(f"request id {idem[0][:64]!r} was already used by a different call")
+        self.out.append(None)
+        self.dups.append((i, n))
+        return True
+
+
+class _Answer:
+    """The remembered answer of a retried call."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _wall(deadline: float) -> float:
+    """A monotonic deadline as epoch seconds (what the log keeps)."""
+    return time.time() + (deadline - time.monotonic())
+
+
+def _mono(deadline: float) -> float:
+    """An epoch-seconds deadline as a monotonic one."""
+    return time.monotonic() + (deadline - time.time())
+
+
+def _log_down(wal: WriteAheadLog) -> Unavailable:
+    return Unavailable(f"write-ahead log cannot be written, nothing counted: {wal.broken}")

@@ -471,6 +471,50 @@ class CounterTable:
             row.extra -= reserved
             row.tidy()
 
+    def restore(self, key: Key, seq: int, inflight: int, pending: int) -> None:
+        """Recovery: put back this node's units for ``key`` that the store may not hold.
+
+        ``inflight`` was taken for flushing under ``seq`` (0: nothing in flight) and may or
+        may not be stored; ``pending`` was counted after it. The row is unseeded: seeding
+        (a fresh read) then says whether ``seq`` landed, and the flusher re-sends it unchanged
+        if not. The units are gossiped again once seeded: peers forgot this node's earlier
+        incarnation.
+        """
+        with self._lock:
+            row = self._row(key)
+            if row.flags & SEEDED:
+                raise ValueError(f"restore of a seeded key {key!r}")
+            if seq:
+                row.own_seq = seq
+                row.inflight = inflight
+                row.flags |= INFLIGHT
+                if self.gossip and inflight:
+                    ext = row.x()
+                    ext.sealed = [*(ext.sealed or ()), (seq, inflight)]
+            row.pending_flush += pending
+            if self.gossip:
+                row.pending_gossip += pending
+            self._mark(key, row)
+
+    def unstored_keys(self) -> list[Key]:
+        """Keys holding units of this node's that may not be stored (in flight or pending)."""
+        with self._lock:
+            return [k for k, r in self._rows.items() if r.flags & INFLIGHT or r.pending_flush]
+
+    def unstored_state(self, keys: Iterable[Key]) -> list[tuple[Key, int, int, int]]:
+        """``(key, seq in flight or 0, inflight, pending)`` of each key (zeros if cold)."""
+        out: list[tuple[Key, int, int, int]] = []
+        with self._lock:
+            for key in keys:
+                row = self._rows.get(key)
+                if row is None:
+                    out.append((key, 0, 0, 0))
+                elif row.flags & INFLIGHT:
+                    out.append((key, row.own_seq, row.inflight, row.pending_flush))
+                else:
+                    out.append((key, 0, 0, row.pending_flush))
+        return out
+
     # -- takes (flusher and broadcaster) -----------------------------------------------------
 
     def take_flush(self, key: Key) -> Tagged | None:

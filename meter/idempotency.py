@@ -1,0 +1,121 @@
+"""Remembered request ids: a retried call with the same id counts once. Pure, no I/O.
+
+An entry maps a request id to the fingerprint of the call that first used it, that call's
+answer and when the entry expires. Entries are kept oldest first (every entry lives for the
+same window, so insertion order is expiry order) and at most ``max_ids`` of them: past that the
+oldest go early, and :attr:`RequestIds.dropped_early` counts those whose window had not ended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+
+from meter.errors import Conflict, InvalidArgument
+
+#: Longest request id, in UTF-8 bytes.
+MAX_ID_BYTES = 128
+
+Entry = tuple[int, Any, float]
+"""``(fingerprint, answer, expires)``."""
+
+
+def check_id(rid: object) -> str:
+    """Return ``rid`` if it is a valid request id (1-128 UTF-8 bytes), else raise."""
+    if isinstance(rid, bytes):
+        try:
+            rid = rid.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidArgument("id is not valid UTF-8") from None
+    if not isinstance(rid, str):
+        raise InvalidArgument(f"id must be a string, got {type(rid).__name__}")
+    try:
+        n = len(rid.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidArgument("id is not valid UTF-8") from None
+    if not 1 <= n <= MAX_ID_BYTES:
+        raise InvalidArgument(f"id must be 1-{MAX_ID_BYTES} bytes, got {n}")
+    return rid
+
+
+def fingerprint(*parts: Any) -> int:
+    """A stable 64-bit digest of a call's method and payload (the same in every process)."""
+    packed = msgpack.packb(parts, use_bin_type=True)
+    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little")
+
+
+class RequestIds:
+    """Request id -> the first call's fingerprint and answer, for ``window_s`` seconds."""
+
+    def __init__(self, window_s: float = 86400.0, max_ids: int = 1_000_000) -> None:
+        self.window_s = window_s
+        self.max_ids = max_ids
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        #: Entries dropped (to stay within ``max_ids``) before their window ended.
+        self.dropped_early = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, rid: str, fp: int, now: float) -> Entry | None:
+        """The entry of ``rid`` if it is remembered; :class:`Conflict` if it was used by a
+        call with another fingerprint."""
+        entry = self._entries.get(rid)
+        if entry is None:
+            return None
+        if entry[2] <= now:
+            del self._entries[rid]
+            return None
+        if entry[0] != fp:
+            raise Conflict(f"request id {rid[:64]!r} was already used by a different call")
+        return entry
+
+    def remember(self, rid: str, fp: int, answer: Any, now: float) -> float:
+        """Remember ``rid``'s first answer; return when it expires."""
+        expires = now + self.window_s
+        self.put(rid, fp, answer, expires, now)
+        return expires
+
+    def put(self, rid: str, fp: int, answer: Any, expires: float, now: float) -> None:
+        """Add an entry with a given expiry (recovery), evicting expired and excess ones."""
+        entries = self._entries
+        entries[rid] = (fp, answer, expires)
+        entries.move_to_end(rid)
+        while entries:
+            oldest = next(iter(entries.values()))
+            if oldest[2] <= now:
+                entries.popitem(last=False)
+            elif len(entries) > self.max_ids:
+                entries.popitem(last=False)
+                self.dropped_early += 1
+            else:
+                break
+
+    def forget(self, rid: str) -> None:
+        """Drop ``rid`` (its call was undone)."""
+        self._entries.pop(rid, None)
+
+    def expire(self, now: float) -> int:
+        """Drop every entry whose window has ended; return how many."""
+        entries = self._entries
+        n = 0
+        while entries and next(iter(entries.values()))[2] <= now:
+            entries.popitem(last=False)
+            n += 1
+        return n
+
+    def ids(self) -> list[str]:
+        """Every remembered id, oldest first (a snapshot)."""
+        return list(self._entries)
+
+    def get(self, rid: str) -> Entry | None:
+        """The entry of ``rid``, expired or not."""
+        return self._entries.get(rid)
+
+    def items(self) -> Iterator[tuple[str, Entry]]:
+        """Iterate entries, oldest first (do not mutate meanwhile)."""
+        return iter(self._entries.items())

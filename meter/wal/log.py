@@ -1,0 +1,583 @@
+"""The write-ahead log on disk: segments, group commit, the fsync policy, compaction.
+
+Thin I/O around :mod:`meter.wal.records`. Everything runs on the event loop's thread:
+
+- :meth:`WriteAheadLog.append` adds a record to the open batch and schedules one commit
+  (``loop.call_soon``), so every record appended while the loop serves one pass of ready
+  connections shares one ``write`` and, in ``fsync`` mode, one ``fdatasync``;
+- answers produced while a batch is open are *held* (:meth:`hold`) and sent once it is
+  committed, so no answer claims what the log does not hold;
+- a failed write (a full disk) is cut back to the last whole record, the batch's records are
+  undone by the owner's ``undo`` callback, the held answers become ``unavailable``, and the log
+  stays *broken* (mutating calls are refused before they count) until a probe write succeeds.
+
+Compaction: when a segment grows past ``segment_bytes`` (or is a minute old and over 1 MiB)
+a new one is started with a checkpoint of the node's unstored state, emitted a chunk per loop
+pass; once the checkpoint is durable the older segments are deleted. So the log holds the
+unstored backlog, the open reservations and the remembered request ids, plus one segment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from meter.errors import MeterError
+from meter.wal import records as R
+from meter.wal.replay import Replay
+
+log = logging.getLogger("meter.wal")
+
+#: Answers held until a commit: a sender and the response arrays it sends.
+Held = tuple[Callable[[list[list[Any]]], None], list[list[Any]]]
+
+_SEGMENT_RE = re.compile(r"wal-(\d{8})\.log")
+#: A segment older than this is closed (and the log compacted) if it is over SMALL_SEGMENT.
+SEGMENT_MAX_AGE_S = 60.0
+SMALL_SEGMENT = 1 << 20
+#: Checkpoint records appended per loop pass (each holds up to CHECKPOINT_ITEMS items).
+CHECKPOINT_RECORDS_PER_PASS = 4
+#: How often a broken log tries to write again.
+PROBE_INTERVAL_S = 0.5
+
+
+class WalError(Exception):
+    """The log cannot be written now (disk full, I/O error); nothing new can be accepted."""
+
+
+class LogCorrupt(MeterError):
+    """A segment is damaged before its tail; the node refuses to start on it."""
+
+    code = "internal"
+
+    def __init__(self, path: Path, offset: int, reason: str) -> None:
+        super().__init__(
+            f"write-ahead log {path} is damaged at byte {offset} ({reason}); records after it "
+            f"cannot be trusted. To start anyway, keeping the records before it: "
+            f"truncate -s {offset} {path}   (see docs/durability.md, 'Recovery')"
+        )
+        self.path = path
+        self.offset = offset
+
+
+def segment_path(directory: Path, number: int) -> Path:
+    """The file of segment ``number``."""
+    return directory / f"wal-{number:08d}.log"
+
+
+def list_segments(directory: Path) -> list[int]:
+    """Segment numbers present in ``directory``, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _SEGMENT_RE.fullmatch(n)))
+
+
+def read_log(directory: Path) -> Replay:
+    """Replay every segment in ``directory``; a torn tail of the newest is cut off.
+
+    Raises :class:`LogCorrupt` for damage anywhere else.
+    """
+    replay = Replay()
+    numbers = list_segments(directory)
+    for i, number in enumerate(numbers):
+        path = segment_path(directory, number)
+        data = path.read_bytes()
+        found = R.scan(data)
+        try:
+            replay.apply_all(found.records)
+        except (ValueError, TypeError, IndexError) as exc:
+            raise LogCorrupt(path, found.end, f"unreadable record: {exc}") from None
+        damage = found.damage
+        if damage is None:
+            continue
+        if not damage.torn or i != len(numbers) - 1:
+            raise LogCorrupt(path, damage.offset, damage.reason)
+        log.warning(
+            "write-ahead log %s: cut a torn tail at byte %d (%d bytes: %s)",
+            path,
+            damage.offset,
+            len(data) - damage.offset,
+            damage.reason,
+        )
+        with open(path, "r+b") as fh:
+            fh.truncate(damage.offset)
+            os.fsync(fh.fileno())
+    return replay
+
+
+class WriteAheadLog:
+    """The log of one node, in ``directory``. See the module docstring."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        node_id: str,
+        mode: str = "fsync",
+        fsync_interval: float = 1.0,
+        segment_bytes: int = 64 << 20,
+    ) -> None:
+        if mode not in ("fsync", "interval"):
+            raise ValueError(f"mode must be fsync or interval, got {mode!r}")
+        self.directory = directory
+        self.node_id = node_id
+        self.mode = mode
+        self.fsync_interval = fsync_interval
+        self.segment_bytes = segment_bytes
+        #: Why the log cannot be written now (``None``: it can).
+        self.broken: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._undo: Callable[[list[list[Any]]], None] = lambda records: None
+        self._checkpoint: Callable[[], Iterator[list[Any]]] = lambda: iter(())
+        self._batch: list[list[Any]] = []
+        self._held: list[Held] = []
+        self._scheduled = False
+        self._fd = -1
+        self._number = 0
+        self._opened_at = 0.0
+        self._end = 0  # bytes of the open segment known whole and written
+        self._sizes: dict[int, int] = {}  # closed segments still on disk -> bytes
+        self._created: dict[int, float] = {}
+        # Batches are numbered; a batch is committed (written) and then synced (on disk).
+        self._gen = 1
+        self._written = 0
+        self._synced = 0
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._sync_task: asyncio.Task[None] | None = None
+        self._timer: asyncio.Task[None] | None = None
+        self._ckpt: Iterator[list[Any]] | None = None
+        self._ckpt_number = 0
+        self._ckpt_wanted = False
+        self._closed = False
+        self._closing = False
+        # Counters for status.
+        self.commits = 0
+        self.fsyncs = 0
+        self.records = 0
+        self.failures = 0
+        self.checkpoints = 0
+        self.last_error: str | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def recover(self) -> Replay:
+        """Read what the log holds (before :meth:`open`)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        replay = read_log(self.directory)
+        for number in list_segments(self.directory):
+            path = segment_path(self.directory, number)
+            st = path.stat()
+            self._sizes[number] = st.st_size
+            self._created[number] = st.st_mtime
+            self._number = max(self._number, number)
+        for number in self._sizes:
+            first = _first_record(segment_path(self.directory, number))
+            if first is not None and first[0] == R.SEGMENT and len(first) > 4:
+                self._created[number] = float(first[4])
+        return replay
+
+    def open(
+        self,
+        undo: Callable[[list[list[Any]]], None],
+        checkpoint: Callable[[], Iterator[list[Any]]],
+    ) -> None:
+        """Start writing: a new segment, opened with a checkpoint of the recovered state.
+
+        ``undo(records)`` must reverse the effects of records whose write failed (newest
+        first); ``checkpoint()`` yields records restating everything unstored, read when
+        yielded. Needs a running event loop.
+        """
+        self._loop = asyncio.get_running_loop()
+        self._undo = undo
+        self._checkpoint = checkpoint
+        self._new_segment()
+        self._start_checkpoint()
+        self._timer = self._loop.create_task(self._timer_loop(), name="wal-timer")
+
+    async def close(self, final_checkpoint: bool = True) -> None:
+        """Commit what is open, optionally compact once more, sync and close the file."""
+        if self._closed or self._loop is None:
+            return
+        self._closing = True
+        if self._batch:
+            self._commit()
+        if final_checkpoint and self.broken is None:
+            # Unstored state is small after a drain: restate it in a fresh segment, so a
+            # restart replays that instead of the history.
+            self._ckpt = None
+            self._new_segment()
+            recs = list(self._checkpoint())
+            recs.append([R.CHECKPOINT_END, self._number])
+            self._batch.extend(recs)
+            self._commit()
+            if self.broken is None:
+                self._sync_now()
+                self._drop_older(self._number)
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+        if self._sync_task is not None:
+            with contextlib.suppress(Exception):
+                await self._sync_task
+        if self.broken is None and self._written > self._synced:
+            with contextlib.suppress(OSError):
+                self._sync_now()
+        for _, fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(WalError("the log was closed"))
+        self._waiters.clear()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._closed = True
+
+    # -- the hot path -------------------------------------------------------------------------
+
+    @property
+    def dirty(self) -> bool:
+        """Whether records are appended and not committed yet."""
+        return bool(self._batch)
+
+    def append(self, record: list[Any]) -> None:
+        """Add ``record`` to the open batch (committed at the end of this loop pass)."""
+        self._batch.append(record)
+        if not self._scheduled:
+            self._scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._commit)
+
+    def hold(self, send: Callable[[list[list[Any]]], None], answers: list[list[Any]]) -> None:
+        """Send ``answers`` (response arrays) once the open batch is committed; if its write
+        fails, each becomes an ``unavailable`` error first."""
+        self._held.append((send, answers))
+
+    async def durable(self) -> None:
+        """Wait until every record appended so far is on disk (synced); :class:`WalError` if
+        that cannot be."""
+        if self.broken is not None:
+            raise WalError(self.broken)
+        target = self._gen if self._batch else self._gen - 1
+        if self._synced >= target:
+            return
+        assert self._loop is not None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._waiters.append((target, fut))
+        if self.mode == "interval" and self._written >= target:
+            self._sync_soon()
+        await fut
+
+    # -- commit -------------------------------------------------------------------------------
+
+    def _commit(self) -> None:
+        self._scheduled = False
+        batch, self._batch = self._batch, []
+        held, self._held = self._held, []
+        gen = self._gen
+        self._gen += 1
+        if not batch:
+            for send, answers in held:
+                send(answers)
+            return
+        error: str | None = self.broken
+        if error is None and self._closed:
+            error = "the log is closed"
+        if error is None:
+            data = R.frames(batch)
+            try:
+                self._write(data)
+                if self.mode == "fsync":
+                    os.fdatasync(self._fd)
+                    self.fsyncs += 1
+            except OSError as exc:
+                error = self._failed(exc, "writing")
+            else:
+                self._end += len(data)
+                self._written = gen
+                if self.mode == "fsync":
+                    self._synced = gen
+                self.commits += 1
+                self.records += len(batch)
+        if error is None:
+            for send, answers in held:
+                send(answers)
+            self._wake_waiters()
+            if self.mode == "interval" and any(t <= gen for t, _ in self._waiters):
+                self._sync_soon()
+            self._maybe_rotate()
+            return
+        # Nothing of this batch is in the log: take its effects back, answer its calls
+        # unavailable, and tell whoever waits on it.
+        try:
+            self._undo(batch)
+        except Exception:
+            log.exception("undoing %d records after a failed log write", len(batch))
+        unavailable = {"code": "unavailable", "message": f"write-ahead log: {error}"}
+        for send, answers in held:
+            for answer in answers:
+                answer[2] = unavailable
+                answer[3] = None
+            send(answers)
+        self._fail_waiters(gen, error)
+        if self._ckpt is not None:
+            self._ckpt = None
+            self._ckpt_wanted = True
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+
+    def _failed(self, exc: OSError, doing: str) -> str:
+        """Cut the segment back to its last whole record and mark the log broken."""
+        what = errno.errorcode.get(exc.errno or 0, "error") if exc.errno else type(exc).__name__
+        message = f"{doing} {segment_path(self.directory, self._number).name} failed: {what}"
+        if exc.errno == errno.ENOSPC:
+            message += " (disk full)"
+        try:
+            os.ftruncate(self._fd, self._end)
+        except OSError as exc2:
+            log.critical("cannot cut the log back after a failed write: %s", exc2)
+        self.failures += 1
+        self.last_error = message
+        if self.broken is None:
+            log.error("write-ahead log broken, refusing writes until it recovers: %s", message)
+        self.broken = message
+        return message
+
+    def _wake_waiters(self) -> None:
+        if not self._waiters:
+            return
+        keep: list[tuple[int, asyncio.Future[None]]] = []
+        for target, fut in self._waiters:
+            if target <= self._synced:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((target, fut))
+        self._waiters = keep
+
+    def _fail_waiters(self, gen: int, error: str) -> None:
+        keep: list[tuple[int, asyncio.Future[None]]] = []
+        for target, fut in self._waiters:
+            if target >= gen or self.broken is not None:
+                if not fut.done():
+                    fut.set_exception(WalError(error))
+            else:
+                keep.append((target, fut))
+        self._waiters = keep
+
+    # -- syncing (interval mode) ----------------------------------------------------------------
+
+    def _sync_soon(self) -> None:
+        if self._sync_task is None or self._sync_task.done():
+            assert self._loop is not None
+            self._sync_task = self._loop.create_task(self._sync_async())
+
+    async def _sync_async(self) -> None:
+        assert self._loop is not None
+        while self._written > self._synced and self.broken is None:
+            target = self._written
+            fd = self._fd
+            try:
+                await self._loop.run_in_executor(None, os.fdatasync, fd)
+            except OSError as exc:
+                if fd != self._fd:
+                    continue  # rotated meanwhile: the old segment was synced when closed
+                # Written records may have been answered already (interval mode): do not cut
+                # them; stop accepting until the disk works again.
+                self.failures += 1
+                self.last_error = f"fsync failed: {exc}"
+                self.broken = self.last_error
+                log.error("write-ahead log broken: %s", self.last_error)
+                self._fail_waiters(0, self.last_error)
+                return
+            self.fsyncs += 1
+            if fd == self._fd:
+                self._synced = max(self._synced, target)
+            self._wake_waiters()
+
+    def _sync_now(self) -> None:
+        os.fdatasync(self._fd)
+        self.fsyncs += 1
+        self._synced = self._written
+        self._wake_waiters()
+
+    async def _timer_loop(self) -> None:
+        while True:
+            if self.broken is not None:
+                await asyncio.sleep(PROBE_INTERVAL_S)
+                self._probe()
+                continue
+            await asyncio.sleep(self.fsync_interval if self.mode == "interval" else 1.0)
+            if self.mode == "interval" and self._written > self._synced:
+                self._sync_soon()
+            self._maybe_rotate()
+
+    def _probe(self) -> None:
+        """While broken: try a small write and sync; success makes the log usable again."""
+        if self._batch:
+            return  # a commit is due anyway
+        data = R.frame([R.NOOP])
+        try:
+            os.ftruncate(self._fd, self._end)
+            self._write(data)
+            os.fdatasync(self._fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._end)
+            return
+        self._end += len(data)
+        self._synced = self._written
+        log.warning("write-ahead log writable again (was: %s)", self.broken)
+        self.broken = None
+        if self._ckpt_wanted:
+            self._ckpt_wanted = False
+            self._rotate()
+
+    # -- segments and compaction ------------------------------------------------------------
+
+    def _new_segment(self) -> None:
+        """Close the open segment (synced) and start the next one."""
+        if self._fd >= 0:
+            if self._written > self._synced:
+                self._sync_now()
+            os.close(self._fd)
+            self._sizes[self._number] = self._end
+            self._fd = -1
+        self._number += 1
+        now = time.time()
+        path = segment_path(self.directory, self._number)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        head = R.frame([R.SEGMENT, self.node_id, R.FORMAT, self._number, now])
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, head)
+            os.fdatasync(fd)
+            _sync_dir(self.directory)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            self._number -= 1
+            raise
+        self._fd = fd
+        self._end = len(head)
+        self._opened_at = time.monotonic()
+        self._created[self._number] = now
+
+    def _maybe_rotate(self) -> None:
+        if self._ckpt is not None or self.broken is not None or self._closing:
+            return
+        age = time.monotonic() - self._opened_at
+        if self._end >= self.segment_bytes or (
+            age >= SEGMENT_MAX_AGE_S and self._end >= min(SMALL_SEGMENT, self.segment_bytes)
+        ):
+            self._rotate()
+
+    def _rotate(self) -> None:
+        if self._batch:
+            self._commit()
+            if self.broken is not None:
+                self._ckpt_wanted = True
+                return
+        try:
+            self._new_segment()
+        except OSError as exc:
+            self._ckpt_wanted = True
+            self.last_error = f"starting a new segment failed: {exc}"
+            log.error("write-ahead log: %s", self.last_error)
+            return
+        self._start_checkpoint()
+
+    def _start_checkpoint(self) -> None:
+        self._ckpt = self._checkpoint()
+        self._ckpt_number = self._number
+        assert self._loop is not None
+        self._loop.call_soon(self._checkpoint_step)
+
+    def _checkpoint_step(self) -> None:
+        it = self._ckpt
+        if it is None or self._closed:
+            return
+        for _ in range(CHECKPOINT_RECORDS_PER_PASS):
+            rec = next(it, None)
+            if rec is None:
+                self._ckpt = None
+                self.append([R.CHECKPOINT_END, self._ckpt_number])
+                assert self._loop is not None
+                self._loop.create_task(self._finish_checkpoint(self._ckpt_number))
+                return
+            self.append(rec)
+        assert self._loop is not None
+        self._loop.call_soon(self._checkpoint_step)
+
+    async def _finish_checkpoint(self, number: int) -> None:
+        try:
+            await self.durable()
+        except WalError:
+            self._ckpt_wanted = True
+            return
+        self.checkpoints += 1
+        self._drop_older(number)
+
+    def _drop_older(self, number: int) -> None:
+        """Delete every segment before ``number`` (its checkpoint is durable)."""
+        dropped = False
+        for old in [n for n in self._sizes if n < number]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(segment_path(self.directory, old))
+            del self._sizes[old]
+            self._created.pop(old, None)
+            dropped = True
+        if dropped:
+            with contextlib.suppress(OSError):
+                _sync_dir(self.directory)
+
+    # -- status -------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """What ``status`` shows about the log."""
+        oldest = min(self._created.values(), default=None)
+        return {
+            "mode": self.mode,
+            "segments": len(self._sizes) + (1 if self._fd >= 0 else 0),
+            "size_bytes": sum(self._sizes.values()) + self._end,
+            "oldest_record_age_s": None if oldest is None else round(time.time() - oldest, 3),
+            "broken": self.broken,
+            "last_error": self.last_error,
+            "commits": self.commits,
+            "fsyncs": self.fsyncs,
+            "records": self.records,
+            "failures": self.failures,
+            "checkpoints": self.checkpoints,
+        }
+
+
+def _first_record(path: Path) -> list[Any] | None:
+    try:
+        with path.open("rb") as fh:
+            data = fh.read(4096)
+    except OSError:
+        return None
+    found = R.scan(data)
+    return found.records[0] if found.records else None
+
+
+def _sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
