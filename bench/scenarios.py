@@ -640,6 +640,10 @@ def _tree_bytes(path: Path) -> int:
     return total
 
 
+def _pid(proc: subprocess.Popen[bytes] | None) -> int | None:
+    return None if proc is None else proc.pid
+
+
 def _disk_write_bytes(pid: int | None) -> int | None:
     """``write_bytes`` of ``/proc/<pid>/io``: what the process sent to the block device."""
     if pid is None:
@@ -651,6 +655,33 @@ def _disk_write_bytes(pid: int | None) -> int | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+#: The node's log counters (``status.durability.wal``) summed over a row's rounds.
+WAL_COUNTERS = ("commits", "fsyncs", "records", "failures")
+
+
+def _counters(who: str, server: Any, pid: int | None) -> dict[str, Any]:
+    """One side's counters before or after a load step.
+
+    ``requests``: what the server answered (node: ``status.server.requests``; redis:
+    ``total_commands_processed``), warm-up included, so per-request figures use it rather
+    than the load generator's measured window. ``disk``: ``write_bytes`` of the process.
+    The node also gives its durability mode and log counters, when it has them.
+    """
+    out: dict[str, Any] = {"disk": _disk_write_bytes(pid)}
+    if who == "redis":
+        out["requests"] = int(server.info("stats").get("total_commands_processed", 0))
+        return out
+    st = _node_status(server)
+    out["requests"] = int(st["server"]["requests"])
+    dur = st.get("durability")
+    if isinstance(dur, dict):
+        out["mode"] = dur.get("mode")
+        wal = dur.get("wal")
+        if isinstance(wal, dict):
+            out.update({k: int(wal.get(k, 0)) for k in WAL_COUNTERS})
+    return out
 
 
 def _fs_type(path: Path) -> str:
@@ -699,21 +730,22 @@ def durable(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             "redis_appendfsync": redis.config_get("appendfsync"),
             "redis_dir_fs": _fs_type(redis.workdir),
         }
-        side = {
-            "node": ("meter", str(node.socket), "track"),
-            "redis": ("redis", str(redis.socket), "incr"),
+        side: dict[str, tuple[str, str, str, Any, int | None]] = {
+            "node": ("meter", str(node.socket), "track", node, _pid(node.proc)),
+            "redis": ("redis", str(redis.socket), "incr", redis, _pid(redis.proc)),
         }
-        node_pid = node.proc.pid if node.proc else None
-        redis_pid = redis.proc.pid if redis.proc else None
+        reported: str | None = None
         for conns, depth in sizes.durable_configs:
             ours: list[LoadResult] = []
             ref: list[LoadResult] = []
-            # What each side's loads grew on disk: the node's data dir (its log; it holds
-            # only a node id and a lock without one) and the bytes each process had the
-            # kernel write to the disk (``/proc/<pid>/io``).
+            # What each side's loads did besides answering: the node's data dir growth (its
+            # log; only a node id and a lock without one), the bytes each process had the
+            # kernel write to disk, the requests it served, and the node's log counters.
             grown = 0
-            disk = {"node": 0, "redis": 0}
-            pids = {"node": node_pid, "redis": redis_pid}
+            summed = {
+                "node": dict.fromkeys(("disk", "requests", *WAL_COUNTERS), 0),
+                "redis": dict.fromkeys(("disk", "requests"), 0),
+            }
             for r in range(sizes.rounds):
                 progress(
                     f"durable {mode} vs AOF {appendfsync}: {conns} conn, depth {depth}, "
@@ -721,16 +753,18 @@ def durable(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 )
                 order = ("node", "redis") if r % 2 == 0 else ("redis", "node")
                 for who in order:
-                    proto, path, method = side[who]
+                    proto, path, method, server, pid = side[who]
                     size0 = _tree_bytes(node.data_dir)
-                    io0 = _disk_write_bytes(pids[who])
+                    before = _counters(who, server, pid)
                     res = run_load(Load(proto, path, method, conns, depth, duration=sizes.duration))
-                    io1 = _disk_write_bytes(pids[who])
-                    if io0 is not None and io1 is not None:
-                        disk[who] += io1 - io0
+                    after = _counters(who, server, pid)
+                    for k, total in summed[who].items():
+                        if before.get(k) is not None and after.get(k) is not None:
+                            summed[who][k] = total + after[k] - before[k]
                     if who == "node":
                         ours.append(res)
                         grown = max(grown, _tree_bytes(node.data_dir) - size0)
+                        reported = after.get("mode")
                     else:
                         ref.append(res)
             errors = sum(x.errors for x in ours + ref)
@@ -740,9 +774,11 @@ def durable(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             label = f"track ({mode}) vs INCR (AOF {appendfsync}), {conns} conn" + (
                 f", pipelined {depth}" if depth > 1 else ""
             )
-            # Until the node has a log, METER_DURABILITY is accepted and ignored: say so
-            # in the row rather than pass a no-log figure off as a durable one.
-            logged = grown > 0
+            # Until the node had a log, METER_DURABILITY was accepted and ignored: say so
+            # in the row rather than pass a no-log figure off as a durable one. The node's
+            # own counters decide when it reports them; else whether its data dir grew.
+            n, rd = summed["node"], summed["redis"]
+            logged = (reported == mode and n["records"] > 0) if reported is not None else grown > 0
             if not logged:
                 label += " (node wrote no log)"
             lat = {
@@ -756,9 +792,14 @@ def durable(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 "depth": depth,
                 "errors": errors,
                 **setup,
+                "node_reported_durability": reported,
+                "node_wal": {k: n[k] for k in WAL_COUNTERS},
+                "node_requests": n["requests"],
+                "node_wal_fsyncs_per_1k_requests": 1000 * n["fsyncs"] / max(1, n["requests"]),
                 "node_data_dir_growth_bytes": grown,
-                "node_disk_bytes_per_op": disk["node"] / max(1, sum(x.ops for x in ours)),
-                "redis_disk_bytes_per_op": disk["redis"] / max(1, sum(x.ops for x in ref)),
+                "node_disk_bytes_per_request": n["disk"] / max(1, n["requests"]),
+                "redis_requests": rd["requests"],
+                "redis_disk_bytes_per_request": rd["disk"] / max(1, rd["requests"]),
                 **lat,
                 "rounds_ours_ops": o_ops,
                 "rounds_redis_ops": r_ops,

@@ -57,6 +57,10 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
         ("interval", "everysec"),
     }
     assert all(r["detail"]["redis_appendonly"] for r in durable)
+    for r in durable:  # the node really logged, in the mode asked for
+        assert r["detail"]["node_reported_durability"] == r["detail"]["node_durability"]
+        assert r["detail"]["node_wal"]["records"] > 0 and r["detail"]["node_wal"]["failures"] == 0
+        assert "no log" not in r["metric"]
     text = out.getvalue()
     assert "| scenario" in text and "track vs INCR" in text and "memory" in text
     assert "[" in text.splitlines()[0]  # progress lines come first, with elapsed time
