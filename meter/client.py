@@ -4,18 +4,40 @@ Both speak MessagePack-RPC over the node's Unix socket, pipeline requests (respo
 matched by msgid, so order does not matter), raise the typed exceptions of
 :mod:`meter.errors` for error responses, and raise :class:`~meter.errors.Unavailable` when the
 connection fails.
+
+Request ids and retries (the contract is in docs/protocol.md, "Request ids and retries"):
+
+- Every mutating call (``track``, ``track_many``, ``reserve``, ``commit``, ``release``) carries
+  a request id: a fresh random one per call (:func:`new_request_id`), or the caller's own
+  (``id=...``). ``auto_ids=False`` turns the automatic ones off.
+- The typed methods retry a call that got no answer (connection lost, timed out, node
+  restarting) or was answered ``unavailable``: they reconnect to the same socket path and
+  send the call again, with the *same* id, with backoff, until ``retry_timeout`` seconds have
+  passed since the call started; then they raise the last :class:`~meter.errors.Unavailable`.
+  The node counts a repeated id once, so a retried call is never counted twice.
+- A call without an id (``auto_ids=False`` and no ``id=``) that got no answer is not retried
+  (``track`` / ``reserve`` / ``track_many`` might have been counted); one answered
+  ``unavailable`` is (the node counted nothing). ``commit`` / ``release`` are idempotent by
+  reservation id, and reads change nothing, so those are always retried.
+- Other errors (``invalid_argument``, ``limit_exceeded``, ``conflict``, ``not_found``, ...) are
+  never retried. ``call()`` and ``pipeline()`` make one attempt (reconnecting first if the
+  connection was lost) and never add ids. ``connect()`` itself does not retry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import random
+import secrets
 import socket
+import time
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any, cast
 
-from meter.errors import MeterError, Unavailable, from_wire
+from meter.errors import InvalidArgument, MeterError, Unavailable, from_wire
+from meter.idempotency import MAX_ID_BYTES
 from meter.protocol import (
     DEFAULT_MAX_FRAME,
     MSGID_MAX,
@@ -27,17 +49,43 @@ from meter.protocol import (
 
 #: Default seconds the blocking client waits for an answer before raising Unavailable.
 DEFAULT_TIMEOUT = 30.0
+#: Default seconds, counted from the start of a call, during which a typed method keeps
+#: retrying a call that got no answer or an ``unavailable`` one (0 disables retries).
+DEFAULT_RETRY_TIMEOUT = 30.0
+#: First pause between two attempts of a call; it doubles (with jitter) up to the maximum.
+RETRY_BACKOFF_MIN = 0.05
+RETRY_BACKOFF_MAX = 1.0
+#: A request id is a string of 1 .. this many UTF-8 bytes (the node's limit).
+MAX_REQUEST_ID_BYTES = MAX_ID_BYTES
 
 Call = tuple[str, Sequence[Any]]
+#: A ``track_many`` item: ``(tenant, feature, qty)`` or ``(tenant, feature, qty, id)``.
+TrackItem = tuple[str, str, int] | tuple[str, str, int, str | None]
+
+
+def new_request_id() -> str:
+    """A fresh random request id (22 URL-safe characters, 128 random bits)."""
+    return secrets.token_urlsafe(16)
+
+
+def check_request_id(rid: object) -> str:
+    """Return ``rid`` if it is a valid request id (a str of 1..128 UTF-8 bytes), else raise
+    InvalidArgument."""
+    if not isinstance(rid, str):
+        raise InvalidArgument(f"request id must be a string, got {type(rid).__name__}")
+    try:
+        n = len(rid.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidArgument("request id must be valid UTF-8") from None
+    if not 1 <= n <= MAX_REQUEST_ID_BYTES:
+        raise InvalidArgument(
+            f"request id must be 1 to {MAX_REQUEST_ID_BYTES} UTF-8 bytes, got {n} bytes"
+        )
+    return rid
 
 
 def _opts(opts: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in opts.items() if v is not None}
-
-
-def _track(tenant: str, feature: str, qty: int, opts: dict[str, Any]) -> list[Any]:
-    opts = _opts(opts)
-    return [tenant, feature, qty, opts] if opts else [tenant, feature, qty]
 
 
 def _with_opts(params: list[Any], opts: dict[str, Any]) -> list[Any]:
@@ -47,12 +95,106 @@ def _with_opts(params: list[Any], opts: dict[str, Any]) -> list[Any]:
     return params
 
 
-def _commit(reservation_id: str, actual_qty: int | None) -> list[Any]:
+def _commit(reservation_id: str, actual_qty: int | None, rid: str | None) -> list[Any]:
+    if rid is not None:
+        return [reservation_id, actual_qty, {"id": rid}]
     return [reservation_id] if actual_qty is None else [reservation_id, actual_qty]
 
 
-class Client:
-    """A blocking client over one connection. Not thread-safe: one per thread."""
+def _release(reservation_id: str, rid: str | None) -> list[Any]:
+    return [reservation_id] if rid is None else [reservation_id, {"id": rid}]
+
+
+def _many_results(result: Any) -> list[int | MeterError | None]:
+    """A ``track_many`` answer with each item's error map turned into its exception."""
+    return [from_wire(r) if isinstance(r, dict) else r for r in cast(list[Any], result)]
+
+
+class _Backoff:
+    """The pauses between the attempts of one call, until ``retry_timeout`` after its start."""
+
+    def __init__(self, start: float, budget: float) -> None:
+        self.start = start
+        self.deadline = start + budget
+        self.attempts = 1
+        self._delay = RETRY_BACKOFF_MIN
+
+    def pause(self, err: Unavailable) -> float:
+        """Seconds to wait before the next attempt; raises Unavailable once out of time."""
+        now = time.monotonic()
+        remaining = self.deadline - now
+        if remaining <= 0:
+            tries = f"{self.attempts} attempt{'s' if self.attempts != 1 else ''}"
+            raise Unavailable(
+                f"{err.message} (gave up after {tries} in {now - self.start:.1f}s)"
+            ) from err
+        delay = min(random.uniform(self._delay / 2, self._delay), remaining)
+        self._delay = min(self._delay * 2, RETRY_BACKOFF_MAX)
+        self.attempts += 1
+        return delay
+
+
+class _Ids:
+    """What both clients share: request ids and how mutating calls are built."""
+
+    auto_ids: bool
+
+    def _rid(self, rid: str | None) -> str | None:
+        if rid is not None:
+            return check_request_id(rid)
+        return new_request_id() if self.auto_ids else None
+
+    def _track(
+        self, tenant: str, feature: str, qty: int, rid: str | None, opts: dict[str, Any]
+    ) -> tuple[list[Any], bool]:
+        rid = self._rid(rid)
+        opts = _opts(opts)
+        if rid is not None:
+            opts["id"] = rid
+        params = [tenant, feature, qty, opts] if opts else [tenant, feature, qty]
+        return params, rid is not None
+
+    def _reserve(
+        self, tenant: str, feature: str, qty: int, rid: str | None, opts: dict[str, Any]
+    ) -> tuple[list[Any], bool]:
+        rid = self._rid(rid)
+        return _with_opts([tenant, feature, qty], {**opts, "id": rid}), rid is not None
+
+    def _many(self, items: Iterable[TrackItem]) -> tuple[list[list[Any]], bool]:
+        """The wire items, and whether every one of them carries an id."""
+        out: list[list[Any]] = []
+        all_ids = True
+        for item in items:
+            seq = cast(Sequence[Any], item)
+            if len(seq) not in (3, 4):
+                raise InvalidArgument(
+                    "track_many: an item is (tenant, feature, qty) or (tenant, feature, qty, "
+                    f"id), got {len(seq)} elements"
+                )
+            rid = self._rid(seq[3] if len(seq) == 4 else None)
+            if rid is None:
+                all_ids = False
+                out.append([seq[0], seq[1], seq[2]])
+            else:
+                out.append([seq[0], seq[1], seq[2], {"id": rid}])
+        return out, all_ids
+
+
+def _connect(path: str, timeout: float | None) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        raise Unavailable(f"cannot connect to {path}: {exc}") from None
+    return sock
+
+
+class Client(_Ids):
+    """A blocking client over one connection (re-opened after a failure when the client
+    knows its socket path, as one made by :meth:`connect` does). Not thread-safe: one per
+    thread."""
 
     def __init__(
         self,
@@ -60,12 +202,25 @@ class Client:
         *,
         timeout: float | None = DEFAULT_TIMEOUT,
         max_frame: int = DEFAULT_MAX_FRAME,
+        auto_ids: bool = True,
+        retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
+        path: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``path`` is where to reconnect after a failure; without it (a bare socket) a
+        failed connection stays failed and nothing is retried."""
         self._sock: socket.socket | None = sock
         sock.settimeout(timeout)
+        self._timeout = timeout
+        self._max_frame = max_frame
+        self._path = os.fspath(path) if path is not None else None
+        self._closed = False
         self._encoder = Encoder()
         self._decoder = Decoder(side="client", max_frame=max_frame)
         self._next = 0
+        #: Send a fresh random request id with every mutating call that has none.
+        self.auto_ids = auto_ids
+        #: Seconds (from a call's start) a typed method keeps retrying; 0 disables retries.
+        self.retry_timeout = retry_timeout
 
     @classmethod
     def connect(
@@ -74,19 +229,28 @@ class Client:
         *,
         timeout: float | None = DEFAULT_TIMEOUT,
         max_frame: int = DEFAULT_MAX_FRAME,
+        auto_ids: bool = True,
+        retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
     ) -> Client:
-        """Connect to the node listening on ``path``; raises Unavailable if it cannot."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout)
-            sock.connect(os.fspath(path))
-        except OSError as exc:
-            sock.close()
-            raise Unavailable(f"cannot connect to {os.fspath(path)}: {exc}") from None
-        return cls(sock, timeout=timeout, max_frame=max_frame)
+        """Connect to the node listening on ``path``; raises Unavailable if it cannot (this
+        first connection is not retried). ``timeout`` bounds each attempt's wait for an
+        answer; ``retry_timeout`` and ``auto_ids``: see the module docstring."""
+        sock = _connect(os.fspath(path), timeout)
+        return cls(
+            sock,
+            timeout=timeout,
+            max_frame=max_frame,
+            auto_ids=auto_ids,
+            retry_timeout=retry_timeout,
+            path=path,
+        )
 
     def close(self) -> None:
-        """Close the connection (idempotent)."""
+        """Close the connection (idempotent); the client cannot be used afterwards."""
+        self._closed = True
+        self._drop()
+
+    def _drop(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -105,18 +269,27 @@ class Client:
         return msgid
 
     def _broken(self, why: str) -> Unavailable:
-        self.close()
+        self._drop()
         return Unavailable(f"connection to the node failed: {why}")
 
-    def _send(self, data: bytes) -> socket.socket:
-        sock = self._sock
-        if sock is None:
+    def _ensure(self) -> socket.socket:
+        """The open connection, reconnecting to the socket path if the last one failed."""
+        if self._sock is not None:
+            return self._sock
+        if self._closed:
             raise Unavailable("the client is closed")
+        if self._path is None:
+            raise Unavailable("the connection to the node was lost (no socket path to reconnect)")
+        self._sock = _connect(self._path, self._timeout)
+        # A fresh stream: bytes of a half-read answer on the old one must not be kept.
+        self._decoder = Decoder(side="client", max_frame=self._max_frame)
+        return self._sock
+
+    def _send(self, sock: socket.socket, data: bytes) -> None:
         try:
             sock.sendall(data)
         except OSError as exc:
             raise self._broken(str(exc)) from None
-        return sock
 
     def _collect(self, sock: socket.socket, wanted: set[int]) -> dict[int, Response]:
         """Read until every msgid in ``wanted`` is answered. A failure (timeouts included)
@@ -140,26 +313,63 @@ class Client:
                     wanted.discard(msgid)
         return got
 
-    def call(self, method: str, *params: Any) -> Any:
-        """Call ``method`` with positional ``params``; return its result or raise."""
+    def _exchange(self, sock: socket.socket, method: str, params: list[Any]) -> Response:
         msgid = self._msgid()
-        sock = self._send(self._encoder.request(msgid, method, list(params)))
-        resp = self._collect(sock, {msgid})[msgid]
+        self._send(sock, self._encoder.request(msgid, method, params))
+        return self._collect(sock, {msgid})[msgid]
+
+    def call(self, method: str, *params: Any) -> Any:
+        """Call ``method`` with positional ``params``; return its result or raise.
+
+        One attempt, sent as given (no request id is added, nothing is retried)."""
+        resp = self._exchange(self._ensure(), method, list(params))
         if resp.error is not None:
             raise from_wire(resp.error)
         return resp.result
+
+    def _invoke(self, method: str, params: list[Any], retry_unanswered: bool) -> Any:
+        """Call with retries. ``retry_unanswered``: the call may be sent again after it got
+        no answer (it is a read, idempotent, or carries request ids)."""
+        start = time.monotonic()
+        backoff: _Backoff | None = None
+        while True:
+            try:
+                sock = self._ensure()
+            except Unavailable as exc:  # not sent: always safe to try again
+                err = exc
+            else:
+                try:
+                    resp = self._exchange(sock, method, params)
+                except Unavailable as exc:  # sent, no answer
+                    if not retry_unanswered:
+                        raise
+                    err = exc
+                else:
+                    if resp.error is None:
+                        return resp.result
+                    answered = from_wire(resp.error)
+                    if not isinstance(answered, Unavailable):
+                        raise answered
+                    err = answered  # the node counted nothing
+            if self.retry_timeout <= 0 or self._path is None or self._closed:
+                raise err
+            if backoff is None:
+                backoff = _Backoff(start, self.retry_timeout)
+            time.sleep(backoff.pause(err))
 
     def pipeline(self, calls: Iterable[Call], *, return_exceptions: bool = False) -> list[Any]:
         """Send every ``(method, params)`` in one write, then collect all the answers.
 
         Results come back in call order. An error raises the first failing call's exception
         (after all answers are read, so the connection stays usable), or with
-        ``return_exceptions=True`` is returned in its place.
+        ``return_exceptions=True`` is returned in its place. One attempt, sent as given: no
+        request ids are added and nothing is retried.
         """
         batch = [(self._msgid(), method, list(params)) for method, params in calls]
         if not batch:
             return []
-        sock = self._send(self._encoder.requests(batch))
+        sock = self._ensure()
+        self._send(sock, self._encoder.requests(batch))
         got = self._collect(sock, {msgid for msgid, _, _ in batch})
         out: list[Any] = []
         first: MeterError | None = None
@@ -177,17 +387,34 @@ class Client:
 
     # -- methods --------------------------------------------------------------------------
 
-    def track(self, tenant: str, feature: str, qty: int = 1, **opts: Any) -> int | None:
-        """Add ``qty``; the new total, or None if counted but the total is not known yet."""
-        return cast(int | None, self.call("track", *_track(tenant, feature, qty, opts)))
+    def track(
+        self, tenant: str, feature: str, qty: int = 1, *, id: str | None = None, **opts: Any
+    ) -> int | None:
+        """Add ``qty``; the new total, or None if counted but the total is not known yet.
+
+        ``id``: the request id (default: a fresh one, unless ``auto_ids`` is off)."""
+        params, has_id = self._track(tenant, feature, qty, id, opts)
+        return cast(int | None, self._invoke("track", params, has_id))
+
+    def track_many(self, items: Iterable[TrackItem]) -> list[int | MeterError | None]:
+        """Count every ``(tenant, feature, qty)`` or ``(tenant, feature, qty, id)`` item in
+        one call (current period; at most 10 000 items).
+
+        Returns one entry per item, in order: the new total, None (counted, total not known
+        yet), or the item's error as an exception object (e.g. InvalidArgument, Conflict),
+        which is returned, not raised; the other items are still counted. An error of the
+        whole call (e.g. a malformed item) is raised. Items without an id get a fresh one
+        unless ``auto_ids`` is off."""
+        wire, all_ids = self._many(items)
+        return _many_results(self._invoke("track_many", [wire], all_ids))
 
     def usage(self, tenant: str, feature: str, **opts: Any) -> int:
         """The counter's value in the current period (or the one containing ``at=``)."""
-        return cast(int, self.call("usage", *_with_opts([tenant, feature], opts)))
+        return cast(int, self._invoke("usage", _with_opts([tenant, feature], opts), True))
 
     def usage_all(self, tenant: str, **opts: Any) -> dict[str, int]:
         """Every feature's value for ``tenant`` in the period."""
-        return cast(dict[str, int], self.call("usage_all", *_with_opts([tenant], opts)))
+        return cast(dict[str, int], self._invoke("usage_all", _with_opts([tenant], opts), True))
 
     def reserve(
         self,
@@ -198,27 +425,33 @@ class Client:
         ttl_ms: int | None = None,
         *,
         at: float | None = None,
+        id: str | None = None,
     ) -> str:
-        """Hold ``qty`` against ``limit``; returns a reservation id (LimitExceeded if over)."""
+        """Hold ``qty`` against ``limit``; returns a reservation id (LimitExceeded if over).
+
+        ``id``: the request id (default: a fresh one, unless ``auto_ids`` is off)."""
         opts = {"limit": limit, "ttl_ms": ttl_ms, "at": at}
-        params = _with_opts([tenant, feature, qty], opts)
-        return cast(str, self.call("reserve", *params))
+        params, has_id = self._reserve(tenant, feature, qty, id, opts)
+        return cast(str, self._invoke("reserve", params, has_id))
 
-    def commit(self, reservation_id: str, actual_qty: int | None = None) -> int:
+    def commit(
+        self, reservation_id: str, actual_qty: int | None = None, *, id: str | None = None
+    ) -> int:
         """Turn a reservation into usage (optionally a different quantity); the new total."""
-        return cast(int, self.call("commit", *_commit(reservation_id, actual_qty)))
+        params = _commit(reservation_id, actual_qty, self._rid(id))
+        return cast(int, self._invoke("commit", params, True))
 
-    def release(self, reservation_id: str) -> None:
+    def release(self, reservation_id: str, *, id: str | None = None) -> None:
         """Drop a reservation without counting it."""
-        self.call("release", reservation_id)
+        self._invoke("release", _release(reservation_id, self._rid(id)), True)
 
     def ping(self) -> str:
         """``"pong"``."""
-        return cast(str, self.call("ping"))
+        return cast(str, self._invoke("ping", [], True))
 
     def status(self) -> dict[str, Any]:
         """The node's status map."""
-        return cast(dict[str, Any], self.call("status"))
+        return cast(dict[str, Any], self._invoke("status", [], True))
 
 
 class _ClientProtocol(asyncio.Protocol):
@@ -280,8 +513,21 @@ class _ClientProtocol(asyncio.Protocol):
             await waiter
 
 
-class AsyncClient:
-    """An asyncio client over one connection; any number of calls may run concurrently."""
+async def _connect_async(path: str, max_frame: int) -> tuple[asyncio.Transport, _ClientProtocol]:
+    loop = asyncio.get_running_loop()
+    try:
+        transport, protocol = await loop.create_unix_connection(
+            lambda: _ClientProtocol(max_frame), path
+        )
+    except OSError as exc:
+        raise Unavailable(f"cannot connect to {path}: {exc}") from None
+    return transport, protocol
+
+
+class AsyncClient(_Ids):
+    """An asyncio client over one connection (re-opened after a failure when the client
+    knows its socket path, as one made by :meth:`connect` does); any number of calls may
+    run concurrently."""
 
     def __init__(
         self,
@@ -289,12 +535,27 @@ class AsyncClient:
         protocol: _ClientProtocol,
         *,
         timeout: float | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        auto_ids: bool = True,
+        retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
+        path: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``path`` is where to reconnect after a failure; without it a failed connection
+        stays failed and nothing is retried."""
         self._transport = transport
         self._protocol = protocol
         self._encoder = Encoder()
         self._next = 0
+        self._max_frame = max_frame
+        self._path = os.fspath(path) if path is not None else None
+        self._closed = False
+        self._reconnecting = asyncio.Lock()
+        #: Seconds each attempt waits for its answer (None: no bound).
         self.timeout = timeout
+        #: Send a fresh random request id with every mutating call that has none.
+        self.auto_ids = auto_ids
+        #: Seconds (from a call's start) a typed method keeps retrying; 0 disables retries.
+        self.retry_timeout = retry_timeout
 
     @classmethod
     async def connect(
@@ -303,19 +564,27 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
+        auto_ids: bool = True,
+        retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
     ) -> AsyncClient:
-        """Connect to the node on ``path``; ``timeout`` bounds each call (None: no bound)."""
-        loop = asyncio.get_running_loop()
-        try:
-            transport, protocol = await loop.create_unix_connection(
-                lambda: _ClientProtocol(max_frame), os.fspath(path)
-            )
-        except OSError as exc:
-            raise Unavailable(f"cannot connect to {os.fspath(path)}: {exc}") from None
-        return cls(transport, protocol, timeout=timeout)
+        """Connect to the node on ``path`` (not retried: raises Unavailable if it cannot);
+        ``timeout`` bounds each attempt's wait for an answer (None: no bound);
+        ``retry_timeout`` and ``auto_ids``: see the module docstring."""
+        transport, protocol = await _connect_async(os.fspath(path), max_frame)
+        return cls(
+            transport,
+            protocol,
+            timeout=timeout,
+            max_frame=max_frame,
+            auto_ids=auto_ids,
+            retry_timeout=retry_timeout,
+            path=path,
+        )
 
     async def close(self) -> None:
-        """Close the connection; calls still waiting raise Unavailable."""
+        """Close the connection; calls still waiting raise Unavailable. The client cannot be
+        used afterwards."""
+        self._closed = True
         self._transport.close()
         self._protocol._fail(Unavailable("the client was closed"))
 
@@ -327,12 +596,38 @@ class AsyncClient:
     ) -> None:
         await self.close()
 
-    def _register(self) -> tuple[int, asyncio.Future[Response]]:
+    def _usable(self) -> _ClientProtocol | None:
         proto = self._protocol
+        if self._closed:
+            raise Unavailable("the client is closed")
+        if proto.lost is None and proto.transport is not None and not proto.transport.is_closing():
+            return proto
+        return None
+
+    async def _ensure(self) -> _ClientProtocol:
+        """The open connection, reconnecting to the socket path if it was lost (one
+        reconnection for any number of concurrent calls)."""
+        proto = self._usable()
+        if proto is not None:
+            return proto
+        if self._path is None:
+            lost = self._protocol.lost
+            raise Unavailable(lost.message if lost is not None else "the connection is closed")
+        async with self._reconnecting:
+            proto = self._usable()
+            if proto is not None:
+                return proto
+            transport, proto = await _connect_async(self._path, self._max_frame)
+            if self._closed:
+                transport.close()
+                raise Unavailable("the client is closed")
+            self._transport.close()
+            self._transport, self._protocol = transport, proto
+            return proto
+
+    def _register(self, proto: _ClientProtocol) -> tuple[int, asyncio.Future[Response]]:
         if proto.lost is not None:
             raise Unavailable(proto.lost.message)
-        if self._transport.is_closing():
-            raise Unavailable("the client is closed")
         pending = proto.pending
         msgid = self._next
         # After a wrap-around, skip ids whose (very slow) call is still waiting.
@@ -343,32 +638,74 @@ class AsyncClient:
         pending[msgid] = fut
         return msgid, fut
 
-    async def _wait(self, msgid: int, fut: asyncio.Future[Response]) -> Response:
+    async def _wait(
+        self, proto: _ClientProtocol, msgid: int, fut: asyncio.Future[Response]
+    ) -> Response:
         try:
             if self.timeout is None:
                 return await fut
             return await asyncio.wait_for(fut, self.timeout)
         except TimeoutError:
+            # The node may still apply it; the typed methods send it again with the same
+            # request id, which the node counts once.
             raise Unavailable(
-                f"no answer within {self.timeout}s (the request may have been applied)"
+                f"no answer within {self.timeout}s (the request may have been applied; "
+                "sent again with the same request id it is counted once)"
             ) from None
         finally:
-            self._protocol.pending.pop(msgid, None)
+            proto.pending.pop(msgid, None)
+
+    async def _exchange(self, proto: _ClientProtocol, method: str, params: list[Any]) -> Response:
+        msgid, fut = self._register(proto)
+        transport = proto.transport
+        try:
+            data = self._encoder.request(msgid, method, params)
+            if transport is None:
+                raise Unavailable("connection to the node lost")
+        except BaseException:
+            proto.pending.pop(msgid, None)
+            raise
+        transport.write(data)
+        await proto.drain()
+        return await self._wait(proto, msgid, fut)
 
     async def call(self, method: str, *params: Any) -> Any:
-        """Call ``method`` with positional ``params``; return its result or raise."""
-        msgid, fut = self._register()
-        try:
-            data = self._encoder.request(msgid, method, list(params))
-        except BaseException:
-            self._protocol.pending.pop(msgid, None)
-            raise
-        self._transport.write(data)
-        await self._protocol.drain()
-        resp = await self._wait(msgid, fut)
+        """Call ``method`` with positional ``params``; return its result or raise.
+
+        One attempt, sent as given (no request id is added, nothing is retried)."""
+        resp = await self._exchange(await self._ensure(), method, list(params))
         if resp.error is not None:
             raise from_wire(resp.error)
         return resp.result
+
+    async def _invoke(self, method: str, params: list[Any], retry_unanswered: bool) -> Any:
+        """Call with retries; as :meth:`Client._invoke`."""
+        start = time.monotonic()
+        backoff: _Backoff | None = None
+        while True:
+            try:
+                proto = await self._ensure()
+            except Unavailable as exc:  # not sent: always safe to try again
+                err = exc
+            else:
+                try:
+                    resp = await self._exchange(proto, method, params)
+                except Unavailable as exc:  # sent, no answer
+                    if not retry_unanswered:
+                        raise
+                    err = exc
+                else:
+                    if resp.error is None:
+                        return resp.result
+                    answered = from_wire(resp.error)
+                    if not isinstance(answered, Unavailable):
+                        raise answered
+                    err = answered  # the node counted nothing
+            if self.retry_timeout <= 0 or self._path is None or self._closed:
+                raise err
+            if backoff is None:
+                backoff = _Backoff(start, self.retry_timeout)
+            await asyncio.sleep(backoff.pause(err))
 
     async def pipeline(
         self, calls: Iterable[Call], *, return_exceptions: bool = False
@@ -376,28 +713,34 @@ class AsyncClient:
         """Send every ``(method, params)`` in one write and gather the answers in call order.
 
         An error raises the first failing call's exception once all answers are in, or with
-        ``return_exceptions=True`` is returned in its place.
+        ``return_exceptions=True`` is returned in its place. One attempt, sent as given: no
+        request ids are added and nothing is retried.
         """
+        calls = list(calls)
+        if not calls:
+            return []
+        proto = await self._ensure()
         batch: list[tuple[int, str, list[Any]]] = []
         futs: list[tuple[int, asyncio.Future[Response]]] = []
+        transport = proto.transport
         try:
             for method, params in calls:
-                msgid, fut = self._register()
+                msgid, fut = self._register(proto)
                 futs.append((msgid, fut))
                 batch.append((msgid, method, list(params)))
             data = self._encoder.requests(batch)
+            if transport is None:
+                raise Unavailable("connection to the node lost")
         except BaseException:
             for msgid, _ in futs:
-                self._protocol.pending.pop(msgid, None)
+                proto.pending.pop(msgid, None)
             raise
-        if not batch:
-            return []
-        self._transport.write(data)
-        await self._protocol.drain()
+        transport.write(data)
+        await proto.drain()
         out: list[Any] = []
         first: MeterError | None = None
         for msgid, fut in futs:
-            resp = await self._wait(msgid, fut)
+            resp = await self._wait(proto, msgid, fut)
             if resp.error is not None:
                 err = from_wire(resp.error)
                 first = first or err
@@ -410,17 +753,29 @@ class AsyncClient:
 
     # -- methods --------------------------------------------------------------------------
 
-    async def track(self, tenant: str, feature: str, qty: int = 1, **opts: Any) -> int | None:
-        """Add ``qty``; the new total, or None if counted but the total is not known yet."""
-        return cast(int | None, await self.call("track", *_track(tenant, feature, qty, opts)))
+    async def track(
+        self, tenant: str, feature: str, qty: int = 1, *, id: str | None = None, **opts: Any
+    ) -> int | None:
+        """Add ``qty``; the new total, or None if counted but the total is not known yet.
+
+        ``id``: the request id (default: a fresh one, unless ``auto_ids`` is off)."""
+        params, has_id = self._track(tenant, feature, qty, id, opts)
+        return cast(int | None, await self._invoke("track", params, has_id))
+
+    async def track_many(self, items: Iterable[TrackItem]) -> list[int | MeterError | None]:
+        """Count many items in one call; as :meth:`Client.track_many` (an item's error is
+        returned in its place as an exception object, not raised)."""
+        wire, all_ids = self._many(items)
+        return _many_results(await self._invoke("track_many", [wire], all_ids))
 
     async def usage(self, tenant: str, feature: str, **opts: Any) -> int:
         """The counter's value in the current period (or the one containing ``at=``)."""
-        return cast(int, await self.call("usage", *_with_opts([tenant, feature], opts)))
+        return cast(int, await self._invoke("usage", _with_opts([tenant, feature], opts), True))
 
     async def usage_all(self, tenant: str, **opts: Any) -> dict[str, int]:
         """Every feature's value for ``tenant`` in the period."""
-        return cast(dict[str, int], await self.call("usage_all", *_with_opts([tenant], opts)))
+        params = _with_opts([tenant], opts)
+        return cast(dict[str, int], await self._invoke("usage_all", params, True))
 
     async def reserve(
         self,
@@ -431,24 +786,30 @@ class AsyncClient:
         ttl_ms: int | None = None,
         *,
         at: float | None = None,
+        id: str | None = None,
     ) -> str:
-        """Hold ``qty`` against ``limit``; returns a reservation id (LimitExceeded if over)."""
+        """Hold ``qty`` against ``limit``; returns a reservation id (LimitExceeded if over).
+
+        ``id``: the request id (default: a fresh one, unless ``auto_ids`` is off)."""
         opts = {"limit": limit, "ttl_ms": ttl_ms, "at": at}
-        params = _with_opts([tenant, feature, qty], opts)
-        return cast(str, await self.call("reserve", *params))
+        params, has_id = self._reserve(tenant, feature, qty, id, opts)
+        return cast(str, await self._invoke("reserve", params, has_id))
 
-    async def commit(self, reservation_id: str, actual_qty: int | None = None) -> int:
+    async def commit(
+        self, reservation_id: str, actual_qty: int | None = None, *, id: str | None = None
+    ) -> int:
         """Turn a reservation into usage (optionally a different quantity); the new total."""
-        return cast(int, await self.call("commit", *_commit(reservation_id, actual_qty)))
+        params = _commit(reservation_id, actual_qty, self._rid(id))
+        return cast(int, await self._invoke("commit", params, True))
 
-    async def release(self, reservation_id: str) -> None:
+    async def release(self, reservation_id: str, *, id: str | None = None) -> None:
         """Drop a reservation without counting it."""
-        await self.call("release", reservation_id)
+        await self._invoke("release", _release(reservation_id, self._rid(id)), True)
 
     async def ping(self) -> str:
         """``"pong"``."""
-        return cast(str, await self.call("ping"))
+        return cast(str, await self._invoke("ping", [], True))
 
     async def status(self) -> dict[str, Any]:
         """The node's status map."""
-        return cast(dict[str, Any], await self.call("status"))
+        return cast(dict[str, Any], await self._invoke("status", [], True))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -18,6 +19,7 @@ import pytest
 from meter.client import AsyncClient, Client
 from meter.errors import (
     BY_CODE,
+    Conflict,
     InvalidArgument,
     LimitExceeded,
     MeterError,
@@ -42,6 +44,8 @@ class Recorder:
         self.calls.append((method, params))
         if method == "track":
             return None if params[0] == "cold" else 42
+        if method == "track_many":
+            return [self._item(item) for item in params[0]]
         if method == "usage":
             return 7
         if method == "usage_all":
@@ -75,6 +79,14 @@ class Recorder:
         if method == "hang":
             return asyncio.get_running_loop().create_future()
         raise BY_CODE["unknown_method"](f"unknown method {method!r}")
+
+    @staticmethod
+    def _item(item: list[Any]) -> Any:
+        if item[1] == "bad":
+            return InvalidArgument("bad feature").to_wire()
+        if item[1] == "dup":
+            return Conflict("request id reused").to_wire()
+        return None if item[0] == "cold" else 42
 
     async def _later(self, value: Any) -> Any:
         await self.gate.wait()
@@ -121,16 +133,43 @@ async def blocking(path: str, fn: Callable[[Client], T]) -> T:
     return await asyncio.to_thread(run)
 
 
+class _AnyId:
+    """Equal to any automatic request id (what :func:`meter.client.new_request_id` makes)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str) and re.fullmatch(r"[A-Za-z0-9_-]{22}", other) is not None
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "ANY_ID"
+
+
+ANY_ID: Any = _AnyId()
+AUTO = {"id": ANY_ID}
+
 # (client call, expected (method, params) on the wire, expected result)
 CASES: list[tuple[Callable[[Any], Any], tuple[str, list[Any]], Any]] = [
-    (lambda c: c.track("acme", "api"), ("track", ["acme", "api", 1]), 42),
-    (lambda c: c.track("acme", "api", 5), ("track", ["acme", "api", 5]), 42),
+    (lambda c: c.track("acme", "api"), ("track", ["acme", "api", 1, AUTO]), 42),
+    (lambda c: c.track("acme", "api", 5), ("track", ["acme", "api", 5, AUTO]), 42),
     (
         lambda c: c.track("acme", "api", -2, at=1700000000),
-        ("track", ["acme", "api", -2, {"at": 1700000000}]),
+        ("track", ["acme", "api", -2, {"at": 1700000000, "id": ANY_ID}]),
         42,
     ),
-    (lambda c: c.track("cold", "api"), ("track", ["cold", "api", 1]), None),
+    (
+        lambda c: c.track("acme", "api", 5, id="req-1"),
+        ("track", ["acme", "api", 5, {"id": "req-1"}]),
+        42,
+    ),
+    (lambda c: c.track("cold", "api"), ("track", ["cold", "api", 1, AUTO]), None),
+    (
+        lambda c: c.track_many([("acme", "api", 1), ("acme", "db", 2, "req-2")]),
+        ("track_many", [[["acme", "api", 1, AUTO], ["acme", "db", 2, {"id": "req-2"}]]]),
+        [42, 42],
+    ),
+    (lambda c: c.track_many([]), ("track_many", [[]]), []),
     (lambda c: c.usage("acme", "api"), ("usage", ["acme", "api"]), 7),
     (lambda c: c.usage("acme", "api", at=5), ("usage", ["acme", "api", {"at": 5}]), 7),
     (lambda c: c.usage_all("acme"), ("usage_all", ["acme"]), {"api": 1, "storage": 2}),
@@ -139,26 +178,28 @@ CASES: list[tuple[Callable[[Any], Any], tuple[str, list[Any]], Any]] = [
         ("usage_all", ["acme", {"at": 5}]),
         {"api": 1, "storage": 2},
     ),
-    (lambda c: c.reserve("acme", "api", 3), ("reserve", ["acme", "api", 3]), "r-1"),
+    (lambda c: c.reserve("acme", "api", 3), ("reserve", ["acme", "api", 3, AUTO]), "r-1"),
     (
         lambda c: c.reserve("acme", "api", 3, limit=10, ttl_ms=500),
-        ("reserve", ["acme", "api", 3, {"limit": 10, "ttl_ms": 500}]),
+        ("reserve", ["acme", "api", 3, {"limit": 10, "ttl_ms": 500, "id": ANY_ID}]),
         "r-1",
     ),
     (
         lambda c: c.reserve("acme", "api", 3, ttl_ms=500),
-        ("reserve", ["acme", "api", 3, {"ttl_ms": 500}]),
+        ("reserve", ["acme", "api", 3, {"ttl_ms": 500, "id": ANY_ID}]),
         "r-1",
     ),
     (
-        lambda c: c.reserve("acme", "api", 3, at=1700000000),
-        ("reserve", ["acme", "api", 3, {"at": 1700000000}]),
+        lambda c: c.reserve("acme", "api", 3, at=1700000000, id="req-3"),
+        ("reserve", ["acme", "api", 3, {"at": 1700000000, "id": "req-3"}]),
         "r-1",
     ),
-    (lambda c: c.commit("r-1"), ("commit", ["r-1"]), 10),
-    (lambda c: c.commit("r-1", 2), ("commit", ["r-1", 2]), 10),
-    (lambda c: c.commit("r-1", actual_qty=0), ("commit", ["r-1", 0]), 10),
-    (lambda c: c.release("r-1"), ("release", ["r-1"]), None),
+    (lambda c: c.commit("r-1"), ("commit", ["r-1", None, AUTO]), 10),
+    (lambda c: c.commit("r-1", 2), ("commit", ["r-1", 2, AUTO]), 10),
+    (lambda c: c.commit("r-1", actual_qty=0), ("commit", ["r-1", 0, AUTO]), 10),
+    (lambda c: c.commit("r-1", id="req-4"), ("commit", ["r-1", None, {"id": "req-4"}]), 10),
+    (lambda c: c.release("r-1"), ("release", ["r-1", AUTO]), None),
+    (lambda c: c.release("r-1", id="req-5"), ("release", ["r-1", {"id": "req-5"}]), None),
     (lambda c: c.ping(), ("ping", []), "pong"),
     (lambda c: c.status(), ("status", []), {"node_id": "n1", "warm_keys": 3}),
     (
@@ -166,6 +207,38 @@ CASES: list[tuple[Callable[[Any], Any], tuple[str, list[Any]], Any]] = [
         ("echo", [1, "two", [3], {"four": 4}, None, b"\x05"]),
         [1, "two", [3], {"four": 4}, None, b"\x05"],
     ),
+    # A raw call is sent exactly as given: no id is added.
+    (lambda c: c.call("track", "acme", "api", 1), ("track", ["acme", "api", 1]), 42),
+]
+
+# With auto_ids=False: the wire shapes of a client that sends no ids of its own.
+NO_ID_CASES: list[tuple[Callable[[Any], Any], tuple[str, list[Any]], Any]] = [
+    (lambda c: c.track("acme", "api"), ("track", ["acme", "api", 1]), 42),
+    (
+        lambda c: c.track("acme", "api", -2, at=1700000000),
+        ("track", ["acme", "api", -2, {"at": 1700000000}]),
+        42,
+    ),
+    (
+        lambda c: c.track("acme", "api", 5, id="req-1"),
+        ("track", ["acme", "api", 5, {"id": "req-1"}]),
+        42,
+    ),
+    (
+        lambda c: c.track_many([("acme", "api", 1), ("acme", "db", 2, "req-2")]),
+        ("track_many", [[["acme", "api", 1], ["acme", "db", 2, {"id": "req-2"}]]]),
+        [42, 42],
+    ),
+    (lambda c: c.reserve("acme", "api", 3), ("reserve", ["acme", "api", 3]), "r-1"),
+    (
+        lambda c: c.reserve("acme", "api", 3, limit=10, ttl_ms=500),
+        ("reserve", ["acme", "api", 3, {"limit": 10, "ttl_ms": 500}]),
+        "r-1",
+    ),
+    (lambda c: c.commit("r-1"), ("commit", ["r-1"]), 10),
+    (lambda c: c.commit("r-1", 2), ("commit", ["r-1", 2]), 10),
+    (lambda c: c.commit("r-1", actual_qty=0), ("commit", ["r-1", 0]), 10),
+    (lambda c: c.release("r-1"), ("release", ["r-1"]), None),
 ]
 
 
@@ -192,6 +265,81 @@ async def test_blocking_marshalling(
 ) -> None:
     assert await blocking(path, invoke) == result
     assert rec.calls == [wire]
+
+
+@pytest.mark.parametrize(("invoke", "wire", "result"), NO_ID_CASES)
+async def test_async_marshalling_without_auto_ids(
+    server: RpcServer,
+    path: str,
+    rec: Recorder,
+    invoke: Callable[[Any], Any],
+    wire: tuple[str, list[Any]],
+    result: Any,
+) -> None:
+    async with await AsyncClient.connect(path, timeout=WAIT, auto_ids=False) as client:
+        assert await invoke(client) == result
+    assert rec.calls == [wire]
+
+
+@pytest.mark.parametrize(("invoke", "wire", "result"), NO_ID_CASES)
+async def test_blocking_marshalling_without_auto_ids(
+    server: RpcServer,
+    path: str,
+    rec: Recorder,
+    invoke: Callable[[Any], Any],
+    wire: tuple[str, list[Any]],
+    result: Any,
+) -> None:
+    def run() -> Any:
+        with Client.connect(path, timeout=WAIT, auto_ids=False) as client:
+            return invoke(client)
+
+    assert await asyncio.to_thread(run) == result
+    assert rec.calls == [wire]
+
+
+async def test_every_call_gets_a_fresh_id(aclient: AsyncClient, rec: Recorder) -> None:
+    for _ in range(3):
+        await aclient.track("acme", "api")
+    await aclient.track_many([("acme", "api", 1), ("acme", "db", 1)])
+    ids = [p[3]["id"] for _, p in rec.calls[:3]]
+    ids += [item[3]["id"] for item in rec.calls[3][1][0]]
+    assert all(i == ANY_ID for i in ids), ids
+    assert len(set(ids)) == len(ids), f"ids are reused: {ids}"
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 129, "é" * 65, 7])
+async def test_a_bad_request_id_is_refused_before_sending(
+    aclient: AsyncClient, rec: Recorder, bad: Any
+) -> None:
+    with pytest.raises(InvalidArgument, match="request id"):
+        await aclient.track("acme", "api", id=bad)
+    with pytest.raises(InvalidArgument, match="request id"):
+        await aclient.track_many([("acme", "api", 1, bad)])
+    with pytest.raises(InvalidArgument, match="request id"):
+        await aclient.release("r-1", id=bad)
+    assert rec.calls == []
+    await aclient.track("acme", "api", id="x" * 128)  # the longest id is fine
+    await aclient.track("acme", "api", id="é" * 64)  # 128 bytes
+    assert len(rec.calls) == 2
+
+
+async def test_track_many_returns_item_errors_in_place(aclient: AsyncClient) -> None:
+    out = await aclient.track_many(
+        [("acme", "api", 1), ("acme", "bad", 1), ("cold", "api", 1), ("acme", "dup", 1, "r")]
+    )
+    assert out[0] == 42 and out[2] is None
+    assert isinstance(out[1], InvalidArgument) and out[1].message == "bad feature"
+    assert isinstance(out[3], Conflict)
+    with pytest.raises(InvalidArgument, match="an item is"):
+        await aclient.track_many([("acme", "api")])  # type: ignore[list-item]
+
+
+async def test_blocking_track_many_returns_item_errors_in_place(
+    server: RpcServer, path: str
+) -> None:
+    out = await blocking(path, lambda c: c.track_many([("acme", "bad", 1), ("acme", "api", 2)]))
+    assert isinstance(out[0], InvalidArgument) and out[1] == 42
 
 
 CODES = sorted(BY_CODE)
@@ -265,9 +413,12 @@ async def test_connect_refused_dead_socket(path: str) -> None:
         Client.connect(path)
 
 
+# retry_timeout=0 below: these are about the failure itself (retries: test_client_retry.py).
+
+
 async def test_async_server_going_away_fails_pending_calls(path: str, rec: Recorder) -> None:
     srv = await start_server(path, rec)
-    client = await AsyncClient.connect(path)
+    client = await AsyncClient.connect(path, retry_timeout=0)
     try:
         pending = asyncio.create_task(client.call("hang"))
         while not rec.calls:
@@ -283,7 +434,7 @@ async def test_async_server_going_away_fails_pending_calls(path: str, rec: Recor
 
 async def test_blocking_server_going_away(path: str, rec: Recorder) -> None:
     srv = await start_server(path, rec)
-    client = await asyncio.to_thread(Client.connect, path, timeout=WAIT)
+    client = await asyncio.to_thread(Client.connect, path, timeout=WAIT, retry_timeout=0)
     try:
         assert await asyncio.to_thread(client.ping) == "pong"
         await srv.close(drain_timeout=0.01)
