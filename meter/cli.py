@@ -46,12 +46,41 @@ def _parser() -> argparse.ArgumentParser:
     for flag, text in _NODE_FLAGS:
         serve.add_argument(flag, help=text)
 
+    id_help = (
+        "request id, 1-128 UTF-8 bytes (default: a fresh random one); the call sent again "
+        "with the same id within the node's idempotency window is counted once"
+    )
+
     track = sub.add_parser("track", help="count units")
     common(track)
     track.add_argument("tenant")
     track.add_argument("feature")
     track.add_argument("qty", nargs="?", type=int, default=1)
     track.add_argument("--at", type=float, help="epoch seconds choosing the period")
+    track.add_argument("--id", help=id_help)
+
+    reserve = sub.add_parser(
+        "reserve", help="hold units against a limit; prints the reservation id"
+    )
+    common(reserve)
+    reserve.add_argument("tenant")
+    reserve.add_argument("feature")
+    reserve.add_argument("qty", type=int)
+    reserve.add_argument("--limit", type=int, help="fail (limit_exceeded) past this total")
+    reserve.add_argument("--ttl-ms", type=int, help="lifetime in ms (default: the node's)")
+    reserve.add_argument("--at", type=float, help="epoch seconds choosing the period")
+    reserve.add_argument("--id", help=id_help)
+
+    commit = sub.add_parser("commit", help="turn a reservation into usage; prints the new total")
+    common(commit)
+    commit.add_argument("reservation_id")
+    commit.add_argument("actual", nargs="?", type=int, help="units to count (default: reserved)")
+    commit.add_argument("--id", help=id_help)
+
+    release = sub.add_parser("release", help="drop a reservation without counting it")
+    common(release)
+    release.add_argument("reservation_id")
+    release.add_argument("--id", help=id_help)
 
     usage = sub.add_parser("usage", help="read a counter, or every counter of a tenant")
     common(usage)
@@ -145,16 +174,38 @@ async def _storage_init(cfg: NodeConfig) -> int:
     return 0
 
 
-def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
-    from meter.client import Client
+_NOT_KNOWN = "counted (total not known yet: storage unreachable)"
 
+
+def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
+    from meter.client import Client, check_request_id
+
+    rid: str | None = getattr(args, "id", None)
+    if rid is not None:
+        try:
+            check_request_id(rid)
+        except MeterError as exc:
+            print(f"meter: --id: {exc.message}", file=sys.stderr)
+            return 2
     opts: dict[str, Any] = {}
     if getattr(args, "at", None) is not None:
         opts["at"] = args.at
     with Client.connect(str(cfg.server.socket)) as client:
         if args.command == "track":
-            value = client.track(args.tenant, args.feature, args.qty, **opts)
-            print("counted (total not known yet: storage unreachable)" if value is None else value)
+            value = client.track(args.tenant, args.feature, args.qty, id=rid, **opts)
+            print(_NOT_KNOWN if value is None else value)
+        elif args.command == "reserve":
+            print(
+                client.reserve(
+                    args.tenant, args.feature, args.qty, args.limit, args.ttl_ms, id=rid, **opts
+                )
+            )
+        elif args.command == "commit":
+            total: int | None = client.commit(args.reservation_id, args.actual, id=rid)
+            print(_NOT_KNOWN if total is None else total)
+        elif args.command == "release":
+            client.release(args.reservation_id, id=rid)
+            print("released")
         elif args.command == "usage":
             if args.feature is None:
                 for feature, v in sorted(client.usage_all(args.tenant, **opts).items()):
