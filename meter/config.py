@@ -96,7 +96,7 @@ class DurabilityConfig:
     #: How long a request id is remembered.
     idempotency_window_s: float = 86400.0
     #: Most request ids remembered; past it the oldest are dropped (counted in ``status``).
-    idempotency_max_ids: int = 1_000_000
+    idempotency_max_ids: int = 250_000
 
     def effective_mode(self, storage_kind: str) -> str:
         """The mode in force for ``storage_kind`` (resolves the default)."""

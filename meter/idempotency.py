@@ -51,7 +51,7 @@ def fingerprint(*parts: Any) -> int:
 class RequestIds:
     """Request id -> the first call's fingerprint and answer, for ``window_s`` seconds."""
 
-    def __init__(self, window_s: float = 86400.0, max_ids: int = 1_000_000) -> None:
+    def __init__(self, window_s: float = 86400.0, max_ids: int = 250_000) -> None:
         self.window_s = window_s
         self.max_ids = max_ids
         self._entries: OrderedDict[str, Entry] = OrderedDict()

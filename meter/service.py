@@ -71,7 +71,7 @@ class Service:
         #: The write-ahead log every state change is appended to (``None``: durability off).
         self.wal = wal
         #: Request ids of calls that counted, with their first answers.
-        self.ids = ids or RequestIds()
+        self.ids = ids if ids is not None else RequestIds()
         #: Finished reservations (commit/release are idempotent by reservation id).
         self.done = RequestIds(self.ids.window_s, self.ids.max_ids)
         self.status_extra = status_extra

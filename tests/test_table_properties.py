@@ -3,9 +3,15 @@ nodes sharing one store, plus unit tests of the table's edge cases.
 
 The machine plays the flusher, the broadcaster, the seeding reads and the announcements of
 several nodes against one :class:`MemoryStorage`, with every failure the design allows (writes
-that never land, writes whose acknowledgement is lost, gossip that is dropped or late,
-announcements that are stale), and checks after every step that no acknowledged unit is lost or
-counted twice.
+that never land, writes whose acknowledgement is lost, gossip that is dropped, late or
+reordered, announcements that are stale), and checks after every step that no acknowledged
+unit is lost or counted twice.
+
+Each node also keeps a write-ahead log as the node does (:mod:`meter.wal`): a call is
+acknowledged only once its record is committed, a flush take is logged before it is sent, a
+failed log write undoes the calls it held, checkpoints restate the unstored state a chunk at a
+time and drop older segments, and a node may crash at any step, losing its memory and its
+uncommitted records, and come back from a replay of its log.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from hypothesis.stateful import (
 
 from meter.errors import LimitExceeded, Unavailable
 from meter.table import CounterTable
+from meter.wal import records as R
+from meter.wal.replay import Replay
 from storage.base import Delta, Key, Snapshot, StorageUnavailable
 from storage.memory import MemoryStorage
 
@@ -86,6 +94,14 @@ class ClusterMachine(RuleBasedStateMachine):
         self.announced: dict[str, list[tuple[Key, Snapshot]]] = {n: [] for n in NODES}
         # Seeding reads started but not finished yet: (node, key, snapshot as read then).
         self.reads: list[tuple[str, Key, Snapshot]] = []
+        # Each node's write-ahead log: durable segments (records), and the open batch of
+        # records appended but not committed (their calls are not acknowledged yet).
+        self.segments: dict[str, list[list[list[Any]]]] = {n: [[]] for n in NODES}
+        self.batch: dict[str, list[list[Any]]] = {n: [] for n in NODES}
+        # A checkpoint in progress per node: keys still to restate, and whether it is done.
+        self.ckpt: dict[str, list[Key] | None] = {n: None for n in NODES}
+        self.ckpt_emitted: dict[str, bool] = {n: False for n in NODES}
+        self.crashes = 0
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -98,12 +114,49 @@ class ClusterMachine(RuleBasedStateMachine):
     def total_acked(self, key: Key) -> int:
         return sum(self.acked.get((n, key), 0) for n in NODES)
 
+    def uncommitted(self, key: Key) -> int:
+        """Units counted in memory whose records are not committed (not acknowledged)."""
+        return sum(
+            rec[4]
+            for n in NODES
+            for rec in self.batch[n]
+            if rec[0] == R.TRACK and key == tuple(rec[1:4])
+        )
+
+    def log_append(self, node: str, record: list[Any]) -> None:
+        self.batch[node].append(record)
+
+    def log_commit(self, node: str) -> None:
+        """The batch is written and synced: its calls are acknowledged."""
+        for rec in self.batch[node]:
+            if rec[0] == R.TRACK:
+                self.ack(node, (rec[1], rec[2], rec[3]), rec[4])
+        self.segments[node][-1].extend(self.batch[node])
+        self.batch[node] = []
+
+    def log_fail(self, node: str) -> None:
+        """The batch's write failed: undo its calls (they are answered unavailable)."""
+        table = self.tables[node]
+        for rec in reversed(self.batch[node]):
+            if rec[0] == R.TRACK and rec[4]:
+                table.incr((rec[1], rec[2], rec[3]), -rec[4])
+            elif rec[0] == R.STATE:
+                self.ckpt[node] = None  # the checkpoint is incomplete: abandoned
+        self.batch[node] = []
+
     def flush_once(self, node: str, key: Key, outcome: str) -> None:
         table = self.tables[node]
         taken = table.take_flush(key)
         if taken is None:
             return
         seq, delta = taken
+        # Logged (with everything before it) before it is sent.
+        self.log_append(node, [R.FLUSH, [[*key, seq, delta]]])
+        if outcome == "logfail":
+            self.log_fail(node)
+            table.flush_failed(key)
+            return
+        self.log_commit(node)
         if outcome == "fail":
             self.store.fail_next = 1
         elif outcome == "lost":
@@ -134,10 +187,71 @@ class ClusterMachine(RuleBasedStateMachine):
 
     @rule(node=nodes, key=keys, qty=quantities)
     def incr(self, node: str, key: Key, qty: int) -> None:
+        # Counted now, acknowledged when its record is committed (log_commit).
         self.tables[node].incr(key, qty)
-        self.ack(node, key, qty)
+        self.log_append(node, [R.TRACK, *key, qty])
         if qty < 0:
             self.negative.add(key)
+
+    # -- the write-ahead log -----------------------------------------------------------------
+
+    @rule(node=nodes)
+    def commit_log(self, node: str) -> None:
+        self.log_commit(node)
+
+    @rule(node=nodes)
+    def fail_log(self, node: str) -> None:
+        self.log_fail(node)
+
+    @rule(node=nodes)
+    def start_checkpoint(self, node: str) -> None:
+        if self.ckpt[node] is None:
+            self.log_commit(node)
+            self.segments[node].append([])
+            self.ckpt[node] = self.tables[node].unstored_keys()
+            self.ckpt_emitted[node] = False
+
+    @precondition(lambda self: any(self.ckpt[n] is not None for n in NODES))
+    @rule(node=nodes)
+    def checkpoint_step(self, node: str) -> None:
+        """Restate the next listed key as it is now; when all are, end the checkpoint; when
+        that is committed, drop the older segments."""
+        todo = self.ckpt[node]
+        if todo is None:
+            return
+        if todo:
+            ((key, seq, inflight, pending),) = self.tables[node].unstored_state([todo.pop()])
+            self.log_append(node, [R.STATE, [[*key, seq, inflight, pending]]])
+        elif not self.ckpt_emitted[node]:
+            self.log_append(node, [R.CHECKPOINT_END, len(self.segments[node])])
+            self.ckpt_emitted[node] = True
+        elif not self.batch[node]:
+            self.segments[node] = self.segments[node][-1:]
+            self.ckpt[node] = None
+
+    @rule(node=nodes)
+    def crash(self, node: str) -> None:
+        """kill -9: memory and uncommitted records are gone; the log is replayed."""
+        self.crashes += 1
+        self.batch[node] = []
+        self.ckpt[node] = None
+        replay = Replay()
+        for segment in self.segments[node]:
+            replay.apply_all(segment)
+        table = self.tables[node] = CounterTable(node)
+        for key, row in replay.unstored().items():
+            table.restore(key, row.seq, row.inflight, row.pending)
+        for r in self.open.values():
+            if r.node == node:
+                table.reserve(r.key, r.qty, None)  # reservations are logged when opened
+        # Peers forget the old incarnation's gossip; its messages in flight are stale.
+        for peer in NODES:
+            if peer != node:
+                self.tables[peer].forget_peer(node)
+                self.wire[(node, peer)].clear()
+                self.wire[(peer, node)].clear()
+        self.announced[node].clear()
+        self.reads = [(n, k, snap) for n, k, snap in self.reads if n != node]
 
     @rule(
         target=reservations,
@@ -173,7 +287,9 @@ class ClusterMachine(RuleBasedStateMachine):
         r = self.open.pop(rid)
         self.tables[r.node].commit(r.key, r.qty, actual)
         self.held[(r.node, r.key)] -= r.qty
-        self.ack(r.node, r.key, actual)
+        # Logged and committed in the same pass (with whatever the batch holds).
+        self.log_append(r.node, [R.TRACK, *r.key, actual])
+        self.log_commit(r.node)
 
     @rule(rid=consumes(reservations))
     def release(self, rid: int) -> None:
@@ -186,7 +302,7 @@ class ClusterMachine(RuleBasedStateMachine):
     @rule(
         node=nodes,
         pick=st.integers(min_value=0, max_value=3),
-        outcome=st.sampled_from(["ack", "ack", "fail", "lost"]),
+        outcome=st.sampled_from(["ack", "ack", "fail", "lost", "logfail"]),
     )
     def flush(self, node: str, pick: int, outcome: str) -> None:
         dirty = sorted(self.tables[node].dirty_keys())
@@ -224,9 +340,15 @@ class ClusterMachine(RuleBasedStateMachine):
         if touched:
             self.gossip_once(node, touched[pick % len(touched)])
 
-    @rule(sender=nodes, receiver=nodes)
-    def deliver_gossip(self, sender: str, receiver: str) -> None:
-        if sender != receiver and self.wire[(sender, receiver)]:
+    @rule(sender=nodes, receiver=nodes, late=st.booleans())
+    def deliver_gossip(self, sender: str, receiver: str, late: bool) -> None:
+        if sender == receiver:
+            return
+        queue = self.wire[(sender, receiver)]
+        if queue:
+            if late and len(queue) > 1:
+                # Reordered: the second message overtakes the first.
+                queue[0], queue[1] = queue[1], queue[0]
             self.deliver(sender, receiver)
 
     @rule(sender=nodes, receiver=nodes)
@@ -255,6 +377,8 @@ class ClusterMachine(RuleBasedStateMachine):
     @rule()
     def quiesce(self) -> None:
         """Every node seeds, flushes until acknowledged, gossips; then every node re-bases."""
+        for node in NODES:
+            self.log_commit(node)
         for node in NODES:
             table = self.tables[node]
             for key in table.unseeded_keys():
@@ -308,11 +432,14 @@ class ClusterMachine(RuleBasedStateMachine):
                 unstored += cols["pending_flush"]
                 if cols["inflight_seq"] and snap.seq_of(node) < cols["inflight_seq"]:
                     unstored += cols["inflight"]
-            assert snap.total + unstored == self.total_acked(key), (
+            # Acknowledged units, plus units counted whose records are not committed yet
+            # (they are acknowledged at commit, or undone, or lost with a crash, unanswered).
+            assert snap.total + unstored == self.total_acked(key) + self.uncommitted(key), (
                 key,
                 snap,
                 {n: self.tables[n].columns(key) for n in NODES},
                 self.total_acked(key),
+                self.uncommitted(key),
             )
 
     @invariant()
@@ -321,7 +448,7 @@ class ClusterMachine(RuleBasedStateMachine):
         for key in KEYS:
             if key in self.negative:
                 continue
-            truth = self.total_acked(key)
+            truth = self.total_acked(key) + self.uncommitted(key)
             for node in NODES:
                 value = self.tables[node].value(key)
                 if value is not None:

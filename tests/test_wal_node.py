@@ -1,0 +1,354 @@
+"""The write-ahead log through real node processes: kill -9 keeps every acknowledged call,
+request ids count once across restarts, a damaged log is cut or refused, a full disk refuses
+writes without counting them and recovers by itself."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meter.wal import records as R
+from meter.wal.log import list_segments, segment_path
+from tests.nodes import NodeProcess, raw_call, short_tmpdir
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    path = short_tmpdir("wal-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def call(node: NodeProcess, method: str, *params: Any) -> tuple[Any, Any]:
+    return raw_call(node.socket, method, *params)  # type: ignore[no-any-return]
+
+
+# A flush interval far longer than any test: only the log can bring the units back.
+NO_FLUSH = {"METER_FLUSH_INTERVAL_MS": "3600000"}
+
+
+@pytest.mark.parametrize("mode", ["fsync", "interval"])
+def test_kill_9_keeps_every_acknowledged_unit(workdir: Path, mode: str) -> None:
+    node = NodeProcess(workdir, METER_DURABILITY=mode, **NO_FLUSH).start()
+    for i in range(200):
+        node.call("track", "acme", f"f{i % 5}", i)
+    node.call("track_many", [["acme", "f0", 1000], ["beta", "x", 7]])
+    assert node.kill() == -9
+    again = NodeProcess(workdir, METER_DURABILITY=mode, **NO_FLUSH).start()
+    try:
+        expected = {f"f{j}": sum(i for i in range(200) if i % 5 == j) for j in range(5)}
+        expected["f0"] += 1000
+        assert again.call("usage_all", "acme") == expected
+        assert again.call("usage", "beta", "x") == 7
+        assert "recovered from the write-ahead log" in again.log()
+        # And the units reach storage: a drain stores them, a plain restart reads them back.
+        assert again.stop() == 0
+        third = NodeProcess(workdir, METER_DURABILITY="off").start()
+        assert third.call("usage_all", "acme") == expected
+        assert third.stop() == 0
+    finally:
+        again.stop()
+
+
+def test_a_delta_logged_before_a_crash_is_resent_under_its_sequence(workdir: Path) -> None:
+    # Flushes every 50 ms: many kills land between logging a take and its acknowledgement.
+    env = {"METER_FLUSH_INTERVAL_MS": "50"}
+    total = 0
+    for _ in range(5):
+        node = NodeProcess(workdir, **env).start()
+        for i in range(300):
+            node.call("track", "acme", "api", 1 + i % 3)
+            total += 1 + i % 3
+        node.kill()
+    check = NodeProcess(workdir, **env).start()
+    try:
+        assert check.call("usage", "acme", "api") == total
+    finally:
+        assert check.stop() == 0
+    fresh = NodeProcess(workdir, METER_DURABILITY="off").start()
+    try:
+        assert fresh.call("usage", "acme", "api") == total  # stored exactly once
+    finally:
+        fresh.stop()
+
+
+def test_request_ids_count_once_across_a_kill_and_conflict_on_another_payload(
+    workdir: Path,
+) -> None:
+    node = NodeProcess(workdir, **NO_FLUSH).start()
+    assert node.call("track", "acme", "api", 5, {"id": "req-1"}) == 5
+    assert node.call("track", "acme", "api", 5, {"id": "req-1"}) == 5  # a retry
+    assert node.call("track_many", [["acme", "api", 2, {"id": "m-1"}], ["acme", "api", 3]]) == [
+        7,
+        10,
+    ]
+    node.kill()
+    node = NodeProcess(workdir, **NO_FLUSH).start()
+    try:
+        assert node.call("track", "acme", "api", 5, {"id": "req-1"}) == 5  # first answer
+        assert node.call("track_many", [["acme", "api", 2, {"id": "m-1"}]]) == [7]
+        assert node.call("usage", "acme", "api") == 10
+        error, _ = call(node, "track", "acme", "api", 6, {"id": "req-1"})
+        assert error["code"] == "conflict"
+        error, _ = call(node, "track", "acme", "other", 5, {"id": "req-1"})
+        assert error["code"] == "conflict"
+        error, _ = call(node, "reserve", "acme", "api", 5, {"id": "req-1"})
+        assert error["code"] == "conflict"
+        assert node.call("usage", "acme", "api") == 10
+    finally:
+        assert node.stop() == 0
+
+
+def test_a_window_that_ends_lets_the_id_count_again(workdir: Path) -> None:
+    with NodeProcess(workdir, METER_IDEMPOTENCY_WINDOW_S="1") as node:
+        assert node.call("track", "acme", "api", 1, {"id": "w"}) == 1
+        assert node.call("track", "acme", "api", 1, {"id": "w"}) == 1
+        wait_for(
+            lambda: node.call("status")["request_ids"]["remembered"] == 0,
+            timeout=5,
+            what="the id's window to end",
+        )
+        assert node.call("track", "acme", "api", 1, {"id": "w"}) == 2
+
+
+def test_ids_past_the_bound_are_dropped_and_reported(workdir: Path) -> None:
+    with NodeProcess(workdir, METER_IDEMPOTENCY_MAX_IDS="10") as node:
+        for i in range(15):
+            node.call("track", "acme", "api", 1, {"id": f"b{i}"})
+        ids = node.call("status")["request_ids"]
+        assert ids["remembered"] == 10
+        assert ids["dropped_early"] == 5
+        assert node.call("track", "acme", "api", 1, {"id": "b0"}) == 16  # forgotten: counts
+        assert node.call("track", "acme", "api", 1, {"id": "b14"}) == 15  # remembered
+
+
+def test_a_reservation_survives_a_kill_and_its_commit_is_idempotent(workdir: Path) -> None:
+    node = NodeProcess(workdir, **NO_FLUSH).start()
+    node.call("track", "acme", "gpu", 10)
+    rid = node.call("reserve", "acme", "gpu", 50, {"limit": 100, "ttl_ms": 600_000})
+    done = node.call("reserve", "acme", "gpu", 5, {"ttl_ms": 600_000})
+    assert node.call("commit", done, 4) == 64
+    node.kill()
+    node = NodeProcess(workdir, **NO_FLUSH).start()
+    try:
+        assert node.call("usage", "acme", "gpu") == 64  # 10 + 4 used + 50 held
+        error, _ = call(node, "reserve", "acme", "gpu", 40, {"limit": 100})
+        assert error["code"] == "limit_exceeded"  # the hold still counts against the limit
+        assert node.call("commit", rid, 30) == 44
+        assert node.call("commit", rid, 30) == 44  # repeated: the first answer
+        assert node.call("commit", rid) == 44  # no quantity: the same commit
+        assert node.call("commit", done, 4) == 64  # finished before the crash
+        error, _ = call(node, "commit", rid, 31)
+        assert error["code"] == "conflict"
+        error, _ = call(node, "release", rid)
+        assert error["code"] == "conflict"
+        error, _ = call(node, "commit", "r-never-issued")
+        assert error["code"] == "not_found"
+        assert node.call("usage", "acme", "gpu") == 44
+    finally:
+        assert node.stop() == 0
+
+
+def test_an_expired_reservation_is_not_found(workdir: Path) -> None:
+    with NodeProcess(workdir) as node:
+        rid = node.call("reserve", "acme", "gpu", 5, {"ttl_ms": 50})
+        wait_for(lambda: node.call("usage", "acme", "gpu") == 0, what="the lease to expire")
+        error, _ = call(node, "commit", rid)
+        assert error["code"] == "not_found"
+
+
+def _last_segment(node: NodeProcess) -> Path:
+    wal = node.data_dir / "wal"
+    return segment_path(wal, list_segments(wal)[-1])
+
+
+def test_a_torn_tail_is_cut_and_the_node_starts(workdir: Path) -> None:
+    node = NodeProcess(workdir, **NO_FLUSH).start()
+    for _ in range(10):
+        node.call("track", "acme", "api", 1)
+    node.kill()
+    seg = _last_segment(node)
+    whole = seg.stat().st_size
+    torn = R.frame([R.TRACK, "acme", "api", "2026-11", 1000])
+    with seg.open("ab") as fh:
+        fh.write(torn[: len(torn) // 2])  # a record half written when the power went
+    again = NodeProcess(workdir, **NO_FLUSH).start()
+    try:
+        assert again.call("usage", "acme", "api") == 10
+        assert "cut a torn tail" in again.log()
+        assert f"at byte {whole}" in again.log()
+    finally:
+        assert again.stop() == 0
+
+
+def test_corruption_before_the_tail_stops_the_node_naming_file_and_offset(
+    workdir: Path,
+) -> None:
+    node = NodeProcess(workdir, **NO_FLUSH).start()
+    for _ in range(10):
+        node.call("track", "acme", "api", 1)
+    node.kill()
+    seg = _last_segment(node)
+    data = bytearray(seg.read_bytes())
+    first = len(R.frame(R.scan(bytes(data)).records[0]))
+    data[first + R.HEADER.size + 2] ^= 0xFF  # inside the second record
+    seg.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError) as info:
+        NodeProcess(workdir, **NO_FLUSH).start(timeout=10)
+    assert f"{seg} is damaged at byte {first}" in str(info.value)
+    assert f"truncate -s {first} {seg}" in str(info.value)
+    # The documented way out: cut the log there and start (losing what followed).
+    subprocess.run(["truncate", "-s", str(first), str(seg)], check=True)
+    again = NodeProcess(workdir, **NO_FLUSH).start()
+    try:
+        assert again.call("usage", "acme", "api") == 0
+    finally:
+        again.stop()
+
+
+@pytest.fixture
+def small_fs() -> Iterator[Path]:
+    """A 2 MiB tmpfs, so the disk really fills."""
+    mnt = short_tmpdir("fs-")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        shutil.rmtree(mnt, ignore_errors=True)
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        shutil.rmtree(mnt, ignore_errors=True)
+
+
+def test_a_full_disk_refuses_writes_counts_nothing_and_recovers(
+    workdir: Path, small_fs: Path
+) -> None:
+    node = NodeProcess(
+        workdir,
+        METER_DATA_DIR=str(small_fs / "data"),
+        METER_SQLITE_FILE=str(workdir / "counters.sqlite3"),  # storage stays on the real disk
+        METER_WAL_SEGMENT_BYTES="65536",
+        **NO_FLUSH,
+    ).start()
+    try:
+        assert node.call("track", "acme", "api", 1) == 1
+        filler = small_fs / "filler"
+        with filler.open("wb", buffering=0) as fh, contextlib.suppress(OSError):
+            while True:
+                fh.write(b"\0" * 512)
+        counted = 1
+        refused = 0
+        # The log's last page (tmpfs allocates 4 KiB at a time) takes a few records more.
+        for i in range(3000):
+            if refused >= 20:
+                break
+            error, _ = call(node, "track", "acme", "api", 1, {"id": f"full-{i}"})
+            if error is None:
+                counted += 1
+            else:
+                assert error["code"] == "unavailable", error
+                assert "write-ahead log" in error["message"]
+                refused += 1
+        assert refused > 0, "the disk never filled"
+        # Reads keep working, and say what was counted, nothing more.
+        assert node.call("usage", "acme", "api") == counted
+        status = node.call("status")
+        assert status["durability"]["wal"]["broken"]
+        assert "disk full" in status["durability"]["wal"]["broken"]
+        filler.unlink()
+        wait_for(
+            lambda: call(node, "track", "acme", "api", 1)[0] is None,
+            timeout=10,
+            what="the log to recover once space returned",
+        )
+        counted += 1
+        assert node.call("status")["durability"]["wal"]["broken"] is None
+        assert node.call("usage", "acme", "api") == counted
+    finally:
+        node.kill()
+    again = NodeProcess(
+        workdir,
+        METER_DATA_DIR=str(small_fs / "data"),
+        METER_SQLITE_FILE=str(workdir / "counters.sqlite3"),
+        **NO_FLUSH,
+    ).start()
+    try:
+        assert again.call("usage", "acme", "api") == counted  # the refused calls never count
+    finally:
+        again.stop()
+
+
+def test_the_log_stays_bounded_by_the_unstored_backlog(workdir: Path) -> None:
+    env = {"METER_WAL_SEGMENT_BYTES": "65536", "METER_FLUSH_INTERVAL_MS": "50"}
+    with NodeProcess(workdir, **env) as node:
+        for i in range(40):
+            node.call("track_many", [["acme", f"f{j}", 1] for j in range(200)])
+            del i
+        wait_for(
+            lambda: node.call("status")["durability"]["wal"]["checkpoints"] >= 2,
+            what="checkpoints",
+        )
+        wait_for(
+            lambda: node.call("status")["flush"]["backlog_keys"] == 0, what="everything stored"
+        )
+        wal = node.call("status")["durability"]["wal"]
+        written = wal["records"]
+        assert written > 40
+        # Older segments were dropped: at most the open one and one being compacted.
+        assert wal["segments"] <= 2, wal
+        assert wal["size_bytes"] <= 2 * 65536 + 32768, wal
+        assert wal["oldest_record_age_s"] is not None
+        files = list((node.data_dir / "wal").iterdir())
+        assert len(files) == wal["segments"], files
+
+
+def test_interval_mode_answers_before_the_fsync_and_keeps_units_on_a_process_crash(
+    workdir: Path,
+) -> None:
+    node = NodeProcess(
+        workdir, METER_DURABILITY="interval", METER_WAL_FSYNC_INTERVAL_MS="60000", **NO_FLUSH
+    ).start()
+    for _ in range(20):
+        node.call("track", "acme", "api", 1)
+    status = node.call("status")["durability"]["wal"]
+    assert status["mode"] == "interval"
+    node.kill()
+    again = NodeProcess(workdir, METER_DURABILITY="interval", **NO_FLUSH).start()
+    try:
+        assert again.call("usage", "acme", "api") == 20
+    finally:
+        again.stop()
+
+
+def test_durability_off_writes_no_log(workdir: Path) -> None:
+    node = NodeProcess(workdir, METER_DURABILITY="off", **NO_FLUSH).start()
+    node.call("track", "acme", "api", 1)
+    assert node.call("status")["durability"] == {"mode": "off", "wal": None}
+    node.kill()
+    assert not (node.data_dir / "wal").exists()
