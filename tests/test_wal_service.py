@@ -1,0 +1,316 @@
+"""The write-ahead log in process, under the real service and server: answers leave only after
+their record is written, one commit serves many connections, a failed write undoes every kind
+of call it held, and request ids count once however the call is repeated."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import shutil
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from meter.config import CounterConfig
+from meter.errors import Conflict, Unavailable
+from meter.idempotency import RequestIds
+from meter.server import RpcServer, start_server
+from meter.service import Service
+from meter.table import CounterTable
+from meter.wal import records as R
+from meter.wal.log import WriteAheadLog, list_segments, segment_path
+from storage.memory import MemoryStorage
+from tests.nodes import short_tmpdir
+
+KEY = ("acme", "api")
+
+
+class SlowStorage(MemoryStorage):
+    """Seeding reads wait until released, so two calls can wait on one cold key together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def load(self, keys: Any) -> Any:
+        await self.gate.wait()
+        return await super().load(keys)
+
+
+@pytest.fixture
+def tmp() -> Iterator[Path]:
+    d = short_tmpdir("ws-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+async def make(tmp: Path, storage: MemoryStorage | None = None) -> tuple[Service, WriteAheadLog]:
+    wal = WriteAheadLog(tmp / "wal", node_id="n1", mode="fsync")
+    svc = Service(CounterTable("n1"), storage or MemoryStorage(), CounterConfig(), wal=wal,
+                  ids=RequestIds(3600, 1000))  # fmt: skip
+    wal.recover()
+    wal.open(svc.undo, svc.checkpoint)
+    return svc, wal
+
+
+def broken(wal: WriteAheadLog) -> str | None:
+    return wal.broken
+
+
+def dirty(wal: WriteAheadLog) -> bool:
+    return wal.dirty
+
+
+async def call(svc: Service, method: str, *params: Any) -> Any:
+    result = svc.dispatch(method, list(params))
+    if inspect.isawaitable(result):
+        return await result
+    return result
+
+
+async def settle() -> None:
+    """Let the pending commit (one loop pass) run."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def logged(wal: WriteAheadLog) -> list[list[Any]]:
+    numbers = list_segments(wal.directory)
+    out: list[list[Any]] = []
+    for n in numbers:
+        out.extend(R.scan(segment_path(wal.directory, n).read_bytes()).records)
+    return out
+
+
+@contextlib.contextmanager
+def disk_full(wal: WriteAheadLog) -> Iterator[None]:
+    """Point the log's file descriptor at /dev/full (every write: ENOSPC), then back."""
+    saved = os.dup(wal._fd)
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, wal._fd)
+    os.close(full)
+    try:
+        yield
+    finally:
+        os.dup2(saved, wal._fd)
+        os.close(saved)
+
+
+async def test_every_call_kind_is_logged_and_a_failed_write_undoes_it(tmp: Path) -> None:
+    svc, wal = await make(tmp)
+    t = svc.table
+    assert await call(svc, "track", *KEY, 10) == 10
+    rid = await call(svc, "reserve", *KEY, 5)
+    done = await call(svc, "reserve", *KEY, 3)
+    await settle()
+    (key,) = list(t.keys())
+    before = t.columns(key)
+    assert before is not None and before["value"] == 18
+    with disk_full(wal):
+        assert await call(svc, "track", *KEY, 7, {"id": "t1"}) == 25
+        assert await call(svc, "track_many", [[*KEY, 1, {"id": "m1"}], [*KEY, 2]]) == [26, 28]
+        assert await call(svc, "commit", rid, 4, {"id": "c1"}) == 27
+        assert await call(svc, "release", done) is None
+        other = await call(svc, "reserve", *KEY, 9, {"id": "r1"})
+        await settle()  # the commit fails: every effect above is taken back
+        assert wal.broken is not None and "disk full" in wal.broken
+        assert t.columns(key) == before
+        assert len(svc.ids) == 0
+        assert svc.reservations.get(other) is None
+        assert svc.reservations.get(rid) is not None and svc.reservations.get(done) is not None
+        # While broken, nothing is counted; reads still answer.
+        with pytest.raises(Unavailable):
+            await call(svc, "track", *KEY, 1)
+        with pytest.raises(Unavailable):
+            await call(svc, "commit", rid)
+        assert await call(svc, "usage", *KEY) == 18
+    # The probe finds the disk writable again and the log resumes.
+    for _ in range(100):
+        if broken(wal) is None:
+            break
+        await asyncio.sleep(0.05)
+    assert broken(wal) is None
+    assert await call(svc, "commit", rid, 4) == 17
+    await settle()
+    kinds = [r[0] for r in logged(wal)]
+    assert kinds.count(R.TRACK) == 1 and kinds.count(R.RESERVE) == 2 and R.COMMIT in kinds
+    await wal.close()
+
+
+async def test_a_retried_id_counts_once_and_another_payload_conflicts(tmp: Path) -> None:
+    svc, wal = await make(tmp)
+    assert await call(svc, "track", *KEY, 5, {"id": "a"}) == 5
+    assert await call(svc, "track", *KEY, 5, {"id": "a"}) == 5
+    with pytest.raises(Conflict):
+        await call(svc, "track", *KEY, 6, {"id": "a"})
+    with pytest.raises(Conflict):
+        await call(svc, "reserve", *KEY, 5, {"id": "a"})
+    # Within one batch: the repeat answers as the first item; another payload conflicts.
+    out = await call(
+        svc, "track_many", [[*KEY, 2, {"id": "b"}], [*KEY, 2, {"id": "b"}], [*KEY, 3, {"id": "b"}]]
+    )
+    assert out[:2] == [7, 7]
+    assert out[2]["code"] == "conflict"
+    assert await call(svc, "track_many", [[*KEY, 2, {"id": "b"}], [*KEY, 1, {"id": "a"}]]) == [
+        7,
+        {"code": "conflict", "message": out[2]["message"].replace("'b'", "'a'")},
+    ]
+    assert await call(svc, "usage", *KEY) == 7
+    rid = await call(svc, "reserve", *KEY, 4, {"id": "r"})
+    assert await call(svc, "reserve", *KEY, 4, {"id": "r"}) == rid
+    assert len(svc.reservations) == 1
+    await wal.close()
+
+
+async def test_two_calls_with_one_id_waiting_on_a_cold_key_count_once(tmp: Path) -> None:
+    store = SlowStorage()
+    svc, wal = await make(tmp, store)
+    first = asyncio.ensure_future(call(svc, "track", *KEY, 5, {"id": "x"}))
+    second = asyncio.ensure_future(call(svc, "track", *KEY, 5, {"id": "x"}))
+    many = asyncio.ensure_future(call(svc, "track_many", [[*KEY, 5, {"id": "x"}]]))
+    await asyncio.sleep(0.01)
+    assert not first.done()
+    store.gate.set()
+    assert await first == 5
+    assert await second == 5
+    assert await many == [5]
+    assert await call(svc, "usage", *KEY) == 5
+    await wal.close()
+
+
+# -- through the socket server ---------------------------------------------------------------
+
+
+@pytest.fixture
+async def served(tmp: Path) -> AsyncIterator[tuple[Service, WriteAheadLog, RpcServer, str]]:
+    svc, wal = await make(tmp)
+    path = str(tmp / "s.sock")
+    server = await start_server(path, svc)
+    yield svc, wal, server, path
+    await server.close()
+    await wal.close()
+
+
+async def rpc(path: str, *requests: list[Any]) -> list[list[Any]]:
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(b"".join(msgpack.packb([0, i, m, p]) for i, (m, p) in enumerate(requests)))
+    unpacker = msgpack.Unpacker(raw=False)
+    out: list[list[Any]] = []
+    while len(out) < len(requests):
+        data = await reader.read(65536)
+        assert data, "the node closed the connection"
+        unpacker.feed(data)
+        out.extend(unpacker)
+    writer.close()
+    return sorted(out, key=lambda r: r[1])
+
+
+async def test_an_answer_leaves_only_once_its_record_is_on_disk(
+    served: tuple[Service, WriteAheadLog, RpcServer, str],
+) -> None:
+    _, wal, _, path = served
+    for i in range(20):
+        (resp,) = await rpc(path, ["track", ["acme", "api", 1, {"id": f"d{i}"}]])
+        assert resp[2] is None and resp[3] == i + 1
+        # Read from the file, not memory: the record is there as soon as the answer is.
+        ids = [r[5] for r in logged(wal) if r[0] == R.TRACK_ID]
+        assert f"d{i}" in ids
+
+
+class Transport:
+    """Just enough of a transport for ``data_received``: keeps what is written."""
+
+    def __init__(self) -> None:
+        self.written = b""
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return False
+
+    def set_write_buffer_limits(self, high: int, low: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+async def test_answers_wait_for_the_commit_of_their_pass(
+    served: tuple[Service, WriteAheadLog, RpcServer, str],
+) -> None:
+    from meter.server import _Connection
+
+    svc, wal, server, _ = served
+    reader, writer = _Connection(server), _Connection(server)
+    t1, t2 = Transport(), Transport()
+    reader.connection_made(t1)  # type: ignore[arg-type]
+    writer.connection_made(t2)  # type: ignore[arg-type]
+    await call(svc, "track", "acme", "api", 1)  # warm the key
+    await settle()
+    writer.data_received(msgpack.packb([0, 1, "track", ["acme", "api", 1]]))
+    reader.data_received(msgpack.packb([0, 2, "usage", ["acme", "api"]]))
+    # Nothing leaves before the record of this pass is written: not the track's answer, and
+    # not a read that would show the unit.
+    assert dirty(wal) and t1.written == b"" and t2.written == b""
+    await settle()
+    assert not dirty(wal)
+    assert msgpack.unpackb(t2.written) == [1, 1, None, 2]
+    assert msgpack.unpackb(t1.written) == [1, 2, None, 2]
+    # A pass that changes nothing answers at once.
+    reader.data_received(msgpack.packb([0, 3, "usage", ["acme", "api"]]))
+    assert msgpack.unpackb(t1.written[len(msgpack.packb([1, 2, None, 2])) :]) == [1, 3, None, 2]
+    reader.connection_lost(None)
+    writer.connection_lost(None)
+
+
+async def test_one_commit_serves_many_connections(
+    served: tuple[Service, WriteAheadLog, RpcServer, str],
+) -> None:
+    svc, wal, _, path = served
+    conns = [socket.socket(socket.AF_UNIX) for _ in range(16)]
+    for s in conns:
+        s.connect(path)
+        s.setblocking(False)
+    before = wal.commits
+    await asyncio.sleep(0)
+    for i, s in enumerate(conns):  # every request is in the kernel before the node reads
+        s.send(msgpack.packb([0, i, "track", ["acme", "api", 1]]))
+    loop = asyncio.get_running_loop()
+    for s in conns:
+        unpacker = msgpack.Unpacker(raw=False)
+        while True:
+            unpacker.feed(await loop.sock_recv(s, 1024))
+            got = list(unpacker)
+            if got:
+                assert got[0][2] is None
+                break
+        s.close()
+    assert await call(svc, "usage", "acme", "api") == 16
+    assert wal.commits - before < 16, "each commit (one write, one fsync) served many calls"
+
+
+async def test_a_failed_write_answers_every_held_call_unavailable(
+    served: tuple[Service, WriteAheadLog, RpcServer, str],
+) -> None:
+    svc, wal, _, path = served
+    await rpc(path, ["track", ["acme", "api", 3]])
+    with disk_full(wal):
+        out = await rpc(
+            path,
+            ["track", ["acme", "api", 1]],
+            ["usage", ["acme", "api"]],
+            ["track", ["acme", "api", 1]],
+        )
+    assert [r[2]["code"] if r[2] else None for r in out] == ["unavailable"] * 3
+    assert "write-ahead log" in out[0][2]["message"]
+    assert await call(svc, "usage", "acme", "api") == 3
