@@ -42,10 +42,14 @@ def check_id(rid: object) -> str:
     return rid
 
 
+_pack = msgpack.Packer(use_bin_type=True).pack
+_blake2b = hashlib.blake2b
+
+
 def fingerprint(*parts: Any) -> int:
     """A stable 64-bit digest of a call's method and payload (the same in every process)."""
-    packed = msgpack.packb(parts, use_bin_type=True)
-    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little")
+    packed: bytes = _pack(parts)
+    return int.from_bytes(_blake2b(packed, digest_size=8).digest(), "little")
 
 
 class RequestIds:

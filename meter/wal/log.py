@@ -215,14 +215,19 @@ class WriteAheadLog:
             # Unstored state is small after a drain: restate it in a fresh segment, so a
             # restart replays that instead of the history.
             self._ckpt = None
-            self._new_segment()
-            recs = list(self._checkpoint())
-            recs.append([R.CHECKPOINT_END, self._number])
-            self._batch.extend(recs)
-            self._commit()
-            if self.broken is None:
-                self._sync_now()
-                self._drop_older(self._number)
+            try:
+                self._new_segment()
+            except OSError as exc:
+                log.warning("no final checkpoint (the log stays as it is): %s", exc)
+            else:
+                recs = list(self._checkpoint())
+                recs.append([R.CHECKPOINT_END, self._number])
+                self._batch.extend(recs)
+                self._commit()
+                if self.broken is None:
+                    with contextlib.suppress(OSError):
+                        self._sync_now()
+                        self._drop_older(self._number)
         if self._timer is not None:
             self._timer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -449,33 +454,35 @@ class WriteAheadLog:
     # -- segments and compaction ------------------------------------------------------------
 
     def _new_segment(self) -> None:
-        """Close the open segment (synced) and start the next one."""
-        if self._fd >= 0:
-            if self._written > self._synced:
-                self._sync_now()
-            os.close(self._fd)
-            self._sizes[self._number] = self._end
-            self._fd = -1
-        self._number += 1
+        """Start the next segment; the open one is synced and closed once the new one exists.
+
+        Raises ``OSError`` (the open segment stays in use) if the new one cannot be made.
+        """
+        number = self._number + 1
         now = time.time()
-        path = segment_path(self.directory, self._number)
+        path = segment_path(self.directory, number)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        head = R.frame([R.SEGMENT, self.node_id, R.FORMAT, self._number, now])
+        head = R.frame([R.SEGMENT, self.node_id, R.FORMAT, number, now])
         try:
             os.ftruncate(fd, 0)
             os.write(fd, head)
             os.fdatasync(fd)
             _sync_dir(self.directory)
+            if self._fd >= 0 and self._written > self._synced:
+                self._sync_now()  # the old segment is complete on disk before records move on
         except OSError:
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(path)
-            self._number -= 1
             raise
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._sizes[self._number] = self._end
+        self._number = number
         self._fd = fd
         self._end = len(head)
         self._opened_at = time.monotonic()
-        self._created[self._number] = now
+        self._created[number] = now
 
     def _maybe_rotate(self) -> None:
         if self._ckpt is not None or self.broken is not None or self._closing:
@@ -487,11 +494,8 @@ class WriteAheadLog:
             self._rotate()
 
     def _rotate(self) -> None:
-        if self._batch:
-            self._commit()
-            if self.broken is not None:
-                self._ckpt_wanted = True
-                return
+        # Records still in the open batch go to the new segment: their effects are in the
+        # table, so the checkpoint's restated state (read later) includes them anyway.
         try:
             self._new_segment()
         except OSError as exc:
