@@ -330,7 +330,11 @@ class CounterTable:
             row = self._row(key)
             self._rebase_row(row, snap)
             self._unseeded.discard(key)
-            if row.pending_flush or row.flags & INFLIGHT:
+            if (
+                row.pending_flush
+                or row.flags & INFLIGHT
+                or (row.ext is not None and row.ext.sealed)  # restored gossip to send
+            ):
                 self._mark(key, row)
             return True
 

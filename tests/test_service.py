@@ -10,6 +10,7 @@ import pytest
 
 from meter.config import CounterConfig
 from meter.errors import (
+    Conflict,
     InvalidArgument,
     LimitExceeded,
     NotFound,
@@ -209,12 +210,18 @@ async def test_reserve_commit_release(svc: Service) -> None:
         await call(svc, "reserve", "acme", "api", 6, {"limit": 10})
     assert await call(svc, "usage", "acme", "api") == 5, "a refused reservation holds nothing"
     assert await call(svc, "commit", rid, 3) == 3
-    with pytest.raises(NotFound):
-        await call(svc, "commit", rid)
+    # Finished exactly once: a repeat answers as the first did, anything else conflicts.
+    assert await call(svc, "commit", rid) == 3
+    assert await call(svc, "commit", rid, 3) == 3
+    with pytest.raises(Conflict):
+        await call(svc, "commit", rid, 4)
+    with pytest.raises(Conflict):
+        await call(svc, "release", rid)
     rid2 = await call(svc, "reserve", "acme", "api", 7, {"limit": 10})
     assert await call(svc, "release", rid2) is None
-    with pytest.raises(NotFound):
-        await call(svc, "release", rid2)
+    assert await call(svc, "release", rid2) is None
+    with pytest.raises(Conflict):
+        await call(svc, "commit", rid2)
     assert await call(svc, "usage", "acme", "api") == 3
     rid3 = await call(svc, "reserve", "acme", "api", 7, {"limit": 10})
     assert await call(svc, "commit", rid3) == 10, "commit without actual uses the reserved qty"
