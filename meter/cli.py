@@ -239,6 +239,24 @@ def _fmt(s: dict[str, Any]) -> str:
         f"{server.get('protocol_errors')} protocol errors, "
         f"{server.get('internal_errors')} internal errors",
     ]
+    dur = s.get("durability")
+    if isinstance(dur, dict):
+        wal = dur.get("wal")
+        if isinstance(wal, dict):
+            state = "ok" if not wal.get("broken") else f"BROKEN ({wal['broken']})"
+            lines.append(
+                f"log          {dur.get('mode')} {state}  {wal.get('segments')} segments, "
+                f"{wal.get('size_bytes')} bytes, oldest {wal.get('oldest_record_age_s')} s, "
+                f"{wal.get('fsyncs')} fsyncs"
+            )
+        else:
+            lines.append("log          off (a crash loses what is not flushed)")
+    ids = s.get("request_ids")
+    if isinstance(ids, dict):
+        lines.append(
+            f"request ids  {ids.get('remembered')} remembered (max {ids.get('max')}), "
+            f"{ids.get('dropped_early')} dropped early"
+        )
     if flush.get("last_error"):
         lines.append(f"last error   {flush['last_error']}")
     for p in flush.get("poisoned") or []:

@@ -27,6 +27,17 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
             "poisoned": [{"key": ["acme", "big", "2026-11"], "error": "ValidationException"}],
         },
         "reservations": {"open": 1, "expired_total": 0},
+        "durability": {
+            "mode": "fsync",
+            "wal": {
+                "broken": "writing wal-00000002.log failed: ENOSPC (disk full)",
+                "segments": 2,
+                "size_bytes": 4096,
+                "oldest_record_age_s": 3.5,
+                "fsyncs": 9,
+            },
+        },  # fmt: skip
+        "request_ids": {"remembered": 10, "max": 250000, "dropped_early": 2},
         "server": {"connections": 2, "requests": 99, "protocol_errors": 1, "internal_errors": 0},
         "cluster": {
             "cluster": "prod",
@@ -48,3 +59,10 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
     assert "rejected 2 {'bad_mac': 2}" in text
     assert "peer n3  DEAD" in text and "peer n2  alive" in text
     assert "unseeded 1" in text and "in flight 2" in text
+    assert "log          fsync BROKEN (writing wal-00000002.log failed: ENOSPC (disk full))" in text
+    assert "request ids  10 remembered (max 250000), 2 dropped early" in text
+
+
+def test_summary_says_when_the_log_is_off() -> None:
+    text = _fmt({"durability": {"mode": "off", "wal": None}})
+    assert "log          off (a crash loses what is not flushed)" in text
