@@ -314,3 +314,28 @@ async def test_a_failed_write_answers_every_held_call_unavailable(
     assert [r[2]["code"] if r[2] else None for r in out] == ["unavailable"] * 3
     assert "write-ahead log" in out[0][2]["message"]
     assert await call(svc, "usage", "acme", "api") == 3
+
+
+async def test_interval_mode_syncs_on_its_interval_or_when_asked_not_per_write(tmp: Path) -> None:
+    wal = WriteAheadLog(tmp / "wal", node_id="n1", mode="interval", fsync_interval=60)
+    svc = Service(CounterTable("n1"), MemoryStorage(), CounterConfig(), wal=wal)
+    wal.recover()
+    wal.open(svc.undo, svc.checkpoint)
+    for _ in range(100):  # the opening checkpoint is synced once
+        if wal.checkpoints:
+            break
+        await asyncio.sleep(0.01)
+    before = wal.fsyncs
+    asked: asyncio.Future[None] | None = None
+    for i in range(300):
+        await call(svc, "track", "acme", "api", 1)
+        await settle()  # writes go on, a pass each, while that sync runs in its thread
+        if i == 5:
+            asked = asyncio.ensure_future(wal.durable())  # as the flusher does: one sync
+    for _ in range(100):
+        if asked is not None and asked.done():
+            break
+        await asyncio.sleep(0.01)
+    assert wal.fsyncs - before == 1, "written every pass, synced once on request, not per write"
+    assert wal.commits >= 50
+    await wal.close()

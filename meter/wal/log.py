@@ -391,8 +391,14 @@ class WriteAheadLog:
             self._sync_task = self._loop.create_task(self._sync_async())
 
     async def _sync_async(self) -> None:
+        """One fsync of what is written now; again only while someone waits for more (the
+        interval timer asks once per interval, the flusher per round: not once per write)."""
         assert self._loop is not None
+        first = True
         while self._written > self._synced and self.broken is None:
+            if not first and not any(t > self._synced for t, _ in self._waiters):
+                return
+            first = False
             target = self._written
             fd = self._fd
             try:
