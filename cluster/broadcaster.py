@@ -56,8 +56,12 @@ class Broadcaster:
         frame_budget: int = 256 * 1024,
         max_outbox: int = 1024,
         clock: Callable[[], float] = time.time,
+        after_commit: Callable[[Callable[[], object]], None] | None = None,
     ) -> None:
         self.table = table
+        #: Runs a take once every state change made so far is committed to the node's log
+        #: (``None``: at once). Units of a call whose log write fails are then never gossiped.
+        self.after_commit = after_commit
         self.bus = bus
         self.codec = codec
         self.node_id = node_id
@@ -91,6 +95,13 @@ class Broadcaster:
         for part in chunks(items, self.frame_budget):
             self._queue("deltas", part)
         return len(items)
+
+    def gossip_committed(self) -> None:
+        """:meth:`gossip_now`, at the node's next commit boundary (see ``after_commit``)."""
+        if self.after_commit is None:
+            self.gossip_now()
+        else:
+            self.after_commit(self.gossip_now)
 
     def announce(self, written: Sequence[tuple[Key, AppliedView]]) -> None:
         """Queue the snapshots just written by the flusher."""
@@ -133,7 +144,7 @@ class Broadcaster:
                     next_at += self.interval
                     if next_at < now:  # fell behind (a stalled loop): skip the missed ticks
                         next_at = now + self.interval
-                    self.gossip_now()
+                    self.gossip_committed()
                 if now - self._last_sent >= self.heartbeat:
                     if self._outbox.empty():
                         self.heartbeat_now()

@@ -65,6 +65,7 @@ class Gossip(Generic[S]):
         secret: str | None = None,
         settings: GossipSettings | None = None,
         clock: Callable[[], float] = time.time,
+        after_commit: Callable[[Callable[[], object]], None] | None = None,
     ) -> None:
         self.table = table
         self.bus = bus
@@ -87,6 +88,7 @@ class Gossip(Generic[S]):
             interval=self.settings.interval,
             heartbeat=self.settings.heartbeat,
             clock=clock,
+            after_commit=after_commit,
         )
         self.received: dict[str, int] = {
             "messages": 0,
@@ -133,7 +135,8 @@ class Gossip(Generic[S]):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if sender is not None:
-            self.broadcaster.gossip_now()
+            self.broadcaster.gossip_committed()
+            await asyncio.sleep(0)  # the log's commit (and so the take) runs this pass
             if not await self.broadcaster.drained(timeout):
                 left = self.broadcaster.status()["queued"]
                 log.warning("gossip: %s frames not sent at stop", left)

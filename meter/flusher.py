@@ -138,16 +138,40 @@ class Flusher:
             self.table.seed(key, snap)
         return True
 
-    async def _write(self, keys: list[Key]) -> bool:
+    def _take(self, keys: list[Key]) -> list[Delta]:
+        """Take each key's delta; with a log, append them to it (in the same step)."""
         deltas: list[Delta] = []
         for key in keys:
             taken = self.table.take_flush(key)
             if taken is not None:
                 deltas.append(Delta(key, taken[0], taken[1]))
+        if self.wal is not None and deltas:
+            self.wal.append([FLUSH, [[*d.key, d.seq, d.delta] for d in deltas]])
+        return deltas
+
+    async def _take_committed(self, keys: list[Key]) -> list[Delta]:
+        """:meth:`_take` at the log's next commit boundary: a take then holds only units of
+        calls whose records are written (a call undone after a failed write was never taken,
+        so its units never reach storage)."""
+        wal = self.wal
+        if wal is None:
+            return self._take(keys)
+        fut: asyncio.Future[list[Delta]] = asyncio.get_running_loop().create_future()
+
+        def take() -> None:
+            try:
+                fut.set_result(self._take(keys))
+            except BaseException as exc:  # handed to the waiting round
+                fut.set_exception(exc)
+
+        wal.at_commit(take)
+        return await fut
+
+    async def _write(self, keys: list[Key]) -> bool:
+        deltas = await self._take_committed(keys)
         if not deltas:
             return True
         if self.wal is not None:
-            self.wal.append([FLUSH, [[*d.key, d.seq, d.delta] for d in deltas]])
             try:
                 await self.wal.durable()
             except WalError as exc:

@@ -80,8 +80,17 @@ def resync_from(
     return resync
 
 
-def build_gossip(cfg: NodeConfig, table: CounterTable, storage: Storage) -> Gossip[Snapshot]:
-    """The gossip layer over Redis pub/sub the configuration names (not started yet)."""
+def build_gossip(
+    cfg: NodeConfig,
+    table: CounterTable,
+    storage: Storage,
+    *,
+    after_commit: Callable[[Callable[[], object]], None] | None = None,
+) -> Gossip[Snapshot]:
+    """The gossip layer over Redis pub/sub the configuration names (not started yet).
+
+    ``after_commit`` delays each gossip take until the write-ahead log holds every state
+    change made so far (:meth:`meter.wal.log.WriteAheadLog.at_commit`)."""
     from cluster.bus import channel_name
     from cluster.redis_bus import RedisBus
 
@@ -101,6 +110,7 @@ def build_gossip(cfg: NodeConfig, table: CounterTable, storage: Storage) -> Goss
             peer_timeout=c.peer_timeout_ms / 1000,
             reconcile=c.reconcile_s,
         ),
+        after_commit=after_commit,
     )
 
 
@@ -199,7 +209,12 @@ class Node:
                     segment_bytes=d.segment_bytes,
                 )
             if cfg.cluster.redis_url:
-                self.gossip = build_gossip(cfg, self.table, self.storage)
+                self.gossip = build_gossip(
+                    cfg,
+                    self.table,
+                    self.storage,
+                    after_commit=None if self.wal is None else self.wal.at_commit,
+                )
             self.flusher = Flusher(
                 self.table,
                 self.storage,

@@ -36,7 +36,7 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
                 "oldest_record_age_s": 3.5,
                 "fsyncs": 9,
             },
-        },  # fmt: skip
+        },
         "request_ids": {"remembered": 10, "max": 250000, "dropped_early": 2},
         "server": {"connections": 2, "requests": 99, "protocol_errors": 1, "internal_errors": 0},
         "cluster": {

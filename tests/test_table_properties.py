@@ -305,6 +305,9 @@ class ClusterMachine(RuleBasedStateMachine):
         outcome=st.sampled_from(["ack", "ack", "fail", "lost", "logfail"]),
     )
     def flush(self, node: str, pick: int, outcome: str) -> None:
+        # A take waits for the log's next commit (WriteAheadLog.at_commit), as gossip does.
+        if self.batch[node]:
+            (self.log_fail if outcome == "logfail" else self.log_commit)(node)
         dirty = sorted(self.tables[node].dirty_keys())
         if dirty:
             self.flush_once(node, dirty[pick % len(dirty)], outcome)
@@ -334,8 +337,13 @@ class ClusterMachine(RuleBasedStateMachine):
 
     # -- gossip and announcements ------------------------------------------------------------
 
-    @rule(node=nodes, pick=st.integers(min_value=0, max_value=3))
-    def broadcast(self, node: str, pick: int) -> None:
+    @rule(node=nodes, pick=st.integers(min_value=0, max_value=3), fail=st.booleans())
+    def broadcast(self, node: str, pick: int, fail: bool) -> None:
+        # A take waits for the log's next commit (WriteAheadLog.at_commit): it never sees a
+        # call whose record is not written, so a call undone after a failed write was never
+        # gossiped.
+        if self.batch[node]:
+            (self.log_fail if fail else self.log_commit)(node)
         touched = sorted(self.tables[node].touched_keys())
         if touched:
             self.gossip_once(node, touched[pick % len(touched)])

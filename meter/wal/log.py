@@ -141,6 +141,7 @@ class WriteAheadLog:
         self._checkpoint: Callable[[], Iterator[list[Any]]] = lambda: iter(())
         self._batch: list[list[Any]] = []
         self._held: list[Held] = []
+        self._after: list[Callable[[], object]] = []
         self._scheduled = False
         self._fd = -1
         self._number = 0
@@ -267,6 +268,15 @@ class WriteAheadLog:
         fails, each becomes an ``unavailable`` error first."""
         self._held.append((send, answers))
 
+    def at_commit(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` now if nothing is waiting to be committed, else right after the open
+        batch's commit (or, if it fails, right after its records are undone): ``fn`` then sees
+        only state the log holds."""
+        if not self._batch:
+            fn()
+        else:
+            self._after.append(fn)
+
     async def durable(self) -> None:
         """Wait until every record appended so far is on disk (synced); :class:`WalError` if
         that cannot be."""
@@ -290,6 +300,17 @@ class WriteAheadLog:
         held, self._held = self._held, []
         gen = self._gen
         self._gen += 1
+        try:
+            self._commit_batch(batch, held, gen)
+        finally:
+            after, self._after = self._after, []
+            for fn in after:
+                try:
+                    fn()
+                except Exception:
+                    log.exception("a task run after a log commit failed")
+
+    def _commit_batch(self, batch: list[list[Any]], held: list[Held], gen: int) -> None:
         if not batch:
             for send, answers in held:
                 send(answers)
