@@ -633,12 +633,22 @@ class Service:
             self.ids.forget(rec[at + 4])
 
     def checkpoint(self) -> Iterator[list[Any]]:
-        """Records restating everything the log must keep, each read when it is yielded."""
+        """Records restating everything the log must keep.
+
+        What to restate is listed now (every key with unstored units, every lease and id);
+        each record is read when it is yielded, so it holds the state as it is then.
+        """
         keys = self.table.unstored_keys()
+        leases = [lease.id for lease in self.reservations.held()]
+        ids = (self.ids.ids(), self.done.ids())
+        return self._restate(keys, leases, ids)
+
+    def _restate(
+        self, keys: list[Key], leases: list[str], ids: tuple[list[str], list[str]]
+    ) -> Iterator[list[Any]]:
         for start in range(0, len(keys), CHECKPOINT_ITEMS):
             state = self.table.unstored_state(keys[start : start + CHECKPOINT_ITEMS])
             yield [R.STATE, [[*k, seq, inflight, pending] for k, seq, inflight, pending in state]]
-        leases = [lease.id for lease in self.reservations.held()]
         for start in range(0, len(leases), CHECKPOINT_ITEMS):
             items = []
             for lease_id in leases[start : start + CHECKPOINT_ITEMS]:
@@ -647,12 +657,11 @@ class Service:
                     items.append([lease.id, *lease.key, lease.qty, _wall(lease.deadline)])
             if items:
                 yield [R.LEASES, items]
-        for kind, registry in ((R.IDS, self.ids), (R.DONE, self.done)):
-            ids = registry.ids()
-            for start in range(0, len(ids), CHECKPOINT_ITEMS):
+        for kind, registry, listed in ((R.IDS, self.ids, ids[0]), (R.DONE, self.done, ids[1])):
+            for start in range(0, len(listed), CHECKPOINT_ITEMS):
                 now = time.time()
                 items = []
-                for rid in ids[start : start + CHECKPOINT_ITEMS]:
+                for rid in listed[start : start + CHECKPOINT_ITEMS]:
                     entry = registry.get(rid)
                     if entry is not None and entry[2] > now:
                         items.append([rid, *entry])

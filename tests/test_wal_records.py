@@ -3,6 +3,7 @@ corruption before it, whatever the cut."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meter.wal import records as R
+from meter.wal.log import LogIdMismatch, read_log, segment_path
 from meter.wal.replay import Replay
 
 RECS: list[list[Any]] = [
@@ -25,7 +27,20 @@ record = st.lists(
 ).map(lambda xs: [R.TRACK, *xs])
 
 
+def joined(recs: list[list[Any]]) -> bytes:
+    """Records one frame each (as separate commits write them)."""
+    return b"".join(R.frame(r) for r in recs)
+
+
 def test_records_round_trip() -> None:
+    data = joined(RECS) + R.frames(RECS)
+    found = R.scan(data)
+    assert found.records == RECS + RECS
+    assert found.end == len(data)
+    assert found.damage is None
+
+
+def test_a_commit_is_one_frame() -> None:
     data = R.frames(RECS)
     found = R.scan(data)
     assert found.records == RECS
@@ -38,10 +53,10 @@ def test_records_round_trip() -> None:
 def test_a_cut_anywhere_keeps_every_whole_record_and_is_torn(
     recs: list[list[Any]], data: st.DataObject
 ) -> None:
-    blob = R.frames(recs)
+    blob = joined(recs)
     cut = data.draw(st.integers(0, len(blob) - 1))
     found = R.scan(blob[:cut])
-    ends = [len(R.frames(recs[: i + 1])) for i in range(len(recs))]
+    ends = [len(joined(recs[: i + 1])) for i in range(len(recs))]
     whole = sum(1 for e in ends if e <= cut)
     assert found.records == recs[:whole]
     if cut in ends or cut == 0:
@@ -52,14 +67,14 @@ def test_a_cut_anywhere_keeps_every_whole_record_and_is_torn(
 
 
 def test_zero_fill_after_the_last_record_is_a_torn_tail() -> None:
-    blob = R.frames(RECS) + bytes(100)
+    blob = joined(RECS) + bytes(100)
     found = R.scan(blob)
     assert found.records == RECS
     assert found.damage is not None and found.damage.torn
 
 
 def test_a_garbled_last_record_is_torn() -> None:
-    blob = bytearray(R.frames(RECS))
+    blob = bytearray(joined(RECS))
     blob[-2] ^= 0xFF
     found = R.scan(bytes(blob))
     assert found.records == RECS[:-1]
@@ -68,7 +83,7 @@ def test_a_garbled_last_record_is_torn() -> None:
 
 @pytest.mark.parametrize("where", ["payload", "header"])
 def test_damage_before_the_tail_is_corruption_with_its_offset(where: str) -> None:
-    blob = bytearray(R.frames(RECS))
+    blob = bytearray(joined(RECS))
     second = len(R.frame(RECS[0]))
     blob[second + (R.HEADER.size + 1 if where == "payload" else 1)] ^= 0x55
     found = R.scan(bytes(blob))
@@ -76,6 +91,20 @@ def test_damage_before_the_tail_is_corruption_with_its_offset(where: str) -> Non
     assert found.damage is not None
     assert not found.damage.torn
     assert found.damage.offset == second
+    assert "a whole record follows" in found.damage.reason
+
+
+def test_a_page_missing_in_the_middle_of_the_last_commit_is_a_torn_tail() -> None:
+    # A crash can leave a multi-page write with a page never written (zeros), even before
+    # pages that were: that commit was never answered.
+    big = [[R.TRACK, "acme", f"f{i}", "2026-11", i] for i in range(2000)]
+    head = joined(RECS)
+    blob = bytearray(head + R.frames(big))
+    hole = len(head) + 5000
+    blob[hole : hole + 4096] = bytes(4096)
+    found = R.scan(bytes(blob))
+    assert found.records == RECS
+    assert found.damage is not None and found.damage.torn and found.damage.offset == len(head)
 
 
 def test_replay_of_tracks_flushes_and_states() -> None:
@@ -100,3 +129,36 @@ def test_replay_of_tracks_flushes_and_states() -> None:
 def test_an_unknown_record_type_is_refused() -> None:
     with pytest.raises(ValueError):
         Replay().apply([99])
+
+
+def _segments(tmp: Path, segs: list[list[list[Any]]]) -> Path:
+    d = tmp / "wal"
+    d.mkdir(parents=True)
+    for n, recs in enumerate(segs, start=1):
+        head = [R.SEGMENT, "n1", R.FORMAT, n, 0.0]
+        segment_path(d, n).write_bytes(b"".join(R.frame(r) for r in [head, *recs]))
+    return d
+
+
+def test_replay_starts_at_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    # Left by a crash between two deletions of old segments: segment 1 (which held the
+    # track) is gone, segment 2 (its flush) survived; segment 3's checkpoint restates
+    # everything (the key was stored: nothing to restate). Replaying 2 would subtract 5.
+    k = ["acme", "api", "2026-11"]
+    d = _segments(
+        tmp_path, [[[R.TRACK, *k, 1]], [[R.FLUSH, [[*k, 1, 5]]]], [[R.CHECKPOINT_END, 3]]]
+    )
+    segment_path(d, 1).unlink()
+    assert read_log(d).unstored() == {}
+    # An incomplete checkpoint (no end marker) does not count: replay starts further back.
+    d2 = _segments(tmp_path / "b", [[[R.TRACK, *k, 5]], [[R.STATE, [[*k, 0, 0, 5]]]]])
+    row = read_log(d2).unstored()[("acme", "api", "2026-11")]
+    assert (row.seq, row.inflight, row.pending) == (0, 0, 5)
+
+
+def test_a_log_of_another_node_is_refused(tmp_path: Path) -> None:
+    d = _segments(tmp_path, [[[R.TRACK, "acme", "api", "2026-11", 5]]])
+    with pytest.raises(LogIdMismatch) as info:
+        read_log(d, node_id="n2")
+    assert "belongs to node id 'n1'" in str(info.value) and "METER_NODE_ID=n1" in str(info.value)
+    assert read_log(d, node_id="n1").unstored()

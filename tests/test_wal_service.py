@@ -19,7 +19,10 @@ import pytest
 
 from meter.config import CounterConfig
 from meter.errors import Conflict, Unavailable
+from meter.flusher import Flusher
 from meter.idempotency import RequestIds
+from meter.keys import period_start
+from meter.recovery import recover
 from meter.server import RpcServer, start_server
 from meter.service import Service
 from meter.table import CounterTable
@@ -338,4 +341,45 @@ async def test_interval_mode_syncs_on_its_interval_or_when_asked_not_per_write(t
         await asyncio.sleep(0.01)
     assert wal.fsyncs - before == 1, "written every pass, synced once on request, not per write"
     assert wal.commits >= 50
+    await wal.close()
+
+
+async def _life(d: Path, store: MemoryStorage) -> tuple[Service, WriteAheadLog, Flusher]:
+    wal = WriteAheadLog(d / "wal", node_id="n1")
+    table = CounterTable("n1", gossip=False)
+    svc = Service(table, store, CounterConfig(), wal=wal, ids=RequestIds(3600, 1000))
+    await recover(wal, svc)
+    return svc, wal, Flusher(table, store, wal=wal)
+
+
+def _kill(wal: WriteAheadLog) -> None:
+    """kill -9: nothing closed cleanly, nothing more written."""
+    assert wal._timer is not None
+    wal._timer.cancel()
+    os.close(wal._fd)
+    wal._fd = -1
+    wal._closed = True
+
+
+async def test_a_call_logged_right_after_a_rotation_is_restated_by_its_checkpoint(
+    tmp: Path,
+) -> None:
+    store = MemoryStorage()
+    svc, wal, flusher = await _life(tmp, store)
+    await call(svc, "track", "acme", "api", 100)
+    await flusher.flush_once()
+    await call(svc, "track", "acme", "api", 5)
+    await settle()
+    wal._rotate()  # the segment is full: a new one, whose checkpoint lists the key now
+    await call(svc, "track", "acme", "api", -5)  # a refund, logged in the new segment first
+    for _ in range(50):
+        if wal.checkpoints and len(list_segments(wal.directory)) == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert len(list_segments(wal.directory)) == 1, "the old segment is gone"
+    _kill(wal)
+    svc, wal, flusher = await _life(tmp, store)
+    await flusher.flush_once()
+    key = ("acme", "api", period_start("month"))
+    assert (await store.load([key]))[key].total == 100  # not 95
     await wal.close()

@@ -68,6 +68,21 @@ class LogCorrupt(MeterError):
         self.offset = offset
 
 
+class LogIdMismatch(MeterError):
+    """The log was written by another node id: replaying it under this one would re-send its
+    in-flight deltas under sequences storage has never seen from this id."""
+
+    code = "invalid_argument"
+
+    def __init__(self, directory: Path, logged: str, configured: str) -> None:
+        super().__init__(
+            f"the write-ahead log in {directory} belongs to node id {logged!r}, but this node "
+            f"is {configured!r}. Start it with METER_NODE_ID={logged} to deliver what the log "
+            f"holds (then change the id after a clean drain), or move the log aside "
+            f"(see docs/durability.md, 'Recovery')"
+        )
+
+
 def segment_path(directory: Path, number: int) -> Path:
     """The file of segment ``number``."""
     return directory / f"wal-{number:08d}.log"
@@ -82,25 +97,37 @@ def list_segments(directory: Path) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := _SEGMENT_RE.fullmatch(n)))
 
 
-def read_log(directory: Path) -> Replay:
-    """Replay every segment in ``directory``; a torn tail of the newest is cut off.
+def read_log(directory: Path, *, node_id: str | None = None, lenient: bool = False) -> Replay:
+    """Replay the log in ``directory`` from its newest complete checkpoint.
 
-    Raises :class:`LogCorrupt` for damage anywhere else.
+    A torn tail of the newest segment is cut off (with ``lenient``, as in ``interval`` mode
+    where a power loss can leave holes anywhere in what was not synced yet, any damage in the
+    newest segment is). Raises :class:`LogCorrupt` for damage anywhere else, and for a log
+    written by another node id than ``node_id``.
     """
-    replay = Replay()
     numbers = list_segments(directory)
+    scans: list[tuple[Path, bytes, R.Scan]] = []
+    start = 0
     for i, number in enumerate(numbers):
         path = segment_path(directory, number)
         data = path.read_bytes()
         found = R.scan(data)
-        try:
-            replay.apply_all(found.records)
-        except (ValueError, TypeError, IndexError) as exc:
-            raise LogCorrupt(path, found.end, f"unreadable record: {exc}") from None
+        scans.append((path, data, found))
+        first = found.records[0] if found.records else None
+        if (
+            node_id is not None
+            and first is not None
+            and first[0] == R.SEGMENT
+            and first[1] != node_id
+        ):
+            raise LogIdMismatch(directory, str(first[1]), node_id)
+        if any(r[0] == R.CHECKPOINT_END and r[1:2] == [number] for r in found.records):
+            start = i  # everything before segment ``number`` is restated in it
         damage = found.damage
         if damage is None:
             continue
-        if not damage.torn or i != len(numbers) - 1:
+        newest = i == len(numbers) - 1
+        if not newest or not (damage.torn or lenient):
             raise LogCorrupt(path, damage.offset, damage.reason)
         log.warning(
             "write-ahead log %s: cut a torn tail at byte %d (%d bytes: %s)",
@@ -112,6 +139,12 @@ def read_log(directory: Path) -> Replay:
         with open(path, "r+b") as fh:
             fh.truncate(damage.offset)
             os.fsync(fh.fileno())
+    replay = Replay()
+    for path, _, found in scans[start:]:
+        try:
+            replay.apply_all(found.records)
+        except (ValueError, TypeError, IndexError) as exc:
+            raise LogCorrupt(path, found.end, f"unreadable record: {exc}") from None
     return replay
 
 
@@ -158,6 +191,8 @@ class WriteAheadLog:
         self._timer: asyncio.Task[None] | None = None
         self._ckpt: Iterator[list[Any]] | None = None
         self._ckpt_number = 0
+        self._ckpt_start = 0
+        self._last_ckpt_bytes = 0
         self._ckpt_wanted = False
         self._closed = False
         self._closing = False
@@ -174,7 +209,7 @@ class WriteAheadLog:
     def recover(self) -> Replay:
         """Read what the log holds (before :meth:`open`)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        replay = read_log(self.directory)
+        replay = read_log(self.directory, node_id=self.node_id, lenient=self.mode == "interval")
         for number in list_segments(self.directory):
             path = segment_path(self.directory, number)
             st = path.stat()
@@ -432,6 +467,9 @@ class WriteAheadLog:
                 self.failures += 1
                 self.last_error = f"fsync failed: {exc}"
                 self.broken = self.last_error
+                # The kernel may have dropped written pages: once writable again, restate
+                # everything from memory in a new segment.
+                self._ckpt_wanted = True
                 log.error("write-ahead log broken: %s", self.last_error)
                 self._fail_waiters(0, self.last_error)
                 return
@@ -455,6 +493,9 @@ class WriteAheadLog:
             await asyncio.sleep(self.fsync_interval if self.mode == "interval" else 1.0)
             if self.mode == "interval" and self._written > self._synced:
                 self._sync_soon()
+            if self._ckpt_wanted and self._ckpt is None and not self._batch:
+                self._ckpt_wanted = False
+                self._rotate()
             self._maybe_rotate()
 
     def _probe(self) -> None:
@@ -474,7 +515,7 @@ class WriteAheadLog:
         self._synced = self._written
         log.warning("write-ahead log writable again (was: %s)", self.broken)
         self.broken = None
-        if self._ckpt_wanted:
+        if self._ckpt_wanted and self._ckpt is None:
             self._ckpt_wanted = False
             self._rotate()
 
@@ -485,6 +526,10 @@ class WriteAheadLog:
 
         Raises ``OSError`` (the open segment stays in use) if the new one cannot be made.
         """
+        if self._fd >= 0 and self._written > self._synced:
+            # The old segment is whole on disk before a newer one exists: only the newest
+            # segment can ever end torn.
+            self._sync_now()
         number = self._number + 1
         now = time.time()
         path = segment_path(self.directory, number)
@@ -495,8 +540,6 @@ class WriteAheadLog:
             os.write(fd, head)
             os.fdatasync(fd)
             _sync_dir(self.directory)
-            if self._fd >= 0 and self._written > self._synced:
-                self._sync_now()  # the old segment is complete on disk before records move on
         except OSError:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -512,17 +555,23 @@ class WriteAheadLog:
         self._created[number] = now
 
     def _maybe_rotate(self) -> None:
-        if self._ckpt is not None or self.broken is not None or self._closing:
+        """Rotate (and compact) if the open segment is big or old enough. Only between
+        batches: every record appended so far must be in the old segment."""
+        if self._ckpt is not None or self.broken is not None or self._closing or self._batch:
             return
         age = time.monotonic() - self._opened_at
-        if self._end >= self.segment_bytes or (
-            age >= SEGMENT_MAX_AGE_S and self._end >= min(SMALL_SEGMENT, self.segment_bytes)
+        # A checkpoint itself must not fill a segment, or the log would compact for ever.
+        limit = max(self.segment_bytes, 4 * self._last_ckpt_bytes)
+        if self._end >= limit or (
+            age >= SEGMENT_MAX_AGE_S
+            and self._end >= max(min(SMALL_SEGMENT, self.segment_bytes), 4 * self._last_ckpt_bytes)
         ):
             self._rotate()
 
     def _rotate(self) -> None:
-        # Records still in the open batch go to the new segment: their effects are in the
-        # table, so the checkpoint's restated state (read later) includes them anyway.
+        if self._batch:
+            self._ckpt_wanted = True  # retried between batches
+            return
         try:
             self._new_segment()
         except OSError as exc:
@@ -533,8 +582,12 @@ class WriteAheadLog:
         self._start_checkpoint()
 
     def _start_checkpoint(self) -> None:
+        # The checkpoint lists what it restates now, in the step that opened the segment,
+        # before any record can land in it: a key listed later could have records in the
+        # new segment that depend on records in the old one (deleted once this completes).
         self._ckpt = self._checkpoint()
         self._ckpt_number = self._number
+        self._ckpt_start = self._end
         assert self._loop is not None
         self._loop.call_soon(self._checkpoint_step)
 
@@ -542,11 +595,16 @@ class WriteAheadLog:
         it = self._ckpt
         if it is None or self._closed:
             return
+        if self.broken is not None:
+            self._ckpt = None  # abandoned; started again once the log is writable
+            self._ckpt_wanted = True
+            return
         for _ in range(CHECKPOINT_RECORDS_PER_PASS):
             rec = next(it, None)
             if rec is None:
                 self._ckpt = None
                 self.append([R.CHECKPOINT_END, self._ckpt_number])
+                self._last_ckpt_bytes = max(0, self._end - self._ckpt_start)
                 assert self._loop is not None
                 self._loop.create_task(self._finish_checkpoint(self._ckpt_number))
                 return

@@ -53,6 +53,9 @@ DONE: Final = 12
 #: ``[CHECKPOINT_END, number]``: every record of the checkpoint begun in segment ``number``
 #: is before this one; older segments are no longer needed.
 CHECKPOINT_END: Final = 13
+#: ``[BATCH, [record, ...]]``: the records of one commit, in one frame, so a commit cut short
+#: by a crash is one damaged frame at the end, never a hole between whole records.
+BATCH: Final = 14
 
 FORMAT: Final = 1
 
@@ -68,8 +71,8 @@ def frame(record: list[Any]) -> bytes:
 
 
 def frames(records: list[list[Any]]) -> bytes:
-    """Many records as one buffer (one write)."""
-    return b"".join([frame(r) for r in records])
+    """The records of one commit as one :data:`BATCH` frame (one write)."""
+    return frame([BATCH, records]) if len(records) > 1 else frame(records[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,16 +93,36 @@ class Scan:
     damage: Damage | None
 
 
-def _zeros(data: bytes | memoryview, start: int) -> bool:
-    return not any(data[start:])
+def _valid_frame_at(view: memoryview, pos: int, size: int) -> bool:
+    if size - pos < HEADER.size:
+        return False
+    length, pcrc, hcrc = HEADER.unpack_from(view, pos)
+    if _crc(view[pos : pos + 8]) != hcrc or length > MAX_RECORD:
+        return False
+    end = pos + HEADER.size + length
+    return end <= size and bool(_crc(view[pos + HEADER.size : end]) == pcrc)
+
+
+#: How far past a damaged frame :func:`scan` looks for a whole one (to tell a torn tail from
+#: damage in the middle). A crash tears at most the last commit; a commit is far smaller.
+SEARCH_LIMIT: Final = 4 << 20
+
+
+def _whole_frame_after(view: memoryview, start: int, size: int) -> int | None:
+    """The offset of the first whole, valid frame after ``start`` (within SEARCH_LIMIT)."""
+    stop = min(size, start + SEARCH_LIMIT)
+    for pos in range(start + 1, stop):
+        if _valid_frame_at(view, pos, size):
+            return pos
+    return None
 
 
 def scan(data: bytes) -> Scan:
-    """Decode every whole record of a segment's bytes.
+    """Decode every whole record of a segment's bytes (:data:`BATCH` frames unpacked).
 
-    A record cut short at the end of the data (or followed only by zero bytes, as a file
-    extended but not written is) is *torn*: the scan ends before it. A bad record followed by
-    anything else is corruption.
+    A damaged frame after which no whole frame follows is a *torn tail*: what a crash leaves
+    of the last commit (cut short, or with a page never written, even in its middle). The
+    scan ends before it. A damaged frame followed by a whole one is corruption.
     """
     records: list[list[Any]] = []
     view = memoryview(data)
@@ -109,23 +132,32 @@ def scan(data: bytes) -> Scan:
         if size - pos < HEADER.size:
             return Scan(records, pos, Damage(pos, True, "header cut short"))
         length, pcrc, hcrc = HEADER.unpack_from(view, pos)
+        reason = ""
         if _crc(view[pos : pos + 8]) != hcrc or length > MAX_RECORD:
-            torn = _zeros(view, pos)
-            return Scan(records, pos, Damage(pos, torn, "bad record header"))
-        start = pos + HEADER.size
-        end = start + length
-        if end > size:
-            return Scan(records, pos, Damage(pos, True, "record cut short"))
-        payload = view[start:end]
-        if _crc(payload) != pcrc:
-            torn = end == size or _zeros(view, end)
-            return Scan(records, pos, Damage(pos, torn, "record checksum mismatch"))
+            reason = "bad record header"
+        else:
+            start = pos + HEADER.size
+            end = start + length
+            if end > size:
+                reason = "record cut short"
+            elif _crc(view[start:end]) != pcrc:
+                reason = "record checksum mismatch"
+        if reason:
+            after = _whole_frame_after(view, pos, size)
+            if after is not None:
+                reason += f"; a whole record follows at byte {after}"
+            return Scan(records, pos, Damage(pos, after is None, reason))
         try:
-            record = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+            record = msgpack.unpackb(view[start:end], raw=False, strict_map_key=False)
         except Exception as exc:  # the CRC matched: this is a bug or deliberate damage
             return Scan(records, pos, Damage(pos, False, f"undecodable record: {exc}"))
         if not isinstance(record, list) or not record or not isinstance(record[0], int):
             return Scan(records, pos, Damage(pos, False, "record is not a typed array"))
-        records.append(record)
+        if record[0] == BATCH:
+            if len(record) != 2 or not isinstance(record[1], list):
+                return Scan(records, pos, Damage(pos, False, "malformed batch"))
+            records.extend(record[1])
+        else:
+            records.append(record)
         pos = end
     return Scan(records, pos, None)
