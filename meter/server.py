@@ -169,7 +169,7 @@ class _Connection(asyncio.Protocol):
             wal = srv.wal
             if wal is not None and wal.dirty:
                 # Some state change of this pass is not in the log yet: answer after it is.
-                wal.hold(self._send_arrays if bad is None else self._send_and_close, answers[:])
+                self._hold(wal, answers[:], close=bad is not None)
                 bad_after_hold = bad
                 bad = None
             elif transport is not None and not transport.is_closing():
@@ -252,15 +252,23 @@ class _Connection(asyncio.Protocol):
         if encoder.encode_errors != before:
             log.error("unencodable result answered as internal: %s", encoder.last_encode_error)
 
-    def _send_and_close(self, answers: list[list[Any]]) -> None:
-        self._send_arrays(answers)
-        if self.transport is not None:
-            self.transport.close()
+    def _hold(self, wal: WriteAheadLog, answers: list[list[Any]], close: bool = False) -> None:
+        """Send ``answers`` after the log's commit; until then they count as pending, so a
+        peer that half-closes still gets them (and ``close`` closes only after)."""
+        self.pending += 1
+
+        def send(arrays: list[list[Any]]) -> None:
+            self._send_arrays(arrays)
+            if close and self.transport is not None:
+                self.transport.close()
+            self.finished_one()
+
+        wal.hold(send, answers)
 
     def send(self, msgid: int, error: ErrorMap | None, result: Any) -> None:
         wal = self._server.wal
         if wal is not None and wal.dirty:
-            wal.hold(self._send_arrays, [[RESPONSE, msgid, error, result]])
+            self._hold(wal, [[RESPONSE, msgid, error, result]])
             return
         transport = self.transport
         if transport is None or transport.is_closing():

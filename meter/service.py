@@ -252,7 +252,9 @@ class Service:
         qty = check_qty(qty)
         idem: tuple[str, int] | None = None
         if rid is not None:
-            idem = (check_id(rid), fingerprint("track", key, qty))
+            # The period is named by ``at`` only: a retry that crosses midnight or a month end
+            # is still the same call (it answers as the first did).
+            idem = (check_id(rid), fingerprint("track", key[0], key[1], qty, at))
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
                 return entry[1]  # a retry: counts nothing, answers as the first call did
@@ -345,7 +347,7 @@ class Service:
                 if len(item) == 4:
                     rid = _opts("track_many item", item[3], _ITEM_OPTS).get("id")
                     if rid is not None:
-                        idem = (check_id(rid), fingerprint("track", key, qty))
+                        idem = (check_id(rid), fingerprint("track", key[0], key[1], qty, None))
                         if batch.repeat(i, idem):
                             continue
                         entry = self.ids.lookup(idem[0], idem[1], now)
@@ -375,7 +377,10 @@ class Service:
         now = time.time()
         for n, idem in enumerate(batch.idems):
             if idem is not None:
-                entry = self.ids.lookup(idem[0], idem[1], now)
+                try:
+                    entry = self.ids.lookup(idem[0], idem[1], now)
+                except Conflict as exc:  # that item alone answers the error, uncounted
+                    entry = (0, exc.to_wire(), 0.0)
                 if entry is not None:
                     batch.answered[n] = entry
         self._check_log()
@@ -473,7 +478,7 @@ class Service:
         idem: tuple[str, int] | None = None
         rid = o.get("id")
         if rid is not None:
-            idem = (check_id(rid), fingerprint("reserve", key, qty, limit, ttl_ms))
+            idem = (check_id(rid), fingerprint("reserve", key[0], key[1], qty, limit, ttl_ms, at))
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
                 return entry[1]

@@ -53,9 +53,11 @@ def tmp() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-async def make(tmp: Path, storage: MemoryStorage | None = None) -> tuple[Service, WriteAheadLog]:
+async def make(
+    tmp: Path, storage: MemoryStorage | None = None, gossip: bool = True
+) -> tuple[Service, WriteAheadLog]:
     wal = WriteAheadLog(tmp / "wal", node_id="n1", mode="fsync")
-    svc = Service(CounterTable("n1"), storage or MemoryStorage(), CounterConfig(), wal=wal,
+    svc = Service(CounterTable("n1", gossip=gossip), storage or MemoryStorage(), CounterConfig(), wal=wal,
                   ids=RequestIds(3600, 1000))  # fmt: skip
     wal.recover()
     wal.open(svc.undo, svc.checkpoint)
@@ -382,4 +384,64 @@ async def test_a_call_logged_right_after_a_rotation_is_restated_by_its_checkpoin
     await flusher.flush_once()
     key = ("acme", "api", period_start("month"))
     assert (await store.load([key]))[key].total == 100  # not 95
+    await wal.close()
+
+
+def _half_closing_client(path: str, requests: list[list[Any]]) -> list[Any]:
+    """Send the requests, half-close, read every answer until the node closes."""
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.sendall(b"".join(msgpack.packb([0, i, m, p]) for i, (m, p) in enumerate(requests)))
+    s.shutdown(socket.SHUT_WR)
+    s.settimeout(5)
+    unpacker = msgpack.Unpacker(raw=False)
+    while chunk := s.recv(65536):
+        unpacker.feed(chunk)
+    s.close()
+    return list(unpacker)
+
+
+async def test_a_client_that_half_closes_gets_its_held_answers(
+    served: tuple[Service, WriteAheadLog, RpcServer, str],
+) -> None:
+    svc, _, _, path = served
+    loop = asyncio.get_running_loop()
+    for params in (["acme", "api", 1], ["acme", "api", 1]):  # cold (async answer), then warm
+        (answer,) = await loop.run_in_executor(
+            None, _half_closing_client, path, [["track", params]]
+        )
+        assert answer[2] is None and answer[3] == svc.table.value(svc.key_for("acme", "api"))
+
+
+async def test_a_conflicting_item_of_a_cold_batch_fails_alone(tmp: Path) -> None:
+    store = SlowStorage()
+    svc, wal = await make(tmp, store)
+    store.gate.set()
+    await call(svc, "track", "acme", "warm", 1)
+    store.gate.clear()
+    batch = asyncio.ensure_future(
+        call(svc, "track_many", [["acme", "x", 5, {"id": "x"}], ["acme", "other", 7]])
+    )
+    await asyncio.sleep(0.01)  # waiting on its cold keys; meanwhile another call takes the id
+    assert await call(svc, "track", "acme", "warm", 1, {"id": "x"}) == 2
+    store.gate.set()
+    out = await batch
+    assert out[0]["code"] == "conflict"
+    assert out[1] == 7  # the other item is counted
+    assert await call(svc, "usage", "acme", "x") == 0
+    await wal.close()
+
+
+async def test_a_retry_that_crosses_midnight_answers_as_the_first_call(tmp: Path) -> None:
+    from unittest import mock
+
+    svc, wal = await make(tmp)
+    svc._periods = {"api": "day"}
+    before, after = 1764547199.9, 1764547200.1  # 23:59:59.9 and 00:00:00.1 UTC
+    with mock.patch("time.time", return_value=before):
+        assert await call(svc, "track", "acme", "api", 1, {"id": "late"}) == 1
+    with mock.patch("time.time", return_value=after):
+        assert await call(svc, "track", "acme", "api", 1, {"id": "late"}) == 1
+        assert await call(svc, "track_many", [["acme", "api", 1, {"id": "late"}]]) == [1]
+        assert await call(svc, "usage", "acme", "api") == 0  # the new day counted nothing
     await wal.close()
