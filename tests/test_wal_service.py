@@ -57,8 +57,9 @@ async def make(
     tmp: Path, storage: MemoryStorage | None = None, gossip: bool = True
 ) -> tuple[Service, WriteAheadLog]:
     wal = WriteAheadLog(tmp / "wal", node_id="n1", mode="fsync")
-    svc = Service(CounterTable("n1", gossip=gossip), storage or MemoryStorage(), CounterConfig(), wal=wal,
-                  ids=RequestIds(3600, 1000))  # fmt: skip
+    table = CounterTable("n1", gossip=gossip)
+    store = storage or MemoryStorage()
+    svc = Service(table, store, CounterConfig(), wal=wal, ids=RequestIds(3600, 1000))
     wal.recover()
     wal.open(svc.undo, svc.checkpoint)
     return svc, wal
