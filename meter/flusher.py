@@ -101,6 +101,12 @@ class Flusher:
     async def flush_once(self) -> bool:
         """One round: seed unseeded keys, write every dirty key. True if nothing failed."""
         async with self._lock:
+            if self.wal is not None and self.wal.broken is not None:
+                # Nothing can be logged, so nothing is taken or sent (a take's record would
+                # fail with the answers of the pass it lands in, reads included).
+                self._note_error(f"the write-ahead log cannot be written: {self.wal.broken}")
+                self._finish_round(False)
+                return False
             ok = await self._seed_unseeded()
             keys = [k for k in self.table.dirty_keys() if k not in self.stats.poisoned]
             for start in range(0, len(keys), self.batch_keys):

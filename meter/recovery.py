@@ -8,6 +8,7 @@ finished reservations and request ids come back with their original deadlines.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -15,12 +16,14 @@ from meter.keys import Key
 from meter.reservations import Lease
 from meter.service import Service
 from meter.wal.log import WriteAheadLog
-from storage.base import StorageError
 
 log = logging.getLogger("meter.recovery")
 
-#: Keys per storage read while seeding recovered keys.
+#: Keys per storage read while seeding recovered keys, reads in flight, and how long the
+#: socket waits for them (keys not seeded by then are seeded by the flusher, serving meanwhile).
 SEED_CHUNK = 100
+SEED_CONCURRENCY = 8
+SEED_BUDGET_S = 5.0
 
 
 async def recover(wal: WriteAheadLog, service: Service) -> None:
@@ -66,18 +69,38 @@ async def recover(wal: WriteAheadLog, service: Service) -> None:
 
 
 async def _seed(service: Service, keys: list[Key]) -> int:
-    """Seed recovered keys in batches; keys storage cannot answer stay unseeded (the flusher
-    seeds them once it can)."""
+    """Seed recovered keys in concurrent batches, for at most :data:`SEED_BUDGET_S`.
+
+    Keys storage cannot answer by then stay unseeded: counted, their totals unknown until the
+    flusher seeds them (it does so every round), so a big backlog never keeps the socket shut.
+    """
     table = service.table
     wanted = list(dict.fromkeys(k for k in keys if not table.is_seeded(k)))
+    chunks = [wanted[i : i + SEED_CHUNK] for i in range(0, len(wanted), SEED_CHUNK)]
+    if not chunks:
+        return 0
     seeded = 0
-    for start in range(0, len(wanted), SEED_CHUNK):
-        chunk = wanted[start : start + SEED_CHUNK]
-        try:
+    gate = asyncio.Semaphore(SEED_CONCURRENCY)
+
+    async def one(chunk: list[Key]) -> None:
+        nonlocal seeded
+        async with gate:
             snaps = await service.storage.load(chunk)
-        except StorageError as exc:
-            log.warning("cannot seed recovered keys now (the flusher will retry): %s", exc)
-            return seeded
         for key, snap in snaps.items():
             seeded += table.seed(key, snap)
+
+    tasks = [asyncio.ensure_future(one(c)) for c in chunks]
+    done, pending = await asyncio.wait(tasks, timeout=SEED_BUDGET_S)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    errors = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+    if errors or pending:
+        log.warning(
+            "%d of %d recovered keys not seeded yet (the flusher will): %s",
+            len(wanted) - seeded,
+            len(wanted),
+            errors[0] if errors else f"storage took over {SEED_BUDGET_S} s",
+        )
     return seeded

@@ -446,3 +446,44 @@ async def test_a_retry_that_crosses_midnight_answers_as_the_first_call(tmp: Path
         assert await call(svc, "track_many", [["acme", "api", 1, {"id": "late"}]]) == [1]
         assert await call(svc, "usage", "acme", "api") == 0  # the new day counted nothing
     await wal.close()
+
+
+async def test_while_the_log_is_broken_the_flusher_takes_nothing(tmp: Path) -> None:
+    svc, wal = await make(tmp)
+    await call(svc, "track", "acme", "api", 3)
+    await settle()
+    flusher = Flusher(svc.table, svc.storage, wal=wal)
+    with disk_full(wal):
+        await call(svc, "track", "acme", "api", 1)
+        await settle()  # that write fails: the log is broken
+        assert broken(wal) is not None
+        failures = wal.failures
+        assert await flusher.flush_once() is False
+        await settle()
+        # Nothing was taken or appended, so no commit failed with (and spoiled) other answers.
+        assert wal.failures == failures and not dirty(wal)
+        assert "cannot be written" in (flusher.stats.last_error or "")
+        assert svc.table.columns(svc.key_for("acme", "api"))["inflight"] == 0  # type: ignore[index]
+    await wal.close()
+
+
+async def test_recovery_does_not_wait_for_slow_storage_past_its_budget(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import meter.recovery
+
+    svc, wal = await make(tmp)
+    await call(svc, "track", "acme", "api", 3)
+    await settle()
+    _kill(wal)
+    store = SlowStorage()  # never answers until the gate opens
+    monkeypatch.setattr(meter.recovery, "SEED_BUDGET_S", 0.2)
+    t0 = asyncio.get_running_loop().time()
+    svc, wal, flusher = await _life(tmp, store)
+    assert asyncio.get_running_loop().time() - t0 < 2
+    key = svc.key_for("acme", "api")
+    assert not svc.table.is_seeded(key) and svc.table.pending(key) == 3  # counted, total unknown
+    store.gate.set()
+    await flusher.flush_once()  # the flusher seeds and stores it
+    assert (await store.load([key]))[key].total == 3
+    await wal.close()
