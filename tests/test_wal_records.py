@@ -66,9 +66,14 @@ def test_a_cut_anywhere_keeps_every_whole_record_and_is_torn(
         assert found.end == (ends[whole - 1] if whole else 0)
 
 
-def test_zero_fill_after_the_last_record_is_a_torn_tail() -> None:
+def test_zeros_after_the_last_record_are_the_preallocated_rest() -> None:
     blob = joined(RECS) + bytes(100)
     found = R.scan(blob)
+    assert found.records == RECS
+    assert found.damage is None and found.end == len(joined(RECS))
+    # A half-written record inside that zeroed rest is a torn tail.
+    half = R.frame(RECS[1])[:10]
+    found = R.scan(joined(RECS) + half + bytes(100))
     assert found.records == RECS
     assert found.damage is not None and found.damage.torn
 

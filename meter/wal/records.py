@@ -117,18 +117,26 @@ def _whole_frame_after(view: memoryview, start: int, size: int) -> int | None:
     return None
 
 
+def _zero_tail(data: bytes, start: int) -> bool:
+    """Whether every byte from ``start`` on is zero (a preallocated, unwritten tail)."""
+    return data.count(0, start) == len(data) - start
+
+
 def scan(data: bytes) -> Scan:
     """Decode every whole record of a segment's bytes (:data:`BATCH` frames unpacked).
 
-    A damaged frame after which no whole frame follows is a *torn tail*: what a crash leaves
-    of the last commit (cut short, or with a page never written, even in its middle). The
-    scan ends before it. A damaged frame followed by a whole one is corruption.
+    Zero bytes after the last frame are the unwritten rest of a preallocated segment. A damaged
+    frame after which no whole frame follows is a *torn tail*: what a crash leaves of the last
+    commit (cut short, or with a page never written, even in its middle). The scan ends before
+    it. A damaged frame followed by a whole one is corruption.
     """
     records: list[list[Any]] = []
     view = memoryview(data)
     size = len(data)
     pos = 0
     while pos < size:
+        if data[pos] == 0 and _zero_tail(data, pos):
+            return Scan(records, pos, None)  # the rest of a preallocated segment
         if size - pos < HEADER.size:
             return Scan(records, pos, Damage(pos, True, "header cut short"))
         length, pcrc, hcrc = HEADER.unpack_from(view, pos)
