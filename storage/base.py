@@ -70,6 +70,20 @@ class StoragePermanentError(StorageError):
     retryable = False
 
 
+class BadItems(StoragePermanentError):
+    """:meth:`Storage.load` read some items it cannot decode (damaged or foreign data).
+
+    ``good`` holds the snapshots of the other keys, ``bad`` each undecodable key and why: one
+    bad item must not keep every other key of the batch from being seeded.
+    """
+
+    def __init__(self, good: dict[Key, Snapshot], bad: dict[Key, str]) -> None:
+        first = next(iter(bad.items()))
+        super().__init__(f"{len(bad)} undecodable stored items, e.g. {first[0]}: {first[1]}")
+        self.good = good
+        self.bad = bad
+
+
 class Storage(abc.ABC):
     """A place counters are flushed to and seeded from. Implementations are async-safe."""
 
@@ -98,7 +112,15 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]:
-        """Read the current snapshot of each key (``EMPTY`` for keys never written)."""
+        """Read the current snapshot of each key (``EMPTY`` for keys never written).
+
+        Raises :class:`BadItems` (with the good snapshots) if some stored items cannot be
+        decoded, and only :class:`StorageError` subclasses otherwise."""
+
+    async def purge_expired(self, now: float | None = None) -> int:
+        """Delete counters past their expiry (period end, or last write if later, plus the
+        retention); return how many. A no-op where the store expires items itself."""
+        return 0
 
     @abc.abstractmethod
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
