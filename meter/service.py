@@ -28,7 +28,7 @@ from meter.keys import (
     period_start,
 )
 from meter.reservations import Lease, Reservations
-from meter.table import CounterTable
+from meter.table import CounterTable, PartlyRefused
 from meter.wal import records as R
 from meter.wal.log import WriteAheadLog
 from meter.wal.replay import COMMITTED, RELEASED
@@ -317,7 +317,10 @@ class Service:
                 append((key, qty))
             else:
                 self._check_log()
-                values = self.table.incr_seeded(fast)
+                try:
+                    values = self.table.incr_seeded(fast)
+                except PartlyRefused as exc:  # items past the 64-bit range: not counted
+                    return self._finish_refused(fast, exc.answers)
                 if values is not None:
                     if self.wal is not None and fast:
                         self.wal.append([R.TRACK_MANY, [[*k, q] for k, q in fast]])
@@ -362,7 +365,10 @@ class Service:
         # is counted until the cold keys are seeded, so a batch cut short (a draining node
         # cancels it, a read fails unexpectedly) has counted nothing and its error answer is
         # true: a client retrying it counts nothing twice.
-        values = self.table.incr_seeded(batch.good)
+        try:
+            values = self.table.incr_seeded(batch.good)
+        except PartlyRefused as exc:
+            return self._finish_many(batch, exc.answers)
         if values is not None:
             return self._finish_many(batch, values)
         return self._track_many_cold(batch)
@@ -379,21 +385,39 @@ class Service:
                 if entry is not None:
                     batch.answered[n] = entry
         self._check_log()
-        # Counted whether or not seeding worked, as track does: unseeded keys answer nil.
+        # Counted whether or not seeding worked, as track does: unseeded keys answer nil. An
+        # item past the 64-bit range is refused alone; the others are counted.
         values: list[Any] = []
         for n, (key, qty) in enumerate(batch.good):
             entry = batch.answered.get(n)
-            values.append(entry[1] if entry is not None else self.table.incr(key, qty))
+            if entry is not None:
+                values.append(entry[1])
+                continue
+            try:
+                values.append(self.table.incr(key, qty))
+            except InvalidArgument as exc:
+                values.append(exc)
         return self._finish_many(batch, values)
 
+    def _finish_refused(self, items: list[tuple[Key, int]], answers: list[Any]) -> list[Any]:
+        """The answers of a fast-path batch some of whose items were refused (not counted)."""
+        counted = [[*k, q] for (k, q), a in zip(items, answers, strict=True) if type(a) is int]
+        if self.wal is not None and counted:
+            self.wal.append([R.TRACK_MANY, counted])
+        return [a.to_wire() if isinstance(a, MeterError) else a for a in answers]
+
     def _finish_many(self, batch: _Batch, values: list[Any]) -> list[Any]:
-        """Fill a batch's answers, remember its ids and log what it counted."""
+        """Fill a batch's answers, remember its ids and log what it counted (items refused
+        by the range check carry their error instead of a value: not remembered, not logged)."""
         out = batch.out
         now = time.time()
         logged: list[list[Any]] = []
         for n, ((key, qty), idem, value) in enumerate(
             zip(batch.good, batch.idems, values, strict=True)
         ):
+            if isinstance(value, MeterError):
+                out[batch.where[n]] = values[n] = value.to_wire()
+                continue
             out[batch.where[n]] = value
             if n in batch.answered:
                 continue
@@ -527,10 +551,11 @@ class Service:
                 raise Conflict(f"reservation {lease_id!r} was already {what} differently")
             raise NotFound(f"reservation {lease_id!r} is unknown or expired")
         self._check_log()
-        self.reservations.close(lease_id)
         if actual is None:
             actual = lease.qty
+        # First the table, which may refuse (past the 64-bit range) with nothing changed.
         value = self.table.commit(lease.key, lease.qty, actual)
+        self.reservations.close(lease_id)
         done_exp = self.done.remember(lease_id, COMMITTED, [actual, value], now)
         rid, fp, expires = self._remember_finish(idem, value, now)
         if self.wal is not None:
@@ -617,8 +642,8 @@ class Service:
                 lease_id, t, f, p, qty, deadline = rec[1:7]
                 key = (t, f, p)
                 if kind == R.COMMIT and rec[7]:
-                    self.table.incr(key, -rec[7])
-                self.table.reserve(key, qty, None)
+                    self.table.incr(key, -rec[7], check=False)
+                self.table.reserve(key, qty, None, check=False)
                 self.reservations.open_again(Lease(lease_id, key, qty, _mono(deadline)))
                 self.done.forget(lease_id)
                 rid = rec[10] if kind == R.COMMIT else rec[8]
@@ -628,7 +653,7 @@ class Service:
     def _undo_track(self, rec: list[Any], at: int) -> None:
         t, f, p, qty = rec[at : at + 4]
         if qty:
-            self.table.incr((t, f, p), -qty)
+            self.table.incr((t, f, p), -qty, check=False)
         if len(rec) > at + 4:
             self.ids.forget(rec[at + 4])
 
