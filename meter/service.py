@@ -748,9 +748,16 @@ def _opts(method: str, opts: Any, allowed: frozenset[str]) -> Mapping[str, Any]:
 
 def _reservation_id(rid: Any) -> str:
     if isinstance(rid, bytes):
-        rid = rid.decode("utf-8", "replace")
+        try:
+            rid = rid.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidArgument("reservation id is not valid UTF-8") from None
     if not isinstance(rid, str) or not rid or len(rid) > 64:
         raise InvalidArgument("reservation id must be a non-empty string of at most 64 chars")
+    try:
+        rid.encode("utf-8")
+    except UnicodeEncodeError:  # invalid UTF-8 from the wire, decoded with surrogateescape
+        raise InvalidArgument("reservation id is not valid UTF-8") from None
     return rid
 
 
