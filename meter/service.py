@@ -30,9 +30,9 @@ from meter.keys import (
 from meter.reservations import Lease, Reservations
 from meter.table import CounterTable, PartlyRefused
 from meter.wal import records as R
-from meter.wal.log import WriteAheadLog
+from meter.wal.log import WalError, WriteAheadLog
 from meter.wal.replay import COMMITTED, RELEASED
-from storage.base import Storage, StorageError
+from storage.base import EMPTY, Storage, StorageError
 
 log = logging.getLogger("meter.service")
 
@@ -453,22 +453,47 @@ class Service:
         tenant, opts = _args("usage_all", params, 1, 2, ({},))
         at = _opts("usage_all", opts, _USAGE_OPTS).get("at")
         at_f = None if at is None else check_at(at)
-        return self._usage_all_async(check_tenant(tenant), at_f)
+        tenant = check_tenant(tenant)
+        periods = [(kind, period_start(kind, at_f)) for kind in sorted(self._kinds())]
+        # The counters loaded now are answered as they are now, as this request arrives, so
+        # requests pipelined after it (counted before its listing returns) are not in it.
+        known: dict[str, int] = {}
+        for kind, period in periods:
+            for feature, value in self.table.all_for(tenant, period).items():
+                if self._periods.get(feature, "month") == kind:
+                    known[feature] = value
+        wal = self.wal
+        # What ``known`` shows may be in a log batch not committed yet: answer once it is.
+        pending_log = wal is not None and wal.dirty
+        return self._usage_all_async(tenant, periods, known, pending_log)
 
-    async def _usage_all_async(self, tenant: str, at: float | None) -> dict[str, int]:
-        kinds: set[PeriodKind] = {"month", *self._periods.values()}
-        out: dict[str, int] = {}
-        for kind in sorted(kinds):
-            period = period_start(kind, at)
+    def _kinds(self) -> set[PeriodKind]:
+        return {"month", *self._periods.values()}
+
+    async def _usage_all_async(
+        self,
+        tenant: str,
+        periods: list[tuple[PeriodKind, str]],
+        known: dict[str, int],
+        pending_log: bool,
+    ) -> dict[str, int]:
+        out = dict(known)
+        for kind, period in periods:
             for _ in range(3):
                 evictions = self.table.evictions
                 try:
                     stored = await self.storage.list_period(tenant, period)
                 except StorageError as exc:
                     raise Unavailable(f"storage is unreachable: {exc}") from None
+                # The listing is a fresh read of every counter of the tenant in the period:
+                # it seeds the listed ones and, with nothing stored, the ones this node
+                # counted while storage could not be read (they are not listed).
+                snaps = dict(stored)
+                for feature in self.table.unseeded_features(tenant, period):
+                    snaps.setdefault(feature, EMPTY)
                 refused = [
                     f
-                    for f, snap in stored.items()
+                    for f, snap in snaps.items()
                     if not self.table.seed((tenant, f, period), snap, evictions)
                     and not self.table.is_seeded((tenant, f, period))
                 ]
@@ -476,9 +501,16 @@ class Service:
                     break
             else:
                 raise Unavailable("counters were evicted while being listed; retry")
+            # Counters that were not loaded when the request arrived: as they are now.
             for feature, value in self.table.all_for(tenant, period).items():
-                if self._periods.get(feature, "month") == kind:
+                if feature not in out and self._periods.get(feature, "month") == kind:
                     out[feature] = value
+        if pending_log:
+            assert self.wal is not None
+            try:
+                await self.wal.durable()
+            except WalError:
+                raise _log_down(self.wal) from None
         return out
 
     def _reserve(self, params: list[Any]) -> Any:

@@ -251,6 +251,15 @@ class CounterTable:
                     out[feature] = row.value()
             return out
 
+    def unseeded_features(self, tenant: str, period: str) -> list[str]:
+        """The features of ``tenant``'s unseeded counters in ``period``."""
+        with self._lock:
+            return [
+                f
+                for f in self._by_period.get((tenant, period), ())
+                if not self._rows[(tenant, f, period)].flags & SEEDED
+            ]
+
     def dirty_keys(self) -> list[Key]:
         """Keys with units to flush (pending or in flight)."""
         with self._lock:
