@@ -64,10 +64,12 @@ USED = 32  # used since the last eviction sweep
 class Ext:
     """The parts of a row most keys never need: holds, peers' deltas, sealed gossip."""
 
-    __slots__ = ("peer_seqs", "remote", "remote_total", "reserved", "sealed")
+    __slots__ = ("leases", "peer_seqs", "remote", "remote_total", "reserved", "sealed")
 
     def __init__(self) -> None:
         self.reserved = 0
+        #: Open reservations on the row (a lease of 0 units holds nothing but pins the row).
+        self.leases = 0
         self.peer_seqs: dict[str, int] | None = None
         self.remote: dict[str, dict[int, int]] | None = None
         self.remote_total = 0
@@ -76,6 +78,7 @@ class Ext:
     def empty(self) -> bool:
         return (
             self.reserved == 0
+            and self.leases == 0
             and self.peer_seqs is None
             and self.remote is None
             and self.remote_total == 0
@@ -141,7 +144,7 @@ class Row:
             self.flags & (SEEDED | INFLIGHT | GOSSIP_OPEN) == SEEDED
             and self.pending_flush == 0
             and self.pending_gossip == 0
-            and (self.ext is None or (self.ext.reserved == 0 and not self.ext.remote
+            and (self.ext is None or (self.ext.leases == 0 and not self.ext.remote
                                       and not self.ext.sealed))
         )  # fmt: skip
 
@@ -289,7 +292,7 @@ class CounterTable:
                 touched=len(self._touched),
                 unseeded=len(self._unseeded),
                 inflight=sum(1 for r in rows if r.flags & INFLIGHT),
-                reserved_keys=sum(1 for r in rows if r.ext is not None and r.ext.reserved),
+                reserved_keys=sum(1 for r in rows if r.ext is not None and r.ext.leases),
             )
 
     # -- local mutations ---------------------------------------------------------------------
@@ -515,9 +518,10 @@ class CounterTable:
                     )
             if check and row.flags & SEEDED and row.value() + qty > QTY_MAX:
                 raise _out_of_range(key, "the total with its reserved units", row.value() + qty)
-            row.x().reserved += qty
+            ext = row.x()
+            ext.reserved += qty
+            ext.leases += 1
             row.extra += qty
-            row.tidy()
             return row.value() if row.flags & SEEDED else None
 
     def commit(self, key: Key, reserved: int, actual: int) -> int | None:
@@ -535,7 +539,9 @@ class CounterTable:
             value = row.value() - reserved + actual
             if row.flags & SEEDED and not QTY_MIN <= value <= QTY_MAX:
                 raise _out_of_range(key, "the total", value)
-            row.x().reserved -= reserved
+            ext = row.x()
+            ext.reserved -= reserved
+            ext.leases -= 1
             row.extra -= reserved
             row.tidy()
             row.pending_flush += actual
@@ -548,7 +554,9 @@ class CounterTable:
         """Give back a reservation of ``reserved`` units."""
         with self._lock:
             row = self._row(key)
-            row.x().reserved -= reserved
+            ext = row.x()
+            ext.reserved -= reserved
+            ext.leases -= 1
             row.extra -= reserved
             row.tidy()
 
@@ -772,7 +780,8 @@ class CounterTable:
         """Drop clean keys not used since the previous call; return how many were dropped.
 
         Called periodically: a key survives one full interval after its last use. Keys with
-        anything pending, in flight, reserved or from peers are never dropped.
+        anything pending, in flight or from peers, or an open reservation (even of 0 units),
+        are never dropped.
         """
         with self._lock:
             doomed: list[Key] = []
