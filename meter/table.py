@@ -47,6 +47,9 @@ from meter.errors import InvalidArgument, LimitExceeded, Unavailable
 from meter.keys import QTY_MAX, QTY_MIN, Key
 from storage.base import Snapshot
 
+# The hot paths' range checks write QTY_MIN and QTY_MAX as literals; they must stay equal.
+assert (QTY_MIN, QTY_MAX) == (-9223372036854775808, 9223372036854775807)
+
 Tagged = tuple[int, int]
 """``(flush sequence, delta)``: a delta and the sequence it is (or will be) flushed under."""
 
@@ -362,12 +365,33 @@ class CounterTable:
             row = self._rows.get(key)
             if row is None:
                 row = self._row(key)
-            elif check:
+            pending = row.pending_flush + qty
+            flags = row.flags
+            value: int | None = None
+            if flags & SEEDED:
+                value = row.base + row.inflight + pending + row.extra
+                if check and (  # the range check, as in try_incr
+                    (
+                        value > 9223372036854775807
+                        or pending > 9223372036854775807
+                        or value < -9223372036854775808
+                    )
+                    if qty >= 0
+                    else (
+                        value < -9223372036854775808
+                        or pending < -9223372036854775808
+                        or value > 9223372036854775807
+                        or row.ext is not None
+                    )
+                ):
+                    err = _refusal(key, row, qty)
+                    if err is not None:
+                        raise err
+            elif check and not -9223372036854775808 <= pending <= 9223372036854775807:
                 err = _refusal(key, row, qty)
                 if err is not None:
                     raise err
-            row.pending_flush += qty
-            flags = row.flags
+            row.pending_flush = pending
             if self.gossip:
                 row.pending_gossip += qty
                 if not flags & TOUCHED:
@@ -376,9 +400,7 @@ class CounterTable:
             if not flags & DIRTY:
                 self._dirty.append(key)
             row.flags = flags | DIRTY | USED
-            if flags & SEEDED:  # row.value(), inlined: this is the hottest line of the node
-                return row.base + row.inflight + row.pending_flush + row.extra
-            return None
+            return value
 
     def try_incr(self, key: Key, qty: int) -> int | None:
         """:meth:`incr` if ``key`` is seeded; else count nothing and return ``None``.
@@ -395,9 +417,23 @@ class CounterTable:
                 return None
             pending = row.pending_flush + qty
             value = row.base + row.inflight + pending + row.extra
-            # The range check (see _refusal): a few compares on the common path.
-            if not (QTY_MIN <= value <= QTY_MAX and QTY_MIN <= pending <= QTY_MAX) or (
-                qty < 0 and row.ext is not None
+            # The range check (see _refusal), split on the sign of qty to save compares: units
+            # added can only pass the top (or fail to bring a value back from the bottom), and
+            # only units taken away need the held units. QTY_MAX and QTY_MIN as literals: a
+            # constant is the cheapest load.
+            if (
+                (
+                    value > 9223372036854775807
+                    or pending > 9223372036854775807
+                    or value < -9223372036854775808
+                )
+                if qty >= 0
+                else (
+                    value < -9223372036854775808
+                    or pending < -9223372036854775808
+                    or value > 9223372036854775807
+                    or row.ext is not None
+                )
             ):
                 err = _refusal(key, row, qty)
                 if err is not None:
@@ -481,8 +517,10 @@ class CounterTable:
                 break
             pending = row.pending_flush + qty
             value = row.base + row.inflight + pending + row.extra
-            if (
-                not (lo <= value <= hi and lo <= pending <= hi) or (qty < 0 and row.ext is not None)
+            if (  # the range check, as in try_incr
+                (value > hi or pending > hi or value < lo)
+                if qty >= 0
+                else (value < lo or pending < lo or value > hi or row.ext is not None)
             ) and _refusal(key, row, qty) is not None:
                 break
             row.pending_flush = pending
