@@ -477,6 +477,12 @@ class Service:
         known: dict[str, int],
         pending_log: bool,
     ) -> dict[str, int]:
+        if pending_log:
+            assert self.wal is not None
+            try:
+                await self.wal.durable()
+            except WalError:
+                raise _log_down(self.wal) from None
         out = dict(known)
         for kind, period in periods:
             for _ in range(3):
@@ -505,12 +511,6 @@ class Service:
             for feature, value in self.table.all_for(tenant, period).items():
                 if feature not in out and self._periods.get(feature, "month") == kind:
                     out[feature] = value
-        if pending_log:
-            assert self.wal is not None
-            try:
-                await self.wal.durable()
-            except WalError:
-                raise _log_down(self.wal) from None
         return out
 
     def _reserve(self, params: list[Any]) -> Any:
