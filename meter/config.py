@@ -32,6 +32,9 @@ class ServerConfig:
     socket_group: str | None = None
     #: Largest request frame accepted, in bytes; a larger one closes the connection.
     max_frame_bytes: int = 1 << 20
+    #: How long a draining node waits for requests in flight (waiting on storage) before it
+    #: answers them ``unavailable``.
+    request_drain_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +256,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "socket": ("server", "socket", _path),
     "socket_group": ("server", "socket_group", _opt_str),
     "max_frame_bytes": ("server", "max_frame_bytes", _int(1024, 64 << 20)),
+    "request_drain_timeout_s": ("server", "request_drain_timeout_s", _float(0, 3600)),
     "storage": ("storage", "kind", _storage_kind),
     "sqlite_file": ("storage", "sqlite_file", _str),
     "dynamodb_table": ("storage", "dynamodb_table", _str),

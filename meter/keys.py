@@ -55,7 +55,11 @@ def _check_name(what: str, name: object, max_bytes: int, pattern: re.Pattern[str
         raise InvalidArgument(f"{what} must be a string, got {type(name).__name__}")
     if not name:
         raise InvalidArgument(f"{what} must not be empty")
-    if len(name.encode("utf-8")) > max_bytes:
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:  # invalid UTF-8 from the wire, decoded with surrogateescape
+        raise InvalidArgument(f"{what} is not valid UTF-8") from None
+    if size > max_bytes:
         raise InvalidArgument(f"{what} is longer than {max_bytes} bytes")
     if pattern.fullmatch(name) is None:
         raise InvalidArgument(f"{what} {name[:64]!r} has characters outside {pattern.pattern}")

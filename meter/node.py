@@ -291,7 +291,7 @@ class Node:
         """Drain: stop accepting, finish requests, flush everything, close. Returns 0 or 1."""
         assert self.server is not None and self.flusher is not None and self.storage is not None
         self.server.stop_accepting()
-        await self.server.close(drain_timeout=5.0)
+        await self.server.close(drain_timeout=self.config.server.request_drain_timeout_s)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

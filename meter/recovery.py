@@ -42,7 +42,7 @@ async def recover(wal: WriteAheadLog, service: Service) -> None:
     for lease_id, lease in replay.leases.items():
         if lease.deadline <= now:
             continue  # expired while the node was down: released
-        table.reserve(lease.key, lease.qty, None)
+        table.reserve(lease.key, lease.qty, None, check=False)
         mono = time.monotonic() + (lease.deadline - now)
         service.reservations.open_again(Lease(lease_id, lease.key, lease.qty, mono))
         leases += 1

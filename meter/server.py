@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import stat
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -48,6 +49,10 @@ DEFAULT_HIGH_WATER = 1 << 20
 DEFAULT_LOW_WATER = 256 << 10
 #: listen() backlog.
 DEFAULT_BACKLOG = 1024
+#: At most this many "closing a connection after a protocol error" lines per interval...
+PROTOCOL_ERROR_LOG_LINES = 10
+#: ...of this many seconds; then one line says how many more were not logged.
+PROTOCOL_ERROR_LOG_INTERVAL_S = 60.0
 
 _INTERNAL: ErrorMap = {"code": "internal", "message": "internal error"}
 # Results of these types are answered at once; anything else is checked for awaitability.
@@ -60,6 +65,56 @@ class Dispatcher(Protocol):
 
     def dispatch(self, method: str, params: list[Any]) -> Any:
         """Return the result, or an awaitable of it; raise MeterError for bad requests."""
+
+
+class _LimitedLog:
+    """Warnings of one kind, at most ``lines`` per ``interval`` seconds.
+
+    The warnings past the limit are counted, not logged, and one line says how many when their
+    interval is over: a flood of bad frames cannot flood the log, and the log still says it
+    happened. (Every protocol error is also counted in ``status``.)
+    """
+
+    def __init__(self, logger: logging.Logger, lines: int, interval: float, what: str) -> None:
+        self.log = logger
+        self.lines = lines
+        self.interval = interval
+        self.what = what
+        self._ends = 0.0  # when the current interval ends (time.monotonic())
+        self._logged = 0
+        self.suppressed = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now >= self._ends:
+            self.flush()
+            self._ends = now + self.interval
+            self._logged = 0
+        if self._logged < self.lines:
+            self._logged += 1
+            self.log.warning(msg, *args)
+            return
+        self.suppressed += 1
+        if self._timer is None:
+            delay = max(self._ends - now, 0.0)
+            self._timer = asyncio.get_running_loop().call_later(delay, self.flush)
+
+    def flush(self) -> None:
+        """Log how many warnings were left out, if any, and start a new interval."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.suppressed:
+            self.log.warning(
+                "%d more %s not logged in the last %g s (all are counted in status: %s)",
+                self.suppressed,
+                self.what,
+                self.interval,
+                "server.protocol_errors",
+            )
+            self.suppressed = 0
+            self._ends = 0.0
 
 
 class _Connection(asyncio.Protocol):
@@ -183,12 +238,14 @@ class _Connection(asyncio.Protocol):
             answers.clear()
         if bad_after_hold is not None:
             srv.protocol_errors += 1
-            log.warning("closing a connection after a protocol error: %s", bad_after_hold)
+            srv.protocol_error_log.warning(
+                "closing a connection after a protocol error: %s", bad_after_hold
+            )
             if transport is not None:
                 transport.pause_reading()  # closed once its held answers are sent
         if bad is not None and transport is not None:
             srv.protocol_errors += 1
-            log.warning("closing a connection after a protocol error: %s", bad)
+            srv.protocol_error_log.warning("closing a connection after a protocol error: %s", bad)
             # close(), not abort(): answers to the good requests before the fault still leave.
             transport.close()
 
@@ -294,6 +351,8 @@ class RpcServer:
         max_frame: int,
         high_water: int,
         low_water: int,
+        protocol_error_log_lines: int = PROTOCOL_ERROR_LOG_LINES,
+        protocol_error_log_interval: float = PROTOCOL_ERROR_LOG_INTERVAL_S,
     ) -> None:
         self.path = path
         self.dispatcher = dispatcher
@@ -318,6 +377,10 @@ class RpcServer:
         self.requests = 0
         #: Connections closed for garbage, oversized frames and the like.
         self.protocol_errors = 0
+        #: Their log lines, rate-limited.
+        self.protocol_error_log = _LimitedLog(
+            log, protocol_error_log_lines, protocol_error_log_interval, "protocol errors"
+        )
         #: Well-formed messages that were not valid requests (answered invalid_argument).
         self.invalid_requests = 0
         #: Requests whose handler raised something other than a MeterError.
@@ -428,6 +491,7 @@ class RpcServer:
         if self._server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)
+        self.protocol_error_log.flush()
         self._unlink()
 
     def _unlink(self) -> None:
@@ -494,12 +558,16 @@ async def start_server(
     high_water: int = DEFAULT_HIGH_WATER,
     low_water: int = DEFAULT_LOW_WATER,
     backlog: int = DEFAULT_BACKLOG,
+    protocol_error_log_lines: int = PROTOCOL_ERROR_LOG_LINES,
+    protocol_error_log_interval: float = PROTOCOL_ERROR_LOG_INTERVAL_S,
 ) -> RpcServer:
     """Listen on the Unix socket ``path`` and serve ``dispatcher`` until closed.
 
     The socket file gets ``mode`` (default 0600, or 0660 when ``group`` is given; the file is
     then chown'd to that group). A stale socket file is replaced; a live one raises
-    ``OSError(EADDRINUSE)``, any other file raises ``FileExistsError``.
+    ``OSError(EADDRINUSE)``, any other file raises ``FileExistsError``. Connections closed
+    for a protocol error are logged at most ``protocol_error_log_lines`` times per
+    ``protocol_error_log_interval`` seconds (then one line says how many more).
     """
     spath = os.fspath(path)
     if mode is None:
@@ -507,7 +575,13 @@ async def start_server(
     gid = _gid(group) if group is not None else None
     await _clear_stale(spath)
     server = RpcServer(
-        spath, dispatcher, max_frame=max_frame, high_water=high_water, low_water=low_water
+        spath,
+        dispatcher,
+        max_frame=max_frame,
+        high_water=high_water,
+        low_water=low_water,
+        protocol_error_log_lines=protocol_error_log_lines,
+        protocol_error_log_interval=protocol_error_log_interval,
     )
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     bound = False

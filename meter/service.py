@@ -28,11 +28,11 @@ from meter.keys import (
     period_start,
 )
 from meter.reservations import Lease, Reservations
-from meter.table import CounterTable
+from meter.table import CounterTable, PartlyRefused
 from meter.wal import records as R
-from meter.wal.log import WriteAheadLog
+from meter.wal.log import WalError, WriteAheadLog
 from meter.wal.replay import COMMITTED, RELEASED
-from storage.base import Storage, StorageError
+from storage.base import EMPTY, Storage, StorageError
 
 log = logging.getLogger("meter.service")
 
@@ -319,7 +319,10 @@ class Service:
                 append((key, qty))
             else:
                 self._check_log()
-                values = self.table.incr_seeded(fast)
+                try:
+                    values = self.table.incr_seeded(fast)
+                except PartlyRefused as exc:  # items past the 64-bit range: not counted
+                    return self._finish_refused(fast, exc.answers)
                 if values is not None:
                     if self.wal is not None and fast:
                         self.wal.append([R.TRACK_MANY, [[*k, q] for k, q in fast]])
@@ -364,7 +367,10 @@ class Service:
         # is counted until the cold keys are seeded, so a batch cut short (a draining node
         # cancels it, a read fails unexpectedly) has counted nothing and its error answer is
         # true: a client retrying it counts nothing twice.
-        values = self.table.incr_seeded(batch.good)
+        try:
+            values = self.table.incr_seeded(batch.good)
+        except PartlyRefused as exc:
+            return self._finish_many(batch, exc.answers)
         if values is not None:
             return self._finish_many(batch, values)
         return self._track_many_cold(batch)
@@ -384,21 +390,39 @@ class Service:
                 if entry is not None:
                     batch.answered[n] = entry
         self._check_log()
-        # Counted whether or not seeding worked, as track does: unseeded keys answer nil.
+        # Counted whether or not seeding worked, as track does: unseeded keys answer nil. An
+        # item past the 64-bit range is refused alone; the others are counted.
         values: list[Any] = []
         for n, (key, qty) in enumerate(batch.good):
             entry = batch.answered.get(n)
-            values.append(entry[1] if entry is not None else self.table.incr(key, qty))
+            if entry is not None:
+                values.append(entry[1])
+                continue
+            try:
+                values.append(self.table.incr(key, qty))
+            except InvalidArgument as exc:
+                values.append(exc)
         return self._finish_many(batch, values)
 
+    def _finish_refused(self, items: list[tuple[Key, int]], answers: list[Any]) -> list[Any]:
+        """The answers of a fast-path batch some of whose items were refused (not counted)."""
+        counted = [[*k, q] for (k, q), a in zip(items, answers, strict=True) if type(a) is int]
+        if self.wal is not None and counted:
+            self.wal.append([R.TRACK_MANY, counted])
+        return [a.to_wire() if isinstance(a, MeterError) else a for a in answers]
+
     def _finish_many(self, batch: _Batch, values: list[Any]) -> list[Any]:
-        """Fill a batch's answers, remember its ids and log what it counted."""
+        """Fill a batch's answers, remember its ids and log what it counted (items refused
+        by the range check carry their error instead of a value: not remembered, not logged)."""
         out = batch.out
         now = time.time()
         logged: list[list[Any]] = []
         for n, ((key, qty), idem, value) in enumerate(
             zip(batch.good, batch.idems, values, strict=True)
         ):
+            if isinstance(value, MeterError):
+                out[batch.where[n]] = values[n] = value.to_wire()
+                continue
             out[batch.where[n]] = value
             if n in batch.answered:
                 continue
@@ -434,22 +458,53 @@ class Service:
         tenant, opts = _args("usage_all", params, 1, 2, ({},))
         at = _opts("usage_all", opts, _USAGE_OPTS).get("at")
         at_f = None if at is None else check_at(at)
-        return self._usage_all_async(check_tenant(tenant), at_f)
+        tenant = check_tenant(tenant)
+        periods = [(kind, period_start(kind, at_f)) for kind in sorted(self._kinds())]
+        # The counters loaded now are answered as they are now, as this request arrives, so
+        # requests pipelined after it (counted before its listing returns) are not in it.
+        known: dict[str, int] = {}
+        for kind, period in periods:
+            for feature, value in self.table.all_for(tenant, period).items():
+                if self._periods.get(feature, "month") == kind:
+                    known[feature] = value
+        wal = self.wal
+        # What ``known`` shows may be in a log batch not committed yet: answer once it is.
+        pending_log = wal is not None and wal.dirty
+        return self._usage_all_async(tenant, periods, known, pending_log)
 
-    async def _usage_all_async(self, tenant: str, at: float | None) -> dict[str, int]:
-        kinds: set[PeriodKind] = {"month", *self._periods.values()}
-        out: dict[str, int] = {}
-        for kind in sorted(kinds):
-            period = period_start(kind, at)
+    def _kinds(self) -> set[PeriodKind]:
+        return {"month", *self._periods.values()}
+
+    async def _usage_all_async(
+        self,
+        tenant: str,
+        periods: list[tuple[PeriodKind, str]],
+        known: dict[str, int],
+        pending_log: bool,
+    ) -> dict[str, int]:
+        if pending_log:
+            assert self.wal is not None
+            try:
+                await self.wal.durable()
+            except WalError:
+                raise _log_down(self.wal) from None
+        out = dict(known)
+        for kind, period in periods:
             for _ in range(3):
                 evictions = self.table.evictions
                 try:
                     stored = await self.storage.list_period(tenant, period)
                 except StorageError as exc:
                     raise Unavailable(f"storage is unreachable: {exc}") from None
+                # The listing is a fresh read of every counter of the tenant in the period:
+                # it seeds the listed ones and, with nothing stored, the ones this node
+                # counted while storage could not be read (they are not listed).
+                snaps = dict(stored)
+                for feature in self.table.unseeded_features(tenant, period):
+                    snaps.setdefault(feature, EMPTY)
                 refused = [
                     f
-                    for f, snap in stored.items()
+                    for f, snap in snaps.items()
                     if not self.table.seed((tenant, f, period), snap, evictions)
                     and not self.table.is_seeded((tenant, f, period))
                 ]
@@ -457,8 +512,9 @@ class Service:
                     break
             else:
                 raise Unavailable("counters were evicted while being listed; retry")
+            # Counters that were not loaded when the request arrived: as they are now.
             for feature, value in self.table.all_for(tenant, period).items():
-                if self._periods.get(feature, "month") == kind:
+                if feature not in out and self._periods.get(feature, "month") == kind:
                     out[feature] = value
         return out
 
@@ -532,10 +588,11 @@ class Service:
                 raise Conflict(f"reservation {lease_id!r} was already {what} differently")
             raise NotFound(f"reservation {lease_id!r} is unknown or expired")
         self._check_log()
-        self.reservations.close(lease_id)
         if actual is None:
             actual = lease.qty
+        # First the table, which may refuse (past the 64-bit range) with nothing changed.
         value = self.table.commit(lease.key, lease.qty, actual)
+        self.reservations.close(lease_id)
         done_exp = self.done.remember(lease_id, COMMITTED, [actual, value], now)
         rid, fp, expires = self._remember_finish(idem, value, now)
         if self.wal is not None:
@@ -622,8 +679,8 @@ class Service:
                 lease_id, t, f, p, qty, deadline = rec[1:7]
                 key = (t, f, p)
                 if kind == R.COMMIT and rec[7]:
-                    self.table.incr(key, -rec[7])
-                self.table.reserve(key, qty, None)
+                    self.table.incr(key, -rec[7], check=False)
+                self.table.reserve(key, qty, None, check=False)
                 self.reservations.open_again(Lease(lease_id, key, qty, _mono(deadline)))
                 self.done.forget(lease_id)
                 rid = rec[10] if kind == R.COMMIT else rec[8]
@@ -633,7 +690,7 @@ class Service:
     def _undo_track(self, rec: list[Any], at: int) -> None:
         t, f, p, qty = rec[at : at + 4]
         if qty:
-            self.table.incr((t, f, p), -qty)
+            self.table.incr((t, f, p), -qty, check=False)
         if len(rec) > at + 4:
             self.ids.forget(rec[at + 4])
 
@@ -737,9 +794,16 @@ def _opts(method: str, opts: Any, allowed: frozenset[str]) -> Mapping[str, Any]:
 
 def _reservation_id(rid: Any) -> str:
     if isinstance(rid, bytes):
-        rid = rid.decode("utf-8", "replace")
+        try:
+            rid = rid.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidArgument("reservation id is not valid UTF-8") from None
     if not isinstance(rid, str) or not rid or len(rid) > 64:
         raise InvalidArgument("reservation id must be a non-empty string of at most 64 chars")
+    try:
+        rid.encode("utf-8")
+    except UnicodeEncodeError:  # invalid UTF-8 from the wire, decoded with surrogateescape
+        raise InvalidArgument("reservation id is not valid UTF-8") from None
     return rid
 
 

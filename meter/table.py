@@ -43,9 +43,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from meter.errors import LimitExceeded, Unavailable
-from meter.keys import Key
+from meter.errors import InvalidArgument, LimitExceeded, Unavailable
+from meter.keys import QTY_MAX, QTY_MIN, Key
 from storage.base import Snapshot
+
+# The hot paths' range checks write QTY_MIN and QTY_MAX as literals; they must stay equal.
+assert (QTY_MIN, QTY_MAX) == (-9223372036854775808, 9223372036854775807)
 
 Tagged = tuple[int, int]
 """``(flush sequence, delta)``: a delta and the sequence it is (or will be) flushed under."""
@@ -64,10 +67,12 @@ USED = 32  # used since the last eviction sweep
 class Ext:
     """The parts of a row most keys never need: holds, peers' deltas, sealed gossip."""
 
-    __slots__ = ("peer_seqs", "remote", "remote_total", "reserved", "sealed")
+    __slots__ = ("leases", "peer_seqs", "remote", "remote_total", "reserved", "sealed")
 
     def __init__(self) -> None:
         self.reserved = 0
+        #: Open reservations on the row (a lease of 0 units holds nothing but pins the row).
+        self.leases = 0
         self.peer_seqs: dict[str, int] | None = None
         self.remote: dict[str, dict[int, int]] | None = None
         self.remote_total = 0
@@ -76,6 +81,7 @@ class Ext:
     def empty(self) -> bool:
         return (
             self.reserved == 0
+            and self.leases == 0
             and self.peer_seqs is None
             and self.remote is None
             and self.remote_total == 0
@@ -141,7 +147,7 @@ class Row:
             self.flags & (SEEDED | INFLIGHT | GOSSIP_OPEN) == SEEDED
             and self.pending_flush == 0
             and self.pending_gossip == 0
-            and (self.ext is None or (self.ext.reserved == 0 and not self.ext.remote
+            and (self.ext is None or (self.ext.leases == 0 and not self.ext.remote
                                       and not self.ext.sealed))
         )  # fmt: skip
 
@@ -251,6 +257,15 @@ class CounterTable:
                     out[feature] = row.value()
             return out
 
+    def unseeded_features(self, tenant: str, period: str) -> list[str]:
+        """The features of ``tenant``'s unseeded counters in ``period``."""
+        with self._lock:
+            return [
+                f
+                for f in self._by_period.get((tenant, period), ())
+                if not self._rows[(tenant, f, period)].flags & SEEDED
+            ]
+
     def dirty_keys(self) -> list[Key]:
         """Keys with units to flush (pending or in flight)."""
         with self._lock:
@@ -280,7 +295,7 @@ class CounterTable:
                 touched=len(self._touched),
                 unseeded=len(self._unseeded),
                 inflight=sum(1 for r in rows if r.flags & INFLIGHT),
-                reserved_keys=sum(1 for r in rows if r.ext is not None and r.ext.reserved),
+                reserved_keys=sum(1 for r in rows if r.ext is not None and r.ext.leases),
             )
 
     # -- local mutations ---------------------------------------------------------------------
@@ -338,17 +353,45 @@ class CounterTable:
                 self._mark(key, row)
             return True
 
-    def incr(self, key: Key, qty: int) -> int | None:
+    def incr(self, key: Key, qty: int, *, check: bool = True) -> int | None:
         """Count ``qty`` units; return the new value, or ``None`` if the key is unseeded.
 
         A cold key gets an unseeded row: the units are kept whatever the store's state.
+        Raises :class:`InvalidArgument` (nothing counted) if the count would leave the signed
+        64-bit range (see :func:`_refusal`); ``check=False`` (taking back a count whose log
+        write failed) skips that.
         """
         with self._lock:
             row = self._rows.get(key)
             if row is None:
                 row = self._row(key)
-            row.pending_flush += qty
+            pending = row.pending_flush + qty
             flags = row.flags
+            value: int | None = None
+            if flags & SEEDED:
+                value = row.base + row.inflight + pending + row.extra
+                if check and (  # the range check, as in try_incr
+                    (
+                        value > 9223372036854775807
+                        or pending > 9223372036854775807
+                        or value < -9223372036854775808
+                    )
+                    if qty >= 0
+                    else (
+                        value < -9223372036854775808
+                        or pending < -9223372036854775808
+                        or value > 9223372036854775807
+                        or row.ext is not None
+                    )
+                ):
+                    err = _refusal(key, row, qty)
+                    if err is not None:
+                        raise err
+            elif check and not -9223372036854775808 <= pending <= 9223372036854775807:
+                err = _refusal(key, row, qty)
+                if err is not None:
+                    raise err
+            row.pending_flush = pending
             if self.gossip:
                 row.pending_gossip += qty
                 if not flags & TOUCHED:
@@ -357,14 +400,13 @@ class CounterTable:
             if not flags & DIRTY:
                 self._dirty.append(key)
             row.flags = flags | DIRTY | USED
-            if flags & SEEDED:  # row.value(), inlined: this is the hottest line of the node
-                return row.base + row.inflight + row.pending_flush + row.extra
-            return None
+            return value
 
     def try_incr(self, key: Key, qty: int) -> int | None:
         """:meth:`incr` if ``key`` is seeded; else count nothing and return ``None``.
 
-        The warm path of ``track``: one lookup decides and counts.
+        The warm path of ``track``: one lookup decides and counts. Raises
+        :class:`InvalidArgument` (nothing counted) as :meth:`incr` does.
         """
         with self._lock:
             row = self._rows.get(key)
@@ -373,7 +415,30 @@ class CounterTable:
             flags = row.flags
             if not flags & SEEDED:
                 return None
-            row.pending_flush += qty
+            pending = row.pending_flush + qty
+            value = row.base + row.inflight + pending + row.extra
+            # The range check (see _refusal), split on the sign of qty to save compares: units
+            # added can only pass the top (or fail to bring a value back from the bottom), and
+            # only units taken away need the held units. QTY_MAX and QTY_MIN as literals: a
+            # constant is the cheapest load.
+            if (
+                (
+                    value > 9223372036854775807
+                    or pending > 9223372036854775807
+                    or value < -9223372036854775808
+                )
+                if qty >= 0
+                else (
+                    value < -9223372036854775808
+                    or pending < -9223372036854775808
+                    or value > 9223372036854775807
+                    or row.ext is not None
+                )
+            ):
+                err = _refusal(key, row, qty)
+                if err is not None:
+                    raise err
+            row.pending_flush = pending
             if self.gossip:
                 row.pending_gossip += qty
                 if not flags & TOUCHED:
@@ -382,13 +447,14 @@ class CounterTable:
             if not flags & DIRTY:
                 self._dirty.append(key)
             row.flags = flags | DIRTY | USED
-            return row.base + row.inflight + row.pending_flush + row.extra
+            return value
 
     def incr_prefix(self, items: Sequence[tuple[Key, int]]) -> list[int]:
         """:meth:`try_incr` for the leading items whose keys are seeded, under one lock hold.
 
-        Stops at the first cold or unseeded key (counting nothing from it on) and returns the
-        new values of the items counted, in order: the server's pipelined ``track`` batches.
+        Stops at the first cold or unseeded key, or the first item the range check refuses
+        (counting nothing from it on), and returns the new values of the items counted, in
+        order: the server's pipelined ``track`` batches.
         """
         with self._lock:
             return self._count_run(items)
@@ -398,7 +464,9 @@ class CounterTable:
 
         Returns the new values in order. If any key is cold or unseeded nothing is counted and
         the answer is ``None``: the caller seeds first, so a batch is counted all or nothing
-        (``track_many`` must never answer an error after counting part of a batch).
+        (``track_many`` must never answer an error after counting part of a batch). Items the
+        range check refuses are not counted and the others are: then :class:`PartlyRefused`
+        is raised, carrying every item's answer (its new value, or its refusal).
         """
         with self._lock:
             rows = self._rows
@@ -406,14 +474,40 @@ class CounterTable:
                 row = rows.get(key)
                 if row is None or not row.flags & SEEDED:
                     return None
-            return self._count_run(items)
+            out = self._count_run(items)
+            if len(out) < len(items):
+                raise PartlyRefused(self._count_refusing(items, out))
+            return out
+
+    def _count_refusing(
+        self, items: Sequence[tuple[Key, int]], done: list[int]
+    ) -> list[int | InvalidArgument]:
+        """The rest of a seeded batch after ``_count_run`` stopped at a refused item: count
+        each item the range check accepts, keep the refusals. The caller holds the lock."""
+        out: list[int | InvalidArgument] = list(done)
+        rows = self._rows
+        for key, qty in items[len(done) :]:
+            row = rows[key]
+            err = _refusal(key, row, qty)
+            if err is not None:
+                out.append(err)
+                continue
+            self._mark(key, row)
+            row.pending_flush += qty
+            if self.gossip:
+                row.pending_gossip += qty
+            row.flags |= USED
+            out.append(row.value())
+        return out
 
     def _count_run(self, items: Sequence[tuple[Key, int]]) -> list[int]:
-        """Count items up to the first cold or unseeded key; the caller holds the lock."""
+        """Count items up to the first cold or unseeded key, or the first item the range
+        check refuses; the caller holds the lock."""
         out: list[int] = []
         append = out.append
         rows = self._rows
         gossip = self.gossip
+        lo, hi = QTY_MIN, QTY_MAX
         for key, qty in items:
             row = rows.get(key)
             if row is None:
@@ -421,7 +515,15 @@ class CounterTable:
             flags = row.flags
             if not flags & SEEDED:
                 break
-            row.pending_flush += qty
+            pending = row.pending_flush + qty
+            value = row.base + row.inflight + pending + row.extra
+            if (  # the range check, as in try_incr
+                (value > hi or pending > hi or value < lo)
+                if qty >= 0
+                else (value < lo or pending < lo or value > hi or row.ext is not None)
+            ) and _refusal(key, row, qty) is not None:
+                break
+            row.pending_flush = pending
             if gossip:
                 row.pending_gossip += qty
                 if not flags & TOUCHED:
@@ -430,14 +532,17 @@ class CounterTable:
             if not flags & DIRTY:
                 self._dirty.append(key)
             row.flags = flags | DIRTY | USED
-            append(row.base + row.inflight + row.pending_flush + row.extra)
+            append(value)
         return out
 
-    def reserve(self, key: Key, qty: int, limit: int | None) -> int | None:
+    def reserve(self, key: Key, qty: int, limit: int | None, *, check: bool = True) -> int | None:
         """Hold ``qty`` units against ``limit``; return the value including them.
 
         Raises :class:`LimitExceeded` (nothing held) if the value would pass ``limit``, and
         :class:`Unavailable` if a limit is given but the key's total is unknown.
+        :class:`InvalidArgument` (nothing held) if the value would leave the signed 64-bit
+        range; ``check=False`` (putting back a hold whose release was undone, recovery) skips
+        that.
         """
         with self._lock:
             row = self._row(key)
@@ -449,16 +554,32 @@ class CounterTable:
                     raise LimitExceeded(
                         f"{key[0]}/{key[1]}: {current} + {qty} would exceed the limit {limit}"
                     )
-            row.x().reserved += qty
+            if check and row.flags & SEEDED and row.value() + qty > QTY_MAX:
+                raise _out_of_range(key, "the total with its reserved units", row.value() + qty)
+            ext = row.x()
+            ext.reserved += qty
+            ext.leases += 1
             row.extra += qty
-            row.tidy()
             return row.value() if row.flags & SEEDED else None
 
     def commit(self, key: Key, reserved: int, actual: int) -> int | None:
-        """Turn a reservation of ``reserved`` units into ``actual`` units of usage."""
+        """Turn a reservation of ``reserved`` units into ``actual`` units of usage.
+
+        Raises :class:`InvalidArgument` (nothing changed: the reservation still holds) if the
+        value or this node's unstored units would pass the signed 64-bit range.
+        """
         with self._lock:
             row = self._row(key)
-            row.x().reserved -= reserved
+            if row.pending_flush + actual > QTY_MAX:
+                raise _out_of_range(
+                    key, "this node's units not stored yet", row.pending_flush + actual
+                )
+            value = row.value() - reserved + actual
+            if row.flags & SEEDED and not QTY_MIN <= value <= QTY_MAX:
+                raise _out_of_range(key, "the total", value)
+            ext = row.x()
+            ext.reserved -= reserved
+            ext.leases -= 1
             row.extra -= reserved
             row.tidy()
             row.pending_flush += actual
@@ -471,7 +592,9 @@ class CounterTable:
         """Give back a reservation of ``reserved`` units."""
         with self._lock:
             row = self._row(key)
-            row.x().reserved -= reserved
+            ext = row.x()
+            ext.reserved -= reserved
+            ext.leases -= 1
             row.extra -= reserved
             row.tidy()
 
@@ -695,7 +818,8 @@ class CounterTable:
         """Drop clean keys not used since the previous call; return how many were dropped.
 
         Called periodically: a key survives one full interval after its last use. Keys with
-        anything pending, in flight, reserved or from peers are never dropped.
+        anything pending, in flight or from peers, or an open reservation (even of 0 units),
+        are never dropped.
         """
         with self._lock:
             doomed: list[Key] = []
@@ -728,6 +852,46 @@ class CounterTable:
         """A snapshot of every warm key."""
         with self._lock:
             return list(self._rows)
+
+
+class PartlyRefused(Exception):
+    """:meth:`CounterTable.incr_seeded` counted a batch except the items the range check
+    refused. ``answers`` has one entry per item: its new value, or its refusal."""
+
+    def __init__(self, answers: list[int | InvalidArgument]) -> None:
+        super().__init__(f"{sum(isinstance(a, InvalidArgument) for a in answers)} items refused")
+        self.answers = answers
+
+
+def _refusal(key: Key, row: Row, qty: int) -> InvalidArgument | None:
+    """Why counting ``qty`` on ``row`` must be refused, or ``None`` if it may be counted.
+
+    Every answer and every log record carries a counter's numbers as MessagePack integers,
+    so they stay inside the signed 64-bit range: this node's units not stored yet (what the
+    flusher writes and the log restates), and for a seeded row its value with its held units
+    and, as holds can always be released, without them (units taken away can only lower the
+    latter; held units are never negative). A value that left the range anyway (units counted
+    while the total was unknown, peers' units, a stored total) only refuses the counts that
+    would keep it outside.
+    """
+    pending = row.pending_flush + qty
+    if not QTY_MIN <= pending <= QTY_MAX:
+        return _out_of_range(key, "this node's units not stored yet", pending)
+    if not row.flags & SEEDED:
+        return None
+    value = row.value() + qty
+    if not QTY_MIN <= value <= QTY_MAX:
+        return _out_of_range(key, "the total", value)
+    if qty < 0 and row.ext is not None and value - row.ext.reserved < QTY_MIN:
+        return _out_of_range(key, "the total without its reserved units", value - row.ext.reserved)
+    return None
+
+
+def _out_of_range(key: Key, what: str, value: int) -> InvalidArgument:
+    return InvalidArgument(
+        f"{key[0][:64]}/{key[1][:64]}: {what} would be {value}, outside the signed 64-bit range "
+        f"{QTY_MIN}..{QTY_MAX}; nothing was counted"
+    )
 
 
 def _compact(listed: list[Key], rows: dict[Key, Row], bit: int) -> list[Key]:

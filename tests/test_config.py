@@ -58,6 +58,15 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
     assert cfg.counters.feature_periods == {"api": "day"}
 
 
+def test_request_drain_timeout_is_a_setting(tmp_path: Path) -> None:
+    assert load(env={}).server.request_drain_timeout_s == 5.0
+    env = {"METER_REQUEST_DRAIN_TIMEOUT_S": "0.25"}
+    assert load(env=env).server.request_drain_timeout_s == 0.25
+    file = tmp_path / "m.toml"
+    file.write_text("request_drain_timeout_s = 12\n")
+    assert load(file=file, env={}).server.request_drain_timeout_s == 12.0
+
+
 def test_config_file_from_environment(tmp_path: Path) -> None:
     file = tmp_path / "m.toml"
     file.write_text("flush_interval_ms = 7\n")
@@ -79,6 +88,8 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
         ({"METER_FEATURE_PERIODS": "api"}, "feature_periods"),
         ({"METER_SOCKET": "/tmp/" + "s" * 120}, "socket"),
         ({"METER_FLUSH_INTERVALMS": "5"}, "METER_FLUSH_INTERVALMS"),
+        ({"METER_REQUEST_DRAIN_TIMEOUT_S": "-1"}, "request_drain_timeout_s"),
+        ({"METER_REQUEST_DRAIN_TIMEOUT_S": "soon"}, "request_drain_timeout_s"),
     ],
 )
 def test_bad_settings_name_the_setting(env: dict[str, str], setting: str) -> None:

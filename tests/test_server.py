@@ -411,6 +411,42 @@ async def test_garbage_closes_only_that_connection(
         bad.close()
 
 
+async def test_protocol_error_lines_are_rate_limited_and_the_rest_counted(
+    path: str, disp: StandIn, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flood of bad frames (a fuzzer, a confused client) writes at most ``lines`` warnings
+    per interval, then one line with how many were not logged; status counts every one."""
+    srv = await start_server(path, disp, protocol_error_log_lines=3, protocol_error_log_interval=1)
+    n = 40
+    loop = asyncio.get_running_loop()
+    try:
+        with caplog.at_level(logging.WARNING, logger="meter.server"):
+            started = loop.time()
+            for i in range(n):
+                bad = Raw(path)
+                await bad.send(b"\xc1" if i % 2 else b"GET / HTTP/1.1\r\n\r\n")
+                assert await bad.closed_by_peer()
+                bad.close()
+            elapsed = loop.time() - started
+            assert srv.protocol_errors == n and srv.stats()["protocol_errors"] == n
+            lines = [r.getMessage() for r in caplog.records if r.name == "meter.server"]
+            each = [m for m in lines if m.startswith("closing a connection after a protocol")]
+            assert len(each) <= 3 * (int(elapsed) + 2), (elapsed, len(each))
+            # The lines left out are summed up once their interval is over.
+            deadline = loop.time() + WAIT
+            while True:
+                lines = [r.getMessage() for r in caplog.records if r.name == "meter.server"]
+                summaries = [m for m in lines if "protocol errors not logged" in m]
+                told = sum(int(m.split()[0]) for m in summaries)
+                if told + len(each) == n or loop.time() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            assert told + len(each) == n, lines
+            assert all("server.protocol_errors" in m for m in summaries)
+    finally:
+        await srv.close()
+
+
 async def test_good_requests_before_garbage_are_answered(raw: Raw) -> None:
     await raw.send(msgpack.packb([0, 1, "ping", []]) + b"\xc1")
     assert await raw.recv() == [1, 1, None, "pong"]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from meter.table import CounterTable
+import pytest
+
+from meter.errors import InvalidArgument
+from meter.keys import QTY_MAX
+from meter.table import CounterTable, PartlyRefused
 from storage.base import EMPTY, Snapshot
 
 
@@ -50,3 +54,26 @@ def test_try_incr_counts_seeded_keys_only() -> None:
     assert t.columns(warm) == ref.columns(warm)
     assert t.try_incr(cold, 3) is None and not t.is_warm(cold)
     assert t.try_incr(unseeded, 3) is None and t.pending(unseeded) == 1
+
+
+def test_incr_seeded_refuses_only_the_items_past_64_bits() -> None:
+    t, ref = CounterTable("n1"), CounterTable("n1")
+    top = ("t", "f", "2026-11")
+    other = ("t", "g", "2026-11")
+    for table in (t, ref):
+        table.seed(top, Snapshot(QTY_MAX - 1, {}))
+        table.seed(other, EMPTY)
+    with pytest.raises(PartlyRefused) as info:
+        t.incr_seeded([(top, 1), (top, 1), (other, 2), (top, -5), (top, 5), (other, 1)])
+    answers = info.value.answers
+    assert answers[0] == QTY_MAX and answers[2] == 2 and answers[3] == QTY_MAX - 5
+    assert answers[4] == QTY_MAX and answers[5] == 3
+    assert isinstance(answers[1], InvalidArgument) and "64-bit" in answers[1].message
+    for qty in (1, -5, 5):
+        ref.incr(top, qty)
+    ref.incr(other, 3)
+    assert t.columns(top) == ref.columns(top) and t.columns(other) == ref.columns(other)
+    with pytest.raises(InvalidArgument):
+        t.try_incr(top, 1)
+    assert t.incr_prefix([(other, 1), (top, 1), (other, 1)]) == [4], "the run stops there"
+    assert t.value(top) == QTY_MAX and t.value(other) == 4

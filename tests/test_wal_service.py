@@ -149,6 +149,26 @@ async def test_every_call_kind_is_logged_and_a_failed_write_undoes_it(tmp: Path)
     await wal.close()
 
 
+async def test_a_usage_all_answers_only_what_the_log_committed(tmp: Path) -> None:
+    """usage_all reads the loaded counters as it arrives (P06), maybe before the log committed
+    the calls just before it: it answers once they are committed, unavailable if they fail."""
+    svc, wal = await make(tmp)
+    assert await call(svc, "track", *KEY, 1) == 1
+    await settle()
+    assert svc.dispatch("track", [*KEY, 2]) == 3  # in the open batch
+    listing = svc.dispatch("usage_all", ["acme"])
+    assert await listing == {"api": 3}
+    assert not dirty(wal), "answered after the commit"
+    with disk_full(wal):
+        assert svc.dispatch("track", [*KEY, 4]) == 7
+        listing = svc.dispatch("usage_all", ["acme"])  # sees 7: not true if the write fails
+        with pytest.raises(Unavailable):
+            await listing
+        assert broken(wal) is not None
+        assert await call(svc, "usage_all", "acme") == {"api": 3}, "reads still answer"
+    await wal.close()
+
+
 async def test_a_retried_id_counts_once_and_another_payload_conflicts(tmp: Path) -> None:
     svc, wal = await make(tmp)
     assert await call(svc, "track", *KEY, 5, {"id": "a"}) == 5

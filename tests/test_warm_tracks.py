@@ -78,6 +78,26 @@ async def test_a_usage_between_tracks_sees_exactly_the_tracks_before_it(
     assert svc.fast_answered >= 3, "the leading tracks took the fast path"
 
 
+async def test_a_usage_all_between_tracks_sees_exactly_the_tracks_before_it(
+    node: tuple[CountingService, Path],
+) -> None:
+    svc, path = node
+    await svc.storage.apply("old", [Delta(svc.key_for("acme", "stored"), 1, 7)])
+    await pipeline(path, [("track", ["acme", "api", 1])])
+    out = await pipeline(
+        path,
+        [("track", ["acme", "api", 1])] * 3
+        + [("usage_all", ["acme"])]
+        + [("track", ["acme", "api", 1])] * 2
+        + [("track", ["acme", "stored", 1])]
+        + [("usage_all", ["acme"])],
+    )
+    assert out[3] == (None, {"api": 4, "stored": 7}), "the tracks after it are not in it"
+    assert out[:3] == [(None, 2), (None, 3), (None, 4)] and out[4:6] == [(None, 5), (None, 6)]
+    assert out[6] == (None, 8)
+    assert out[7] == (None, {"api": 6, "stored": 8})
+
+
 async def test_a_reservation_in_a_batch_checks_its_limit_in_order(
     node: tuple[CountingService, Path],
 ) -> None:
