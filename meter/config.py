@@ -51,8 +51,10 @@ class StorageConfig:
     dynamodb_max_pool_connections: int = 64
     dynamodb_connect_timeout_s: float = 2.0
     dynamodb_read_timeout_s: float = 5.0
-    #: How long stored counters live after their period ends (the TTL attribute).
+    #: How long stored counters live after their period ends (or their last write, if later).
     retention_days: int = 400
+    #: How often expired counters are deleted (SQLite; DynamoDB expires them by TTL).
+    purge_interval_s: float = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +269,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "dynamodb_connect_timeout_s": ("storage", "dynamodb_connect_timeout_s", _float(0.05, 120)),
     "dynamodb_read_timeout_s": ("storage", "dynamodb_read_timeout_s", _float(0.05, 600)),
     "retention_days": ("storage", "retention_days", _int(1, 36500)),
+    "retention_purge_interval_s": ("storage", "purge_interval_s", _float(0.1, 10**7)),
     "feature_periods": ("counters", "feature_periods", _feature_periods),
     "reservation_ttl_ms": ("counters", "reservation_ttl_ms", _int(1, 24 * 3600 * 1000)),
     "evict_after_s": ("counters", "evict_after_s", _float(1, 10**7)),

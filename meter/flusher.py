@@ -20,7 +20,7 @@ from meter.keys import Key
 from meter.table import CounterTable
 from meter.wal.log import WalError, WriteAheadLog
 from meter.wal.records import FLUSH
-from storage.base import Applied, Delta, Storage, StorageError
+from storage.base import Applied, BadItems, Delta, Storage, StorageError
 
 log = logging.getLogger("meter.flusher")
 
@@ -36,6 +36,8 @@ class FlushStats:
     keys_written: int = 0
     duplicates: int = 0
     failures: int = 0
+    #: Keys re-seeded because their stored item went back (expired or restored).
+    reseeded: int = 0
     last_at: float | None = None
     last_result: str = "never"
     last_error: str | None = None
@@ -107,18 +109,24 @@ class Flusher:
                 self._note_error(f"the write-ahead log cannot be written: {self.wal.broken}")
                 self._finish_round(False)
                 return False
-            ok = await self._seed_unseeded()
+            seeded = await self._seed_unseeded()
+            wrote = True
             keys = [k for k in self.table.dirty_keys() if k not in self.stats.poisoned]
             for start in range(0, len(keys), self.batch_keys):
-                ok = await self._write(keys[start : start + self.batch_keys]) and ok
-            self._finish_round(ok)
-            return ok
+                wrote = await self._write(keys[start : start + self.batch_keys]) and wrote
+            # Only failed writes back off: a failed seeding read is retried next round, so it
+            # never delays the writes of the other keys (nor its own) by up to max_backoff.
+            self._finish_round(wrote, seeded)
+            return seeded and wrote
 
     async def drain(self, timeout: float) -> bool:
         """Flush until nothing is left to write or ``timeout`` passes; True if all written."""
         deadline = time.monotonic() + timeout
         while True:
-            await self.flush_once()
+            try:
+                await self.flush_once()
+            except Exception:  # a bug must not turn a drain into a crash of Node.stop
+                log.exception("flush round failed unexpectedly while draining")
             if not self.backlog_keys():
                 return True
             if time.monotonic() >= deadline:
@@ -135,14 +143,29 @@ class Flusher:
         keys = self.table.unseeded_keys()
         if not keys:
             return True
+        keys = [k for k in keys if k not in self.stats.poisoned]
+        if not keys:
+            return True
         try:
             snaps = await self.storage.load(keys)
+        except BadItems as exc:
+            # Those keys' stored items cannot be read: park them (their units stay in memory,
+            # reported), and seed the rest.
+            for key, why in exc.bad.items():
+                self._park(key, f"cannot seed: {why}")
+            snaps = exc.good
         except StorageError as exc:
             self._note_error(f"seeding {len(keys)} keys: {exc}")
             return False
         for key, snap in snaps.items():
             self.table.seed(key, snap)
         return True
+
+    def _park(self, key: Key, why: str) -> None:
+        """Never retry ``key`` automatically; report it (status, log)."""
+        self.stats.poisoned[key] = why
+        log.error("key parked, its units kept but not stored: %s: %s", _fmt(key), why)
+        self._note_error(f"{_fmt(key)}: {why}")
 
     def _take(self, keys: list[Key]) -> list[Delta]:
         """Take each key's delta; with a log, append them to it (in the same step)."""
@@ -204,7 +227,20 @@ class Flusher:
         for d in deltas:
             outcome = results.get(d.key)
             if isinstance(outcome, Applied):
-                self.table.rebase(d.key, outcome.snapshot, "flush")
+                snap = outcome.snapshot
+                if not self.table.rebase(d.key, snap, "flush") and snap.seq_of(node) >= d.seq:
+                    # The answer holds our delta but is older than what the row was based on
+                    # (a peer it knew is missing, or behind): the item vanished and was made
+                    # again (TTL expiry, a recreated or restored table). Re-seed on it, or the
+                    # in-flight delta would be retried for ever.
+                    log.warning(
+                        "stored item of %s went back (expired, recreated or restored): "
+                        "re-seeded on it (total %s)",
+                        _fmt(d.key),
+                        snap.total,
+                    )
+                    self.table.reseed(d.key, snap)
+                    self.stats.reseeded += 1
                 written.append((d.key, outcome))
                 self.stats.keys_written += 1
                 if outcome.duplicate:
@@ -234,16 +270,16 @@ class Flusher:
             self.stats.backlog_since = time.time()
         log.warning("flush: %s", message)
 
-    def _finish_round(self, ok: bool) -> None:
+    def _finish_round(self, wrote: bool, seeded: bool = True) -> None:
+        """End a round: failed writes back off; a failed seeding read only shows as an error."""
         self.stats.rounds += 1
         self.stats.last_at = time.time()
-        if ok:
-            self._failures_in_row = 0
+        self._failures_in_row = 0 if wrote else self._failures_in_row + 1
+        if wrote and seeded:
             self.stats.last_result = "ok"
             if not self.backlog_keys():
                 self.stats.backlog_since = None
         else:
-            self._failures_in_row += 1
             self.stats.last_result = "error"
 
 

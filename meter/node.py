@@ -30,7 +30,7 @@ from meter.server import RpcServer, start_server
 from meter.service import Service
 from meter.table import CounterTable
 from meter.wal.log import WriteAheadLog
-from storage.base import Snapshot, Storage, StorageError
+from storage.base import BadItems, Snapshot, Storage, StorageError
 
 log = logging.getLogger("meter.node")
 
@@ -72,7 +72,10 @@ def resync_from(
         wanted = [k for k in (table.keys() if keys is None else keys) if table.is_seeded(k)]
         rebased = 0
         for start in range(0, len(wanted), chunk):
-            snaps = await storage.load(wanted[start : start + chunk])
+            try:
+                snaps = await storage.load(wanted[start : start + chunk])
+            except BadItems as exc:  # re-base what can be read; the flusher reports the rest
+                snaps = exc.good
             for key, snap in snaps.items():
                 rebased += table.rebase(key, snap, "read")
         return rebased
@@ -259,6 +262,7 @@ class Node:
             asyncio.create_task(self.flusher.run(), name="flusher"),
             asyncio.create_task(self._expire_loop(), name="reservation-expiry"),
             asyncio.create_task(self._evict_loop(), name="eviction"),
+            asyncio.create_task(self._purge_loop(), name="retention-purge"),
         ]
         if self.gossip is not None:
             await self.gossip.start()  # connects in the background; serving does not wait
@@ -350,6 +354,19 @@ class Node:
                 self.service.ids.expire(now)
                 self.service.done.expire(now)
 
+    async def _purge_loop(self) -> None:
+        """Delete stored counters past their retention (SQLite; DynamoDB's TTL does it)."""
+        assert self.storage is not None
+        while True:
+            await asyncio.sleep(self.config.storage.purge_interval_s)
+            try:
+                n = await self.storage.purge_expired()
+            except StorageError as exc:
+                log.warning("retention purge failed (retried next interval): %s", exc)
+                continue
+            if n:
+                log.info("retention purge: deleted %d expired counters", n)
+
     async def _evict_loop(self) -> None:
         assert self.table is not None
         while True:
@@ -375,6 +392,7 @@ class Node:
                 "rounds": fs.rounds,
                 "keys_written": fs.keys_written,
                 "duplicates": fs.duplicates,
+                "reseeded": fs.reseeded,
                 "failures": fs.failures,
                 "backlog_keys": len(backlog),
                 "backlog_units": sum(self.table.pending(k) for k in backlog),

@@ -737,6 +737,23 @@ class CounterTable:
                 row.flags &= ~DIRTY
             return True
 
+    def reseed(self, key: Key, snap: Snapshot) -> bool:
+        """Re-base a seeded row on ``snap`` even though it is older than the row's snapshot.
+
+        For a stored item that went back (expired by TTL and made again by a write, or a
+        restored table): the peers' sequences and the total in ``snap`` are now the truth. This
+        node's in-flight delta is done if ``snap`` holds its sequence. Returns ``False`` if the
+        key is cold or unseeded.
+        """
+        with self._lock:
+            row = self._rows.get(key)
+            if row is None or not row.flags & SEEDED:
+                return False
+            self._rebase_row(row, snap)
+            if row.pending_flush == 0 and not row.flags & (INFLIGHT | GOSSIP_OPEN):
+                row.flags &= ~DIRTY
+            return True
+
     def _rebase_row(self, row: Row, snap: Snapshot) -> None:
         own = snap.seq_of(self.node)
         row.base = snap.total

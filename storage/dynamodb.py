@@ -23,6 +23,7 @@ import contextlib
 import logging
 import random
 import re
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
@@ -46,6 +47,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from storage.base import (
     EMPTY,
     Applied,
+    BadItems,
     Delta,
     Key,
     Snapshot,
@@ -109,7 +111,9 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
 LOCAL_DUMMY_CREDENTIALS = ("meter-local", "meter-local")
 LOCAL_DEFAULT_REGION = "us-east-1"
 
-_UPDATE_EXPRESSION = "ADD #t :d SET #s = :seq, #ttl = if_not_exists(#ttl, :ttl)"
+# The TTL is set on every write: it only grows (later of period end and now), so a counter
+# still being written is never expired.
+_UPDATE_EXPRESSION = "ADD #t :d SET #s = :seq, #ttl = :ttl"
 _CONDITION = "attribute_not_exists(#s) OR #s < :seq"
 
 
@@ -380,9 +384,31 @@ class DynamoDBStorage(Storage):
         pairs = list(wanted)
         chunks = [pairs[i : i + BATCH_GET_LIMIT] for i in range(0, len(pairs), BATCH_GET_LIMIT)]
         out: dict[Key, Snapshot] = dict.fromkeys(wanted.values(), EMPTY)
-        for items in await asyncio.gather(*(self._batch_get(c) for c in chunks)):
+        bad: dict[Key, str] = {}
+        tasks = [asyncio.ensure_future(self._batch_get(c)) for c in chunks]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            # One chunk failed (or we were cancelled): stop its siblings rather than leave them
+            # running unowned, holding the concurrency semaphore.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        for items in results:
             for item in items:
-                out[wanted[(item["pk"]["S"], item["sk"]["S"])]] = _snapshot(item)
+                try:
+                    key = wanted[(item["pk"]["S"], item["sk"]["S"])]
+                except (KeyError, TypeError):
+                    continue  # not an item we asked for
+                try:
+                    out[key] = _snapshot(item)
+                except (StorageError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                    bad[key] = f"dynamodb: undecodable item {_describe(key)}: {exc!r}"[:300]
+        if bad:
+            for key in bad:
+                out.pop(key, None)
+            raise BadItems(out, bad)
         return out
 
     async def _batch_get(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
@@ -510,7 +536,8 @@ def _check_period(period: str) -> None:
 
 
 def _ttl(period: str, retention_days: int) -> int:
-    """Epoch seconds at which DynamoDB may expire the item: period end + retention."""
+    """Epoch seconds at which DynamoDB may expire the item: the later of the period's end and
+    now, plus the retention (a late write to an old period must not expire at once)."""
     if len(period) == 7:
         year, month = int(period[:4]), int(period[5:7])
         # Start + the month's length, never a datetime for the next month: after 9999-12
@@ -519,7 +546,7 @@ def _ttl(period: str, retention_days: int) -> int:
         end = start + calendar.monthrange(year, month)[1] * 86400
     else:
         end = datetime.strptime(period, "%Y-%m-%d").replace(tzinfo=UTC).timestamp() + 86400
-    return int(end) + retention_days * 86400
+    return max(int(end), int(time.time())) + retention_days * 86400
 
 
 def _number(value: dict[str, str]) -> int:
@@ -539,6 +566,8 @@ def _number(value: dict[str, str]) -> int:
 
 
 def _snapshot(item: dict[str, Any]) -> Snapshot:
+    """Decode an item; raises ``StoragePermanentError`` (or ``KeyError``/``TypeError`` for a
+    malformed attribute) if it is not what this module writes."""
     total = _number(item["t"]) if "t" in item else 0
     seqs = {
         name[len(SEQ_PREFIX) :]: _number(value)

@@ -3,7 +3,8 @@
 One table, ``counters``, keyed ``(tenant, period, feature)`` so that every counter of a tenant
 in a period is one primary-key range. Totals are stored as decimal TEXT because they may grow
 past SQLite's 64-bit INTEGER; the per-node flush sequences are a JSON object in ``seqs``;
-``expires_at`` (epoch seconds) is the end of the period plus the retention, for a purge job.
+``expires_at`` (epoch seconds) is the later of the period's end and the last write, plus the
+retention; :meth:`SQLiteStorage.purge_expired` deletes what is past it (the node runs it hourly).
 
 ``sqlite3`` blocks, so every statement runs on one dedicated worker thread that owns the
 connection: calls from many asyncio tasks are queued and run one at a time, in order.
@@ -17,6 +18,7 @@ import concurrent.futures
 import json
 import re
 import sqlite3
+import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,6 +27,7 @@ from typing import TypeVar
 from storage.base import (
     EMPTY,
     Applied,
+    BadItems,
     Delta,
     Key,
     Snapshot,
@@ -50,6 +53,9 @@ CREATE TABLE IF NOT EXISTS counters (
     PRIMARY KEY (tenant, period, feature)
 ) WITHOUT ROWID
 """
+
+# For the retention purge (purge_expired), which deletes by expiry.
+_EXPIRY_INDEX = "CREATE INDEX IF NOT EXISTS counters_expiry ON counters (expires_at)"
 
 _MONTH_RE = re.compile(r"\d{4}-\d{2}")
 _DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
@@ -184,6 +190,7 @@ class SQLiteStorage(Storage):
                     f"this build knows up to {SCHEMA_VERSION}"
                 )
             conn.execute(_SCHEMA)
+            conn.execute(_EXPIRY_INDEX)
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
@@ -274,11 +281,37 @@ class SQLiteStorage(Storage):
         return Applied(snap)
 
     def _expires_at(self, period: str) -> int:
-        return _period_end(period) + self.retention_days * 86400
+        # From the later of the period's end and now: a late write to an old period must not
+        # be purged at once (its units would vanish under a warm row).
+        return max(_period_end(period), int(time.time())) + self.retention_days * 86400
+
+    async def purge_expired(self, now: float | None = None) -> int:
+        """Delete counters whose ``expires_at`` has passed, a bounded batch at a time."""
+        cutoff = int(time.time() if now is None else now)
+        total = 0
+        while True:
+            n = await self._run(lambda: self._purge_sync(cutoff, 10_000))
+            total += n
+            if n < 10_000:
+                return total
+
+    def _purge_sync(self, cutoff: int, limit: int) -> int:
+        conn = self._connection()
+        try:
+            with conn:
+                cur = conn.execute(
+                    "DELETE FROM counters WHERE (tenant, period, feature) IN ("
+                    " SELECT tenant, period, feature FROM counters WHERE expires_at < ? LIMIT ?)",
+                    (cutoff, limit),
+                )
+                return cur.rowcount
+        except sqlite3.Error as exc:
+            raise _map(exc, f"purging expired counters in {self.path}") from exc
 
     def _load_sync(self, keys: list[Key]) -> dict[Key, Snapshot]:
         conn = self._connection()
         out: dict[Key, Snapshot] = {}
+        bad: dict[Key, str] = {}
         try:
             # One read transaction: every key is read from the same committed state.
             conn.execute("BEGIN")
@@ -290,13 +323,19 @@ class SQLiteStorage(Storage):
                         " WHERE tenant = ? AND period = ? AND feature = ?",
                         (tenant, period, feature),
                     ).fetchone()
-                    out[key] = EMPTY if row is None else _snapshot(row[0], row[1])
+                    if row is None:
+                        out[key] = EMPTY
+                        continue
+                    try:
+                        out[key] = _snapshot(row[0], row[1])
+                    except ValueError as exc:  # this item only: the others are still read
+                        bad[key] = f"bad stored item in {self.path}: {exc}"
             finally:
                 conn.execute("COMMIT")
         except sqlite3.Error as exc:
             raise _map(exc, f"reading from {self.path}") from exc
-        except ValueError as exc:
-            raise StoragePermanentError(f"bad stored item in {self.path}: {exc}") from exc
+        if bad:
+            raise BadItems(out, bad)
         return out
 
     def _list_sync(self, tenant: str, period: str) -> dict[str, Snapshot]:

@@ -6,6 +6,7 @@ TTL, paging, init_schema, error mapping and the write counter.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -51,21 +52,33 @@ async def test_item_layout(dynamodb_storage: DynamoDBStorage, raw: Any) -> None:
     }
 
 
-async def test_ttl_set_once_from_the_period_end(dynamodb_local: str, dynamodb_table: str) -> None:
+async def test_ttl_is_the_later_of_period_end_and_now_plus_retention(
+    dynamodb_local: str, dynamodb_table: str
+) -> None:
     store = DynamoDBStorage(dynamodb_table, endpoint_url=dynamodb_local, retention_days=30)
     await store.open()
     try:
+        client: Any = store._client
+
+        async def ttl(key: Key) -> int:
+            resp = await client.get_item(
+                TableName=dynamodb_table,
+                Key={"pk": {"S": key[0]}, "sk": {"S": f"{key[2]}#{key[1]}"}},
+                ConsistentRead=True,
+            )
+            return int(resp["Item"]["ttl"]["N"])
+
         day: Key = ("acme", "api_calls", "2026-11-30")
         await store.apply("n1", [Delta(day, 1, 1)])
-        store.retention_days = 99  # a later write keeps the first TTL (if_not_exists)
+        assert await ttl(day) == max(END_OF_NOV_2026, int(time.time())) + 30 * 86400
+        store.retention_days = 99  # every write sets it again (it only ever grows)
         await store.apply("n1", [Delta(day, 2, 1)])
-        client: Any = store._client
-        resp = await client.get_item(
-            TableName=dynamodb_table,
-            Key={"pk": {"S": "acme"}, "sk": {"S": "2026-11-30#api_calls"}},
-            ConsistentRead=True,
-        )
-        assert resp["Item"]["ttl"] == {"N": str(END_OF_NOV_2026 + 30 * 86400)}
+        assert await ttl(day) == max(END_OF_NOV_2026, int(time.time())) + 99 * 86400
+        # A late write to a period long gone must not expire at once.
+        old: Key = ("acme", "api_calls", "2020-01")
+        before = int(time.time())
+        await store.apply("n1", [Delta(old, 1, 1)])
+        assert await ttl(old) >= before + 99 * 86400
     finally:
         await store.close()
 
