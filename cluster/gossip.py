@@ -6,7 +6,8 @@ a snapshot whose sequence for a peer has reached a tag contains that delta, so t
 it from ``remote`` exactly when the base takes it in (see ``docs/cluster.md``).
 
 Pub/sub is at-most-once. A gap in a peer's message sequence, a (re)connect of our bus, a peer
-restarting or going silent, and a periodic reconciliation all ask the node's ``resync``
+restarting, going silent or being heard again after it was declared dead, and a periodic
+reconciliation all ask the node's ``resync``
 callback to re-read warm keys from storage and re-base on them. Requests are coalesced: one
 resync runs at a time, and any that arrive meanwhile become one more.
 """
@@ -102,6 +103,7 @@ class Gossip(Generic[S]):
             "join": 0,
             "connect": 0,
             "peer": 0,
+            "revive": 0,
             "reconcile": 0,
         }
         self.resync_failures = 0
@@ -191,6 +193,11 @@ class Gossip(Generic[S]):
             # Its earlier incarnation's un-flushed gossip will never be written as such.
             self._forget(h.sender)
             self.request_resync("peer")
+        elif verdict is Seen.REVIVED:
+            # Declared dead while it was alive: its gossip was forgotten at its "death", and
+            # what it flushed meanwhile may never be announced to us again. Storage has it.
+            log.info("peer %s is heard again after being declared dead; resyncing", h.sender)
+            self.request_resync("revive")
         table = self.table
         if msg.kind == "deltas":
             applied = 0

@@ -364,4 +364,13 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
     )
     if len(str(cfg.server.socket).encode()) > 100:
         raise ConfigError("socket", "path longer than 100 bytes (the AF_UNIX limit is 107)")
+    c = cfg.cluster
+    if c.peer_timeout_ms <= 2 * c.heartbeat_ms:
+        # An idle peer speaks once per heartbeat: with one heartbeat lost (or late) it must
+        # not be declared dead, which forgets its gossip and costs a resync.
+        raise ConfigError(
+            "cluster_peer_timeout_ms",
+            f"must be more than twice cluster_heartbeat_ms ({c.heartbeat_ms} ms), "
+            f"got {c.peer_timeout_ms}",
+        )
     return cfg

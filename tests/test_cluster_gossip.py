@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -109,6 +110,15 @@ class Cluster:
     async def close(self) -> None:
         for n in self.nodes:
             await n.gossip.stop(timeout=1)
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    """Let the loop run until ``cond()`` holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting until {what}")
+        await asyncio.sleep(0.005)
 
 
 @pytest.fixture
@@ -383,3 +393,36 @@ async def test_a_dead_peers_unflushed_gossip_is_forgotten(cluster: Cluster) -> N
     st = a.gossip.status()
     assert st["live_peers"] == [] and st["forgotten_units"] == 4
     assert a.table.value(k) == await cluster.stored(k) == 5
+
+
+async def test_a_peer_declared_dead_and_heard_again_is_resynced(cluster: Cluster) -> None:
+    """A peer wrongly declared dead (silent, not gone) comes back with the same incarnation and
+    the next message number: no gap, but its gossip was forgotten at its death and whatever it
+    did meanwhile that this node never heard of (here: a flush whose announcement never came)
+    is only in storage. Hearing it again re-reads storage at once, not at reconciliation."""
+    timed = GossipSettings(interval=3600, heartbeat=3600, peer_timeout=0.3, reconcile=0)
+    a = await cluster.add("a")
+    b = await cluster.add("b", settings=timed)
+    k = KEYS[0]
+    cluster.track(a, k, 4)
+    a.tick()
+    await cluster.settle()
+    assert cluster.views(k) == [4, 4]
+    # a says nothing more (its heartbeat is an hour): b declares it dead and forgets the 4.
+    await until(lambda: b.gossip.status()["live_peers"] == [], "b declares a dead")
+    assert b.gossip.status()["forgotten_units"] == 4
+    await until(lambda: b.gossip.status()["resyncs"]["peer"] == 1, "b re-reads after the death")
+    assert cluster.views(k) == [4, 0]
+    # a flushes them; b never hears of it (no announcement, and no message number spent).
+    a.flusher.on_flushed = None
+    await a.flush()
+    a.flusher.on_flushed = a.gossip.on_flushed
+    assert await cluster.stored(k) == 4
+    a.gossip.broadcaster.heartbeat_now()  # the next message in a's sequence
+    await until(lambda: b.gossip.status()["live_peers"] == ["a"], "b hears a again")
+    b.gossip.peers.dead_after = 3600  # a stays silent again: it must not die (and resync) twice
+    assert b.gossip.status()["gaps"] == 0
+    await until(lambda: b.table.value(k) == 4, "b re-reads the stored total", timeout=2)
+    assert b.gossip.status()["resyncs"]["peer"] == 1
+    assert b.gossip.status()["resyncs"]["revive"] == 1
+    assert b.gossip.status()["peers"]["a"]["revivals"] == 1

@@ -88,6 +88,24 @@ def test_bad_settings_name_the_setting(env: dict[str, str], setting: str) -> Non
     assert setting in info.value.message
 
 
+@pytest.mark.parametrize(
+    ("heartbeat", "timeout"), [("3000", None), ("2500", "5000"), ("1000", "1999")]
+)
+def test_peer_timeout_must_exceed_two_heartbeats(heartbeat: str, timeout: str | None) -> None:
+    """A peer must not be declared dead between two of its heartbeats (one of them lost)."""
+    env = {"METER_CLUSTER_HEARTBEAT_MS": heartbeat}
+    if timeout is not None:
+        env["METER_CLUSTER_PEER_TIMEOUT_MS"] = timeout
+    with pytest.raises(ConfigError) as info:
+        load(env=env)
+    assert info.value.setting == "cluster_peer_timeout_ms"
+    assert "cluster_heartbeat_ms" in info.value.message
+    ok = load(
+        env={"METER_CLUSTER_HEARTBEAT_MS": heartbeat, "METER_CLUSTER_PEER_TIMEOUT_MS": "9000"}
+    )
+    assert ok.cluster.peer_timeout_ms == 9000
+
+
 def test_bad_toml(tmp_path: Path) -> None:
     file = tmp_path / "bad.toml"
     file.write_text("flush_interval_ms = [\n")
