@@ -66,6 +66,7 @@ class Gossip(Generic[S]):
         secret: str | None = None,
         settings: GossipSettings | None = None,
         clock: Callable[[], float] = time.time,
+        incarnation: int | None = None,
     ) -> None:
         self.table = table
         self.bus = bus
@@ -74,9 +75,10 @@ class Gossip(Generic[S]):
         self.make_snapshot = make_snapshot
         self.resync = resync
         self.clock = clock
-        # Increasing across restarts of this node (wall clock, ns): peers tell a restart from
-        # a replay of an old message by it.
-        self.incarnation = time.time_ns()
+        # Increasing across restarts of this node: peers tell a restart from a replay of an old
+        # message by it. The node keeps it in its data dir (max(now, last + 1)), so a restart on
+        # a clock that went back is still newer; without one, the wall clock in ns.
+        self.incarnation = time.time_ns() if incarnation is None else incarnation
         self.codec = Codec(cluster, secret)
         self.peers = Peers(self.settings.peer_timeout)
         self.broadcaster = Broadcaster(
@@ -284,6 +286,7 @@ class Gossip(Generic[S]):
         peers = self.peers.status(mono)
         return {
             "node_id": self.node_id,
+            "incarnation": self.incarnation,
             "cluster": self.codec.cluster,
             "authenticated": self.codec.authenticated,
             "interval_ms": round(self.settings.interval * 1000, 3),

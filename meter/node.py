@@ -80,8 +80,11 @@ def resync_from(
     return resync
 
 
-def build_gossip(cfg: NodeConfig, table: CounterTable, storage: Storage) -> Gossip[Snapshot]:
-    """The gossip layer over Redis pub/sub the configuration names (not started yet)."""
+def build_gossip(
+    cfg: NodeConfig, table: CounterTable, storage: Storage, incarnation: int
+) -> Gossip[Snapshot]:
+    """The gossip layer over Redis pub/sub the configuration names (not started yet);
+    ``incarnation`` comes from :meth:`DataDir.incarnation`."""
     from cluster.bus import channel_name
     from cluster.redis_bus import RedisBus
 
@@ -95,6 +98,7 @@ def build_gossip(cfg: NodeConfig, table: CounterTable, storage: Storage) -> Goss
         make_snapshot=Snapshot,
         resync=resync_from(storage, table),
         secret=c.secret,
+        incarnation=incarnation,
         settings=GossipSettings(
             interval=c.gossip_interval_ms / 1000,
             heartbeat=c.heartbeat_ms / 1000,
@@ -139,6 +143,25 @@ class DataDir:
             self._lock_file.close()
             self._lock_file = None
 
+    def incarnation(self) -> int:
+        """This start's gossip incarnation: ``max(now in ns, the last one + 1)``, kept here.
+
+        Peers refuse messages of an incarnation older than one they saw (a replay), so it must
+        grow across restarts even when this host's clock went back (set right after running
+        ahead, a VM restored on another host): the wall clock alone would make the node stale
+        to its peers for good. Written and synced before it is used.
+        """
+        file = self.path / "incarnation"
+        try:
+            last = int(file.read_text().strip() or "0")
+        except FileNotFoundError:
+            last = 0
+        except ValueError:
+            raise ConfigError("data_dir", f"{file} does not hold an integer") from None
+        new = max(time.time_ns(), last + 1)
+        _write_synced(file, f"{new}\n")
+        return new
+
     def node_id(self, configured: str | None) -> str:
         """The configured id, else the one kept in the dir, else a new one (then kept)."""
         if configured:
@@ -155,6 +178,21 @@ class DataDir:
         tmp.write_text(new + "\n")
         os.replace(tmp, file)
         return new
+
+
+def _write_synced(file: Path, text: str) -> None:
+    """Replace ``file`` with ``text`` atomically, synced to disk (file and directory)."""
+    tmp = file.with_suffix(".tmp")
+    with tmp.open("w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, file)
+    fd = os.open(file.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Node:
@@ -199,7 +237,8 @@ class Node:
                     segment_bytes=d.segment_bytes,
                 )
             if cfg.cluster.redis_url:
-                self.gossip = build_gossip(cfg, self.table, self.storage)
+                incarnation = self.data_dir.incarnation()
+                self.gossip = build_gossip(cfg, self.table, self.storage, incarnation)
             self.flusher = Flusher(
                 self.table,
                 self.storage,
