@@ -72,6 +72,8 @@ class Broadcaster:
         #: was down; the table then drops the gossip of what was stored): the next frame
         #: skips a message number, so every peer sees a gap and re-reads storage.
         self._owe_gap = False
+        #: Send nothing (the node does not own its id: another process speaks for it).
+        self.muted = False
         self._outbox: asyncio.Queue[tuple[Kind, int, bytes]] = asyncio.Queue(max_outbox)
         self._last_sent = time.monotonic()
         self._idle = asyncio.Event()
@@ -86,7 +88,7 @@ class Broadcaster:
         first tick after the bus returns, unless they were stored meanwhile (the table drops
         those; peers re-read storage, see :meth:`announce`).
         """
-        if not self.bus.connected:
+        if not self.bus.connected or self.muted:
             return 0
         items: list[DeltaItem] = []
         for key in self.table.touched_keys():
@@ -101,7 +103,7 @@ class Broadcaster:
         """Queue the snapshots just written by the flusher."""
         if not written:
             return
-        if not self.bus.connected:
+        if not self.bus.connected or self.muted:
             # Peers learn these totals from storage: they re-read it when they reconnect
             # themselves, or when they see the gap our next frame leaves.
             self._owe_gap = True
@@ -114,7 +116,7 @@ class Broadcaster:
 
     def heartbeat_now(self) -> None:
         """Queue a heartbeat."""
-        if self.bus.connected:
+        if self.bus.connected and not self.muted:
             self._queue("heartbeat", ())
 
     def _queue(self, kind: Kind, items: Sequence[DeltaItem] | Sequence[AnnounceItem]) -> None:

@@ -147,6 +147,16 @@ class Gossip(Generic[S]):
         self._tasks = []
         await self.bus.close()
 
+    def set_muted(self, muted: bool) -> None:
+        """Stop (or resume) sending: a node that does not own its id must say nothing, or its
+        peers would take its messages for a restart of the process that does (and refuse that
+        one's as an older incarnation). Receiving goes on."""
+        if muted == self.broadcaster.muted:
+            return
+        self.broadcaster.muted = muted
+        if not muted:
+            self.broadcaster.heartbeat_now()
+
     async def on_flushed(self, written: Sequence[tuple[Key, AppliedView]]) -> None:
         """The flusher hook: announce the snapshots just written."""
         self.broadcaster.announce(written)
@@ -290,6 +300,7 @@ class Gossip(Generic[S]):
             "cluster": self.codec.cluster,
             "authenticated": self.codec.authenticated,
             "interval_ms": round(self.settings.interval * 1000, 3),
+            "muted": self.broadcaster.muted,
             "bus": self.bus.describe(),
             "live_peers": self.peers.live(),
             "peers": peers,

@@ -239,6 +239,16 @@ def _fmt(s: dict[str, Any]) -> str:
         f"{server.get('protocol_errors')} protocol errors, "
         f"{server.get('internal_errors')} internal errors",
     ]
+    owner = s.get("owner")
+    if isinstance(owner, dict):
+        state = owner.get("state")
+        if state == "owned":
+            line = f"node id      owned, lease {owner.get('lease_left_s')} s left"
+            if not owner.get("counting", True):
+                line += " (just claimed: re-reading before counting)"
+        else:
+            line = f"node id      {str(state).upper()}: {owner.get('last_error')}"
+        lines.append(line)
     if flush.get("last_error"):
         lines.append(f"last error   {flush['last_error']}")
     for p in flush.get("poisoned") or []:

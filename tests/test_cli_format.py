@@ -26,6 +26,7 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
             "last_error": "acme/api@2026-11: throttled",
             "poisoned": [{"key": ["acme", "big", "2026-11"], "error": "ValidationException"}],
         },
+        "owner": {"state": "waiting", "last_error": "held by another process until X"},
         "reservations": {"open": 1, "expired_total": 0},
         "server": {"connections": 2, "requests": 99, "protocol_errors": 1, "internal_errors": 0},
         "cluster": {
@@ -48,3 +49,4 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
     assert "rejected 2 {'bad_mac': 2}" in text
     assert "peer n3  DEAD" in text and "peer n2  alive" in text
     assert "unseeded 1" in text and "in flight 2" in text
+    assert "node id      WAITING: held by another process until X" in text

@@ -19,6 +19,7 @@ def test_defaults() -> None:
     assert cfg.flush.interval_ms == 1000
     assert cfg.cluster.gossip_interval_ms == 100
     assert cfg.cluster.redis_url is None
+    assert cfg.owner.lease_s == 30
 
 
 def test_fixed_environment_names() -> None:
@@ -79,6 +80,7 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
         ({"METER_FEATURE_PERIODS": "api"}, "feature_periods"),
         ({"METER_SOCKET": "/tmp/" + "s" * 120}, "socket"),
         ({"METER_FLUSH_INTERVALMS": "5"}, "METER_FLUSH_INTERVALMS"),
+        ({"METER_OWNER_LEASE_S": "0.5"}, "owner_lease_s"),
     ],
 )
 def test_bad_settings_name_the_setting(env: dict[str, str], setting: str) -> None:
