@@ -461,10 +461,10 @@ class Node:
     async def _after_claim(self) -> None:
         assert self.flusher is not None and self.owner is not None
         pause = 0.1
-        while not await self.flusher.reread():
+        while self.owner.owned and not await self.flusher.reread():
             await asyncio.sleep(pause)
             pause = min(5.0, pause * 2)
-        if self.owner.owned:
+        if self.owner.owned:  # (else it was lost meanwhile: that state holds)
             log.info("node id %r claimed: warm keys re-read, counting again", self.owner.node)
             self._owner_state("owned", settled=True)
             self.flusher.wake()
