@@ -72,6 +72,12 @@ class Broadcaster:
         self.clock = clock
         self.stats = SendStats()
         self.seq = 0
+        #: Something peers should have heard was never sent (an announcement while the bus
+        #: was down; the table then drops the gossip of what was stored): the next frame
+        #: skips a message number, so every peer sees a gap and re-reads storage.
+        self._owe_gap = False
+        #: Send nothing (the node does not own its id: another process speaks for it).
+        self.muted = False
         self._outbox: asyncio.Queue[tuple[Kind, int, bytes]] = asyncio.Queue(max_outbox)
         self._last_sent = time.monotonic()
         self._idle = asyncio.Event()
@@ -83,9 +89,10 @@ class Broadcaster:
         """Take every touched key's gossip and queue it; return the number of deltas queued.
 
         While the bus is down nothing is taken: the units stay in the table and go out in the
-        first tick after the bus returns.
+        first tick after the bus returns, unless they were stored meanwhile (the table drops
+        those; peers re-read storage, see :meth:`announce`).
         """
-        if not self.bus.connected:
+        if not self.bus.connected or self.muted:
             return 0
         items: list[DeltaItem] = []
         for key in self.table.touched_keys():
@@ -105,8 +112,13 @@ class Broadcaster:
 
     def announce(self, written: Sequence[tuple[Key, AppliedView]]) -> None:
         """Queue the snapshots just written by the flusher."""
-        if not written or not self.bus.connected:
-            return  # peers resync from storage when they (or we) reconnect
+        if not written:
+            return
+        if not self.bus.connected or self.muted:
+            # Peers learn these totals from storage: they re-read it when they reconnect
+            # themselves, or when they see the gap our next frame leaves.
+            self._owe_gap = True
+            return
         items: list[AnnounceItem] = [
             (k[0], k[1], k[2], a.snapshot.total, dict(a.snapshot.seqs)) for k, a in written
         ]
@@ -115,10 +127,13 @@ class Broadcaster:
 
     def heartbeat_now(self) -> None:
         """Queue a heartbeat."""
-        if self.bus.connected:
+        if self.bus.connected and not self.muted:
             self._queue("heartbeat", ())
 
     def _queue(self, kind: Kind, items: Sequence[DeltaItem] | Sequence[AnnounceItem]) -> None:
+        if self._owe_gap:
+            self._owe_gap = False
+            self.seq += 1  # a number never sent: a gap for every peer
         self.seq += 1
         header = Header(self.codec.cluster, self.node_id, self.incarnation, self.seq, self.clock())
         frame = self.codec.encode(header, kind, items)

@@ -10,7 +10,8 @@ array ``[cluster, sender, incarnation, seq, sent_at, kind, body]``:
 ``cluster``      the cluster name (two clusters may share one Redis);
 ``sender``       the sending node's id;
 ``incarnation``  a number the sender picks at start, larger than any earlier one of its own
-                 (its start time in ns), so a peer can tell a restart from a replay;
+                 (its start time in ns, or the last one + 1 if that is larger: the node keeps
+                 it in its data dir), so a peer can tell a restart from a replay;
 ``seq``          the sender's message sequence within the incarnation, 1, 2, 3, ... (gaps are
                  lost messages);
 ``sent_at``      the sender's wall clock in seconds (for the gossip lag);

@@ -6,7 +6,8 @@ a snapshot whose sequence for a peer has reached a tag contains that delta, so t
 it from ``remote`` exactly when the base takes it in (see ``docs/cluster.md``).
 
 Pub/sub is at-most-once. A gap in a peer's message sequence, a (re)connect of our bus, a peer
-restarting or going silent, and a periodic reconciliation all ask the node's ``resync``
+restarting, going silent or being heard again after it was declared dead, and a periodic
+reconciliation all ask the node's ``resync``
 callback to re-read warm keys from storage and re-base on them. Requests are coalesced: one
 resync runs at a time, and any that arrive meanwhile become one more.
 """
@@ -66,6 +67,7 @@ class Gossip(Generic[S]):
         settings: GossipSettings | None = None,
         clock: Callable[[], float] = time.time,
         after_commit: Callable[[Callable[[], object]], None] | None = None,
+        incarnation: int | None = None,
     ) -> None:
         self.table = table
         self.bus = bus
@@ -74,9 +76,10 @@ class Gossip(Generic[S]):
         self.make_snapshot = make_snapshot
         self.resync = resync
         self.clock = clock
-        # Increasing across restarts of this node (wall clock, ns): peers tell a restart from
-        # a replay of an old message by it.
-        self.incarnation = time.time_ns()
+        # Increasing across restarts of this node: peers tell a restart from a replay of an old
+        # message by it. The node keeps it in its data dir (max(now, last + 1)), so a restart on
+        # a clock that went back is still newer; without one, the wall clock in ns.
+        self.incarnation = time.time_ns() if incarnation is None else incarnation
         self.codec = Codec(cluster, secret)
         self.peers = Peers(self.settings.peer_timeout)
         self.broadcaster = Broadcaster(
@@ -104,6 +107,7 @@ class Gossip(Generic[S]):
             "join": 0,
             "connect": 0,
             "peer": 0,
+            "revive": 0,
             "reconcile": 0,
         }
         self.resync_failures = 0
@@ -145,6 +149,16 @@ class Gossip(Generic[S]):
                 await sender
         self._tasks = []
         await self.bus.close()
+
+    def set_muted(self, muted: bool) -> None:
+        """Stop (or resume) sending: a node that does not own its id must say nothing, or its
+        peers would take its messages for a restart of the process that does (and refuse that
+        one's as an older incarnation). Receiving goes on."""
+        if muted == self.broadcaster.muted:
+            return
+        self.broadcaster.muted = muted
+        if not muted:
+            self.broadcaster.heartbeat_now()
 
     async def on_flushed(self, written: Sequence[tuple[Key, AppliedView]]) -> None:
         """The flusher hook: announce the snapshots just written."""
@@ -194,6 +208,11 @@ class Gossip(Generic[S]):
             # Its earlier incarnation's un-flushed gossip will never be written as such.
             self._forget(h.sender)
             self.request_resync("peer")
+        elif verdict is Seen.REVIVED:
+            # Declared dead while it was alive: its gossip was forgotten at its "death", and
+            # what it flushed meanwhile may never be announced to us again. Storage has it.
+            log.info("peer %s is heard again after being declared dead; resyncing", h.sender)
+            self.request_resync("revive")
         table = self.table
         if msg.kind == "deltas":
             applied = 0
@@ -280,9 +299,11 @@ class Gossip(Generic[S]):
         peers = self.peers.status(mono)
         return {
             "node_id": self.node_id,
+            "incarnation": self.incarnation,
             "cluster": self.codec.cluster,
             "authenticated": self.codec.authenticated,
             "interval_ms": round(self.settings.interval * 1000, 3),
+            "muted": self.broadcaster.muted,
             "bus": self.bus.describe(),
             "live_peers": self.peers.live(),
             "peers": peers,

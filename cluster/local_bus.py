@@ -8,7 +8,7 @@ take the hub down and up (:meth:`LocalHub.set_up`) to exercise gaps and reconnec
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from cluster.bus import Bus, BusUnavailable, OnMessage, OnState
 
@@ -28,11 +28,17 @@ class LocalHub:
         """A new bus on ``channel``."""
         return LocalBus(self, channel)
 
-    def set_up(self, up: bool) -> None:
-        """Take the hub down (every bus disconnects) or bring it back (they reconnect)."""
-        self.up = up
+    def set_up(self, up: bool, only: Sequence[Bus] | None = None) -> None:
+        """Take the hub down (every bus disconnects) or bring it back (they reconnect).
+
+        With ``only``, just those buses lose (or regain) their connection: the others stay
+        connected to each other, as when one node's link to Redis breaks.
+        """
+        if only is None:
+            self.up = up
         for bus in list(self.buses):
-            bus._set_connected(up)
+            if only is None or any(bus is b for b in only):
+                bus._set_connected(up)
 
     def _deliver(self, channel: str, data: bytes) -> None:
         self.published += 1

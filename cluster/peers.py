@@ -3,7 +3,9 @@
 Pure: the caller passes the clocks. A peer is identified by its node id; its *incarnation*
 (chosen at its start, increasing) tells a restart from a replayed old message. Within an
 incarnation, message sequences are 1, 2, 3, ...: a jump is a gap (messages lost on the way), a
-repeat or step back is a replay and is refused.
+repeat or step back is a replay and is refused. A peer declared dead (silent too long) that is
+heard again in the same incarnation is *revived*: it was alive all along, and the receiver forgot
+its un-flushed gossip at its death, so it must re-read storage.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class Seen(Enum):
     FIRST = "first"  #: first message from a peer not known before
     RESTART = "restart"  #: a new incarnation of a known peer
     GAP = "gap"  #: messages were lost before this one
+    REVIVED = "revived"  #: a peer declared dead is heard again, same incarnation
     STALE = "stale"  #: replayed or older than what was seen: refuse it
 
 
@@ -35,6 +38,7 @@ class Peer:
     gaps: int = 0
     missed: int = 0  # messages lost, summed over gaps
     restarts: int = 0
+    revivals: int = 0  # declared dead, then heard again in the same incarnation
     alive: bool = True
     #: Recent gossip lags (receive wall time - sent_at), seconds.
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=256))
@@ -71,6 +75,10 @@ class Peers:
             peer.gaps += 1
             peer.missed += missed
             verdict = Seen.GAP
+        if not peer.alive and verdict is not Seen.RESTART:
+            # Declared dead, never gone: its forgotten gossip must be re-read (gap or not).
+            peer.revivals += 1
+            verdict = Seen.REVIVED
         peer.last_seq = seq
         peer.last_seen = mono
         peer.messages += 1
@@ -112,6 +120,7 @@ class Peers:
                 "gaps": p.gaps,
                 "missed": p.missed,
                 "restarts": p.restarts,
+                "revivals": p.revivals,
                 "last_seq": p.last_seq,
             }
         return out

@@ -243,9 +243,9 @@ def _fmt(s: dict[str, Any]) -> str:
     if isinstance(dur, dict):
         wal = dur.get("wal")
         if isinstance(wal, dict):
-            state = "ok" if not wal.get("broken") else f"BROKEN ({wal['broken']})"
+            health = "ok" if not wal.get("broken") else f"BROKEN ({wal['broken']})"
             lines.append(
-                f"log          {dur.get('mode')} {state}  {wal.get('segments')} segments, "
+                f"log          {dur.get('mode')} {health}  {wal.get('segments')} segments, "
                 f"{wal.get('size_bytes')} bytes, oldest {wal.get('oldest_record_age_s')} s, "
                 f"{wal.get('fsyncs')} fsyncs"
             )
@@ -257,6 +257,16 @@ def _fmt(s: dict[str, Any]) -> str:
             f"request ids  {ids.get('remembered')} remembered (max {ids.get('max')}), "
             f"{ids.get('dropped_early')} dropped early"
         )
+    owner = s.get("owner")
+    if isinstance(owner, dict):
+        state = owner.get("state")
+        if state == "owned":
+            line = f"node id      owned, lease {owner.get('lease_left_s')} s left"
+            if not owner.get("counting", True):
+                line += " (just claimed: re-reading before counting)"
+        else:
+            line = f"node id      {str(state).upper()}: {owner.get('last_error')}"
+        lines.append(line)
     if flush.get("last_error"):
         lines.append(f"last error   {flush['last_error']}")
     for p in flush.get("poisoned") or []:

@@ -127,6 +127,15 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class OwnerConfig:
+    """The node's hold on its id in storage (one process per node id, ADR 0004)."""
+
+    #: How long a claim lasts unless renewed (every third of it). Another data dir can take the
+    #: id of a crashed node after this; a clean stop releases it at once.
+    lease_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     """Everything a node needs, one object per subsystem."""
 
@@ -140,6 +149,7 @@ class NodeConfig:
     flush: FlushConfig = field(default_factory=FlushConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     durability: DurabilityConfig = field(default_factory=DurabilityConfig)
+    owner: OwnerConfig = field(default_factory=OwnerConfig)
 
 
 def _str(setting: str, raw: Any) -> str:
@@ -289,6 +299,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "wal_segment_bytes": ("durability", "segment_bytes", _int(4096, 1 << 40)),
     "idempotency_window_s": ("durability", "idempotency_window_s", _float(1, 30 * 86400)),
     "idempotency_max_ids": ("durability", "idempotency_max_ids", _int(1, 100_000_000)),
+    "owner_lease_s": ("owner", "lease_s", _float(1, 86400)),
 }
 
 #: Every setting name (TOML key; ``METER_`` + upper case is its environment variable).
@@ -354,6 +365,7 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         "flush": {},
         "cluster": {},
         "durability": {},
+        "owner": {},
     }
     for setting, raw in values.items():
         if setting not in _SETTINGS:
@@ -368,7 +380,17 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         flush=FlushConfig(**parts["flush"]),
         cluster=ClusterConfig(**parts["cluster"]),
         durability=DurabilityConfig(**parts["durability"]),
+        owner=OwnerConfig(**parts["owner"]),
     )
     if len(str(cfg.server.socket).encode()) > 100:
         raise ConfigError("socket", "path longer than 100 bytes (the AF_UNIX limit is 107)")
+    c = cfg.cluster
+    if c.peer_timeout_ms <= 2 * c.heartbeat_ms:
+        # An idle peer speaks once per heartbeat: with one heartbeat lost (or late) it must
+        # not be declared dead, which forgets its gossip and costs a resync.
+        raise ConfigError(
+            "cluster_peer_timeout_ms",
+            f"must be more than twice cluster_heartbeat_ms ({c.heartbeat_ms} ms), "
+            f"got {c.peer_timeout_ms}",
+        )
     return cfg

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from meter.keys import Key
+from meter.owner import Ownership
 from meter.table import CounterTable
 from meter.wal.log import WalError, WriteAheadLog
 from meter.wal.records import FLUSH
@@ -60,8 +61,11 @@ class Flusher:
         max_backoff: float = 30.0,
         on_flushed: OnFlushed | None = None,
         wal: WriteAheadLog | None = None,
+        owner: Ownership | None = None,
     ) -> None:
         self.table = table
+        #: Writes happen only while this node owns its id in storage (``None``: not checked).
+        self.owner = owner
         #: Deltas are logged (and synced) here before they are sent, so a restarted node
         #: re-sends the same ``(key, seq, delta)``.
         self.wal = wal
@@ -74,6 +78,32 @@ class Flusher:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._failures_in_row = 0
+        self._reread = False
+
+    def reread_before_writing(self) -> None:
+        """The node (re)gained its id: rows seeded before may hold sequences of ours that the
+        previous holder of the id has since passed, and totals it has since changed. No round
+        writes until :meth:`reread` has re-based every warm key on a fresh read."""
+        self._reread = True
+
+    async def reread(self) -> bool:
+        """Re-read every warm, seeded key and re-base on it (between rounds); True if done."""
+        async with self._lock:
+            return await self._reread_warm()
+
+    async def _reread_warm(self) -> bool:
+        warm = self.table.keys()  # a list: the table is not iterable
+        keys = [k for k in warm if self.table.is_seeded(k)]
+        try:
+            for start in range(0, len(keys), 100):
+                snaps = await self.storage.load(keys[start : start + 100])
+                for key, snap in snaps.items():
+                    self.table.rebase(key, snap, "read")
+        except StorageError as exc:
+            self._note_error(f"re-reading {len(keys)} keys after claiming the node id: {exc}")
+            return False
+        self._reread = False
+        return True
 
     async def run(self) -> None:
         """Flush forever (until cancelled)."""
@@ -112,6 +142,11 @@ class Flusher:
             seeded = await self._seed_unseeded()
             wrote = True
             keys = [k for k in self.table.dirty_keys() if k not in self.stats.poisoned]
+            if keys and not await self._may_write():
+                # Not a storage failure: no backoff (the owner loop claims on its own).
+                self.stats.rounds += 1
+                self.stats.last_at = time.time()
+                return False
             for start in range(0, len(keys), self.batch_keys):
                 wrote = await self._write(keys[start : start + self.batch_keys]) and wrote
             # Only failed writes back off: a failed seeding read is retried next round, so it
@@ -120,7 +155,10 @@ class Flusher:
             return seeded and wrote
 
     async def drain(self, timeout: float) -> bool:
-        """Flush until nothing is left to write or ``timeout`` passes; True if all written."""
+        """Flush until nothing is left to write or ``timeout`` passes; True if all written.
+
+        Gives up at once when another process holds this node's id: nothing can be written.
+        """
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -131,6 +169,8 @@ class Flusher:
                 return True
             if time.monotonic() >= deadline:
                 return False
+            if self.owner is not None and self.owner.can_never_write():
+                return False
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     def backlog_keys(self) -> list[Key]:
@@ -138,6 +178,26 @@ class Flusher:
         return [k for k in self.table.dirty_keys() if k not in self.stats.poisoned] + [
             k for k in self.table.unseeded_keys() if self.table.pending(k)
         ]
+
+    async def _may_write(self) -> bool:
+        """Whether this round may write: this node holds its id (and, after it (re)gained it,
+        its warm keys were re-read)."""
+        owner = self.owner
+        if owner is None:
+            return True
+        if not await owner.may_write():
+            refusal = owner.refusal()
+            self.stats.last_error = (
+                f"not flushing: {refusal}"
+                if refusal
+                else f"not flushing: node id not claimed "
+                f"yet ({owner.last_error or 'storage not asked yet'})"
+            )
+            self.stats.last_result = "not owner"
+            if self.stats.backlog_since is None:
+                self.stats.backlog_since = time.time()
+            return False
+        return not self._reread or await self._reread_warm()
 
     async def _seed_unseeded(self) -> bool:
         keys = self.table.unseeded_keys()

@@ -25,6 +25,7 @@ from meter.errors import ConfigError, Unavailable
 from meter.flusher import Flusher
 from meter.idempotency import RequestIds
 from meter.keys import Key
+from meter.owner import Ownership, State
 from meter.recovery import recover
 from meter.server import RpcServer, start_server
 from meter.service import Service
@@ -87,13 +88,14 @@ def build_gossip(
     cfg: NodeConfig,
     table: CounterTable,
     storage: Storage,
+    incarnation: int,
     *,
     after_commit: Callable[[Callable[[], object]], None] | None = None,
 ) -> Gossip[Snapshot]:
-    """The gossip layer over Redis pub/sub the configuration names (not started yet).
-
-    ``after_commit`` delays each gossip take until the write-ahead log holds every state
-    change made so far (:meth:`meter.wal.log.WriteAheadLog.at_commit`)."""
+    """The gossip layer over Redis pub/sub the configuration names (not started yet);
+    ``incarnation`` comes from :meth:`DataDir.incarnation`, and ``after_commit`` delays each
+    gossip take until the write-ahead log holds every state change made so far
+    (:meth:`meter.wal.log.WriteAheadLog.at_commit`)."""
     from cluster.bus import channel_name
     from cluster.redis_bus import RedisBus
 
@@ -107,6 +109,7 @@ def build_gossip(
         make_snapshot=Snapshot,
         resync=resync_from(storage, table),
         secret=c.secret,
+        incarnation=incarnation,
         settings=GossipSettings(
             interval=c.gossip_interval_ms / 1000,
             heartbeat=c.heartbeat_ms / 1000,
@@ -117,8 +120,13 @@ def build_gossip(
     )
 
 
+#: Earlier owner tokens a data dir keeps (starts whose claim never succeeded).
+MAX_EARLIER_TOKENS = 8
+
+
 class DataDir:
-    """The node's data dir: holds its id and a lock so two nodes never share it."""
+    """The node's data dir: holds its id, its owner token, its gossip incarnation and a lock so
+    two nodes never share it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -152,6 +160,49 @@ class DataDir:
             self._lock_file.close()
             self._lock_file = None
 
+    def owner_tokens(self) -> tuple[str, list[str]]:
+        """A new owner token for this start, and the earlier ones of this data dir, which its
+        claim accepts (ADR 0004): same data dir, same owner.
+
+        The new token is kept (synced) with the earlier ones *before* it is claimed, so a crash
+        between the claim and :meth:`owner_claimed` cannot lock the data dir out of its id. A
+        fresh token per start also tells a copy of this data dir from a restart: the copy's
+        claim takes the id over and the process it was copied from stops (it finds another
+        owner) instead of both flushing under one id.
+        """
+        file = self.path / "owner"
+        try:
+            lines = file.read_text().splitlines()
+        except FileNotFoundError:
+            lines = []
+        earlier = [t for t in (line.strip() for line in lines) if t][:MAX_EARLIER_TOKENS]
+        new = secrets.token_hex(16)
+        _write_synced(file, "\n".join([new, *earlier]) + "\n")
+        return new, earlier
+
+    def owner_claimed(self, token: str) -> None:
+        """``token`` owns the id now: the earlier tokens are no longer needed."""
+        _write_synced(self.path / "owner", token + "\n")
+
+    def incarnation(self) -> int:
+        """This start's gossip incarnation: ``max(now in ns, the last one + 1)``, kept here.
+
+        Peers refuse messages of an incarnation older than one they saw (a replay), so it must
+        grow across restarts even when this host's clock went back (set right after running
+        ahead, a VM restored on another host): the wall clock alone would make the node stale
+        to its peers for good. Written and synced before it is used.
+        """
+        file = self.path / "incarnation"
+        try:
+            last = int(file.read_text().strip() or "0")
+        except FileNotFoundError:
+            last = 0
+        except ValueError:
+            raise ConfigError("data_dir", f"{file} does not hold an integer") from None
+        new = max(time.time_ns(), last + 1)
+        _write_synced(file, f"{new}\n")
+        return new
+
     def node_id(self, configured: str | None) -> str:
         """The configured id, else the one kept in the dir, else a new one (then kept)."""
         if configured:
@@ -170,6 +221,21 @@ class DataDir:
         return new
 
 
+def _write_synced(file: Path, text: str) -> None:
+    """Replace ``file`` with ``text`` atomically, synced to disk (file and directory)."""
+    tmp = file.with_suffix(".tmp")
+    with tmp.open("w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, file)
+    fd = os.open(file.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class Node:
     """One running node. ``start()`` then ``run()``, or ``async with Node(cfg)`` in tests."""
 
@@ -183,6 +249,8 @@ class Node:
         self.server: RpcServer | None = None
         self.gossip: Gossip[Snapshot] | None = None
         self.wal: WriteAheadLog | None = None
+        self.owner: Ownership | None = None
+        self._claimed_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self.drained: bool | None = None
@@ -199,6 +267,19 @@ class Node:
                 await self.storage.open()
             except StorageError as exc:
                 raise Unavailable(f"cannot open {self.storage.kind} storage: {exc}") from None
+            # Claim the id before anything counts: a second process with it refuses from the
+            # first call (storage unreachable: try again in the background, count meanwhile).
+            token, earlier = self.data_dir.owner_tokens()
+            self.owner = Ownership(
+                self.storage,
+                node_id,
+                token,
+                earlier,
+                lease_s=cfg.owner.lease_s,
+                on_state=self._owner_state,
+                on_claimed=lambda: self.data_dir.owner_claimed(token),
+            )
+            await self.owner.claim()
             # Alone, nobody would take the gossip columns: the table does not keep them.
             self.table = CounterTable(node_id, gossip=bool(cfg.cluster.redis_url))
             d = cfg.durability
@@ -212,10 +293,12 @@ class Node:
                     segment_bytes=d.segment_bytes,
                 )
             if cfg.cluster.redis_url:
+                incarnation = self.data_dir.incarnation()
                 self.gossip = build_gossip(
                     cfg,
                     self.table,
                     self.storage,
+                    incarnation,
                     after_commit=None if self.wal is None else self.wal.at_commit,
                 )
             self.flusher = Flusher(
@@ -226,6 +309,7 @@ class Node:
                 max_backoff=cfg.flush.max_backoff_ms / 1000,
                 on_flushed=None if self.gossip is None else self.gossip.on_flushed,
                 wal=self.wal,
+                owner=self.owner,
             )
             self.service = Service(
                 self.table,
@@ -235,6 +319,7 @@ class Node:
                 wal=self.wal,
                 ids=RequestIds(d.idempotency_window_s, d.idempotency_max_ids),
             )
+            self._owner_state(self.owner.state, settled=True)  # nothing read yet
             if self.wal is not None:
                 # Before the socket opens: every acknowledged call is back in memory.
                 await recover(self.wal, self.service)
@@ -263,6 +348,7 @@ class Node:
             asyncio.create_task(self._expire_loop(), name="reservation-expiry"),
             asyncio.create_task(self._evict_loop(), name="eviction"),
             asyncio.create_task(self._purge_loop(), name="retention-purge"),
+            asyncio.create_task(self.owner.run(), name="owner"),
         ]
         if self.gossip is not None:
             await self.gossip.start()  # connects in the background; serving does not wait
@@ -296,6 +382,8 @@ class Node:
         assert self.server is not None and self.flusher is not None and self.storage is not None
         self.server.stop_accepting()
         await self.server.close(drain_timeout=self.config.server.request_drain_timeout_s)
+        if self._claimed_task is not None:
+            self._tasks.append(self._claimed_task)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -306,11 +394,13 @@ class Node:
         if not self.drained:
             left = self.flusher.backlog_keys()
             units = sum(self.table.pending(k) for k in left) if self.table else 0
+            refusal = None if self.owner is None else self.owner.refusal()
             log.error(
-                "drain timed out: %d keys (%d units) not stored: %s",
+                "drain %s: %d keys (%d units) not stored (they stay in the write-ahead log): %s",
+                "refused" if refusal else "timed out",
                 len(left),
                 units,
-                self.flusher.stats.last_error,
+                refusal or self.flusher.stats.last_error,
             )
         # Keys parked after a permanent write error are not retried, so the drain does not
         # wait for them; but their units are not stored either: that is not a clean drain.
@@ -329,6 +419,9 @@ class Node:
             await self.gossip.stop()
         if self.wal is not None:
             await self.wal.close()
+        if self.owner is not None and self.drained:
+            # Everything is stored: another data dir may take this id at once.
+            await self.owner.release()
         await self.storage.close()
         self.data_dir.release()
         log.info("node stopped (%s)", "drained" if self.drained else "NOT drained")
@@ -375,6 +468,38 @@ class Node:
             if dropped:
                 log.debug("evicted %d idle keys", dropped)
 
+    def _owner_state(self, state: State, settled: bool = False) -> None:
+        """Follow the node's hold on its id: count, flush and gossip only while it owns it.
+
+        A claim made at start comes before anything is read (``settled``). One made later
+        (the holder stopped, or storage answered at last) may follow reads made while another
+        process still wrote under this id: every warm key is re-read before the node counts,
+        flushes or gossips again (:meth:`_after_claim`; the flusher re-reads before writing).
+        """
+        if self.owner is None:
+            return
+        if state == "owned" and not settled and self.flusher is not None:
+            self.flusher.reread_before_writing()
+            if self.service is not None:
+                self.service.fenced = f"node id {self.owner.node!r} was just claimed: retry"
+            self._claimed_task = asyncio.create_task(self._after_claim(), name="after-claim")
+            return
+        if self.service is not None:
+            self.service.fenced = self.owner.refusal()
+        if self.gossip is not None:
+            self.gossip.set_muted(state != "owned")
+
+    async def _after_claim(self) -> None:
+        assert self.flusher is not None and self.owner is not None
+        pause = 0.1
+        while self.owner.owned and not await self.flusher.reread():
+            await asyncio.sleep(pause)
+            pause = min(5.0, pause * 2)
+        if self.owner.owned:  # (else it was lost meanwhile: that state holds)
+            log.info("node id %r claimed: warm keys re-read, counting again", self.owner.node)
+            self._owner_state("owned", settled=True)
+            self.flusher.wake()
+
     def _status_extra(self) -> dict[str, Any]:
         assert self.flusher is not None and self.table is not None
         fs = self.flusher.stats
@@ -404,6 +529,10 @@ class Node:
                 ],
             },
         }
+        if self.owner is not None:
+            # counting: mutating calls are taken (owned, and re-read since the claim).
+            counting = self.service is None or self.service.fenced is None
+            out["owner"] = {**self.owner.status(), "counting": counting}
         if self.server is not None:
             out["server"] = self.server.stats()
         out["durability"] = {

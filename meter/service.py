@@ -75,6 +75,8 @@ class Service:
         #: Finished reservations (commit/release are idempotent by reservation id).
         self.done = RequestIds(self.ids.window_s, self.ids.max_ids)
         self.status_extra = status_extra
+        #: Why state changes are refused now (another process owns this node's id), or None.
+        self.fenced: str | None = None
         self.started_at = time.time()
         self.calls = 0
         self._seeding: dict[Key, asyncio.Future[None]] = {}
@@ -122,8 +124,8 @@ class Service:
         dispatches the rest one by one, in order, so pipelined requests keep their order.
         """
         now = time.time()
-        if not self._day_start <= now < self._day_end:
-            return []
+        if not self._day_start <= now < self._day_end or self.fenced is not None:
+            return []  # (fenced: dispatch answers each one unavailable)
         wal = self.wal
         if wal is not None and wal.broken is not None:
             return []  # dispatch answers each one unavailable
@@ -231,6 +233,8 @@ class Service:
                 key = self.key_for(tenant, feature)
             if type(qty) is not int or not QTY_MIN <= qty <= QTY_MAX:
                 qty = check_qty(qty)  # raises the usual error
+            if self.fenced is not None:
+                raise Unavailable(self.fenced)
             wal = self.wal
             if wal is None:
                 value = self.table.try_incr(key, qty)
@@ -288,10 +292,13 @@ class Service:
         return value
 
     def _check_log(self) -> None:
-        """Refuse a state change the log could not hold (raise before counting)."""
+        """Refuse a state change the log could not hold, or that this node may not make
+        because another process owns its id (raise before counting)."""
         wal = self.wal
         if wal is not None and wal.broken is not None:
             raise _log_down(wal)
+        if self.fenced is not None:
+            raise Unavailable(self.fenced)
 
     def _track_many(self, params: list[Any]) -> Any:
         (items,) = _args("track_many", params, 1, 1, ())

@@ -17,7 +17,8 @@ a unit by mixing them up::
     ``own_seq + 1``.
 ``pending_gossip``
     this node's units added since the last gossip take, all tagged ``own_seq + 1``;
-    ``sealed`` holds not-yet-gossiped units whose flush sequence is already fixed.
+    ``sealed`` holds not-yet-gossiped units whose flush sequence is already fixed, until they
+    are gossiped or that sequence is stored (then storage and announcements carry them).
 ``remote``
     deltas gossiped by peers, per peer and per the flush sequence they will be written under.
     A snapshot whose sequence for that peer has reached the tag contains them, so re-basing
@@ -243,6 +244,7 @@ class CounterTable:
                 "inflight_seq": row.inflight_seq,
                 "pending_flush": row.pending_flush,
                 "pending_gossip": gossip,
+                "sealed": len(ext.sealed or ()),
                 "remote": ext.remote_total,
                 "reserved": ext.reserved,
             }
@@ -772,6 +774,13 @@ class CounterTable:
         if ext is None:
             return
         ext.peer_seqs = peers
+        sealed = ext.sealed
+        if sealed and sealed[0][0] <= row.own_applied:
+            # Gossip sealed under a sequence the store now holds: every snapshot a peer can be
+            # announced or read has these units, so there is nothing left to tell. Kept, they
+            # would pile up one entry per flush while the bus is down (and pin the row).
+            applied = row.own_applied
+            ext.sealed = [t for t in sealed if t[0] > applied] or None
         if ext.remote:
             upto = peers or {}
             for peer in list(ext.remote):

@@ -5,6 +5,10 @@ that ever wrote to it, the last flush sequence of that node's that was applied. 
 with ``(node, seq)``; a backend applies it only if ``seq`` is greater than the stored sequence
 for that node, atomically with the add. A retry of a delta that already landed is therefore
 refused ("duplicate") and answered with the item as it is: never counted twice.
+
+That holds only while one process writes under a node id. Each id therefore has an *owner* in
+storage: a token (one per data dir) with a lease. A node claims its id at start, renews the
+lease while it runs and writes only while it holds it (``docs/adr/0004-one-owner-per-node-id.md``).
 """
 
 from __future__ import annotations
@@ -52,6 +56,20 @@ class Applied:
 
     snapshot: Snapshot
     duplicate: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who owns a node id: the holder's token and the end of its lease (epoch seconds, kept to
+    the millisecond)."""
+
+    token: str
+    expires: float
+
+
+def lease_end_ms(now: float, lease_s: float) -> int:
+    """``now + lease_s`` in whole milliseconds, as backends store a lease's end."""
+    return round((now + lease_s) * 1000)
 
 
 class StorageError(Exception):
@@ -125,3 +143,29 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         """Every stored counter of ``tenant`` in ``period``, by feature."""
+
+    # -- node id owners (ADR 0004) -----------------------------------------------------------
+
+    @abc.abstractmethod
+    async def claim_owner(
+        self, node: str, token: str, *, lease_s: float, now: float, accept: Sequence[str] = ()
+    ) -> Owner:
+        """Make ``token`` the owner of ``node`` until ``now + lease_s``, atomically, if the id
+        has no owner, its owner is ``token`` or one of ``accept`` (earlier tokens of the same
+        data dir), or its owner's lease has ended (``expires <= now``).
+
+        Returns the owner after the call: ``token``'s on success, else the holder (unchanged).
+        """
+
+    @abc.abstractmethod
+    async def renew_owner(
+        self, node: str, token: str, *, lease_s: float, now: float
+    ) -> Owner | None:
+        """Move the end of ``token``'s lease on ``node`` to ``now + lease_s`` if ``token`` still
+        owns it (whatever its lease says); ``lease_s = 0`` releases it. Returns the owner after
+        the call: another token (or ``None``, no owner) means ``token`` lost the id.
+        """
+
+    @abc.abstractmethod
+    async def owner(self, node: str) -> Owner | None:
+        """The owner of ``node`` now (a consistent read), ``None`` if it has none."""

@@ -50,11 +50,13 @@ from storage.base import (
     BadItems,
     Delta,
     Key,
+    Owner,
     Snapshot,
     Storage,
     StorageError,
     StoragePermanentError,
     StorageUnavailable,
+    lease_end_ms,
 )
 
 log = logging.getLogger("meter.storage.dynamodb")
@@ -110,6 +112,11 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
 #: Credentials used against a loopback endpoint (DynamoDB Local) when none are configured.
 LOCAL_DUMMY_CREDENTIALS = ("meter-local", "meter-local")
 LOCAL_DEFAULT_REGION = "us-east-1"
+
+#: The owner of node id ``n`` (ADR 0004) is the item ``pk = OWNER_PK, sk = "owner#" + n`` with
+#: ``tok`` (S) and ``exp`` (N, the lease's end in epoch ms). Tenants never contain ``#``.
+OWNER_PK = "#meter"
+_CLAIM_CONDITION = "attribute_not_exists(#tok) OR #exp <= :now OR #tok IN ({})"
 
 # The TTL is set on every write: it only grows (later of period end and now), so a counter
 # still being written is never expired.
@@ -451,6 +458,71 @@ class DynamoDBStorage(Storage):
                 return out
             query["ExclusiveStartKey"] = last
 
+    # -- node id owners (ADR 0004) ---------------------------------------------------------
+
+    async def claim_owner(
+        self, node: str, token: str, *, lease_s: float, now: float, accept: Sequence[str] = ()
+    ) -> Owner:
+        """One conditional ``UpdateItem`` on the id's owner item; the holder if refused."""
+        tokens = list(dict.fromkeys([token, *accept]))[:99]  # IN takes at most 100 operands
+        names = [f":a{i}" for i in range(len(tokens))]
+        values = {n: {"S": t} for n, t in zip(names, tokens, strict=True)}
+        values[":now"] = {"N": str(round(now * 1000))}
+        owner = await self._set_owner(
+            node, token, now, lease_s, _CLAIM_CONDITION.format(", ".join(names)), values
+        )
+        assert owner is not None
+        return owner
+
+    async def renew_owner(
+        self, node: str, token: str, *, lease_s: float, now: float
+    ) -> Owner | None:
+        """One conditional ``UpdateItem``: only the holder's token moves the lease."""
+        return await self._set_owner(node, token, now, lease_s, "#tok = :a0", {":a0": {"S": token}})
+
+    async def owner(self, node: str) -> Owner | None:
+        """A consistent ``GetItem`` of the id's owner item."""
+        resp = await self._call(
+            "get_item",
+            f"owner of {node[:64]!r}",
+            TableName=self.table,
+            Key=_owner_key(node),
+            ConsistentRead=True,
+        )
+        return _owner(resp.get("Item"))
+
+    async def _set_owner(
+        self,
+        node: str,
+        token: str,
+        now: float,
+        lease_s: float,
+        condition: str,
+        values: dict[str, Any],
+    ) -> Owner | None:
+        try:
+            resp = await self._call(
+                "update_item",
+                f"owner of {node[:64]!r}",
+                TableName=self.table,
+                Key=_owner_key(node),
+                UpdateExpression="SET #tok = :tok, #exp = :exp",
+                ConditionExpression=condition,
+                ExpressionAttributeNames={"#tok": "tok", "#exp": "exp"},
+                ExpressionAttributeValues={
+                    **values,
+                    ":tok": {"S": token},
+                    ":exp": {"N": str(lease_end_ms(now, lease_s))},
+                },
+                ReturnValues="ALL_NEW",
+                ReturnValuesOnConditionCheckFailure="ALL_OLD",
+            )
+            return _owner(resp["Attributes"])
+        except _ConditionFailed as failed:
+            if failed.item is not None and "tok" in failed.item:
+                return _owner(failed.item)
+            return await self.owner(node)  # DynamoDB Local returns no ALL_OLD
+
     # -- the boundary ------------------------------------------------------------------------
 
     async def _call(self, op: str, what: str, **params: Any) -> dict[str, Any]:
@@ -563,6 +635,18 @@ def _number(value: dict[str, str]) -> int:
     if dec != dec.to_integral_value():
         raise StoragePermanentError(f"dynamodb: not an integer: {text[:40]!r}")
     return int(dec)
+
+
+def _owner_key(node: str) -> dict[str, Any]:
+    if not node or len(node.encode("utf-8")) > 900:
+        raise StoragePermanentError(f"dynamodb: node id {node[:64]!r} is empty or too long")
+    return {"pk": {"S": OWNER_PK}, "sk": {"S": "owner#" + node}}
+
+
+def _owner(item: dict[str, Any] | None) -> Owner | None:
+    if item is None or "tok" not in item:
+        return None
+    return Owner(item["tok"]["S"], _number(item["exp"]) / 1000)
 
 
 def _snapshot(item: dict[str, Any]) -> Snapshot:

@@ -14,10 +14,12 @@ from storage.base import (
     Applied,
     Delta,
     Key,
+    Owner,
     Snapshot,
     Storage,
     StorageError,
     StorageUnavailable,
+    lease_end_ms,
 )
 
 
@@ -28,6 +30,8 @@ class MemoryStorage(Storage):
 
     def __init__(self) -> None:
         self.items: dict[Key, Snapshot] = {}
+        #: Node id -> (owner token, end of its lease in ms).
+        self.owners: dict[str, tuple[str, int]] = {}
         self.fail_next = 0
         self.lose_next_ack = 0
         self.writes = 0
@@ -58,3 +62,23 @@ class MemoryStorage(Storage):
 
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         return {f: s for (t, f, p), s in self.items.items() if t == tenant and p == period}
+
+    async def claim_owner(
+        self, node: str, token: str, *, lease_s: float, now: float, accept: Sequence[str] = ()
+    ) -> Owner:
+        held = self.owners.get(node)
+        if held is None or held[0] == token or held[0] in accept or held[1] <= now * 1000:
+            held = self.owners[node] = (token, lease_end_ms(now, lease_s))
+        return Owner(held[0], held[1] / 1000)
+
+    async def renew_owner(
+        self, node: str, token: str, *, lease_s: float, now: float
+    ) -> Owner | None:
+        held = self.owners.get(node)
+        if held is not None and held[0] == token:
+            held = self.owners[node] = (token, lease_end_ms(now, lease_s))
+        return None if held is None else Owner(held[0], held[1] / 1000)
+
+    async def owner(self, node: str) -> Owner | None:
+        held = self.owners.get(node)
+        return None if held is None else Owner(held[0], held[1] / 1000)

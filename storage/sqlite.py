@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import calendar
 import concurrent.futures
+import contextlib
 import json
 import re
 import sqlite3
@@ -30,11 +31,13 @@ from storage.base import (
     BadItems,
     Delta,
     Key,
+    Owner,
     Snapshot,
     Storage,
     StorageError,
     StoragePermanentError,
     StorageUnavailable,
+    lease_end_ms,
 )
 
 T = TypeVar("T")
@@ -56,6 +59,15 @@ CREATE TABLE IF NOT EXISTS counters (
 
 # For the retention purge (purge_expired), which deletes by expiry.
 _EXPIRY_INDEX = "CREATE INDEX IF NOT EXISTS counters_expiry ON counters (expires_at)"
+#: Who owns each node id (ADR 0004): an additive table, so files of this layout still open in
+#: builds that do not know it (they ignore it) and the schema version is unchanged.
+_OWNERS = """
+CREATE TABLE IF NOT EXISTS owners (
+    node       TEXT    NOT NULL PRIMARY KEY,
+    token      TEXT    NOT NULL,
+    expires_ms INTEGER NOT NULL
+) WITHOUT ROWID
+"""
 
 _MONTH_RE = re.compile(r"\d{4}-\d{2}")
 _DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
@@ -141,6 +153,45 @@ class SQLiteStorage(Storage):
         """Every stored counter of ``tenant`` in ``period``: one primary-key range scan."""
         return await self._run(lambda: self._list_sync(tenant, period))
 
+    async def claim_owner(
+        self, node: str, token: str, *, lease_s: float, now: float, accept: Sequence[str] = ()
+    ) -> Owner:
+        """Claim ``node`` for ``token`` in one ``BEGIN IMMEDIATE`` transaction."""
+        ok = {token, *accept}
+
+        def may(held: tuple[str, int] | None) -> bool:
+            return held is None or held[0] in ok or held[1] <= now * 1000
+
+        held = await self._run(lambda: self._set_owner_sync(node, token, now, lease_s, may))
+        assert held is not None
+        return held
+
+    async def renew_owner(
+        self, node: str, token: str, *, lease_s: float, now: float
+    ) -> Owner | None:
+        """Renew ``token``'s lease on ``node`` in one ``BEGIN IMMEDIATE`` transaction."""
+
+        def may(held: tuple[str, int] | None) -> bool:
+            return held is not None and held[0] == token
+
+        return await self._run(lambda: self._set_owner_sync(node, token, now, lease_s, may))
+
+    async def owner(self, node: str) -> Owner | None:
+        """The owner of ``node``, read from the committed state."""
+
+        def read() -> Owner | None:
+            try:
+                row = (
+                    self._connection()
+                    .execute("SELECT token, expires_ms FROM owners WHERE node = ?", (node,))
+                    .fetchone()
+                )
+            except sqlite3.Error as exc:
+                raise _map(exc, f"reading the owner of {node!r} in {self.path}") from exc
+            return None if row is None else Owner(str(row[0]), int(row[1]) / 1000)
+
+        return await self._run(read)
+
     # -- plumbing ----------------------------------------------------------------------------
 
     async def _run(self, fn: Callable[[], T]) -> T:
@@ -191,6 +242,7 @@ class SQLiteStorage(Storage):
                 )
             conn.execute(_SCHEMA)
             conn.execute(_EXPIRY_INDEX)
+            conn.execute(_OWNERS)
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
@@ -279,6 +331,42 @@ class SQLiteStorage(Storage):
             ),
         )
         return Applied(snap)
+
+    def _set_owner_sync(
+        self,
+        node: str,
+        token: str,
+        now: float,
+        lease_s: float,
+        may: Callable[[tuple[str, int] | None], bool],
+    ) -> Owner | None:
+        """Set ``node``'s owner to ``token`` (lease to ``now + lease_s``) if ``may(held)``, in
+        one write transaction; return the owner after it."""
+        conn = self._connection()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                row = conn.execute(
+                    "SELECT token, expires_ms FROM owners WHERE node = ?", (node,)
+                ).fetchone()
+                held = None if row is None else (str(row[0]), int(row[1]))
+                if may(held):
+                    held = (token, lease_end_ms(now, lease_s))
+                    conn.execute(
+                        "INSERT INTO owners (node, token, expires_ms) VALUES (?, ?, ?)"
+                        " ON CONFLICT (node) DO UPDATE SET"
+                        " token = excluded.token, expires_ms = excluded.expires_ms",
+                        (node, *held),
+                    )
+                conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise _map(exc, f"claiming node id {node!r} in {self.path}") from exc
+        return None if held is None else Owner(held[0], held[1] / 1000)
 
     def _expires_at(self, period: str) -> int:
         # From the later of the period's end and now: a late write to an old period must not

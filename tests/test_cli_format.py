@@ -26,6 +26,7 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
             "last_error": "acme/api@2026-11: throttled",
             "poisoned": [{"key": ["acme", "big", "2026-11"], "error": "ValidationException"}],
         },
+        "owner": {"state": "waiting", "last_error": "held by another process until X"},
         "reservations": {"open": 1, "expired_total": 0},
         "durability": {
             "mode": "fsync",
@@ -61,6 +62,7 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
     assert "unseeded 1" in text and "in flight 2" in text
     assert "log          fsync BROKEN (writing wal-00000002.log failed: ENOSPC (disk full))" in text
     assert "request ids  10 remembered (max 250000), 2 dropped early" in text
+    assert "node id      WAITING: held by another process until X" in text
 
 
 def test_summary_says_when_the_log_is_off() -> None:

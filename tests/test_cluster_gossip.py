@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -111,6 +112,15 @@ class Cluster:
             await n.gossip.stop(timeout=1)
 
 
+async def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    """Let the loop run until ``cond()`` holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting until {what}")
+        await asyncio.sleep(0.005)
+
+
 @pytest.fixture
 async def cluster() -> AsyncIterator[Cluster]:
     c = Cluster(LocalHub(), MemoryStorage())
@@ -149,8 +159,16 @@ async def test_flush_announcements_neither_double_count_nor_dip(cluster: Cluster
     await take
     await cluster.settle()
     assert cluster.views(k) == [13, 13]  # the announcement carried them before any gossip
-    a.tick()  # the sealed gossip (seq 2) arrives late: b's snapshot already has it
-    await cluster.settle()
+    # Their sealed gossip (seq 2) was dropped when seq 2 was stored: nothing left to send.
+    assert a.tick() == 0
+    # Had it arrived late, b's snapshot already has it: refused.
+    a.gossip.broadcaster.seq += 1
+    late = Codec("t").encode(
+        Header("t", "a", a.gossip.incarnation, a.gossip.broadcaster.seq, 0.0),
+        "deltas",
+        [(*k, 2, 3)],
+    )
+    b.gossip.on_bytes(late)
     assert cluster.views(k) == [13, 13]
     assert b.gossip.status()["received"]["deltas_skipped"] == 1
     # b's own flush after gossip from a: nothing is counted twice in the store or the views.
@@ -383,3 +401,94 @@ async def test_a_dead_peers_unflushed_gossip_is_forgotten(cluster: Cluster) -> N
     st = a.gossip.status()
     assert st["live_peers"] == [] and st["forgotten_units"] == 4
     assert a.table.value(k) == await cluster.stored(k) == 5
+
+
+async def test_a_peer_declared_dead_and_heard_again_is_resynced(cluster: Cluster) -> None:
+    """A peer wrongly declared dead (silent, not gone) comes back with the same incarnation and
+    the next message number: no gap, but its gossip was forgotten at its death and whatever it
+    did meanwhile that this node never heard of (here: a flush whose announcement never came)
+    is only in storage. Hearing it again re-reads storage at once, not at reconciliation."""
+    timed = GossipSettings(interval=3600, heartbeat=3600, peer_timeout=0.3, reconcile=0)
+    a = await cluster.add("a")
+    b = await cluster.add("b", settings=timed)
+    k = KEYS[0]
+    cluster.track(a, k, 4)
+    a.tick()
+    await cluster.settle()
+    assert cluster.views(k) == [4, 4]
+    # a says nothing more (its heartbeat is an hour): b declares it dead and forgets the 4.
+    await until(lambda: b.gossip.status()["live_peers"] == [], "b declares a dead")
+    assert b.gossip.status()["forgotten_units"] == 4
+    await until(lambda: b.gossip.status()["resyncs"]["peer"] == 1, "b re-reads after the death")
+    assert cluster.views(k) == [4, 0]
+    # a flushes them; b never hears of it (no announcement, and no message number spent).
+    a.flusher.on_flushed = None
+    await a.flush()
+    a.flusher.on_flushed = a.gossip.on_flushed
+    assert await cluster.stored(k) == 4
+    a.gossip.broadcaster.heartbeat_now()  # the next message in a's sequence
+    await until(lambda: b.gossip.status()["live_peers"] == ["a"], "b hears a again")
+    b.gossip.peers.dead_after = 3600  # a stays silent again: it must not die (and resync) twice
+    assert b.gossip.status()["gaps"] == 0
+    await until(lambda: b.table.value(k) == 4, "b re-reads the stored total", timeout=2)
+    assert b.gossip.status()["resyncs"]["peer"] == 1
+    assert b.gossip.status()["resyncs"]["revive"] == 1
+    assert b.gossip.status()["peers"]["a"]["revivals"] == 1
+
+
+@pytest.mark.parametrize("outage", ["hub", "one_bus"])
+async def test_a_long_bus_outage_keeps_memory_flat_and_views_converge(
+    cluster: Cluster, outage: str
+) -> None:
+    """While the bus is down nothing is gossiped, but flushing goes on: every round used to seal
+    each flushed key's units in one more gossip entry kept for after the outage (about 70 B per
+    busy key per round, and such rows were never evicted), all of it sent at once on reconnect.
+    Entries whose sequence is stored are dropped instead (storage has the units); peers re-read
+    storage on reconnect (theirs, or a gap this node leaves in its message numbers)."""
+    a, b = [await cluster.add(x) for x in "ab"]
+    a.gossip.broadcaster.heartbeat_now()  # b knows a's message numbers from here on
+    await cluster.settle()
+    idle = ("quiet", "api", "2026-11")  # tracked once early in the outage, then never again
+    rng = random.Random(outage)
+    if outage == "hub":
+        cluster.hub.set_up(False)
+    else:
+        cluster.hub.set_up(False, only=[a.gossip.bus])  # b stays connected and hears nothing
+    a.table.incr(idle, 3)
+    await a.flush()  # seeds the new key
+    await a.flush()  # and writes it
+    for _ in range(300):
+        for k in KEYS:
+            cluster.track(a, k, rng.randint(1, 9))
+        cluster.track(b, rng.choice(KEYS), rng.randint(1, 9))
+        await a.flush()
+        await b.flush()
+    sealed = [a.table.columns(k)["sealed"] for k in KEYS]  # type: ignore[index]
+    assert sealed == [0, 0, 0], "no gossip kept for units already stored"
+    a.table.evict_idle()
+    assert cluster.views(KEYS[0])[0] is not None  # reads keep the busy keys warm
+    for k in KEYS[1:]:
+        a.table.value(k)
+    a.table.evict_idle()
+    assert not a.table.is_warm(idle), "a flushed key with nothing else to do is evicted"
+    for k in KEYS:
+        cluster.track(a, k, 2)  # not flushed yet: gossiped after the outage
+    assert a.tick() == 0  # nothing taken while the bus is down
+    cluster.hub.set_up(True)
+    await cluster.settle()
+    await cluster.quiet_tick()
+
+    def exact() -> bool:
+        return all(cluster.views(k) == [cluster.acked[k]] * 2 for k in KEYS)
+
+    await until(exact, "both views equal the acknowledged units")
+    assert a.gossip.status()["sent"]["items"] <= len(KEYS), "one delta per key, not per round"
+    if outage == "one_bus":
+        st = b.gossip.status()  # a left a gap in its numbers: b re-read storage
+        assert st["gaps"] == 1 and st["resyncs"]["gap"] == 1
+    await a.flush()
+    await b.flush()
+    await cluster.settle()
+    for k in KEYS:
+        assert cluster.views(k) == [cluster.acked[k]] * 2
+        assert await cluster.stored(k) == cluster.acked[k]

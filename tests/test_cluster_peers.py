@@ -41,3 +41,18 @@ def test_silent_peer_dies_and_comes_back() -> None:
     assert p.expire(11.0) == []
     p.observe("b", 1, 2, 0.0, 0.0, 12.0)
     assert p.live() == ["b", "c"]
+
+
+def test_a_dead_peer_heard_again_with_the_same_incarnation_is_revived() -> None:
+    p = Peers(dead_after=2)
+    p.observe("b", 1, 1, 0.0, 0.0, 0.0)
+    assert p.expire(2.5) == ["b"]
+    assert p.observe("b", 1, 2, 0.0, 0.0, 3.0) == (Seen.REVIVED, 0)
+    assert p.live() == ["b"]
+    assert p.observe("b", 1, 3, 0.0, 0.0, 3.1) == (Seen.NEXT, 0)
+    assert p.expire(6.0) == ["b"]
+    # Back after a gap: still a revival (it resyncs either way), and the gap is counted.
+    assert p.observe("b", 1, 9, 0.0, 0.0, 7.0) == (Seen.REVIVED, 5)
+    assert p.observe("b", 2, 1, 0.0, 0.0, 7.1) == (Seen.RESTART, 0)
+    s = p.status(8.0)["b"]
+    assert s["revivals"] == 2 and s["gaps"] == 1 and s["missed"] == 5

@@ -19,6 +19,7 @@ def test_defaults() -> None:
     assert cfg.flush.interval_ms == 1000
     assert cfg.cluster.gossip_interval_ms == 100
     assert cfg.cluster.redis_url is None
+    assert cfg.owner.lease_s == 30
 
 
 def test_fixed_environment_names() -> None:
@@ -90,6 +91,7 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
         ({"METER_FLUSH_INTERVALMS": "5"}, "METER_FLUSH_INTERVALMS"),
         ({"METER_REQUEST_DRAIN_TIMEOUT_S": "-1"}, "request_drain_timeout_s"),
         ({"METER_REQUEST_DRAIN_TIMEOUT_S": "soon"}, "request_drain_timeout_s"),
+        ({"METER_OWNER_LEASE_S": "0.5"}, "owner_lease_s"),
     ],
 )
 def test_bad_settings_name_the_setting(env: dict[str, str], setting: str) -> None:
@@ -97,6 +99,24 @@ def test_bad_settings_name_the_setting(env: dict[str, str], setting: str) -> Non
         load(env=env)
     assert info.value.setting == setting
     assert setting in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("heartbeat", "timeout"), [("3000", None), ("2500", "5000"), ("1000", "1999")]
+)
+def test_peer_timeout_must_exceed_two_heartbeats(heartbeat: str, timeout: str | None) -> None:
+    """A peer must not be declared dead between two of its heartbeats (one of them lost)."""
+    env = {"METER_CLUSTER_HEARTBEAT_MS": heartbeat}
+    if timeout is not None:
+        env["METER_CLUSTER_PEER_TIMEOUT_MS"] = timeout
+    with pytest.raises(ConfigError) as info:
+        load(env=env)
+    assert info.value.setting == "cluster_peer_timeout_ms"
+    assert "cluster_heartbeat_ms" in info.value.message
+    ok = load(
+        env={"METER_CLUSTER_HEARTBEAT_MS": heartbeat, "METER_CLUSTER_PEER_TIMEOUT_MS": "9000"}
+    )
+    assert ok.cluster.peer_timeout_ms == 9000
 
 
 def test_bad_toml(tmp_path: Path) -> None:

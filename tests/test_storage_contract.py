@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.base import EMPTY, Applied, Delta, Key, Snapshot, Storage, StorageError
+from storage.base import EMPTY, Applied, Delta, Key, Owner, Snapshot, Storage, StorageError
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
 
@@ -221,6 +221,53 @@ async def test_outcomes_are_applied_or_storage_errors(storage: Storage) -> None:
     assert all(isinstance(v, Applied | StorageError) for v in out.values())
 
 
+# -- node id owners (ADR 0004) ---------------------------------------------------------------
+
+
+async def test_a_free_node_id_is_claimed(storage: Storage) -> None:
+    assert await storage.owner("n1") is None
+    assert await storage.claim_owner("n1", "t1", lease_s=30, now=1000.0) == Owner("t1", 1030.0)
+    assert await storage.owner("n1") == Owner("t1", 1030.0)
+    assert await storage.owner("n2") is None
+    odd = "node:1/a.b"
+    assert await storage.claim_owner(odd, "t9", lease_s=0.25, now=5.5) == Owner("t9", 5.75)
+    assert await storage.owner(odd) == Owner("t9", 5.75)
+    # Owners are not counters.
+    await _ok(storage, "n1", K, 1, 1)
+    assert await storage.list_period("acme", "2026-11") == {"api_calls": Snapshot(1, {"n1": 1})}
+
+
+async def test_a_claim_is_refused_while_another_lease_runs(storage: Storage) -> None:
+    await storage.claim_owner("n1", "t1", lease_s=30, now=1000.0)
+    # Another token gets the holder back, and changes nothing.
+    assert await storage.claim_owner("n1", "t2", lease_s=30, now=1010.0) == Owner("t1", 1030.0)
+    assert await storage.owner("n1") == Owner("t1", 1030.0)
+    # The holder's own token, or an earlier token of the same data dir, claims again at once.
+    assert await storage.claim_owner("n1", "t1", lease_s=30, now=1020.0) == Owner("t1", 1050.0)
+    got = await storage.claim_owner("n1", "t3", lease_s=30, now=1021.0, accept=["t0", "t1"])
+    assert got == Owner("t3", 1051.0)
+    assert await storage.claim_owner("n1", "t1", lease_s=30, now=1022.0) == Owner("t3", 1051.0)
+    # Once the lease has ended, anyone may claim; ids are independent.
+    assert await storage.claim_owner("n1", "t4", lease_s=30, now=1051.0) == Owner("t4", 1081.0)
+    assert await storage.claim_owner("n2", "t2", lease_s=30, now=1052.0) == Owner("t2", 1082.0)
+    assert await storage.owner("n1") == Owner("t4", 1081.0)
+
+
+async def test_only_the_holder_renews_its_lease(storage: Storage) -> None:
+    await storage.claim_owner("n1", "t1", lease_s=30, now=1000.0)
+    assert await storage.renew_owner("n1", "t1", lease_s=30, now=1020.0) == Owner("t1", 1050.0)
+    # A lease that ended but was not taken is still the holder's.
+    assert await storage.renew_owner("n1", "t1", lease_s=30, now=2000.0) == Owner("t1", 2030.0)
+    assert await storage.claim_owner("n1", "t2", lease_s=30, now=2031.0) == Owner("t2", 2061.0)
+    # Taken: the old holder's renewal changes nothing and answers the new holder.
+    assert await storage.renew_owner("n1", "t1", lease_s=30, now=2032.0) == Owner("t2", 2061.0)
+    # A release (lease 0) lets another token claim at once.
+    assert await storage.renew_owner("n1", "t2", lease_s=0, now=2040.0) == Owner("t2", 2040.0)
+    assert await storage.claim_owner("n1", "t5", lease_s=30, now=2040.0) == Owner("t5", 2070.0)
+    assert await storage.renew_owner("ghost", "t1", lease_s=30, now=2041.0) is None
+    assert await storage.owner("ghost") is None
+
+
 async def test_sqlite_reopen_after_close_keeps_data(tmp_path: Path) -> None:
     """Persistence is a property of the durable backends only (not ``memory``)."""
     path = tmp_path / "nested" / "dir" / "meter.db"
@@ -230,10 +277,15 @@ async def test_sqlite_reopen_after_close_keeps_data(tmp_path: Path) -> None:
     await _ok(first, "n2", K, 4, -1)
     await first.close()
 
+    await first.open()
+    await first.claim_owner("n1", "tok", lease_s=30, now=1000.0)
+    await first.close()
+
     second = SQLiteStorage(path)
     await second.open()
     try:
         assert (await second.load([K]))[K] == Snapshot(10**30 - 1, {"n1": 1, "n2": 4})
+        assert await second.owner("n1") == Owner("tok", 1030.0)
         assert (await _ok(second, "n1", K, 1, 10**30)).duplicate
     finally:
         await second.close()

@@ -669,6 +669,37 @@ def test_gossip_tagged_with_a_sequence_is_always_flushed_under_it() -> None:
     assert b.value(K) == 0  # the truth: 5 - 5
 
 
+def test_sealed_gossip_is_dropped_once_its_sequence_is_stored() -> None:
+    """Units taken for a flush before they were gossiped are sealed under its sequence; once
+    the store holds that sequence they are in every snapshot peers can read or be announced,
+    so the row keeps no gossip for them (while the bus is down it would pile up per round)."""
+    t = CounterTable("a")
+    t.seed(K, Snapshot(0, {}))
+    store = MemoryStorage()
+    for round_ in range(1, 6):
+        t.incr(K, 2)
+        flush_all(t, store)
+        assert t.columns(K) == {
+            "value": 2 * round_, "base": 2 * round_, "seeded": 1, "own_seq": round_,
+            "own_applied": round_, "inflight": 0, "inflight_seq": 0, "pending_flush": 0,
+            "pending_gossip": 0, "sealed": 0, "remote": 0, "reserved": 0,
+        }  # fmt: skip
+    # A failed write keeps its sealed units (the sequence may never be stored).
+    t.incr(K, 4)
+    assert t.take_flush(K) == (6, 4)
+    t.flush_failed(K)
+    assert t.take_flush(K) == (6, 4)  # the retry seals nothing more
+    assert t.columns(K)["sealed"] == 1  # type: ignore[index]
+    assert t.take_gossip(K) == [(6, 4)]
+    t.evict_idle()
+    t.evict_idle()
+    assert t.is_warm(K)
+    flush_all(t, store)
+    t.evict_idle()
+    t.evict_idle()
+    assert not t.is_warm(K)
+
+
 def test_stale_snapshot_never_rewinds_a_reseeded_rows_sequence() -> None:
     """A row evicted and re-created unseeded must not take its flush sequence from a stale
     snapshot (here a late announcement): the next flush would reuse a stored sequence, the
