@@ -221,6 +221,36 @@ class Flusher:
             self.table.seed(key, snap)
         return True
 
+    async def _check_went_back(self, suspects: list[tuple[Key, int]]) -> None:
+        """Tell a write answer overtaken by a peer's newer snapshot from a stored item that
+        went back (TTL expiry, a recreated or restored table), with a fresh read.
+
+        The read is newer than anything the row knew when it was issued; if even it is older
+        than that, storage went back, and the row is re-seeded on it (else its in-flight delta
+        would be retried for ever). If it merely covers the row, it re-bases as usual.
+        """
+        before = {key: self.table.based_on(key) for key, _ in suspects}
+        try:
+            fresh = await self.storage.load([key for key, _ in suspects])
+        except BadItems as exc:
+            fresh = exc.good
+        except StorageError:
+            return  # the in-flight deltas are retried next round
+        for key, seq in suspects:
+            snap, known = fresh.get(key), before[key]
+            if snap is None or known is None or self.table.rebase(key, snap, "read"):
+                continue
+            went_back = any(snap.seq_of(n) < s for n, s in known.seqs.items())
+            if went_back and snap.seq_of(self.table.node) >= seq:
+                log.warning(
+                    "stored item of %s went back (expired, recreated or restored): "
+                    "re-seeded on it (total %s)",
+                    _fmt(key),
+                    snap.total,
+                )
+                self.table.reseed(key, snap)
+                self.stats.reseeded += 1
+
     def _park(self, key: Key, why: str) -> None:
         """Never retry ``key`` automatically; report it (status, log)."""
         self.stats.poisoned[key] = why
@@ -284,23 +314,15 @@ class Flusher:
             return False
         ok = True
         written: list[tuple[Key, Applied]] = []
+        suspects: list[tuple[Key, int]] = []
         for d in deltas:
             outcome = results.get(d.key)
             if isinstance(outcome, Applied):
                 snap = outcome.snapshot
                 if not self.table.rebase(d.key, snap, "flush") and snap.seq_of(node) >= d.seq:
-                    # The answer holds our delta but is older than what the row was based on
-                    # (a peer it knew is missing, or behind): the item vanished and was made
-                    # again (TTL expiry, a recreated or restored table). Re-seed on it, or the
-                    # in-flight delta would be retried for ever.
-                    log.warning(
-                        "stored item of %s went back (expired, recreated or restored): "
-                        "re-seeded on it (total %s)",
-                        _fmt(d.key),
-                        snap.total,
-                    )
-                    self.table.reseed(d.key, snap)
-                    self.stats.reseeded += 1
+                    # The answer holds our delta but is older than the row's snapshot: either a
+                    # peer's newer snapshot overtook it (harmless), or the item went back.
+                    suspects.append((d.key, d.seq))
                 written.append((d.key, outcome))
                 self.stats.keys_written += 1
                 if outcome.duplicate:
@@ -317,6 +339,8 @@ class Flusher:
                 self._note_error(msg)
             else:
                 self._note_error(f"{_fmt(d.key)}: {outcome}")
+        if suspects:
+            await self._check_went_back(suspects)
         if written and self.on_flushed is not None:
             maybe = self.on_flushed(written)
             if maybe is not None:

@@ -739,6 +739,17 @@ class CounterTable:
                 row.flags &= ~DIRTY
             return True
 
+    def based_on(self, key: Key) -> Snapshot | None:
+        """The stored snapshot a seeded row is based on (its base and the per-node sequences
+        it holds), or ``None`` if the key is cold or unseeded."""
+        with self._lock:
+            row = self._rows.get(key)
+            if row is None or not row.flags & SEEDED:
+                return None
+            seqs = dict(row.ext.peer_seqs or {}) if row.ext is not None else {}
+            seqs[self.node] = row.own_applied
+            return Snapshot(row.base, seqs)
+
     def reseed(self, key: Key, snap: Snapshot) -> bool:
         """Re-base a seeded row on ``snap`` even though it is older than the row's snapshot.
 
