@@ -33,6 +33,7 @@ class Load:
     connections: int
     depth: int  # requests per round trip (1: unpipelined)
     items: int = 1  # increments per request (track_many: items per call; redis: 1)
+    keys: int = 1  # distinct keys per connection for track / incr (cycled through a batch)
     duration: float = 1.0
     warmup: float = 0.2
 
@@ -64,8 +65,17 @@ class LoadResult:
         return lat[i] / 1000
 
 
+def _feature(load: Load, j: int) -> str:
+    """The feature of a worker's ``j``-th key: ``f`` alone, or ``f0`` .. ``f{keys-1}``."""
+    return "f" if load.keys == 1 else f"f{j % load.keys}"
+
+
 def meter_frames(load: Load, worker: int) -> bytes:
-    """``depth`` MessagePack-RPC requests (msgids 0..depth-1) in one buffer."""
+    """``depth`` MessagePack-RPC requests (msgids 0..depth-1) in one buffer.
+
+    Tenant ``bench-<worker>``; ``track`` cycles through ``keys`` features, ``track_many``
+    counts ``items`` features (``f0`` ..) per call.
+    """
     tenant = f"bench-{worker}"
     out = bytearray()
     for msgid in range(load.depth):
@@ -73,15 +83,18 @@ def meter_frames(load: Load, worker: int) -> bytes:
             items = [[tenant, f"f{j}", 1] for j in range(load.items)]
             out += msgpack.packb([0, msgid, "track_many", [items]])
         else:
-            out += msgpack.packb([0, msgid, "track", [tenant, "f", 1]])
+            out += msgpack.packb([0, msgid, "track", [tenant, _feature(load, msgid), 1]])
     return bytes(out)
 
 
 def redis_frames(load: Load, worker: int) -> bytes:
-    """``depth`` RESP ``INCR`` commands in one buffer (one key per worker)."""
-    key = f"bench-{worker}:f".encode()
-    one = b"*2\r\n$4\r\nINCR\r\n$%d\r\n%s\r\n" % (len(key), key)
-    return one * load.depth
+    """``depth`` RESP ``INCR`` commands in one buffer, on the node's names joined by ``:``
+    (``bench-<worker>:f``, or ``bench-<worker>:f0`` .. cycling through ``keys``)."""
+    out = bytearray()
+    for j in range(load.depth):
+        key = f"bench-{worker}:{_feature(load, j)}".encode()
+        out += b"*2\r\n$4\r\nINCR\r\n$%d\r\n%s\r\n" % (len(key), key)
+    return bytes(out)
 
 
 def _worker(load: Load, index: int, ready: Any, go: Any, out: Connection) -> None:

@@ -40,7 +40,8 @@ def _num(x: float | None, unit: str = "") -> str:
 
 
 def table(rows: list[Row]) -> str:
-    """A plain-text table (also valid Markdown)."""
+    """A plain-text table (also valid Markdown). A reference that is a fixed target rather
+    than a measurement reads ``(target)``."""
     head = ["scenario", "metric", "ours", "reference", "ratio", "target", "met?"]
     lines = [head]
     for r in rows:
@@ -52,7 +53,7 @@ def table(rows: list[Row]) -> str:
                 r.scenario,
                 f"{r.metric} [{r.unit}]",
                 _num(r.ours, r.unit),
-                _num(r.reference, r.unit),
+                _num(r.reference, r.unit) + (" (target)" if r.reference_kind == "target" else ""),
                 "-" if r.ratio is None else f"{r.ratio:.3g}x",
                 r.target,
                 met,

@@ -41,6 +41,8 @@ MAX_BATCH_ITEMS = 10_000
 
 #: Most (tenant, feature) pairs whose current key is cached; the cache starts over when full.
 KEY_CACHE_SIZE = 65_536
+#: Most names kept in one copy, per kind (tenants, features, periods); each starts over when full.
+NAME_CACHE_SIZE = 65_536
 
 _TRACK_OPTS = frozenset({"at", "id"})
 _USAGE_OPTS = frozenset({"at"})
@@ -88,6 +90,18 @@ class Service:
         self._keys: dict[tuple[str, str], Key] = {}
         self._day_start = 0.0
         self._day_end = 0.0
+        #: The current day's period of each kind, made once a day (see _new_day).
+        self._day_periods: dict[PeriodKind, str] = {}
+        # Names already validated, each the one copy every key made since shares: a name
+        # decoded from a request is a new string each time, and a key keeps the strings of the
+        # request that made it, so without these a million keys would hold a million copies
+        # of a hundred feature names (and of each tenant's, and of the period). Bounded dicts,
+        # not sys.intern: names come from clients, and interned strings are never freed on
+        # 3.12 releases before the gh-113993 backport (August 2024) nor on free-threaded
+        # builds. Not tied to the day: a name's validity never changes.
+        self._tenants: dict[str, str] = {}
+        self._features: dict[str, str] = {}
+        self._period_names: dict[str, str] = {}
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
             "track": self._track,
             "track_many": self._track_many,
@@ -169,22 +183,40 @@ class Service:
                     return key
             else:
                 self._new_day(now)
-            t = check_tenant(tenant)
-            f = check_feature(feature)
-            key = (t, f, period_start(self._periods.get(f, "month"), now))
+            t = self._tenants.get(tenant)
+            if t is None:
+                t = _one_copy(self._tenants, check_tenant(tenant))
+            f = self._features.get(feature)
+            if f is None:
+                f = _one_copy(self._features, check_feature(feature))
+            key = (t, f, self._day_periods[self._periods.get(f, "month")])
             if len(self._keys) >= KEY_CACHE_SIZE:
                 self._keys.clear()
             self._keys[(t, f)] = key
             return key
-        t = check_tenant(tenant)
-        f = check_feature(feature)
-        return (t, f, period_start(self._periods.get(f, "month"), at))
+        t = self._tenant(tenant)
+        f = _one_copy(self._features, check_feature(feature))
+        period = period_start(self._periods.get(f, "month"), at)
+        return (t, f, _one_copy(self._period_names, period))
+
+    def _tenant(self, tenant: object) -> str:
+        """``tenant`` validated, as this node's one copy of the name."""
+        if type(tenant) is str:
+            t = self._tenants.get(tenant)
+            if t is not None:
+                return t
+        return _one_copy(self._tenants, check_tenant(tenant))
 
     def _new_day(self, now: float) -> None:
         """Start the key cache over for the UTC day containing ``now``."""
         self._keys.clear()
         self._day_start = now - now % 86400
         self._day_end = self._day_start + 86400
+        names = self._period_names
+        self._day_periods = {
+            "month": _one_copy(names, period_start("month", now)),
+            "day": _one_copy(names, period_start("day", now)),
+        }
 
     async def seed(self, key: Key) -> bool:
         """Make ``key`` seeded from storage; one load per key however many callers wait.
@@ -465,8 +497,11 @@ class Service:
         tenant, opts = _args("usage_all", params, 1, 2, ({},))
         at = _opts("usage_all", opts, _USAGE_OPTS).get("at")
         at_f = None if at is None else check_at(at)
-        tenant = check_tenant(tenant)
-        periods = [(kind, period_start(kind, at_f)) for kind in sorted(self._kinds())]
+        tenant = self._tenant(tenant)
+        periods = [
+            (kind, _one_copy(self._period_names, period_start(kind, at_f)))
+            for kind in sorted(self._kinds())
+        ]
         # The counters loaded now are answered as they are now, as this request arrives, so
         # requests pipelined after it (counted before its listing returns) are not in it.
         known: dict[str, int] = {}
@@ -496,6 +531,7 @@ class Service:
             except WalError:
                 raise _log_down(self.wal) from None
         out = dict(known)
+        features = self._features
         for kind, period in periods:
             for _ in range(3):
                 evictions = self.table.evictions
@@ -509,10 +545,12 @@ class Service:
                 snaps = dict(stored)
                 for feature in self.table.unseeded_features(tenant, period):
                     snaps.setdefault(feature, EMPTY)
+                # Stored feature names share this node's copy when it has one; they are not
+                # added to it, as this node has not validated them.
                 refused = [
                     f
                     for f, snap in snaps.items()
-                    if not self.table.seed((tenant, f, period), snap, evictions)
+                    if not self.table.seed((tenant, features.get(f, f), period), snap, evictions)
                     and not self.table.is_seeded((tenant, f, period))
                 ]
                 if not refused:  # else an eviction pass overtook the listing: list again
@@ -857,6 +895,16 @@ class _Answer:
 
     def __init__(self, value: Any) -> None:
         self.value = value
+
+
+def _one_copy(names: dict[str, str], name: str) -> str:
+    """The copy of ``name`` kept in ``names`` (``name`` itself, kept, if none yet)."""
+    kept = names.get(name)
+    if kept is None:
+        if len(names) >= NAME_CACHE_SIZE:
+            names.clear()
+        names[name] = kept = name
+    return kept
 
 
 def _wall(deadline: float) -> float:

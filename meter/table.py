@@ -34,7 +34,9 @@ sequences the store already holds.
 Memory: a warm key costs its key tuple, one dict entry and one small :class:`Row` of eight
 slots. Reservations, peers and sealed gossip, rare per key, live in an optional :class:`Ext`;
 their sum is kept in ``Row.extra`` so the value needs no branch. The dirty and touched sets are
-flag bits plus append-only lists compacted when read, not hash sets.
+flag bits plus append-only lists compacted when read, not hash sets. The table stores the key
+tuples it is given: the strings in them are shared between keys only if the caller shares them
+(:class:`~meter.service.Service` builds keys from one copy of each name and period).
 """
 
 from __future__ import annotations

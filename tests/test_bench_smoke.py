@@ -8,13 +8,16 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from bench import report
 from bench.cli import run
-from bench.scenarios import SMOKE, Row
+from bench.loadgen import Load, meter_frames, redis_frames
+from bench.scenarios import BATCH, RPC, SMOKE, Row, _in_turn
 
 pytestmark = pytest.mark.redis
 
@@ -30,9 +33,11 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
     assert latest["rows"] == doc["rows"]
     assert len(list(tmp_path.glob("*-smoke.json"))) == 1
     scenarios = {r["scenario"] for r in doc["rows"]}
-    assert scenarios == {"1 track vs Redis", "2 batch", "6 memory", "7 durable vs Redis AOF"}
+    assert scenarios == {RPC, BATCH, "6 memory", "7 durable vs Redis AOF"}
+    assert "memory storage" in RPC and "memory storage" in BATCH
     for r in doc["rows"]:
         assert set(r) == {
+            "reference_kind",
             "scenario",
             "metric",
             "unit",
@@ -46,6 +51,14 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
         assert r["ours"] is not None and r["ours"] > 0
         assert r["reference"] is not None and r["reference"] > 0
         assert r["met"] in (True, False, None)
+        # The memory rows' reference is the 300 B target; every other row here is measured.
+        want = "target" if r["scenario"] == "6 memory" else "measured"
+        assert r["reference_kind"] == want, r["metric"]
+    memory = [r for r in doc["rows"] if r["scenario"] == "6 memory"]
+    assert len(memory) == 2 and "over the wire" in memory[0]["metric"]
+    assert memory[0]["met"] in (True, False) and memory[1]["met"] is None  # the table: context
+    (many,) = [r for r in doc["rows"] if r["scenario"] == BATCH]
+    assert many["detail"]["distinct_keys_per_conn"] == 100
     rpc = [r for r in doc["rows"] if r["unit"] == "ops/s"]
     assert all(r["detail"]["errors"] == 0 for r in rpc)
     durable = [r for r in rpc if r["scenario"].startswith("7")]
@@ -62,6 +75,7 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
         assert r["detail"]["node_wal"]["records"] > 0 and r["detail"]["node_wal"]["failures"] == 0
         assert "no log" not in r["metric"]
     text = out.getvalue()
+    assert "300.0 (target)" in text
     assert "| scenario" in text and "track vs INCR" in text and "memory" in text
     assert "[" in text.splitlines()[0]  # progress lines come first, with elapsed time
 
@@ -102,3 +116,38 @@ def test_table_and_chart_render(tmp_path: Path) -> None:
     assert text.count("\n") == 3 and "not measured yet" in text and "NO" in text
     png = report.chart(rows, tmp_path / "c.png", "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sides_take_turns_going_first() -> None:
+    ran: list[str] = []
+
+    def side(name: str) -> Callable[[], str]:
+        def run() -> str:
+            ran.append(name)
+            return name.upper()
+
+        return run
+
+    for r in range(3):
+        assert _in_turn(r, side("a"), side("b")) == ["A", "B"]
+    assert ran == ["a", "b", "b", "a", "a", "b"]
+    ran.clear()
+    for r in range(3):
+        assert _in_turn(r, side("a"), side("b"), side("c")) == ["A", "B", "C"]
+    assert ran == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+def test_batch_sides_count_on_the_same_keys() -> None:
+    """Scenario 2: per connection, the node's track_many items and Redis' pipelined INCRs
+    cover the same 100 names (``bench-<i>`` / ``f<j>``, joined by ``:`` for Redis)."""
+    many = Load("meter", "x", "track_many", 2, 2, items=100)
+    incr = Load("redis", "x", "incr", 2, 200, keys=100)
+    node_keys: list[str] = []
+    for _, _, _, params in msgpack.Unpacker(io.BytesIO(meter_frames(many, 1))):
+        node_keys += [f"{t}:{f}" for t, f, _ in params[0]]
+    redis_keys = [
+        line.decode() for line in redis_frames(incr, 1).split(b"\r\n") if b"bench" in line
+    ]
+    assert len(node_keys) == len(redis_keys) == 200
+    assert sorted(node_keys) == sorted(redis_keys)
+    assert len(set(node_keys)) == 100

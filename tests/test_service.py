@@ -335,3 +335,70 @@ async def test_unknown_reservation_ids_are_not_found(svc: Service) -> None:
         with pytest.raises(NotFound) as info:
             await call(svc, method, "r-never-issued")
         assert info.value.to_wire()["code"] == "not_found"
+
+
+def _fresh(name: str) -> str:
+    """An equal string that is not the same object, as the decoder makes for each request."""
+    copy = "".join(list(name))
+    assert copy == name and copy is not name
+    return copy
+
+
+async def test_keys_share_one_copy_of_each_name(svc: Service) -> None:
+    """Names decoded afresh for every request are kept once: every key of a tenant holds the
+    same tenant string, every key of a feature the same feature string, and every key of a
+    period the same period string, whichever path made the key."""
+    now = time.time()
+    jan = 1767225600
+    await call(svc, "track", _fresh("acme"), _fresh("api"), 1)
+    await call(svc, "track", _fresh("acme"), _fresh("seats"), 1)
+    await call(svc, "track", _fresh("beta"), _fresh("api"), 1)
+    await call(svc, "track", b"beta", b"seats", 1)
+    await call(svc, "track_many", [[_fresh("gamma"), _fresh("api"), 1]])
+    await call(svc, "reserve", _fresh("acme"), _fresh("api"), 1, {"at": now})
+    await call(svc, "track", _fresh("acme"), _fresh("api"), 1, {"at": jan})
+    await call(svc, "track", _fresh("acme"), _fresh("api"), 1, {"at": jan + 60})
+    keys = list(svc.table.keys())
+    assert len(keys) == 6
+    for i in range(3):
+        by_value: dict[str, str] = {}
+        for key in keys:
+            assert by_value.setdefault(key[i], key[i]) is key[i], f"two copies of {key[i]!r}"
+    assert len({id(k[2]) for k in keys}) == 2  # this month and January
+    assert svc.key_for(_fresh("acme"), _fresh("api")) in keys
+
+
+async def test_known_names_still_checked_per_kind(svc: Service) -> None:
+    """A name valid as a tenant is not thereby valid as a feature."""
+    await call(svc, "track", "acct/user", "api", 1)
+    with pytest.raises(InvalidArgument):
+        await call(svc, "track", "acme", "acct/user", 1)
+    with pytest.raises(InvalidArgument):
+        await call(svc, "track", "acme", "acct/user", 1, {"at": time.time()})
+
+
+async def test_key_cache_periods_follow_the_utc_day(
+    svc: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The periods made once a day are the ones period_start gives, across midnight and a
+    month's end, for month and day features."""
+    clock = [1769903999.5]  # 2026-01-31T23:59:59.5Z
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    assert svc.key_for("acme", "api") == ("acme", "api", "2026-01")
+    assert svc.key_for("acme", "daily") == ("acme", "daily", "2026-01-31")
+    clock[0] += 1  # 2026-02-01T00:00:00.5Z
+    assert svc.key_for("acme", "api") == ("acme", "api", "2026-02")
+    assert svc.key_for("acme", "daily") == ("acme", "daily", "2026-02-01")
+    assert svc.key_for("acme", "api")[2] is svc.key_for("beta", "api")[2]
+
+
+async def test_name_copies_start_over_when_full(
+    svc: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("meter.service.NAME_CACHE_SIZE", 4)
+    monkeypatch.setattr("meter.service.KEY_CACHE_SIZE", 4)
+    for i in range(20):
+        await call(svc, "track", f"t{i}", "api", 1)
+    assert len(svc._tenants) <= 4 and len(svc._keys) <= 4
+    assert await call(svc, "usage", "t0", "api") == 1
+    assert await call(svc, "track", "t19", "api", 1) == 2
