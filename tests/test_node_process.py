@@ -107,6 +107,30 @@ def test_bad_requests_get_the_services_errors_and_the_connection_stays_usable(
         assert node.call("status")["server"]["internal_errors"] == 0
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug (meter/server.py): a protocol error closes the connection at once, "
+    "so the answers of requests before the damage that wait for a storage read (cold keys) "
+    "are dropped, though their calls were counted; docs/protocol.md says requests before "
+    "the offending bytes are answered before the close",
+)
+def test_requests_before_garbage_are_answered_before_the_close(workdir: Path) -> None:
+    with NodeProcess(workdir) as node, socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(node.socket))
+        s.sendall(
+            msgpack.packb([0, 1, "track", ["cold", "api", 1]])
+            + msgpack.packb([0, 2, "usage", ["colder", "api"]])
+            + b"\xc1"  # never valid MessagePack: the node closes the connection
+        )
+        unpacker = msgpack.Unpacker(raw=False)
+        while data := s.recv(1 << 16):
+            unpacker.feed(data)
+        answers = sorted(unpacker, key=lambda a: a[1])
+        assert node.call("usage", "cold", "api") == 1  # the track was counted
+        assert answers == [[1, 1, None, 1], [1, 2, None, 0]]
+
+
 def test_socket_is_private(workdir: Path) -> None:
     with NodeProcess(workdir) as node:
         mode = stat.S_IMODE(node.socket.stat().st_mode)
