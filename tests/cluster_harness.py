@@ -3,6 +3,7 @@ sharing one redis-server and one DynamoDB Local table, and a persistent raw RPC 
 
 from __future__ import annotations
 
+import math
 import socket
 import statistics
 import threading
@@ -116,7 +117,12 @@ def usages(nodes: list[NodeProcess], feature: str) -> list[int]:
 
 
 class Load:
-    """Threads tracking units on the same keys through several nodes; counts what was acked."""
+    """Threads tracking units on the same keys through several nodes; counts what was acked.
+
+    Every item carries a request id. A call whose answer never came (the node died under it)
+    is kept in ``in_doubt[i]``: it may or may not have been counted, and sending it again with
+    :meth:`resend_in_doubt` makes sure it is, once.
+    """
 
     def __init__(self, nodes: list[NodeProcess], features: list[str], batch: int = 10) -> None:
         self.nodes = nodes
@@ -124,6 +130,7 @@ class Load:
         self.batch = batch
         self.acked = [0] * len(nodes)
         self.errors = [0] * len(nodes)
+        self.in_doubt: list[list[list[Any]] | None] = [None] * len(nodes)
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(len(nodes))
@@ -143,8 +150,13 @@ class Load:
         n = 0
         try:
             while not self._stop.is_set():
-                items: list[tuple[str, str, int]] = [
-                    (KEY_TENANT, self.features[(n + j) % len(self.features)], 1 + (n + j) % 3)
+                items: list[list[Any]] = [
+                    [
+                        KEY_TENANT,
+                        self.features[(n + j) % len(self.features)],
+                        1 + (n + j) % 3,
+                        {"id": f"{self.nodes[i].name}-{n + j}"},
+                    ]
                     for j in range(self.batch)
                 ]
                 n += self.batch
@@ -152,16 +164,33 @@ class Load:
                     error, result = conn.call("track_many", items)
                 except OSError:  # the node died: what it acked so far is counted
                     self.errors[i] += 1
+                    self.in_doubt[i] = items
                     return
-                if error is not None:
-                    self.errors[i] += 1
-                    continue
-                for item, r in zip(items, result, strict=True):
-                    if not isinstance(r, dict):  # an error map means not counted
-                        self.acked[i] += item[2]
+                self._count(i, items, error, result)
                 time.sleep(0.002)
         finally:
             conn.close()
+
+    def _count(self, i: int, items: list[list[Any]], error: Any, result: Any) -> None:
+        if error is not None:
+            self.errors[i] += 1
+            return
+        for item, r in zip(items, result, strict=True):
+            if not isinstance(r, dict):  # an error map means not counted
+                self.acked[i] += item[2]
+
+    def resend_in_doubt(self, i: int) -> None:
+        """Send node ``i``'s unanswered call again (same ids) and count its answer."""
+        items = self.in_doubt[i]
+        if items is not None:
+            conn = Conn(self.nodes[i].socket)
+            try:
+                error, result = conn.call("track_many", items)
+            finally:
+                conn.close()
+            assert error is None, error
+            self._count(i, items, error, result)
+            self.in_doubt[i] = None
 
     def stop_node_load(self) -> None:
         """Stop all threads and wait for them."""
@@ -175,9 +204,10 @@ class Load:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (nearest rank) of ``values``."""
+    """The ``q`` quantile (nearest rank: the smallest value with at least ``q`` of the values
+    at or below it) of ``values``."""
     s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    return s[max(0, min(len(s) - 1, math.ceil(q * len(s)) - 1))]
 
 
 def measure_visibility(

@@ -1,9 +1,10 @@
 """Pytest fixtures for Amazon DynamoDB Local (loaded as a plugin from ``tests/conftest.py``).
 
-``dynamodb_local`` starts one in-memory DynamoDB Local per test session on a free loopback port
-and yields its endpoint URL; ``dynamodb_table`` gives each test a fresh, initialised table name;
-``dynamodb_storage`` an opened :class:`DynamoDBStorage` on it. If Java or npm is missing the
-fixtures fail with a message saying so (deselect with ``-m "not dynamodb"``).
+``dynamodb_local`` is the endpoint URL of one in-memory DynamoDB Local per test session (on a
+free loopback port), for tests marked ``dynamodb`` only; ``dynamodb_table`` gives each test a
+fresh, initialised table name; ``dynamodb_storage`` an opened :class:`DynamoDBStorage` on it.
+If Java or npm is missing the fixtures fail with a message saying so (deselect with
+``-m "not dynamodb"``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def dynamodb_local_home() -> Path:
 
 
 @pytest.fixture(scope="session")
-def dynamodb_local(dynamodb_local_home: Path) -> Iterator[str]:
+def dynamodb_local_server(dynamodb_local_home: Path) -> Iterator[str]:
     """The endpoint URL of a session-wide, in-memory DynamoDB Local."""
     server = DynamoDBLocal(dynamodb_local_home)
     try:
@@ -39,6 +40,24 @@ def dynamodb_local(dynamodb_local_home: Path) -> Iterator[str]:
         yield server.endpoint
     finally:
         server.__exit__()
+
+
+@pytest.fixture
+def dynamodb_local(request: pytest.FixtureRequest, dynamodb_local_server: str) -> str:
+    """The session's DynamoDB Local endpoint, for tests marked ``dynamodb`` only.
+
+    A test that reaches DynamoDB Local without the marker would still run under
+    ``-m "not dynamodb"`` (and fail where there is no Java): it fails here instead, naming
+    itself, whether it asks for the fixture by name or with ``request.getfixturevalue``.
+    """
+    if request.node.get_closest_marker("dynamodb") is None:
+        pytest.fail(
+            f"{request.node.nodeid} uses DynamoDB Local but is not marked "
+            "@pytest.mark.dynamodb (pytest.param(..., marks=pytest.mark.dynamodb) for a "
+            "parameter)",
+            pytrace=False,
+        )
+    return dynamodb_local_server
 
 
 def new_table_name() -> str:

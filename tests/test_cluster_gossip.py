@@ -56,7 +56,10 @@ class Cluster:
         secret: str | None = None,
         settings: GossipSettings = MANUAL,
         table_class: type[CounterTable] = CounterTable,
+        replay: dict[tuple[str, str, str], int] | None = None,
     ) -> N:
+        """A node on the hub and the store. ``replay``: units it held unflushed before a
+        restart (recovered from its write-ahead log), counted again after seeding."""
         table = table_class(name)
         gossip: Gossip[Snapshot] = Gossip(
             table,
@@ -72,6 +75,8 @@ class Cluster:
         snaps = await self.store.load(KEYS)
         for key in KEYS:
             table.seed(key, snaps.get(key, EMPTY))
+        for key, qty in (replay or {}).items():
+            table.incr(key, qty)
         await gossip.start()
         node = N(table, flusher, gossip)
         self.nodes.append(node)
@@ -88,11 +93,13 @@ class Cluster:
                 assert await n.gossip.broadcaster.drained(2)
             for _ in range(10):
                 await asyncio.sleep(0)
-        # Resyncs run in their own task; wait until none is wanted or running.
-        for _ in range(200):
-            if not any(n.gossip._resync_event.is_set() for n in self.nodes):
-                break
-            await asyncio.sleep(0.001)
+        # Resyncs run in their own task (MemoryStorage never suspends, so one runs to its end
+        # in one step): wait until none is wanted.
+        await eventually(
+            lambda: not any(n.gossip._resync_event.is_set() for n in self.nodes),
+            2.0,
+            "every requested resync ran",
+        )
         for _ in range(10):
             await asyncio.sleep(0)
 
@@ -119,6 +126,17 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting until {what}")
         await asyncio.sleep(0.005)
+
+
+async def eventually(cond: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``cond`` on the running loop until it holds; return the seconds it took, or fail
+    once ``timeout`` has passed (a deadline, not a sleep the test relies on)."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting until {what}")
+        await asyncio.sleep(0.005)
+    return time.monotonic() - t0
 
 
 @pytest.fixture
@@ -298,27 +316,44 @@ async def test_duplicate_node_id_is_refused_and_counted(cluster: Cluster) -> Non
     del b
 
 
-async def test_restarted_peer_is_resynced(cluster: Cluster) -> None:
+async def test_a_restarted_peer_is_recognised_and_views_are_repaired(cluster: Cluster) -> None:
     a, b = [await cluster.add(x) for x in "ab"]
     k = KEYS[0]
     cluster.track(a, k, 3)
     await a.flush()
     await cluster.quiet_tick()
-    a2 = Gossip(
-        a.table,
-        cluster.hub.bus(channel_name("t")),
-        node_id="a",
-        cluster="t",
-        make_snapshot=Snapshot,
-        resync=resync_from(cluster.store, a.table),
-        settings=MANUAL,
-    )
-    await a.gossip.stop()
-    await a2.start()
-    a2.broadcaster.heartbeat_now()
-    await asyncio.sleep(0.01)
-    assert b.gossip.status()["peers"]["a"]["restarts"] == 1
-    a.gossip = a2
+    cluster.track(a, k, 2)  # gossiped (tagged with a's flush sequence 2), not flushed yet
+    a.tick()
+    await cluster.settle()
+    assert cluster.views(k) == [5, 5]
+    # Then everything a says is lost: it flushes the 2 and 4 more (its announcement lost),
+    # gossips 5 more (lost) and is killed before flushing them.
+    cluster.hub.drop = lambda frame: True
+    cluster.track(a, k, 4)
+    await a.flush()
+    cluster.track(a, k, 5)
+    a.tick()
+    await cluster.settle()
+    await a.gossip.stop()  # dead: nothing more leaves it
+    cluster.nodes.remove(a)
+    cluster.hub.drop = None
+    assert await cluster.stored(k) == 9 and cluster.acked[k] == 14
+    assert cluster.views(k) == [5]  # b lacks the 4 flushed under a lost announcement
+    # a starts again: its memory is storage plus the unflushed 5 from its log (what recovery
+    # does), under a new incarnation. Its first heartbeat tells b it restarted: b forgets the
+    # old incarnation's gossip and re-reads storage, repairing the view nothing else would.
+    a2 = await cluster.add("a", replay={k: 5})
+    st = b.gossip.status()
+    assert st["peers"]["a"]["restarts"] == 1
+    assert st["resyncs"]["peer"] == 1 and st["resyncs"]["gap"] == 0, st["resyncs"]
+    assert st["forgotten_units"] == 2
+    assert b.table.value(k) == 9 == await cluster.stored(k)
+    # The restarted node gossips its unflushed units anew: counted once, then stored once.
+    await cluster.quiet_tick()
+    assert cluster.views(k) == [14, 14]
+    await a2.flush()
+    await cluster.settle()
+    assert cluster.views(k) == [14, 14] and await cluster.stored(k) == 14
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -378,9 +413,13 @@ async def test_periodic_reconciliation_repairs_silent_loss(cluster: Cluster) -> 
     await cluster.settle()
     cluster.hub.drop = None
     assert cluster.views(k) == [6, 0]
-    await asyncio.sleep(0.8)
-    assert cluster.views(k) == [6, 6]
-    assert b.gossip.status()["resyncs"]["reconcile"] >= 1
+    # Nothing tells b of the loss but its own clock: the maintenance loop (a step of
+    # min(0.5 s, peer_timeout / 4)) asks for a reconciliation once 0.2 s have passed, so the
+    # view is repaired within about 0.5 s (bound: 0.2 s + one step, plus a margin for load).
+    took = await eventually(lambda: cluster.views(k) == [6, 6], 3.0, "b reconciles")
+    st = b.gossip.status()
+    assert st["resyncs"]["reconcile"] >= 1 and st["resyncs"]["gap"] == 0, st["resyncs"]
+    assert took < 0.2 + 0.5 + 0.5, f"repaired after {took:.2f}s"
 
 
 async def test_a_dead_peers_unflushed_gossip_is_forgotten(cluster: Cluster) -> None:
@@ -397,7 +436,9 @@ async def test_a_dead_peers_unflushed_gossip_is_forgotten(cluster: Cluster) -> N
     assert cluster.views(k) == [9, 9]
     await b.gossip.stop()
     cluster.nodes.remove(b)
-    await asyncio.sleep(0.8)  # silent for longer than peer_timeout: dead
+    # Silent for longer than peer_timeout: dead, its unflushed 4 forgotten, a's view re-read.
+    await eventually(lambda: a.gossip.status()["live_peers"] == [], 3.0, "b is declared dead")
+    await eventually(lambda: a.table.value(k) == 5, 3.0, "a forgets b's unflushed gossip")
     st = a.gossip.status()
     assert st["live_peers"] == [] and st["forgotten_units"] == 4
     assert a.table.value(k) == await cluster.stored(k) == 5

@@ -1,7 +1,8 @@
 """Real node processes in a cluster: one redis-server, one DynamoDB Local table, 2-3 nodes.
 
 Every node is ``python -m meter serve`` with its own id; the tests talk to them over their
-sockets and read the table directly. Timing is only reported (``-s`` shows it), asserted loosely.
+sockets and read the table directly. They wait on conditions with deadlines, never on fixed
+sleeps; timings are reported (``-s`` shows them).
 """
 
 from __future__ import annotations
@@ -101,14 +102,29 @@ def flushed(nodes: list[NodeProcess]) -> bool:
     return True
 
 
+def flush_stat(nodes: list[NodeProcess], name: str) -> list[int]:
+    """One counter of every node's ``status.flush``."""
+    return [int(p.call("status")["flush"][name]) for p in nodes]
+
+
+def grew(now: list[int], before: list[int], by: int) -> bool:
+    """Every value grew by at least ``by``."""
+    return len(now) == len(before) and all(a >= b + by for a, b in zip(now, before, strict=True))
+
+
 async def test_a_unit_is_visible_on_every_node_within_about_a_tick(
     start_cluster: StartCluster,
 ) -> None:
+    """docs/cluster.md claims a p99 of at most one tick + 20 ms from a track on one node to
+    the unit showing on every other; this shared 2-core machine gets a margin of 60 ms (p99
+    measured 97-112 ms here with two CPU hogs running beside the nodes)."""
     nodes = start_cluster(3)
-    r = measure_visibility(nodes, "api", samples=40, tick_s=0.1)
-    print(f"\nconvergence, 3 nodes, tick 100 ms: {r}")
+    tick_ms = 100
+    r = measure_visibility(nodes, "api", samples=100, tick_s=tick_ms / 1000)
+    print(f"\nconvergence, 3 nodes, tick {tick_ms} ms: {r}")
     assert r["anomalies"] == []  # never above the truth, never below the previous value
-    assert r["p99_ms"] < 2000
+    assert r["p50_ms"] <= tick_ms, r  # the tick's phase is uniform: the median is about half
+    assert r["p99_ms"] <= tick_ms + 20 + 60, r
     st = nodes[0].call("status")["cluster"]
     print("peer lag:", {k: (v["lag_p50_ms"], v["lag_p99_ms"]) for k, v in st["peers"].items()})
     assert st["bus"]["connected"] and st["rejected"]["malformed"] == 0
@@ -121,18 +137,35 @@ async def test_concurrent_load_on_three_nodes_agrees_exactly_with_the_database(
 ) -> None:
     nodes = start_cluster(3)
     load = Load(nodes, FEATURES).start()
-    time.sleep(3)
+    # Load until every node has acknowledged a few thousand units and flushed under load.
+    rounds0 = flush_stat(nodes, "rounds")
+    wait_until(
+        lambda: min(load.acked) >= 3000 and grew(flush_stat(nodes, "rounds"), rounds0, 2),
+        30,
+        "every node counted and flushed under load",
+        nodes,
+    )
     load.stop_node_load()
     assert load.errors == [0, 0, 0]
     wait_until(lambda: flushed(nodes), 20, "everything is flushed", nodes)
-    time.sleep(0.3)  # a quiet tick (and the last announcements)
+    dbs = {f: await stored(dynamodb_local, dynamodb_table, f) for f in FEATURES}
+    assert sum(dbs.values()) == load.total, (dbs, load.acked)
+    # Nothing is written any more: the last announcements reach every node within a quiet
+    # tick or so (100 ms; 1 s allows for this shared 2-core machine).
+    took = wait_until(
+        lambda: all(usages(nodes, f) == [dbs[f]] * 3 for f in FEATURES),
+        1.0,
+        "every view equals the database",
+        nodes,
+        step=0.01,
+    )
     total = 0
     for f in FEATURES:
-        db = await stored(dynamodb_local, dynamodb_table, f)
         views = usages(nodes, f)
-        print(f"{f}: views {views}, database {db}")
-        assert views == [db] * 3
-        total += db
+        print(f"{f}: views {views}, database {dbs[f]}")
+        assert views == [dbs[f]] * 3
+        total += dbs[f]
+    print(f"views agreed {took * 1000:.0f} ms after the last flush")
     print(f"acknowledged {load.acked} = {load.total}, database {total}")
     assert total == load.total
     for p in nodes:
@@ -158,7 +191,7 @@ async def test_redis_killed_mid_load_and_restarted_loses_nothing(
     nodes = start_nodes(workdir, 3, env)
     nodes_cleanup.extend(nodes)
     load = Load(nodes, FEATURES).start()
-    time.sleep(1)
+    wait_until(lambda: min(load.acked) >= 2000, 20, "load on every node", nodes)
     server.stop()
     wait_until(
         lambda: not any(p.call("status")["cluster"]["bus"]["connected"] for p in nodes),
@@ -166,7 +199,18 @@ async def test_redis_killed_mid_load_and_restarted_loses_nothing(
         "every node sees Redis down",
         nodes,
     )
-    time.sleep(1.5)  # nodes keep serving and flushing without Redis
+    # Without Redis every node keeps serving and flushing.
+    acked_down = list(load.acked)
+    written = flush_stat(nodes, "keys_written")
+    wait_until(
+        lambda: (
+            grew(load.acked, acked_down, 1000)
+            and grew(flush_stat(nodes, "keys_written"), written, 1)
+        ),
+        20,
+        "every node serves and flushes without Redis",
+        nodes,
+    )
     acked_during = load.total
     server.start()
     wait_until(
@@ -175,7 +219,8 @@ async def test_redis_killed_mid_load_and_restarted_loses_nothing(
         "every node reconnects",
         nodes,
     )
-    time.sleep(1)
+    acked_up = load.total
+    wait_until(lambda: load.total >= acked_up + 3000, 20, "load after the reconnect", nodes)
     load.stop_node_load()
     assert load.errors == [0, 0, 0] and load.total > acked_during > 0
     wait_until(lambda: flushed(nodes), 20, "everything is flushed", nodes)
@@ -200,41 +245,59 @@ async def test_a_sigkilled_node_loses_only_what_it_had_not_flushed(
     dynamodb_table: str,
 ) -> None:
     nodes = start_cluster(3, METER_FLUSH_INTERVAL_MS="1000")
+    victim, survivors = nodes[2], nodes[:2]
     load = Load(nodes, FEATURES).start()
-    time.sleep(2.5)
-    victim = nodes[2]
+    # Kill n2 once it has flushed under load (some of its units are stored, and it always
+    # holds up to a flush interval of units it has not flushed).
+    wait_until(
+        lambda: min(load.acked) >= 2000 and victim.call("status")["flush"]["rounds"] >= 2,
+        30,
+        "n2 counted and flushed under load",
+        nodes,
+    )
     os.kill(victim.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
     victim.stop()
-    time.sleep(1.0)  # the survivors keep serving under load
+    # The survivors keep serving under load.
+    acked_at_kill = list(load.acked)
+    wait_until(
+        lambda: grew(load.acked[:2], acked_at_kill[:2], 1000),
+        20,
+        "the survivors serve on",
+        survivors,
+    )
     load.stop_node_load()
-    survivors = nodes[:2]
     assert load.errors[:2] == [0, 0]
     wait_until(lambda: flushed(survivors), 20, "survivors flushed", survivors)
     wait_until(
-        lambda: (
-            all(p.call("status")["cluster"]["live_peers"] == [] for p in survivors[:1])
-            or all("n2" not in p.call("status")["cluster"]["live_peers"] for p in survivors)
-        ),
+        lambda: all("n2" not in p.call("status")["cluster"]["live_peers"] for p in survivors),
         10,
         "n2 is declared dead",
         survivors,
     )
-    time.sleep(0.5)
     db_total = sum([await stored(dynamodb_local, dynamodb_table, f) for f in FEATURES])
-    views = [sum(usages(survivors, f)[i] for f in FEATURES) for i in range(2)]
+    acked_n2 = load.acked[2]
+    # What n2 acknowledged and had not flushed: all of the shortfall, and nothing else.
     lost = load.total - db_total
-    print(
-        f"\nSIGKILL: n2 acknowledged {load.acked[2]} units; {lost} of them were not flushed and "
-        f"wait in its log (acknowledged total {load.total}, database {db_total}); survivors' views "
-        f"{views} (view - database = {[v - db_total for v in views]})"
-    )
-    assert 0 <= lost <= load.acked[2]
-    assert views[0] == views[1]
     # The survivors forget the dead node's gossiped-but-unflushed units: views == database.
-    assert views == [db_total, db_total]
+    wait_until(
+        lambda: (
+            [sum(usages(survivors, f)[i] for f in FEATURES) for i in range(2)] == [db_total] * 2
+        ),
+        10,
+        "the survivors' views equal the database",
+        survivors,
+    )
+    forgotten = [p.call("status")["cluster"]["forgotten_units"] for p in survivors]
+    print(
+        f"\nSIGKILL: n2 acknowledged {acked_n2} units; {lost} of them were not flushed and "
+        f"wait in its log (acknowledged total {load.total}, database {db_total}); the "
+        f"survivors forgot {forgotten} units n2 had gossiped but not flushed"
+    )
+    assert 0 < lost <= acked_n2, "a flush interval of n2's units is unflushed at the kill"
     # Its units are not lost, only waiting in its write-ahead log: started again on its data
     # dir, the node replays them and flushes them, once, and every view reaches the total.
     victim.start()
+    load.resend_in_doubt(2)  # the call the kill left unanswered: counted once, by its ids
     wait_until(lambda: flushed(nodes), 20, "the restarted node flushed", nodes)
     db_total = sum([await stored(dynamodb_local, dynamodb_table, f) for f in FEATURES])
     assert db_total == load.total

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from meter.config import SETTING_NAMES, env_name, load
+from meter.config import SETTING_NAMES, load
 from meter.errors import ConfigError
 
 
@@ -131,6 +132,28 @@ def test_bad_toml(tmp_path: Path) -> None:
         load(file=tmp_path / "missing.toml", env={})
 
 
-def test_every_setting_has_an_environment_name() -> None:
-    for name in SETTING_NAMES:
-        assert env_name(name) == "METER_" + name.upper()
+def _documented_environment() -> dict[str, str]:
+    """setting -> environment variable, as the table of docs/configuration.md lists them."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    return dict(re.findall(r"^\| `(\w+)` \| `(METER_\w+)` \|", text, flags=re.M))
+
+
+def test_the_documented_settings_are_the_settings() -> None:
+    assert sorted(_documented_environment()) == sorted(SETTING_NAMES)
+
+
+@pytest.mark.parametrize(("setting", "variable"), sorted(_documented_environment().items()))
+def test_every_documented_environment_variable_sets_its_setting(
+    setting: str, variable: str
+) -> None:
+    """The variable the docs name (not one recomputed here) reaches its setting exactly as
+    the setting given by name does: the same configuration, or the same error naming it."""
+    outcomes: list[object] = []
+    for source in ({"env": {variable: "7"}}, {"flags": {setting: "7"}}):
+        try:
+            outcomes.append(load(**source))  # type: ignore[arg-type]
+        except ConfigError as exc:
+            assert exc.setting == setting, (variable, exc.setting, exc.message)
+            outcomes.append(exc.message)
+    assert outcomes[0] == outcomes[1], (variable, outcomes)
+    assert outcomes[0] != load(env={}), f"{variable}=7 changed nothing"

@@ -3,6 +3,7 @@ with every acknowledged unit, refuses a shared data dir, and the CLI around it."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,10 +13,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
 
+from meter.keys import period_start
+from storage.sqlite import SQLiteStorage
 from tests.nodes import ROOT, NodeProcess, raw_call, short_tmpdir
 
 
@@ -48,6 +52,83 @@ def test_foreign_msgpack_client_tracks_and_reads(workdir: Path) -> None:
         assert result is None and error["code"] == "invalid_argument"
         error, _ = raw_call(node.socket, "nope")
         assert error["code"] == "unknown_method"
+
+
+def test_bad_requests_get_the_services_errors_and_the_connection_stays_usable(
+    workdir: Path,
+) -> None:
+    """Each bad request on one connection is answered with its code and the service's own
+    message (the one docs/protocol.md shows for a qty of "many"), counts nothing, and the
+    connection keeps serving."""
+    bad: list[tuple[list[Any], str, str]] = [
+        (
+            [0, 1, "track", ["acme", "api", "many"]],
+            "invalid_argument",
+            "qty must be an integer, got str",
+        ),
+        ([0, 2, "track", ["", "api"]], "invalid_argument", "tenant must not be empty"),
+        ([0, 3, "track", ["acme"]], "invalid_argument", "track takes 2 to 4 params, got 1"),
+        (
+            [0, 4, "track", ["acme", "api", 2**63]],
+            "invalid_argument",
+            "qty 9223372036854775808 is outside the signed 64-bit range",
+        ),
+        (
+            [0, 5, "track", ["acme", "api", 1, {"color": 1}]],
+            "invalid_argument",
+            "track: unknown option 'color' (allowed: at, id)",
+        ),
+        ([0, 6, "nope", []], "unknown_method", "unknown method 'nope'"),
+        ([0, 7, "ping"], "invalid_argument", "a request has 4 elements, got 3"),
+        (
+            [0, 8, "commit", ["no-such-id"]],
+            "not_found",
+            "reservation 'no-such-id' is unknown or expired",
+        ),
+    ]
+    with NodeProcess(workdir) as node, socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(node.socket))
+        unpacker = msgpack.Unpacker(raw=False)
+
+        def ask(frame: list[Any]) -> Any:
+            s.sendall(msgpack.packb(frame))
+            while True:
+                for msg in unpacker:
+                    return msg
+                data = s.recv(1 << 16)
+                assert data, "the node closed the connection"
+                unpacker.feed(data)
+
+        for frame, code, message in bad:
+            assert ask(frame) == [1, frame[1], {"code": code, "message": message}, None]
+        assert ask([0, 9, "track", ["acme", "api", 2]]) == [1, 9, None, 2]
+        assert ask([0, 10, "ping", []]) == [1, 10, None, "pong"]
+        assert node.call("status")["server"]["internal_errors"] == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug (meter/server.py): a protocol error closes the connection at once, "
+    "so the answers of requests before the damage that wait for a storage read (cold keys) "
+    "are dropped, though their calls were counted; docs/protocol.md says requests before "
+    "the offending bytes are answered before the close",
+)
+def test_requests_before_garbage_are_answered_before_the_close(workdir: Path) -> None:
+    with NodeProcess(workdir) as node, socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(node.socket))
+        s.sendall(
+            msgpack.packb([0, 1, "track", ["cold", "api", 1]])
+            + msgpack.packb([0, 2, "usage", ["colder", "api"]])
+            + b"\xc1"  # never valid MessagePack: the node closes the connection
+        )
+        unpacker = msgpack.Unpacker(raw=False)
+        while data := s.recv(1 << 16):
+            unpacker.feed(data)
+        answers = sorted(unpacker, key=lambda a: a[1])
+        assert node.call("usage", "cold", "api") == 1  # the track was counted
+        assert answers == [[1, 1, None, 1], [1, 2, None, 0]]
 
 
 def test_socket_is_private(workdir: Path) -> None:
@@ -84,6 +165,9 @@ def test_sigterm_drains_and_restart_keeps_every_unit(workdir: Path) -> None:
     assert node.stop(signal.SIGTERM) == 0, node.log()
     assert not node.socket.exists(), "the socket file is removed on exit"
     assert "node stopped (drained)" in node.log()
+    # Stored before the exit: read the SQLite file itself (a restart would replay the
+    # write-ahead log and answer every unit even if the drain had stored nothing).
+    assert asyncio.run(_stored(node.data_dir / "counters.sqlite3", "acme")) == expected
 
     again = NodeProcess(workdir).start()
     try:
@@ -95,6 +179,17 @@ def test_sigterm_drains_and_restart_keeps_every_unit(workdir: Path) -> None:
         assert again.call("track", "acme", "f1", 1) == expected["f1"] + 1
     finally:
         assert again.stop() == 0
+
+
+async def _stored(path: Path, tenant: str) -> dict[str, int]:
+    """Every stored total of ``tenant`` this month, read from the SQLite file."""
+    store = SQLiteStorage(path)
+    await store.open()
+    try:
+        listed = await store.list_period(tenant, period_start("month"))
+        return {feature: snap.total for feature, snap in listed.items()}
+    finally:
+        await store.close()
 
 
 def test_node_id_is_kept_in_the_data_dir(workdir: Path) -> None:

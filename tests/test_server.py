@@ -21,7 +21,8 @@ import msgpack
 import pytest
 import uvloop
 
-from meter.errors import InvalidArgument, LimitExceeded, NotFound, UnknownMethod
+from meter.errors import LimitExceeded, NotFound, UnknownMethod
+from meter.keys import check_qty
 from meter.server import RpcServer, _Connection, start_server
 from tests.nodes import short_tmpdir
 
@@ -57,9 +58,7 @@ class StandIn:
             return params
         if method == "track":
             tenant, feature, *rest = params
-            qty = rest[0] if rest else 1
-            if not isinstance(qty, int):
-                raise InvalidArgument("qty must be an integer")
+            qty = check_qty(rest[0] if rest else 1)  # the service's own check and error text
             key = (tenant, feature)
             self.counts[key] = self.counts.get(key, 0) + qty
             return self.counts[key]
@@ -214,10 +213,19 @@ async def test_errors_are_mapped(raw: Raw, method: str, code: str) -> None:
     assert await raw.call(2, "ping") == [1, 2, None, "pong"]  # still usable
 
 
-async def test_bad_argument_keeps_connection(raw: Raw) -> None:
+async def test_bad_argument_keeps_connection(raw: Raw, disp: StandIn) -> None:
+    """The dispatcher's error reaches the client as is (here the text of the service's own
+    quantity check; test_node_process.py checks the real node's answers)."""
     msg = await raw.call(1, "track", "t", "f", "many")
-    assert msg[2] == {"code": "invalid_argument", "message": "qty must be an integer"}
+    assert msg == [
+        1,
+        1,
+        {"code": "invalid_argument", "message": "qty must be an integer, got str"},
+        None,
+    ]
     assert await raw.call(2, "ping") == [1, 2, None, "pong"]
+    assert await raw.call(3, "track", "t", "f", 2) == [1, 3, None, 2]
+    assert disp.counts == {("t", "f"): 2}  # the bad call counted nothing
 
 
 async def test_internal_error_is_logged_and_answered(
@@ -236,6 +244,19 @@ async def test_unencodable_result_is_internal(raw: Raw) -> None:
     msg = await raw.call(1, "unencodable")
     assert msg[2]["code"] == "internal"
     assert await raw.call(2, "ping") == [1, 2, None, "pong"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug (meter/server.py): an internal answer for a result that cannot be "
+    "encoded is not counted in internal_errors (status shows 0 while clients got internal)",
+)
+async def test_an_unencodable_result_counts_as_an_internal_error(
+    raw: Raw, server: RpcServer
+) -> None:
+    msg = await raw.call(1, "unencodable")
+    assert msg[2]["code"] == "internal"
+    assert server.internal_errors == 1
 
 
 @pytest.mark.parametrize(

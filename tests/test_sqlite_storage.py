@@ -210,6 +210,73 @@ async def test_locked_database_is_unavailable_and_nothing_lands(
         await s.close()
 
 
+async def _full(path: Path) -> SQLiteStorage:
+    """A store with one row whose file may not grow any more: SQLite's own limit
+    (``max_page_count``, set on the store's connection) makes it answer "database or disk is
+    full" when a write needs a new page, as on a full disk. Updating a row in place and the
+    first inserts still fit in the pages the file has."""
+    store = SQLiteStorage(path)
+    await store.open()
+    await store.apply("n1", [Delta(FIRST, 1, 1)])
+
+    def limit() -> int:
+        conn = store._connection()
+        pages = int(conn.execute("PRAGMA page_count").fetchone()[0])
+        return int(conn.execute(f"PRAGMA max_page_count = {pages}").fetchone()[0]) - pages
+
+    assert await store._run(limit) == 0
+    return store
+
+
+FIRST: Key = ("acme", "first", "2026-11")
+# A batch of many keys: the first updates FIRST in place, the next insert new rows.
+BATCH = [Delta(FIRST, 2, 10)] + [
+    Delta(("acme", f"f{i:04d}", "2026-11"), 1, i + 1) for i in range(400)
+]
+
+
+async def test_a_batch_that_fails_part_way_lands_nothing_and_its_retry_lands_once(
+    tmp_path: Path,
+) -> None:
+    # Under that limit the batch's first keys are written: a short batch lands.
+    probe = await _full(tmp_path / "probe.db")
+    try:
+        out = await probe.apply("n1", BATCH[:6])
+        assert all(isinstance(r, Applied) and not r.duplicate for r in out.values()), out
+    finally:
+        await probe.close()
+    # The whole batch fails part-way, once it needs a page: nothing of it lands, not even the
+    # keys written before the failure.
+    path = tmp_path / "meter.db"
+    store = await _full(path)
+    try:
+        with pytest.raises(StorageUnavailable, match="full"):
+            await store.apply("n1", BATCH)
+        other = _raw(path)
+        try:
+            assert other.execute("SELECT feature, total, seqs FROM counters").fetchall() == [
+                ("first", "1", '{"n1":1}')
+            ]
+        finally:
+            other.close()
+        assert (await store.load([FIRST]))[FIRST] == Snapshot(1, {"n1": 1})
+        # Space again: the same batch, retried, lands once.
+        await store._run(
+            lambda: store._connection().execute("PRAGMA max_page_count = 1073741823").fetchone()
+        )
+        out = await store.apply("n1", BATCH)
+        assert out[FIRST] == Applied(Snapshot(11, {"n1": 2}))
+        for i, d in enumerate(BATCH[1:]):
+            assert out[d.key] == Applied(Snapshot(i + 1, {"n1": 1}))
+        again = await store.apply("n1", BATCH)
+        assert all(isinstance(r, Applied) and r.duplicate for r in again.values())
+        listed = await store.list_period("acme", "2026-11")
+        assert len(listed) == 401
+        assert sum(snap.total for snap in listed.values()) == 11 + sum(range(1, 401))
+    finally:
+        await store.close()
+
+
 async def test_bad_delta_fails_alone(store: SQLiteStorage) -> None:
     good: Key = ("acme", "ok", "2026-11")
     bad_period: Key = ("acme", "bad", "2026-13")

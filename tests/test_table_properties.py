@@ -16,10 +16,10 @@ uncommitted records, and come back from a replay of its log.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -28,10 +28,12 @@ from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
     consumes,
+    initialize,
     invariant,
     multiple,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 from meter.errors import LimitExceeded, Unavailable
@@ -74,6 +76,9 @@ class ClusterMachine(RuleBasedStateMachine):
     """Three nodes, two keys, one store, lossy gossip and stale announcements."""
 
     reservations = Bundle("reservations")
+    #: Gossip messages delivered, delivered before an earlier one, and dropped, over every
+    #: run (a test checks the machines reach them).
+    seen: ClassVar[Counter[str]] = Counter()
 
     def __init__(self) -> None:
         super().__init__()
@@ -184,6 +189,13 @@ class ClusterMachine(RuleBasedStateMachine):
         self.tables[receiver].apply_remote(key, sender, seq, delta)
 
     # -- local operations --------------------------------------------------------------------
+
+    @initialize(warm=st.sets(st.tuples(nodes, keys)))
+    def start_warm(self, warm: set[tuple[str, Key]]) -> None:
+        """Some nodes start with some keys loaded (seeded), as a node that has been serving;
+        the others are cold and seed as they go. Without seeded rows nothing is gossiped."""
+        for node, key in sorted(warm):
+            self.tables[node].seed(key, self.read(key))
 
     @rule(node=nodes, key=keys, qty=quantities)
     def incr(self, node: str, key: Key, qty: int) -> None:
@@ -345,24 +357,37 @@ class ClusterMachine(RuleBasedStateMachine):
         if self.batch[node]:
             (self.log_fail if fail else self.log_commit)(node)
         touched = sorted(self.tables[node].touched_keys())
+        # A tick takes every touched key (pick 0); a partial take, one of them.
         if touched:
-            self.gossip_once(node, touched[pick % len(touched)])
+            for key in touched if pick == 0 else [touched[pick % len(touched)]]:
+                self.gossip_once(node, key)
 
-    @rule(sender=nodes, receiver=nodes, late=st.booleans())
-    def deliver_gossip(self, sender: str, receiver: str, late: bool) -> None:
-        if sender == receiver:
-            return
+    def busy_link(self, pick: int) -> tuple[str, str]:
+        """One (sender, receiver) pair with messages waiting (picking among those only:
+        picking any pair almost never found a message to deliver, drop or reorder)."""
+        busy = [pair for pair, queue in self.wire.items() if queue]
+        return busy[pick % len(busy)]
+
+    @precondition(lambda self: any(self.wire.values()))
+    @rule(pick=st.integers(min_value=0, max_value=5), overtake=st.integers(0, 3))
+    def deliver_gossip(self, pick: int, overtake: int) -> None:
+        sender, receiver = self.busy_link(pick)
         queue = self.wire[(sender, receiver)]
-        if queue:
-            if late and len(queue) > 1:
-                # Reordered: the second message overtakes the first.
-                queue[0], queue[1] = queue[1], queue[0]
-            self.deliver(sender, receiver)
+        if overtake and len(queue) > 1:
+            # Reordered: a later message overtakes the ones before it.
+            k = min(overtake, len(queue) - 1)
+            later = queue[k]
+            del queue[k]
+            queue.appendleft(later)
+            self.seen["reordered"] += 1
+        self.deliver(sender, receiver)
+        self.seen["delivered"] += 1
 
-    @rule(sender=nodes, receiver=nodes)
-    def drop_gossip(self, sender: str, receiver: str) -> None:
-        if sender != receiver and self.wire[(sender, receiver)]:
-            self.wire[(sender, receiver)].popleft()
+    @precondition(lambda self: any(self.wire.values()))
+    @rule(pick=st.integers(min_value=0, max_value=5))
+    def drop_gossip(self, pick: int) -> None:
+        self.wire[self.busy_link(pick)].popleft()
+        self.seen["dropped"] += 1
 
     @rule(node=nodes, pick=st.integers(min_value=0, max_value=7), drop=st.booleans())
     def deliver_announcement(self, node: str, pick: int, drop: bool) -> None:
@@ -501,6 +526,67 @@ ClusterMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestCluster = ClusterMachine.TestCase
+
+
+def _not_a_rule(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("not a rule of this machine")
+
+
+class GossipMachine(ClusterMachine):
+    """The same machine with only counting, flushing and gossip: without the steps that empty
+    the links or undo calls before they are gossiped (crashes, evictions, failed log writes),
+    without reservations, checkpoints and late seeding reads (``TestCluster`` covers all
+    those), and with rarer quiet periods, so gossip piles up on the links and is reordered,
+    dropped and delivered late far more often than among ``TestCluster``'s steps."""
+
+    # Plain attributes: no longer rules here.
+    crash = evict = fail_log = quiesce = _not_a_rule
+    reserve = commit = release = _not_a_rule
+    start_checkpoint = checkpoint_step = start_seed_read = finish_seed_read = _not_a_rule
+
+    @rule(dice=st.integers(0, 7))
+    def quiesce_sometimes(self, dice: int) -> None:
+        if dice == 0:
+            ClusterMachine.quiesce(self)
+
+    @rule(node=nodes, key=keys, qty=quantities)
+    def track_and_tick(self, node: str, key: Key, qty: int) -> None:
+        """A call, its commit and the node's next tick (every touched key) in one step, so
+        messages queue up on the links faster than single steps would."""
+        self.incr(node, key, qty)
+        self.broadcast(node, pick=0, fail=False)
+
+
+# Longer runs: messages need steps to pile up on a link before they can overtake each other.
+GossipMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestClusterGossip = GossipMachine.TestCase
+
+
+def test_the_machines_reorder_drop_and_deliver_gossip() -> None:
+    """C01 claims reordered, lost and late gossip: the machine must reach them (the reorder
+    step ran zero times in 200 runs of TestCluster when each step picked a random link)."""
+    ClusterMachine.seen.clear()
+    run_state_machine_as_test(
+        GossipMachine,
+        settings=settings(
+            max_examples=50,
+            stateful_step_count=200,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+    seen = dict(ClusterMachine.seen)
+    print(f"\nthe gossip machine: {seen}")
+    # (Runs of 30 examples saw 56-81 reorders, 14-289 drops, 147-199 deliveries.)
+    assert seen.get("reordered", 0) >= 10 and seen.get("dropped", 0) >= 5, seen
+    assert seen.get("delivered", 0) >= 50, seen
 
 
 # -- unit tests of edge cases -------------------------------------------------------------------
