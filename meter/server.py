@@ -124,6 +124,7 @@ class _Connection(asyncio.Protocol):
         "_eof",
         "_paused",
         "_server",
+        "_shut",
         "pending",
         "transport",
     )
@@ -135,6 +136,8 @@ class _Connection(asyncio.Protocol):
         self._answers: list[list[Any]] = []
         self._paused = False
         self._eof = False
+        #: Closing after a protocol error: read no more, close once no answer is pending.
+        self._shut = False
         #: Asynchronous answers not sent yet.
         self.pending = 0
         self.transport: asyncio.Transport | None = None
@@ -224,7 +227,7 @@ class _Connection(asyncio.Protocol):
             wal = srv.wal
             if wal is not None and wal.dirty:
                 # Some state change of this pass is not in the log yet: answer after it is.
-                self._hold(wal, answers[:], close=bad is not None)
+                self._hold(wal, answers[:])
                 bad_after_hold = bad
                 bad = None
             elif transport is not None and not transport.is_closing():
@@ -232,22 +235,23 @@ class _Connection(asyncio.Protocol):
                 before = encoder.encode_errors
                 transport.write(encoder.response_arrays(answers))
                 if encoder.encode_errors != before:
+                    srv.internal_errors += encoder.encode_errors - before
                     log.error(
                         "unencodable result answered as internal: %s", encoder.last_encode_error
                     )
             answers.clear()
-        if bad_after_hold is not None:
-            srv.protocol_errors += 1
-            srv.protocol_error_log.warning(
-                "closing a connection after a protocol error: %s", bad_after_hold
-            )
-            if transport is not None:
-                transport.pause_reading()  # closed once its held answers are sent
+        bad = bad if bad is not None else bad_after_hold
         if bad is not None and transport is not None:
             srv.protocol_errors += 1
             srv.protocol_error_log.warning("closing a connection after a protocol error: %s", bad)
-            # close(), not abort(): answers to the good requests before the fault still leave.
-            transport.close()
+            # Answers to the good requests before the fault still leave, those waiting for
+            # the log or for a storage read too: read no more, close once none is pending.
+            # (close(), not abort(): what is written is flushed first.)
+            self._shut = True
+            if self.pending == 0:
+                transport.close()
+            else:
+                transport.pause_reading()
 
     def _other(self, msg: RawRequest | Message, draining: bool) -> None:
         """Everything but a well-formed request while serving: a request with a bin method
@@ -295,7 +299,7 @@ class _Connection(asyncio.Protocol):
 
     def finished_one(self) -> None:
         self.pending -= 1
-        if self._eof and self.pending == 0 and self.transport is not None:
+        if (self._eof or self._shut) and self.pending == 0 and self.transport is not None:
             self.transport.close()
 
     def _send_arrays(self, answers: list[list[Any]]) -> None:
@@ -307,17 +311,17 @@ class _Connection(asyncio.Protocol):
         before = encoder.encode_errors
         transport.write(encoder.response_arrays(answers))
         if encoder.encode_errors != before:
+            self._server.internal_errors += encoder.encode_errors - before
             log.error("unencodable result answered as internal: %s", encoder.last_encode_error)
 
-    def _hold(self, wal: WriteAheadLog, answers: list[list[Any]], close: bool = False) -> None:
+    def _hold(self, wal: WriteAheadLog, answers: list[list[Any]]) -> None:
         """Send ``answers`` after the log's commit; until then they count as pending, so a
-        peer that half-closes still gets them (and ``close`` closes only after)."""
+        peer that half-closes (or a connection closing after a protocol error) still gets
+        them."""
         self.pending += 1
 
         def send(arrays: list[list[Any]]) -> None:
             self._send_arrays(arrays)
-            if close and self.transport is not None:
-                self.transport.close()
             self.finished_one()
 
         wal.hold(send, answers)
@@ -334,6 +338,7 @@ class _Connection(asyncio.Protocol):
         before = encoder.encode_errors
         transport.write(encoder.response(msgid, error, result))
         if encoder.encode_errors != before:
+            self._server.internal_errors += encoder.encode_errors - before
             log.error("unencodable result answered as internal: %s", encoder.last_encode_error)
 
 

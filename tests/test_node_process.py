@@ -107,13 +107,6 @@ def test_bad_requests_get_the_services_errors_and_the_connection_stays_usable(
         assert node.call("status")["server"]["internal_errors"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug (meter/server.py): a protocol error closes the connection at once, "
-    "so the answers of requests before the damage that wait for a storage read (cold keys) "
-    "are dropped, though their calls were counted; docs/protocol.md says requests before "
-    "the offending bytes are answered before the close",
-)
 def test_requests_before_garbage_are_answered_before_the_close(workdir: Path) -> None:
     with NodeProcess(workdir) as node, socket.socket(socket.AF_UNIX) as s:
         s.settimeout(10)
