@@ -78,6 +78,7 @@ class Flusher:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._failures_in_row = 0
+        self._round_started = time.time()
         self._reread = False
 
     def reread_before_writing(self) -> None:
@@ -133,6 +134,9 @@ class Flusher:
     async def flush_once(self) -> bool:
         """One round: seed unseeded keys, write every dirty key. True if nothing failed."""
         async with self._lock:
+            # A round against a store that is down can take seconds (timeouts, retries): a
+            # failure it meets dates the backlog from the round's start, not its end.
+            self._round_started = time.time()
             if self.wal is not None and self.wal.broken is not None:
                 # Nothing can be logged, so nothing is taken or sent (a take's record would
                 # fail with the answers of the pass it lands in, reads included).
@@ -185,7 +189,13 @@ class Flusher:
         owner = self.owner
         if owner is None:
             return True
-        if not await owner.may_write():
+        failures = owner.read_failures
+        allowed = await owner.may_write()
+        if owner.read_failures != failures:
+            # Storage did not answer: that is this round's failure already (dated from its
+            # start), whatever the writes that follow do.
+            self._note_error(f"storage unreachable: {owner.last_error}")
+        if not allowed:
             refusal = owner.refusal()
             self.stats.last_error = (
                 f"not flushing: {refusal}"
@@ -195,7 +205,7 @@ class Flusher:
             )
             self.stats.last_result = "not owner"
             if self.stats.backlog_since is None:
-                self.stats.backlog_since = time.time()
+                self.stats.backlog_since = self._round_started
             return False
         return not self._reread or await self._reread_warm()
 
@@ -351,7 +361,7 @@ class Flusher:
         self.stats.failures += 1
         self.stats.last_error = message
         if self.stats.backlog_since is None:
-            self.stats.backlog_since = time.time()
+            self.stats.backlog_since = self._round_started
         log.warning("flush: %s", message)
 
     def _finish_round(self, wrote: bool, seeded: bool = True) -> None:

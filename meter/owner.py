@@ -64,11 +64,15 @@ class Ownership:
         self.state: State = "unknown"
         #: The end of our lease as last stored (owned).
         self.expires = 0.0
+        #: When reading the token back last failed (clock seconds).
+        self._read_failed = float("-inf")
         #: The other process's claim (waiting, lost).
         self.holder: Owner | None = None
         self.last_error: str | None = None
         self.claims = 0
         self.renewals = 0
+        #: Reads of the token back that failed (storage unreachable): the flusher reports them.
+        self.read_failures = 0
         self._lock = asyncio.Lock()
 
     # -- what the rest of the node asks --------------------------------------------------------
@@ -106,11 +110,16 @@ class Ownership:
             now = self.clock()
             if now >= self.expires - 2 * self.lease_s / 3:
                 await self._renew()
-            else:
+            elif now - self._read_failed >= self.lease_s / 30:
+                # After a failed read, the next is a second or so later (lease 30 s): with
+                # storage down each read fails only after its timeouts, and every round waiting
+                # for one would delay its writes' failure (the lease, checked below, holds).
                 try:
                     owner = await self.storage.owner(self.node)
                 except StorageError as exc:
                     self.last_error = f"reading the owner: {exc}"  # the lease still holds
+                    self._read_failed = self.clock()
+                    self.read_failures += 1
                 else:
                     if owner is None or owner.token != self.token:
                         self._lose(owner)
