@@ -146,11 +146,18 @@ class Flusher:
             seeded = await self._seed_unseeded()
             wrote = True
             keys = [k for k in self.table.dirty_keys() if k not in self.stats.poisoned]
-            if keys and not await self._may_write():
-                # Not a storage failure: no backoff (the owner loop claims on its own).
-                self.stats.rounds += 1
-                self.stats.last_at = time.time()
-                return False
+            if keys:
+                may = await self._may_write()
+                if may is None:
+                    # Storage did not answer the owner read: it is down, and every write
+                    # would only fail after its own timeouts. A failed round (backoff).
+                    self._finish_round(False, seeded)
+                    return False
+                if not may:
+                    # Not a storage failure: no backoff (the owner loop claims on its own).
+                    self.stats.rounds += 1
+                    self.stats.last_at = time.time()
+                    return False
             for start in range(0, len(keys), self.batch_keys):
                 wrote = await self._write(keys[start : start + self.batch_keys]) and wrote
             # Only failed writes back off: a failed seeding read is retried next round, so it
@@ -183,18 +190,18 @@ class Flusher:
             k for k in self.table.unseeded_keys() if self.table.pending(k)
         ]
 
-    async def _may_write(self) -> bool:
+    async def _may_write(self) -> bool | None:
         """Whether this round may write: this node holds its id (and, after it (re)gained it,
-        its warm keys were re-read)."""
+        its warm keys were re-read). ``None``: storage did not answer reading the owner back
+        (this round's failure, dated from its start)."""
         owner = self.owner
         if owner is None:
             return True
         failures = owner.read_failures
         allowed = await owner.may_write()
         if owner.read_failures != failures:
-            # Storage did not answer: that is this round's failure already (dated from its
-            # start), whatever the writes that follow do.
             self._note_error(f"storage unreachable: {owner.last_error}")
+            return None
         if not allowed:
             refusal = owner.refusal()
             self.stats.last_error = (
