@@ -26,7 +26,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from meter.errors import MeterError, Unavailable
 from meter.protocol import Response
 from tests.conftest_dynamodb import create_table
 from tests.lossy_proxy import LossyProxy
-from tests.nodes import NodeProcess, raw_call, short_tmpdir
+from tests.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -67,17 +67,6 @@ def workdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     path = short_tmpdir("crash-")
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 @dataclass

@@ -7,8 +7,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 
 from meter.wal import records as R
 from meter.wal.log import list_segments, segment_path
-from tests.nodes import NodeProcess, raw_call, short_tmpdir
+from tests.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -26,17 +25,6 @@ def workdir() -> Iterator[Path]:
     path = short_tmpdir("wal-")
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def call(node: NodeProcess, method: str, *params: Any) -> tuple[Any, Any]:
