@@ -20,26 +20,8 @@ from meter.errors import (
 from meter.keys import MAX_FEATURE_BYTES, MAX_TENANT_BYTES, QTY_MAX, QTY_MIN, period_start
 from meter.service import MAX_BATCH_ITEMS, Service
 from meter.table import CounterTable
-from storage.base import Delta, Snapshot, StorageUnavailable
-from storage.memory import MemoryStorage
-
-
-class DownStorage(MemoryStorage):
-    """A store that can be switched off: every call raises StorageUnavailable."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.down = False
-
-    async def load(self, keys: Any) -> Any:
-        if self.down:
-            raise StorageUnavailable("down")
-        return await super().load(keys)
-
-    async def list_period(self, tenant: str, period: str) -> Any:
-        if self.down:
-            raise StorageUnavailable("down")
-        return await super().list_period(tenant, period)
+from storage.base import Delta, Snapshot
+from tests.stores import DownStorage
 
 
 async def call(svc: Service, method: str, *params: Any) -> Any:

@@ -22,24 +22,11 @@ from meter.service import Service
 from meter.table import CounterTable
 from meter.wal import records as R
 from meter.wal.log import WriteAheadLog, list_segments, segment_path
-from storage.base import Delta, StorageUnavailable
-from storage.memory import MemoryStorage
+from storage.base import Delta
 from tests.nodes import short_tmpdir
+from tests.stores import DownStorage
 
 MAX, MIN = QTY_MAX, QTY_MIN
-
-
-class DownStorage(MemoryStorage):
-    """A store that can be switched off: every read raises StorageUnavailable."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.down = False
-
-    async def load(self, keys: Any) -> Any:
-        if self.down:
-            raise StorageUnavailable("down")
-        return await super().load(keys)
 
 
 @dataclass

@@ -1,0 +1,26 @@
+"""Storage backends for in-process tests: the in-memory one, with faults switched on by hand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from storage.base import StorageUnavailable
+from storage.memory import MemoryStorage
+
+
+class DownStorage(MemoryStorage):
+    """A store that can be switched off: every call raises StorageUnavailable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    async def load(self, keys: Any) -> Any:
+        if self.down:
+            raise StorageUnavailable("down")
+        return await super().load(keys)
+
+    async def list_period(self, tenant: str, period: str) -> Any:
+        if self.down:
+            raise StorageUnavailable("down")
+        return await super().list_period(tenant, period)
