@@ -6,7 +6,6 @@ only when a cold key must first be seeded from storage. See docs/protocol.md for
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -28,6 +27,7 @@ from meter.keys import (
     period_start,
 )
 from meter.reservations import Lease, Reservations
+from meter.seeder import Seeder
 from meter.table import CounterTable, PartlyRefused
 from meter.wal import records as R
 from meter.wal.log import WalError, WriteAheadLog
@@ -81,7 +81,10 @@ class Service:
         self.fenced: str | None = None
         self.started_at = time.time()
         self.calls = 0
-        self._seeding: dict[Key, asyncio.Future[None]] = {}
+        #: Reads cold keys from storage in batches.
+        self.seeder = Seeder(
+            table, storage, chunk=storage.load_chunk, concurrency=storage.load_concurrency
+        )
         self._periods: Mapping[str, PeriodKind] = self.config.feature_periods
         # Hot-path cache: (tenant, feature) -> its validated key in the current period. Valid
         # only within [_day_start, _day_end): the current UTC day, inside which neither a day
@@ -219,36 +222,14 @@ class Service:
         }
 
     async def seed(self, key: Key) -> bool:
-        """Make ``key`` seeded from storage; one load per key however many callers wait.
+        """Make ``key`` seeded from storage, read in a batch with every other cold key asked
+        for meanwhile (:class:`~meter.seeder.Seeder`).
 
         Returns False (and leaves the key unseeded) if storage cannot be read.
         """
         if self.table.is_seeded(key):
             return True
-        fut = self._seeding.get(key)
-        if fut is None:
-            fut = asyncio.get_running_loop().create_future()
-            self._seeding[key] = fut
-            try:
-                # A read overtaken by an eviction pass may predate a flush of the key (warm
-                # meanwhile): the table refuses it, and we read again.
-                for _ in range(3):
-                    evictions = self.table.evictions
-                    snaps = await self.storage.load([key])
-                    if self.table.seed(key, snaps[key], evictions) or self.table.is_seeded(key):
-                        break
-            except StorageError as exc:
-                log.warning("cannot seed %s: %s", key, exc)
-            finally:
-                del self._seeding[key]
-                # Whatever happened (a backend bug, a cancelled request), waiters must wake;
-                # each looks at the table itself.
-                if not fut.done():
-                    fut.set_result(None)
-        else:
-            # Shielded: one waiter's cancellation must not cancel the future all waiters share.
-            await asyncio.shield(fut)
-        return self.table.is_seeded(key)
+        return await self.seeder.seed(key)
 
     # -- methods ------------------------------------------------------------------------------
 
@@ -415,8 +396,7 @@ class Service:
         return self._track_many_cold(batch)
 
     async def _track_many_cold(self, batch: _Batch) -> Any:
-        cold = {k for k, _ in batch.good if not self.table.is_seeded(k)}
-        await asyncio.gather(*(self.seed(k) for k in cold))
+        await self.seeder.seed_many(k for k, _ in batch.good)
         # Calls with the same ids may have counted while this one waited: answer those items
         # as they were answered, and count the rest.
         now = time.time()

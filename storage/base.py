@@ -107,6 +107,10 @@ class Storage(abc.ABC):
 
     #: Short name shown in ``status`` (``sqlite``, ``memory``, ``dynamodb``).
     kind: str = "abstract"
+    #: Keys per :meth:`load` call when seeding cold keys (one request or query each).
+    load_chunk: int = 100
+    #: Seeding reads kept in flight at once.
+    load_concurrency: int = 4
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Open connections; called once before any other method."""

@@ -181,6 +181,10 @@ class DynamoDBStorage(Storage):
             retries={"max_attempts": max_attempts, "mode": "standard"},
         )
         self._sem = asyncio.Semaphore(concurrency)
+        # Seeding: one BatchGetItem of 100 keys per load, 8 at once (a bare loop reads the
+        # most keys/s near there; more only queues in the service).
+        self.load_chunk = BATCH_GET_LIMIT
+        self.load_concurrency = min(8, concurrency)
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Any = None
         #: Requests issued, by operation name (each of our attempts counts once).

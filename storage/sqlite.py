@@ -16,6 +16,7 @@ import asyncio
 import calendar
 import concurrent.futures
 import contextlib
+import functools
 import json
 import re
 import sqlite3
@@ -57,6 +58,23 @@ CREATE TABLE IF NOT EXISTS counters (
 ) WITHOUT ROWID
 """
 
+#: Keys per seeding query: 3 bound parameters each, under the 999 of SQLite before 3.32.
+_LOAD_QUERY_KEYS = 300
+
+
+@functools.lru_cache(maxsize=8)
+def _load_query(n: int) -> str:
+    """One query reading ``n`` keys: a join on a ``VALUES`` list, driven by the list (the
+    primary key is probed once per key; ``(a, b, c) IN (VALUES ...)`` scans the table)."""
+    values = ",".join(["(?,?,?)"] * n)
+    return (
+        f"WITH w(t, p, f) AS (VALUES {values})"
+        " SELECT c.tenant, c.period, c.feature, c.total, c.seqs"
+        " FROM w CROSS JOIN counters AS c"
+        " ON c.tenant = w.t AND c.period = w.p AND c.feature = w.f"
+    )
+
+
 # For the retention purge (purge_expired), which deletes by expiry.
 _EXPIRY_INDEX = "CREATE INDEX IF NOT EXISTS counters_expiry ON counters (expires_at)"
 #: Who owns each node id (ADR 0004): an additive table, so files of this layout still open in
@@ -84,6 +102,10 @@ class SQLiteStorage(Storage):
     """
 
     kind = "sqlite"
+    #: One query per 300 keys (see :func:`_load_query`); two
+    #: loads in flight keep the one database thread busy while the loop seeds the last one.
+    load_chunk = _LOAD_QUERY_KEYS
+    load_concurrency = 2
 
     def __init__(self, path: str | Path, *, retention_days: int = 400) -> None:
         if retention_days < 0:
@@ -404,20 +426,20 @@ class SQLiteStorage(Storage):
             # One read transaction: every key is read from the same committed state.
             conn.execute("BEGIN")
             try:
-                for key in keys:
-                    tenant, feature, period = key
-                    row = conn.execute(
-                        "SELECT total, seqs FROM counters"
-                        " WHERE tenant = ? AND period = ? AND feature = ?",
-                        (tenant, period, feature),
-                    ).fetchone()
-                    if row is None:
-                        out[key] = EMPTY
-                        continue
-                    try:
-                        out[key] = _snapshot(row[0], row[1])
-                    except ValueError as exc:  # this item only: the others are still read
-                        bad[key] = f"bad stored item in {self.path}: {exc}"
+                for start in range(0, len(keys), _LOAD_QUERY_KEYS):
+                    chunk = keys[start : start + _LOAD_QUERY_KEYS]
+                    wanted = {(t, p, f): (t, f, p) for t, f, p in chunk}
+                    for t, p, f, total, seqs in conn.execute(
+                        _load_query(len(wanted)), [x for k in wanted for x in k]
+                    ):
+                        key = wanted[(t, p, f)]
+                        try:
+                            out[key] = _snapshot(total, seqs)
+                        except ValueError as exc:  # this item only: the others are still read
+                            bad[key] = f"bad stored item in {self.path}: {exc}"
+                    for key in wanted.values():
+                        if key not in out and key not in bad:
+                            out[key] = EMPTY
             finally:
                 conn.execute("COMMIT")
         except sqlite3.Error as exc:

@@ -58,6 +58,9 @@ class NodeProcess:
     def __init__(self, workdir: Path, name: str = "node", **env: str) -> None:
         self.workdir = workdir
         self.name = name
+        #: Seconds the node's wall clock is moved by (``bench.clockshift``), if any: set it
+        #: before :meth:`start`.
+        self.clock_shift: float | None = None
         self.socket = workdir / f"{name}.sock"
         self.data_dir = workdir / f"{name}-data"
         self.log_path = workdir / f"{name}.log"
@@ -76,8 +79,11 @@ class NodeProcess:
         env.update(self.env)
         env["PYTHONPATH"] = str(ROOT)
         self._log = self.log_path.open("ab")
+        command = [sys.executable, "-m", "meter", "serve"]
+        if self.clock_shift is not None:
+            command[2:3] = ["bench.clockshift", repr(self.clock_shift)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meter", "serve"],
+            command,
             env=env,
             cwd=self.workdir,
             stdout=self._log,

@@ -7,8 +7,6 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import pytest
-
 from meter.client import AsyncClient
 from meter.errors import Unavailable
 from meter.flusher import Flusher
@@ -93,12 +91,13 @@ async def test_a_failed_seed_does_not_leave_other_callers_waiting_forever() -> N
     for _ in range(3):
         await asyncio.sleep(0)
     store.gate.set()
-    with pytest.raises(KeyError):
-        await first  # answered "internal" by the server; not counted, so not acknowledged
     for _ in range(5):
         await asyncio.sleep(0)
-    assert second.done(), "the second track waits for a seed that nobody will ever finish"
-    await second
+    assert first.done() and second.done(), "a track waits for a seed nobody will finish"
+    # The bug is logged (the seeder's batch failed): both calls counted, on an unseeded row,
+    # as with storage down; the flusher seeds the key later.
+    assert await first is None and await second is None
+    assert table.pending(("acme", "api", svc.key_for("acme", "api")[2])) == 3
 
 
 async def test_a_seed_read_that_outlives_an_eviction_does_not_reuse_a_stored_sequence() -> None:

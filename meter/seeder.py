@@ -1,0 +1,284 @@
+"""Coalesced seeding: cold keys are read from storage together, not one request per key.
+
+Every key asked for while a read is being prepared joins the same batch, across connections
+and across the items of ``track_many``: a batch is dispatched on the next event-loop pass
+after its first key arrives, or at once when it is full (``chunk`` keys: one ``BatchGetItem``
+on DynamoDB, one ``IN`` query on SQLite). At most ``concurrency`` batches are read at a time;
+keys asked for meanwhile wait in the next batch, which fills while the reads are out. Each
+batch has one future: the callers waiting on a key wake when its batch lands, not when every
+batch does.
+
+Two queues: keys a caller waits on (``seed``) go before keys read ahead for nobody yet
+(``prefetch``: a period about to begin, the keys a restarted node was using), so a read-ahead
+of a hundred thousand keys never delays a request.
+
+Only a fresh read seeds (C06): the table refuses a snapshot read before an eviction pass
+(:meth:`~meter.table.CounterTable.seed`), and such keys are read again, up to
+:data:`MAX_TRIES` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from meter.keys import Key
+from meter.table import CounterTable
+from storage.base import BadItems, Snapshot, Storage, StorageError
+
+log = logging.getLogger("meter.seeder")
+
+#: Reads of one key refused because an eviction pass overtook them, before giving up.
+MAX_TRIES = 3
+#: Seconds between two warnings about failed seeding reads.
+WARN_EVERY_S = 5.0
+
+
+@dataclass
+class SeedStats:
+    """Counts for ``status``."""
+
+    #: Keys seeded by a read a caller waited for.
+    on_demand: int = 0
+    #: Keys seeded by a read made ahead of need.
+    prefetched: int = 0
+    #: Storage reads issued (batches).
+    reads: int = 0
+    #: Batches that failed (their keys stay unseeded; the flusher seeds them later).
+    failed_reads: int = 0
+    #: Keys in batches now being read, and queued for the next ones.
+    in_flight: int = 0
+    queued: int = 0
+    last_error: str | None = None
+    #: Keys whose stored item could not be decoded (left unseeded, the flusher reports them).
+    bad_items: int = 0
+
+
+class _Batch:
+    """Keys read by one storage request; one future wakes everyone waiting on any of them."""
+
+    __slots__ = ("ahead", "done", "keys", "sent")
+
+    def __init__(self, ahead: bool) -> None:
+        self.keys: list[Key] = []
+        self.ahead = ahead
+        self.sent = False
+        self.done: asyncio.Future[None] | None = None
+
+
+class Seeder:
+    """Seeds cold keys of ``table`` from ``storage`` in batches of ``chunk`` keys, with at most
+    ``concurrency`` reads out at once."""
+
+    def __init__(
+        self, table: CounterTable, storage: Storage, *, chunk: int, concurrency: int
+    ) -> None:
+        if chunk < 1 or concurrency < 1:
+            raise ValueError("chunk and concurrency must be >= 1")
+        self.table = table
+        self.storage = storage
+        self.chunk = chunk
+        self.concurrency = concurrency
+        self.stats = SeedStats()
+        #: Key -> the batch it is queued in or being read by.
+        self._where: dict[Key, _Batch] = {}
+        self._tries: dict[Key, int] = {}
+        self._now: deque[_Batch] = deque()  # waited on, oldest first
+        self._ahead: deque[_Batch] = deque()  # read ahead, oldest first
+        self._reading = 0
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._warned_at = 0.0
+
+    # -- callers ----------------------------------------------------------------------------
+
+    async def seed(self, key: Key) -> bool:
+        """Seed ``key`` (cold or unseeded) and wait for its batch; ``False`` if it is still
+        unseeded after that (storage could not be read, or the item is undecodable)."""
+        if self.table.is_seeded(key):
+            return True
+        await self._wait([key])
+        return self.table.is_seeded(key)
+
+    async def seed_many(self, keys: Iterable[Key]) -> None:
+        """Seed every key of ``keys`` that is not seeded, and wait until each batch holding
+        one has landed (whether or not its read worked)."""
+        seeded = self.table.is_seeded
+        wanted = [k for k in keys if not seeded(k)]
+        if wanted:
+            await self._wait(wanted)
+
+    def prefetch(self, keys: Iterable[Key]) -> int:
+        """Queue ``keys`` to be read ahead of need, behind every key a caller waits on; return
+        how many were queued (keys seeded or queued already are skipped)."""
+        seeded = self.table.is_seeded
+        n = 0
+        for key in keys:
+            if key not in self._where and not seeded(key):
+                self._enqueue(key, ahead=True)
+                n += 1
+        return n
+
+    def busy(self) -> bool:
+        """Whether any key is queued or being read."""
+        return bool(self._where)
+
+    async def close(self) -> None:
+        """Cancel queued and running reads (at shutdown); waiters wake, keys stay unseeded."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for batch in [*self._now, *self._ahead]:
+            _wake(batch)
+        self._now.clear()
+        self._ahead.clear()
+        self._where.clear()
+
+    # -- batching ---------------------------------------------------------------------------
+
+    async def _wait(self, keys: list[Key]) -> None:
+        seeded = self.table.is_seeded
+        where = self._where
+        first = True
+        while True:
+            futures: set[asyncio.Future[None]] = set()
+            for key in keys:
+                if seeded(key):
+                    continue
+                batch = where.get(key)
+                if batch is None:
+                    if not first:
+                        continue  # read, and still unseeded: storage failed, or gave up
+                    batch = self._enqueue(key, ahead=False)
+                elif batch.ahead and not batch.sent:
+                    # Queued to be read ahead: a caller waits on it now, so it goes first.
+                    batch.keys.remove(key)
+                    batch = self._enqueue(key, ahead=False)
+                if batch.done is None:
+                    batch.done = asyncio.get_running_loop().create_future()
+                futures.add(batch.done)
+            if not futures:
+                return
+            # asyncio.wait does not cancel the futures when this caller is cancelled: other
+            # callers share them. A key an eviction pass made the table refuse is queued
+            # again before its batch wakes us: the next turn waits for that batch.
+            await asyncio.wait(futures)
+            first = False
+
+    def _enqueue(self, key: Key, *, ahead: bool) -> _Batch:
+        queue = self._ahead if ahead else self._now
+        if queue and len(queue[-1].keys) < self.chunk:
+            batch = queue[-1]
+        else:
+            batch = _Batch(ahead)
+            queue.append(batch)
+        batch.keys.append(key)
+        self._where[key] = batch
+        self._schedule()
+        return batch
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            # The next pass: every key asked for in this one joins the batch first.
+            asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        self._scheduled = False
+        while self._reading < self.concurrency:
+            if self._now:
+                batch = self._now.popleft()
+            elif self._ahead:
+                batch = self._ahead.popleft()
+            else:
+                break
+            if not batch.keys:
+                _wake(batch)
+                continue
+            batch.sent = True
+            self._reading += 1
+            task = asyncio.get_running_loop().create_task(self._read(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        st = self.stats
+        st.queued = sum(len(b.keys) for b in self._now) + sum(len(b.keys) for b in self._ahead)
+
+    async def _read(self, batch: _Batch) -> None:
+        st = self.stats
+        keys = batch.keys
+        st.in_flight += len(keys)
+        st.reads += 1
+        evictions = self.table.evictions
+        snaps: dict[Key, Snapshot] | None = None
+        try:
+            try:
+                snaps = await self.storage.load(keys)
+            except BadItems as exc:
+                snaps = exc.good
+                st.bad_items += len(exc.bad)
+                self._warn(f"{len(exc.bad)} undecodable items: {exc}")
+            except StorageError as exc:
+                st.failed_reads += 1
+                st.last_error = str(exc)[:300]
+                self._warn(f"cannot seed {len(keys)} keys: {exc}")
+            except Exception as exc:  # a backend bug must not strand the waiters
+                st.failed_reads += 1
+                st.last_error = repr(exc)[:300]
+                log.exception("unexpected error seeding %d keys", len(keys))
+        finally:
+            st.in_flight -= len(keys)
+            self._reading -= 1
+            again = self._land(batch, snaps or {}, evictions)
+            for key in again:
+                self._enqueue(key, ahead=batch.ahead)
+            _wake(batch)
+            if self._now or self._ahead:
+                self._schedule()
+
+    def _land(self, batch: _Batch, snaps: dict[Key, Snapshot], evictions: int) -> list[Key]:
+        """Seed the keys of a landed batch; return those to read again (refused after an
+        eviction pass overtook the read)."""
+        table = self.table
+        where = self._where
+        again: list[Key] = []
+        seeded = 0
+        for key in batch.keys:
+            if where.get(key) is batch:
+                del where[key]
+            snap = snaps.get(key)
+            if snap is None:
+                self._tries.pop(key, None)
+                continue
+            if table.seed(key, snap, evictions):
+                seeded += 1
+                self._tries.pop(key, None)
+            elif not table.is_seeded(key):
+                tries = self._tries.get(key, 1)
+                if tries < MAX_TRIES:
+                    self._tries[key] = tries + 1
+                    again.append(key)
+                else:
+                    self._tries.pop(key, None)
+        if batch.ahead:
+            self.stats.prefetched += seeded
+        else:
+            self.stats.on_demand += seeded
+        return again
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            log.warning(
+                "%s (the flusher seeds them later; warnings held for %.0f s)", message, WARN_EVERY_S
+            )
+
+
+def _wake(batch: _Batch) -> None:
+    if batch.done is not None and not batch.done.done():
+        batch.done.set_result(None)
