@@ -50,9 +50,8 @@ class SeedStats:
     reads: int = 0
     #: Batches that failed (their keys stay unseeded; the flusher seeds them later).
     failed_reads: int = 0
-    #: Keys in batches now being read, and queued for the next ones.
+    #: Keys in batches now being read.
     in_flight: int = 0
-    queued: int = 0
     last_error: str | None = None
     #: Keys whose stored item could not be decoded (left unseeded, the flusher reports them).
     bad_items: int = 0
@@ -122,6 +121,22 @@ class Seeder:
                 self._enqueue(key, ahead=True)
                 n += 1
         return n
+
+    def status(self) -> dict[str, object]:
+        """The ``seeding`` section of ``status``."""
+        st = self.stats
+        return {
+            "on_demand": st.on_demand,
+            "prefetched": st.prefetched,
+            "reads": st.reads,
+            "failed_reads": st.failed_reads,
+            "bad_items": st.bad_items,
+            "in_flight": st.in_flight,
+            "queued": len(self._where) - st.in_flight,
+            "chunk": self.chunk,
+            "concurrency": self.concurrency,
+            "last_error": st.last_error,
+        }
 
     def busy(self) -> bool:
         """Whether any key is queued or being read."""
@@ -205,8 +220,6 @@ class Seeder:
             task = asyncio.get_running_loop().create_task(self._read(batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        st = self.stats
-        st.queued = sum(len(b.keys) for b in self._now) + sum(len(b.keys) for b in self._ahead)
 
     async def _read(self, batch: _Batch) -> None:
         st = self.stats

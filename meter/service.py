@@ -779,6 +779,7 @@ class Service:
                 "expired_total": self.reservations.expired_total,
             },
             "calls": self.calls,
+            "seeding": self.seeder.status(),
             "request_ids": {
                 "remembered": len(self.ids),
                 "dropped_early": self.ids.dropped_early,
