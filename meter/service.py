@@ -417,6 +417,14 @@ class Service:
                 if entry is not None:
                     batch.answered[n] = entry
         self._check_log()
+        if not batch.answered:
+            # Every key seeded (the usual case): the whole batch under one hold of the lock.
+            try:
+                seeded = self.table.incr_seeded(batch.good)
+            except PartlyRefused as exc:
+                return self._finish_many(batch, exc.answers)
+            if seeded is not None:
+                return self._finish_many(batch, seeded)
         # Counted whether or not seeding worked, as track does: unseeded keys answer nil. An
         # item past the 64-bit range is refused alone; the others are counted.
         values: list[Any] = []
