@@ -32,7 +32,8 @@ from storage.base import BadItems, Snapshot, Storage, StorageError
 
 log = logging.getLogger("meter.seeder")
 
-#: Reads of one key refused because an eviction pass overtook them, before giving up.
+#: Reads of one key refused in a row because an eviction pass overtook them, before giving up
+#: (counted afresh each time the key is asked for).
 MAX_TRIES = 3
 #: Seconds between two warnings about failed seeding reads.
 WARN_EVERY_S = 5.0
@@ -264,19 +265,18 @@ class Seeder:
             if where.get(key) is batch:
                 del where[key]
             snap = snaps.get(key)
-            if snap is None:
-                self._tries.pop(key, None)
-                continue
-            if table.seed(key, snap, evictions):
-                seeded += 1
-                self._tries.pop(key, None)
-            elif not table.is_seeded(key):
-                tries = self._tries.get(key, 1)
-                if tries < MAX_TRIES:
-                    self._tries[key] = tries + 1
-                    again.append(key)
-                else:
-                    self._tries.pop(key, None)
+            if snap is not None:
+                if table.seed(key, snap, evictions):
+                    seeded += 1
+                elif not table.is_seeded(key):
+                    tries = self._tries.get(key, 1)
+                    if tries < MAX_TRIES:
+                        self._tries[key] = tries + 1
+                        again.append(key)
+                        continue
+            # Seeded (by this read or, meanwhile, another path), failed or given up: the
+            # next time the key is asked for, its reads are counted afresh.
+            self._tries.pop(key, None)
         if batch.ahead:
             self.stats.prefetched += seeded
         else:
