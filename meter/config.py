@@ -72,6 +72,9 @@ class CounterConfig:
     #: Seconds before a period ends at which the next period's keys of every warm key are
     #: read ahead (0: off). Capped at ``evict_after_s`` so the rows read survive to be used.
     rollover_read_ahead_s: float = 120.0
+    #: Most keys a checkpoint of the write-ahead log lists as warm, and a restarted node reads
+    #: ahead (docs/durability.md, "Warm-up after a restart"); 0: no warm-up.
+    warm_up_max_keys: int = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +290,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "reservation_ttl_ms": ("counters", "reservation_ttl_ms", _int(1, 24 * 3600 * 1000)),
     "evict_after_s": ("counters", "evict_after_s", _float(1, 10**7)),
     "rollover_read_ahead_s": ("counters", "rollover_read_ahead_s", _float(0, 86400)),
+    "warm_up_max_keys": ("counters", "warm_up_max_keys", _int(0, 100_000_000)),
     "flush_interval_ms": ("flush", "interval_ms", _int(1, 3_600_000)),
     "flush_batch_keys": ("flush", "batch_keys", _int(1, 1_000_000)),
     "flush_max_backoff_ms": ("flush", "max_backoff_ms", _int(1, 3_600_000)),

@@ -26,7 +26,7 @@ from meter.flusher import Flusher
 from meter.idempotency import RequestIds
 from meter.keys import Key, PeriodKind
 from meter.owner import Ownership, State
-from meter.recovery import recover
+from meter.recovery import recover, warm_up
 from meter.rollover import kinds_in_use, period_end
 from meter.server import RpcServer, start_server
 from meter.service import Service
@@ -326,9 +326,10 @@ class Node:
                 ids=RequestIds(d.idempotency_window_s, d.idempotency_max_ids),
             )
             self._owner_state(self.owner.state, settled=True)  # nothing read yet
+            warm: list[Key] = []
             if self.wal is not None:
                 # Before the socket opens: every acknowledged call is back in memory.
-                await recover(self.wal, self.service)
+                warm = await recover(self.wal, self.service)
             try:
                 self.server = await start_server(
                     cfg.server.socket,
@@ -357,6 +358,9 @@ class Node:
             asyncio.create_task(self._read_ahead_loop(), name="rollover-read-ahead"),
             asyncio.create_task(self.owner.run(), name="owner"),
         ]
+        if warm:
+            # Right after the socket opens: requests arriving meanwhile are read first.
+            self._tasks.append(asyncio.create_task(warm_up(self.service, warm), name="warm-up"))
         if self.gossip is not None:
             await self.gossip.start()  # connects in the background; serving does not wait
         log.info(

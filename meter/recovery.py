@@ -1,9 +1,15 @@
-"""Recovery after a restart: put what the write-ahead log holds back into a node's memory.
+"""Recovery after a restart: put what the write-ahead log holds back into a node's memory, then
+warm up the keys the node was using.
 
-Runs before the socket opens. Keys with units the store may not hold are restored unseeded
-(their in-flight delta keeps its sequence), then seeded from storage in batches, which says
-whether that sequence landed; the flusher re-sends it unchanged if not. Open reservations,
-finished reservations and request ids come back with their original deadlines.
+:func:`recover` runs before the socket opens. Keys with units the store may not hold are
+restored unseeded (their in-flight delta keeps its sequence), then seeded from storage in
+batches, which says whether that sequence landed; the flusher re-sends it unchanged if not.
+Open reservations, finished reservations and request ids come back with their original
+deadlines. It returns the keys the log names as recently active (:meth:`Replay.warm_keys`).
+
+:func:`warm_up` runs once the socket is open: it reads those keys ahead, behind every key a
+request waits on (:meth:`~meter.seeder.Seeder.prefetch`), so the first calls after a restart
+find them warm instead of paying one storage read each.
 """
 
 from __future__ import annotations
@@ -19,16 +25,18 @@ from meter.wal.log import WriteAheadLog
 
 log = logging.getLogger("meter.recovery")
 
-#: Keys per storage read while seeding recovered keys, reads in flight, and how long the
-#: socket waits for them (keys not seeded by then are seeded by the flusher, serving meanwhile).
-SEED_CHUNK = 100
-SEED_CONCURRENCY = 8
+#: How long the socket waits for the recovered keys' seeding reads (keys not seeded by then
+#: stay queued, and the flusher seeds them too: a big backlog never keeps the socket shut).
 SEED_BUDGET_S = 5.0
+#: Keys a warm-up hands to the seeder per loop pass (choosing them takes the loop's time).
+WARM_SLICE = 2000
 
 
-async def recover(wal: WriteAheadLog, service: Service) -> None:
+async def recover(wal: WriteAheadLog, service: Service) -> list[Key]:
     """Replay ``wal`` into ``service`` (its table, reservations and ids), then open the log
-    for writing with a checkpoint of the recovered state."""
+    for writing with a checkpoint of the recovered state. Returns the keys to warm up (the
+    recently active ones, most recent first), also kept in ``service.warming`` so that
+    checkpoints list them until :func:`warm_up` has read them."""
     started = time.monotonic()
     replay = wal.recover()
     table = service.table
@@ -52,12 +60,15 @@ async def recover(wal: WriteAheadLog, service: Service) -> None:
     ):
         for rid, (fp, answer, expires) in sorted(entries.items(), key=lambda kv: kv[1][2]):
             registry.put(rid, fp, answer, expires, now)
+    warm = replay.warm_keys() if service.config.warm_up_max_keys > 0 else []
+    service.warming = warm
     seeded = await _seed(service, [*unstored, *(ls.key for ls in replay.leases.values())])
     wal.open(service.undo, service.checkpoint)
     if replay.records:
         log.info(
             "recovered from the write-ahead log in %.3f s: %d records, %d keys (%d units) not "
-            "known stored, %d open reservations, %d request ids; %d keys seeded",
+            "known stored, %d open reservations, %d request ids; %d keys seeded; %d recently "
+            "active keys to warm up",
             time.monotonic() - started,
             replay.records,
             len(unstored),
@@ -65,42 +76,84 @@ async def recover(wal: WriteAheadLog, service: Service) -> None:
             leases,
             len(service.ids),
             seeded,
+            len(warm),
         )
+    return warm
 
 
 async def _seed(service: Service, keys: list[Key]) -> int:
-    """Seed recovered keys in concurrent batches, for at most :data:`SEED_BUDGET_S`.
+    """Read recovered keys ahead of need, and wait for them at most :data:`SEED_BUDGET_S`.
 
-    Keys storage cannot answer by then stay unseeded: counted, their totals unknown until the
-    flusher seeds them (it does so every round), so a big backlog never keeps the socket shut.
+    Keys storage has not answered for by then stay queued (and unseeded: counted, their
+    totals unknown); the flusher also seeds them, every round, so a big backlog or storage
+    that is down never keeps the socket shut.
     """
     table = service.table
     wanted = list(dict.fromkeys(k for k in keys if not table.is_seeded(k)))
-    chunks = [wanted[i : i + SEED_CHUNK] for i in range(0, len(wanted), SEED_CHUNK)]
-    if not chunks:
+    if not wanted:
         return 0
-    seeded = 0
-    gate = asyncio.Semaphore(SEED_CONCURRENCY)
-
-    async def one(chunk: list[Key]) -> None:
-        nonlocal seeded
-        async with gate:
-            snaps = await service.storage.load(chunk)
-        for key, snap in snaps.items():
-            seeded += table.seed(key, snap)
-
-    tasks = [asyncio.ensure_future(one(c)) for c in chunks]
-    done, pending = await asyncio.wait(tasks, timeout=SEED_BUDGET_S)
-    for task in pending:
-        task.cancel()
-    if pending:
-        await asyncio.wait(pending)
-    errors = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
-    if errors or pending:
+    seeder = service.seeder
+    failed = seeder.stats.failed_reads
+    seeder.prefetch(wanted)
+    late = False
+    try:
+        await asyncio.wait_for(seeder.settle(wanted), SEED_BUDGET_S)
+    except TimeoutError:
+        late = True
+    seeded = sum(1 for k in wanted if table.is_seeded(k))
+    if seeded < len(wanted):
         log.warning(
             "%d of %d recovered keys not seeded yet (the flusher will): %s",
             len(wanted) - seeded,
             len(wanted),
-            errors[0] if errors else f"storage took over {SEED_BUDGET_S} s",
+            f"storage took over {SEED_BUDGET_S} s"
+            if late or seeder.stats.failed_reads == failed
+            else seeder.stats.last_error,
         )
     return seeded
+
+
+async def warm_up(service: Service, keys: list[Key]) -> None:
+    """Read ``keys`` ahead (those of a current period, at most ``warm_up_max_keys``), behind
+    every key a request waits on, and log one line when every read has landed."""
+    try:
+        await _warm_up(service, keys)
+    except Exception:  # a hint: its failure must neither stop the node nor its drain
+        log.exception("warm-up failed (keys not read yet are read when asked for)")
+
+
+async def _warm_up(service: Service, keys: list[Key]) -> None:
+    started = time.monotonic()
+    seeder = service.seeder
+    table = service.table
+    failed = seeder.stats.failed_reads
+    left = service.config.warm_up_max_keys
+    slices: list[list[Key]] = []
+    skipped = queued = 0
+    for start in range(0, len(keys), WARM_SLICE):
+        if left <= 0:
+            break
+        part, passed = service.current_keys(keys[start : start + WARM_SLICE], left)
+        left -= len(part)
+        skipped += passed
+        queued += seeder.prefetch(part)
+        slices.append(part)
+        await asyncio.sleep(0)  # requests are served between slices
+    for part in slices:  # in the order they were queued: mostly one wait each
+        await seeder.settle(part)
+    # Cancelled before this (a stop), the keys stay listed: the last checkpoint keeps them.
+    if service.warming is keys:
+        service.warming = []
+    wanted = sum(len(part) for part in slices)
+    warm = sum(1 for part in slices for k in part if table.is_seeded(k))
+    reads_failed = seeder.stats.failed_reads - failed
+    log.info(
+        "warm-up done in %.3f s: %d of %d recently active keys warm (%d read ahead, the rest "
+        "were warm already or asked for meanwhile), %d keys of ended periods skipped%s",
+        time.monotonic() - started,
+        warm,
+        wanted,
+        queued,
+        skipped,
+        f"; {reads_failed} reads failed: {seeder.stats.last_error}" if reads_failed else "",
+    )

@@ -122,6 +122,24 @@ class Seeder:
                 n += 1
         return n
 
+    async def settle(self, keys: list[Key]) -> None:
+        """Wait until no key of ``keys`` is queued or being read, without moving any forward
+        (the end of a read-ahead: each key then is seeded, or its read failed)."""
+        where = self._where
+        while True:
+            futures: set[asyncio.Future[None]] = set()
+            for key in keys:
+                batch = where.get(key)
+                if batch is not None:
+                    if batch.done is None:
+                        batch.done = asyncio.get_running_loop().create_future()
+                    futures.add(batch.done)
+            if not futures:
+                return
+            # A key a caller waits on meanwhile moves to another batch, and one an eviction
+            # made the table refuse is queued again before its batch wakes us: look again.
+            await asyncio.wait(futures)
+
     def status(self) -> dict[str, object]:
         """The ``seeding`` section of ``status``."""
         st = self.stats

@@ -86,6 +86,9 @@ class Service:
         self.seeder = Seeder(
             table, storage, chunk=storage.load_chunk, concurrency=storage.load_concurrency
         )
+        #: Keys a restart is reading ahead (recovery's warm-up) and may not have loaded yet:
+        #: checkpoints list them as warm until the warm-up ends.
+        self.warming: list[Key] = []
         self._periods: Mapping[str, PeriodKind] = self.config.feature_periods
         # Hot-path cache: (tenant, feature) -> its validated key in the current period. Valid
         # only within [_day_start, _day_end): the current UTC day, inside which neither a day
@@ -210,6 +213,32 @@ class Service:
             if t is not None:
                 return t
         return _one_copy(self._tenants, check_tenant(tenant))
+
+    def current_keys(self, keys: Iterable[Key], limit: int) -> tuple[list[Key], int]:
+        """The first ``limit`` keys of ``keys`` whose period is the current one for their
+        feature, each made of this node's one copy of its names, and how many keys were passed
+        over for a period that is not current (recovery's warm-up: names from the log were
+        validated when their calls were accepted)."""
+        now = time.time()
+        if not self._day_start <= now < self._day_end:
+            self._new_day(now)
+        current = self._day_periods
+        periods = self._periods
+        tenants, features = self._tenants, self._features
+        out: list[Key] = []
+        skipped = 0
+        for t, f, p in keys:
+            if len(out) >= limit:
+                break
+            period = current[periods.get(f, "month")]
+            if p != period:
+                skipped += 1
+                continue
+            out.append(
+                (tenants.get(t) or _one_copy(tenants, t), features.get(f) or _one_copy(features, f),
+                 period)
+            )  # fmt: skip
+        return out, skipped
 
     def _new_day(self, now: float) -> None:
         """Start the key cache over for the UTC day containing ``now``."""
@@ -736,18 +765,26 @@ class Service:
             self.ids.forget(rec[at + 4])
 
     def checkpoint(self) -> Iterator[list[Any]]:
-        """Records restating everything the log must keep.
+        """Records restating everything the log must keep, then the warm keys (``WARM``: a
+        hint for the next start's warm-up, not state).
 
-        What to restate is listed now (every key with unstored units, every lease and id);
-        each record is read when it is yielded, so it holds the state as it is then.
+        What to restate is listed now (every key with unstored units, every lease and id, every
+        warm key); each record is read when it is yielded, so it holds the state as it is then.
         """
         keys = self.table.unstored_keys()
         leases = [lease.id for lease in self.reservations.held()]
         ids = (self.ids.ids(), self.done.ids())
-        return self._restate(keys, leases, ids)
+        # The warm keys as they are now (a copy of the table's key list); read a chunk at a time.
+        warm = self.table.keys() if self.config.warm_up_max_keys > 0 else []
+        return self._restate(keys, leases, ids, self.warming, warm)
 
     def _restate(
-        self, keys: list[Key], leases: list[str], ids: tuple[list[str], list[str]]
+        self,
+        keys: list[Key],
+        leases: list[str],
+        ids: tuple[list[str], list[str]],
+        warming: list[Key],
+        warm: list[Key],
     ) -> Iterator[list[Any]]:
         for start in range(0, len(keys), CHECKPOINT_ITEMS):
             state = self.table.unstored_state(keys[start : start + CHECKPOINT_ITEMS])
@@ -770,6 +807,37 @@ class Service:
                         items.append([rid, *entry])
                 if items:
                     yield [kind, items]
+        yield from self._warm_records(warming, warm)
+
+    def _warm_records(self, warming: list[Key], warm: list[Key]) -> Iterator[list[Any]]:
+        """``WARM`` records: the keys a warm-up is still reading ahead, then the table's keys
+        used since the last eviction pass, then its other keys; only keys of a current
+        period, at most ``warm_up_max_keys`` of them. Read a chunk at a time, like the rest
+        of a checkpoint (a key evicted meanwhile is left out)."""
+        left = self.config.warm_up_max_keys
+        if left <= 0:
+            return
+        now = time.time()
+        current = {kind: period_start(kind, now) for kind in ("month", "day")}
+        periods = self._periods
+        already = set(warming) if warming and warm else None
+        recently_used = self.table.recently_used
+        for source, used in ((warming, None), (warm, True), (warm, False)):
+            for start in range(0, len(source), CHECKPOINT_ITEMS):
+                chunk = source[start : start + CHECKPOINT_ITEMS]
+                if used is not None:
+                    flags = recently_used(chunk)
+                    chunk = [k for k, u in zip(chunk, flags, strict=True) if u is used]
+                    if already is not None:
+                        chunk = [k for k in chunk if k not in already]
+                items = [[*k] for k in chunk if k[2] == current[periods.get(k[1], "month")]]
+                if not items:
+                    continue
+                if len(items) >= left:
+                    yield [R.WARM, items[:left]]
+                    return
+                left -= len(items)
+                yield [R.WARM, items]
 
     def _ping(self, params: list[Any]) -> str:
         _args("ping", params, 0, 0, ())

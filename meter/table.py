@@ -940,10 +940,20 @@ class CounterTable:
                     del self._by_period[(tenant, period)]
             return len(doomed)
 
-    def keys(self) -> Iterable[Key]:
-        """A snapshot of every warm key."""
+    def keys(self) -> list[Key]:
+        """A snapshot of every warm key, in the order they were loaded."""
         with self._lock:
             return list(self._rows)
+
+    def recently_used(self, keys: Iterable[Key]) -> list[bool | None]:
+        """For each key: whether it was used since the last eviction pass (``None``: cold)."""
+        out: list[bool | None] = []
+        with self._lock:
+            rows = self._rows
+            for key in keys:
+                row = rows.get(key)
+                out.append(None if row is None else bool(row.flags & USED))
+        return out
 
 
 class PartlyRefused(Exception):

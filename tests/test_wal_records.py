@@ -167,3 +167,34 @@ def test_a_log_of_another_node_is_refused(tmp_path: Path) -> None:
         read_log(d, node_id="n2")
     assert "belongs to node id 'n1'" in str(info.value) and "METER_NODE_ID=n1" in str(info.value)
     assert read_log(d, node_id="n1").unstored()
+
+
+def test_replay_names_the_recently_active_keys_most_recent_first(tmp_path: Path) -> None:
+    a, b, c, d, e, f, g = ([t, "x", "2026-11"] for t in "abcdefg")
+    d_ = _segments(
+        tmp_path,
+        [
+            [
+                [R.WARM, [a, b]],  # a checkpoint's list of warm keys, most recently used first
+                [R.STATE, [[*c, 0, 0, 0]]],  # restated as stored: still a key in use
+                [R.TRACK, *d, 1],
+                [R.TRACK_MANY, [[*e, 1], [*d, 1]]],  # d named again: now the most recent
+                [R.RESERVE, "l1", *f, 1, 9e9, None, None, None],
+                [R.CHECKPOINT_END, 1],
+            ],
+            [[R.WARM, [g, a]]],  # a newer checkpoint's list, cut short by a crash
+        ],
+    )
+    got = read_log(d_).warm_keys()
+    assert got == [tuple(k) for k in (f, d, e, c, g, a, b)]
+
+
+def test_a_log_without_warm_records_names_the_keys_of_its_records(tmp_path: Path) -> None:
+    # As written before WARM records existed: replay is unchanged, and the keys come from
+    # the records.
+    k = ["acme", "api", "2026-11"]
+    d = _segments(tmp_path, [[[R.TRACK, *k, 5], [R.FLUSH, [[*k, 1, 5]]], [R.CHECKPOINT_END, 1]]])
+    replay = read_log(d)
+    row = replay.unstored()[tuple(k)]  # type: ignore[index]
+    assert (row.seq, row.inflight, row.pending) == (1, 5, 0)
+    assert replay.warm_keys() == [tuple(k)]

@@ -510,3 +510,30 @@ async def test_recovery_does_not_wait_for_slow_storage_past_its_budget(
     await flusher.flush_once()  # the flusher seeds and stores it
     assert (await store.load([key]))[key].total == 3
     await wal.close()
+
+
+async def test_checkpoints_list_the_warm_keys_of_current_periods_used_first_within_the_bound(
+    tmp: Path,
+) -> None:
+    wal = WriteAheadLog(tmp / "wal", node_id="n1")
+    table = CounterTable("n1", gossip=False)
+    svc = Service(table, MemoryStorage(), CounterConfig(warm_up_max_keys=4), wal=wal)
+    await recover(wal, svc)
+    for tenant in "abcd":
+        await call(svc, "usage", tenant, "api")
+    await call(svc, "track", "old", "api", 1, {"at": 86400.0})  # January 1970: over
+    table.evict_idle()  # a pass: nothing is idle long enough to go, nothing counts as used
+    await call(svc, "usage", "c", "api")  # used since
+    month = period_start("month")
+    svc.warming = [("z", "api", month)]  # a warm-up still reading it
+    warm = [tuple(item) for rec in svc.checkpoint() if rec[0] == R.WARM for item in rec[1]]
+    # The warm-up's keys, the used ones, then the others, in the table's order; at most 4.
+    assert warm == [(t, "api", month) for t in "zcab"]
+    # The last checkpoint, written on a clean close, lists them for the next start.
+    await wal.close()
+    wal = WriteAheadLog(tmp / "wal", node_id="n1")
+    svc = Service(CounterTable("n1", gossip=False), MemoryStorage(), CounterConfig(), wal=wal)
+    # (With the key its STATE restates first: the warm-up passes over its ended period.)
+    expected = [("old", "api", "1970-01"), *((t, "api", month) for t in "zcab")]
+    assert await recover(wal, svc) == expected
+    await wal.close()

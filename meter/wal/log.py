@@ -267,9 +267,13 @@ class WriteAheadLog:
             except OSError as exc:
                 log.warning("no final checkpoint (the log stays as it is): %s", exc)
             else:
-                recs = list(self._checkpoint())
-                recs.append([R.CHECKPOINT_END, self._number])
-                self._batch.extend(recs)
+                # A commit per few records, as a running checkpoint writes them: one frame
+                # stays far below MAX_RECORD whatever the checkpoint holds (warm keys).
+                for rec in self._checkpoint():
+                    self._batch.append(rec)
+                    if len(self._batch) >= CHECKPOINT_RECORDS_PER_PASS:
+                        self._commit()
+                self._batch.append([R.CHECKPOINT_END, self._number])
                 self._commit()
                 if self.broken is None:
                     with contextlib.suppress(OSError):

@@ -56,6 +56,9 @@ CHECKPOINT_END: Final = 13
 #: ``[BATCH, [record, ...]]``: the records of one commit, in one frame, so a commit cut short
 #: by a crash is one damaged frame at the end, never a hole between whole records.
 BATCH: Final = 14
+#: ``[WARM, [[t, f, p], ...]]``: keys the node had in memory when a checkpoint was written,
+#: most recently used first: what a restart reads ahead. A hint, not state.
+WARM: Final = 15
 
 FORMAT: Final = 1
 

@@ -6,7 +6,9 @@ Replaying applies the records in log order to a small model of the node's unstor
   pending after it. A ``TRACK`` adds to ``pending``; a ``FLUSH`` under a new sequence moves
   ``delta`` from ``pending`` into flight (the previous sequence was stored: the table takes a
   new one only then); a ``STATE`` sets all three;
-- open reservations, finished reservations and remembered request ids, by id.
+- open reservations, finished reservations and remembered request ids, by id;
+- the keys the records name, with the record that named each last, and the keys checkpoints
+  listed as warm (``WARM``): what a restarted node reads ahead (:meth:`Replay.warm_keys`).
 
 The arithmetic is the table's own (``take`` subtracts what it read), so whatever the
 interleaving of calls and flushes, the replayed ``inflight + pending`` of a key equals the
@@ -25,11 +27,13 @@ from meter.wal import records as R
 
 @dataclass(slots=True)
 class RowState:
-    """A key's unstored units: ``inflight`` under ``seq`` (0: none), then ``pending``."""
+    """A key's unstored units: ``inflight`` under ``seq`` (0: none), then ``pending``; and the
+    number of the last record that named the key (for :meth:`Replay.warm_keys`)."""
 
     seq: int = 0
     inflight: int = 0
     pending: int = 0
+    named: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,7 @@ RELEASED = 2
 class Replay:
     """The state the records applied so far leave behind."""
 
+    #: Every key a record named (with nothing unstored, its state is zeros).
     rows: dict[Key, RowState] = field(default_factory=dict)
     leases: dict[str, LeaseState] = field(default_factory=dict)
     ids: dict[str, IdEntry] = field(default_factory=dict)
@@ -60,6 +65,10 @@ class Replay:
     records: int = 0
     #: The segment number of the last complete checkpoint seen (0: none).
     checkpoint: int = 0
+    #: The keys ``WARM`` records listed, one run per segment, each most recently used first.
+    listed: list[list[Key]] = field(default_factory=list)
+    _segment: int = 0
+    _listed_in: int = -1
 
     def apply_all(self, records: Iterable[list[Any]]) -> None:
         """Apply records in order."""
@@ -84,14 +93,14 @@ class Replay:
                     row.pending -= delta
         elif kind == R.STATE:
             for t, f, p, seq, inflight, pending in rec[1]:
-                key = (t, f, p)
-                if seq or pending:
-                    self.rows[key] = RowState(seq, inflight, pending)
-                else:
-                    self.rows.pop(key, None)
+                row = self._row((t, f, p))
+                row.seq = seq
+                row.inflight = inflight
+                row.pending = pending
         elif kind == R.RESERVE:
             lease, t, f, p, qty, deadline, rid, fp, expires = rec[1:10]
             self.leases[lease] = LeaseState((t, f, p), qty, deadline)
+            self._row((t, f, p))
             if rid is not None:
                 self.ids[rid] = (fp, lease, expires)
         elif kind == R.COMMIT:
@@ -104,6 +113,7 @@ class Replay:
         elif kind == R.RELEASE:
             lease, t, f, p, qty, deadline, done_exp, rid, fp, expires = rec[1:11]
             self.leases.pop(lease, None)
+            self._row((t, f, p))
             self.done[lease] = (RELEASED, None, done_exp)
             if rid is not None:
                 self.ids[rid] = (fp, None, expires)
@@ -113,18 +123,28 @@ class Replay:
         elif kind == R.LEASES:
             for lease, t, f, p, qty, deadline in rec[1]:
                 self.leases[lease] = LeaseState((t, f, p), qty, deadline)
+                self._row((t, f, p))
         elif kind == R.DONE:
             for lease, code, answer, expires in rec[1]:
                 self.done[lease] = (code, answer, expires)
+        elif kind == R.WARM:
+            if self._listed_in != self._segment:
+                self._listed_in = self._segment
+                self.listed.append([])
+            self.listed[-1].extend((t, f, p) for t, f, p in rec[1])
         elif kind == R.CHECKPOINT_END:
             self.checkpoint = rec[1]
-        elif kind not in (R.NOOP, R.SEGMENT):
+        elif kind == R.SEGMENT:
+            self._segment = rec[3]
+        elif kind != R.NOOP:
             raise ValueError(f"unknown record type {kind!r}")
 
     def _row(self, key: Key) -> RowState:
+        """The state of ``key`` (a zero one if none yet), now named by the current record."""
         row = self.rows.get(key)
         if row is None:
             row = self.rows[key] = RowState()
+        row.named = self.records
         return row
 
     def _track(self, rec: list[Any], at: int) -> None:
@@ -133,6 +153,21 @@ class Replay:
         if len(rec) > at + 4:
             rid, fp, answer, expires = rec[at + 4 : at + 8]
             self.ids[rid] = (fp, answer, expires)
+
+    def warm_keys(self) -> list[Key]:
+        """The keys a restart should read ahead, most recent first, each once: every key the
+        replayed records name (the last named first), then those the checkpoints listed as
+        warm (the newest checkpoint's first, each in its order)."""
+        rows = self.rows
+        # Newest first; keys named by one record keep their order (the sort is stable).
+        out = sorted(rows, key=lambda k: rows[k].named, reverse=True)
+        done: set[Key] = set()
+        for run in reversed(self.listed):
+            for key in run:
+                if key not in rows and key not in done:
+                    done.add(key)
+                    out.append(key)
+        return out
 
     def unstored(self) -> dict[Key, RowState]:
         """Keys holding units the store may not have (in flight or pending)."""

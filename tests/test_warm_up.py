@@ -1,0 +1,238 @@
+"""Warm-up after a restart, on real node processes: the keys a node was using are read back
+ahead of need after ``kill -9`` and after SIGTERM (on SQLite and on DynamoDB Local), so the
+first calls on them read nothing; keys of an ended period are not read; a request arriving
+during the warm-up is read before the rest of it."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meter.client import Client
+from meter.keys import period_start
+from tests.conftest_dynamodb import create_table
+from tests.lossy_proxy import LossyProxy, call_in, running
+from tests.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
+
+pytestmark = pytest.mark.slow
+
+#: Keys tracked before the restart.
+K = 500
+FAST_FLUSH = {"METER_FLUSH_INTERVAL_MS": "50"}
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    path = short_tmpdir("warm-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def features(n: int) -> list[str]:
+    return [f"k{i:05d}" for i in range(n)]
+
+
+def track_all(node: NodeProcess, names: list[str], tenant: str = "acme") -> None:
+    """Track ``names[i]`` by ``i + 1``, then wait until every unit is stored."""
+    with Client.connect(node.socket, timeout=30) as client:
+        for start in range(0, len(names), 1000):
+            items = [(tenant, f, i + 1) for i, f in enumerate(names) if start <= i < start + 1000]
+            client.track_many(items)
+    wait_for(lambda: flushed(node), timeout=60, what="every key to be flushed")
+
+
+def flushed(node: NodeProcess) -> bool:
+    st = node.call("status")
+    return bool(st["flush"]["backlog_keys"] == 0 and st["keys"]["dirty"] == 0)
+
+
+def restart(node: NodeProcess, how: str, **env: str) -> NodeProcess:
+    """Stop ``node`` by ``kill -9`` or SIGTERM and start it again on its data dir."""
+    if how == "kill":
+        assert node.kill() == -9
+    else:
+        assert node.stop(signal.SIGTERM) == 0, node.log()[-3000:]
+    again = NodeProcess(node.workdir, node.name, **{**node.env, **env})
+    again.clock_shift = node.clock_shift
+    return again.start()
+
+
+def warmed(node: NodeProcess, n: int) -> dict[str, Any] | None:
+    """``status`` once ``n`` keys were read ahead and are in memory."""
+    st: dict[str, Any] = node.call("status")
+    if st["seeding"]["prefetched"] >= n and st["keys"]["warm"] >= n:
+        return st
+    return None
+
+
+def check_served_from_memory(node: NodeProcess, names: list[str], tenant: str = "acme") -> None:
+    """``usage`` and ``track`` on every key answer exactly, without one storage read."""
+    with Client.connect(node.socket, timeout=30) as client:
+        got = client.pipeline(("usage", [tenant, f]) for f in names)
+        assert got == [i + 1 for i in range(len(names))]
+        got = client.pipeline(("track", [tenant, f, 1]) for f in names)
+        assert got == [i + 2 for i in range(len(names))]
+        seeding = client.status()["seeding"]
+    assert seeding["on_demand"] == 0, f"requests had to read storage: {seeding}"
+
+
+def warm_up_line(node: NodeProcess) -> str:
+    lines = [ln for ln in node.log().splitlines() if "warm-up done" in ln]
+    return lines[-1] if lines else ""
+
+
+def dynamo_env(endpoint: str, table: str) -> dict[str, str]:
+    return {
+        "METER_STORAGE": "dynamodb",
+        "METER_DYNAMODB_ENDPOINT": endpoint,
+        "METER_DYNAMODB_TABLE": table,
+    }
+
+
+def storage_env(request: pytest.FixtureRequest, storage: str) -> dict[str, str]:
+    if storage == "sqlite":
+        return {}
+    endpoint = request.getfixturevalue("dynamodb_local")
+    return dynamo_env(endpoint, asyncio.run(create_table(endpoint)))
+
+
+@pytest.mark.parametrize("how", ["kill", "term"])
+@pytest.mark.parametrize(
+    "storage", ["sqlite", pytest.param("dynamodb", marks=pytest.mark.dynamodb)]
+)
+def test_a_restart_reads_the_keys_it_was_using_ahead_of_the_first_calls(
+    workdir: Path, request: pytest.FixtureRequest, storage: str, how: str
+) -> None:
+    names = features(K)
+    node = NodeProcess(workdir, **storage_env(request, storage), **FAST_FLUSH).start()
+    try:
+        track_all(node, names)
+        node = restart(node, how)
+        st = wait_for(lambda: warmed(node, K), timeout=60, what=f"{K} keys read ahead")
+        assert st["seeding"]["on_demand"] == 0
+        check_served_from_memory(node, names)
+        line = wait_for(lambda: warm_up_line(node), what="the warm-up's log line")
+        assert f"{K} of {K} recently active keys warm" in line, line
+    finally:
+        node.stop()
+
+
+def test_kill_9_after_the_log_rotated_reads_keys_used_only_before_the_rotation(
+    workdir: Path,
+) -> None:
+    # Small segments: the log rotates a few calls after the keys were flushed, and the
+    # records that named them are deleted; only the checkpoints' list of warm keys is left.
+    env = {"METER_WAL_SEGMENT_BYTES": str(64 << 10), **FAST_FLUSH}
+    names = features(K)
+    node = NodeProcess(workdir, **env).start()
+    try:
+        track_all(node, names)
+        before = node.call("status")["durability"]["wal"]["checkpoints"]
+
+        def rotated_twice() -> bool:
+            node.call("track_many", [["other", "filler", 1]] * 500)
+            st = node.call("status")["durability"]["wal"]
+            # Two: the newest complete checkpoint was begun after the keys' last records.
+            return bool(st["checkpoints"] >= before + 2)
+
+        wait_for(rotated_twice, timeout=60, what="the log to rotate twice")
+        node = restart(node, "kill")
+        st = wait_for(lambda: warmed(node, K), timeout=60, what=f"{K} keys read ahead")
+        assert st["seeding"]["on_demand"] == 0
+        check_served_from_memory(node, names)
+    finally:
+        node.stop()
+
+
+def test_keys_of_an_ended_period_are_not_read_ahead(workdir: Path) -> None:
+    day, month = [f"d{i}" for i in range(50)], [f"m{i}" for i in range(50)]
+    env = {"METER_FEATURE_PERIODS": ",".join(f"{f}=day" for f in day), **FAST_FLUSH}
+    node = NodeProcess(workdir, **env).start()
+    try:
+        track_all(node, day + month)
+        # Restarted a day later (its clock moved): yesterday's day counters are over, and this
+        # month's are too if today is the last day of a month.
+        assert node.stop() == 0
+        node = NodeProcess(workdir, **env)
+        node.clock_shift = 86400.0
+        node.start()
+        now = time.time()
+        month_goes_on = period_start("month", now) == period_start("month", now + 86400)
+        current = len(month) if month_goes_on else 0
+        line = wait_for(lambda: warm_up_line(node), what="the warm-up's log line")
+        assert f"{current} of {current} recently active keys warm" in line, line
+        assert f"{100 - current} keys of ended periods skipped" in line, line
+        st = node.call("status")
+        assert st["seeding"]["prefetched"] == current
+        assert st["keys"]["warm"] == current
+    finally:
+        node.stop()
+
+
+@pytest.mark.dynamodb
+def test_a_request_during_the_warm_up_is_read_before_the_rest_of_it(
+    workdir: Path, dynamodb_local: str
+) -> None:
+    n = 3000  # 30 reads of 100 keys, 8 at a time: four waves
+    names = features(n)
+    last = names[-1]  # the key the warm-up reads last: the last one the node loaded
+    table = asyncio.run(create_table(dynamodb_local))
+    node = NodeProcess(workdir, **dynamo_env(dynamodb_local, table), **FAST_FLUSH).start()
+    try:
+        with Client.connect(node.socket, timeout=30) as client:
+            # Read, not written: warm keys need no stored item (and DynamoDB Local is slow
+            # to write thousands).
+            assert client.pipeline(("usage", ["acme", f]) for f in names[:-1]) == [0] * (n - 1)
+            assert client.track("acme", last, 7) == 7
+        wait_for(lambda: flushed(node), what="the tracked key to be flushed")
+        assert node.stop() == 0
+    finally:
+        node.stop()
+    proxy = LossyProxy(int(dynamodb_local.rsplit(":", 1)[1]), loss=0)
+    with running(proxy) as loop:
+        call_in(loop, proxy.hold)
+        # Held reads must not time out and be sent again.
+        env = {**dynamo_env(proxy.endpoint, table), "METER_DYNAMODB_READ_TIMEOUT_S": "300"}
+        node = NodeProcess(workdir, **env).start()
+        try:
+            # The warm-up's first wave of reads is out, its answers held: no read is free.
+            wait_for(lambda: proxy.held == 8, what="eight reads ahead held")
+            assert node.call("status")["seeding"]["in_flight"] == 800
+            answers: list[Any] = []
+
+            def ask() -> None:
+                answers.append(raw_call(node.socket, "usage", "acme", last, timeout=60))
+
+            asking = threading.Thread(target=ask)
+            asking.start()
+            wait_for(
+                lambda: node.call("status")["server"]["in_flight"] == 1,
+                what="the usage call to wait for its key",
+            )
+            # The first wave lands; the second takes the request's key first ...
+            call_in(loop, proxy.release_held)
+            wait_for(lambda: proxy.released == 8 and proxy.held == 8, what="the second wave held")
+            # ... so its answer needs no more than that wave.
+            call_in(loop, proxy.release_held)
+            asking.join(30)
+            assert answers == [(None, 7)], answers
+            st = node.call("status")["seeding"]
+            assert st["on_demand"] == 1, st  # read for the request, not ahead
+            # The warm-up is far from done: its third wave is held, and more is queued.
+            assert st["prefetched"] <= 1500 and st["queued"] >= 600, st
+            call_in(loop, proxy.stop_holding)
+            st = wait_for(lambda: warmed(node, n - 1), timeout=60, what="the warm-up to end")
+            assert st["seeding"]["on_demand"] == 1 and st["keys"]["warm"] == n
+            line = wait_for(lambda: warm_up_line(node), what="the warm-up's log line")
+            assert f"{n} of {n} recently active keys warm" in line, line
+        finally:
+            call_in(loop, proxy.stop_holding)
+            node.stop()
