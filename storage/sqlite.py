@@ -116,6 +116,13 @@ class SQLiteStorage(Storage):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         # Touched only on the worker thread.
         self._conn: sqlite3.Connection | None = None
+        # Seeding reads run on a thread and connection of their own: on the writer's thread
+        # they queued behind whole flush transactions (tens of thousands of keys), and a cold
+        # key's caller waited seconds. WAL mode lets a reader see every commit made before its
+        # read transaction began, without blocking the writer. None for ":memory:" (a second
+        # connection would open another, empty database): reads then share the writer's.
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
+        self._rconn: sqlite3.Connection | None = None  # touched only on the reader's thread
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -137,9 +144,26 @@ class SQLiteStorage(Storage):
             self._executor = None
             executor.shutdown(wait=False)
             raise
+        if str(self.path) != ":memory:":
+            reader = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="meter-sqlite-read"
+            )
+            try:
+                await asyncio.get_running_loop().run_in_executor(reader, self._open_reader_sync)
+            except BaseException:
+                reader.shutdown(wait=False)
+                await self.close()
+                raise
+            self._reader = reader
 
     async def close(self) -> None:
         """Close the connection (after every queued call has run) and stop the worker."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(reader, self._close_reader_sync)
+            finally:
+                reader.shutdown(wait=False)
         executor = self._executor
         if executor is None:
             return
@@ -170,7 +194,17 @@ class SQLiteStorage(Storage):
         if not keys:
             return {}
         wanted = list(keys)
-        return await self._run(lambda: self._load_sync(wanted))
+        reader = self._reader
+        if reader is None:
+            return await self._run(lambda: self._load_sync(wanted, self._connection))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                reader, lambda: self._load_sync(wanted, self._read_connection)
+            )
+        except RuntimeError as exc:
+            if "shutdown" in str(exc):
+                raise StorageUnavailable(f"sqlite storage at {self.path} is closed") from exc
+            raise
 
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         """Every stored counter of ``tenant`` in ``period``: one primary-key range scan."""
@@ -279,6 +313,20 @@ class SQLiteStorage(Storage):
                 conn.close()
             raise
         self._conn = conn
+
+    def _open_reader_sync(self) -> None:
+        try:
+            conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            conn.execute("PRAGMA query_only=ON")
+        except sqlite3.Error as exc:
+            raise _map(exc, f"opening {self.path} for reading") from exc
+        self._rconn = conn
+
+    def _close_reader_sync(self) -> None:
+        conn, self._rconn = self._rconn, None
+        if conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
 
     def _close_sync(self) -> None:
         conn, self._conn = self._conn, None
@@ -419,8 +467,15 @@ class SQLiteStorage(Storage):
         except sqlite3.Error as exc:
             raise _map(exc, f"purging expired counters in {self.path}") from exc
 
-    def _load_sync(self, keys: list[Key]) -> dict[Key, Snapshot]:
-        conn = self._connection()
+    def _read_connection(self) -> sqlite3.Connection:
+        if self._rconn is None:
+            raise StorageUnavailable(f"sqlite storage at {self.path} is not open")
+        return self._rconn
+
+    def _load_sync(
+        self, keys: list[Key], connection: Callable[[], sqlite3.Connection]
+    ) -> dict[Key, Snapshot]:
+        conn = connection()
         out: dict[Key, Snapshot] = {}
         bad: dict[Key, str] = {}
         try:

@@ -229,19 +229,17 @@ def test_a_month_rolls_over_under_load_on_two_nodes(
         assert late < 0, f"the nodes and first calls took {late:.1f} s too long to test this"
         _wait_node_clock(shift, boundary.timestamp() - 1.0, nodes)
         before = [p.call("status")["seeding"] for p in nodes]
-        # Each node read ahead the next month's key of every key it had counted.
-        assert [s["prefetched"] for s in before] == [s["on_demand"] for s in before], (
-            before,
-            nodes[0].log()[-3000:],
-        )
+        assert [s["on_demand"] for s in before] == [400, 400], before
         _wait_node_clock(shift, boundary.timestamp() + 3.0, nodes)
         stop.set()
         for t in threads:
             t.join(30)
         assert not errors, errors[:5]
         after = [p.call("status")["seeding"] for p in nodes]
-        # Every key of the new month was read ahead: none was read on demand.
-        assert [s["on_demand"] for s in after] == [s["on_demand"] for s in before]
+        # Every key of the new month was read ahead (the reads may land after the boundary on
+        # a slow machine: a call then waits for its key's read ahead), none on demand.
+        assert [s["on_demand"] for s in after] == [400, 400], after
+        assert [s["prefetched"] for s in after] == [400, 400], after
         old_period = period_start("month", boundary.timestamp() - 1)
         new_period = period_start("month", boundary.timestamp())
         wait_until(
