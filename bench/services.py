@@ -148,10 +148,14 @@ class Services:
         with contextlib.suppress(ValueError):
             self._aof.remove(server)
 
-    def node(self, name: str, **env: str) -> NodeProcess:
-        """Start a node (``METER_*`` settings in ``env``; memory storage unless told)."""
+    def node(self, name: str, *, clock_shift: float | None = None, **env: str) -> NodeProcess:
+        """Start a node (``METER_*`` settings in ``env``; memory storage unless told).
+
+        ``clock_shift``: seconds its wall clock is moved by (:mod:`bench.clockshift`).
+        """
         settings = {"METER_STORAGE": "memory", "METER_LOG_LEVEL": "WARNING", **env}
         node = NodeProcess(self.workdir, name, **settings)
+        node.clock_shift = clock_shift
         self._nodes.append(node)
         return node.start()
 
