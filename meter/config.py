@@ -69,6 +69,9 @@ class CounterConfig:
     max_reservation_ttl_ms: int = 24 * 3600 * 1000
     #: A warm key unused for this long (and with nothing pending) is dropped from memory.
     evict_after_s: float = 600.0
+    #: Seconds before a period ends at which the next period's keys of every warm key are
+    #: read ahead (0: off). Capped at ``evict_after_s`` so the rows read survive to be used.
+    rollover_read_ahead_s: float = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +286,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "feature_periods": ("counters", "feature_periods", _feature_periods),
     "reservation_ttl_ms": ("counters", "reservation_ttl_ms", _int(1, 24 * 3600 * 1000)),
     "evict_after_s": ("counters", "evict_after_s", _float(1, 10**7)),
+    "rollover_read_ahead_s": ("counters", "rollover_read_ahead_s", _float(0, 86400)),
     "flush_interval_ms": ("flush", "interval_ms", _int(1, 3_600_000)),
     "flush_batch_keys": ("flush", "batch_keys", _int(1, 1_000_000)),
     "flush_max_backoff_ms": ("flush", "max_backoff_ms", _int(1, 3_600_000)),

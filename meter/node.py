@@ -27,6 +27,7 @@ from meter.idempotency import RequestIds
 from meter.keys import Key
 from meter.owner import Ownership, State
 from meter.recovery import recover
+from meter.rollover import kinds_in_use, period_end
 from meter.server import RpcServer, start_server
 from meter.service import Service
 from meter.table import CounterTable
@@ -348,6 +349,7 @@ class Node:
             asyncio.create_task(self._expire_loop(), name="reservation-expiry"),
             asyncio.create_task(self._evict_loop(), name="eviction"),
             asyncio.create_task(self._purge_loop(), name="retention-purge"),
+            asyncio.create_task(self._read_ahead_loop(), name="rollover-read-ahead"),
             asyncio.create_task(self.owner.run(), name="owner"),
         ]
         if self.gossip is not None:
@@ -390,6 +392,8 @@ class Node:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        if self.service is not None:
+            await self.service.seeder.close()  # reads ahead nobody waits for any more
         self.drained = await self.flusher.drain(self.config.flush.drain_timeout_s)
         if not self.drained:
             left = self.flusher.backlog_keys()
@@ -459,6 +463,35 @@ class Node:
                 continue
             if n:
                 log.info("retention purge: deleted %d expired counters", n)
+
+    async def _read_ahead_loop(self) -> None:
+        """Before each period ends, read the next period's keys of the warm keys of the
+        ending one (ADR 0005), so the first calls of the new period find them seeded."""
+        assert self.service is not None
+        c = self.config.counters
+        # A row read ahead must outlive the wait for the boundary: eviction keeps an idle row
+        # at least evict_after_s.
+        lead = min(c.rollover_read_ahead_s, c.evict_after_s)
+        if lead <= 0:
+            return
+        kinds = kinds_in_use(c.feature_periods)
+        done: dict[str, float] = {}  # kind -> the period end already read ahead for
+        while True:
+            now = time.time()
+            for kind in kinds:
+                end = period_end(kind, now)
+                if now >= end - lead and done.get(kind) != end:
+                    done[kind] = end
+                    queued = self.service.read_ahead(kind, now)
+                    log.info(
+                        "%s ends in %.0f s: reading %d keys of the next one ahead",
+                        kind,
+                        end - now,
+                        queued,
+                    )
+            # Wake at least once a second: the wall clock may jump (NTP), and a second's
+            # delay of a read-ahead of tens of seconds costs nothing.
+            await asyncio.sleep(1.0)
 
     async def _evict_loop(self) -> None:
         assert self.table is not None

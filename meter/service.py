@@ -27,6 +27,7 @@ from meter.keys import (
     period_start,
 )
 from meter.reservations import Lease, Reservations
+from meter.rollover import next_keys, period_end
 from meter.seeder import Seeder
 from meter.table import CounterTable, PartlyRefused
 from meter.wal import records as R
@@ -230,6 +231,14 @@ class Service:
         if self.table.is_seeded(key):
             return True
         return await self.seeder.seed(key)
+
+    def read_ahead(self, kind: PeriodKind, now: float) -> int:
+        """Queue reads of the next period's key of every warm key in the period of ``kind``
+        containing ``now`` (:mod:`meter.rollover`); return how many keys were queued."""
+        upcoming = period_start(kind, period_end(kind, now))
+        _one_copy(self._period_names, upcoming)
+        keys = next_keys(self.table.keys(), kind, now, self._periods, self._period_names)
+        return self.seeder.prefetch(keys)
 
     # -- methods ------------------------------------------------------------------------------
 

@@ -76,9 +76,14 @@ def node_env(
     }
 
 
-def start_nodes(workdir: Path, n: int, env: dict[str, str]) -> list[NodeProcess]:
-    """Start ``n`` nodes (ids n0, n1, ...) in parallel and wait until all see each other."""
+def start_nodes(
+    workdir: Path, n: int, env: dict[str, str], clock_shift: float | None = None
+) -> list[NodeProcess]:
+    """Start ``n`` nodes (ids n0, n1, ...) in parallel and wait until all see each other;
+    ``clock_shift`` moves their wall clocks (``bench.clockshift``)."""
     nodes = [NodeProcess(workdir, f"n{i}", METER_NODE_ID=f"n{i}", **env) for i in range(n)]
+    for node in nodes:
+        node.clock_shift = clock_shift
     with ThreadPoolExecutor(n) as pool:
         list(pool.map(lambda p: p.start(timeout=60), nodes))
     ids = {f"n{i}" for i in range(n)}

@@ -358,7 +358,7 @@ async def test_sigterm_drain_announces_the_final_flush(
     )
     assert usages(nodes, "api") == [0, 0]
     nodes[0].call("track", KEY_TENANT, "api", 42)
-    assert nodes[0].stop() == 0  # SIGTERM: drain, announce, close
+    assert nodes[0].stop() == 0, nodes[0].log()  # SIGTERM: drain, announce, close
     assert await stored(dynamodb_local, dynamodb_table, "api") == 42
     wait_until(lambda: usages(nodes[1:], "api") == [42], 5, "the drain's announcement", nodes)
     received = nodes[1].call("status")["cluster"]["received"]
