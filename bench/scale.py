@@ -22,8 +22,8 @@ A warm node answers from memory; a key it has not loaded must first be read from
    begins during the load: every key then has a new period, cold. Call latency (from the
    moment the call was due, so a stalled call is not hidden by the calls not sent behind it)
    in the ``rollover_window_s`` after the boundary and over the whole load; target p99 <=
-   100 ms. With a read-ahead setting in the build (a ``*prefetch*`` setting, e.g.
-   ``rollover_prefetch_s``) it runs once with it off and once on.
+   100 ms. With the roll-over read-ahead in the build (``rollover_read_ahead_s``) it runs
+   once with it off and once on (:func:`read_ahead_modes`), side by side.
 
 Every part checks what was counted: each answer is the expected total, and after the nodes
 have flushed, the totals stored are exactly the units acknowledged.
@@ -79,6 +79,8 @@ ROLLOVER_CONNS = 2
 #: DynamoDB's do not; a flush in the window would measure that JVM, not seeding. Flushing
 #: has its own scenario (4).
 DEFERRED_FLUSH = {"METER_FLUSH_INTERVAL_MS": "3600000", "METER_DRAIN_TIMEOUT_S": "3600"}
+#: How long a stopping node may take to store what it counted before it is killed.
+DRAIN_TIMEOUT_S = 1800.0
 
 
 # -- driving a node ---------------------------------------------------------------------------
@@ -230,7 +232,7 @@ def drain(svc: Services, node: NodeProcess) -> float:
     """Stop ``node`` with SIGTERM, which stores everything it counted before it exits; the
     seconds it took. Raise unless it exits 0 (drained)."""
     t0 = time.monotonic()
-    code = svc.stop_node(node)
+    code = svc.stop_node(node, timeout=DRAIN_TIMEOUT_S)
     if code != 0:
         raise RuntimeError(f"node {node.name} exited {code} on SIGTERM:\n{node.log()[-2000:]}")
     return time.monotonic() - t0
@@ -433,6 +435,10 @@ async def _prefill(path: Path, keys: list[Key], total: int) -> None:
 
 
 def sqlite_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    """Part 2. Each round starts two fresh nodes in turn on the filled file (sides take
+    turns going first): one as configured by default, which meets the keys cold and then
+    warm (judged); one whose flush waits until it is stopped, cold only (context: what the
+    default node's flushes, on the same SQLite thread as its reads, cost the cold pass)."""
     from storage.sqlite import SQLiteStorage
 
     sz = sizes.scale
@@ -448,33 +454,54 @@ def sqlite_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     prefill_s = time.monotonic() - t0
     cold: list[Pass] = []
     warm: list[Pass] = []
+    deferred: list[Pass] = []
     seeded: list[dict[str, int]] = []
     flushed: list[int] = []
     drain_s: list[float] = []
+    passes = 0  # units each key got so far (one per pass)
     load0 = os.getloadavg()
-    for r in range(sz.sqlite_rounds):
-        progress(
-            f"scale: a fresh SQLite node meets {n:,} stored keys cold, then warm, "
-            f"round {r + 1}/{sz.sqlite_rounds}"
+
+    def side(r: int, default: bool) -> None:
+        nonlocal passes
+        env = {} if default else DEFERRED_FLUSH
+        node = svc.node(
+            "scale-sqlite",
+            clock_shift=None,
+            METER_STORAGE="sqlite",
+            METER_SQLITE_FILE=str(path),
+            **env,
         )
-        node = svc.node("scale-sqlite", METER_STORAGE="sqlite", METER_SQLITE_FILE=str(path))
         lanes = frames(calls_of(pairs, 1000 + r), CONNS)
-        value = SQLITE_BASE + 2 * r  # the stored total as this round starts
         before = status(node)
-        cold.append(asyncio.run(drive(node.socket, lanes, value + 1)))
+        got = asyncio.run(drive(node.socket, lanes, SQLITE_BASE + passes + 1))
+        passes += 1
         after = status(node)
         seeded.append(_seeding(before, after))
-        flushed.append(after["flush"]["keys_written"] - before["flush"]["keys_written"])
-        warm.append(asyncio.run(drive(node.socket, lanes, value + 2)))
+        if default:
+            cold.append(got)
+            flushed.append(after["flush"]["keys_written"] - before["flush"]["keys_written"])
+            warm.append(asyncio.run(drive(node.socket, lanes, SQLITE_BASE + passes + 1)))
+            passes += 1
+        else:
+            deferred.append(got)
         drain_s.append(drain(svc, node))
+
+    for r in range(sz.sqlite_rounds):
+        progress(
+            f"scale: fresh SQLite nodes meet {n:,} stored keys cold (default node: then warm; "
+            f"other node: flush deferred), round {r + 1}/{sz.sqlite_rounds}"
+        )
+        _in_turn(r, partial(side, r, True), partial(side, r, False))
     load1 = os.getloadavg()
     progress(f"scale: reading back the {n:,} keys")
     stored = asyncio.run(_stored(SQLiteStorage(path), keys))
-    want = SQLITE_BASE + 2 * sz.sqlite_rounds
+    want = SQLITE_BASE + passes
     exact = all(v == want for v in stored)
     c = [p.rate for p in cold]
     w = [p.rate for p in warm]
-    bad = sum(p.errors + p.nil + p.wrong for p in cold + warm)
+    d = [p.rate for p in deferred]
+    every = cold + warm + deferred
+    bad = sum(p.errors + p.nil + p.wrong for p in every)
     all_seeded = all(s["on_demand"] == n for s in seeded)
     cold_rate = _median(c)
     common = {
@@ -486,22 +513,25 @@ def sqlite_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
         "calls_in_flight_per_connection": DEPTH,
         "node_storage": "sqlite",
         "node_durability": "fsync (default)",
-        "node_flush": "every 1 s (default)",
+        "node_flush": "every 1 s (default); context side: deferred to its drain",
         "node_keys_flushed_during_cold_pass": flushed,
         "node_drain_seconds": [round(x, 2) for x in drain_s],
         "loadavg_start_end": [load0, load1],
-        "fresh_node_per_round": True,
+        "fresh_node_per_side": True,
+        "sides": "default node (cold, then warm) and deferred-flush node (cold), alternating",
         "rounds_cold_keys_per_s": c,
         "rounds_warm_items_per_s": w,
+        "rounds_deferred_flush_cold_keys_per_s": d,
         "cold_call_p50_ms": _median([p.ms(50) for p in cold]),
         "cold_call_p99_ms": _median([p.ms(99) for p in cold]),
         "warm_call_p50_ms": _median([p.ms(50) for p in warm]),
         "warm_call_p99_ms": _median([p.ms(99) for p in warm]),
-        "seeding_per_round": seeded,
+        "deferred_flush_cold_call_p99_ms": _median([p.ms(99) for p in deferred]),
+        "seeding_per_side": seeded,
         "all_keys_seeded_on_demand": all_seeded,
-        "errors": sum(p.errors for p in cold + warm),
-        "nil_answers": sum(p.nil for p in cold + warm),
-        "wrong_answers": sum(p.wrong for p in cold + warm),
+        "errors": sum(p.errors for p in every),
+        "nil_answers": sum(p.nil for p in every),
+        "wrong_answers": sum(p.wrong for p in every),
         "prefill_seconds": round(prefill_s, 2),
         "stored_each_want": want,
         "stored_total": sum(stored),
@@ -531,35 +561,51 @@ def sqlite_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             None,
             common,
         ),
+        Row(
+            SCALE,
+            "SQLite: cold, default node vs a node whose flush waits (same rounds)",
+            "keys/s",
+            cold_rate,
+            _median(d),
+            _ratios(c, d),
+            "(context)",
+            None,
+            common,
+        ),
     ]
 
 
 # -- 3. first of the month --------------------------------------------------------------------
 
 
-def prefetch_setting() -> str | None:
+def read_ahead_setting() -> str | None:
     """The name of the roll-over read-ahead setting, if this build has one."""
     from meter.config import SETTING_NAMES
 
-    if "rollover_prefetch_s" in SETTING_NAMES:
-        return "rollover_prefetch_s"
-    found = sorted(s for s in SETTING_NAMES if "prefetch" in s)
+    for name in ("rollover_read_ahead_s", "rollover_prefetch_s"):
+        if name in SETTING_NAMES:
+            return name
+    found = sorted(s for s in SETTING_NAMES if "read_ahead" in s or "prefetch" in s)
     return found[0] if found else None
 
 
-def prefetch_modes() -> list[tuple[str, dict[str, str]]]:
-    """``(label, node env)`` of each run of part 3: off and on when the setting exists (off:
-    0; on: the build's default, or 10 s if that is 0), else the build as it is."""
-    name = prefetch_setting()
+def read_ahead_modes(sizes: Sizes) -> list[tuple[str, dict[str, str]]]:
+    """``(label, node env)`` of each run of part 3: the read-ahead off (0) and on, when the
+    build has the setting; else the build as it is.
+
+    On, it is ``rollover_before_s - 1`` seconds: the nodes start ``rollover_setup_s +
+    rollover_before_s`` before the month ends and their keys are warm only after the setup,
+    so a read-ahead of the default (120 s) would run before they have any warm key, and never
+    again for this month.
+    """
+    name = read_ahead_setting()
     if name is None:
         return [("no read-ahead in this build", {})]
-    from meter.config import _SETTINGS, env_name, load
+    from meter.config import env_name
 
-    group, attr, _ = _SETTINGS[name]
-    default = getattr(getattr(load(env={}), group), attr) if group else None
-    on = str(default) if isinstance(default, int | float) and default > 0 else "10"
     var = env_name(name)
-    return [(f"{var}=0 (read-ahead off)", {var: "0"}), (f"{var}={on} (read-ahead on)", {var: on})]
+    on = f"{max(1.0, sizes.scale.rollover_before_s - 1):g}"
+    return [("read-ahead off", {var: "0"}), (f"read-ahead on ({on} s)", {var: on})]
 
 
 @dataclass
@@ -656,6 +702,19 @@ def _lat(calls: list[_Call]) -> dict[str, float]:
     }
 
 
+def _timeline(calls: list[_Call], boundary: float, after: float) -> list[list[float]]:
+    """``[seconds from the boundary, calls, p99 ms, max ms]`` per half second the calls were
+    due, from 2 s before the boundary to the end."""
+    out: list[list[float]] = []
+    t = -2.0
+    while t < after:
+        got = [c for c in calls if t <= c.due - boundary < t + 0.5]
+        lat = _lat(got)
+        out.append([t, lat["calls"], round(lat["p99_ms"], 1), round(lat["max_ms"], 1)])
+        t += 0.5
+    return out
+
+
 class SetupOverran(RuntimeError):
     """Part 3's nodes were not started and warm in time: the month ended before the load."""
 
@@ -723,11 +782,13 @@ def _first_of_month(
         warmed = asyncio.run(warm_all())
         warm_s = time.monotonic() - t0
         # The load starts now: what setup left of its budget is more load before the end.
+        # Setup must be over before the read-ahead (if on) begins, at rollover_before_s - 1.
         t_start = time.monotonic()
         before_s = m_boundary - t_start
-        if before_s < 1:
+        if before_s < sz.rollover_before_s:
             raise SetupOverran(
-                f"setup took {t_start - m0:.1f} s, past the boundary or nearly ({lead:.0f} s ahead)"
+                f"setup took {t_start - m0:.1f} s of {setup_s:.0f}: less than "
+                f"{sz.rollover_before_s:.0f} s left before the boundary"
             )
         progress(
             f"scale: first of the month ({label}): load on every node, "
@@ -787,6 +848,7 @@ def _first_of_month(
         "window": _lat(window),
         "before": _lat(before),
         "overall": _lat(calls),
+        "timeline": _timeline(calls, m_boundary, sz.rollover_after_s),
         "per_node_window_p99_ms": [
             _lat([c for c in window if c.node == i])["p99_ms"] for i in range(3)
         ],
@@ -820,7 +882,7 @@ def _first_of_month(
 
 def first_of_month(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     rows: list[Row] = []
-    modes = prefetch_modes()
+    modes = read_ahead_modes(sizes)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in modes}
 
     def run(label: str, env: dict[str, str]) -> None:

@@ -159,8 +159,9 @@ class Services:
         self._nodes.append(node)
         return node.start()
 
-    def stop_node(self, node: NodeProcess) -> int:
-        code = node.stop()
+    def stop_node(self, node: NodeProcess, timeout: float = 60.0) -> int:
+        """Stop ``node`` (SIGTERM: it drains); SIGKILL after ``timeout`` seconds."""
+        code = node.stop(timeout=timeout)
         with contextlib.suppress(ValueError):
             self._nodes.remove(node)
         return code

@@ -18,7 +18,7 @@ import pytest
 from bench import report
 from bench.cli import run
 from bench.loadgen import Load, meter_frames, redis_frames
-from bench.scale import SCALE, prefetch_modes
+from bench.scale import SCALE, read_ahead_modes
 from bench.scenarios import BATCH, RPC, SMOKE, Row, _in_turn
 
 pytestmark = pytest.mark.redis
@@ -175,7 +175,7 @@ def test_smoke_scale_counts_exactly(tmp_path: Path) -> None:
     ddb = [r for r in rows if r["metric"].startswith("DynamoDB")]
     sqlite = [r for r in rows if r["metric"].startswith("SQLite")]
     fom = [r for r in rows if r["metric"].startswith("first of the month")]
-    assert len(ddb) == 1 and len(sqlite) == 2 and len(fom) == 2 * len(prefetch_modes())
+    assert len(ddb) == 1 and len(sqlite) == 3 and len(fom) == 2 * len(read_ahead_modes(SMOKE))
     assert len(rows) == len(ddb) + len(sqlite) + len(fom)
 
     # 1: the node side against a measured bare loop, every key read on demand and stored once.
@@ -191,14 +191,16 @@ def test_smoke_scale_counts_exactly(tmp_path: Path) -> None:
     assert dd["stored_total"] == dd["tracked_items"] and dd["stored_exact"]
 
     # 2: against the 50,000 keys/s target, and warm beside it; every key read from the file.
-    cold, versus = sqlite
+    cold, *context = sqlite
     assert cold["reference_kind"] == "target" and cold["reference"] == 50_000
-    assert versus["reference_kind"] == "measured" and versus["met"] is None
+    assert all(r["reference_kind"] == "measured" and r["met"] is None for r in context)
     sd = cold["detail"]
-    assert [s["on_demand"] for s in sd["seeding_per_round"]] == [sz.sqlite_keys] * sz.sqlite_rounds
-    assert all(x > 0 for x in sd["rounds_warm_items_per_s"])
+    sides = 2 * sz.sqlite_rounds  # a default node and a deferred-flush node per round
+    assert [s["on_demand"] for s in sd["seeding_per_side"]] == [sz.sqlite_keys] * sides
+    assert len(sd["rounds_warm_items_per_s"]) == sz.sqlite_rounds
+    assert len(sd["rounds_deferred_flush_cold_keys_per_s"]) == sz.sqlite_rounds
     assert sd["errors"] == sd["nil_answers"] == sd["wrong_answers"] == 0  # answers: stored + 1
-    assert sd["stored_each_want"] == 7 + 2 * sz.sqlite_rounds
+    assert sd["stored_each_want"] == 7 + 3 * sz.sqlite_rounds  # cold + warm, and cold
     assert sd["stored_total"] == sz.sqlite_keys * sd["stored_each_want"] and sd["stored_exact"]
 
     # 3: the month really ended under load on every node, and nothing was lost across it.
@@ -214,5 +216,10 @@ def test_smoke_scale_counts_exactly(tmp_path: Path) -> None:
             assert g["stored_total"] == g["acked_items"] and g["stored_exact"]
             assert 0 < g["stored_total_new_period"] < g["stored_total"]
             assert g["boundary"].split(" -> ")[0] != g["boundary"].split(" -> ")[1]
+            ahead = sum(x["prefetched"] for x in g["seeding"]["before_boundary"])
+            if "read-ahead on" in r["metric"]:
+                assert ahead > 0  # next month's keys were read before it began
+            elif "read-ahead off" in r["metric"]:
+                assert ahead == 0
     text = out.getvalue()
     assert "8 scale" in text and "50,000 (target)" in text
