@@ -46,6 +46,8 @@ class ScaleSizes:
     rollover_after_s: float  # and after
     rollover_window_s: float  # the window after the boundary whose latency is judged
     rollover_rounds: int  # runs per read-ahead mode (off / on)
+    #: Parts 1 and 3: drain the nodes and check every stored total (else kill them).
+    store_check: bool
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ FULL = Sizes(
     200,
     (50, 100),
     ((1, 1), (4, 1), (16, 1), (4, 16)),
-    ScaleSizes(10_000, 5, 100_000, 3, 10_000, 2.0, 30.0, 15.0, 10.0, 5.0, 1),
+    ScaleSizes(10_000, 5, 100_000, 3, 10_000, 2.0, 30.0, 15.0, 10.0, 5.0, 1, True),
 )
 QUICK = Sizes(
     "quick",
@@ -95,7 +97,7 @@ QUICK = Sizes(
     30,
     (100,),
     ((1, 1), (4, 1), (16, 1), (4, 16)),
-    ScaleSizes(5_000, 3, 20_000, 3, 2_000, 2.0, 25.0, 8.0, 7.0, 5.0, 1),
+    ScaleSizes(5_000, 3, 20_000, 3, 3_000, 2.0, 25.0, 8.0, 7.0, 5.0, 1, False),
 )
 SMOKE = Sizes(
     "smoke",
@@ -110,7 +112,7 @@ SMOKE = Sizes(
     5,
     (100,),
     ((2, 4),),
-    ScaleSizes(400, 1, 1_000, 1, 200, 1.0, 14.0, 3.0, 2.0, 2.0, 1),
+    ScaleSizes(400, 1, 1_000, 1, 200, 1.0, 14.0, 3.0, 2.0, 2.0, 1, True),
 )
 
 
