@@ -224,11 +224,15 @@ def _fmt(s: dict[str, Any]) -> str:
     flush = s.get("flush", {})
     server = s.get("server", {})
     res = s.get("reservations", {})
+    seed = s.get("seeding", {})
     lines = [
         f"node         {s.get('node_id')}  (meter {s.get('version')}, up {s.get('uptime_s')} s)",
         f"storage      {s.get('storage')}   socket {s.get('socket')}   data {s.get('data_dir')}",
         f"keys         warm {keys.get('warm')}  dirty {keys.get('dirty')}  "
         f"unseeded {keys.get('unseeded')}  in flight {keys.get('inflight')}",
+        f"seeding      {seed.get('on_demand')} on demand, {seed.get('prefetched')} read ahead, "
+        f"{seed.get('reads')} reads ({seed.get('failed_reads')} failed), "
+        f"{seed.get('queued')} queued",
         f"flush        last {flush.get('last_result')} {flush.get('last_age_s')} s ago, "
         f"every {flush.get('interval_ms')} ms, {flush.get('keys_written')} keys written, "
         f"{flush.get('failures')} failures",

@@ -24,7 +24,7 @@ from meter.config import NodeConfig
 from meter.errors import ConfigError, Unavailable
 from meter.flusher import Flusher
 from meter.idempotency import RequestIds
-from meter.keys import Key
+from meter.keys import Key, PeriodKind
 from meter.owner import Ownership, State
 from meter.recovery import recover
 from meter.rollover import kinds_in_use, period_end
@@ -120,6 +120,11 @@ def build_gossip(
         after_commit=after_commit,
     )
 
+
+#: Warm keys mapped to the next period per event-loop pass when reading ahead.
+READ_AHEAD_SLICE = 5000
+#: Read-ahead passes per period end (at 1, 3/4, 1/2 and 1/4 of the lead before it).
+READ_AHEAD_PASSES = 4
 
 #: Earlier owner tokens a data dir keeps (starts whose claim never succeeded).
 MAX_EARLIER_TOKENS = 8
@@ -466,7 +471,11 @@ class Node:
 
     async def _read_ahead_loop(self) -> None:
         """Before each period ends, read the next period's keys of the warm keys of the
-        ending one (ADR 0005), so the first calls of the new period find them seeded."""
+        ending one (ADR 0005), so the first calls of the new period find them seeded.
+
+        Four passes per period end, ``lead``, 3/4, 1/2 and 1/4 of it before, each for the
+        keys first used since the one before (keys queued or seeded already are skipped).
+        """
         assert self.service is not None
         c = self.config.counters
         # A row read ahead must outlive the wait for the boundary: eviction keeps an idle row
@@ -475,14 +484,19 @@ class Node:
         if lead <= 0:
             return
         kinds = kinds_in_use(c.feature_periods)
-        done: dict[str, float] = {}  # kind -> the period end already read ahead for
+        done: dict[tuple[str, float], int] = {}  # (kind, period end) -> passes made
         while True:
             now = time.time()
             for kind in kinds:
                 end = period_end(kind, now)
-                if now >= end - lead and done.get(kind) != end:
-                    done[kind] = end
-                    queued = self.service.read_ahead(kind, now)
+                passes = done.get((kind, end), 0)
+                if passes < READ_AHEAD_PASSES and now >= end - lead * (1 - passes / 4):
+                    done = {k: v for k, v in done.items() if k[0] != kind or k[1] >= end}
+                    # Passes whose moment has come already are one.
+                    while passes < READ_AHEAD_PASSES and now >= end - lead * (1 - passes / 4):
+                        passes += 1
+                    done[(kind, end)] = passes
+                    queued = await self._read_ahead(kind, now)
                     log.info(
                         "%s ends in %.0f s: reading %d keys of the next one ahead",
                         kind,
@@ -492,6 +506,17 @@ class Node:
             # Wake at least once a second: the wall clock may jump (NTP), and a second's
             # delay of a read-ahead of tens of seconds costs nothing.
             await asyncio.sleep(1.0)
+
+    async def _read_ahead(self, kind: PeriodKind, now: float) -> int:
+        """Queue the next period's keys of every warm key, a slice per loop pass (a million
+        keys mapped in one go would hold the loop for a good part of a second)."""
+        assert self.service is not None and self.table is not None
+        keys = list(self.table.keys())
+        queued = 0
+        for start in range(0, len(keys), READ_AHEAD_SLICE):
+            queued += self.service.read_ahead(kind, now, keys[start : start + READ_AHEAD_SLICE])
+            await asyncio.sleep(0)
+        return queued
 
     async def _evict_loop(self) -> None:
         assert self.table is not None

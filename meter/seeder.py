@@ -157,33 +157,38 @@ class Seeder:
     # -- batching ---------------------------------------------------------------------------
 
     async def _wait(self, keys: list[Key]) -> None:
-        seeded = self.table.is_seeded
+        """Queue each of ``keys`` (none seeded: the caller checked) unless it is queued
+        already, and wait until the batches holding them have landed."""
         where = self._where
-        first = True
-        while True:
-            futures: set[asyncio.Future[None]] = set()
-            for key in keys:
-                if seeded(key):
-                    continue
-                batch = where.get(key)
-                if batch is None:
-                    if not first:
-                        continue  # read, and still unseeded: storage failed, or gave up
-                    batch = self._enqueue(key, ahead=False)
-                elif batch.ahead and not batch.sent:
-                    # Queued to be read ahead: a caller waits on it now, so it goes first.
-                    batch.keys.remove(key)
-                    batch = self._enqueue(key, ahead=False)
+        loop = asyncio.get_running_loop()
+        futures: set[asyncio.Future[None]] = set()
+        last: _Batch | None = None
+        for key in keys:
+            batch = where.get(key)
+            if batch is None:
+                batch = self._enqueue(key, ahead=False)
+            elif batch.ahead and not batch.sent:
+                # Queued to be read ahead: a caller waits on it now, so it goes first.
+                batch.keys.remove(key)
+                batch = self._enqueue(key, ahead=False)
+            if batch is not last:
                 if batch.done is None:
-                    batch.done = asyncio.get_running_loop().create_future()
+                    batch.done = loop.create_future()
                 futures.add(batch.done)
-            if not futures:
-                return
+                last = batch
+        while futures:
             # asyncio.wait does not cancel the futures when this caller is cancelled: other
-            # callers share them. A key an eviction pass made the table refuse is queued
-            # again before its batch wakes us: the next turn waits for that batch.
+            # callers share them.
             await asyncio.wait(futures)
-            first = False
+            # A key an eviction pass made the table refuse was queued again before its batch
+            # woke us: wait for that batch too. (Keys whose read failed stay unseeded.)
+            futures = set()
+            for key in keys:
+                batch = where.get(key)
+                if batch is not None:
+                    if batch.done is None:
+                        batch.done = loop.create_future()
+                    futures.add(batch.done)
 
     def _enqueue(self, key: Key, *, ahead: bool) -> _Batch:
         queue = self._ahead if ahead else self._now
@@ -256,27 +261,25 @@ class Seeder:
     def _land(self, batch: _Batch, snaps: dict[Key, Snapshot], evictions: int) -> list[Key]:
         """Seed the keys of a landed batch; return those to read again (refused after an
         eviction pass overtook the read)."""
-        table = self.table
         where = self._where
-        again: list[Key] = []
-        seeded = 0
         for key in batch.keys:
             if where.get(key) is batch:
                 del where[key]
-            snap = snaps.get(key)
-            if snap is None:
-                self._tries.pop(key, None)
-                continue
-            if table.seed(key, snap, evictions):
-                seeded += 1
-                self._tries.pop(key, None)
-            elif not table.is_seeded(key):
-                tries = self._tries.get(key, 1)
-                if tries < MAX_TRIES:
-                    self._tries[key] = tries + 1
+        seeded, refused = self.table.seed_many(snaps.items(), evictions)
+        again: list[Key] = []
+        tries = self._tries
+        if refused or tries:
+            refused_set = set(refused)
+            for key in batch.keys:
+                if key not in refused_set:
+                    tries.pop(key, None)
+                    continue
+                n = tries.get(key, 1)
+                if n < MAX_TRIES:
+                    tries[key] = n + 1
                     again.append(key)
                 else:
-                    self._tries.pop(key, None)
+                    tries.pop(key, None)
         if batch.ahead:
             self.stats.prefetched += seeded
         else:

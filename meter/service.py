@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 from meter import __version__
@@ -232,13 +232,12 @@ class Service:
             return True
         return await self.seeder.seed(key)
 
-    def read_ahead(self, kind: PeriodKind, now: float) -> int:
-        """Queue reads of the next period's key of every warm key in the period of ``kind``
-        containing ``now`` (:mod:`meter.rollover`); return how many keys were queued."""
+    def read_ahead(self, kind: PeriodKind, now: float, keys: Iterable[Key]) -> int:
+        """Queue reads of the next period's key of each of ``keys`` that is in the period of
+        ``kind`` containing ``now`` (:mod:`meter.rollover`); return how many were queued."""
         upcoming = period_start(kind, period_end(kind, now))
         _one_copy(self._period_names, upcoming)
-        keys = next_keys(self.table.keys(), kind, now, self._periods, self._period_names)
-        return self.seeder.prefetch(keys)
+        return self.seeder.prefetch(next_keys(keys, kind, now, self._periods, self._period_names))
 
     # -- methods ------------------------------------------------------------------------------
 
@@ -418,6 +417,14 @@ class Service:
                 if entry is not None:
                     batch.answered[n] = entry
         self._check_log()
+        if not batch.answered:
+            # Every key seeded (the usual case): the whole batch under one hold of the lock.
+            try:
+                seeded = self.table.incr_seeded(batch.good)
+            except PartlyRefused as exc:
+                return self._finish_many(batch, exc.answers)
+            if seeded is not None:
+                return self._finish_many(batch, seeded)
         # Counted whether or not seeding worked, as track does: unseeded keys answer nil. An
         # item past the 64-bit range is refused alone; the others are counted.
         values: list[Any] = []

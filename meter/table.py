@@ -357,6 +357,59 @@ class CounterTable:
                 self._mark(key, row)
             return True
 
+    def seed_many(
+        self, snaps: Iterable[tuple[Key, Snapshot]], evictions: int
+    ) -> tuple[int, list[Key]]:
+        """:meth:`seed` for a batch read issued when :attr:`evictions` was ``evictions``,
+        under one lock hold. Returns how many keys it seeded, and the keys it refused because
+        an eviction pass came since (read them again). Keys seeded already are left alone, as
+        :meth:`seed` does."""
+        with self._lock:
+            rows = self._rows
+            if evictions != self.evictions:
+                refused = []
+                for key, _ in snaps:
+                    row = rows.get(key)
+                    if row is None or not row.flags & SEEDED:
+                        refused.append(key)
+                return 0, refused
+            seeded = 0
+            node = self.node
+            by_period = self._by_period
+            for key, snap in snaps:
+                row = rows.get(key)
+                if row is not None:
+                    if row.flags & SEEDED:
+                        row.flags |= USED
+                        continue
+                    # Unseeded (counted while storage was down, or restored): the general way.
+                    seeded += 1
+                    self._rebase_row(row, snap)
+                    self._unseeded.discard(key)
+                    if row.pending_flush or row.flags & INFLIGHT or (row.ext and row.ext.sealed):
+                        self._mark(key, row)
+                    continue
+                # A cold key: a new row with nothing of its own yet, straight from the snapshot.
+                seeded += 1
+                row = Row()
+                rows[key] = row
+                row.base = snap.total
+                seqs = snap.seqs
+                if seqs:
+                    peers = dict(seqs)
+                    row.own_seq = peers.pop(node, 0)
+                    if peers:
+                        row.ext = ext = Ext()
+                        ext.peer_seqs = peers
+                row.flags = SEEDED | USED
+                tenant, feature, period = key
+                features = by_period.get((tenant, period))
+                if features is None:
+                    by_period[(tenant, period)] = [feature]
+                else:
+                    features.append(feature)
+            return seeded, []
+
     def incr(self, key: Key, qty: int, *, check: bool = True) -> int | None:
         """Count ``qty`` units; return the new value, or ``None`` if the key is unseeded.
 

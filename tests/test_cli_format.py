@@ -14,6 +14,7 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
         "socket": "./meter.sock",
         "data_dir": "./.meter",
         "keys": {"warm": 10, "dirty": 3, "unseeded": 1, "inflight": 2},
+        "seeding": {"on_demand": 8, "prefetched": 5, "reads": 3, "failed_reads": 1, "queued": 2},
         "flush": {
             "last_result": "error",
             "last_age_s": 0.4,
@@ -60,6 +61,7 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
     assert "rejected 2 {'bad_mac': 2}" in text
     assert "peer n3  DEAD" in text and "peer n2  alive" in text
     assert "unseeded 1" in text and "in flight 2" in text
+    assert "seeding      8 on demand, 5 read ahead, 3 reads (1 failed), 2 queued" in text
     assert "log          fsync BROKEN (writing wal-00000002.log failed: ENOSPC (disk full))" in text
     assert "request ids  10 remembered (max 250000), 2 dropped early" in text
     assert "node id      WAITING: held by another process until X" in text
