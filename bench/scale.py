@@ -635,10 +635,10 @@ def read_ahead_modes(sizes: Sizes) -> list[tuple[str, dict[str, str]]]:
     """``(label, node env)`` of each run of part 3: the read-ahead off (0) and on, when the
     build has the setting; else the build as it is.
 
-    On, it is ``rollover_before_s - 1`` seconds: the nodes start ``rollover_setup_s +
-    rollover_before_s`` before the month ends and their keys are warm only after the setup,
-    so a read-ahead of the default (120 s) would run before they have any warm key, and never
-    again for this month.
+    On, it is ``rollover_before_s - 1`` seconds, so that all its passes (at the lead, 3/4,
+    1/2 and 1/4 of it) come after the setup: the nodes start ``rollover_setup_s +
+    rollover_before_s`` before the month ends and their keys are warm only once set up, so
+    with the default lead (120 s) the passes would find no warm key but for the last, or none.
     """
     name = read_ahead_setting()
     if name is None:
