@@ -32,6 +32,25 @@ Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
+class ScaleSizes:
+    """Scenario 8 (``scale``, :mod:`bench.scale`)."""
+
+    ddb_keys: int  # cold keys per side per round, DynamoDB
+    ddb_rounds: int
+    sqlite_keys: int  # keys in the SQLite file, all met cold by a fresh node each round
+    sqlite_rounds: int
+    rollover_keys: int  # active keys per node, first of the month (3 nodes)
+    rollover_sweep_s: float  # the load touches every key of a node once in this long
+    rollover_setup_s: float  # seconds allowed to start the nodes and warm their keys
+    rollover_before_s: float  # seconds of load before the month ends
+    rollover_after_s: float  # and after
+    rollover_window_s: float  # the window after the boundary whose latency is judged
+    rollover_rounds: int  # runs per read-ahead mode (off / on)
+    #: Parts 1 and 3: drain the nodes and check every stored total (else kill them).
+    store_check: bool
+
+
+@dataclass(frozen=True)
 class Sizes:
     """How long and how big: ``full``, ``quick`` (about a minute) or ``smoke`` (seconds)."""
 
@@ -47,6 +66,7 @@ class Sizes:
     conv_samples: int
     conv_ticks: tuple[int, ...]
     durable_configs: tuple[tuple[int, int], ...]  # (connections, depth) for ``durable``
+    scale: ScaleSizes
 
 
 FULL = Sizes(
@@ -62,6 +82,7 @@ FULL = Sizes(
     200,
     (50, 100),
     ((1, 1), (4, 1), (16, 1), (4, 16)),
+    ScaleSizes(10_000, 5, 100_000, 3, 10_000, 2.0, 30.0, 25.0, 10.0, 5.0, 1, True),
 )
 QUICK = Sizes(
     "quick",
@@ -76,8 +97,23 @@ QUICK = Sizes(
     30,
     (100,),
     ((1, 1), (4, 1), (16, 1), (4, 16)),
+    ScaleSizes(5_000, 3, 20_000, 3, 3_000, 2.0, 25.0, 12.0, 7.0, 5.0, 1, False),
 )
-SMOKE = Sizes("smoke", 0.15, 1, ((1, 1), (2, 16)), 0.3, 1, (50,), 1, 2_000, 5, (100,), ((2, 4),))
+SMOKE = Sizes(
+    "smoke",
+    0.15,
+    1,
+    ((1, 1), (2, 16)),
+    0.3,
+    1,
+    (50,),
+    1,
+    2_000,
+    5,
+    (100,),
+    ((2, 4),),
+    ScaleSizes(400, 1, 1_000, 1, 200, 1.0, 6.0, 4.0, 2.0, 2.0, 1, True),
+)
 
 
 @dataclass
@@ -943,6 +979,16 @@ def durable(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     return rows
 
 
+# -- 8. cold keys: seeding, and the first of the month ----------------------------------------
+
+
+def scale(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    """Scenario 8: see :mod:`bench.scale` (imported here: it builds on this module)."""
+    from bench.scale import scale as run
+
+    return run(svc, sizes, progress)
+
+
 SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "rpc": rpc_vs_redis,
     "batch": batch,
@@ -951,4 +997,5 @@ SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "convergence": convergence,
     "memory": memory,
     "durable": durable,
+    "scale": scale,
 }

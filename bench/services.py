@@ -148,15 +148,20 @@ class Services:
         with contextlib.suppress(ValueError):
             self._aof.remove(server)
 
-    def node(self, name: str, **env: str) -> NodeProcess:
-        """Start a node (``METER_*`` settings in ``env``; memory storage unless told)."""
+    def node(self, name: str, *, clock_shift: float | None = None, **env: str) -> NodeProcess:
+        """Start a node (``METER_*`` settings in ``env``; memory storage unless told).
+
+        ``clock_shift``: seconds its wall clock is moved by (:mod:`bench.clockshift`).
+        """
         settings = {"METER_STORAGE": "memory", "METER_LOG_LEVEL": "WARNING", **env}
         node = NodeProcess(self.workdir, name, **settings)
+        node.clock_shift = clock_shift
         self._nodes.append(node)
         return node.start()
 
-    def stop_node(self, node: NodeProcess) -> int:
-        code = node.stop()
+    def stop_node(self, node: NodeProcess, timeout: float = 60.0) -> int:
+        """Stop ``node`` (SIGTERM: it drains); SIGKILL after ``timeout`` seconds."""
+        code = node.stop(timeout=timeout)
         with contextlib.suppress(ValueError):
             self._nodes.remove(node)
         return code

@@ -1,4 +1,5 @@
-"""The bench runs end to end for about a second and produces its table and JSON.
+"""The bench runs end to end for about a second and produces its table and JSON; scenario 8
+(``scale``), which needs DynamoDB Local and three clustered nodes, for about a minute.
 
 No timing assertion: only the structure of what it reports is checked.
 """
@@ -17,6 +18,7 @@ import pytest
 from bench import report
 from bench.cli import run
 from bench.loadgen import Load, meter_frames, redis_frames
+from bench.scale import SCALE, read_ahead_modes
 from bench.scenarios import BATCH, RPC, SMOKE, Row, _in_turn
 
 pytestmark = pytest.mark.redis
@@ -151,3 +153,74 @@ def test_batch_sides_count_on_the_same_keys() -> None:
     assert len(node_keys) == len(redis_keys) == 200
     assert sorted(node_keys) == sorted(redis_keys)
     assert len(set(node_keys)) == 100
+
+
+@pytest.mark.dynamodb
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_smoke_scale_counts_exactly(tmp_path: Path) -> None:
+    """Scenario 8 at smoke size: every row measured, every answer the expected total, every
+    key seeded on demand, and the totals stored exactly the units acknowledged."""
+    sz = SMOKE.scale
+    out = io.StringIO()
+    doc = run(SMOKE, ["scale"], results_dir=tmp_path, out=out)
+    assert doc["failures"] == {}
+    rows = doc["rows"]
+    assert {r["scenario"] for r in rows} == {SCALE}
+    for r in rows:
+        assert "status" not in r["detail"], (r["metric"], r["detail"])
+        assert r["ours"] is not None and r["ours"] > 0, r["metric"]
+        assert r["reference"] is not None and r["reference"] > 0, r["metric"]
+        assert r["ratio"] is not None and r["ratio"] > 0, r["metric"]
+    ddb = [r for r in rows if r["metric"].startswith("DynamoDB")]
+    sqlite = [r for r in rows if r["metric"].startswith("SQLite")]
+    fom = [r for r in rows if r["metric"].startswith("first of the month")]
+    assert len(ddb) == 1 and len(sqlite) == 3 and len(fom) == 2 * len(read_ahead_modes(SMOKE))
+    assert len(rows) == len(ddb) + len(sqlite) + len(fom)
+
+    # 1: the node side against a measured bare loop, every key read on demand and stored once.
+    (d,) = ddb
+    assert d["reference_kind"] == "measured" and d["met"] in (True, False)
+    dd = d["detail"]
+    assert len(dd["rounds_ours"]) == len(dd["rounds_bare"]) == sz.ddb_rounds
+    assert all(x > 0 for x in dd["rounds_ours"] + dd["rounds_bare"])
+    assert [s["on_demand"] for s in dd["seeding_per_round"]] == [sz.ddb_keys] * sz.ddb_rounds
+    assert all(s["failed_reads"] == 0 and s["reads"] > 0 for s in dd["seeding_per_round"])
+    assert dd["errors"] == dd["nil_answers"] == dd["wrong_answers"] == 0
+    assert dd["tracked_items"] == sz.ddb_keys * sz.ddb_rounds
+    assert dd["stored_total"] == dd["tracked_items"] and dd["stored_exact"]
+
+    # 2: against the 50,000 keys/s target, and warm beside it; every key read from the file.
+    cold, *context = sqlite
+    assert cold["reference_kind"] == "target" and cold["reference"] == 50_000
+    assert all(r["reference_kind"] == "measured" and r["met"] is None for r in context)
+    sd = cold["detail"]
+    sides = 2 * sz.sqlite_rounds  # a default node and a deferred-flush node per round
+    assert [s["on_demand"] for s in sd["seeding_per_side"]] == [sz.sqlite_keys] * sides
+    assert len(sd["rounds_warm_items_per_s"]) == sz.sqlite_rounds
+    assert len(sd["rounds_deferred_flush_cold_keys_per_s"]) == sz.sqlite_rounds
+    assert sd["errors"] == sd["nil_answers"] == sd["wrong_answers"] == 0  # answers: stored + 1
+    assert sd["stored_each_want"] == 7 + 3 * sz.sqlite_rounds  # cold + warm, and cold
+    assert sd["stored_total"] == sz.sqlite_keys * sd["stored_each_want"] and sd["stored_exact"]
+
+    # 3: the month really ended under load on every node, and nothing was lost across it.
+    for r in fom:
+        assert r["reference_kind"] == "target" and r["reference"] == 100.0
+    for r in fom[::2]:
+        assert "after the boundary" in r["metric"]
+        for g in r["detail"]["runs"]:
+            assert g["window"]["calls"] > 0 and g["before"]["calls"] > 0
+            assert g["unanswered"] == g["errors"] == g["nil_answers"] == 0
+            assert g["calls_not_fully_counted"] == 0
+            assert g["acked_items"] > 3 * sz.rollover_keys  # the warm-up, then the load
+            assert g["stored_total"] == g["acked_items"] and g["stored_exact"]
+            assert 0 < g["stored_total_new_period"] < g["stored_total"]
+            assert g["boundary"].split(" -> ")[0] != g["boundary"].split(" -> ")[1]
+            ahead = sum(x["prefetched"] for x in g["seeding"]["whole_load"])
+            waited = sum(x["on_demand"] for x in g["seeding"]["window"])
+            if "read-ahead on" in r["metric"]:
+                assert ahead > 0  # next month's keys were read ahead
+            elif "read-ahead off" in r["metric"]:
+                assert ahead == 0 and waited > 0  # and read when asked for, after the end
+    text = out.getvalue()
+    assert "8 scale" in text and "50,000 (target)" in text
