@@ -13,7 +13,11 @@ It reads each HTTP/1.1 request whole, names its operation from the ``X-Amz-Targe
     the returned items (at least one) are taken out of ``Responses`` and put into
     ``UnprocessedKeys``, as DynamoDB does when it runs short of capacity, so the client has to
     ask for them again. ``Content-Length`` is fixed and ``x-amz-crc32`` recomputed (botocore
-    checks it).
+    checks it);
+:meth:`DynamoDBProxy.hold`
+    forwards each request but holds its answer until the test releases it
+    (:meth:`~DynamoDBProxy.release_held`, :meth:`~DynamoDBProxy.stop_holding`), so the node's
+    reads can be seen in flight and queued, wave by wave, whatever the machine's speed.
 
 Setting ``fail`` back to ``None`` heals the proxy; a request already held is not replayed.
 """
@@ -107,6 +111,10 @@ class DynamoDBProxy:
         self.moved = 0
         #: Keys asked for by ``BatchGetItem`` requests forwarded, per (pk, sk).
         self.asked: Counter[tuple[str, str]] = Counter()
+        #: ``BatchGetItem`` answers held now, and released so far (see :meth:`hold`).
+        self.held = 0
+        self.released = 0
+        self._release: asyncio.Event | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -132,6 +140,23 @@ class DynamoDBProxy:
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
+
+    def hold(self) -> None:
+        """From now on, hold each ``BatchGetItem`` answer until :meth:`release_held`."""
+        if self._release is None:
+            self._release = asyncio.Event()
+
+    def release_held(self) -> None:
+        """Send the answers held now; keep holding later ones."""
+        if self._release is not None:
+            self._release.set()
+            self._release = asyncio.Event()
+
+    def stop_holding(self) -> None:
+        """Send every held answer and hold no more."""
+        if self._release is not None:
+            self._release.set()
+            self._release = None
 
     async def __aenter__(self) -> DynamoDBProxy:
         await self.start()
@@ -168,6 +193,14 @@ class DynamoDBProxy:
                     return
                 if op == "BatchGetItem" and self.unprocessed > 0:
                     self._move_to_unprocessed(request, response)
+                release = self._release
+                if op == "BatchGetItem" and release is not None:
+                    self.held += 1
+                    try:
+                        await release.wait()
+                    finally:
+                        self.held -= 1
+                    self.released += 1
                 client_w.write(response.encode())
                 await client_w.drain()
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):

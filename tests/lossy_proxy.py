@@ -5,10 +5,6 @@ Put it between an HTTP client and DynamoDB Local. For each response, with probab
 forwarding the answer. The server has finished the request by then - a write has landed -
 but the client only sees a dropped connection: exactly the case where a blind retry counts
 twice. Requests are never dropped, so every loss is a lost acknowledgement.
-
-It can also *hold* the answers to DynamoDB's ``BatchGetItem`` (a node's seeding reads) until
-the test releases them (:meth:`LossyProxy.hold`), so reads are seen queued and in flight in a
-known order, whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -16,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import threading
-from collections.abc import Callable, Iterator
 
 
 class LossyProxy:
@@ -35,10 +29,6 @@ class LossyProxy:
         #: Responses closed instead of forwarded / forwarded intact.
         self.lost = 0
         self.forwarded = 0
-        #: BatchGetItem answers waiting to be released now, and released so far (:meth:`hold`).
-        self.held = 0
-        self.released = 0
-        self._release: asyncio.Event | None = None
 
     @property
     def endpoint(self) -> str:
@@ -63,24 +53,6 @@ class LossyProxy:
             await self._server.wait_closed()
             self._server = None
 
-    def hold(self) -> None:
-        """From now on, hold every ``BatchGetItem`` answer until :meth:`release_held`.
-        Call these three on the proxy's event loop (:func:`call_in`)."""
-        if self._release is None:
-            self._release = asyncio.Event()
-
-    def release_held(self) -> None:
-        """Forward the answers held now; keep holding later ones."""
-        if self._release is not None:
-            self._release.set()
-            self._release = asyncio.Event()
-
-    def stop_holding(self) -> None:
-        """Forward every held answer and hold nothing more."""
-        if self._release is not None:
-            self._release.set()
-            self._release = None
-
     async def __aenter__(self) -> LossyProxy:
         await self.start()
         return self
@@ -101,13 +73,9 @@ class LossyProxy:
         # Set when the client sent (part of) a request whose response has not started yet:
         # HTTP/1.1 clients do not pipeline, so the next bytes from upstream begin its answer.
         awaiting = asyncio.Event()
-        # Whether the request being answered is a BatchGetItem (its headers name the target).
-        batch_get = [False]
 
         async def upstream() -> None:
             while data := await client_r.read(65536):
-                if not awaiting.is_set():  # the first bytes of a request
-                    batch_get[0] = b"BatchGetItem" in data
                 awaiting.set()
                 up_w.write(data)
                 await up_w.drain()
@@ -116,14 +84,6 @@ class LossyProxy:
             while data := await up_r.read(65536):
                 if awaiting.is_set():
                     awaiting.clear()
-                    release = self._release
-                    if batch_get[0] and release is not None:
-                        self.held += 1
-                        try:
-                            await release.wait()
-                        finally:
-                            self.held -= 1
-                        self.released += 1
                     if self._random.random() < self.loss:
                         self.lost += 1
                         return  # close both sides: the answer is lost
@@ -147,29 +107,3 @@ class LossyProxy:
                 with contextlib.suppress(Exception):
                     await w.wait_closed()
             self._tasks.discard(task)
-
-
-def call_in(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:
-    """Run ``fn`` on ``loop`` (another thread's) and return once it has run."""
-
-    async def run() -> None:
-        fn()
-
-    asyncio.run_coroutine_threadsafe(run(), loop).result(10)
-
-
-@contextlib.contextmanager
-def running(proxy: LossyProxy) -> Iterator[asyncio.AbstractEventLoop]:
-    """Serve ``proxy`` from its own thread's event loop, for tests that drive real processes
-    from the main thread; yields that loop (``call_in(loop, proxy.hold)``)."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(10)
-        yield loop
-    finally:
-        asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()

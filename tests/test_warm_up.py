@@ -8,9 +8,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 from meter.client import Client
 from meter.keys import period_start
 from tests.conftest_dynamodb import create_table
-from tests.lossy_proxy import LossyProxy, call_in, running
+from tests.dynamodb_proxy import DynamoDBProxy
 from tests.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
 
 pytestmark = pytest.mark.slow
@@ -185,66 +184,75 @@ def test_keys_of_an_ended_period_are_not_read_ahead(workdir: Path) -> None:
         node.stop()
 
 
+async def until(cond: Callable[[], Any], what: str, timeout: float = 30) -> Any:
+    """:func:`wait_for` for a test whose event loop serves a proxy: ``cond`` runs in a thread
+    (it may call the node), the loop sleeps between tries."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (got := await asyncio.to_thread(cond)):
+        assert loop.time() < deadline, f"timed out after {timeout}s waiting for {what}"
+        await asyncio.sleep(0.01)
+    return got
+
+
 @pytest.mark.dynamodb
-def test_a_request_during_the_warm_up_is_read_before_the_rest_of_it(
-    workdir: Path, dynamodb_local: str
+async def test_a_request_during_the_warm_up_is_read_before_the_rest_of_it(
+    workdir: Path, dynamodb_local: str, dynamodb_table: str
 ) -> None:
     n = 3000  # 30 reads of 100 keys, 8 at a time: four waves
     names = features(n)
     last = names[-1]  # the key the warm-up reads last: the last one the node loaded
-    table = asyncio.run(create_table(dynamodb_local))
-    node = NodeProcess(workdir, **dynamo_env(dynamodb_local, table), **BASE).start()
-    try:
-        with Client.connect(node.socket, timeout=30) as client:
-            # Read, not written: warm keys need no stored item (and DynamoDB Local is slow
-            # to write thousands).
-            assert client.pipeline(("usage", ["acme", f]) for f in names[:-1]) == [0] * (n - 1)
-            assert client.track("acme", last, 7) == 7
-        wait_for(lambda: flushed(node), what="the tracked key to be flushed")
-        assert node.stop() == 0
-    finally:
-        node.stop()
-    proxy = LossyProxy(int(dynamodb_local.rsplit(":", 1)[1]), loss=0)
-    with running(proxy) as loop:
-        call_in(loop, proxy.hold)
+
+    def first_life() -> None:
+        node = NodeProcess(workdir, **dynamo_env(dynamodb_local, dynamodb_table), **BASE)
+        node.start()
+        try:
+            with Client.connect(node.socket, timeout=30) as client:
+                # Read, not written: warm keys need no stored item (and DynamoDB Local is
+                # slow to write thousands).
+                got = client.pipeline(("usage", ["acme", f]) for f in names[:-1])
+                assert got == [0] * (n - 1)
+                assert client.track("acme", last, 7) == 7
+            wait_for(lambda: flushed(node), what="the tracked key to be flushed")
+            assert node.stop() == 0
+        finally:
+            node.stop()
+
+    await asyncio.to_thread(first_life)
+    async with DynamoDBProxy(int(dynamodb_local.rsplit(":", 1)[1])) as proxy:
+        proxy.hold()
         # Held reads must not time out and be sent again.
-        env = {**dynamo_env(proxy.endpoint, table), **BASE, "METER_DYNAMODB_READ_TIMEOUT_S": "300"}
-        node = NodeProcess(workdir, **env).start()
+        env = {**dynamo_env(proxy.endpoint, dynamodb_table), **BASE}
+        node = NodeProcess(workdir, **env, METER_DYNAMODB_READ_TIMEOUT_S="300")
+        await asyncio.to_thread(node.start)
         try:
             # The warm-up's first wave of reads is out, its answers held: no read is free.
-            wait_for(lambda: proxy.held == 8, timeout=30, what="eight reads ahead held")
-            assert node.call("status")["seeding"]["in_flight"] == 800
-            answers: list[Any] = []
-
-            def ask() -> None:
-                answers.append(raw_call(node.socket, "usage", "acme", last, timeout=60))
-
-            asking = threading.Thread(target=ask)
-            asking.start()
-            wait_for(
+            await until(lambda: proxy.held == 8, "eight reads ahead held")
+            assert (await asyncio.to_thread(node.call, "status"))["seeding"]["in_flight"] == 800
+            asking = asyncio.ensure_future(
+                asyncio.to_thread(raw_call, node.socket, "usage", "acme", last, timeout=60)
+            )
+            await until(
                 lambda: node.call("status")["server"]["in_flight"] == 1,
-                what="the usage call to wait for its key",
+                "the usage call to wait for its key",
             )
             # The first wave lands; the second takes the request's key first ...
-            call_in(loop, proxy.release_held)
-            wait_for(
-                lambda: proxy.released == 8 and proxy.held == 8,
-                timeout=30,
-                what="the second wave held",
-            )
+            proxy.release_held()
+            await until(lambda: proxy.released == 8 and proxy.held == 8, "the second wave held")
             # ... so its answer needs no more than that wave.
-            call_in(loop, proxy.release_held)
-            asking.join(30)
-            assert answers == [(None, 7)], answers
-            st = node.call("status")["seeding"]
+            proxy.release_held()
+            done, _ = await asyncio.wait({asking}, timeout=30)
+            assert done, "the request's key was not read in the second wave: it waits behind"
+            assert asking.result() == (None, 7)
+            st = (await asyncio.to_thread(node.call, "status"))["seeding"]
             assert st["on_demand"] == 1, st  # read for the request, not ahead
             # The warm-up is far from done: its third wave is held, and more is queued.
             assert st["prefetched"] <= 1500 and st["queued"] >= 600, st
-            call_in(loop, proxy.stop_holding)
-            st = wait_for(lambda: warmed(node, n - 1), timeout=60, what="the warm-up to end")
-            assert st["seeding"]["on_demand"] == 1 and st["keys"]["warm"] == n
-            line = wait_for(lambda: warm_up_line(node), what="the warm-up's log line")
+            proxy.stop_holding()
+            got = await until(lambda: warmed(node, n - 1), "the warm-up to end", timeout=60)
+            assert got["seeding"]["on_demand"] == 1 and got["keys"]["warm"] == n
+            line = await until(lambda: warm_up_line(node), "the warm-up's log line")
             assert f"{n} of {n} recently active keys warm" in line, line
         finally:
-            call_in(loop, proxy.stop_holding)
-            node.stop()
+            proxy.stop_holding()
+            await asyncio.to_thread(node.stop)
