@@ -1,4 +1,4 @@
-"""Coalesced seeding on a real node process against Amazon DynamoDB Local (S05-S07).
+"""Coalesced seeding on a real node process against Amazon DynamoDB Local (L01, L03, L04).
 
 The node reads cold keys from DynamoDB in batches (``BatchGetItem`` of 100 keys), not one read
 per key. Each test runs a fresh ``meter serve`` whose endpoint is a :class:`DynamoDBProxy`: the
@@ -118,7 +118,7 @@ async def wait_status(sock: Path, cond: Any, what: str, timeout: float = 60) -> 
 async def test_cold_keys_asked_for_concurrently_are_read_in_batches_of_a_hundred(
     workdir: Path, dynamodb_local: str, dynamodb_table: str, proxy: DynamoDBProxy
 ) -> None:
-    """S05: 1,000 cold keys asked for by four clients at once, each in five ``track_many``
+    """L01: 1,000 cold keys asked for by four clients at once, each in five ``track_many``
     calls of 200 items (every client every key, in its own order): every item is counted,
     the node reads the keys in about 1,000 / 100 ``BatchGetItem`` requests, each key once;
     then 300 more cold keys, one per ``track`` call, from four clients at once: read in a few
@@ -199,7 +199,7 @@ async def test_cold_keys_asked_for_concurrently_are_read_in_batches_of_a_hundred
 async def test_a_batch_answered_partly_unprocessed_seeds_every_key_with_its_stored_total(
     workdir: Path, dynamodb_local: str, dynamodb_table: str, proxy: DynamoDBProxy
 ) -> None:
-    """S06: DynamoDB answers the seeding reads with part of their keys unprocessed (eight
+    """L03: DynamoDB answers the seeding reads with part of their keys unprocessed (eight
     times); the storage asks for those again, so every key is seeded with its stored total
     and sequences: ``usage`` answers exactly the stored totals, and the node's tracks are
     stored on top of them once (the keys its id wrote before continue after its stored
@@ -240,7 +240,7 @@ async def test_a_batch_answered_partly_unprocessed_seeds_every_key_with_its_stor
 async def test_a_failed_seeding_batch_counts_and_the_flusher_seeds_it_when_storage_heals(
     workdir: Path, dynamodb_local: str, dynamodb_table: str, proxy: DynamoDBProxy, fault: str
 ) -> None:
-    """S07: while every ``BatchGetItem`` fails (answered 500, or the connection dropped),
+    """L04: while every ``BatchGetItem`` fails (answered 500, or the connection dropped),
     cold keys are still counted (``track`` and ``track_many`` answer nil), ``usage`` on them
     answers ``unavailable``, and no total is invented; once reads work again the flusher
     seeds them by itself and stores every unit once on top of the stored totals."""
