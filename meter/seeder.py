@@ -166,11 +166,14 @@ class Seeder:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        for batch in [*self._now, *self._ahead]:
+        # Every batch, queued or sent: a read task cancelled before it ran never got to its
+        # finally (the reading count is reset below), so its callers would wait for ever.
+        for batch in {*self._now, *self._ahead, *self._where.values()}:
             _wake(batch)
         self._now.clear()
         self._ahead.clear()
         self._where.clear()
+        self._reading = 0
 
     # -- batching ---------------------------------------------------------------------------
 

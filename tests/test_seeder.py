@@ -703,3 +703,22 @@ def test_a_key_seeded_elsewhere_while_it_was_read_again_gets_its_full_tries_next
         rig.loop.settle()
         assert second.result() is True
         assert rig.table.base(key) == 5
+
+
+async def test_close_wakes_callers_of_reads_cancelled_before_they_ran() -> None:
+    """A read task cancelled by close() before its first step never runs its cleanup: its
+    callers must still wake (a draining node answers them), with their keys unseeded."""
+    from meter.seeder import Seeder
+    from meter.table import CounterTable
+    from storage.memory import MemoryStorage
+
+    table = CounterTable("n1")
+    seeder = Seeder(table, MemoryStorage(), chunk=10, concurrency=2)
+    key = ("acme", "api", "2026-11")
+    waiter = asyncio.ensure_future(seeder.seed(key))
+    for _ in range(2):  # the waiter queues the key; the next pass dispatches its read task
+        await asyncio.sleep(0)
+    assert seeder.stats.reads == 0 and seeder._reading == 1, "read task created, not run"
+    await seeder.close()
+    await asyncio.wait_for(waiter, 1)
+    assert waiter.result() is False and not table.is_seeded(key)
