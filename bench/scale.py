@@ -505,6 +505,9 @@ def sqlite_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
         # Either way the node may take its time to store 100,000 keys when stopped (the
         # default drain_timeout_s is 30 s).
         env = {"METER_DRAIN_TIMEOUT_S": "3600"} if default else DEFERRED_FLUSH
+        # Each side restarts the node on the same data dir: without this, the warm-up after a
+        # restart (ADR 0006) would read the keys the last side used ahead of the load.
+        env = {**env, "METER_WARM_UP_MAX_KEYS": "0"}
         node = svc.node(
             "scale-sqlite",
             clock_shift=None,
