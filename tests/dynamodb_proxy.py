@@ -31,6 +31,8 @@ import zlib
 from collections import Counter
 from typing import Any
 
+from tests.lossy_proxy import LoopbackProxy
+
 TARGET_PREFIX = "DynamoDB_20120810."
 
 
@@ -92,12 +94,12 @@ async def read_message(reader: asyncio.StreamReader) -> Message | None:
     return msg
 
 
-class DynamoDBProxy:
+class DynamoDBProxy(LoopbackProxy):
     """Listens on ``127.0.0.1:<port>`` and forwards to ``127.0.0.1:<upstream_port>``."""
 
     def __init__(self, upstream_port: int) -> None:
+        super().__init__()
         self.upstream_port = upstream_port
-        self.port = 0
         #: ``"500"`` or ``"drop"``: how ``BatchGetItem`` requests fail now; ``None``: they pass.
         self.fail: str | None = None
         #: How many more ``BatchGetItem`` answers with items to rewrite (see the module doc).
@@ -115,31 +117,6 @@ class DynamoDBProxy:
         self.held = 0
         self.released = 0
         self._release: asyncio.Event | None = None
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    @property
-    def endpoint(self) -> str:
-        """The endpoint URL clients should use instead of the upstream's."""
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        """Start listening on a free loopback port."""
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        """Stop listening and drop every open connection."""
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
 
     def hold(self) -> None:
         """From now on, hold each ``BatchGetItem`` answer until :meth:`release_held`."""
@@ -157,13 +134,6 @@ class DynamoDBProxy:
         if self._release is not None:
             self._release.set()
             self._release = None
-
-    async def __aenter__(self) -> DynamoDBProxy:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

@@ -12,23 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from typing import Self
 
 
-class LossyProxy:
-    """Listens on ``127.0.0.1:<port>`` and forwards to ``127.0.0.1:<upstream_port>``."""
+class LoopbackProxy:
+    """A TCP proxy on a free loopback port: ``start``/``close`` (or ``async with``), the
+    ``endpoint`` clients use; subclasses handle each connection (``_handle``), registering
+    its task in ``_tasks`` so :meth:`close` can drop it."""
 
-    def __init__(self, upstream_port: int, *, loss: float = 0.25, seed: int | None = None) -> None:
-        if not 0 <= loss <= 1:
-            raise ValueError(f"loss must be within 0..1, got {loss}")
-        self.upstream_port = upstream_port
-        self.loss = loss
-        self._random = random.Random(seed)
+    def __init__(self) -> None:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.port = 0
-        #: Responses closed instead of forwarded / forwarded intact.
-        self.lost = 0
-        self.forwarded = 0
 
     @property
     def endpoint(self) -> str:
@@ -53,12 +48,30 @@ class LossyProxy:
             await self._server.wait_closed()
             self._server = None
 
-    async def __aenter__(self) -> LossyProxy:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class LossyProxy(LoopbackProxy):
+    """Listens on ``127.0.0.1:<port>`` and forwards to ``127.0.0.1:<upstream_port>``."""
+
+    def __init__(self, upstream_port: int, *, loss: float = 0.25, seed: int | None = None) -> None:
+        if not 0 <= loss <= 1:
+            raise ValueError(f"loss must be within 0..1, got {loss}")
+        self.upstream_port = upstream_port
+        self.loss = loss
+        self._random = random.Random(seed)
+        super().__init__()
+        #: Responses closed instead of forwarded / forwarded intact.
+        self.lost = 0
+        self.forwarded = 0
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
