@@ -84,7 +84,7 @@ DRAIN_TIMEOUT_S = 1800.0
 #: Set (e.g. to 1000, the default) to run parts 1 and 3 with the node flushing every this
 #: many ms instead of deferring its writes to the end.
 FLUSH_ENV = "BENCH_SCALE_FLUSH_INTERVAL_MS"
-#: Set to a comma-separated subset of ``ddb,sqlite,rollover`` to run only those parts.
+#: Set to a comma-separated subset of ``ddb,sqlite,rollover,converge`` to run only those parts.
 PARTS_ENV = "BENCH_SCALE_PARTS"
 
 
@@ -1018,10 +1018,17 @@ def first_of_month(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]
     return rows
 
 
+def _converge(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    from bench.scale_converge import convergence_rows  # it builds on this module
+
+    return convergence_rows(svc, sizes, progress)
+
+
 PARTS = {
     "ddb": ("DynamoDB cold seeding", ddb_cold),
     "sqlite": ("SQLite cold seeding", sqlite_cold),
     "rollover": ("first of the month", first_of_month),
+    "converge": ("convergence under load", _converge),
 }
 
 

@@ -48,6 +48,13 @@ class ScaleSizes:
     rollover_rounds: int  # runs per read-ahead mode (off / on)
     #: Parts 1 and 3: drain the nodes and check every stored total (else kill them).
     store_check: bool
+    #: Part 4, convergence under load: active keys per node (judged), keys per node of the
+    #: reported run, items/s per node, seconds probed, runs per size.
+    conv_keys: int = 10_000
+    conv_keys_report: int = 100_000
+    conv_rate: float = 20_000.0
+    conv_seconds: float = 20.0
+    conv_rounds: int = 1
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,9 @@ FULL = Sizes(
     200,
     (50, 100),
     ((1, 1), (4, 1), (16, 1), (4, 16)),
-    ScaleSizes(10_000, 5, 100_000, 3, 10_000, 2.0, 30.0, 25.0, 10.0, 5.0, 1, True),
+    ScaleSizes(
+        10_000, 5, 100_000, 3, 10_000, 2.0, 30.0, 25.0, 10.0, 5.0, 1, True, conv_seconds=30.0
+    ),
 )
 QUICK = Sizes(
     "quick",
@@ -97,7 +106,7 @@ QUICK = Sizes(
     30,
     (100,),
     ((1, 1), (4, 1), (16, 1), (4, 16)),
-    ScaleSizes(5_000, 3, 20_000, 3, 3_000, 2.0, 25.0, 12.0, 7.0, 5.0, 1, False),
+    ScaleSizes(5_000, 3, 20_000, 3, 3_000, 2.0, 25.0, 12.0, 7.0, 5.0, 1, False, conv_seconds=10.0),
 )
 SMOKE = Sizes(
     "smoke",
@@ -112,7 +121,7 @@ SMOKE = Sizes(
     5,
     (100,),
     ((2, 4),),
-    ScaleSizes(400, 1, 1_000, 1, 200, 1.0, 6.0, 4.0, 2.0, 2.0, 1, True),
+    ScaleSizes(400, 1, 1_000, 1, 200, 1.0, 6.0, 4.0, 2.0, 2.0, 1, True, 200, 400, 2_000.0, 2.0),
 )
 
 

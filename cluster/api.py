@@ -23,16 +23,18 @@ class GossipSource(Protocol):
         """Keys with units to gossip."""
         ...
 
-    def take_gossip(self, key: Key) -> list[tuple[int, int]]:
-        """``[(flush_seq, delta)]`` not yet gossiped for ``key``."""
+    def take_gossip_all(self) -> list[tuple[str, str, str, int, int]]:
+        """Every touched key's not-yet-gossiped units, as ``(tenant, feature, period,
+        flush_seq, delta)`` items, taken at once."""
         ...
 
 
 class GossipTable(GossipSource, Protocol[S_contra]):
     """The counter table's public API as the gossip layer uses it."""
 
-    def apply_remote(self, key: Key, peer: str, seq: int, delta: int) -> bool:
-        """Add a peer's delta tagged with its flush sequence."""
+    def apply_remote_many(self, peer: str, items: Iterable[tuple[str, str, str, int, int]]) -> int:
+        """Add a peer's ``(tenant, feature, period, flush_seq, delta)`` items; return how
+        many were applied."""
         ...
 
     def rebase(self, key: Key, snap: S_contra, source: str = ...) -> bool:

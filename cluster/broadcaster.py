@@ -38,6 +38,7 @@ class SendStats:
     failed: int = 0  # publish failed (bus down): the frame is lost, peers see a gap
     dropped: int = 0  # outbox full: the frame is lost, peers see a gap
     last_error: str | None = None
+    encode_s: float = 0.0  # CPU seconds spent taking and encoding deltas (this thread)
 
 
 class Broadcaster:
@@ -94,13 +95,11 @@ class Broadcaster:
         """
         if not self.bus.connected or self.muted:
             return 0
-        items: list[DeltaItem] = []
-        for key in self.table.touched_keys():
-            for seq, delta in self.table.take_gossip(key):
-                if delta:
-                    items.append((key[0], key[1], key[2], seq, delta))
+        t0 = time.thread_time()
+        items: list[DeltaItem] = self.table.take_gossip_all()
         for part in chunks(items, self.frame_budget):
             self._queue("deltas", part)
+        self.stats.encode_s += time.thread_time() - t0
         return len(items)
 
     def gossip_committed(self) -> None:
@@ -216,4 +215,5 @@ class Broadcaster:
             "queued": self._outbox.qsize(),
             "last_error": s.last_error,
             "seq": self.seq,
+            "encode_s": round(s.encode_s, 6),
         }

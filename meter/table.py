@@ -754,6 +754,35 @@ class CounterTable:
                 row.flags |= GOSSIP_OPEN
             return out
 
+    def take_gossip_all(self) -> list[tuple[str, str, str, int, int]]:
+        """:meth:`take_gossip` of every touched key under one lock, as ``(tenant, feature,
+        period, seq, delta)`` items (zero deltas left out), in the order keys were touched."""
+        out: list[tuple[str, str, str, int, int]] = []
+        append = out.append
+        with self._lock:
+            rows = self._rows
+            touched, self._touched = self._touched, []
+            for key in touched:
+                row = rows.get(key)
+                if row is None or not row.flags & TOUCHED:
+                    continue  # evicted, or listed twice
+                row.flags &= ~TOUCHED
+                if not row.flags & SEEDED:
+                    continue  # as in take_gossip: seed() marks it touched again
+                t, f, p = key
+                ext = row.ext
+                if ext is not None and ext.sealed is not None:
+                    for seq, delta in ext.sealed:
+                        if delta:
+                            append((t, f, p, seq, delta))
+                    ext.sealed = None
+                    row.tidy()
+                if row.pending_gossip:
+                    append((t, f, p, row.own_seq + 1, row.pending_gossip))
+                    row.pending_gossip = 0
+                    row.flags |= GOSSIP_OPEN
+        return out
+
     def take_pending(self, key: Key, kind: PendingKind) -> list[Tagged]:
         """Take a pending column: ``flush`` as in :meth:`take_flush`, ``gossip`` as in
         :meth:`take_gossip`. Returns the tagged deltas taken (empty if none)."""
@@ -883,6 +912,35 @@ class CounterTable:
             ext.remote_total += delta
             row.extra += delta
             return True
+
+    def apply_remote_many(self, peer: str, items: Iterable[tuple[str, str, str, int, int]]) -> int:
+        """:meth:`apply_remote` of ``(tenant, feature, period, seq, delta)`` items of one
+        ``peer`` under one lock; return how many were applied."""
+        if peer == self.node:
+            return 0
+        applied = 0
+        with self._lock:
+            rows = self._rows
+            for t, f, p, seq, delta in items:
+                row = rows.get((t, f, p))
+                if row is None or not row.flags & SEEDED:
+                    continue
+                ext = row.ext
+                if ext is None:
+                    ext = row.ext = Ext()
+                elif ext.peer_seqs is not None and ext.peer_seqs.get(peer, 0) >= seq:
+                    continue
+                remote = ext.remote
+                if remote is None:
+                    remote = ext.remote = {}
+                by_seq = remote.get(peer)
+                if by_seq is None:
+                    by_seq = remote[peer] = {}
+                by_seq[seq] = by_seq.get(seq, 0) + delta
+                ext.remote_total += delta
+                row.extra += delta
+                applied += 1
+        return applied
 
     def forget_peer(self, peer: str) -> int:
         """Drop every remote delta of ``peer``; return the units dropped.

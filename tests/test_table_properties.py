@@ -184,9 +184,24 @@ class ClusterMachine(RuleBasedStateMachine):
                 if peer != node:
                     self.wire[(node, peer)].append((key, seq, delta))
 
-    def deliver(self, sender: str, receiver: str) -> None:
-        key, seq, delta = self.wire[(sender, receiver)].popleft()
-        self.tables[receiver].apply_remote(key, sender, seq, delta)
+    def gossip_all(self, node: str) -> None:
+        for t, f, p, seq, delta in self.tables[node].take_gossip_all():
+            for peer in NODES:
+                if peer != node:
+                    self.wire[(node, peer)].append(((t, f, p), seq, delta))
+
+    def deliver(self, sender: str, receiver: str, n: int = 0) -> None:
+        """Deliver the next message (``n`` 0: alone, through ``apply_remote``); or the next
+        ``n`` in one frame, through ``apply_remote_many``."""
+        queue = self.wire[(sender, receiver)]
+        if not n:
+            key, seq, delta = queue.popleft()
+            self.tables[receiver].apply_remote(key, sender, seq, delta)
+            return
+        items = [queue.popleft() for _ in range(min(n, len(queue)))]
+        self.tables[receiver].apply_remote_many(
+            sender, [(*key, seq, delta) for key, seq, delta in items]
+        )
 
     # -- local operations --------------------------------------------------------------------
 
@@ -357,10 +372,12 @@ class ClusterMachine(RuleBasedStateMachine):
         if self.batch[node]:
             (self.log_fail if fail else self.log_commit)(node)
         touched = sorted(self.tables[node].touched_keys())
-        # A tick takes every touched key (pick 0); a partial take, one of them.
-        if touched:
-            for key in touched if pick == 0 else [touched[pick % len(touched)]]:
-                self.gossip_once(node, key)
+        # A tick takes every touched key at once (pick 0: take_gossip_all, the broadcaster's
+        # way); a partial take, one of them (take_gossip).
+        if pick == 0:
+            self.gossip_all(node)
+        elif touched:
+            self.gossip_once(node, touched[pick % len(touched)])
 
     def busy_link(self, pick: int) -> tuple[str, str]:
         """One (sender, receiver) pair with messages waiting (picking among those only:
@@ -369,8 +386,12 @@ class ClusterMachine(RuleBasedStateMachine):
         return busy[pick % len(busy)]
 
     @precondition(lambda self: any(self.wire.values()))
-    @rule(pick=st.integers(min_value=0, max_value=5), overtake=st.integers(0, 3))
-    def deliver_gossip(self, pick: int, overtake: int) -> None:
+    @rule(
+        pick=st.integers(min_value=0, max_value=5),
+        overtake=st.integers(0, 3),
+        frame=st.integers(0, 4),
+    )
+    def deliver_gossip(self, pick: int, overtake: int, frame: int) -> None:
         sender, receiver = self.busy_link(pick)
         queue = self.wire[(sender, receiver)]
         if overtake and len(queue) > 1:
@@ -380,7 +401,7 @@ class ClusterMachine(RuleBasedStateMachine):
             del queue[k]
             queue.appendleft(later)
             self.seen["reordered"] += 1
-        self.deliver(sender, receiver)
+        self.deliver(sender, receiver, frame)
         self.seen["delivered"] += 1
 
     @precondition(lambda self: any(self.wire.values()))
@@ -425,11 +446,10 @@ class ClusterMachine(RuleBasedStateMachine):
                 for key in dirty:
                     self.flush_once(node, key, "ack")
             assert not table.dirty_keys(), f"{node} still dirty after flushing"
-            for key in table.touched_keys():
-                self.gossip_once(node, key)
+            self.gossip_all(node)
         for sender, receiver in self.wire:
             while self.wire[(sender, receiver)]:
-                self.deliver(sender, receiver)
+                self.deliver(sender, receiver, 64)
         for node in NODES:
             for key, snap in self.announced[node]:
                 self.tables[node].rebase(key, snap, source="gossip")

@@ -1,0 +1,102 @@
+"""CounterTable.take_gossip_all and apply_remote_many: the batch forms the gossip layer uses
+equal the per-key take_gossip / apply_remote they replace, whatever came before."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meter.table import CounterTable
+from storage.base import Snapshot
+
+KEYS = [("t", f, "2026-11") for f in ("a", "b", "c", "d")]
+PEERS = ["n1", "n2", "n3"]  # n1 is the table's own id: its deltas must be skipped
+
+keys = st.sampled_from(KEYS)
+ops = st.one_of(
+    st.tuples(st.just("incr"), keys, st.integers(-5, 20)),
+    st.tuples(st.just("seed"), keys, st.integers(0, 50), st.integers(0, 3)),
+    st.tuples(st.just("flush"), keys, st.booleans()),
+    st.tuples(st.just("take"), st.integers(0, 3)),
+    st.tuples(
+        st.just("remote"),
+        st.sampled_from(PEERS),
+        st.lists(st.tuples(keys, st.integers(1, 4), st.integers(-3, 9)), max_size=6),
+    ),
+    st.tuples(st.just("rebase"), keys, st.integers(0, 99), st.integers(0, 4)),
+    st.tuples(st.just("evict")),
+)
+
+
+def _per_key_take(t: CounterTable) -> list[tuple[str, str, str, int, int]]:
+    out = []
+    for key in t.touched_keys():
+        for seq, delta in t.take_gossip(key):
+            if delta:
+                out.append((*key, seq, delta))
+    return out
+
+
+def _state(t: CounterTable) -> Any:
+    return sorted((k, t.columns(k)) for k in t.keys())  # noqa: SIM118 (keys() is a method, not a dict's), sorted(t.touched_keys())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(ops, max_size=40))
+def test_batch_gossip_equals_per_key(steps: list[tuple[Any, ...]]) -> None:
+    a, b = CounterTable("n1"), CounterTable("n1")  # a: batch forms; b: per key
+    for step in steps:
+        kind = step[0]
+        if kind == "incr":
+            assert a.incr(step[1], step[2]) == b.incr(step[1], step[2])
+        elif kind == "seed":
+            snap = Snapshot(step[2], {"n2": step[3]} if step[3] else {})
+            assert a.seed(step[1], snap) == b.seed(step[1], snap)
+        elif kind == "flush":
+            ta, tb = a.take_flush(step[1]), b.take_flush(step[1])
+            assert ta == tb
+            if ta is not None and step[2]:  # acknowledged: the store now holds it
+                seq, delta = ta
+                based = a.based_on(step[1])
+                assert based is not None
+                seqs = {**based.seqs, "n1": seq}
+                snap = Snapshot(based.total + delta, seqs)
+                assert a.rebase(step[1], snap) == b.rebase(step[1], snap)
+        elif kind == "take":
+            assert a.take_gossip_all() == _per_key_take(b)
+        elif kind == "remote":
+            peer, items = step[1], step[2]
+            flat = [(*k, seq, d) for k, seq, d in items]
+            want = sum(b.apply_remote(k, peer, seq, d) for k, seq, d in items)
+            assert a.apply_remote_many(peer, flat) == want
+        elif kind == "rebase":
+            snap = Snapshot(step[2], {"n2": step[3]})
+            assert a.rebase(step[1], snap, "gossip") == b.rebase(step[1], snap, "gossip")
+        elif kind == "evict":
+            assert a.evict_idle() == b.evict_idle()
+        assert _state(a) == _state(b)
+    assert a.take_gossip_all() == _per_key_take(b)
+    assert _state(a) == _state(b)
+
+
+def test_take_gossip_all_leaves_nothing_touched() -> None:
+    t = CounterTable("n1")
+    t.seed(KEYS[0], Snapshot(0, {}))
+    t.incr(KEYS[0], 3)
+    t.incr(KEYS[1], 2)  # cold: unseeded, its flush sequence unknown, not gossiped yet
+    assert t.take_gossip_all() == [("t", "a", "2026-11", 1, 3)]
+    assert t.touched_keys() == []
+    assert t.take_gossip_all() == []
+    t.seed(KEYS[1], Snapshot(10, {}))  # seeding marks it touched again
+    assert t.take_gossip_all() == [("t", "b", "2026-11", 1, 2)]
+
+
+def test_apply_remote_many_skips_own_id_and_cold_keys() -> None:
+    t = CounterTable("n1")
+    t.seed(KEYS[0], Snapshot(5, {"n2": 2}))
+    items = [("t", "a", "2026-11", 2, 7), ("t", "a", "2026-11", 3, 4), ("t", "z", "2026-11", 1, 9)]
+    assert t.apply_remote_many("n1", items) == 0
+    assert t.apply_remote_many("n2", items) == 1  # seq 2 is in the base; z is cold
+    assert t.value(KEYS[0]) == 9
