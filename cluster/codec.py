@@ -227,7 +227,7 @@ class Codec:
         if not isinstance(body, list) or len(body) > MAX_ITEMS:
             raise _Bad("body is not an array (or too long)")
         if kind == "deltas":
-            return Message(header, kind, deltas=tuple(_delta(i) for i in body))
+            return Message(header, kind, deltas=_deltas(body))
         return Message(header, kind, announcements=tuple(_announce(i) for i in body))
 
 
@@ -272,6 +272,28 @@ def _key(item: Any, what: str) -> tuple[str, str, str]:
 def _delta(item: Any) -> DeltaItem:
     t, f, p = _key(item, "delta")
     return (t, f, p, _uint(item[3], "flush_seq", lo=1), _bigint(item[4], "delta"))
+
+
+def _deltas(body: list[Any]) -> tuple[DeltaItem, ...]:
+    """Every item of a deltas body, checked as :func:`_delta` does; the common shape (three
+    short strings, two 64-bit ints) is checked inline: this runs for every delta a node hears
+    (profiled: the per-field calls were most of a loaded node's decoding)."""
+    out: list[DeltaItem] = []
+    append = out.append
+    for item in body:
+        if type(item) is list and len(item) == 5:
+            t, f, p, seq, delta = item
+            if (
+                type(t) is str and 0 < len(t) <= MAX_STR
+                and type(f) is str and 0 < len(f) <= MAX_STR
+                and type(p) is str and 0 < len(p) <= MAX_STR
+                and type(seq) is int and 1 <= seq <= INT64_MAX
+                and type(delta) is int
+            ):  # fmt: skip
+                append((t, f, p, seq, delta))
+                continue
+        append(_delta(item))  # the uncommon shapes (big integers), or raises _Bad
+    return tuple(out)
 
 
 def _announce(item: Any) -> AnnounceItem:

@@ -7,9 +7,11 @@ import hmac
 from typing import Any
 
 import msgpack
-from hypothesis import given, settings
+import pytest
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import cluster.codec as codec_mod
 from cluster.codec import (
     MAC_LEN,
     MAX_FRAME_BYTES,
@@ -228,3 +230,51 @@ def test_chunks_split_big_batches_under_the_budget() -> None:
     for part in parts:
         assert len(c.encode(H, "deltas", part)) <= 16 * 1024
     assert list(chunks([], 100)) == []
+
+
+_field = st.one_of(
+    st.text(max_size=3),
+    st.integers(min_value=-(2**64), max_value=2**64),
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=False),
+)
+# Mostly well-formed fields (so whole items often are), with the edge cases among them.
+_ok_name = st.text(min_size=1, max_size=3)
+_name = st.one_of(_ok_name, _ok_name, _ok_name, st.sampled_from(["", "x" * 1024, "x" * 1025, 1]))
+_ok_int = st.integers(min_value=-(2**70), max_value=2**70).map(codec_mod._wire_int)
+_int = st.one_of(
+    _ok_int,
+    _ok_int,
+    st.sampled_from([0, 1, -1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, True, 1.0, "7", "-x"]),
+)
+_item = st.one_of(
+    st.tuples(_name, _name, _name, _int, _int).map(list),  # the delta shape, near its edges
+    st.lists(_field, min_size=0, max_size=6),
+    _field,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_item, max_size=8))
+@example([["a", "b", "c", 0, 1]])
+@example([["a", "b", "c", 2**63, 1]])
+@example([["a", "b", "c", True, 1]])
+@example([["a", "b", "c", 1, True]])
+@example([["a", "b", "c", 1, "12"]])
+@example([["a", "b", "c", 1, 1.0]])
+@example([["a", "x" * 1024, "c", 1, 1]])
+@example([["a", "x" * 1025, "c", 1, 1]])
+@example([["", "b", "c", 1, 1]])
+@example([["a", "b", "c", 1]])
+@example([("a", "b", "c", 1, 1)])
+def test_the_inline_delta_check_equals_the_per_field_one(body: list[Any]) -> None:
+    """``_deltas`` (inline checks for the common shape) accepts and returns exactly what
+    ``_delta`` item by item does, and refuses what it refuses."""
+    try:
+        want = tuple(codec_mod._delta(i) for i in body)
+    except codec_mod._Bad:
+        with pytest.raises(codec_mod._Bad):
+            codec_mod._deltas(body)
+        return
+    assert codec_mod._deltas(body) == want
