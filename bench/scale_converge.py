@@ -24,7 +24,7 @@ import asyncio
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 import msgpack
@@ -45,7 +45,6 @@ from bench.scale import (
 )
 from bench.scenarios import Progress, Row, Sizes, _create_table, _median
 from bench.services import Services
-from tests.nodes import NodeProcess
 
 #: Items per ``track_many`` call of the load.
 ITEMS = 200
@@ -88,14 +87,22 @@ async def _rpc(
         unpacker.feed(data)
 
 
+def probe_in_process(
+    sockets: list[str], t_start: float, t_end: float, tick_s: float
+) -> tuple[list[float], int, int]:
+    """:func:`_probe` in a process of its own (run by a ``ProcessPoolExecutor``): the load's
+    client loop lags by tens of ms at this rate, and a probe sharing it would time that."""
+    return asyncio.run(_probe(sockets, t_start, t_end, tick_s))
+
+
 async def _probe(
-    nodes: list[NodeProcess], t_start: float, t_end: float, tick_s: float, timeout: float = 30.0
+    sockets: list[str], t_start: float, t_end: float, tick_s: float, timeout: float = 30.0
 ) -> tuple[list[float], int, int]:
     """Samples (ms) until ``t_end``; the readings above the expected total or below the
     last one (a double count or a dip); and the samples not seen within ``timeout`` (counted
     at ``timeout``; the probe then stops: the nodes are too far behind to measure)."""
-    conns = [await asyncio.open_unix_connection(str(p.socket)) for p in nodes]
-    unpackers = [msgpack.Unpacker(raw=False) for _ in nodes]
+    conns = [await asyncio.open_unix_connection(path) for path in sockets]
+    unpackers = [msgpack.Unpacker(raw=False) for _ in sockets]
     lat: list[float] = []
     anomalies = unseen = 0
     try:
@@ -111,13 +118,13 @@ async def _probe(
         while time.monotonic() < t_end:
             # Spread the samples over the tick's phase.
             await asyncio.sleep(tick_s * ((s * 0.618) % 1.0))
-            src = s % len(nodes)
+            src = s % len(sockets)
             t0 = time.monotonic()
             got = await _rpc(conns[src], unpackers[src], "track", PROBE_TENANT, PROBE_FEATURE, 1)
             expected += 1
             if got != expected:
                 anomalies += 1
-            pending = [i for i in range(len(nodes)) if i != src]
+            pending = [i for i in range(len(sockets)) if i != src]
             while pending:
                 for i in list(pending):
                     v = await _rpc(conns[i], unpackers[i], "usage", PROBE_TENANT, PROBE_FEATURE)
@@ -170,6 +177,13 @@ def _per_node(
                 "dropped": sa["dropped"] - sb["dropped"],
                 "failed": sa["failed"] - sb["failed"],
                 "gaps": a["cluster"]["gaps"] - b["cluster"]["gaps"],
+                # Receive time - sent_at of the last 256 frames from each peer (ms).
+                "peer_lag_p50_ms": [p["lag_p50_ms"] for p in a["cluster"]["peers"].values()],
+                "peer_lag_p99_ms": [p["lag_p99_ms"] for p in a["cluster"]["peers"].values()],
+                "gc_collections": [
+                    x - y
+                    for x, y in zip(a["gc"]["collections"], b["gc"]["collections"], strict=True)
+                ],
             }
         )
     return out
@@ -244,8 +258,12 @@ def scale_convergence(
 
             return take
 
-        async def both() -> tuple[Any, Any]:
-            return await asyncio.gather(
+        load0 = os.getloadavg()
+        with ProcessPoolExecutor(1) as probing:
+            # CLOCK_MONOTONIC is one clock for every process of the machine.
+            sockets = [str(p.socket) for p in nodes]
+            probed = probing.submit(probe_in_process, sockets, t_probe, t_end, tick_ms / 1000)
+            calls, tally, lag = asyncio.run(
                 _open_loop(
                     nodes,
                     pairs,
@@ -254,12 +272,9 @@ def scale_convergence(
                     t_start,
                     t_end,
                     [(t_probe, snap("start")), (t_end - 0.05, snap("end"))],
-                ),
-                _probe(nodes, t_probe, t_end, tick_ms / 1000),
+                )
             )
-
-        load0 = os.getloadavg()
-        (calls, tally, lag), (lat, anomalies, unseen) = asyncio.run(both())
+            lat, anomalies, unseen = probed.result()
         load1 = os.getloadavg()
         measured_s = t_end - 0.05 - t_probe
         cpu = [e - s for s, e in zip(cpus["start"], cpus["end"], strict=True)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import gc
 import logging
 import os
 import secrets
@@ -590,6 +591,11 @@ class Node:
                     {"key": list(k), "error": e} for k, e in list(fs.poisoned.items())[:20]
                 ],
             },
+        }
+        out["gc"] = {
+            "threshold": list(gc.get_threshold()),
+            "frozen": gc.get_freeze_count(),
+            "collections": [s["collections"] for s in gc.get_stats()],
         }
         if self.owner is not None:
             # counting: mutating calls are taken (owned, and re-read since the claim).
