@@ -69,6 +69,15 @@ def test_request_drain_timeout_is_a_setting(tmp_path: Path) -> None:
     assert load(file=file, env={}).server.request_drain_timeout_s == 12.0
 
 
+def test_gc_young_threshold_is_a_setting() -> None:
+    assert load(env={}).server.gc_young_threshold == 20_000
+    assert load(env={"METER_GC_YOUNG_THRESHOLD": "0"}).server.gc_young_threshold == 0
+    for bad in ("-1", "abc", "10000001"):
+        with pytest.raises(ConfigError) as err:
+            load(env={"METER_GC_YOUNG_THRESHOLD": bad})
+        assert "gc_young_threshold" in str(err.value)
+
+
 def test_config_file_from_environment(tmp_path: Path) -> None:
     file = tmp_path / "m.toml"
     file.write_text("flush_interval_ms = 7\n")

@@ -4,6 +4,7 @@ with every acknowledged unit, refuses a shared data dir, and the CLI around it."
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -236,3 +237,17 @@ def test_storage_init_sqlite_says_nothing_to_do(workdir: Path) -> None:
     res = cli("storage", "init", env={"METER_DATA_DIR": str(workdir / "d")})
     assert res.returncode == 0, res.stderr
     assert "sqlite" in res.stdout.lower()
+
+
+def test_a_served_node_freezes_its_startup_objects_and_raises_the_young_gc_threshold(
+    workdir: Path,
+) -> None:
+    """ADR 0007: ``meter serve`` tunes its own collector once recovered; 0 leaves Python's."""
+    with NodeProcess(workdir, "tuned") as node:
+        got = node.call("status")["gc"]
+        assert got["threshold"][0] == 20_000
+        assert got["frozen"] > 0
+    with NodeProcess(workdir, "plain", METER_GC_YOUNG_THRESHOLD="0") as node:
+        got = node.call("status")["gc"]
+        assert got["threshold"][0] == gc.get_threshold()[0]  # Python's default, as here
+        assert got["frozen"] == 0
