@@ -535,12 +535,19 @@ class Node:
 
         A claim made at start comes before anything is read (``settled``). One made later
         (the holder stopped, or storage answered at last) may follow reads made while another
-        process still wrote under this id: every warm key is re-read before the node counts,
-        flushes or gossips again (:meth:`_after_claim`; the flusher re-reads before writing).
+        process still wrote under this id: seeding reads issued before the claim are refused
+        when they land (:meth:`~meter.table.CounterTable.refuse_earlier_reads`; their keys are
+        read again), and every warm key is re-read before the node counts, flushes or gossips
+        again (:meth:`_after_claim`; the flusher re-reads before writing).
         """
         if self.owner is None:
             return
         if state == "owned" and not settled and self.flusher is not None:
+            assert self.table is not None
+            # Seeding reads issued before now (while fenced) may predate the last holder's
+            # writes and land after the re-read below: the table refuses them, and their keys
+            # are read again (C06).
+            self.table.refuse_earlier_reads()
             self.flusher.reread_before_writing()
             if self.service is not None:
                 self.service.fenced = f"node id {self.owner.node!r} was just claimed: retry"

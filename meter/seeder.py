@@ -12,9 +12,9 @@ Two queues: keys a caller waits on (``seed``) go before keys read ahead for nobo
 (``prefetch``: a period about to begin, the keys a restarted node was using), so a read-ahead
 of a hundred thousand keys never delays a request.
 
-Only a fresh read seeds (C06): the table refuses a snapshot read before an eviction pass
-(:meth:`~meter.table.CounterTable.seed`), and such keys are read again, up to
-:data:`MAX_TRIES` times.
+Only a fresh read seeds (C06): the table refuses a snapshot read before an eviction pass or a
+claim of the node id (:meth:`~meter.table.CounterTable.seed`, the table's ``epoch``), and such
+keys are read again, up to :data:`MAX_TRIES` times.
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ class Seeder:
         keys = batch.keys
         st.in_flight += len(keys)
         st.reads += 1
-        evictions = self.table.evictions
+        epoch = self.table.epoch
         snaps: dict[Key, Snapshot] | None = None
         try:
             try:
@@ -272,21 +272,21 @@ class Seeder:
         finally:
             st.in_flight -= len(keys)
             self._reading -= 1
-            again = self._land(batch, snaps or {}, evictions)
+            again = self._land(batch, snaps or {}, epoch)
             for key in again:
                 self._enqueue(key, ahead=batch.ahead)
             _wake(batch)
             if self._now or self._ahead:
                 self._schedule()
 
-    def _land(self, batch: _Batch, snaps: dict[Key, Snapshot], evictions: int) -> list[Key]:
+    def _land(self, batch: _Batch, snaps: dict[Key, Snapshot], epoch: int) -> list[Key]:
         """Seed the keys of a landed batch; return those to read again (refused after an
-        eviction pass overtook the read)."""
+        eviction pass or a claim of the node id overtook the read)."""
         where = self._where
         for key in batch.keys:
             if where.get(key) is batch:
                 del where[key]
-        seeded, refused = self.table.seed_many(snaps.items(), evictions)
+        seeded, refused = self.table.seed_many(snaps.items(), epoch)
         again: list[Key] = []
         tries = self._tries
         if refused or tries:
