@@ -272,12 +272,17 @@ class Seeder:
         finally:
             st.in_flight -= len(keys)
             self._reading -= 1
-            again = self._land(batch, snaps or {}, epoch)
-            for key in again:
-                self._enqueue(key, ahead=batch.ahead)
-            _wake(batch)
-            if self._now or self._ahead:
-                self._schedule()
+            try:
+                again = self._land(batch, snaps or {}, epoch)
+                for key in again:
+                    self._enqueue(key, ahead=batch.ahead)
+            except Exception:  # a bug must not strand the waiters: they wake below
+                st.last_error = f"landing {len(keys)} keys failed unexpectedly"
+                log.exception("unexpected error landing %d seeded keys", len(keys))
+            finally:
+                _wake(batch)
+                if self._now or self._ahead:
+                    self._schedule()
 
     def _land(self, batch: _Batch, snaps: dict[Key, Snapshot], epoch: int) -> list[Key]:
         """Seed the keys of a landed batch; return those to read again (refused after an

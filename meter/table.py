@@ -392,9 +392,7 @@ class CounterTable:
                         self._mark(key, row)
                     continue
                 # A cold key: a new row with nothing of its own yet, straight from the snapshot.
-                seeded += 1
                 row = Row()
-                rows[key] = row
                 row.base = snap.total
                 seqs = snap.seqs
                 if seqs:
@@ -404,6 +402,8 @@ class CounterTable:
                         row.ext = ext = Ext()
                         ext.peer_seqs = peers
                 row.flags = SEEDED | USED
+                rows[key] = row  # (only once built: a bad snapshot leaves no half row)
+                seeded += 1
                 tenant, feature, period = key
                 features = by_period.get((tenant, period))
                 if features is None:

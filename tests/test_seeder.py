@@ -756,3 +756,21 @@ async def test_close_wakes_callers_of_reads_cancelled_before_they_ran() -> None:
     await seeder.close()
     await asyncio.wait_for(waiter, 1)
     assert waiter.result() is False and not table.is_seeded(key)
+
+
+async def test_a_landing_that_fails_still_wakes_its_callers() -> None:
+    """L04: if seeding a landed batch raises (a backend bug: an answer that is no snapshot),
+    every caller of the batch still wakes, its key unseeded, and the error is logged."""
+
+    class WrongAnswers(MemoryStorage):
+        async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]:
+            return dict.fromkeys(keys, None)  # type: ignore[return-value]
+
+    table = CounterTable(NODE)
+    seeder = Seeder(table, WrongAnswers(), chunk=10, concurrency=2)
+    assert await asyncio.wait_for(seeder.seed(KEYS[0]), 5) is False
+    await asyncio.wait_for(seeder.seed_many(KEYS[1:]), 5)
+    assert not any(table.is_seeded(k) for k in KEYS)
+    assert not seeder.busy() and seeder.status()["queued"] == 0
+    assert "failed unexpectedly" in str(seeder.stats.last_error)
+    await seeder.close()
