@@ -92,6 +92,8 @@ class Seeder:
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned_at = 0.0
+        #: Set by :meth:`close`: nothing is queued or read any more.
+        self._closed = False
 
     # -- callers ----------------------------------------------------------------------------
 
@@ -114,6 +116,8 @@ class Seeder:
     def prefetch(self, keys: Iterable[Key]) -> int:
         """Queue ``keys`` to be read ahead of need, behind every key a caller waits on; return
         how many were queued (keys seeded or queued already are skipped)."""
+        if self._closed:
+            return 0
         seeded = self.table.is_seeded
         n = 0
         for key in keys:
@@ -156,30 +160,42 @@ class Seeder:
             "last_error": st.last_error,
         }
 
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (nothing is queued or read any more)."""
+        return self._closed
+
     def busy(self) -> bool:
         """Whether any key is queued or being read."""
         return bool(self._where)
 
     async def close(self) -> None:
-        """Cancel queued and running reads (at shutdown); waiters wake, keys stay unseeded."""
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        # Every batch, queued or sent: a read task cancelled before it ran never got to its
-        # finally (the reading count is reset below), so its callers would wait for ever.
-        for batch in {*self._now, *self._ahead, *self._where.values()}:
-            _wake(batch)
+        """Cancel queued and running reads (at shutdown); waiters wake, keys stay unseeded.
+        Nothing is queued or read after it (callers asking later get their keys unseeded)."""
+        self._closed = True  # a cancelled read's cleanup dispatches and re-queues nothing
+        queued = [*self._now, *self._ahead]
         self._now.clear()
         self._ahead.clear()
+        while self._tasks:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # Every batch, queued or sent: a read task cancelled before it ran never got to its
+        # finally (the counts are reset below), so its callers would wait for ever.
+        for batch in {*queued, *self._where.values()}:
+            _wake(batch)
         self._where.clear()
+        self._tries.clear()
         self._reading = 0
+        self.stats.in_flight = 0
 
     # -- batching ---------------------------------------------------------------------------
 
     async def _wait(self, keys: list[Key]) -> None:
         """Queue each of ``keys`` (none seeded: the caller checked) unless it is queued
         already, and wait until the batches holding them have landed."""
+        if self._closed:
+            return
         where = self._where
         loop = asyncio.get_running_loop()
         futures: set[asyncio.Future[None]] = set()
@@ -201,6 +217,8 @@ class Seeder:
             # asyncio.wait does not cancel the futures when this caller is cancelled: other
             # callers share them.
             await asyncio.wait(futures)
+            if self.closed():
+                return  # (close wakes every batch: keys not read stay unseeded)
             # A key an eviction pass made the table refuse was queued again before its batch
             # woke us: wait for that batch too. (Keys whose read failed stay unseeded.)
             futures = set()
@@ -224,14 +242,14 @@ class Seeder:
         return batch
 
     def _schedule(self) -> None:
-        if not self._scheduled:
+        if not self._scheduled and not self._closed:
             self._scheduled = True
             # The next pass: every key asked for in this one joins the batch first.
             asyncio.get_running_loop().call_soon(self._dispatch)
 
     def _dispatch(self) -> None:
         self._scheduled = False
-        while self._reading < self.concurrency:
+        while self._reading < self.concurrency and not self._closed:
             if self._now:
                 batch = self._now.popleft()
             elif self._ahead:
@@ -274,8 +292,9 @@ class Seeder:
             self._reading -= 1
             try:
                 again = self._land(batch, snaps or {}, epoch)
-                for key in again:
-                    self._enqueue(key, ahead=batch.ahead)
+                if not self._closed:
+                    for key in again:
+                        self._enqueue(key, ahead=batch.ahead)
             except Exception:  # a bug must not strand the waiters: they wake below
                 st.last_error = f"landing {len(keys)} keys failed unexpectedly"
                 log.exception("unexpected error landing %d seeded keys", len(keys))

@@ -774,3 +774,53 @@ async def test_a_landing_that_fails_still_wakes_its_callers() -> None:
     assert not seeder.busy() and seeder.status()["queued"] == 0
     assert "failed unexpectedly" in str(seeder.stats.last_error)
     await seeder.close()
+
+
+class HeldStore(MemoryStorage):
+    """A memory store whose reads answer only once ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.started = 0
+
+    async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]:
+        self.started += 1
+        await self.release.wait()
+        return await super().load(keys)
+
+
+def _seeder_reads() -> list[asyncio.Task[Any]]:
+    """The seeder's read tasks still alive on the running loop."""
+    return [
+        t
+        for t in asyncio.all_tasks()
+        if not t.done() and getattr(t.get_coro(), "__qualname__", "") == "Seeder._read"
+    ]
+
+
+async def test_close_leaves_no_read_running_and_starts_none() -> None:
+    """close() with reads out and more queued: the cancelled reads' cleanup starts no new
+    read, no read task outlives close(), and ``status`` counts nothing queued or in flight
+    (none negative)."""
+    table = CounterTable(NODE)
+    store = HeldStore()
+    seeder = Seeder(table, store, chunk=10, concurrency=2)
+    keys = keys_named("c", 100)
+    assert seeder.prefetch(keys) == 100  # ten batches queued ahead
+    waiter = asyncio.ensure_future(seeder.seed_many(keys_named("w", 25)))
+    deadline = asyncio.get_running_loop().time() + 5
+    while store.started < 2:  # both read slots taken
+        assert asyncio.get_running_loop().time() < deadline, "reads never started"
+        await asyncio.sleep(0.001)
+    await seeder.close()
+    assert not _seeder_reads(), "a read runs after close()"
+    status = seeder.status()
+    assert status["queued"] == 0 and status["in_flight"] == 0, status
+    assert not seeder.busy()
+    await asyncio.wait_for(waiter, 5)  # the caller is answered, its keys unseeded
+    assert store.started == 2, "a read started after close()"
+    # Asked after close: answered at once, nothing read.
+    assert await asyncio.wait_for(seeder.seed(keys[0]), 5) is False
+    assert seeder.prefetch(keys_named("late", 3)) == 0
+    assert store.started == 2 and not _seeder_reads()
