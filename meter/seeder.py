@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -92,6 +92,9 @@ class Seeder:
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned_at = 0.0
+        #: Key -> callers of :meth:`_wait` waiting on it (a refused key they wait on is read
+        #: again before the read-ahead).
+        self._waiting: Counter[Key] = Counter()
         #: Set by :meth:`close`: nothing is queued or read any more.
         self._closed = False
 
@@ -196,38 +199,53 @@ class Seeder:
         already, and wait until the batches holding them have landed."""
         if self._closed:
             return
-        where = self._where
         loop = asyncio.get_running_loop()
         futures: set[asyncio.Future[None]] = set()
         last: _Batch | None = None
-        for key in keys:
-            batch = where.get(key)
-            if batch is None:
-                batch = self._enqueue(key, ahead=False)
-            elif batch.ahead and not batch.sent:
-                # Queued to be read ahead: a caller waits on it now, so it goes first.
-                batch.keys.remove(key)
-                batch = self._enqueue(key, ahead=False)
-            if batch is not last:
-                if batch.done is None:
-                    batch.done = loop.create_future()
-                futures.add(batch.done)
-                last = batch
-        while futures:
-            # asyncio.wait does not cancel the futures when this caller is cancelled: other
-            # callers share them.
-            await asyncio.wait(futures)
-            if self.closed():
-                return  # (close wakes every batch: keys not read stay unseeded)
-            # A key an eviction pass made the table refuse was queued again before its batch
-            # woke us: wait for that batch too. (Keys whose read failed stay unseeded.)
-            futures = set()
+        waiting = self._waiting
+        mine = list(dict.fromkeys(keys))
+        waiting.update(mine)
+        try:
             for key in keys:
-                batch = where.get(key)
-                if batch is not None:
+                batch = self._join(key)
+                if batch is not last:
                     if batch.done is None:
                         batch.done = loop.create_future()
                     futures.add(batch.done)
+                    last = batch
+            while futures:
+                # asyncio.wait does not cancel the futures when this caller is cancelled:
+                # other callers share them.
+                await asyncio.wait(futures)
+                if self.closed():
+                    return  # (close wakes every batch: keys not read stay unseeded)
+                # A key an eviction pass or a claim made the table refuse was queued again
+                # (before the read-ahead) before its batch woke us: wait for that batch too.
+                # (Keys whose read failed stay unseeded.)
+                futures = set()
+                for key in keys:
+                    if key in self._where:
+                        batch = self._join(key)
+                        if batch.done is None:
+                            batch.done = loop.create_future()
+                        futures.add(batch.done)
+        finally:
+            waiting.subtract(mine)
+            for key in mine:
+                if waiting[key] <= 0:
+                    del waiting[key]
+
+    def _join(self, key: Key) -> _Batch:
+        """The batch a caller waiting on ``key`` waits for: the one it is queued in or being
+        read by, else a new one; a key queued to be read ahead moves to the front queue (a
+        caller waits on it now)."""
+        batch = self._where.get(key)
+        if batch is None:
+            return self._enqueue(key, ahead=False)
+        if batch.ahead and not batch.sent:
+            batch.keys.remove(key)
+            return self._enqueue(key, ahead=False)
+        return batch
 
     def _enqueue(self, key: Key, *, ahead: bool) -> _Batch:
         queue = self._ahead if ahead else self._now
@@ -293,8 +311,10 @@ class Seeder:
             try:
                 again = self._land(batch, snaps or {}, epoch)
                 if not self._closed:
+                    waiting = self._waiting
                     for key in again:
-                        self._enqueue(key, ahead=batch.ahead)
+                        # A key a caller waits on is read again before the read-ahead.
+                        self._enqueue(key, ahead=batch.ahead and key not in waiting)
             except Exception:  # a bug must not strand the waiters: they wake below
                 st.last_error = f"landing {len(keys)} keys failed unexpectedly"
                 log.exception("unexpected error landing %d seeded keys", len(keys))

@@ -824,3 +824,32 @@ async def test_close_leaves_no_read_running_and_starts_none() -> None:
     assert await asyncio.wait_for(seeder.seed(keys[0]), 5) is False
     assert seeder.prefetch(keys_named("late", 3)) == 0
     assert store.started == 2 and not _seeder_reads()
+
+
+def test_a_refused_key_a_caller_waits_on_is_read_again_before_the_read_ahead() -> None:
+    """L01, L05: a key a caller waits on, whose read (a read-ahead batch already sent) an
+    eviction pass overtook, is read again in the next read, not behind every batch of the
+    read-ahead queued meanwhile."""
+    with Rig(chunk=10, concurrency=2) as rig:
+        ahead = keys_named("a", 200)  # twenty batches read ahead
+        rig.loop.call(rig.seeder.prefetch, ahead)
+        rig.loop.settle()
+        first = rig.store.pending()
+        assert len(first) == 2 and first[0].keys == ahead[:10]
+        target = ahead[0]  # being read ahead: the caller waits for that read
+        caller = rig.task(rig.seeder.seed(target))
+        rig.loop.settle()
+        assert len(rig.store.reads) == 2, "no read of its own: it is being read"
+        rig.table.seed(("spare", "s", PERIOD), EMPTY)  # an idle key for the eviction pass
+        rig.table.evict_idle()
+        before = rig.table.epoch
+        rig.table.evict_idle()
+        assert rig.table.epoch == before + 1
+        land(first[0], "ok")  # overtaken: refused, every key of it read again
+        rig.loop.settle()
+        assert not caller.done()
+        nxt = rig.store.reads[2]
+        assert nxt.keys == [target], f"next read {nxt.keys}, not the key a caller waits on"
+        land(nxt, "ok")
+        rig.loop.settle()
+        assert caller.result() is True and rig.table.is_seeded(target)
