@@ -21,6 +21,8 @@ from meter.keys import FEATURE_RE, PeriodKind
 
 STORAGE_KINDS = ("sqlite", "memory", "dynamodb")
 NODE_ID_RE = re.compile(r"[A-Za-z0-9_\-]{1,64}")
+#: DynamoDB's rule for table names.
+DYNAMODB_TABLE_RE = re.compile(r"[a-zA-Z0-9_.-]{3,255}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +233,15 @@ def _node_id(setting: str, raw: Any) -> str | None:
     return value
 
 
+def _dynamodb_table(setting: str, raw: Any) -> str:
+    value = _str(setting, raw)
+    if DYNAMODB_TABLE_RE.fullmatch(value) is None:
+        raise ConfigError(
+            setting, f"must be 3-255 of [a-zA-Z0-9_.-] (DynamoDB's rule), got {raw!r}"
+        )
+    return value
+
+
 def _log_level(setting: str, raw: Any) -> str:
     level = _str(setting, raw).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -282,7 +293,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "gc_young_threshold": ("server", "gc_young_threshold", _int(0, 10_000_000)),
     "storage": ("storage", "kind", _storage_kind),
     "sqlite_file": ("storage", "sqlite_file", _str),
-    "dynamodb_table": ("storage", "dynamodb_table", _str),
+    "dynamodb_table": ("storage", "dynamodb_table", _dynamodb_table),
     "dynamodb_endpoint": ("storage", "dynamodb_endpoint", _url(("http://", "https://"))),
     "dynamodb_region": ("storage", "dynamodb_region", _opt_str),
     "dynamodb_concurrency": ("storage", "dynamodb_concurrency", _int(1, 1024)),

@@ -223,6 +223,9 @@ class Flusher:
         keys = [k for k in keys if k not in self.stats.poisoned]
         if not keys:
             return True
+        # A read issued before the node (re)claimed its id may predate the last holder's
+        # writes: the table refuses it (the keys stay unseeded, read again next round).
+        epoch = self.table.epoch
         try:
             snaps = await self.storage.load(keys)
         except BadItems as exc:
@@ -235,7 +238,7 @@ class Flusher:
             self._note_error(f"seeding {len(keys)} keys: {exc}")
             return False
         for key, snap in snaps.items():
-            self.table.seed(key, snap)
+            self.table.seed(key, snap, epoch)
         return True
 
     async def _check_went_back(self, suspects: list[tuple[Key, int]]) -> None:

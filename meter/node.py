@@ -480,37 +480,53 @@ class Node:
 
         Four passes per period end, ``lead``, 3/4, 1/2 and 1/4 of it before, each for the
         keys first used since the one before (keys queued or seeded already are skipped).
+        An error in one pass is logged and the loop goes on.
         """
-        assert self.service is not None
         c = self.config.counters
         # A row read ahead must outlive the wait for the boundary: eviction keeps an idle row
         # at least evict_after_s.
         lead = min(c.rollover_read_ahead_s, c.evict_after_s)
         if lead <= 0:
             return
-        kinds = kinds_in_use(c.feature_periods)
         done: dict[tuple[str, float], int] = {}  # (kind, period end) -> passes made
         while True:
-            now = time.time()
-            for kind in kinds:
-                end = period_end(kind, now)
-                passes = done.get((kind, end), 0)
-                if passes < READ_AHEAD_PASSES and now >= end - lead * (1 - passes / 4):
-                    done = {k: v for k, v in done.items() if k[0] != kind or k[1] >= end}
-                    # Passes whose moment has come already are one.
-                    while passes < READ_AHEAD_PASSES and now >= end - lead * (1 - passes / 4):
-                        passes += 1
-                    done[(kind, end)] = passes
-                    queued = await self._read_ahead(kind, now)
-                    log.info(
-                        "%s ends in %.0f s: reading %d keys of the next one ahead",
-                        kind,
-                        end - now,
-                        queued,
-                    )
-            # Wake at least once a second: the wall clock may jump (NTP), and a second's
-            # delay of a read-ahead of tens of seconds costs nothing.
-            await asyncio.sleep(1.0)
+            try:
+                wait = await self._read_ahead_step(time.time(), lead, done)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not end the read-ahead for good (nor the drain)
+                log.exception("rollover read-ahead failed unexpectedly (retried)")
+                wait = 1.0
+            await asyncio.sleep(wait)
+
+    async def _read_ahead_step(
+        self, now: float, lead: float, done: dict[tuple[str, float], int]
+    ) -> float:
+        """Make the read-ahead passes whose moment has come at ``now``; return how long to
+        wait before the next look: until the next pass's moment, at most a second (the wall
+        clock may jump, NTP), so a lead shorter than a second is not slept through."""
+        c = self.config.counters
+        wait = 1.0
+        for kind in kinds_in_use(c.feature_periods):
+            end = period_end(kind, now)
+            passes = done.get((kind, end), 0)
+            if passes < READ_AHEAD_PASSES and now >= end - lead * (1 - passes / 4):
+                for k in [k for k in done if k[0] == kind and k[1] < end]:
+                    del done[k]
+                # Passes whose moment has come already are one.
+                while passes < READ_AHEAD_PASSES and now >= end - lead * (1 - passes / 4):
+                    passes += 1
+                done[(kind, end)] = passes
+                queued = await self._read_ahead(kind, now)
+                log.info(
+                    "%s ends in %.0f s: reading %d keys of the next one ahead",
+                    kind,
+                    end - now,
+                    queued,
+                )
+            if passes < READ_AHEAD_PASSES:
+                wait = min(wait, end - lead * (1 - passes / 4) - now)
+        return max(wait, 0.001)
 
     async def _read_ahead(self, kind: PeriodKind, now: float) -> int:
         """Queue the next period's keys of every warm key, a slice per loop pass (a million
@@ -536,12 +552,19 @@ class Node:
 
         A claim made at start comes before anything is read (``settled``). One made later
         (the holder stopped, or storage answered at last) may follow reads made while another
-        process still wrote under this id: every warm key is re-read before the node counts,
-        flushes or gossips again (:meth:`_after_claim`; the flusher re-reads before writing).
+        process still wrote under this id: seeding reads issued before the claim are refused
+        when they land (:meth:`~meter.table.CounterTable.refuse_earlier_reads`; their keys are
+        read again), and every warm key is re-read before the node counts, flushes or gossips
+        again (:meth:`_after_claim`; the flusher re-reads before writing).
         """
         if self.owner is None:
             return
         if state == "owned" and not settled and self.flusher is not None:
+            assert self.table is not None
+            # Seeding reads issued before now (while fenced) may predate the last holder's
+            # writes and land after the re-read below: the table refuses them, and their keys
+            # are read again (C06).
+            self.table.refuse_earlier_reads()
             self.flusher.reread_before_writing()
             if self.service is not None:
                 self.service.fenced = f"node id {self.owner.node!r} was just claimed: retry"

@@ -12,9 +12,9 @@ Two queues: keys a caller waits on (``seed``) go before keys read ahead for nobo
 (``prefetch``: a period about to begin, the keys a restarted node was using), so a read-ahead
 of a hundred thousand keys never delays a request.
 
-Only a fresh read seeds (C06): the table refuses a snapshot read before an eviction pass
-(:meth:`~meter.table.CounterTable.seed`), and such keys are read again, up to
-:data:`MAX_TRIES` times.
+Only a fresh read seeds (C06): the table refuses a snapshot read before an eviction pass or a
+claim of the node id (:meth:`~meter.table.CounterTable.seed`, the table's ``epoch``), and such
+keys are read again, up to :data:`MAX_TRIES` times.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -92,6 +92,11 @@ class Seeder:
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned_at = 0.0
+        #: Key -> callers of :meth:`_wait` waiting on it (a refused key they wait on is read
+        #: again before the read-ahead).
+        self._waiting: Counter[Key] = Counter()
+        #: Set by :meth:`close`: nothing is queued or read any more.
+        self._closed = False
 
     # -- callers ----------------------------------------------------------------------------
 
@@ -114,6 +119,8 @@ class Seeder:
     def prefetch(self, keys: Iterable[Key]) -> int:
         """Queue ``keys`` to be read ahead of need, behind every key a caller waits on; return
         how many were queued (keys seeded or queued already are skipped)."""
+        if self._closed:
+            return 0
         seeded = self.table.is_seeded
         n = 0
         for key in keys:
@@ -156,60 +163,89 @@ class Seeder:
             "last_error": st.last_error,
         }
 
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (nothing is queued or read any more)."""
+        return self._closed
+
     def busy(self) -> bool:
         """Whether any key is queued or being read."""
         return bool(self._where)
 
     async def close(self) -> None:
-        """Cancel queued and running reads (at shutdown); waiters wake, keys stay unseeded."""
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        # Every batch, queued or sent: a read task cancelled before it ran never got to its
-        # finally (the reading count is reset below), so its callers would wait for ever.
-        for batch in {*self._now, *self._ahead, *self._where.values()}:
-            _wake(batch)
+        """Cancel queued and running reads (at shutdown); waiters wake, keys stay unseeded.
+        Nothing is queued or read after it (callers asking later get their keys unseeded)."""
+        self._closed = True  # a cancelled read's cleanup dispatches and re-queues nothing
+        queued = [*self._now, *self._ahead]
         self._now.clear()
         self._ahead.clear()
+        while self._tasks:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # Every batch, queued or sent: a read task cancelled before it ran never got to its
+        # finally (the counts are reset below), so its callers would wait for ever.
+        for batch in {*queued, *self._where.values()}:
+            _wake(batch)
         self._where.clear()
+        self._tries.clear()
         self._reading = 0
+        self.stats.in_flight = 0
 
     # -- batching ---------------------------------------------------------------------------
 
     async def _wait(self, keys: list[Key]) -> None:
         """Queue each of ``keys`` (none seeded: the caller checked) unless it is queued
         already, and wait until the batches holding them have landed."""
-        where = self._where
+        if self._closed:
+            return
         loop = asyncio.get_running_loop()
         futures: set[asyncio.Future[None]] = set()
         last: _Batch | None = None
-        for key in keys:
-            batch = where.get(key)
-            if batch is None:
-                batch = self._enqueue(key, ahead=False)
-            elif batch.ahead and not batch.sent:
-                # Queued to be read ahead: a caller waits on it now, so it goes first.
-                batch.keys.remove(key)
-                batch = self._enqueue(key, ahead=False)
-            if batch is not last:
-                if batch.done is None:
-                    batch.done = loop.create_future()
-                futures.add(batch.done)
-                last = batch
-        while futures:
-            # asyncio.wait does not cancel the futures when this caller is cancelled: other
-            # callers share them.
-            await asyncio.wait(futures)
-            # A key an eviction pass made the table refuse was queued again before its batch
-            # woke us: wait for that batch too. (Keys whose read failed stay unseeded.)
-            futures = set()
+        waiting = self._waiting
+        mine = list(dict.fromkeys(keys))
+        waiting.update(mine)
+        try:
             for key in keys:
-                batch = where.get(key)
-                if batch is not None:
+                batch = self._join(key)
+                if batch is not last:
                     if batch.done is None:
                         batch.done = loop.create_future()
                     futures.add(batch.done)
+                    last = batch
+            while futures:
+                # asyncio.wait does not cancel the futures when this caller is cancelled:
+                # other callers share them.
+                await asyncio.wait(futures)
+                if self.closed():
+                    return  # (close wakes every batch: keys not read stay unseeded)
+                # A key an eviction pass or a claim made the table refuse was queued again
+                # (before the read-ahead) before its batch woke us: wait for that batch too.
+                # (Keys whose read failed stay unseeded.)
+                futures = set()
+                for key in keys:
+                    if key in self._where:
+                        batch = self._join(key)
+                        if batch.done is None:
+                            batch.done = loop.create_future()
+                        futures.add(batch.done)
+        finally:
+            waiting.subtract(mine)
+            for key in mine:
+                if waiting[key] <= 0:
+                    del waiting[key]
+
+    def _join(self, key: Key) -> _Batch:
+        """The batch a caller waiting on ``key`` waits for: the one it is queued in or being
+        read by, else a new one; a key queued to be read ahead moves to the front queue (a
+        caller waits on it now)."""
+        batch = self._where.get(key)
+        if batch is None:
+            return self._enqueue(key, ahead=False)
+        if batch.ahead and not batch.sent:
+            batch.keys.remove(key)
+            return self._enqueue(key, ahead=False)
+        return batch
 
     def _enqueue(self, key: Key, *, ahead: bool) -> _Batch:
         queue = self._ahead if ahead else self._now
@@ -224,14 +260,14 @@ class Seeder:
         return batch
 
     def _schedule(self) -> None:
-        if not self._scheduled:
+        if not self._scheduled and not self._closed:
             self._scheduled = True
             # The next pass: every key asked for in this one joins the batch first.
             asyncio.get_running_loop().call_soon(self._dispatch)
 
     def _dispatch(self) -> None:
         self._scheduled = False
-        while self._reading < self.concurrency:
+        while self._reading < self.concurrency and not self._closed:
             if self._now:
                 batch = self._now.popleft()
             elif self._ahead:
@@ -252,7 +288,7 @@ class Seeder:
         keys = batch.keys
         st.in_flight += len(keys)
         st.reads += 1
-        evictions = self.table.evictions
+        epoch = self.table.epoch
         snaps: dict[Key, Snapshot] | None = None
         try:
             try:
@@ -272,21 +308,29 @@ class Seeder:
         finally:
             st.in_flight -= len(keys)
             self._reading -= 1
-            again = self._land(batch, snaps or {}, evictions)
-            for key in again:
-                self._enqueue(key, ahead=batch.ahead)
-            _wake(batch)
-            if self._now or self._ahead:
-                self._schedule()
+            try:
+                again = self._land(batch, snaps or {}, epoch)
+                if not self._closed:
+                    waiting = self._waiting
+                    for key in again:
+                        # A key a caller waits on is read again before the read-ahead.
+                        self._enqueue(key, ahead=batch.ahead and key not in waiting)
+            except Exception:  # a bug must not strand the waiters: they wake below
+                st.last_error = f"landing {len(keys)} keys failed unexpectedly"
+                log.exception("unexpected error landing %d seeded keys", len(keys))
+            finally:
+                _wake(batch)
+                if self._now or self._ahead:
+                    self._schedule()
 
-    def _land(self, batch: _Batch, snaps: dict[Key, Snapshot], evictions: int) -> list[Key]:
+    def _land(self, batch: _Batch, snaps: dict[Key, Snapshot], epoch: int) -> list[Key]:
         """Seed the keys of a landed batch; return those to read again (refused after an
-        eviction pass overtook the read)."""
+        eviction pass or a claim of the node id overtook the read)."""
         where = self._where
         for key in batch.keys:
             if where.get(key) is batch:
                 del where[key]
-        seeded, refused = self.table.seed_many(snaps.items(), evictions)
+        seeded, refused = self.table.seed_many(snaps.items(), epoch)
         again: list[Key] = []
         tries = self._tries
         if refused or tries:

@@ -560,7 +560,7 @@ class Service:
         features = self._features
         for kind, period in periods:
             for _ in range(3):
-                evictions = self.table.evictions
+                epoch = self.table.epoch
                 try:
                     stored = await self.storage.list_period(tenant, period)
                 except StorageError as exc:
@@ -576,13 +576,16 @@ class Service:
                 refused = [
                     f
                     for f, snap in snaps.items()
-                    if not self.table.seed((tenant, features.get(f, f), period), snap, evictions)
+                    if not self.table.seed((tenant, features.get(f, f), period), snap, epoch)
                     and not self.table.is_seeded((tenant, f, period))
                 ]
-                if not refused:  # else an eviction pass overtook the listing: list again
+                # Else an eviction pass or a claim of the node id overtook the listing: again.
+                if not refused:
                     break
             else:
-                raise Unavailable("counters were evicted while being listed; retry")
+                raise Unavailable(
+                    "counters were evicted (or the node id claimed) while being listed; retry"
+                )
             # Counters that were not loaded when the request arrived: as they are now.
             for feature, value in self.table.all_for(tenant, period).items():
                 if feature not in out and self._periods.get(feature, "month") == kind:

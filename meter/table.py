@@ -183,9 +183,11 @@ class CounterTable:
         self._dirty: list[Key] = []
         self._touched: list[Key] = []
         self._unseeded: set[Key] = set()
-        #: Eviction passes that dropped keys. A seeding read issued before one may be older
-        #: than a flush of a key that was warm meanwhile (see :meth:`seed`).
-        self.evictions = 0
+        #: The freshness epoch of seeding reads (see :meth:`seed`): bumped by every eviction
+        #: pass that drops keys (a read issued before one may be older than a flush of a key
+        #: that was warm meanwhile) and by :meth:`refuse_earlier_reads` (the node (re)gained
+        #: its id: a read issued before may be older than the last holder's writes).
+        self.epoch = 0
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -330,21 +332,23 @@ class CounterTable:
             flags |= TOUCHED
         row.flags = flags | DIRTY
 
-    def seed(self, key: Key, snap: Snapshot, evictions: int | None = None) -> bool:
+    def seed(self, key: Key, snap: Snapshot, epoch: int | None = None) -> bool:
         """Give a cold or unseeded key its stored snapshot. Warm seeded keys are left alone.
 
         ``snap`` must come from a read issued while the key was cold or unseeded (then it holds
         every sequence this node ever stored for the key: nothing is flushed before seeding).
-        The key may have been seeded, flushed and evicted while the read was on its way, so a
-        caller that cannot rule that out passes :attr:`evictions` as it was when the read was
-        issued: after any eviction since, the snapshot is refused (``False``: read again).
+        The key may have been seeded, flushed and evicted while the read was on its way, or
+        the read issued while another process still wrote under this node's id, so a caller
+        that cannot rule that out passes :attr:`epoch` as it was when the read was issued:
+        after any eviction pass or claim of the id since, the snapshot is refused (``False``:
+        read again).
         """
         with self._lock:
             row = self._rows.get(key)
             if row is not None and row.flags & SEEDED:
                 row.flags |= USED
                 return False
-            if evictions is not None and evictions != self.evictions:
+            if epoch is not None and epoch != self.epoch:
                 return False
             row = self._row(key)
             self._rebase_row(row, snap)
@@ -357,16 +361,14 @@ class CounterTable:
                 self._mark(key, row)
             return True
 
-    def seed_many(
-        self, snaps: Iterable[tuple[Key, Snapshot]], evictions: int
-    ) -> tuple[int, list[Key]]:
-        """:meth:`seed` for a batch read issued when :attr:`evictions` was ``evictions``,
-        under one lock hold. Returns how many keys it seeded, and the keys it refused because
-        an eviction pass came since (read them again). Keys seeded already are left alone, as
-        :meth:`seed` does."""
+    def seed_many(self, snaps: Iterable[tuple[Key, Snapshot]], epoch: int) -> tuple[int, list[Key]]:
+        """:meth:`seed` for a batch read issued when :attr:`epoch` was ``epoch``, under one
+        lock hold. Returns how many keys it seeded, and the keys it refused because an
+        eviction pass or a claim of the id came since (read them again). Keys seeded already
+        are left alone, as :meth:`seed` does."""
         with self._lock:
             rows = self._rows
-            if evictions != self.evictions:
+            if epoch != self.epoch:
                 refused = []
                 for key, _ in snaps:
                     row = rows.get(key)
@@ -390,9 +392,7 @@ class CounterTable:
                         self._mark(key, row)
                     continue
                 # A cold key: a new row with nothing of its own yet, straight from the snapshot.
-                seeded += 1
                 row = Row()
-                rows[key] = row
                 row.base = snap.total
                 seqs = snap.seqs
                 if seqs:
@@ -402,6 +402,8 @@ class CounterTable:
                         row.ext = ext = Ext()
                         ext.peer_seqs = peers
                 row.flags = SEEDED | USED
+                rows[key] = row  # (only once built: a bad snapshot leaves no half row)
+                seeded += 1
                 tenant, feature, period = key
                 features = by_period.get((tenant, period))
                 if features is None:
@@ -964,6 +966,13 @@ class CounterTable:
 
     # -- housekeeping ------------------------------------------------------------------------
 
+    def refuse_earlier_reads(self) -> None:
+        """Refuse every seeding read issued before now (:meth:`seed`, :meth:`seed_many`): the
+        node has just (re)gained its id, and another process may have written under it since
+        they were issued. Their keys are read again."""
+        with self._lock:
+            self.epoch += 1
+
     def evict_idle(self) -> int:
         """Drop clean keys not used since the previous call; return how many were dropped.
 
@@ -980,7 +989,7 @@ class CounterTable:
                     doomed.append(key)
             if not doomed:
                 return 0
-            self.evictions += 1
+            self.epoch += 1
             affected: set[tuple[str, str]] = set()
             for key in doomed:
                 # A dirty or touched mark left by incr(key, 0) goes with the row: the lists

@@ -139,9 +139,15 @@ class DynamoDBStorage(Storage):
     ``max_attempts`` is botocore's own attempt count per call (standard retry mode);
     ``retries`` is how many more times this class tries a call that failed transiently,
     with exponential backoff and full jitter between ``backoff_base`` and ``backoff_cap``
-    seconds. ``concurrency`` bounds the requests in flight across all calls. When
-    ``endpoint_url`` is a loopback address and no credentials are configured, dummy static
-    credentials are used so DynamoDB Local works without any AWS setup.
+    seconds. ``concurrency`` bounds the requests in flight across all calls but the batch
+    reads, which have ``load_concurrency`` permits of their own (not queued behind a flush
+    round's writes) and connections of their own: the pool holds
+    ``max(max_pool_connections, concurrency) + load_concurrency`` connections, so writes can
+    never take the reads' connections. Every ``load`` shares the read permits, also a bulk one
+    of thousands of keys (the flusher seeding unseeded keys, a re-read after a claim): while
+    it runs, a cold key's seeding read may wait for a permit. When ``endpoint_url`` is a
+    loopback address and no credentials are configured, dummy static credentials are used so
+    DynamoDB Local works without any AWS setup.
     """
 
     kind = "dynamodb"
@@ -179,9 +185,12 @@ class DynamoDBStorage(Storage):
         # most keys/s near there; more only queues in the service).
         self.load_chunk = BATCH_GET_LIMIT
         self.load_concurrency = min(8, concurrency)
+        #: Connections in the client's pool: reads have ``load_concurrency`` of their own
+        #: beside the writes' (see _read_sem), whose count ``concurrency`` may exceed the
+        #: configured pool.
+        self.pool_connections = max(max_pool_connections, concurrency) + self.load_concurrency
         self._config = AioConfig(
-            # Reads have connections of their own, beside the writes' (see _read_sem).
-            max_pool_connections=max_pool_connections + self.load_concurrency,
+            max_pool_connections=self.pool_connections,
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             retries={"max_attempts": max_attempts, "mode": "standard"},

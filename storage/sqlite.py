@@ -479,6 +479,8 @@ class SQLiteStorage(Storage):
         out: dict[Key, Snapshot] = {}
         bad: dict[Key, str] = {}
         try:
+            if conn.in_transaction:  # left open by a read whose ROLLBACK failed
+                conn.execute("ROLLBACK")
             # One read transaction: every key is read from the same committed state.
             conn.execute("BEGIN")
             try:
@@ -496,8 +498,14 @@ class SQLiteStorage(Storage):
                         except ValueError as exc:  # this item only: the others are still read
                             del out[key]
                             bad[key] = f"bad stored item in {self.path}: {exc}"
-            finally:
-                conn.execute("COMMIT")
+            except BaseException:
+                # The read's own error is the one reported: an error that ended the
+                # transaction (out of memory, I/O) would make a COMMIT fail in its place.
+                if conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):  # (the next read rolls it back)
+                        conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
         except sqlite3.Error as exc:
             raise _map(exc, f"reading from {self.path}") from exc
         if bad:

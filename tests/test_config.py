@@ -32,7 +32,7 @@ def test_fixed_environment_names() -> None:
         "METER_FLUSH_INTERVAL_MS": "250",
         "METER_GOSSIP_INTERVAL_MS": "50",
         "METER_REDIS_URL": "redis://127.0.0.1:7000/0",
-        "METER_DYNAMODB_TABLE": "t1",
+        "METER_DYNAMODB_TABLE": "table1",
         "METER_DYNAMODB_ENDPOINT": "http://127.0.0.1:8000",
     }
     cfg = load(env=env)
@@ -43,7 +43,7 @@ def test_fixed_environment_names() -> None:
     assert cfg.flush.interval_ms == 250
     assert cfg.cluster.gossip_interval_ms == 50
     assert cfg.cluster.redis_url == "redis://127.0.0.1:7000/0"
-    assert cfg.storage.dynamodb_table == "t1"
+    assert cfg.storage.dynamodb_table == "table1"
     assert cfg.storage.dynamodb_endpoint == "http://127.0.0.1:8000"
 
 
@@ -78,6 +78,16 @@ def test_gc_young_threshold_is_a_setting() -> None:
         assert "gc_young_threshold" in str(err.value)
 
 
+def test_dynamodb_table_names_dynamodb_accepts_are_taken(tmp_path: Path) -> None:
+    for name in ("abc", "meter_counters", "Meter-Counters.prod_2", "t" * 255):
+        assert load(env={"METER_DYNAMODB_TABLE": name}).storage.dynamodb_table == name
+    file = tmp_path / "m.toml"
+    file.write_text('dynamodb_table = "x"\n')
+    with pytest.raises(ConfigError, match="DynamoDB's rule") as info:
+        load(file=file, env={})
+    assert info.value.setting == "dynamodb_table"
+
+
 def test_config_file_from_environment(tmp_path: Path) -> None:
     file = tmp_path / "m.toml"
     file.write_text("flush_interval_ms = 7\n")
@@ -102,6 +112,10 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
         ({"METER_REQUEST_DRAIN_TIMEOUT_S": "-1"}, "request_drain_timeout_s"),
         ({"METER_REQUEST_DRAIN_TIMEOUT_S": "soon"}, "request_drain_timeout_s"),
         ({"METER_OWNER_LEASE_S": "0.5"}, "owner_lease_s"),
+        ({"METER_DYNAMODB_TABLE": "ab"}, "dynamodb_table"),
+        ({"METER_DYNAMODB_TABLE": "my table"}, "dynamodb_table"),
+        ({"METER_DYNAMODB_TABLE": "counters/prod"}, "dynamodb_table"),
+        ({"METER_DYNAMODB_TABLE": "t" * 256}, "dynamodb_table"),
     ],
 )
 def test_bad_settings_name_the_setting(env: dict[str, str], setting: str) -> None:

@@ -9,7 +9,7 @@ import asyncio
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from meter.config import ClusterConfig, FlushConfig, NodeConfig, OwnerConfig, Se
 from meter.errors import Unavailable
 from meter.keys import period_start
 from meter.node import Node
-from storage.base import Storage
+from storage.base import Delta, Key, Snapshot, Storage
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
 from tests.conftest_dynamodb import create_table
@@ -312,3 +312,54 @@ async def test_a_process_without_its_id_says_nothing_on_the_bus(
                 await cx.close()
                 await cy.close()
             await until(lambda: y.table is not None and y.table.value(KEY) == 7, "y sees x's 7")
+
+
+class HeldReads(MemoryStorage):
+    """A memory store whose seeding reads take their snapshot when issued and, while
+    ``hold`` is set, answer only once ``release`` is set (a slow answer on its way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold = True
+        self.release = asyncio.Event()
+        self.held = 0
+
+    async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]:
+        snaps = await super().load(keys)
+        if self.hold:
+            self.held += 1
+            await self.release.wait()
+        return snaps
+
+
+async def test_a_read_issued_before_a_claim_never_seeds_after_it(tmp: Path) -> None:
+    """A seeding read issued while another process held the id, answered only after this
+    node claimed it and re-read its warm keys, is refused and read again: seeded from it,
+    the row would hold the holder's older sequence and the next flush would reuse one the
+    store has, which drops its units as a duplicate (C06, K07)."""
+    store = HeldReads()
+    await store.claim_owner("same", "holder", lease_s=60, now=time.time())
+    await store.apply("same", [Delta(KEY, 2, 10)])  # the holder stored under the id
+    async with Node(config(tmp, "b", "same"), storage=store) as b:
+        assert b.owner is not None and b.service is not None and b.flusher is not None
+        assert b.owner.state == "waiting"
+        cb = await AsyncClient.connect(str(tmp / "b.sock"), retry_timeout=0)
+        try:
+            usage = asyncio.create_task(cb.usage(*KEY[:2]))  # fenced, reads still served
+            await until(lambda: store.held == 1, "the seeding read is out")
+            store.hold = False  # reads issued from now on answer at once
+            # The holder stores 5 more units under the id, then stops (its lease released).
+            await store.apply("same", [Delta(KEY, 3, 5)])
+            await store.renew_owner("same", "holder", lease_s=0, now=time.time())
+            await b.owner.step()  # b claims the id and re-reads its warm keys
+            assert b.owner.owned
+            service = b.service
+            await until(lambda: service.fenced is None, "b counts again")
+            store.release.set()  # the answer read before the claim lands
+            assert await usage == 15
+            assert await cb.track(*KEY[:2], 7) == 22
+            assert await b.flusher.flush_once()
+            assert b.flusher.stats.duplicates == 0
+            assert store.items[KEY].total == 22, store.items[KEY]
+        finally:
+            await cb.close()

@@ -5,6 +5,7 @@ the boundary. Real node processes whose clocks are moved to just before a month 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import threading
 import time
@@ -291,3 +292,84 @@ async def _stored(
         return out_old, out_new
     finally:
         await store.close()
+
+
+@contextlib.contextmanager
+def short_tmpdir_path() -> Iterator[Path]:
+    path = short_tmpdir("ra-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _node_config(tmp: Path, lead: float) -> Any:
+    from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig
+
+    return NodeConfig(
+        data_dir=tmp / "data",
+        server=ServerConfig(socket=tmp / "n.sock"),
+        flush=FlushConfig(interval_ms=3_600_000),
+        counters=CounterConfig(rollover_read_ahead_s=lead),
+    )
+
+
+async def _until(cond: Any, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting until {what}")
+        await asyncio.sleep(0.01)
+
+
+async def test_a_read_ahead_lead_under_a_second_is_not_slept_through() -> None:
+    """L02: the loop waits until the next pass's moment (at most a second), so a lead shorter
+    than a second still reads ahead before the period ends. The wall clock is simulated:
+    each step is made at the instant the previous one said to look again."""
+    from meter.node import Node
+
+    lead = 0.8
+    with short_tmpdir_path() as tmp:
+        async with Node(_node_config(tmp, lead), storage=MemoryStorage()) as node:
+            assert node.service is not None and node.table is not None
+            node.table.seed(("acme", "api", period_start("month")), Snapshot(0, {}))
+            seeder = node.service.seeder
+            end = period_end("month", time.time())
+            now = end - lead - 0.1  # the loop looks a tenth of a second before the first pass
+            done: dict[tuple[str, float], int] = {}
+            steps = 0
+            while now < end:
+                now += await node._read_ahead_step(now, lead, done)
+                steps += 1
+                assert steps < 1000
+            assert done.get(("month", end), 0) >= 1, f"no pass before the period end: {done}"
+            await _until(lambda: seeder.stats.prefetched >= 1, "the next month's key is read")
+
+
+async def test_an_error_in_a_read_ahead_pass_does_not_end_the_loop() -> None:
+    """A bug in one read-ahead pass is logged and the loop goes on (it used to end the loop
+    silently, and Node.stop() raised it before draining)."""
+    from meter.node import Node
+
+    with short_tmpdir_path() as tmp:
+        async with Node(_node_config(tmp, 60.0), storage=MemoryStorage()) as node:
+            calls = 0
+
+            async def failing_then_waiting(
+                now: float, lead: float, done: dict[tuple[str, float], int]
+            ) -> float:
+                nonlocal calls
+                calls += 1
+                if calls == 1:
+                    raise RuntimeError("a bug in a read-ahead pass")
+                return 3600.0
+
+            node._read_ahead_step = failing_then_waiting  # type: ignore[method-assign]
+            task = asyncio.create_task(node._read_ahead_loop())
+            try:
+                await _until(lambda: calls >= 2, "the loop looks again after the error")
+                assert not task.done()
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task

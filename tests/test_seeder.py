@@ -7,8 +7,9 @@ other seeding paths, flushes and peers' writes can happen between a read's issue
 landing. The state machine checks, over every interleaving it finds:
 
 - every caller is answered once every read has landed (C12, L04);
-- a key is seeded only by a read issued after the last eviction pass, with that read's total
-  and sequences, and a read overtaken by one is refused and the key read again, until
+- a key is seeded only by a read issued after the last eviction pass and the last claim of
+  the node id (another process having stored under it meanwhile), with that read's total
+  and sequences, and a read overtaken by either is refused and the key read again, until
   :data:`~meter.seeder.MAX_TRIES` reads of it in a row were refused (C06, L05); no flush
   reuses a stored sequence, and the store ends up with exactly the acknowledged units;
 - at most ``concurrency`` reads are out at once, none of more than ``chunk`` keys, and no key
@@ -89,7 +90,7 @@ class Read:
 
     keys: list[Key]
     snaps: dict[Key, Snapshot]
-    evictions: int
+    epoch: int
     fut: asyncio.Future[dict[Key, Snapshot]]
     outcome: str | None = None
 
@@ -108,7 +109,7 @@ class GatedStore(MemoryStorage):
         wanted = list(keys)
         # New objects per read: a seed can be traced back to the read it came from.
         snaps = {k: _copy(self.items.get(k, EMPTY)) for k in wanted}
-        read = Read(wanted, snaps, self.table.evictions, asyncio.get_running_loop().create_future())
+        read = Read(wanted, snaps, self.table.epoch, asyncio.get_running_loop().create_future())
         self.reads.append(read)
         self.outstanding.append(read)
         self.most_open = max(self.most_open, len(self.outstanding))
@@ -145,21 +146,19 @@ class SpyTable(CounterTable):
         super().__init__(node, gossip=False)
         self.seeds: list[tuple[Key, Snapshot, int]] = []
 
-    def seed(self, key: Key, snap: Snapshot, evictions: int | None = None) -> bool:
-        now = self.evictions
-        ok = super().seed(key, snap, evictions)
+    def seed(self, key: Key, snap: Snapshot, epoch: int | None = None) -> bool:
+        now = self.epoch
+        ok = super().seed(key, snap, epoch)
         if ok:
             self.seeds.append((key, snap, now))
         return ok
 
-    def seed_many(
-        self, snaps: Iterable[tuple[Key, Snapshot]], evictions: int
-    ) -> tuple[int, list[Key]]:
+    def seed_many(self, snaps: Iterable[tuple[Key, Snapshot]], epoch: int) -> tuple[int, list[Key]]:
         """The seeder's way (a landed batch under one lock): each key it seeded is recorded."""
         items = list(snaps)
         cold = {k for k, _ in items if not self.is_seeded(k)}
-        now = self.evictions
-        out = super().seed_many(items, evictions)
+        now = self.epoch
+        out = super().seed_many(items, epoch)
         self.seeds.extend((k, s, now) for k, s in items if k in cold and self.is_seeded(k))
         return out
 
@@ -214,6 +213,8 @@ class SeederMachine(RuleBasedStateMachine):
         self.callers: list[tuple[asyncio.Task[Any], list[Key]]] = []
         self.acked: Counter[Key] = Counter()
         self.peer_units: Counter[Key] = Counter()
+        #: Units another process stored under this node's id before this node claimed it.
+        self.holder_units: Counter[Key] = Counter()
         #: Reads of a key refused in a row (overtaken by an eviction pass), since it was
         #: last seeded, failed or given up.
         self.refused: Counter[Key] = Counter()
@@ -290,7 +291,7 @@ class SeederMachine(RuleBasedStateMachine):
     def _land(self, read: Read, outcome: str, bad: Iterable[Key] = ()) -> None:
         table = self.table
         was_seeded = {k: table.is_seeded(k) for k in read.keys}
-        fresh = read.evictions == table.evictions
+        fresh = read.epoch == table.epoch
         land(read, outcome, bad)
         good = set(read.snaps) - set(bad) if outcome in ("ok", "bad") else set()
         self.loop.one_pass()  # the seeder's read resumes and lands
@@ -316,7 +317,7 @@ class SeederMachine(RuleBasedStateMachine):
                 if outcome == "bad":
                     self.seen["seeded beside undecodable items"] += 1
             else:
-                assert not table.is_seeded(key), f"{key} seeded by a read older than an eviction"
+                assert not table.is_seeded(key), f"{key} seeded by a read older than its epoch"
                 self.refused[key] += 1
                 self.seen["refused"] += 1
                 if self.refused[key] < MAX_TRIES:
@@ -349,9 +350,9 @@ class SeederMachine(RuleBasedStateMachine):
 
     @rule()
     def evict(self) -> None:
-        before = self.table.evictions
+        before = self.table.epoch
         self.table.evict_idle()
-        if self.table.evictions != before and self.store.pending():
+        if self.table.epoch != before and self.store.pending():
             self.seen["eviction under a read"] += 1
 
     @rule()
@@ -360,10 +361,10 @@ class SeederMachine(RuleBasedStateMachine):
         self.spares += 1
         spare = ("spare", f"s{self.spares}", PERIOD)
         self.table.seed(spare, EMPTY)
-        before = self.table.evictions
+        before = self.table.epoch
         self.table.evict_idle()
         self.table.evict_idle()
-        assert self.table.evictions > before and not self.table.is_warm(spare)
+        assert self.table.epoch > before and not self.table.is_warm(spare)
         if self.store.pending():
             self.seen["eviction under a read"] += 1
 
@@ -387,6 +388,24 @@ class SeederMachine(RuleBasedStateMachine):
         run_sync(self.store.apply(PEER, [Delta(key, self.peer_seq[key], qty)]))
         self.peer_units[key] += qty
 
+    @rule(key=st.sampled_from(KEYS), qty=st.integers(1, 5))
+    def another_holder_then_claim(self, key: Key, qty: int) -> None:
+        """Another process held this node's id and stored units under it (maybe while reads
+        of the key were out), then this node claimed the id: as ``Node._owner_state`` does,
+        reads issued before are refused and the warm seeded keys re-read (the flusher's
+        ``reread``). A stale read seeding after it would make the next flush reuse the
+        holder's sequence: ``flush`` fails on that duplicate."""
+        seq = self.store.items.get(key, EMPTY).seq_of(NODE) + 1
+        run_sync(self.store.apply(NODE, [Delta(key, seq, qty)]))
+        self.holder_units[key] += qty
+        self.table.refuse_earlier_reads()
+        warm_keys = self.table.keys()  # a list: the table is not iterable
+        for warm in warm_keys:
+            if self.table.is_seeded(warm):
+                self.table.rebase(warm, _copy(self.store.items.get(warm, EMPTY)), "read")
+        if self.store.pending():
+            self.seen["claim under a read"] += 1
+
     # -- invariants -----------------------------------------------------------------------
 
     @invariant()
@@ -400,14 +419,22 @@ class SeederMachine(RuleBasedStateMachine):
     @invariant()
     def only_a_fresh_read_seeds(self) -> None:
         by_snap = {id(s): r for r in self.store.reads for s in r.snaps.values()}
-        for key, snap, evictions in self.table.seeds[self.checked_seeds :]:
+        for key, snap, epoch in self.table.seeds[self.checked_seeds :]:
             read = by_snap.get(id(snap))
             if read is not None:
-                assert read.evictions == evictions, (
-                    f"{key} seeded by a read issued before eviction pass {evictions}"
-                )
+                assert read.epoch == epoch, f"{key} seeded by a read issued before epoch {epoch}"
                 self.seen["seed traced to its read"] += 1
         self.checked_seeds = len(self.table.seeds)
+
+    @invariant()
+    def no_seeded_row_is_behind_its_stored_sequence(self) -> None:
+        """A seeded row knows every sequence stored under this node's id (else its next flush
+        reuses one, and the store drops its units as a duplicate)."""
+        for key in KEYS:
+            cols = self.table.columns(key)
+            if cols is not None and cols["seeded"]:
+                stored = self.store.items.get(key, EMPTY).seq_of(NODE)
+                assert cols["own_seq"] >= stored, f"{key}: row at {cols}, stored {stored}"
 
     @invariant()
     def answered_callers_answered_well(self) -> None:
@@ -451,7 +478,12 @@ class SeederMachine(RuleBasedStateMachine):
         flush(self.table, self.store)
         assert not self.table.dirty_keys()
         for key in KEYS:
-            want = self.stored.get(key, 0) + self.acked[key] + self.peer_units[key]
+            want = (
+                self.stored.get(key, 0)
+                + self.acked[key]
+                + self.peer_units[key]
+                + self.holder_units[key]
+            )
             got = self.store.items.get(key, EMPTY).total
             assert got == want, f"{key}: stored {got}, acknowledged {want}"
         self.only_a_fresh_read_seeds()
@@ -488,13 +520,14 @@ TestSeeder = SeederMachine.TestCase
 
 
 def test_the_machine_reaches_refusals_give_ups_and_failures() -> None:
-    """The machine must reach what it claims to check: reads overtaken by an eviction pass
-    (refused, read again, given up after MAX_TRIES), failed reads, other seeding paths."""
+    """The machine must reach what it claims to check: reads overtaken by an eviction pass or
+    a claim of the node id (refused, read again, given up after MAX_TRIES), failed reads,
+    other seeding paths."""
     SeederMachine.seen.clear()
     run_state_machine_as_test(
         SeederMachine,
         settings=settings(
-            max_examples=80,
+            max_examples=100,
             stateful_step_count=50,
             deadline=None,
             database=None,
@@ -506,6 +539,7 @@ def test_the_machine_reaches_refusals_give_ups_and_failures() -> None:
     print(f"\nthe seeder machine: {seen}")
     assert seen.get("refused", 0) >= 20 and seen.get("gave up", 0) >= 1, seen
     assert seen.get("eviction under a read", 0) >= 20, seen
+    assert seen.get("claim under a read", 0) >= 20, seen
     assert seen.get("seeded", 0) >= 100 and seen.get("failed", 0) >= 20, seen
     assert seen.get("seeded elsewhere", 0) >= 20, seen
     assert seen.get("seeded elsewhere while read", 0) >= 5, seen
@@ -662,13 +696,13 @@ def test_a_key_seeded_elsewhere_while_it_was_read_again_gets_its_full_tries_next
         spare = iter(keys_named("spare", 10))
 
         def eviction_pass() -> None:
-            """Make an idle key and evict it: the eviction count moves on."""
+            """Make an idle key and evict it: the table's epoch moves on."""
             idle = next(spare)
             rig.table.seed(idle, EMPTY)
-            before = rig.table.evictions
+            before = rig.table.epoch
             rig.table.evict_idle()
             rig.table.evict_idle()
-            assert rig.table.evictions == before + 1
+            assert rig.table.epoch == before + 1
 
         def refuse_next_read() -> None:
             pending = rig.store.pending()
@@ -722,3 +756,100 @@ async def test_close_wakes_callers_of_reads_cancelled_before_they_ran() -> None:
     await seeder.close()
     await asyncio.wait_for(waiter, 1)
     assert waiter.result() is False and not table.is_seeded(key)
+
+
+async def test_a_landing_that_fails_still_wakes_its_callers() -> None:
+    """L04: if seeding a landed batch raises (a backend bug: an answer that is no snapshot),
+    every caller of the batch still wakes, its key unseeded, and the error is logged."""
+
+    class WrongAnswers(MemoryStorage):
+        async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]:
+            return dict.fromkeys(keys, None)  # type: ignore[return-value]
+
+    table = CounterTable(NODE)
+    seeder = Seeder(table, WrongAnswers(), chunk=10, concurrency=2)
+    assert await asyncio.wait_for(seeder.seed(KEYS[0]), 5) is False
+    await asyncio.wait_for(seeder.seed_many(KEYS[1:]), 5)
+    assert not any(table.is_seeded(k) for k in KEYS)
+    assert not seeder.busy() and seeder.status()["queued"] == 0
+    assert "failed unexpectedly" in str(seeder.stats.last_error)
+    await seeder.close()
+
+
+class HeldStore(MemoryStorage):
+    """A memory store whose reads answer only once ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.started = 0
+
+    async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]:
+        self.started += 1
+        await self.release.wait()
+        return await super().load(keys)
+
+
+def _seeder_reads() -> list[asyncio.Task[Any]]:
+    """The seeder's read tasks still alive on the running loop."""
+    return [
+        t
+        for t in asyncio.all_tasks()
+        if not t.done() and getattr(t.get_coro(), "__qualname__", "") == "Seeder._read"
+    ]
+
+
+async def test_close_leaves_no_read_running_and_starts_none() -> None:
+    """close() with reads out and more queued: the cancelled reads' cleanup starts no new
+    read, no read task outlives close(), and ``status`` counts nothing queued or in flight
+    (none negative)."""
+    table = CounterTable(NODE)
+    store = HeldStore()
+    seeder = Seeder(table, store, chunk=10, concurrency=2)
+    keys = keys_named("c", 100)
+    assert seeder.prefetch(keys) == 100  # ten batches queued ahead
+    waiter = asyncio.ensure_future(seeder.seed_many(keys_named("w", 25)))
+    deadline = asyncio.get_running_loop().time() + 5
+    while store.started < 2:  # both read slots taken
+        assert asyncio.get_running_loop().time() < deadline, "reads never started"
+        await asyncio.sleep(0.001)
+    await seeder.close()
+    assert not _seeder_reads(), "a read runs after close()"
+    status = seeder.status()
+    assert status["queued"] == 0 and status["in_flight"] == 0, status
+    assert not seeder.busy()
+    await asyncio.wait_for(waiter, 5)  # the caller is answered, its keys unseeded
+    assert store.started == 2, "a read started after close()"
+    # Asked after close: answered at once, nothing read.
+    assert await asyncio.wait_for(seeder.seed(keys[0]), 5) is False
+    assert seeder.prefetch(keys_named("late", 3)) == 0
+    assert store.started == 2 and not _seeder_reads()
+
+
+def test_a_refused_key_a_caller_waits_on_is_read_again_before_the_read_ahead() -> None:
+    """L01, L05: a key a caller waits on, whose read (a read-ahead batch already sent) an
+    eviction pass overtook, is read again in the next read, not behind every batch of the
+    read-ahead queued meanwhile."""
+    with Rig(chunk=10, concurrency=2) as rig:
+        ahead = keys_named("a", 200)  # twenty batches read ahead
+        rig.loop.call(rig.seeder.prefetch, ahead)
+        rig.loop.settle()
+        first = rig.store.pending()
+        assert len(first) == 2 and first[0].keys == ahead[:10]
+        target = ahead[0]  # being read ahead: the caller waits for that read
+        caller = rig.task(rig.seeder.seed(target))
+        rig.loop.settle()
+        assert len(rig.store.reads) == 2, "no read of its own: it is being read"
+        rig.table.seed(("spare", "s", PERIOD), EMPTY)  # an idle key for the eviction pass
+        rig.table.evict_idle()
+        before = rig.table.epoch
+        rig.table.evict_idle()
+        assert rig.table.epoch == before + 1
+        land(first[0], "ok")  # overtaken: refused, every key of it read again
+        rig.loop.settle()
+        assert not caller.done()
+        nxt = rig.store.reads[2]
+        assert nxt.keys == [target], f"next read {nxt.keys}, not the key a caller waits on"
+        land(nxt, "ok")
+        rig.loop.settle()
+        assert caller.result() is True and rig.table.is_seeded(target)

@@ -20,6 +20,7 @@ from storage.base import (
     Delta,
     Key,
     Snapshot,
+    StorageError,
     StoragePermanentError,
     StorageUnavailable,
 )
@@ -388,3 +389,37 @@ async def test_close_waits_for_queued_calls(db_path: Path) -> None:
         assert (await t.load([K]))[K] == Snapshot(20, {"n1": 20})
     finally:
         await t.close()
+
+
+async def test_a_read_that_fails_with_its_transaction_open_does_not_break_the_next_reads(
+    store: SQLiteStorage,
+) -> None:
+    """A seeding read that fails part-way is rolled back, not committed; and a read whose
+    end of transaction failed too (its connection left inside the read transaction) does not
+    make every later read fail with "cannot start a transaction within a transaction"."""
+    key = ("acme", "api", "2026-11")
+    await store.apply("n1", [Delta(key, 1, 5)])
+    assert store._reader is not None
+    reader = store._reader
+    calls = 0
+    armed = True
+
+    def progress() -> int:
+        # SQLite calls this every VM step: let BEGIN (3 steps) through, then interrupt every
+        # statement (the read, and what ends its transaction) until disarmed.
+        nonlocal calls
+        calls += 1
+        return 1 if armed and calls > 3 else 0
+
+    loop = asyncio.get_running_loop()
+    conn = store._read_connection
+    await loop.run_in_executor(reader, lambda: conn().set_progress_handler(progress, 1))
+    try:
+        with pytest.raises(StorageError, match="interrupted"):
+            await store.load([key])
+        assert await loop.run_in_executor(reader, lambda: conn().in_transaction)
+        armed = False
+        assert (await store.load([key]))[key] == Snapshot(5, {"n1": 1})
+        assert not await loop.run_in_executor(reader, lambda: conn().in_transaction)
+    finally:
+        await loop.run_in_executor(reader, lambda: conn().set_progress_handler(None, 1))

@@ -241,3 +241,28 @@ async def test_an_answer_overtaken_by_a_newer_snapshot_is_not_taken_for_storage_
     assert value == store.items[A].total == 35
     cols = a.columns(A)
     assert cols is not None and cols["inflight"] == 0
+
+
+@pytest.mark.parametrize(
+    ("pool", "concurrency", "expected"),
+    [(64, 64, 72), (4, 16, 24), (100, 16, 108), (2, 3, 6)],
+)
+async def test_dynamodb_reads_keep_connections_writes_cannot_take(
+    pool: int, concurrency: int, expected: int
+) -> None:
+    """The client's pool holds the writes' connections (``concurrency`` may exceed the
+    configured pool) plus ``load_concurrency`` more, so seeding reads always find one free.
+    (Opening a client connects to nothing: no server is needed.)"""
+    store = DynamoDBStorage(
+        "counters",
+        endpoint_url=f"http://127.0.0.1:{free_port()}",
+        max_pool_connections=pool,
+        concurrency=concurrency,
+    )
+    assert store.pool_connections == expected
+    assert expected == max(pool, concurrency) + store.load_concurrency
+    await store.open()
+    try:
+        assert store._client.meta.config.max_pool_connections == expected
+    finally:
+        await store.close()
