@@ -182,7 +182,11 @@ def _per_node(
                 "peer_lag_p99_ms": [p["lag_p99_ms"] for p in a["cluster"]["peers"].values()],
                 "gc_collections": [
                     x - y
-                    for x, y in zip(a["gc"]["collections"], b["gc"]["collections"], strict=True)
+                    for x, y in zip(
+                        a.get("gc", {}).get("collections", []),
+                        b.get("gc", {}).get("collections", []),
+                        strict=True,
+                    )
                 ],
             }
         )
