@@ -148,6 +148,11 @@ async def _probe(
     return lat, anomalies, unseen
 
 
+def _wal(status: dict[str, Any], field: str) -> int:
+    wal = (status.get("durability") or {}).get("wal") or {}
+    return int(wal.get(field, 0))
+
+
 def _per_node(
     before: list[dict[str, Any]],
     after: list[dict[str, Any]],
@@ -177,6 +182,15 @@ def _per_node(
                 "dropped": sa["dropped"] - sb["dropped"],
                 "failed": sa["failed"] - sb["failed"],
                 "gaps": a["cluster"]["gaps"] - b["cluster"]["gaps"],
+                # Re-reads of every warm key (gap, reconcile, ...) and log checkpoints in the
+                # window: each walks every warm key.
+                "resyncs": {
+                    k: v - b["cluster"]["resyncs"].get(k, 0)
+                    for k, v in a["cluster"]["resyncs"].items()
+                    if v - b["cluster"]["resyncs"].get(k, 0)
+                },
+                "checkpoints": _wal(a, "checkpoints") - _wal(b, "checkpoints"),
+                "fsyncs_per_s": (_wal(a, "fsyncs") - _wal(b, "fsyncs")) / seconds,
                 # Receive time - sent_at of the last 256 frames from each peer (ms).
                 "peer_lag_p50_ms": [p["lag_p50_ms"] for p in a["cluster"]["peers"].values()],
                 "peer_lag_p99_ms": [p["lag_p99_ms"] for p in a["cluster"]["peers"].values()],
@@ -275,12 +289,15 @@ def scale_convergence(
                     per_s,
                     t_start,
                     t_end,
-                    [(t_probe, snap("start")), (t_end - 0.05, snap("end"))],
+                    [(t_probe - 0.5, snap("start")), (t_end + 0.3, snap("end"))],
                 )
             )
             lat, anomalies, unseen = probed.result()
         load1 = os.getloadavg()
-        measured_s = t_end - 0.05 - t_probe
+        # status walks every warm key (tens of ms at 100,000 keys): taken outside the probe's
+        # window (the last sample may run past t_end). Rates are over the load from the first
+        # status to the end, plus the tick that sends its last units.
+        measured_s = t_end - (t_probe - 0.5) + tick_ms / 1000
         cpu = [e - s for s, e in zip(cpus["start"], cpus["end"], strict=True)]
         per_node = _per_node(snaps["start"], snaps["end"], cpu, measured_s)
         with ThreadPoolExecutor(3) as pool:

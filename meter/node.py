@@ -606,7 +606,7 @@ class Node:
                 "reseeded": fs.reseeded,
                 "failures": fs.failures,
                 "backlog_keys": len(backlog),
-                "backlog_units": sum(self.table.pending(k) for k in backlog),
+                "backlog_units": self.table.pending_units(backlog),
                 "backlog_age_s": None
                 if fs.backlog_since is None
                 else round(now - fs.backlog_since, 3),

@@ -230,6 +230,18 @@ class CounterTable:
             row = self._rows.get(key)
             return row.inflight + row.pending_flush if row is not None else 0
 
+    def pending_units(self, keys: Iterable[Key]) -> int:
+        """:meth:`pending` summed over ``keys``, under one lock (``status`` sums a backlog of
+        every warm key: one lock each made it tens of ms at 100,000 keys)."""
+        total = 0
+        with self._lock:
+            rows = self._rows
+            for key in keys:
+                row = rows.get(key)
+                if row is not None:
+                    total += row.inflight + row.pending_flush
+        return total
+
     def columns(self, key: Key) -> dict[str, int] | None:
         """Every column of a row, for diagnostics and tests."""
         with self._lock:
