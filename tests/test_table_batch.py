@@ -77,3 +77,17 @@ def test_incr_seeded_refuses_only_the_items_past_64_bits() -> None:
         t.try_incr(top, 1)
     assert t.incr_prefix([(other, 1), (top, 1), (other, 1)]) == [4], "the run stops there"
     assert t.value(top) == QTY_MAX and t.value(other) == 4
+
+
+def test_pending_units_sums_pending_over_the_keys() -> None:
+    t = CounterTable("n1")
+    a, b, cold = ("t", "a", "2026-11"), ("t", "b", "2026-11"), ("t", "c", "2026-11")
+    t.seed(a, EMPTY)
+    t.seed(b, EMPTY)
+    t.incr(a, 3)
+    t.incr(b, 4)
+    assert t.take_flush(a) == (1, 3)  # in flight still counts
+    t.incr(a, 2)
+    keys = [a, b, cold, a]
+    assert t.pending_units(keys) == sum(t.pending(k) for k in keys) == 14
+    assert t.pending_units([]) == 0
