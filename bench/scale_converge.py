@@ -45,6 +45,7 @@ from bench.scale import (
 )
 from bench.scenarios import Progress, Row, Sizes, _create_table, _median
 from bench.services import Services
+from tests.nodes import NodeProcess
 
 #: Items per ``track_many`` call of the load.
 ITEMS = 200
@@ -89,7 +90,7 @@ async def _rpc(
 
 def probe_in_process(
     sockets: list[str], t_start: float, t_end: float, tick_s: float
-) -> tuple[list[float], int, int]:
+) -> tuple[list[float], int, int, float]:
     """:func:`_probe` in a process of its own (run by a ``ProcessPoolExecutor``): the load's
     client loop lags by tens of ms at this rate, and a probe sharing it would time that."""
     return asyncio.run(_probe(sockets, t_start, t_end, tick_s))
@@ -97,19 +98,33 @@ def probe_in_process(
 
 async def _probe(
     sockets: list[str], t_start: float, t_end: float, tick_s: float, timeout: float = 30.0
-) -> tuple[list[float], int, int]:
+) -> tuple[list[float], int, int, float]:
     """Samples (ms) until ``t_end``; the readings above the expected total or below the
-    last one (a double count or a dip); and the samples not seen within ``timeout`` (counted
-    at ``timeout``; the probe then stops: the nodes are too far behind to measure)."""
+    last one (a double count or a dip); the samples not seen within ``timeout`` (counted at
+    ``timeout``; the probe then stops: the nodes are too far behind to measure); and the
+    mean round trip of a poll (ms), the resolution of a sample.
+
+    The nodes that have not shown the unit are polled at once (one ``usage`` each, in
+    parallel), then again :data:`POLL_S` later, so a sample ends at most a poll round trip
+    plus :data:`POLL_S` after the last node shows it. Every call is bounded by what is left
+    of ``timeout``: a wedged node ends the probe instead of hanging it."""
     conns = [await asyncio.open_unix_connection(path) for path in sockets]
     unpackers = [msgpack.Unpacker(raw=False) for _ in sockets]
     lat: list[float] = []
     anomalies = unseen = 0
+    polls = 0
+    poll_s = 0.0
+
+    async def call(i: int, deadline: float, method: str, *params: Any) -> Any:
+        left = max(0.001, deadline - time.monotonic())
+        return await asyncio.wait_for(_rpc(conns[i], unpackers[i], method, *params), left)
+
     try:
         # Every node loads the probe key first: a node that meets it cold later seeds from
         # the store, which has a peer's units only once that peer has flushed them.
-        seen = [await _rpc(c, u, "usage", PROBE_TENANT, PROBE_FEATURE)
-                for c, u in zip(conns, unpackers, strict=True)]  # fmt: skip
+        until = time.monotonic() + timeout
+        seen = [await call(i, until, "usage", PROBE_TENANT, PROBE_FEATURE)
+                for i in range(len(sockets))]  # fmt: skip
         if len(set(seen)) != 1:
             raise RuntimeError(f"the nodes disagree on the probe counter: {seen}")
         expected = seen[0]
@@ -120,32 +135,55 @@ async def _probe(
             await asyncio.sleep(tick_s * ((s * 0.618) % 1.0))
             src = s % len(sockets)
             t0 = time.monotonic()
-            got = await _rpc(conns[src], unpackers[src], "track", PROBE_TENANT, PROBE_FEATURE, 1)
-            expected += 1
-            if got != expected:
-                anomalies += 1
-            pending = [i for i in range(len(sockets)) if i != src]
-            while pending:
-                for i in list(pending):
-                    v = await _rpc(conns[i], unpackers[i], "usage", PROBE_TENANT, PROBE_FEATURE)
-                    if v > expected or v < expected - 1:
-                        anomalies += 1
-                    if v == expected:
-                        pending.remove(i)
-                if not pending:
-                    break
-                if time.monotonic() - t0 > timeout:
-                    unseen += 1  # counted at the timeout: a lower bound of its latency
-                    break
-                await asyncio.sleep(POLL_S)
+            until = t0 + timeout
+            try:
+                got = await call(src, until, "track", PROBE_TENANT, PROBE_FEATURE, 1)
+                expected += 1
+                if got != expected:
+                    anomalies += 1
+                pending = [i for i in range(len(sockets)) if i != src]
+                while pending:
+                    p0 = time.monotonic()
+                    values = await asyncio.gather(
+                        *(call(i, until, "usage", PROBE_TENANT, PROBE_FEATURE) for i in pending)
+                    )
+                    poll_s += time.monotonic() - p0
+                    polls += 1
+                    for i, v in zip(list(pending), values, strict=True):
+                        if v > expected or v < expected - 1:
+                            anomalies += 1
+                        if v == expected:
+                            pending.remove(i)
+                    if pending:
+                        if time.monotonic() >= until:
+                            raise TimeoutError
+                        await asyncio.sleep(POLL_S)
+            except TimeoutError:
+                unseen += 1  # counted at the timeout: a lower bound of its latency
+                lat.append(timeout * 1000)
+                break  # a node that far behind (or wedged) cannot be measured
             lat.append((time.monotonic() - t0) * 1000)
             s += 1
-            if unseen:
-                break  # a node that missed a unit for that long: too far behind to measure
     finally:
         for _, w in conns:
             w.close()
-    return lat, anomalies, unseen
+    return lat, anomalies, unseen, (poll_s / polls * 1000 if polls else 0.0)
+
+
+def _views_agree(
+    nodes: list[NodeProcess], shared: list[tuple[str, str]], n: int = 200, within: float = 10.0
+) -> bool:
+    """Whether, within ``within`` s of the load's end, all nodes show the same totals for
+    ``n`` of the shared keys (spread over the set)."""
+    sample = shared[:: max(1, len(shared) // n)]
+    deadline = time.monotonic() + within
+    while True:
+        views = [[p.call("usage", t, f) for t, f in sample] for p in nodes]
+        if views[0] == views[1] == views[2]:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 def _wal(status: dict[str, Any], field: str) -> int:
@@ -180,6 +218,11 @@ def _per_node(
                 "encode_cpu_share": enc / c if c else None,
                 "apply_cpu_share": app / c if c else None,
                 "dropped": sa["dropped"] - sb["dropped"],
+                # Every key is warm on every node: a delta skipped or a frame refused is a
+                # unit some view missed.
+                "deltas_skipped": ra["deltas_skipped"] - rb["deltas_skipped"],
+                "rejected": sum(a["cluster"]["rejected"].values())
+                - sum(b["cluster"]["rejected"].values()),
                 "failed": sa["failed"] - sb["failed"],
                 "gaps": a["cluster"]["gaps"] - b["cluster"]["gaps"],
                 # Re-reads of every warm key (gap, reconcile, ...) and log checkpoints in the
@@ -292,14 +335,17 @@ def scale_convergence(
                     [(t_probe - 0.5, snap("start")), (t_end + 0.3, snap("end"))],
                 )
             )
-            lat, anomalies, unseen = probed.result()
+            lat, anomalies, unseen, poll_ms = probed.result(
+                timeout=max(0, t_end - time.monotonic()) + 120
+            )
         load1 = os.getloadavg()
         # status walks every warm key (tens of ms at 100,000 keys): taken outside the probe's
-        # window (the last sample may run past t_end). Rates are over the load from the first
-        # status to the end, plus the tick that sends its last units.
-        measured_s = t_end - (t_probe - 0.5) + tick_ms / 1000
+        # window (the last sample may run past t_end); CPU and message rates are over the
+        # time between the two (the load's last 0.3 s included: a little low).
+        measured_s = (t_end + 0.3) - (t_probe - 0.5)
         cpu = [e - s for s, e in zip(cpus["start"], cpus["end"], strict=True)]
         per_node = _per_node(snaps["start"], snaps["end"], cpu, measured_s)
+        agree = _views_agree(nodes, shared)
         with ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda p: finish(svc, p, False), nodes))
         stopped = True
@@ -318,10 +364,12 @@ def scale_convergence(
         "max_ms": max(lat, default=0.0),
         "anomalies": anomalies,
         "unseen_within_30s": unseen,
+        "probe_poll_round_trip_ms": poll_ms,
         "load_calls": len(calls),
         "load_unanswered": sum(c.lat_ns < 0 for c in calls),
         "load_errors": tally.errors + tally.nil,
         "load_items_per_s_delivered": tally.items / max(1e-9, t_end - t_start) / 3,
+        "views_agree_after_load": agree,
         "load_call_p99_ms": _pct(call_ms, 99),
         "client_max_send_lag_ms": lag * 1000,
         "warmup_wrong_answers": sum(p.wrong + p.nil + p.errors for p in warmed),
@@ -367,6 +415,14 @@ def convergence_rows(svc: Services, sizes: Sizes, progress: Progress) -> list[Ro
             and r["load_unanswered"] == 0
             and r["load_errors"] == 0
             and r["warmup_wrong_answers"] == 0
+            and r["views_agree_after_load"]
+            # The load the row names was delivered (the client kept up).
+            and r["load_items_per_s_delivered"] >= 0.95 * sz.conv_rate
+            and all(
+                n[k] == 0
+                for n in r["per_node"]
+                for k in ("dropped", "failed", "gaps", "deltas_skipped", "rejected")
+            )
             for r in runs
         )
         nodes = [n for r in runs for n in r["per_node"]]
@@ -374,8 +430,12 @@ def convergence_rows(svc: Services, sizes: Sizes, progress: Progress) -> list[Ro
             "runs": runs,
             "gossip_bytes_per_s_per_node": _median([n["bytes_per_s"] for n in nodes]),
             "gossip_messages_per_s_per_node": _median([n["messages_per_s"] for n in nodes]),
-            "encode_cpu_share": _median([n["encode_cpu_share"] or 0.0 for n in nodes]),
-            "apply_cpu_share": _median([n["apply_cpu_share"] or 0.0 for n in nodes]),
+            "encode_cpu_share": _median(
+                [n["encode_cpu_share"] for n in nodes if n["encode_cpu_share"] is not None]
+            ),
+            "apply_cpu_share": _median(
+                [n["apply_cpu_share"] for n in nodes if n["apply_cpu_share"] is not None]
+            ),
         }
         metric = (
             f"convergence under load, 3 nodes x {keys:,} keys x {sz.conv_rate:,.0f} items/s: "
@@ -414,7 +474,7 @@ def convergence_rows(svc: Services, sizes: Sizes, progress: Progress) -> list[Ro
         rows.append(
             Row(
                 SCALE,
-                f"gossip encode + apply at {keys:,} keys, share of node CPU "
+                f"gossip encode + decode/apply (not Redis I/O) at {keys:,} keys, share of node CPU "
                 f"(encode {detail['encode_cpu_share']:.0%}, apply {detail['apply_cpu_share']:.0%})"
                 " [%]",
                 "%",

@@ -1,7 +1,7 @@
 """The broadcaster: turns this node's table into gossip frames and sends them, in order.
 
-Every tick it takes ``take_gossip`` of every touched key and publishes one message holding all
-the deltas (split only if it would pass the frame budget). After each flush the flusher hook
+Every tick it takes every touched key's gossip (``take_gossip_all``) and publishes one message
+holding all the deltas (split only if it would pass the frame budget). After each flush the flusher hook
 hands it the snapshots written, which it announces. When nothing was sent for a heartbeat
 interval it sends a heartbeat, so peers see it alive and notice a lost last message.
 

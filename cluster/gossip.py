@@ -1,6 +1,6 @@
 """The gossip orchestrator a node owns: broadcaster, receiver, peer tracking, resync.
 
-Receiving: deltas go to ``table.apply_remote`` (tagged with the flush sequence they will be
+Receiving: a frame's deltas go to ``table.apply_remote_many`` (tagged with the flush sequence they will be
 stored under), announcements to ``table.rebase(..., source="gossip")``. The tags make both exact:
 a snapshot whose sequence for a peer has reached a tag contains that delta, so the table drops
 it from ``remote`` exactly when the base takes it in (see ``docs/cluster.md``).

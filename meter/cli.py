@@ -147,15 +147,11 @@ def _serve(cfg: NodeConfig) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    from meter.gc_policy import tune_gc
     from meter.node import Node
 
     async def go() -> int:
-        node = Node(cfg)
+        node = Node(cfg, own_process=True)  # it may tune the process's collector (ADR 0007)
         await node.start()
-        # The process's own collector, so here and not in Node (tests run nodes in theirs):
-        # once recovered, before the load.
-        tune_gc(cfg.server.gc_young_threshold)
         return await node.run()
 
     return _run(go())

@@ -290,7 +290,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "socket_group": ("server", "socket_group", _opt_str),
     "max_frame_bytes": ("server", "max_frame_bytes", _int(1024, 64 << 20)),
     "request_drain_timeout_s": ("server", "request_drain_timeout_s", _float(0, 3600)),
-    "gc_young_threshold": ("server", "gc_young_threshold", _int(0, 10_000_000)),
+    "gc_young_threshold": ("server", "gc_young_threshold", _int(0, 1_000_000)),
     "storage": ("storage", "kind", _storage_kind),
     "sqlite_file": ("storage", "sqlite_file", _str),
     "dynamodb_table": ("storage", "dynamodb_table", _dynamodb_table),

@@ -7,7 +7,10 @@ the full collections (which walk every warm row) run often: 9 % of a loaded node
 the profile, in pauses on the event loop. A larger young threshold lets a frame come and go
 between collections; freezing what the node holds once it has recovered keeps its rows out
 of every later collection. The node's rows hold no reference cycles: they are freed by
-reference counting whatever the collector does.
+reference counting whatever the collector does. What is frozen is never collected: a cycle
+among the startup objects that becomes garbage later stays (once, bounded by the startup
+heap). Python 3.13+ changed the collector (3.14: incremental), so the threshold's meaning
+there should be measured again before relying on it.
 """
 
 from __future__ import annotations

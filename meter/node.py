@@ -24,6 +24,7 @@ from cluster.gossip import Gossip, GossipSettings
 from meter.config import NodeConfig
 from meter.errors import ConfigError, Unavailable
 from meter.flusher import Flusher
+from meter.gc_policy import tune_gc
 from meter.idempotency import RequestIds
 from meter.keys import Key, PeriodKind
 from meter.owner import Ownership, State
@@ -246,8 +247,13 @@ def _write_synced(file: Path, text: str) -> None:
 class Node:
     """One running node. ``start()`` then ``run()``, or ``async with Node(cfg)`` in tests."""
 
-    def __init__(self, config: NodeConfig, *, storage: Storage | None = None) -> None:
+    def __init__(
+        self, config: NodeConfig, *, storage: Storage | None = None, own_process: bool = False
+    ) -> None:
         self.config = config
+        #: The node is its process's only tenant (``meter serve``): it may set the process's
+        #: garbage collector (``gc_young_threshold``, ADR 0007). Tests run nodes in theirs.
+        self.own_process = own_process
         self.data_dir = DataDir(config.data_dir)
         self.storage = storage
         self.table: CounterTable | None = None
@@ -331,6 +337,10 @@ class Node:
             if self.wal is not None:
                 # Before the socket opens: every acknowledged call is back in memory.
                 warm = await recover(self.wal, self.service)
+            if self.own_process:
+                # Before the socket opens: the one full collection pauses no request, and the
+                # rows just recovered are frozen with the rest.
+                tune_gc(cfg.server.gc_young_threshold)
             try:
                 self.server = await start_server(
                     cfg.server.socket,

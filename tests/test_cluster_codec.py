@@ -268,6 +268,7 @@ _item = st.one_of(
 @example([["", "b", "c", 1, 1]])
 @example([["a", "b", "c", 1]])
 @example([("a", "b", "c", 1, 1)])
+@example([["a", "b", "c", 1, 1, 0]])
 def test_the_inline_delta_check_equals_the_per_field_one(body: list[Any]) -> None:
     """``_deltas`` (inline checks for the common shape) accepts and returns exactly what
     ``_delta`` item by item does, and refuses what it refuses."""
