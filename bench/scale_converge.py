@@ -460,7 +460,7 @@ def convergence_rows(svc: Services, sizes: Sizes, progress: Progress) -> list[Ro
             Row(
                 SCALE,
                 f"gossip sent per node at {keys:,} keys "
-                f"({detail['gossip_messages_per_s_per_node']:.1f} msg/s) [KB/s]",
+                f"({detail['gossip_messages_per_s_per_node']:.1f} msg/s)",
                 "KB/s",
                 kb,
                 None,
@@ -475,8 +475,7 @@ def convergence_rows(svc: Services, sizes: Sizes, progress: Progress) -> list[Ro
             Row(
                 SCALE,
                 f"gossip encode + decode/apply (not Redis I/O) at {keys:,} keys, share of node CPU "
-                f"(encode {detail['encode_cpu_share']:.0%}, apply {detail['apply_cpu_share']:.0%})"
-                " [%]",
+                f"(encode {detail['encode_cpu_share']:.0%}, apply {detail['apply_cpu_share']:.0%})",
                 "%",
                 share,
                 None,

@@ -1,9 +1,9 @@
 """The broadcaster: turns this node's table into gossip frames and sends them, in order.
 
 Every tick it takes every touched key's gossip (``take_gossip_all``) and publishes one message
-holding all the deltas (split only if it would pass the frame budget). After each flush the flusher hook
-hands it the snapshots written, which it announces. When nothing was sent for a heartbeat
-interval it sends a heartbeat, so peers see it alive and notice a lost last message.
+holding all the deltas (split only if it would pass the frame budget). After each flush the
+flusher hook hands it the snapshots written, which it announces. When nothing was sent for a
+heartbeat interval it sends a heartbeat, so peers see it alive and notice a lost last message.
 
 Frames are numbered when encoded and sent by one task in that order, so a peer's gap detection
 sees sequences in order, and a slow or dead Redis never blocks the flusher or the tick.

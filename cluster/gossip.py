@@ -1,9 +1,9 @@
 """The gossip orchestrator a node owns: broadcaster, receiver, peer tracking, resync.
 
-Receiving: a frame's deltas go to ``table.apply_remote_many`` (tagged with the flush sequence they will be
-stored under), announcements to ``table.rebase(..., source="gossip")``. The tags make both exact:
-a snapshot whose sequence for a peer has reached a tag contains that delta, so the table drops
-it from ``remote`` exactly when the base takes it in (see ``docs/cluster.md``).
+Receiving: a frame's deltas go to ``table.apply_remote_many`` (tagged with the flush sequence
+they will be stored under), announcements to ``table.rebase(..., source="gossip")``. The tags
+make both exact: a snapshot whose sequence for a peer has reached a tag contains that delta, so
+the table drops it from ``remote`` exactly when the base takes it in (see ``docs/cluster.md``).
 
 Pub/sub is at-most-once. A gap in a peer's message sequence, a (re)connect of our bus, a peer
 restarting, going silent or being heard again after it was declared dead, and a periodic

@@ -167,6 +167,8 @@ def test_smoke_scale_counts_exactly(tmp_path: Path) -> None:
     assert doc["failures"] == {}
     rows = doc["rows"]
     assert {r["scenario"] for r in rows} == {SCALE}
+    conv = [r for r in rows if r["metric"].startswith(("convergence under load", "gossip "))]
+    rows = [r for r in rows if r not in conv]
     for r in rows:
         assert "status" not in r["detail"], (r["metric"], r["detail"])
         assert r["ours"] is not None and r["ours"] > 0, r["metric"]
@@ -222,5 +224,24 @@ def test_smoke_scale_counts_exactly(tmp_path: Path) -> None:
                 assert ahead > 0  # next month's keys were read ahead
             elif "read-ahead off" in r["metric"]:
                 assert ahead == 0 and waited > 0  # and read when asked for, after the end
+    # 4: convergence under load: for each size a visibility row, gossip KB/s and CPU share;
+    # the probe saw every unit, nothing was skipped or lost, and the views agreed after.
+    assert len(conv) == 6, [r["metric"] for r in conv]
+    judged, kb, share, report, kb2, share2 = conv
+    assert judged["reference_kind"] == "target" and judged["reference"] == 130.0
+    assert f"{sz.conv_keys:,} keys" in judged["metric"]
+    assert f"{sz.conv_keys_report:,} keys" in report["metric"] and report["reference"] is None
+    for r in (judged, report):
+        assert r["ours"] is not None and r["ours"] > 0
+        for g in r["detail"]["runs"]:
+            assert g["samples"] > 0 and g["anomalies"] == g["unseen_within_30s"] == 0
+            assert g["load_unanswered"] == g["load_errors"] == g["warmup_wrong_answers"] == 0
+            assert g["views_agree_after_load"]
+            for n in g["per_node"]:
+                assert n["deltas_received_per_s"] > 0 and n["deltas_skipped"] == 0
+                assert n["dropped"] == n["failed"] == n["gaps"] == n["rejected"] == 0
+                assert n["encode_cpu_share"] is not None and n["apply_cpu_share"] is not None
+    for r in (kb, kb2, share, share2):
+        assert r["ours"] is not None and r["ours"] > 0 and r["met"] is None
     text = out.getvalue()
     assert "8 scale" in text and "50,000 (target)" in text

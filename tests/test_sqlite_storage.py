@@ -11,8 +11,11 @@ import sqlite3
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import storage.sqlite as sqlite_mod
 from storage.base import (
@@ -423,3 +426,63 @@ async def test_a_read_that_fails_with_its_transaction_open_does_not_break_the_ne
         assert not await loop.run_in_executor(reader, lambda: conn().in_transaction)
     finally:
         await loop.run_in_executor(reader, lambda: conn().set_progress_handler(None, 1))
+
+
+# -- the batched write --------------------------------------------------------------------------
+
+_keys = st.sampled_from([("t", f, p) for f in ("a", "b", "c") for p in ("2026-11", "2026-11-30")])
+_batch = st.lists(
+    st.builds(
+        Delta,
+        _keys,
+        st.integers(min_value=1, max_value=4),
+        st.integers(min_value=-(2**70), max_value=2**70),
+    ),
+    max_size=6,
+)
+
+
+def _outcome(v: object) -> object:
+    return ("error", type(v).__name__, str(v)) if isinstance(v, StorageError) else v
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["n1", "n2"]), _batch), max_size=6), st.booleans())
+def test_the_batched_write_equals_the_one_key_at_a_time_write(
+    tmp_path_factory: pytest.TempPathFactory, batches: list[Any], corrupt: bool
+) -> None:
+    """``_apply_many`` (a few reads and one executemany) answers and stores exactly what the
+    per-key path does, for any batches: duplicates within the store, keys named twice in one
+    batch (which fall back to the per-key path), totals past 64 bits, and a corrupt row."""
+    base = tmp_path_factory.mktemp("batched")
+
+    async def run(batched: bool) -> tuple[list[object], list[tuple[object, ...]]]:
+        store = SQLiteStorage(base / f"{batched}.db", retention_days=30)
+        if not batched:
+            store._apply_many = lambda *a: None  # type: ignore[method-assign]
+        await store.open()
+        answers: list[object] = []
+        try:
+            for i, (node, deltas) in enumerate(batches):
+                if corrupt and i == 1:
+                    conn = _raw(base / f"{batched}.db")
+                    conn.execute("UPDATE counters SET seqs = 'not json' WHERE feature = 'a'")
+                    conn.close()
+                out = await store.apply(node, deltas)
+                answers.append(sorted((k, repr(_outcome(v))) for k, v in out.items()))
+        finally:
+            await store.close()
+        conn = _raw(base / f"{batched}.db")
+        rows = conn.execute("SELECT * FROM counters ORDER BY tenant, period, feature").fetchall()
+        conn.close()
+        return answers, rows
+
+    assert asyncio.run(run(True)) == asyncio.run(run(False))
+
+
+async def test_a_batch_naming_a_key_twice_is_written_one_key_at_a_time(
+    store: SQLiteStorage,
+) -> None:
+    out = await store.apply("n1", [Delta(K, 1, 5), Delta(K, 2, 3)])
+    assert out[K] == Applied(Snapshot(8, {"n1": 2}))  # the later delta's answer, both written
+    assert (await store.load([K]))[K] == Snapshot(8, {"n1": 2})
