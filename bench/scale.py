@@ -149,13 +149,13 @@ def calls_of(pairs: list[tuple[str, str]], seed: int) -> list[list[tuple[str, st
     return [order[i : i + ITEMS] for i in range(0, len(order), ITEMS)]
 
 
-def frames(calls: list[list[tuple[str, str]]], conns: int) -> list[list[bytes]]:
-    """Each call as a ``track_many`` request (qty 1 per item), dealt out to ``conns``
+def frames(calls: list[list[tuple[str, str]]], conns: int, qty: int = 1) -> list[list[bytes]]:
+    """Each call as a ``track_many`` request (``qty`` per item), dealt out to ``conns``
     connections in turn; msgids count from 0 on each connection."""
     lanes: list[list[bytes]] = [[] for _ in range(conns)]
     for i, call in enumerate(calls):
         lane = lanes[i % conns]
-        lane.append(msgpack.packb([0, len(lane), "track_many", [[[t, f, 1] for t, f in call]]]))
+        lane.append(msgpack.packb([0, len(lane), "track_many", [[[t, f, qty] for t, f in call]]]))
     return lanes
 
 
