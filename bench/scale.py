@@ -98,6 +98,45 @@ def ddb_flush() -> tuple[dict[str, str], str]:
     return DEFERRED_FLUSH, "deferred until the node is stopped (DEFERRED_FLUSH)"
 
 
+def cluster_env(svc: Services, name: str) -> tuple[str, dict[str, str], str]:
+    """Settings of a cluster of nodes on a new table of the run's DynamoDB Local and its
+    redis-server (flush as :func:`ddb_flush`): a fresh tag, the ``METER_*`` variables, and
+    how the flush is set."""
+    tag = uuid.uuid4().hex[:6]
+    table = f"meter_{name}_{tag}"
+    asyncio.run(_create_table(svc.dynamodb(), table))
+    flush_env, flush_how = ddb_flush()
+    env = {
+        "METER_STORAGE": "dynamodb",
+        "METER_DYNAMODB_ENDPOINT": svc.dynamodb(),
+        "METER_DYNAMODB_TABLE": table,
+        "METER_REDIS_URL": f"unix://{svc.redis().socket}",
+        "METER_CLUSTER_NAME": f"{name}-{tag}",
+        "METER_CLUSTER_SECRET": "bench",
+        **flush_env,
+    }
+    return tag, env, flush_how
+
+
+def start_cluster(
+    svc: Services, names: list[str], env: dict[str, str], shift: float | None = None
+) -> list[NodeProcess]:
+    """Start a node per name (in parallel), and wait until each sees the others live."""
+    with ThreadPoolExecutor(len(names)) as pool:
+        nodes = list(pool.map(lambda name: svc.node(name, clock_shift=shift, **env), names))
+    try:
+        deadline = time.monotonic() + 30
+        while not all(len(status(p)["cluster"]["live_peers"]) == len(names) - 1 for p in nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {len(names)} nodes did not see each other within 30 s")
+            time.sleep(0.05)
+    except BaseException:
+        for p in nodes:
+            svc.stop_node(p)
+        raise
+    return nodes
+
+
 #: How the DynamoDB parts end, by ``ScaleSizes.store_check``.
 STORED_HOW = {
     True: "node drained, every key read back and checked",
@@ -786,22 +825,8 @@ def _first_of_month(
     n = sz.rollover_keys
     items = min(100, n)
     per_s = n / sz.rollover_sweep_s / items  # calls per second per node
-    endpoint = svc.dynamodb()
-    redis = svc.redis()
-    tag = uuid.uuid4().hex[:6]
-    table = f"meter_fom_{tag}"
-    asyncio.run(_create_table(endpoint, table))
-    flush_env, flush_how = ddb_flush()
-    env = {
-        "METER_STORAGE": "dynamodb",
-        "METER_DYNAMODB_ENDPOINT": endpoint,
-        "METER_DYNAMODB_TABLE": table,
-        "METER_REDIS_URL": f"unix://{redis.socket}",
-        "METER_CLUSTER_NAME": f"fom-{tag}",
-        "METER_CLUSTER_SECRET": "bench",
-        **flush_env,
-        **extra,
-    }
+    tag, env, flush_how = cluster_env(svc, "fom")
+    env.update(extra)
     boundary = next_month_start()
     lead = setup_s + sz.rollover_before_s
     m0 = time.monotonic()
@@ -812,15 +837,9 @@ def _first_of_month(
     names = [f"fom{tag}-{i}" for i in range(3)]
     progress(f"scale: first of the month ({label}): 3 nodes, clocks {lead:.0f} s before {new}")
     load0 = os.getloadavg()
-    with ThreadPoolExecutor(3) as pool:
-        nodes = list(pool.map(lambda name: svc.node(name, clock_shift=shift, **env), names))
+    nodes = start_cluster(svc, names, env, shift)
     stopped = False
     try:
-        deadline = time.monotonic() + 30
-        while not all(len(status(p)["cluster"]["live_peers"]) == 2 for p in nodes):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the 3 nodes did not see each other within 30 s")
-            time.sleep(0.05)
         pairs = [keyset(f"fom{tag}n{i}", n) for i in range(3)]
         progress(f"scale: first of the month ({label}): {n:,} keys warm on each node")
 
@@ -886,7 +905,7 @@ def _first_of_month(
     stored: list[int] | None = None
     if sz.store_check:
         keys = [(t, f, per) for ps in pairs for t, f in ps for per in (old, new)]
-        stored = _stored_ddb(endpoint, table, keys)
+        stored = _stored_ddb(env["METER_DYNAMODB_ENDPOINT"], env["METER_DYNAMODB_TABLE"], keys)
 
     window = [c for c in calls if m_boundary <= c.due < m_boundary + sz.rollover_window_s]
     before = [c for c in calls if c.due < m_boundary]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-import uuid
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
@@ -36,14 +35,15 @@ from bench.scale import (
     _open_loop,
     _pct,
     calls_of,
-    ddb_flush,
+    cluster_env,
     drive,
     finish,
     frames,
     keyset,
+    start_cluster,
     status,
 )
-from bench.scenarios import Progress, Row, Sizes, _create_table, _median
+from bench.scenarios import Progress, Row, Sizes, _median
 from bench.services import Services
 from tests.nodes import NodeProcess
 
@@ -261,32 +261,12 @@ def scale_convergence(
     settle_s: float = 3.0,
 ) -> dict[str, Any]:
     """One run: 3 nodes x ``keys`` warm keys x ``rate`` items/s each for ``seconds``."""
-    endpoint = svc.dynamodb()
-    redis = svc.redis()
-    tag = uuid.uuid4().hex[:6]
-    table = f"meter_conv_{tag}"
-    asyncio.run(_create_table(endpoint, table))
-    flush_env, flush_how = ddb_flush()
-    env = {
-        "METER_STORAGE": "dynamodb",
-        "METER_DYNAMODB_ENDPOINT": endpoint,
-        "METER_DYNAMODB_TABLE": table,
-        "METER_REDIS_URL": f"unix://{redis.socket}",
-        "METER_CLUSTER_NAME": f"conv-{tag}",
-        "METER_CLUSTER_SECRET": "bench",
-        "METER_GOSSIP_INTERVAL_MS": str(tick_ms),
-        **flush_env,
-    }
+    tag, env, flush_how = cluster_env(svc, "conv")
+    env["METER_GOSSIP_INTERVAL_MS"] = str(tick_ms)
     names = [f"conv{tag}-{i}" for i in range(3)]
-    with ThreadPoolExecutor(3) as pool:
-        nodes = list(pool.map(lambda name: svc.node(name, clock_shift=None, **env), names))
+    nodes = start_cluster(svc, names, env)
     stopped = False
     try:
-        deadline = time.monotonic() + 30
-        while not all(len(status(p)["cluster"]["live_peers"]) == 2 for p in nodes):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the 3 nodes did not see each other within 30 s")
-            time.sleep(0.05)
         # One key set, shared: every node counts every key (as behind a load balancer), so
         # every delta gossiped is applied by both peers.
         shared = keyset(f"c{tag}", keys)

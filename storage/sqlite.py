@@ -417,24 +417,9 @@ class SQLiteStorage(Storage):
             except ValueError as exc:
                 out[d.key] = StoragePermanentError(f"bad stored item for {d.key}: {exc}")
                 continue
-            if current.seq_of(node) >= d.seq:
-                out[d.key] = Applied(current, duplicate=True)
-                continue
-            seqs = dict(current.seqs)
-            seqs[node] = d.seq
-            snap = Snapshot(current.total + d.delta, seqs)
-            tenant, feature, period = d.key
-            rows.append(
-                (
-                    tenant,
-                    period,
-                    feature,
-                    str(snap.total),
-                    json.dumps(seqs, sort_keys=True, separators=(",", ":")),
-                    self._expires_at(period),
-                )
-            )
-            out[d.key] = Applied(snap)
+            out[d.key], new = self._next_row(current, node, d)
+            if new is not None:
+                rows.append(new)
         conn.execute("SAVEPOINT m")
         try:
             conn.executemany(_UPSERT, rows)
@@ -452,23 +437,25 @@ class SQLiteStorage(Storage):
             (tenant, period, feature),
         ).fetchone()
         current = EMPTY if row is None else _snapshot(row[0], row[1])
+        applied, new = self._next_row(current, node, d)
+        if new is not None:
+            conn.execute(_UPSERT, new)
+        return applied
+
+    def _next_row(
+        self, current: Snapshot, node: str, d: Delta
+    ) -> tuple[Applied, tuple[str, str, str, str, str, int] | None]:
+        """The answer for ``d`` on top of the stored ``current``, and the row to write
+        (``None``: a duplicate, nothing to write)."""
         if current.seq_of(node) >= d.seq:
-            return Applied(current, duplicate=True)
+            return Applied(current, duplicate=True), None
         seqs = dict(current.seqs)
         seqs[node] = d.seq
         snap = Snapshot(current.total + d.delta, seqs)
-        conn.execute(
-            _UPSERT,
-            (
-                tenant,
-                period,
-                feature,
-                str(snap.total),
-                json.dumps(seqs, sort_keys=True, separators=(",", ":")),
-                self._expires_at(period),
-            ),
-        )
-        return Applied(snap)
+        tenant, feature, period = d.key
+        seqs_json = json.dumps(seqs, sort_keys=True, separators=(",", ":"))
+        new = (tenant, period, feature, str(snap.total), seqs_json, self._expires_at(period))
+        return Applied(snap), new
 
     def _set_owner_sync(
         self,
