@@ -350,7 +350,9 @@ async def test_a_read_issued_before_a_claim_never_seeds_after_it(tmp: Path) -> N
             store.hold = False  # reads issued from now on answer at once
             # The holder stores 5 more units under the id, then stops (its lease released).
             await store.apply("same", [Delta(KEY, 3, 5)])
-            await store.renew_owner("same", "holder", lease_s=0, now=time.time())
+            # Its lease ends a second ago (ends are whole ms, rounded: "now" could be in the
+            # future by half a millisecond, and the claim below refused as still held).
+            await store.renew_owner("same", "holder", lease_s=0, now=time.time() - 1)
             await b.owner.step()  # b claims the id and re-reads its warm keys
             assert b.owner.owned
             service = b.service
