@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -142,12 +141,10 @@ def _run(coro: Any) -> int:
 
 
 def _serve(cfg: NodeConfig) -> int:
-    logging.basicConfig(
-        level=cfg.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from meter.logs import setup_logging
     from meter.node import Node
+
+    setup_logging(cfg.log_level, cfg.log_format)
 
     async def go() -> int:
         node = Node(cfg, own_process=True)  # it may tune the process's collector (ADR 0007)

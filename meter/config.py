@@ -155,6 +155,8 @@ class NodeConfig:
     #: Stable id of this node; generated once and kept in the data dir when not given.
     node_id: str | None = None
     log_level: str = "INFO"
+    #: ``text`` (a line per record for people) or ``json`` (one object per line).
+    log_format: str = "text"
     server: ServerConfig = field(default_factory=ServerConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     counters: CounterConfig = field(default_factory=CounterConfig)
@@ -249,6 +251,13 @@ def _log_level(setting: str, raw: Any) -> str:
     return level
 
 
+def _log_format(setting: str, raw: Any) -> str:
+    fmt = _str(setting, raw).lower()
+    if fmt not in ("text", "json"):
+        raise ConfigError(setting, f"must be text or json, got {raw!r}")
+    return fmt
+
+
 def _url(schemes: tuple[str, ...]) -> Any:
     def parse(setting: str, raw: Any) -> str | None:
         value = _opt_str(setting, raw)
@@ -286,6 +295,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "data_dir": ("", "data_dir", _path),
     "node_id": ("", "node_id", _node_id),
     "log_level": ("", "log_level", _log_level),
+    "log_format": ("", "log_format", _log_format),
     "socket": ("server", "socket", _path),
     "socket_group": ("server", "socket_group", _opt_str),
     "max_frame_bytes": ("server", "max_frame_bytes", _int(1024, 64 << 20)),

@@ -180,3 +180,11 @@ def test_every_documented_environment_variable_sets_its_setting(
             outcomes.append(exc.message)
     assert outcomes[0] == outcomes[1], (variable, outcomes)
     assert outcomes[0] != load(env={}), f"{variable}=7 changed nothing"
+
+
+def test_log_format_is_text_or_json() -> None:
+    assert load(env={}).log_format == "text"
+    assert load(env={"METER_LOG_FORMAT": "JSON"}).log_format == "json"
+    with pytest.raises(ConfigError) as err:
+        load(env={"METER_LOG_FORMAT": "xml"})
+    assert err.value.setting == "log_format" and "text or json" in str(err.value)

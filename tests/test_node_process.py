@@ -7,6 +7,7 @@ import asyncio
 import gc
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -251,3 +252,26 @@ def test_a_served_node_freezes_its_startup_objects_and_raises_the_young_gc_thres
         got = node.call("status")["gc"]
         assert got["threshold"][0] == gc.get_threshold()[0]  # Python's default, as here
         assert got["frozen"] == 0
+
+
+def test_json_logs_are_one_object_a_line_with_stable_fields(workdir: Path) -> None:
+    """``log_format = json``: every line of a served node's log parses on its own, with the
+    documented fields, a client's garbage (quotes, newlines, bytes) included."""
+    with NodeProcess(workdir, METER_LOG_FORMAT="json", METER_LOG_LEVEL="INFO") as node:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(str(node.socket))
+            # A method name that is not a string: a protocol error the node logs and closes on.
+            s.sendall(msgpack.packb([0, 1, b'x"\n\xff', []]) + b"\xc1")
+            while s.recv(1 << 16):
+                pass
+        node.stop()
+    lines = [line for line in node.log().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line is one JSON object
+    assert records, "the node logged nothing"
+    for r in records:
+        assert {"ts", "level", "logger", "message", "pid"} <= set(r), r
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", r["ts"]), r
+        assert r["level"] in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    assert any(r["logger"] == "meter.node" and "serving on" in r["message"] for r in records)
+    assert any(r["level"] == "WARNING" and "protocol error" in r["message"] for r in records)
