@@ -90,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show a node's state")
     common(status)
     status.add_argument("--json", action="store_true", help="print the raw status map")
+    status.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when the node is not ready (a probe); the reasons go to stderr",
+    )
 
     storage = sub.add_parser("storage", help="storage administration")
     ssub = storage.add_subparsers(dest="storage_command", required=True, metavar="ACTION")
@@ -212,6 +217,10 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
         elif args.command == "status":
             status = client.status()
             print(json.dumps(status, indent=2, sort_keys=True) if args.json else _fmt(status))
+            if args.check and status.get("ready") is not True:
+                for reason in status.get("not_ready") or ["the node does not say it is ready"]:
+                    print(f"meter: not ready: {reason}", file=sys.stderr)
+                return 1
     return 0
 
 
@@ -224,6 +233,8 @@ def _fmt(s: dict[str, Any]) -> str:
     seed = s.get("seeding", {})
     lines = [
         f"node         {s.get('node_id')}  (meter {s.get('version')}, up {s.get('uptime_s')} s)",
+        "ready        "
+        + ("yes" if s.get("ready") is True else "NO: " + "; ".join(s.get("not_ready") or ["?"])),
         f"storage      {s.get('storage')}   socket {s.get('socket')}   data {s.get('data_dir')}",
         f"keys         warm {keys.get('warm')}  dirty {keys.get('dirty')}  "
         f"unseeded {keys.get('unseeded')}  in flight {keys.get('inflight')}",

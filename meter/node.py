@@ -642,4 +642,24 @@ class Node:
         }
         if self.gossip is not None:
             out["cluster"] = self.gossip.status()
+        out["not_ready"] = self._not_ready()
+        out["ready"] = not out["not_ready"]
+        return out
+
+    def _not_ready(self) -> list[str]:
+        """Why the node cannot do its whole job now (empty: ready), for ``meter status --check``
+        and readiness probes: draining, not counting (another process holds its id, or it was
+        just claimed), its last flush round failed (storage unreachable), its log cannot be
+        written, or its bus is down where one is configured."""
+        out: list[str] = []
+        if self._stop.is_set():
+            out.append("draining: the node is stopping")
+        if self.service is not None and self.service.fenced is not None:
+            out.append(f"owner: not counting: {self.service.fenced}")
+        if self.flusher is not None and self.flusher.stats.last_result == "error":
+            out.append(f"storage: the last flush round failed: {self.flusher.stats.last_error}")
+        if self.wal is not None and self.wal.broken is not None:
+            out.append(f"log: cannot write: {self.wal.broken}")
+        if self.gossip is not None and not self.gossip.bus.connected:
+            out.append("bus: not connected (gossip paused; views lack peers' recent units)")
         return out

@@ -28,6 +28,8 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
             "poisoned": [{"key": ["acme", "big", "2026-11"], "error": "ValidationException"}],
         },
         "owner": {"state": "waiting", "last_error": "held by another process until X"},
+        "ready": False,
+        "not_ready": ["storage: the last flush round failed: throttled", "bus: not connected"],
         "reservations": {"open": 1, "expired_total": 0},
         "durability": {
             "mode": "fsync",
@@ -65,6 +67,7 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
     assert "log          fsync BROKEN (writing wal-00000002.log failed: ENOSPC (disk full))" in text
     assert "request ids  10 remembered (max 250000), 2 dropped early" in text
     assert "node id      WAITING: held by another process until X" in text
+    assert "ready        NO: storage: the last flush round failed: throttled" in text
 
 
 def test_summary_says_when_the_log_is_off() -> None:

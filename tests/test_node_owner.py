@@ -345,6 +345,9 @@ async def test_a_read_issued_before_a_claim_never_seeds_after_it(tmp: Path) -> N
         assert b.owner.state == "waiting"
         cb = await AsyncClient.connect(str(tmp / "b.sock"), retry_timeout=0)
         try:
+            st = await cb.status()  # not counting: not ready (meter status --check fails)
+            assert st["ready"] is False, st["not_ready"]
+            assert [r for r in st["not_ready"] if r.startswith("owner: not counting")]
             usage = asyncio.create_task(cb.usage(*KEY[:2]))  # fenced, reads still served
             await until(lambda: store.held == 1, "the seeding read is out")
             store.hold = False  # reads issued from now on answer at once

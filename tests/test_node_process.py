@@ -22,7 +22,10 @@ import pytest
 
 from meter.keys import period_start
 from storage.sqlite import SQLiteStorage
+from tests.cluster_harness import wait_until
+from tests.dynamodb_local import free_port
 from tests.nodes import ROOT, NodeProcess, raw_call, short_tmpdir
+from tests.redis_server import RedisServer
 
 
 @pytest.fixture
@@ -275,3 +278,29 @@ def test_json_logs_are_one_object_a_line_with_stable_fields(workdir: Path) -> No
         assert r["level"] in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
     assert any(r["logger"] == "meter.node" and "serving on" in r["message"] for r in records)
     assert any(r["level"] == "WARNING" and "protocol error" in r["message"] for r in records)
+
+
+def test_status_check_fails_while_the_bus_is_down_and_passes_once_it_is_up(
+    workdir: Path,
+) -> None:
+    """``meter status --check`` (an exec probe) exits 1 with the reason while a configured
+    Redis is unreachable, and 0 once it answers; a node alone is ready at once."""
+    with NodeProcess(workdir, "alone") as node:
+        ok = cli("status", "--check", env={"METER_SOCKET": str(node.socket)})
+        assert ok.returncode == 0, ok.stderr
+        assert "ready        yes" in ok.stdout
+    port = free_port()
+    with NodeProcess(workdir, "clustered", METER_REDIS_URL=f"redis://127.0.0.1:{port}/0") as node:
+        env = {"METER_SOCKET": str(node.socket)}
+        down = cli("status", "--check", env=env)
+        assert down.returncode == 1
+        assert "meter: not ready: bus: not connected" in down.stderr
+        assert node.call("status")["ready"] is False
+        assert cli("status", env=env).returncode == 0  # without --check: a report, not a probe
+        with RedisServer(port=port):
+            wait_until(
+                lambda: cli("status", "--check", env=env).returncode == 0,
+                30,
+                "the node ready once Redis answers",
+            )
+            assert node.call("status")["not_ready"] == []

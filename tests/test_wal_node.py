@@ -270,6 +270,8 @@ def test_a_full_disk_refuses_writes_counts_nothing_and_recovers(
         status = node.call("status")
         assert status["durability"]["wal"]["broken"]
         assert "disk full" in status["durability"]["wal"]["broken"]
+        assert status["ready"] is False  # meter status --check fails while the log cannot write
+        assert [r for r in status["not_ready"] if r.startswith("log: cannot write")]
         filler.unlink()
         wait_for(
             lambda: call(node, "track", "acme", "api", 1)[0] is None,
@@ -278,6 +280,7 @@ def test_a_full_disk_refuses_writes_counts_nothing_and_recovers(
         )
         counted += 1
         assert node.call("status")["durability"]["wal"]["broken"] is None
+        assert not [r for r in node.call("status")["not_ready"] if r.startswith("log:")]
         assert node.call("usage", "acme", "api") == counted
     finally:
         node.kill()
