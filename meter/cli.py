@@ -93,7 +93,12 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--check",
         action="store_true",
-        help="exit 1 when the node is not ready (a probe); the reasons go to stderr",
+        help="exit 1 when the node cannot take counting calls (a probe); reasons on stderr",
+    )
+    status.add_argument(
+        "--strict",
+        action="store_true",
+        help="with --check: exit 1 also when storage or the bus is not answering",
     )
 
     storage = sub.add_parser("storage", help="storage administration")
@@ -179,6 +184,10 @@ async def _storage_init(cfg: NodeConfig) -> int:
 _NOT_KNOWN = "counted (total not known yet: storage unreachable)"
 
 
+#: ``meter status --check``'s client: one try, a few seconds at most.
+_PROBE: dict[str, Any] = {"timeout": 5.0, "retry_timeout": 0}
+
+
 def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
     from meter.client import Client, check_request_id
 
@@ -192,7 +201,9 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
     opts: dict[str, Any] = {}
     if getattr(args, "at", None) is not None:
         opts["at"] = args.at
-    with Client.connect(str(cfg.server.socket)) as client:
+    # A probe must answer fast: no waiting for a node that is not there (or stopping).
+    probe = getattr(args, "check", False)
+    with Client.connect(str(cfg.server.socket), **_PROBE if probe else {}) as client:
         if args.command == "track":
             value = client.track(args.tenant, args.feature, args.qty, id=rid, **opts)
             print(_NOT_KNOWN if value is None else value)
@@ -217,10 +228,16 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
         elif args.command == "status":
             status = client.status()
             print(json.dumps(status, indent=2, sort_keys=True) if args.json else _fmt(status))
-            if args.check and status.get("ready") is not True:
-                for reason in status.get("not_ready") or ["the node does not say it is ready"]:
+            if args.check:
+                reasons = list(status.get("not_ready") or [])
+                if status.get("ready") is not True and not reasons:
+                    reasons = ["the node does not say it is ready"]
+                if args.strict:
+                    reasons += status.get("degraded") or []
+                for reason in reasons:
                     print(f"meter: not ready: {reason}", file=sys.stderr)
-                return 1
+                if reasons:
+                    return 1
     return 0
 
 
@@ -234,7 +251,8 @@ def _fmt(s: dict[str, Any]) -> str:
     lines = [
         f"node         {s.get('node_id')}  (meter {s.get('version')}, up {s.get('uptime_s')} s)",
         "ready        "
-        + ("yes" if s.get("ready") is True else "NO: " + "; ".join(s.get("not_ready") or ["?"])),
+        + ("yes" if s.get("ready") is True else "NO: " + "; ".join(s.get("not_ready") or ["?"]))
+        + ("".join(f"; degraded: {r}" for r in s.get("degraded") or [])),
         f"storage      {s.get('storage')}   socket {s.get('socket')}   data {s.get('data_dir')}",
         f"keys         warm {keys.get('warm')}  dirty {keys.get('dirty')}  "
         f"unseeded {keys.get('unseeded')}  in flight {keys.get('inflight')}",

@@ -117,9 +117,11 @@ class Flusher:
                 await self.flush_once()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a bug must not stop flushing for good
+            except Exception as exc:  # a bug must not stop flushing for good
                 log.exception("flush round failed unexpectedly")
                 self._failures_in_row += 1
+                self.stats.last_result = "error"
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"[:300]
 
     def wake(self) -> None:
         """Start the next round now instead of at the next interval."""

@@ -644,22 +644,36 @@ class Node:
             out["cluster"] = self.gossip.status()
         out["not_ready"] = self._not_ready()
         out["ready"] = not out["not_ready"]
+        out["degraded"] = self._degraded()
         return out
 
     def _not_ready(self) -> list[str]:
-        """Why the node cannot do its whole job now (empty: ready), for ``meter status --check``
-        and readiness probes: draining, not counting (another process holds its id, or it was
-        just claimed), its last flush round failed (storage unreachable), its log cannot be
-        written, or its bus is down where one is configured."""
+        """Why the node cannot take counting calls now (empty: ready), for ``meter status
+        --check``: another process holds its id (or it was just claimed), its log cannot be
+        written, or it is stopping. What shared services do is not here but in
+        :meth:`_degraded`: every sidecar's probe failing at once with them would take every
+        application pod out together, while the node serves on (docs/operations.md)."""
         out: list[str] = []
         if self._stop.is_set():
             out.append("draining: the node is stopping")
         if self.service is not None and self.service.fenced is not None:
             out.append(f"owner: not counting: {self.service.fenced}")
-        if self.flusher is not None and self.flusher.stats.last_result == "error":
-            out.append(f"storage: the last flush round failed: {self.flusher.stats.last_error}")
         if self.wal is not None and self.wal.broken is not None:
             out.append(f"log: cannot write: {self.wal.broken}")
+        return out
+
+    def _degraded(self) -> list[str]:
+        """What works less than fully while the node still counts (``meter status --check
+        --strict`` fails on these too): storage not answering (the last flush round failed, or
+        could not write: the id's claim is not confirmed), or the bus down where one is
+        configured."""
+        out: list[str] = []
+        fs = self.flusher.stats if self.flusher is not None else None
+        fenced = self.service is not None and self.service.fenced is not None
+        if fs is not None and not fenced and fs.last_result in ("error", "not owner"):
+            out.append(f"storage: the last flush round failed: {fs.last_error}")
+        elif self.owner is not None and self.owner.state == "unknown":
+            out.append(f"storage: the node id's claim is not confirmed: {self.owner.last_error}")
         if self.gossip is not None and not self.gossip.bus.connected:
             out.append("bus: not connected (gossip paused; views lack peers' recent units)")
         return out

@@ -46,3 +46,33 @@ async def test_a_node_alone_lets_flushed_keys_go_idle_and_be_evicted(tmp: Path) 
         node.table.evict_idle()
         node.table.evict_idle()
         assert not node.table.is_warm(key), "a flushed, unused key is evicted"
+
+
+async def test_a_failing_store_shows_as_degraded_not_as_unready(tmp: Path) -> None:
+    """A flush round that fails (storage not answering) marks the node degraded (``meter
+    status --check --strict`` fails) but ready: it still counts, and keeps the units. The next
+    round that writes clears it."""
+    store = MemoryStorage()
+    cfg = NodeConfig(
+        data_dir=tmp / "data",
+        node_id="n1",
+        server=ServerConfig(socket=tmp / "m.sock"),
+        flush=FlushConfig(interval_ms=3_600_000),  # rounds are driven by the test
+    )
+    async with Node(cfg, storage=store) as node:
+        assert node.flusher is not None
+        client = await AsyncClient.connect(cfg.server.socket)
+        try:
+            await client.track("acme", "api", 2)
+            store.fail_next = 10**6
+            assert not await node.flusher.flush_once()
+            st = await client.status()
+            assert st["ready"] is True and st["not_ready"] == []
+            assert [r for r in st["degraded"] if r.startswith("storage: the last flush round")]
+            assert await client.track("acme", "api", 1) == 3  # still counting
+            store.fail_next = 0
+            assert await node.flusher.flush_once()
+            st = await client.status()
+            assert st["degraded"] == [] and st["ready"] is True
+        finally:
+            await client.close()

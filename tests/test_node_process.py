@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import os
 import re
 import signal
@@ -259,7 +260,7 @@ def test_a_served_node_freezes_its_startup_objects_and_raises_the_young_gc_thres
 
 def test_json_logs_are_one_object_a_line_with_stable_fields(workdir: Path) -> None:
     """``log_format = json``: every line of a served node's log parses on its own, with the
-    documented fields, a client's garbage (quotes, newlines, bytes) included."""
+    documented fields, a protocol error's warning included."""
     with NodeProcess(workdir, METER_LOG_FORMAT="json", METER_LOG_LEVEL="INFO") as node:
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(10)
@@ -280,27 +281,51 @@ def test_json_logs_are_one_object_a_line_with_stable_fields(workdir: Path) -> No
     assert any(r["level"] == "WARNING" and "protocol error" in r["message"] for r in records)
 
 
-def test_status_check_fails_while_the_bus_is_down_and_passes_once_it_is_up(
+def test_status_check_strict_fails_while_the_bus_is_down_and_passes_once_it_is_up(
     workdir: Path,
 ) -> None:
-    """``meter status --check`` (an exec probe) exits 1 with the reason while a configured
-    Redis is unreachable, and 0 once it answers; a node alone is ready at once."""
+    """``meter status --check`` (an exec probe) passes while the node counts; with
+    ``--strict`` it also fails, with the reason, while a configured Redis is unreachable
+    (degraded: gossip paused), and passes once Redis answers. A node alone is ready at once."""
     with NodeProcess(workdir, "alone") as node:
-        ok = cli("status", "--check", env={"METER_SOCKET": str(node.socket)})
+        ok = cli("status", "--check", "--strict", env={"METER_SOCKET": str(node.socket)})
         assert ok.returncode == 0, ok.stderr
         assert "ready        yes" in ok.stdout
     port = free_port()
     with NodeProcess(workdir, "clustered", METER_REDIS_URL=f"redis://127.0.0.1:{port}/0") as node:
         env = {"METER_SOCKET": str(node.socket)}
-        down = cli("status", "--check", env=env)
+        assert cli("status", "--check", env=env).returncode == 0  # it counts: ready
+        down = cli("status", "--check", "--strict", env=env)
         assert down.returncode == 1
         assert "meter: not ready: bus: not connected" in down.stderr
-        assert node.call("status")["ready"] is False
-        assert cli("status", env=env).returncode == 0  # without --check: a report, not a probe
+        got = node.call("status")
+        assert got["ready"] is True and got["not_ready"] == []
+        assert [r for r in got["degraded"] if r.startswith("bus: not connected")]
         with RedisServer(port=port):
             wait_until(
-                lambda: cli("status", "--check", env=env).returncode == 0,
+                lambda: cli("status", "--check", "--strict", env=env).returncode == 0,
                 30,
-                "the node ready once Redis answers",
+                "the node whole again once Redis answers",
             )
-            assert node.call("status")["not_ready"] == []
+            assert node.call("status")["degraded"] == []
+
+
+def test_a_json_record_is_one_line_whatever_its_message_holds() -> None:
+    from meter.logs import JsonFormatter
+
+    fmt = JsonFormatter()
+    try:
+        raise ValueError("boom\nline two")
+    except ValueError:
+        exc = sys.exc_info()
+    rec = logging.LogRecord(
+        "meter.x", logging.ERROR, __file__, 1, 'bad "%s"', ("a\nb\u2028c\x00",), exc
+    )
+    line = fmt.format(rec)
+    assert "\n" not in line and "\u2028" not in line
+    got = json.loads(line)
+    assert got["message"] == 'bad "a\nb\u2028c\x00"'
+    assert got["level"] == "ERROR" and got["logger"] == "meter.x"
+    assert "ValueError: boom" in got["exc"]
+    odd = logging.LogRecord("meter.x", logging.WARNING, __file__, 1, "%d items", ("many",), None)
+    assert "%d items" in json.loads(fmt.format(odd))["message"]  # a bad format keeps the record
