@@ -425,13 +425,17 @@ class Service:
         # is counted until the cold keys are seeded, so a batch cut short (a draining node
         # cancels it, a read fails unexpectedly) has counted nothing and its error answer is
         # true: a client retrying it counts nothing twice.
+        done = self._count_seeded(batch)
+        return self._track_many_cold(batch) if done is None else done
+
+    def _count_seeded(self, batch: _Batch) -> Any | None:
+        """Count the whole batch under one hold of the table's lock and answer it, or ``None``
+        (nothing counted) if a key is cold or unseeded."""
         try:
             values = self.table.incr_seeded(batch.good)
         except PartlyRefused as exc:
             return self._finish_many(batch, exc.answers)
-        if values is not None:
-            return self._finish_many(batch, values)
-        return self._track_many_cold(batch)
+        return None if values is None else self._finish_many(batch, values)
 
     async def _track_many_cold(self, batch: _Batch) -> Any:
         await self.seeder.seed_many(k for k, _ in batch.good)
@@ -449,12 +453,9 @@ class Service:
         self._check_log()
         if not batch.answered:
             # Every key seeded (the usual case): the whole batch under one hold of the lock.
-            try:
-                seeded = self.table.incr_seeded(batch.good)
-            except PartlyRefused as exc:
-                return self._finish_many(batch, exc.answers)
-            if seeded is not None:
-                return self._finish_many(batch, seeded)
+            done = self._count_seeded(batch)
+            if done is not None:
+                return done
         # Counted whether or not seeding worked, as track does: unseeded keys answer nil. An
         # item past the 64-bit range is refused alone; the others are counted.
         values: list[Any] = []

@@ -20,18 +20,22 @@ def tmp() -> Iterator[Path]:
         yield Path(d)
 
 
+def _config(tmp: Path) -> NodeConfig:
+    return NodeConfig(
+        data_dir=tmp / "data",
+        node_id="n1",
+        server=ServerConfig(socket=tmp / "m.sock"),
+        flush=FlushConfig(interval_ms=3_600_000),  # rounds are driven by the test
+    )
+
+
 async def test_a_node_alone_lets_flushed_keys_go_idle_and_be_evicted(tmp: Path) -> None:
     """Without peers no broadcaster takes the gossip columns. Every flush used to seal the
     units in another ``sealed_gossip`` entry that nobody took: one more tuple per key per
     flush, for ever, and no row ever idle, so no key was ever evicted (memory grew until
     the node died)."""
     store = MemoryStorage()
-    cfg = NodeConfig(
-        data_dir=tmp / "data",
-        node_id="n1",
-        server=ServerConfig(socket=tmp / "m.sock"),
-        flush=FlushConfig(interval_ms=3_600_000),  # rounds are driven by the test
-    )
+    cfg = _config(tmp)
     async with Node(cfg, storage=store) as node:
         assert node.table is not None and node.flusher is not None
         client = await AsyncClient.connect(cfg.server.socket)
@@ -53,12 +57,7 @@ async def test_a_failing_store_shows_as_degraded_not_as_unready(tmp: Path) -> No
     status --check --strict`` fails) but ready: it still counts, and keeps the units. The next
     round that writes clears it."""
     store = MemoryStorage()
-    cfg = NodeConfig(
-        data_dir=tmp / "data",
-        node_id="n1",
-        server=ServerConfig(socket=tmp / "m.sock"),
-        flush=FlushConfig(interval_ms=3_600_000),  # rounds are driven by the test
-    )
+    cfg = _config(tmp)
     async with Node(cfg, storage=store) as node:
         assert node.flusher is not None
         client = await AsyncClient.connect(cfg.server.socket)

@@ -33,7 +33,6 @@ from hypothesis.stateful import (
     multiple,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from meter.errors import LimitExceeded, Unavailable
@@ -42,6 +41,7 @@ from meter.wal import records as R
 from meter.wal.replay import Replay
 from storage.base import Delta, Key, Snapshot, StorageUnavailable
 from storage.memory import MemoryStorage
+from tests.machine_reach import reach
 
 T = TypeVar("T")
 
@@ -590,19 +590,7 @@ TestClusterGossip = GossipMachine.TestCase
 def test_the_machines_reorder_drop_and_deliver_gossip() -> None:
     """C01 claims reordered, lost and late gossip: the machine must reach them (the reorder
     step ran zero times in 200 runs of TestCluster when each step picked a random link)."""
-    ClusterMachine.seen.clear()
-    run_state_machine_as_test(
-        GossipMachine,
-        settings=settings(
-            max_examples=50,
-            stateful_step_count=200,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            suppress_health_check=[HealthCheck.too_slow],
-        ),
-    )
-    seen = dict(ClusterMachine.seen)
+    seen = reach(GossipMachine, ClusterMachine.seen, examples=50, steps=200)
     print(f"\nthe gossip machine: {seen}")
     # (Runs of 30 examples saw 56-81 reorders, 14-289 drops, 147-199 deliveries.)
     assert seen.get("reordered", 0) >= 10 and seen.get("dropped", 0) >= 5, seen
