@@ -7,14 +7,18 @@ Exit codes: 0 success, 1 a failed operation (node unreachable, error answer, dra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meter import __version__
 from meter.config import NodeConfig, load
 from meter.errors import ConfigError, MeterError
+
+if TYPE_CHECKING:
+    from meter.client import Client
 
 # Flags shared by every subcommand that reads the configuration: dest is the setting name.
 _NODE_FLAGS: list[tuple[str, str]] = [
@@ -40,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--config", help="TOML file of settings (METER_CONFIG)")
         sp.add_argument("--socket", help="Unix socket path (METER_SOCKET, default ./meter.sock)")
 
+    def client(name: str, text: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=text)
+        common(sp)
+        sp.add_argument("--json", action="store_true", help="print JSON, for scripts")
+        return sp
+
     serve = sub.add_parser("serve", help="run a node until SIGTERM")
     common(serve)
     for flag, text in _NODE_FLAGS:
@@ -50,18 +60,14 @@ def _parser() -> argparse.ArgumentParser:
         "with the same id within the node's idempotency window is counted once"
     )
 
-    track = sub.add_parser("track", help="count units")
-    common(track)
+    track = client("track", "count units")
     track.add_argument("tenant")
     track.add_argument("feature")
     track.add_argument("qty", nargs="?", type=int, default=1)
     track.add_argument("--at", type=float, help="epoch seconds choosing the period")
     track.add_argument("--id", help=id_help)
 
-    reserve = sub.add_parser(
-        "reserve", help="hold units against a limit; prints the reservation id"
-    )
-    common(reserve)
+    reserve = client("reserve", "hold units against a limit; prints the reservation id")
     reserve.add_argument("tenant")
     reserve.add_argument("feature")
     reserve.add_argument("qty", type=int)
@@ -70,26 +76,30 @@ def _parser() -> argparse.ArgumentParser:
     reserve.add_argument("--at", type=float, help="epoch seconds choosing the period")
     reserve.add_argument("--id", help=id_help)
 
-    commit = sub.add_parser("commit", help="turn a reservation into usage; prints the new total")
-    common(commit)
+    commit = client("commit", "turn a reservation into usage; prints the new total")
     commit.add_argument("reservation_id")
     commit.add_argument("actual", nargs="?", type=int, help="units to count (default: reserved)")
     commit.add_argument("--id", help=id_help)
 
-    release = sub.add_parser("release", help="drop a reservation without counting it")
-    common(release)
+    release = client("release", "drop a reservation without counting it")
     release.add_argument("reservation_id")
     release.add_argument("--id", help=id_help)
 
-    usage = sub.add_parser("usage", help="read a counter, or every counter of a tenant")
-    common(usage)
+    many = client(
+        "track-many",
+        "count many items in one call each 10,000: lines 'TENANT FEATURE [QTY [ID]]' "
+        "from FILE or standard input",
+    )
+    many.add_argument("file", nargs="?", default="-", help="file of items (default: stdin)")
+
+    usage = client("usage", "read a counter, or every counter of a tenant")
     usage.add_argument("tenant")
     usage.add_argument("feature", nargs="?")
     usage.add_argument("--at", type=float, help="epoch seconds choosing the period")
 
-    status = sub.add_parser("status", help="show a node's state")
-    common(status)
-    status.add_argument("--json", action="store_true", help="print the raw status map")
+    client("ping", "ask a node whether it answers (prints pong)")
+
+    status = client("status", "show a node's state (--json: the raw status map)")
     status.add_argument(
         "--check",
         action="store_true",
@@ -198,36 +208,52 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
         except MeterError as exc:
             print(f"meter: --id: {exc.message}", file=sys.stderr)
             return 2
+    items: list[_Item] = []
+    if args.command == "track-many":
+        # All of the input is read and checked before anything is sent: a typo on line 90,000
+        # must not leave the first 80,000 counted.
+        try:
+            items = _read_items(args.file)
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            print(f"meter: track-many: {exc}", file=sys.stderr)
+            return 2
     opts: dict[str, Any] = {}
     if getattr(args, "at", None) is not None:
         opts["at"] = args.at
     # A probe must answer fast: no waiting for a node that is not there (or stopping).
     probe = getattr(args, "check", False)
+    as_json: bool = args.json
     with Client.connect(str(cfg.server.socket), **_PROBE if probe else {}) as client:
         if args.command == "track":
             value = client.track(args.tenant, args.feature, args.qty, id=rid, **opts)
-            print(_NOT_KNOWN if value is None else value)
+            text = _NOT_KNOWN if value is None else str(value)
+            _out(as_json, text, tenant=args.tenant, feature=args.feature, value=value)
         elif args.command == "reserve":
-            print(
-                client.reserve(
-                    args.tenant, args.feature, args.qty, args.limit, args.ttl_ms, id=rid, **opts
-                )
+            res = client.reserve(
+                args.tenant, args.feature, args.qty, args.limit, args.ttl_ms, id=rid, **opts
             )
+            _out(as_json, res, reservation_id=res)
         elif args.command == "commit":
             total: int | None = client.commit(args.reservation_id, args.actual, id=rid)
-            print(_NOT_KNOWN if total is None else total)
+            text = _NOT_KNOWN if total is None else str(total)
+            _out(as_json, text, reservation_id=args.reservation_id, value=total)
         elif args.command == "release":
             client.release(args.reservation_id, id=rid)
-            print("released")
+            _out(as_json, "released", reservation_id=args.reservation_id, released=True)
+        elif args.command == "track-many":
+            return _track_many(client, items, as_json)
         elif args.command == "usage":
             if args.feature is None:
-                for feature, v in sorted(client.usage_all(args.tenant, **opts).items()):
-                    print(f"{feature}\t{v}")
+                counters = client.usage_all(args.tenant, **opts)
+                _out(as_json, _table(counters), tenant=args.tenant, usage=counters)
             else:
-                print(client.usage(args.tenant, args.feature, **opts))
+                value = client.usage(args.tenant, args.feature, **opts)
+                _out(as_json, str(value), tenant=args.tenant, feature=args.feature, value=value)
+        elif args.command == "ping":
+            _out(as_json, client.ping(), ping="pong")
         elif args.command == "status":
             status = client.status()
-            print(json.dumps(status, indent=2, sort_keys=True) if args.json else _fmt(status))
+            print(json.dumps(status, indent=2, sort_keys=True) if as_json else _fmt(status))
             if args.check:
                 reasons = list(status.get("not_ready") or [])
                 if status.get("ready") is not True and not reasons:
@@ -239,6 +265,80 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
                 if reasons:
                     return 1
     return 0
+
+
+def _out(as_json: bool, text: str, **fields: Any) -> None:
+    """Print ``text`` for people, or ``fields`` as one JSON object for scripts."""
+    print(json.dumps(fields, sort_keys=True) if as_json else text)
+
+
+def _table(counters: dict[str, int]) -> str:
+    if not counters:
+        return "(no counters in this period)"
+    width = max(len("FEATURE"), *(len(f) for f in counters))
+    rows = [f"{'FEATURE':<{width}}  VALUE"]
+    rows += [f"{f:<{width}}  {v}" for f, v in sorted(counters.items())]
+    return "\n".join(rows)
+
+
+#: One ``track-many`` input line: its number and the item sent for it.
+_Item = tuple[int, tuple[str, str, int] | tuple[str, str, int, str | None]]
+
+#: Items per ``track_many`` call (the protocol's maximum).
+_BATCH = 10_000
+
+
+def _read_items(file: str) -> list[_Item]:
+    """Parse ``TENANT FEATURE [QTY [ID]]`` lines (blank lines and ``#`` comments skipped);
+    ValueError names the first bad line."""
+    from meter.client import check_request_id
+
+    items: list[_Item] = []
+    with open(file, encoding="utf-8") if file != "-" else contextlib.nullcontext(sys.stdin) as src:
+        for n, line in enumerate(src, 1):
+            words = line.split()
+            if not words or words[0].startswith("#"):
+                continue
+            if not 2 <= len(words) <= 4:
+                raise ValueError(
+                    f"line {n}: expected 'TENANT FEATURE [QTY [ID]]', got {len(words)} words"
+                )
+            try:
+                qty = int(words[2]) if len(words) > 2 else 1
+            except ValueError:
+                raise ValueError(f"line {n}: QTY must be an integer, got {words[2]!r}") from None
+            if len(words) == 4:
+                try:
+                    check_request_id(words[3])
+                except MeterError as exc:
+                    raise ValueError(f"line {n}: ID: {exc.message}") from None
+                items.append((n, (words[0], words[1], qty, words[3])))
+            else:
+                items.append((n, (words[0], words[1], qty)))
+    return items
+
+
+def _track_many(client: Client, items: list[_Item], as_json: bool) -> int:
+    """Send ``items`` in calls of at most ``_BATCH``; print each item's answer (JSON) or the
+    failed ones and a summary (people). Exit 1 if any item failed."""
+    failed = 0
+    for start in range(0, len(items), _BATCH):
+        batch = items[start : start + _BATCH]
+        answers = client.track_many([item for _, item in batch])
+        for (n, item), answer in zip(batch, answers, strict=True):
+            row: dict[str, Any] = {"line": n, "tenant": item[0], "feature": item[1]}
+            if isinstance(answer, MeterError):
+                failed += 1
+                row["error"] = {"code": answer.code, "message": answer.message}
+                if not as_json:
+                    print(f"meter: line {n}: {answer.code}: {answer.message}", file=sys.stderr)
+            else:
+                row["value"] = answer
+            if as_json:
+                print(json.dumps(row, sort_keys=True))
+    if not as_json:
+        print(f"{len(items) - failed} counted, {failed} failed")
+    return 1 if failed else 0
 
 
 def _fmt(s: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
-"""``meter track / reserve / commit / release`` against a recording stand-in node: what goes on
-the wire (request ids included), what is printed, and the exit codes.
+"""``meter track / reserve / commit / release / track-many / usage``, against a recording
+stand-in node: what goes on the wire (request ids included), what is printed, and the exit codes.
 
 ``main()`` runs in a worker thread (its client is blocking) while the server runs on the
 test's event loop.
@@ -8,9 +8,11 @@ test's event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,6 +43,15 @@ class Node:
             if params[0] != "r-1":
                 raise NotFound(f"no reservation {params[0]!r}")
             return None
+        if method == "track_many":
+            return [
+                {"code": "invalid_argument", "message": "feature is bad"}
+                if item[1] == "bad"
+                else item[2]
+                for item in params[0]
+            ]
+        if method == "usage_all":
+            return {}
         raise AssertionError(method)
 
 
@@ -151,3 +162,100 @@ async def test_error_answers_exit_1(
     assert await meter(path, *args) == 1
     err = capsys.readouterr().err
     assert err.startswith(line) and err.count("\n") == 1, err
+
+
+JSON_CASES: list[tuple[list[str], dict[str, Any]]] = [
+    (["track", "acme", "api"], {"tenant": "acme", "feature": "api", "value": 42}),
+    (["reserve", "acme", "gpu", "3"], {"reservation_id": "r-1"}),
+    (["commit", "r-1"], {"reservation_id": "r-1", "value": 10}),
+    (["commit", "r-cold"], {"reservation_id": "r-cold", "value": None}),
+    (["release", "r-1"], {"reservation_id": "r-1", "released": True}),
+]
+
+
+@pytest.mark.parametrize(("args", "printed"), JSON_CASES, ids=[" ".join(a) for a, _ in JSON_CASES])
+async def test_json_output(
+    server: RpcServer,
+    path: str,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    printed: dict[str, Any],
+) -> None:
+    assert await meter(path, *args, "--json") == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out) == printed and out.out.count("\n") == 1 and out.err == ""
+
+
+async def test_usage_of_a_tenant_without_counters(
+    server: RpcServer, path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert await meter(path, "usage", "nobody") == 0
+    assert capsys.readouterr().out == "(no counters in this period)\n"
+
+
+async def test_track_many_sends_batches_of_at_most_10000_items(
+    server: RpcServer, path: str, node: Node, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    items = tmp_path / "items"
+    items.write_text("".join(f"t{i} api {i}\n" for i in range(10_001)))
+    assert await meter(path, "track-many", str(items)) == 0
+    assert [(m, len(p[0])) for m, p in node.calls] == [("track_many", 10_000), ("track_many", 1)]
+    assert node.calls[1][1][0][0] == ["t10000", "api", 10_000, {"id": ANY_ID}]
+    assert capsys.readouterr().out == "10001 counted, 0 failed\n"
+
+
+async def test_track_many_reports_each_failed_item_and_exits_1(
+    server: RpcServer, path: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    items = tmp_path / "items"
+    items.write_text("acme api 2 id-1\nacme bad\n")
+    assert await meter(path, "track-many", str(items)) == 1
+    out = capsys.readouterr()
+    assert out.out == "1 counted, 1 failed\n"
+    assert out.err == "meter: line 2: invalid_argument: feature is bad\n"
+    assert await meter(path, "track-many", str(items), "--json") == 1
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows == [
+        {"line": 1, "tenant": "acme", "feature": "api", "value": 2},
+        {
+            "line": 2,
+            "tenant": "acme",
+            "feature": "bad",
+            "error": {"code": "invalid_argument", "message": "feature is bad"},
+        },
+    ]
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        (b"acme\n", "line 20001: expected 'TENANT FEATURE [QTY [ID]]', got 1 words"),
+        (b"acme api 1 id extra\n", "line 20001: expected 'TENANT FEATURE [QTY [ID]]', got 5 words"),
+        (b"acme api many\n", "line 20001: QTY must be an integer, got 'many'"),
+        (b"acme api 1 " + b"x" * 129 + b"\n", "line 20001: ID: request id must be 1 to 128"),
+        (b"acme api \xff\n", "codec can't decode"),
+    ],
+)
+async def test_track_many_checks_all_its_input_before_sending_any(
+    server: RpcServer,
+    path: str,
+    node: Node,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    bad: bytes,
+    why: str,
+) -> None:
+    items = tmp_path / "items"
+    items.write_bytes(b"".join(b"t%d api\n" % i for i in range(20_000)) + bad)
+    assert await meter(path, "track-many", str(items)) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("meter: track-many: ") and why in out.err, out.err
+    assert out.err.count("\n") == 1
+    assert node.calls == [], "nothing was sent"
+
+
+async def test_track_many_of_a_missing_file_is_a_usage_error(
+    server: RpcServer, path: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert await meter(path, "track-many", str(tmp_path / "none")) == 2
+    assert "No such file" in capsys.readouterr().err

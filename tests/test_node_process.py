@@ -215,13 +215,31 @@ def test_cli_track_usage_status(workdir: Path) -> None:
         assert cli("track", "acme", "api", "4", env=env).stdout.strip() == "4"
         assert cli("track", "acme", "api", env=env).stdout.strip() == "5"
         assert cli("usage", "acme", "api", env=env).stdout.strip() == "5"
-        assert cli("usage", "acme", env=env).stdout.strip() == "api\t5"
+        assert cli("usage", "acme", env=env).stdout.splitlines() == ["FEATURE  VALUE", "api      5"]
+        assert json.loads(cli("usage", "acme", "--json", env=env).stdout) == {
+            "tenant": "acme",
+            "usage": {"api": 5},
+        }
+        assert cli("ping", env=env).stdout == "pong\n"
+        items = workdir / "items.txt"
+        items.write_text("# tenant feature qty\nacme api 3\n\nacme api\nbeta api 2 job-1\n")
+        many = cli("track-many", str(items), "--json", env=env)
+        assert many.returncode == 0, many.stderr
+        assert [json.loads(line) for line in many.stdout.splitlines()] == [
+            {"line": 2, "tenant": "acme", "feature": "api", "value": 8},
+            {"line": 4, "tenant": "acme", "feature": "api", "value": 9},
+            {"line": 5, "tenant": "beta", "feature": "api", "value": 2},
+        ]
+        # The same item id again is counted once (docs/protocol.md, request ids).
+        again = cli("track-many", str(items), env=env)
+        assert again.returncode == 0 and again.stdout == "3 counted, 0 failed\n"
+        assert cli("usage", "beta", "api", env=env).stdout.strip() == "2"
         human = cli("status", env=env)
         assert human.returncode == 0
         for word in ("node", "storage", "sqlite", "backlog", "flush"):
             assert word in human.stdout
         raw = json.loads(cli("status", "--json", env=env).stdout)
-        assert raw["keys"]["warm"] == 1
+        assert raw["keys"]["warm"] == 2  # acme/api and beta/api
         bad = cli("track", "acme", "bad feature", env=env)
         assert bad.returncode == 1 and "invalid_argument" in bad.stderr
 
