@@ -1,0 +1,188 @@
+"""The deployment examples under ``docs/deploy/`` stay true to the code.
+
+Each file is parsed as what it is (a systemd unit, Kubernetes YAML, Grafana JSON, Prometheus
+rules), and every setting, command, HTTP path and metric name it uses must exist: settings
+are loaded by the node's own configuration loader, commands are parsed by ``meter``'s own
+argument parser, metric names are looked up in a scrape of a real node.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from meter.cli import _parser
+from meter.config import NodeConfig, env_name, load
+from meter.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "docs" / "deploy"
+
+#: Seconds a node needs after its drain budget to close connections and exit.
+CLOSE_S = 2
+
+
+def drain_budget(cfg: NodeConfig) -> float:
+    """The longest SIGTERM can take (docs/operations.md, "Stopping")."""
+    return cfg.server.request_drain_timeout_s + cfg.flush.drain_timeout_s + CLOSE_S
+
+
+def load_env(env: dict[str, str]) -> NodeConfig:
+    """The node's configuration from ``env`` alone; a ConfigError fails the test."""
+    try:
+        return load(file=None, env=env, flags={})
+    except ConfigError as exc:
+        pytest.fail(f"a deployment example sets a bad setting: {exc.message}")
+
+
+def check_serve(argv: list[str]) -> None:
+    assert argv[0].rsplit("/", 1)[-1] == "meter", argv
+    args = _parser().parse_args(argv[1:])  # exits (SystemExit) on an unknown flag
+    assert args.command == "serve"
+
+
+# -- systemd --------------------------------------------------------------------------------
+
+
+def unit(path: Path) -> dict[str, list[str]]:
+    """``Key=value`` lines of a unit file (keys may repeat), comments skipped."""
+    out: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";", "[")):
+            continue
+        key, _, value = line.partition("=")
+        out.setdefault(key, []).append(value)
+    return out
+
+
+def test_the_systemd_unit_runs_a_node_that_starts_and_drains_in_time() -> None:
+    u = unit(DEPLOY / "meter.service")
+    env = dict(v.split("=", 1) for v in u["Environment"])
+    cfg = load_env(env)
+    check_serve(shlex.split(u["ExecStart"][0]))
+    assert float(u["TimeoutStopSec"][0]) >= drain_budget(cfg)
+    # The socket and the data dir live in the directories systemd makes for the service.
+    assert str(cfg.server.socket).startswith("/run/" + u["RuntimeDirectory"][0] + "/")
+    assert str(cfg.data_dir) == "/var/lib/" + u["StateDirectory"][0]
+    # The node can give the socket to the clients' group only if it is in that group.
+    assert cfg.server.socket_group in u["SupplementaryGroups"][0].split()
+    # Bad configuration exits 2 (docs/operations.md): restarting it would only loop.
+    assert u["RestartPreventExitStatus"] == ["2"]
+    assert u["KillSignal"] == ["SIGTERM"]
+
+
+# -- Kubernetes -----------------------------------------------------------------------------
+
+
+def pod_spec() -> dict[str, Any]:
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes.yaml").read_text()))
+    (deployment,) = (d for d in docs if d and d.get("kind") == "Deployment")
+    spec: dict[str, Any] = deployment["spec"]["template"]["spec"]
+    return spec
+
+
+def container_env(c: dict[str, Any]) -> dict[str, str]:
+    # A value from a Secret is not in the file: any valid string stands for it.
+    return {e["name"]: e.get("value", "from-a-secret") for e in c.get("env", [])}
+
+
+def mounted_at(c: dict[str, Any], path: str) -> str:
+    """The volume that holds ``path`` in container ``c``."""
+    for m in c["volumeMounts"]:
+        if path.startswith(m["mountPath"].rstrip("/") + "/") or path == m["mountPath"]:
+            return str(m["name"])
+    pytest.fail(f"{path} is on no volume of container {c['name']}")
+
+
+def test_the_kubernetes_sidecar_shares_its_socket_and_drains_in_time() -> None:
+    spec = pod_spec()
+    (meter,) = (c for c in spec["initContainers"] if c["name"] == "meter")
+    # A native sidecar: started before the app, stopped after it has exited.
+    assert meter["restartPolicy"] == "Always"
+    check_serve(meter["command"])
+    cfg = load_env(container_env(meter))
+    assert spec["terminationGracePeriodSeconds"] >= drain_budget(cfg)
+    socket = str(cfg.server.socket)
+    volume = mounted_at(meter, socket)
+    assert "emptyDir" in next(v for v in spec["volumes"] if v["name"] == volume)
+    mounted_at(meter, str(cfg.data_dir))
+    for app in spec["containers"]:
+        assert container_env(app)["METER_SOCKET"] == socket
+        assert mounted_at(app, socket) == volume
+
+
+# -- prose ----------------------------------------------------------------------------------
+
+#: Environment variables the docs may name that are not settings.
+NOT_SETTINGS = {"METER_CONFIG", "METER_FUZZ_FRAMES", "METER_FUZZ_SEED"}
+
+
+def test_every_environment_variable_the_docs_name_is_a_setting() -> None:
+    from meter.config import SETTING_NAMES
+
+    known = {env_name(s) for s in SETTING_NAMES} | NOT_SETTINGS
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *DEPLOY.iterdir()]
+    named = {
+        (f.relative_to(ROOT).as_posix(), v)
+        for f in files
+        for v in re.findall(r"\bMETER_[A-Z0-9_]*[A-Z0-9]\b", f.read_text())
+    }
+    assert {(f, v) for f, v in named if v not in known} == set()
+
+
+# -- metrics: the dashboard and the alerts --------------------------------------------------
+
+#: Series a histogram family adds to its name.
+HISTOGRAM_SERIES = ("_bucket", "_count", "_sum")
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\bmeter_[a-z0-9_]+", expr))
+
+
+def family(series: str) -> str:
+    from meter.metrics import METRIC_NAMES
+
+    if series in METRIC_NAMES:
+        return series
+    for suffix in HISTOGRAM_SERIES:
+        if series.endswith(suffix) and series[: -len(suffix)] in METRIC_NAMES:
+            return series[: -len(suffix)]
+    pytest.fail(f"{series} is no metric of meter.metrics.METRIC_NAMES")
+
+
+def dashboard_exprs() -> list[str]:
+    import json
+
+    dash = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
+    return exprs
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    rules = yaml.safe_load((DEPLOY / "alerts.yaml").read_text())
+    return [r for g in rules["groups"] for r in g["rules"]]
+
+
+def test_the_dashboard_and_the_alerts_use_only_metrics_the_node_exports() -> None:
+    exprs = dashboard_exprs() + [r["expr"] for r in alert_rules()]
+    used = {family(s) for e in exprs for s in metric_names(e)}
+    assert len(used) >= 15, used  # the parsing found them
+
+
+def test_every_alert_is_explained_in_the_deployment_guide() -> None:
+    guide = (ROOT / "docs" / "deployment.md").read_text()
+    headings = set(re.findall(r"^### (\w+)$", guide, re.M))
+    rules = alert_rules()
+    assert {r["alert"] for r in rules} == headings
+    for r in rules:
+        assert r["labels"]["severity"] in ("page", "ticket")
+        assert r["annotations"]["runbook"] == f"docs/deployment.md#{r['alert'].lower()}"
+        assert r["annotations"]["summary"]
