@@ -70,13 +70,35 @@ class RequestStats:
     a client cannot make labels up.
     """
 
-    __slots__ = ("errors", "latency", "methods", "ok")
+    __slots__ = ("_track", "errors", "latency", "methods", "ok", "tracks")
 
     def __init__(self, methods: Iterable[str]) -> None:
         self.methods = frozenset(methods)
         self.ok: dict[str, int] = dict.fromkeys(self.methods, 0)
+        #: ``track`` answered ``ok`` by the server's fast path (added to ``ok["track"]`` when
+        #: read: one int add per pass on the hottest path).
+        self.tracks = 0
         self.errors: dict[tuple[str, str], int] = {}
         self.latency: dict[str, Buckets] = {m: Buckets(REQUEST_BOUNDS) for m in self.methods}
+        self._track = self.latency.setdefault("track", Buckets(REQUEST_BOUNDS))
+
+    def ok_counts(self) -> dict[str, int]:
+        """Requests answered ``ok``, by method."""
+        out = dict(self.ok)
+        if self.tracks:
+            out["track"] = out.get("track", 0) + self.tracks
+        return out
+
+    def batch(self, tracks: int, others: dict[str, int] | None, seconds: float) -> None:
+        """A read pass's ok answers, each after ``seconds``: ``tracks`` fast-path tracks and
+        ``others`` by method."""
+        if tracks:
+            self.tracks += tracks
+            hist = self._track
+            hist.counts[bisect_left(hist.bounds, seconds)] += tracks
+            hist.sum += seconds * tracks
+        if others:
+            self.answered(others, seconds)
 
     def label(self, method: object) -> str:
         """``method`` if the node has it, else ``other``."""

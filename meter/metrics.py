@@ -157,7 +157,7 @@ class NodeCollector(Collector):
             REQUESTS, "Requests answered, by method and result (ok or the error code).",
             ["method", "result"],
         )  # fmt: skip
-        for method, n in sorted(req.ok.items()):
+        for method, n in sorted(req.ok_counts().items()):
             fam.add_metric([method, "ok"], n)
         refusals: dict[str, int] = dict.fromkeys(BY_CODE, 0)  # every code, from the start
         for (method, code), n in sorted(req.errors.items()):

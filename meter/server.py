@@ -174,7 +174,8 @@ class _Connection(asyncio.Protocol):
         # Metrics on: when the pass started (every request of it is timed from here) and the
         # ok answers of the pass by method. Off: nothing of this runs per request.
         t0 = perf_counter() if stats is not None else 0.0
-        answered: dict[str, int] | None = None
+        tracks = 0  # of them answered by the fast path
+        answered: dict[str, int] | None = None  # the others
         bad: ProtocolError | None = None
         try:
             messages = self._decoder.feed_raw(data)
@@ -210,7 +211,9 @@ class _Connection(asyncio.Protocol):
                     append(req)
                     start += 1
             if stats is not None:
-                answered = {"track": start} if start else {}
+                tracks = start
+                if start < len(messages):
+                    answered = {}
             for msg in messages[start:] if start else messages:
                 if type(msg) is not list:
                     self._other(msg, False)
@@ -243,7 +246,8 @@ class _Connection(asyncio.Protocol):
             wal = srv.wal
             if wal is not None and wal.dirty:
                 # Some state change of this pass is not in the log yet: answer after it is.
-                self._hold(wal, answers[:], answered, t0)
+                self._hold(wal, answers[:], tracks, answered, t0)
+                tracks = 0
                 answered = None
                 bad_after_hold = bad
                 bad = None
@@ -257,9 +261,9 @@ class _Connection(asyncio.Protocol):
                         "unencodable result answered as internal: %s", encoder.last_encode_error
                     )
             answers.clear()
-        if answered:
+        if tracks or answered:
             assert stats is not None
-            stats.answered(answered, perf_counter() - t0)
+            stats.batch(tracks, answered, perf_counter() - t0)
         bad = bad if bad is not None else bad_after_hold
         if bad is not None and transport is not None:
             srv.protocol_errors += 1
@@ -351,21 +355,22 @@ class _Connection(asyncio.Protocol):
         self,
         wal: WriteAheadLog,
         answers: list[list[Any]],
+        tracks: int = 0,
         answered: dict[str, int] | None = None,
         t0: float = 0.0,
     ) -> None:
         """Send ``answers`` after the log's commit; until then they count as pending, so a
         peer that half-closes (or a connection closing after a protocol error) still gets
-        them. ``answered``: the ok answers among them by method, timed from ``t0`` to the
-        send (metrics on)."""
+        them. ``tracks`` (fast-path tracks) and ``answered`` (the other ok answers by method) are
+        timed from ``t0`` to the send (metrics on)."""
         self.pending += 1
         stats = self._server.request_stats
 
         def send(arrays: list[list[Any]]) -> None:
             self._send_arrays(arrays)
             self.finished_one()
-            if answered and stats is not None:
-                stats.answered(answered, perf_counter() - t0)
+            if stats is not None and (tracks or answered):
+                stats.batch(tracks, answered, perf_counter() - t0)
 
         wal.hold(send, answers)
 
