@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 
+from meter.metric_counts import RequestStats
 from meter.protocol import Decoder, Encoder, Request
 from meter.service import Service
 from meter.table import CounterTable
@@ -78,6 +79,12 @@ def measure() -> dict[str, float]:
 
     out["codec/request (batch 16)"] = _best(codec, 10_000) / 16
     out["server/track (batch 16)"] = _best(_server_feed(svc, frames), 10_000) / 16
+    for depth in (1, 16):
+        batch = b"".join(msgpack.packb([0, i, "track", ["micro-t", "f0", 1]]) for i in range(depth))
+        for on in (False, True):
+            stats = RequestStats(svc.methods) if on else None
+            name = f"server/track (batch {depth}, metrics {'on' if on else 'off'})"
+            out[name] = _best(_server_feed(svc, batch, stats), 20_000) / depth
     many = msgpack.packb([0, 1, "track_many", [items]])
     out["server/track_many/item"] = _best(_server_feed(svc, many), 2_000) / 100
     return out
@@ -99,11 +106,15 @@ class _NullTransport:
         pass
 
 
-def _server_feed(svc: Service, frames: bytes) -> Callable[[], None]:
-    """``data_received`` of a server connection fed ``frames``, without a socket."""
+def _server_feed(
+    svc: Service, frames: bytes, stats: RequestStats | None = None
+) -> Callable[[], None]:
+    """``data_received`` of a server connection fed ``frames``, without a socket;
+    ``stats``: metrics on (requests counted and timed)."""
     from meter.server import RpcServer, _Connection
 
     srv = RpcServer("/nonexistent", svc, max_frame=1 << 20, high_water=1 << 20, low_water=1 << 18)
+    srv.request_stats = stats
     conn = _Connection(srv)
     conn.connection_made(_NullTransport())  # type: ignore[arg-type]
     return lambda: conn.data_received(frames)

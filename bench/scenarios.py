@@ -998,6 +998,13 @@ def scale(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     return run(svc, sizes, progress)
 
 
+def metrics(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    """Scenario 9: see :mod:`bench.metrics_cost` (imported here: it builds on this module)."""
+    from bench.metrics_cost import metrics_cost
+
+    return metrics_cost(svc, sizes, progress)
+
+
 SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "rpc": rpc_vs_redis,
     "batch": batch,
@@ -1007,4 +1014,5 @@ SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "memory": memory,
     "durable": durable,
     "scale": scale,
+    "metrics": metrics,
 }

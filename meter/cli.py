@@ -32,6 +32,11 @@ _NODE_FLAGS: list[tuple[str, str]] = [
     ("--dynamodb-endpoint", "DynamoDB endpoint URL (METER_DYNAMODB_ENDPOINT)"),
     ("--socket-group", "make the socket 0660 for this group (METER_SOCKET_GROUP)"),
     ("--log-level", "DEBUG, INFO, WARNING or ERROR (METER_LOG_LEVEL, default INFO)"),
+    (
+        "--metrics-address",
+        "host:port for /metrics, /healthz, /readyz over HTTP (METER_METRICS_ADDRESS; "
+        "port 0: any free port; unset: no listener)",
+    ),
 ]
 
 
@@ -397,6 +402,9 @@ def _fmt(s: dict[str, Any]) -> str:
         else:
             line = f"node id      {str(state).upper()}: {owner.get('last_error')}"
         lines.append(line)
+    metrics = s.get("metrics")
+    if isinstance(metrics, dict) and metrics.get("address"):
+        lines.append(f"metrics      http://{metrics['address']}/metrics  (/healthz, /readyz)")
     if flush.get("last_error"):
         lines.append(f"last error   {flush['last_error']}")
     for p in flush.get("poisoned") or []:

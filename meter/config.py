@@ -148,6 +148,22 @@ class OwnerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """The HTTP listener for Prometheus metrics and health probes (docs/operations.md)."""
+
+    #: ``(host, port)`` to listen on; port 0 takes any free port. ``None``: no listener at
+    #: all, and nothing on the request path is counted for metrics.
+    address: tuple[str, int] | None = None
+    #: Units stored are labelled by feature for at most this many features (the rest as
+    #: ``other``); 0: no feature label. Never a tenant label.
+    feature_labels: int = 0
+
+
+#: Most features ``metrics_feature_labels`` may label (each is a series on every scrape).
+MAX_FEATURE_LABELS = 1000
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     """Everything a node needs, one object per subsystem."""
 
@@ -164,6 +180,7 @@ class NodeConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     durability: DurabilityConfig = field(default_factory=DurabilityConfig)
     owner: OwnerConfig = field(default_factory=OwnerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 def _str(setting: str, raw: Any) -> str:
@@ -268,6 +285,26 @@ def _url(schemes: tuple[str, ...]) -> Any:
     return parse
 
 
+def _address(setting: str, raw: Any) -> tuple[str, int] | None:
+    """``host:port`` (``[v6]:port`` for an IPv6 address), port 0..65535; empty: none."""
+    value = _opt_str(setting, raw)
+    if value is None:
+        return None
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if (
+        not sep
+        or not host
+        or any(c in host for c in "[]/ ")
+        or (":" in host and not value.startswith("["))
+        or not port.isdigit()
+        or not 0 <= int(port) <= 65535
+    ):
+        raise ConfigError(setting, f"must be host:port (port 0-65535, [ipv6]:port), got {raw!r}")
+    return host, int(port)
+
+
 def _feature_periods(setting: str, raw: Any) -> dict[str, PeriodKind]:
     """``{"api_calls": "day"}`` in TOML, or ``api_calls=day,seats=month`` in env/flags."""
     if isinstance(raw, str):
@@ -334,6 +371,8 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "idempotency_window_s": ("durability", "idempotency_window_s", _float(1, 30 * 86400)),
     "idempotency_max_ids": ("durability", "idempotency_max_ids", _int(1, 100_000_000)),
     "owner_lease_s": ("owner", "lease_s", _float(1, 86400)),
+    "metrics_address": ("metrics", "address", _address),
+    "metrics_feature_labels": ("metrics", "feature_labels", _int(0, MAX_FEATURE_LABELS)),
 }
 
 #: Every setting name (TOML key; ``METER_`` + upper case is its environment variable).
@@ -400,6 +439,7 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         "cluster": {},
         "durability": {},
         "owner": {},
+        "metrics": {},
     }
     for setting, raw in values.items():
         if setting not in _SETTINGS:
@@ -415,6 +455,7 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         cluster=ClusterConfig(**parts["cluster"]),
         durability=DurabilityConfig(**parts["durability"]),
         owner=OwnerConfig(**parts["owner"]),
+        metrics=MetricsConfig(**parts["metrics"]),
     )
     if len(str(cfg.server.socket).encode()) > 100:
         raise ConfigError("socket", "path longer than 100 bytes (the AF_UNIX limit is 107)")

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from meter.keys import Key
+from meter.metric_counts import FLUSH_BOUNDS, Buckets, FeatureUnits
 from meter.owner import Ownership
 from meter.table import CounterTable
 from meter.wal.log import WalError, WriteAheadLog
@@ -46,6 +47,8 @@ class FlushStats:
     backlog_since: float | None = None
     #: Keys whose write failed permanently (parked, never retried): key -> error.
     poisoned: dict[Key, str] = field(default_factory=dict)
+    #: How long rounds took (seconds).
+    round_seconds: Buckets = field(default_factory=lambda: Buckets(FLUSH_BOUNDS))
 
 
 class Flusher:
@@ -62,8 +65,11 @@ class Flusher:
         on_flushed: OnFlushed | None = None,
         wal: WriteAheadLog | None = None,
         owner: Ownership | None = None,
+        feature_units: FeatureUnits | None = None,
     ) -> None:
         self.table = table
+        #: Units stored by feature (the ``metrics_feature_labels`` setting; ``None``: off).
+        self.feature_units = feature_units
         #: Writes happen only while this node owns its id in storage (``None``: not checked).
         self.owner = owner
         #: Deltas are logged (and synced) here before they are sent, so a restarted node
@@ -136,36 +142,44 @@ class Flusher:
     async def flush_once(self) -> bool:
         """One round: seed unseeded keys, write every dirty key. True if nothing failed."""
         async with self._lock:
-            # A round against a store that is down can take seconds (timeouts, retries): a
-            # failure it meets dates the backlog from the round's start, not its end.
-            self._round_started = time.time()
-            if self.wal is not None and self.wal.broken is not None:
-                # Nothing can be logged, so nothing is taken or sent (a take's record would
-                # fail with the answers of the pass it lands in, reads included).
-                self._note_error(f"the write-ahead log cannot be written: {self.wal.broken}")
-                self._finish_round(False)
+            began = time.monotonic()
+            try:
+                return await self._round()
+            finally:
+                self.stats.round_seconds.add(time.monotonic() - began)
+
+    async def _round(self) -> bool:
+        """:meth:`flush_once` under its lock."""
+        # A round against a store that is down can take seconds (timeouts, retries): a
+        # failure it meets dates the backlog from the round's start, not its end.
+        self._round_started = time.time()
+        if self.wal is not None and self.wal.broken is not None:
+            # Nothing can be logged, so nothing is taken or sent (a take's record would
+            # fail with the answers of the pass it lands in, reads included).
+            self._note_error(f"the write-ahead log cannot be written: {self.wal.broken}")
+            self._finish_round(False)
+            return False
+        seeded = await self._seed_unseeded()
+        wrote = True
+        keys = [k for k in self.table.dirty_keys() if k not in self.stats.poisoned]
+        if keys:
+            may = await self._may_write()
+            if may is None:
+                # Storage did not answer the owner read: it is down, and every write
+                # would only fail after its own timeouts. A failed round (backoff).
+                self._finish_round(False, seeded)
                 return False
-            seeded = await self._seed_unseeded()
-            wrote = True
-            keys = [k for k in self.table.dirty_keys() if k not in self.stats.poisoned]
-            if keys:
-                may = await self._may_write()
-                if may is None:
-                    # Storage did not answer the owner read: it is down, and every write
-                    # would only fail after its own timeouts. A failed round (backoff).
-                    self._finish_round(False, seeded)
-                    return False
-                if not may:
-                    # Not a storage failure: no backoff (the owner loop claims on its own).
-                    self.stats.rounds += 1
-                    self.stats.last_at = time.time()
-                    return False
-            for start in range(0, len(keys), self.batch_keys):
-                wrote = await self._write(keys[start : start + self.batch_keys]) and wrote
-            # Only failed writes back off: a failed seeding read is retried next round, so it
-            # never delays the writes of the other keys (nor its own) by up to max_backoff.
-            self._finish_round(wrote, seeded)
-            return seeded and wrote
+            if not may:
+                # Not a storage failure: no backoff (the owner loop claims on its own).
+                self.stats.rounds += 1
+                self.stats.last_at = time.time()
+                return False
+        for start in range(0, len(keys), self.batch_keys):
+            wrote = await self._write(keys[start : start + self.batch_keys]) and wrote
+        # Only failed writes back off: a failed seeding read is retried next round, so it
+        # never delays the writes of the other keys (nor its own) by up to max_backoff.
+        self._finish_round(wrote, seeded)
+        return seeded and wrote
 
     async def drain(self, timeout: float) -> bool:
         """Flush until nothing is left to write or ``timeout`` passes; True if all written.
@@ -347,6 +361,8 @@ class Flusher:
                     suspects.append((d.key, d.seq))
                 written.append((d.key, outcome))
                 self.stats.keys_written += 1
+                if self.feature_units is not None:
+                    self.feature_units.add(d.key[1], d.delta)
                 if outcome.duplicate:
                     self.stats.duplicates += 1
                 continue

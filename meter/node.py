@@ -25,8 +25,10 @@ from meter.config import NodeConfig
 from meter.errors import ConfigError, Unavailable
 from meter.flusher import Flusher
 from meter.gc_policy import tune_gc
+from meter.http_endpoints import Endpoints, HttpEndpoints
 from meter.idempotency import RequestIds
 from meter.keys import Key, PeriodKind
+from meter.metric_counts import FeatureUnits, RequestStats
 from meter.owner import Ownership, State
 from meter.recovery import recover, warm_up
 from meter.rollover import kinds_in_use, period_end
@@ -263,6 +265,8 @@ class Node:
         self.gossip: Gossip[Snapshot] | None = None
         self.wal: WriteAheadLog | None = None
         self.owner: Ownership | None = None
+        #: The HTTP listener for metrics and probes (``metrics_address``; ``None``: none).
+        self.http: HttpEndpoints | None = None
         self._claimed_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
@@ -341,12 +345,14 @@ class Node:
                 # Before the socket opens: the one full collection pauses no request, and the
                 # rows just recovered are frozen with the rest.
                 tune_gc(cfg.server.gc_young_threshold)
+            request_stats = await self._start_metrics() if cfg.metrics.address else None
             try:
                 self.server = await start_server(
                     cfg.server.socket,
                     self.service,
                     group=cfg.server.socket_group,
                     max_frame=cfg.server.max_frame_bytes,
+                    request_stats=request_stats,
                 )
             except FileExistsError:
                 raise ConfigError(
@@ -357,6 +363,8 @@ class Node:
                     "socket", f"cannot listen on {cfg.server.socket}: {exc.strerror or exc}"
                 ) from None
         except BaseException:
+            if self.http is not None:
+                await self.http.close()
             if self.wal is not None:
                 await self.wal.close(final_checkpoint=False)
             self.data_dir.release()
@@ -381,6 +389,37 @@ class Node:
             self.storage.kind,
             cfg.data_dir,
         )
+
+    async def _start_metrics(self) -> RequestStats:
+        """Start the HTTP listener of ``metrics_address``; return the request counters the
+        socket server is to keep for it."""
+        from meter.metrics import build_registry, exposition
+
+        cfg = self.config.metrics
+        assert cfg.address is not None and self.service is not None and self.flusher is not None
+        requests = RequestStats(self.service.methods)
+        units = FeatureUnits(cfg.feature_labels)
+        self.flusher.feature_units = units
+        registry = build_registry(self, requests, units)
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        self.http = HttpEndpoints(
+            Endpoints(
+                metrics=lambda: exposition(registry),
+                metrics_content_type=CONTENT_TYPE_LATEST,
+                checks=self.health_checks,
+            )
+        )
+        host, port = cfg.address
+        try:
+            bound = await self.http.start(host, port)
+        except OSError as exc:
+            self.http = None
+            raise ConfigError(
+                "metrics_address", f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from None
+        log.info("metrics and probes on http://%s (/metrics, /healthz, /readyz)", bound)
+        return requests
 
     def request_stop(self) -> None:
         """Ask ``run()`` to drain and return (what SIGTERM does)."""
@@ -447,6 +486,9 @@ class Node:
             # Everything is stored: another data dir may take this id at once.
             await self.owner.release()
         await self.storage.close()
+        if self.http is not None:
+            # Last: until here /readyz answered 503 (draining) to a probe that asked.
+            await self.http.close()
         self.data_dir.release()
         log.info("node stopped (%s)", "drained" if self.drained else "NOT drained")
         return 0 if self.drained else 1
@@ -645,7 +687,40 @@ class Node:
         out["not_ready"] = self._not_ready()
         out["ready"] = not out["not_ready"]
         out["degraded"] = self._degraded()
+        out["metrics"] = {
+            "address": None if self.http is None else self.http.address,
+            "feature_labels": self.config.metrics.feature_labels,
+        }
         return out
+
+    def health_checks(self) -> dict[str, str | None]:
+        """``/readyz``'s checks: ``counting``, ``log``, ``storage`` and ``bus``, each ``None``
+        (ok, or not configured) or why it fails; the first two say whether the node can count
+        (:meth:`_not_ready`), the others what works less than fully (:meth:`_degraded`)."""
+        not_ready = self._not_ready()
+        if self.server is None:
+            not_ready.append("starting: the socket is not open yet")
+        degraded = self._degraded()
+
+        def joined(reasons: list[str], prefix: str, keep: bool = True) -> str | None:
+            picked = [
+                r.removeprefix(prefix).lstrip() if keep else r
+                for r in reasons
+                if r.startswith(prefix) is keep
+            ]
+            return "; ".join(picked) or None
+
+        return {
+            "counting": joined(not_ready, "log:", keep=False),
+            "log": joined(not_ready, "log:"),
+            "storage": joined(degraded, "storage:"),
+            "bus": joined(degraded, "bus:"),
+        }
+
+    @staticmethod
+    def can_count(checks: dict[str, str | None]) -> bool:
+        """Whether :meth:`health_checks` say the node can take counting calls."""
+        return checks["counting"] is None and checks["log"] is None
 
     def _not_ready(self) -> list[str]:
         """Why the node cannot take counting calls now (empty: ready), for ``meter status

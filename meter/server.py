@@ -20,9 +20,11 @@ import socket
 import stat
 import time
 from collections.abc import Awaitable, Callable
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from meter.errors import ConfigError, MeterError, Unavailable
+from meter.metric_counts import OTHER
 from meter.protocol import (
     DEFAULT_MAX_FRAME,
     RESPONSE,
@@ -39,6 +41,7 @@ from meter.protocol import (
 )
 
 if TYPE_CHECKING:
+    from meter.metric_counts import RequestStats
     from meter.wal.log import WriteAheadLog
 
 log = logging.getLogger("meter.server")
@@ -167,6 +170,12 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         srv = self._server
+        stats = srv.request_stats
+        # Metrics on: when the pass started (every request of it is timed from here) and the
+        # ok answers of the pass by method. Off: nothing of this runs per request.
+        t0 = perf_counter() if stats is not None else 0.0
+        tracks = 0  # of them answered by the fast path
+        answered: dict[str, int] | None = None  # the others
         bad: ProtocolError | None = None
         try:
             messages = self._decoder.feed_raw(data)
@@ -201,6 +210,10 @@ class _Connection(asyncio.Protocol):
                     req[3] = value
                     append(req)
                     start += 1
+            if stats is not None:
+                tracks = start
+                if start < len(messages):
+                    answered = {}
             for msg in messages[start:] if start else messages:
                 if type(msg) is not list:
                     self._other(msg, False)
@@ -210,15 +223,21 @@ class _Connection(asyncio.Protocol):
                     result = dispatch(method, params)
                 except MeterError as exc:
                     append([RESPONSE, msgid, exc.to_wire(), None])
+                    if stats is not None:
+                        stats.one(stats.label(method), exc.code, perf_counter() - t0)
                     continue
                 except Exception:
                     log.exception("internal error in %.64r", method)
                     srv.internal_errors += 1
                     append([RESPONSE, msgid, _INTERNAL, None])
+                    if stats is not None:
+                        stats.one(stats.label(method), "internal", perf_counter() - t0)
                     continue
                 # int first: what track answers, one compare instead of a set lookup.
                 if type(result) is int or type(result) in plain or not isawaitable(result):
                     append([RESPONSE, msgid, None, result])
+                    if answered is not None:
+                        answered[method] = answered.get(method, 0) + 1
                 else:
                     srv._spawn(self, msgid, method, result)
         transport = self.transport
@@ -227,7 +246,9 @@ class _Connection(asyncio.Protocol):
             wal = srv.wal
             if wal is not None and wal.dirty:
                 # Some state change of this pass is not in the log yet: answer after it is.
-                self._hold(wal, answers[:])
+                self._hold(wal, answers[:], tracks, answered, t0)
+                tracks = 0
+                answered = None
                 bad_after_hold = bad
                 bad = None
             elif transport is not None and not transport.is_closing():
@@ -240,6 +261,9 @@ class _Connection(asyncio.Protocol):
                         "unencodable result answered as internal: %s", encoder.last_encode_error
                     )
             answers.clear()
+        if tracks or answered:
+            assert stats is not None
+            stats.batch(tracks, answered, perf_counter() - t0)
         bad = bad if bad is not None else bad_after_hold
         if bad is not None and transport is not None:
             srv.protocol_errors += 1
@@ -258,26 +282,37 @@ class _Connection(asyncio.Protocol):
         name, a notification, an invalid message; and every request while draining."""
         srv = self._server
         answers = self._answers
+        stats = srv.request_stats
         if type(msg) is list or isinstance(msg, Request):
             if draining:
                 srv.requests += 1
-                msgid = msg[1] if type(msg) is list else msg[0]
+                msgid, method = (msg[1], msg[2]) if type(msg) is list else (msg[0], msg[1])
                 answers.append([RESPONSE, msgid, _DRAINING, None])
+                if stats is not None:
+                    stats.one(stats.label(method), "unavailable", 0.0)
                 return
             # Only a Request with a method name sent as raw/bin gets here.
             req = cast(Request, msg)
+            code: str | None = None
             try:
                 result = srv._dispatch(req.method, req.params)
             except MeterError as exc:
                 answers.append([RESPONSE, req.msgid, exc.to_wire(), None])
-                return
+                code = exc.code
+                result = None
             except Exception:
                 log.exception("internal error in %.64r", req.method)
                 srv.internal_errors += 1
                 answers.append([RESPONSE, req.msgid, _INTERNAL, None])
-                return
-            if type(result) in _PLAIN or not inspect.isawaitable(result):
+                code = "internal"
+                result = None
+            if code is not None:
+                if stats is not None:
+                    stats.one(stats.label(req.method), code, 0.0)
+            elif type(result) in _PLAIN or not inspect.isawaitable(result):
                 answers.append([RESPONSE, req.msgid, None, result])
+                if stats is not None:
+                    stats.one(stats.label(req.method), None, 0.0)
             else:
                 srv._spawn(self, req.msgid, req.method, result)
             return
@@ -289,6 +324,8 @@ class _Connection(asyncio.Protocol):
             srv.invalid_requests += 1
             if msg.msgid is not None:
                 answers.append([RESPONSE, msg.msgid, invalid_error(msg.reason), None])
+                if stats is not None:
+                    stats.one(OTHER, "invalid_argument", 0.0)
             else:
                 log.debug("ignored a malformed notification: %s", msg.reason)
 
@@ -314,15 +351,26 @@ class _Connection(asyncio.Protocol):
             self._server.internal_errors += encoder.encode_errors - before
             log.error("unencodable result answered as internal: %s", encoder.last_encode_error)
 
-    def _hold(self, wal: WriteAheadLog, answers: list[list[Any]]) -> None:
+    def _hold(
+        self,
+        wal: WriteAheadLog,
+        answers: list[list[Any]],
+        tracks: int = 0,
+        answered: dict[str, int] | None = None,
+        t0: float = 0.0,
+    ) -> None:
         """Send ``answers`` after the log's commit; until then they count as pending, so a
         peer that half-closes (or a connection closing after a protocol error) still gets
-        them."""
+        them. ``tracks`` (fast-path tracks) and ``answered`` (the other ok answers by method) are
+        timed from ``t0`` to the send (metrics on)."""
         self.pending += 1
+        stats = self._server.request_stats
 
         def send(arrays: list[list[Any]]) -> None:
             self._send_arrays(arrays)
             self.finished_one()
+            if stats is not None and (tracks or answered):
+                stats.batch(tracks, answered, perf_counter() - t0)
 
         wal.hold(send, answers)
 
@@ -392,6 +440,8 @@ class RpcServer:
         self.internal_errors = 0
         #: Connections accepted since start.
         self.accepted = 0
+        #: Requests by method and result, and their latency (``None``: metrics off).
+        self.request_stats: RequestStats | None = None
 
     @property
     def connections(self) -> int:
@@ -416,15 +466,20 @@ class RpcServer:
         }
 
     def _spawn(self, conn: _Connection, msgid: int, method: str, aw: Awaitable[Any]) -> None:
-        task = asyncio.get_running_loop().create_task(self._finish(conn, msgid, method, aw))
+        start = perf_counter() if self.request_stats is not None else 0.0
+        task = asyncio.get_running_loop().create_task(self._finish(conn, msgid, method, aw, start))
         conn.pending += 1
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
-    async def _finish(self, conn: _Connection, msgid: int, method: str, aw: Awaitable[Any]) -> None:
+    async def _finish(
+        self, conn: _Connection, msgid: int, method: str, aw: Awaitable[Any], start: float
+    ) -> None:
+        code: str | None = "unavailable"  # (cancelled: answered as draining)
         try:
             result = await aw
         except MeterError as exc:
+            code = exc.code
             conn.send(msgid, exc.to_wire(), None)
         except asyncio.CancelledError:
             conn.send(msgid, _DRAINING, None)
@@ -432,11 +487,16 @@ class RpcServer:
         except Exception:
             log.exception("internal error in %.64r", method)
             self.internal_errors += 1
+            code = "internal"
             conn.send(msgid, _INTERNAL, None)
         else:
+            code = None
             conn.send(msgid, None, result)
         finally:
             conn.finished_one()
+            stats = self.request_stats
+            if stats is not None:
+                stats.one(stats.label(method), code, perf_counter() - start)
 
     def _notify_one(self, msg: Notification) -> None:
         if self._notify is None:
@@ -565,6 +625,7 @@ async def start_server(
     backlog: int = DEFAULT_BACKLOG,
     protocol_error_log_lines: int = PROTOCOL_ERROR_LOG_LINES,
     protocol_error_log_interval: float = PROTOCOL_ERROR_LOG_INTERVAL_S,
+    request_stats: RequestStats | None = None,
 ) -> RpcServer:
     """Listen on the Unix socket ``path`` and serve ``dispatcher`` until closed.
 
@@ -573,6 +634,7 @@ async def start_server(
     ``OSError(EADDRINUSE)``, any other file raises ``FileExistsError``. Connections closed
     for a protocol error are logged at most ``protocol_error_log_lines`` times per
     ``protocol_error_log_interval`` seconds (then one line says how many more).
+    ``request_stats`` (metrics on) counts requests by method and result and times them.
     """
     spath = os.fspath(path)
     if mode is None:
@@ -588,6 +650,7 @@ async def start_server(
         protocol_error_log_lines=protocol_error_log_lines,
         protocol_error_log_interval=protocol_error_log_interval,
     )
+    server.request_stats = request_stats
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     bound = False
     try:

@@ -83,6 +83,8 @@ class Service:
         self.fenced: str | None = None
         self.started_at = time.time()
         self.calls = 0
+        #: ``track_many`` items refused (the call itself answered), by error code.
+        self.item_refusals: dict[str, int] = {}
         #: Reads cold keys from storage in batches.
         self.seeder = Seeder(
             table, storage, chunk=storage.load_chunk, concurrency=storage.load_concurrency
@@ -123,6 +125,14 @@ class Service:
         }
 
     # -- entry point ----------------------------------------------------------------------
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The method names this service answers."""
+        return tuple(self._methods)
+
+    def _refused_item(self, code: str) -> None:
+        self.item_refusals[code] = self.item_refusals.get(code, 0) + 1
 
     def dispatch(self, method: str, params: list[Any]) -> Any:
         """Run ``method``; return its result, or an awaitable of it for cold keys.
@@ -417,6 +427,7 @@ class Service:
                             continue
             except MeterError as exc:
                 out.append(exc.to_wire())
+                self._refused_item(exc.code)
                 continue
             batch.add(i, key, qty, idem)
         if batch.good:
@@ -448,6 +459,7 @@ class Service:
                     entry = self.ids.lookup(idem[0], idem[1], now)
                 except Conflict as exc:  # that item alone answers the error, uncounted
                     entry = (0, exc.to_wire(), 0.0)
+                    self._refused_item(exc.code)
                 if entry is not None:
                     batch.answered[n] = entry
         self._check_log()
@@ -475,6 +487,9 @@ class Service:
         counted = [[*k, q] for (k, q), a in zip(items, answers, strict=True) if type(a) is int]
         if self.wal is not None and counted:
             self.wal.append([R.TRACK_MANY, counted])
+        for a in answers:
+            if isinstance(a, MeterError):
+                self._refused_item(a.code)
         return [a.to_wire() if isinstance(a, MeterError) else a for a in answers]
 
     def _finish_many(self, batch: _Batch, values: list[Any]) -> list[Any]:
@@ -488,6 +503,7 @@ class Service:
         ):
             if isinstance(value, MeterError):
                 out[batch.where[n]] = values[n] = value.to_wire()
+                self._refused_item(value.code)
                 continue
             out[batch.where[n]] = value
             if n in batch.answered:

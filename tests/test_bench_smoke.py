@@ -18,6 +18,7 @@ import pytest
 from bench import report
 from bench.cli import run
 from bench.loadgen import Load, meter_frames, redis_frames
+from bench.metrics_cost import METRICS
 from bench.scale import SCALE, read_ahead_modes
 from bench.scenarios import BATCH, RPC, SMOKE, Row, _in_turn
 
@@ -27,7 +28,9 @@ pytestmark = pytest.mark.redis
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
     out = io.StringIO()
-    doc = run(SMOKE, ["rpc", "batch", "memory", "durable"], results_dir=tmp_path, out=out)
+    doc = run(
+        SMOKE, ["rpc", "batch", "memory", "durable", "metrics"], results_dir=tmp_path, out=out
+    )
     assert doc["failures"] == {}
     assert doc["mode"] == "smoke"
     assert {"nproc", "cpu", "python"} <= set(doc["machine"])
@@ -35,7 +38,7 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
     assert latest["rows"] == doc["rows"]
     assert len(list(tmp_path.glob("*-smoke.json"))) == 1
     scenarios = {r["scenario"] for r in doc["rows"]}
-    assert scenarios == {RPC, BATCH, "6 memory", "7 durable vs Redis AOF"}
+    assert scenarios == {RPC, BATCH, "6 memory", "7 durable vs Redis AOF", METRICS}
     assert "memory storage" in RPC and "memory storage" in BATCH
     for r in doc["rows"]:
         assert set(r) == {
@@ -72,6 +75,9 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
         ("interval", "everysec"),
     }
     assert all(r["detail"]["redis_appendonly"] for r in durable)
+    (cost,) = [r for r in doc["rows"] if r["scenario"] == METRICS]
+    assert cost["target"] == ">= 0.97x metrics off" and cost["detail"]["errors"] == 0
+    assert cost["detail"]["scrapes"] >= 1 and cost["detail"]["scrape_bytes"] > 0
     for r in durable:  # the node really logged, in the mode asked for
         assert r["detail"]["node_reported_durability"] == r["detail"]["node_durability"]
         assert r["detail"]["node_wal"]["records"] > 0 and r["detail"]["node_wal"]["failures"] == 0

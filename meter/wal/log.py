@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from meter.errors import MeterError
+from meter.metric_counts import FSYNC_BOUNDS, Buckets
 from meter.wal import records as R
 from meter.wal.replay import Replay
 
@@ -212,6 +213,8 @@ class WriteAheadLog:
         self.failures = 0
         self.checkpoints = 0
         self.last_error: str | None = None
+        #: How long the log's syncs took (``fdatasync`` of commits and interval syncs).
+        self.fsync_seconds = Buckets(FSYNC_BOUNDS)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -373,7 +376,9 @@ class WriteAheadLog:
             try:
                 self._write(data)
                 if self.mode == "fsync":
+                    began = time.perf_counter()
                     os.fdatasync(self._fd)
+                    self.fsync_seconds.add(time.perf_counter() - began)
                     self.fsyncs += 1
             except OSError as exc:
                 error = self._failed(exc, "writing")
@@ -474,6 +479,7 @@ class WriteAheadLog:
             first = False
             target = self._written
             fd = self._fd
+            began = time.perf_counter()
             try:
                 await self._loop.run_in_executor(None, os.fdatasync, fd)
             except OSError as exc:
@@ -490,13 +496,16 @@ class WriteAheadLog:
                 log.error("write-ahead log broken: %s", self.last_error)
                 self._fail_waiters(0, self.last_error)
                 return
+            self.fsync_seconds.add(time.perf_counter() - began)
             self.fsyncs += 1
             if fd == self._fd:
                 self._synced = max(self._synced, target)
             self._wake_waiters()
 
     def _sync_now(self) -> None:
+        began = time.perf_counter()
         os.fdatasync(self._fd)
+        self.fsync_seconds.add(time.perf_counter() - began)
         self.fsyncs += 1
         self._synced = self._written
         self._wake_waiters()

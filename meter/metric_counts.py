@@ -1,0 +1,156 @@
+"""Plain counters and histogram buckets that the node's paths update, for :mod:`meter.metrics`.
+
+Pure (no I/O, no prometheus objects): the request path adds to ints and to a bucket list
+indexed by :func:`bisect.bisect_left`, and the metrics collector turns them into Prometheus
+families at scrape time. Nothing here is updated unless metrics are on (``metrics_address``).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable
+
+#: Request latency bucket bounds, seconds: a warm ``track`` answers in microseconds, one
+#: waiting on the log's fsync in about a millisecond, one waiting on storage in tens of ms.
+REQUEST_BOUNDS: tuple[float, ...] = (
+    0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+#: fsync (``fdatasync``) latency bounds, seconds.
+FSYNC_BOUNDS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
+#: Flush round duration bounds, seconds.
+FLUSH_BOUNDS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+#: The ``method`` label of requests naming no method the node has (bounded cardinality).
+OTHER = "other"
+
+
+class Buckets:
+    """A histogram as plain numbers: ``counts[i]`` observations ``<= bounds[i]`` (and above
+    ``bounds[i-1]``), the last slot for those above every bound, and their sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def add(self, seconds: float, n: int = 1) -> None:
+        """Record ``n`` observations of ``seconds``."""
+        self.counts[bisect_left(self.bounds, seconds)] += n
+        self.sum += seconds * n
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``(le, count)`` pairs as Prometheus wants them, ending with ``+Inf``."""
+        out: list[tuple[str, int]] = []
+        total = 0
+        for bound, count in zip(self.bounds, self.counts, strict=False):
+            total += count
+            out.append((repr(bound), total))
+        out.append(("+Inf", total + self.counts[-1]))
+        return out
+
+    @property
+    def count(self) -> int:
+        """Every observation."""
+        return sum(self.counts)
+
+
+class RequestStats:
+    """Requests answered, by method and result (``ok`` or the error code), and their latency
+    by method: from the start of the read pass that brought the request to its answer being
+    handed to the socket (after the log's commit when it waits for one).
+
+    ``methods`` are the method names the node has; any other name is counted as ``other``, so
+    a client cannot make labels up.
+    """
+
+    __slots__ = ("_track", "errors", "latency", "methods", "ok", "tracks")
+
+    def __init__(self, methods: Iterable[str]) -> None:
+        self.methods = frozenset(methods)
+        self.ok: dict[str, int] = dict.fromkeys(self.methods, 0)
+        #: ``track`` answered ``ok`` by the server's fast path (added to ``ok["track"]`` when
+        #: read: one int add per pass on the hottest path).
+        self.tracks = 0
+        self.errors: dict[tuple[str, str], int] = {}
+        self.latency: dict[str, Buckets] = {m: Buckets(REQUEST_BOUNDS) for m in self.methods}
+        self._track = self.latency.setdefault("track", Buckets(REQUEST_BOUNDS))
+
+    def ok_counts(self) -> dict[str, int]:
+        """Requests answered ``ok``, by method."""
+        out = dict(self.ok)
+        if self.tracks:
+            out["track"] = out.get("track", 0) + self.tracks
+        return out
+
+    def batch(self, tracks: int, others: dict[str, int] | None, seconds: float) -> None:
+        """A read pass's ok answers, each after ``seconds``: ``tracks`` fast-path tracks and
+        ``others`` by method."""
+        if tracks:
+            self.tracks += tracks
+            hist = self._track
+            hist.counts[bisect_left(hist.bounds, seconds)] += tracks
+            hist.sum += seconds * tracks
+        if others:
+            self.answered(others, seconds)
+
+    def label(self, method: object) -> str:
+        """``method`` if the node has it, else ``other``."""
+        return method if isinstance(method, str) and method in self.methods else OTHER
+
+    def answered(self, counts: dict[str, int], seconds: float) -> None:
+        """``counts[method]`` requests answered ``ok``, each after ``seconds``."""
+        ok = self.ok
+        latency = self.latency
+        for method, n in counts.items():
+            ok[method] = ok.get(method, 0) + n
+            hist = latency.get(method)
+            if hist is None:
+                hist = latency[method] = Buckets(REQUEST_BOUNDS)
+            hist.add(seconds, n)
+
+    def one(self, method: str, code: str | None, seconds: float) -> None:
+        """One request answered: ``code`` ``None`` for ``ok``, else its error code.
+        ``method`` must be a label already (:meth:`label`)."""
+        if code is None:
+            self.ok[method] = self.ok.get(method, 0) + 1
+        else:
+            key = (method, code)
+            self.errors[key] = self.errors.get(key, 0) + 1
+        hist = self.latency.get(method)
+        if hist is None:
+            hist = self.latency[method] = Buckets(REQUEST_BOUNDS)
+        hist.add(seconds)
+
+
+class FeatureUnits:
+    """Units stored, by feature, for at most ``cap`` features; later ones count as ``other``.
+
+    Fed by the flusher with each key's net delta once storage holds it (off the request path).
+    A counter cannot go down, so negative net deltas are summed apart (``removed``).
+    """
+
+    __slots__ = ("added", "cap", "removed")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.added: dict[str, int] = {}
+        self.removed: dict[str, int] = {}
+
+    def add(self, feature: str, delta: int) -> None:
+        """Count a stored net ``delta`` of ``feature``."""
+        if feature not in self.added and len(self.added) >= self.cap:
+            feature = OTHER
+        if feature not in self.added:
+            self.added[feature] = 0
+            self.removed[feature] = 0
+        if delta >= 0:
+            self.added[feature] += delta
+        else:
+            self.removed[feature] -= delta

@@ -1,0 +1,295 @@
+"""Prometheus metrics of one node: a registry of its own and a collector reading the node.
+
+The collector reads the numbers the node keeps anyway (``status``'s sources, and the plain
+counters of :mod:`meter.metric_counts`) when Prometheus scrapes, so the request path pays for
+no prometheus object. Each node has its own :class:`CollectorRegistry`, never the global one
+(tests run several nodes in one process). Labels are bounded: methods the node has, error
+codes, fixed states and reasons, and features only up to ``metrics_feature_labels``. No label
+ever holds a tenant.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from meter import __version__
+from meter.errors import BY_CODE
+from meter.metric_counts import Buckets, FeatureUnits, RequestStats
+
+if TYPE_CHECKING:
+    from meter.node import Node
+
+# Every family, by its full name (counters with ``_total``), as the docs name them.
+REQUESTS = "meter_requests_total"
+REQUEST_DURATION = "meter_request_duration_seconds"
+REFUSALS = "meter_refusals_total"
+CONNECTIONS = "meter_connections"
+CONNECTIONS_ACCEPTED = "meter_connections_accepted_total"
+PROTOCOL_ERRORS = "meter_protocol_errors_total"
+KEYS = "meter_keys"
+FLUSH_ROUNDS = "meter_flush_rounds_total"
+FLUSH_FAILURES = "meter_flush_failures_total"
+FLUSH_DURATION = "meter_flush_duration_seconds"
+FLUSH_KEYS_WRITTEN = "meter_flush_keys_written_total"
+FLUSH_BACKLOG_KEYS = "meter_flush_backlog_keys"
+FLUSH_BACKLOG_UNITS = "meter_flush_backlog_units"
+FLUSH_BACKLOG_AGE = "meter_flush_backlog_age_seconds"
+FLUSH_PARKED_KEYS = "meter_flush_parked_keys"
+UNITS_STORED = "meter_units_stored_total"
+UNITS_REMOVED = "meter_units_removed_total"
+SEEDING_READS = "meter_seeding_reads_total"
+SEEDING_FAILED_READS = "meter_seeding_failed_reads_total"
+WAL_SIZE = "meter_wal_size_bytes"
+WAL_SEGMENTS = "meter_wal_segments"
+WAL_OLDEST_AGE = "meter_wal_oldest_record_age_seconds"
+WAL_COMMITS = "meter_wal_commits_total"
+WAL_FSYNCS = "meter_wal_fsyncs_total"
+WAL_FSYNC_DURATION = "meter_wal_fsync_duration_seconds"
+WAL_FAILURES = "meter_wal_failures_total"
+WAL_WRITABLE = "meter_wal_writable"
+GOSSIP_BUS_CONNECTED = "meter_gossip_bus_connected"
+GOSSIP_PEERS = "meter_gossip_peers"
+GOSSIP_LAG = "meter_gossip_lag_seconds"
+GOSSIP_MESSAGES = "meter_gossip_messages_received_total"
+GOSSIP_REJECTED = "meter_gossip_rejected_total"
+GOSSIP_GAPS = "meter_gossip_gaps_total"
+RESERVATIONS_OPEN = "meter_reservations_open"
+RESERVATIONS_EXPIRED = "meter_reservations_expired_total"
+READY = "meter_ready"
+DEGRADED = "meter_degraded"
+BUILD_INFO = "meter_build_info"
+
+#: Every metric family the node exports (full names: counters end in ``_total``).
+METRIC_NAMES: tuple[str, ...] = (
+    REQUESTS, REQUEST_DURATION, REFUSALS, CONNECTIONS, CONNECTIONS_ACCEPTED, PROTOCOL_ERRORS,
+    KEYS, FLUSH_ROUNDS, FLUSH_FAILURES, FLUSH_DURATION, FLUSH_KEYS_WRITTEN, FLUSH_BACKLOG_KEYS,
+    FLUSH_BACKLOG_UNITS, FLUSH_BACKLOG_AGE, FLUSH_PARKED_KEYS, UNITS_STORED, UNITS_REMOVED,
+    SEEDING_READS, SEEDING_FAILED_READS, WAL_SIZE, WAL_SEGMENTS, WAL_OLDEST_AGE, WAL_COMMITS,
+    WAL_FSYNCS, WAL_FSYNC_DURATION, WAL_FAILURES, WAL_WRITABLE, GOSSIP_BUS_CONNECTED,
+    GOSSIP_PEERS, GOSSIP_LAG, GOSSIP_MESSAGES, GOSSIP_REJECTED, GOSSIP_GAPS, RESERVATIONS_OPEN,
+    RESERVATIONS_EXPIRED, READY, DEGRADED, BUILD_INFO,
+)  # fmt: skip
+
+
+def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=labels)  # (it drops the ``_total`` itself)
+
+
+def _histogram(name: str, doc: str, labels: list[str], series: dict[str, Buckets]) -> Metric:
+    fam = HistogramMetricFamily(name, doc, labels=labels)
+    for value, hist in sorted(series.items()):
+        fam.add_metric([value] if labels else [], hist.cumulative(), hist.sum)
+    return fam
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class NodeCollector(Collector):
+    """Reads one node at scrape time."""
+
+    def __init__(self, node: Node, requests: RequestStats, units: FeatureUnits) -> None:
+        self.node = node
+        self.requests = requests
+        self.units = units
+
+    def collect(self) -> Iterator[Metric]:
+        node = self.node
+        yield from self._requests()
+        yield from self._units()
+        if node.table is not None:
+            st = node.table.stats()
+            keys = GaugeMetricFamily(KEYS, "Keys in memory, by state.", labels=["state"])
+            for state, n in (
+                ("warm", st.warm),
+                ("dirty", st.dirty),
+                ("unseeded", st.unseeded),
+                ("inflight", st.inflight),
+                ("reserved", st.reserved_keys),
+            ):
+                keys.add_metric([state], n)
+            yield keys
+        if node.flusher is not None and node.table is not None:
+            yield from self._flush()
+        if node.service is not None:
+            svc = node.service
+            yield _gauge(RESERVATIONS_OPEN, "Reservations open.", len(svc.reservations))
+            expired = _counter(RESERVATIONS_EXPIRED, "Reservations released at their deadline.")
+            expired.add_metric([], svc.reservations.expired_total)
+            yield expired
+            seeding = svc.seeder.stats
+            reads = _counter(SEEDING_READS, "Storage reads that seeded cold keys.")
+            reads.add_metric([], seeding.reads)
+            yield reads
+            failed = _counter(SEEDING_FAILED_READS, "Seeding reads that failed.")
+            failed.add_metric([], seeding.failed_reads)
+            yield failed
+        if node.wal is not None:
+            yield from self._wal()
+        if node.gossip is not None:
+            yield from self._gossip()
+        checks = node.health_checks()
+        yield _gauge(READY, "1 if the node can take counting calls.", int(node.can_count(checks)))
+        yield _gauge(
+            DEGRADED,
+            "1 if storage or the bus is not answering (the node still counts).",
+            int(any(checks[c] is not None for c in ("storage", "bus"))),
+        )
+        info = GaugeMetricFamily(BUILD_INFO, "Always 1.", labels=["version", "node_id"])
+        info.add_metric([__version__, node.table.node if node.table else ""], 1)
+        yield info
+
+    def _requests(self) -> Iterator[Metric]:
+        req = self.requests
+        fam = _counter(
+            REQUESTS, "Requests answered, by method and result (ok or the error code).",
+            ["method", "result"],
+        )  # fmt: skip
+        for method, n in sorted(req.ok_counts().items()):
+            fam.add_metric([method, "ok"], n)
+        refusals: dict[str, int] = dict.fromkeys(BY_CODE, 0)  # every code, from the start
+        for (method, code), n in sorted(req.errors.items()):
+            fam.add_metric([method, code], n)
+            refusals[code] = refusals.get(code, 0) + n
+        yield fam
+        yield _histogram(
+            REQUEST_DURATION,
+            "From the read of a request to its answer handed to the socket, by method.",
+            ["method"],
+            req.latency,
+        )
+        if self.node.service is not None:
+            for code, n in self.node.service.item_refusals.items():
+                refusals[code] = refusals.get(code, 0) + n
+        ref = _counter(REFUSALS, "Calls and track_many items refused, by error code.", ["reason"])
+        for code, n in sorted(refusals.items()):
+            ref.add_metric([code], n)
+        yield ref
+        server = self.node.server
+        if server is not None:
+            yield _gauge(CONNECTIONS, "Open client connections.", server.connections)
+            acc = _counter(CONNECTIONS_ACCEPTED, "Client connections accepted.")
+            acc.add_metric([], server.accepted)
+            yield acc
+            pe = _counter(PROTOCOL_ERRORS, "Connections closed for bytes not a valid request.")
+            pe.add_metric([], server.protocol_errors)
+            yield pe
+
+    def _units(self) -> Iterator[Metric]:
+        u = self.units
+        for name, doc, series in (
+            (UNITS_STORED, "Units this node counted, once storage holds them.", u.added),
+            (UNITS_REMOVED, "Units this node subtracted, once storage holds it.", u.removed),
+        ):
+            if u.cap:
+                fam = _counter(name, doc + " By feature.", ["feature"])
+                for feature, n in sorted(series.items()):
+                    fam.add_metric([feature], n)
+            else:
+                fam = _counter(name, doc)
+                fam.add_metric([], sum(series.values()))
+            yield fam
+
+    def _flush(self) -> Iterator[Metric]:
+        node = self.node
+        assert node.flusher is not None and node.table is not None
+        fs = node.flusher.stats
+        for name, doc, n in (
+            (FLUSH_ROUNDS, "Flush rounds.", fs.rounds),
+            (FLUSH_FAILURES, "Flush failures (writes, reads and owner checks).", fs.failures),
+            (FLUSH_KEYS_WRITTEN, "Keys whose delta storage took.", fs.keys_written),
+        ):
+            fam = _counter(name, doc)
+            fam.add_metric([], n)
+            yield fam
+        yield _histogram(FLUSH_DURATION, "Flush round duration.", [], {"": fs.round_seconds})
+        backlog = node.flusher.backlog_keys()
+        yield _gauge(FLUSH_BACKLOG_KEYS, "Keys with units storage does not have.", len(backlog))
+        yield _gauge(
+            FLUSH_BACKLOG_UNITS,
+            "Units storage does not have (parked keys excluded).",
+            node.table.pending_units(backlog),
+        )
+        since = fs.backlog_since
+        yield _gauge(
+            FLUSH_BACKLOG_AGE,
+            "Seconds since the first failure storage has not caught up on (0: none).",
+            0.0 if since is None else max(0.0, time.time() - since),
+        )
+        yield _gauge(FLUSH_PARKED_KEYS, "Keys parked after a permanent write error.",
+                     len(fs.poisoned))  # fmt: skip
+
+    def _wal(self) -> Iterator[Metric]:
+        wal = self.node.wal
+        assert wal is not None
+        st = wal.status()
+        yield _gauge(WAL_SIZE, "Bytes of write-ahead log on disk.", st["size_bytes"])
+        yield _gauge(WAL_SEGMENTS, "Write-ahead log segment files.", st["segments"])
+        age = st["oldest_record_age_s"]
+        yield _gauge(WAL_OLDEST_AGE, "Age of the oldest log segment.", age or 0.0)
+        for name, doc, n in (
+            (WAL_COMMITS, "Log commits (one write per event-loop pass).", wal.commits),
+            (WAL_FSYNCS, "Log syncs (fdatasync).", wal.fsyncs),
+            (WAL_FAILURES, "Log writes or syncs that failed.", wal.failures),
+        ):
+            fam = _counter(name, doc)
+            fam.add_metric([], n)
+            yield fam
+        yield _histogram(WAL_FSYNC_DURATION, "Log sync duration.", [], {"": wal.fsync_seconds})
+        yield _gauge(WAL_WRITABLE, "1 if the log can be written.", int(wal.broken is None))
+
+    def _gossip(self) -> Iterator[Metric]:
+        g = self.node.gossip
+        assert g is not None
+        yield _gauge(GOSSIP_BUS_CONNECTED, "1 if the bus (Redis) is connected.",
+                     int(g.bus.connected))  # fmt: skip
+        peers = GaugeMetricFamily(GOSSIP_PEERS, "Peers heard from, by state.", labels=["state"])
+        alive = [p for p in g.peers.by_node.values() if p.alive]
+        peers.add_metric(["alive"], len(alive))
+        peers.add_metric(["dead"], len(g.peers.by_node) - len(alive))
+        yield peers
+        worst = 0.0
+        for p in alive:
+            lags = sorted(p.lags)
+            if lags:
+                worst = max(worst, lags[min(len(lags) - 1, int(0.99 * len(lags)))])
+        yield _gauge(
+            GOSSIP_LAG,
+            "The highest p99 gossip lag (receive time - send time) of a live peer's recent "
+            "messages.",
+            max(0.0, worst),
+        )
+        msgs = _counter(GOSSIP_MESSAGES, "Gossip messages accepted from peers.")
+        msgs.add_metric([], g.received["messages"])
+        yield msgs
+        rej = _counter(GOSSIP_REJECTED, "Gossip messages refused, by reason.", ["reason"])
+        for reason, n in sorted(g.rejected.items()):
+            rej.add_metric([reason], n)
+        yield rej
+        gaps = _counter(GOSSIP_GAPS, "Sequence gaps seen in peers' messages (lost messages).")
+        gaps.add_metric([], sum(p.gaps for p in g.peers.by_node.values()))
+        yield gaps
+
+
+def build_registry(node: Node, requests: RequestStats, units: FeatureUnits) -> CollectorRegistry:
+    """A registry of its own holding ``node``'s collector."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(node, requests, units))
+    return registry
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The registry in Prometheus' text format."""
+    return generate_latest(registry)
