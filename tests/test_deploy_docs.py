@@ -115,6 +115,17 @@ def test_the_kubernetes_sidecar_shares_its_socket_and_drains_in_time() -> None:
     for app in spec["containers"]:
         assert container_env(app)["METER_SOCKET"] == socket
         assert mounted_at(app, socket) == volume
+    # The probes reach the node's HTTP listener, on all interfaces (the kubelet probes the pod IP).
+    assert cfg.metrics.address is not None
+    host, port = cfg.metrics.address
+    assert host == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in meter["ports"]}
+    for probe in probes(meter).values():
+        assert ports[probe["httpGet"]["port"]] == int(port)
+
+
+def probes(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {k: v for k, v in c.items() if k.endswith("Probe")}
 
 
 # -- prose ----------------------------------------------------------------------------------
@@ -186,3 +197,61 @@ def test_every_alert_is_explained_in_the_deployment_guide() -> None:
         assert r["labels"]["severity"] in ("page", "ticket")
         assert r["annotations"]["runbook"] == f"docs/deployment.md#{r['alert'].lower()}"
         assert r["annotations"]["summary"]
+
+
+def labels_used(expr: str, legend: str = "") -> set[str]:
+    """Label names an expression groups by, matches on, or its legend prints."""
+    names: set[str] = set()
+    for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+        names |= {n.strip() for n in group.split(",") if n.strip()}
+    for matchers in re.findall(r"\{([^}]*)\}", expr):
+        names |= set(re.findall(r"([a-z_]+)\s*(?:=~|!~|!=|=)", matchers))
+    names |= set(re.findall(r"\{\{\s*(?:\$labels\.)?([a-z_]+)\s*\}\}", legend))
+    return names
+
+
+#: Labels Prometheus adds to every series it scrapes, and a histogram's own.
+SCRAPE_LABELS = {"instance", "job", "le"}
+
+
+@pytest.mark.redis
+def test_the_labels_the_dashboard_and_alerts_use_are_on_a_real_nodes_metrics(
+    redis_factory: Any, cluster_name: str, tmp_path: Path
+) -> None:
+    """Scrape a clustered node that counted and refused something: every label an expression
+    groups or filters by is on the family it names (a typo would chart nothing)."""
+    import json
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.nodes import NodeProcess, raw_call, short_tmpdir
+    from tests.test_metrics_http import http
+
+    dash = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    uses = [(t["expr"], t.get("legendFormat", "")) for p in dash["panels"] for t in p["targets"]]
+    uses += [(r["expr"], r["annotations"]["summary"]) for r in alert_rules()]
+    workdir = short_tmpdir()
+    redis = redis_factory()
+    with NodeProcess(
+        workdir,
+        METER_REDIS_URL=redis.url,
+        METER_CLUSTER_NAME=cluster_name,
+        METER_METRICS_ADDRESS="127.0.0.1:0",
+    ) as node:
+        address = node.call("status")["metrics"]["address"]
+        # Every probe of the Kubernetes example passes on a node that is up and counting.
+        (meter,) = (c for c in pod_spec()["initContainers"] if c["name"] == "meter")
+        for kind, probe in probes(meter).items():
+            assert http(address, probe["httpGet"]["path"])[0] == 200, kind
+        raw_call(node.socket, "track", "acme", "api", 1)
+        raw_call(node.socket, "reserve", "acme", "api", 5, {"limit": 1})  # limit_exceeded
+        status, text = http(address, "/metrics")
+        assert status == 200
+    labels: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels.setdefault(family(s.name), set()).update(s.labels)
+    for expr, legend in uses:
+        fams = {family(s) for s in metric_names(expr)}
+        have = set.union(SCRAPE_LABELS, *(labels.get(f, set()) for f in fams))
+        assert labels_used(expr, legend) <= have, (expr, legend, fams)
