@@ -87,6 +87,14 @@ def _parser() -> argparse.ArgumentParser:
     usage.add_argument("feature", nargs="?")
     usage.add_argument("--at", type=float, help="epoch seconds choosing the period")
 
+    watch = sub.add_parser(
+        "watch", help="print a tenant's counters as they change (live usage push) until Ctrl-C"
+    )
+    common(watch)
+    watch.add_argument("tenant")
+    watch.add_argument("features", nargs="*", metavar="FEATURE", help="default: every feature")
+    watch.add_argument("--json", action="store_true", help="one JSON object per line")
+
     status = sub.add_parser("status", help="show a node's state")
     common(status)
     status.add_argument("--json", action="store_true", help="print the raw status map")
@@ -225,6 +233,13 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
                     print(f"{feature}\t{v}")
             else:
                 print(client.usage(args.tenant, args.feature, **opts))
+        elif args.command == "watch":
+            for u in client.subscribe(args.tenant, args.features):
+                if args.json:
+                    line = json.dumps(u._asdict(), sort_keys=True)
+                else:
+                    line = f"{u.tenant}\t{u.feature}\t{u.value}\t{u.period}"
+                print(line, flush=True)
         elif args.command == "status":
             status = client.status()
             print(json.dumps(status, indent=2, sort_keys=True) if args.json else _fmt(status))

@@ -37,6 +37,7 @@ from meter.protocol import (
     Request,
     invalid_error,
 )
+from meter.watch import Bind, Subscriber, Watch
 
 if TYPE_CHECKING:
     from meter.wal.log import WriteAheadLog
@@ -47,6 +48,9 @@ log = logging.getLogger("meter.server")
 DEFAULT_HIGH_WATER = 1 << 20
 #: ...and resume once the backlog is below this.
 DEFAULT_LOW_WATER = 256 << 10
+#: Notifications written to a subscriber in one piece; more are written only while its
+#: connection's unsent bytes stay under the low-water mark (docs/protocol.md, "Live usage").
+NOTIFY_CHUNK = 1000
 #: listen() backlog.
 DEFAULT_BACKLOG = 1024
 #: At most this many "closing a connection after a protocol error" lines per interval...
@@ -126,6 +130,7 @@ class _Connection(asyncio.Protocol):
         "_server",
         "_shut",
         "pending",
+        "sub",
         "transport",
     )
 
@@ -140,6 +145,8 @@ class _Connection(asyncio.Protocol):
         self._shut = False
         #: Asynchronous answers not sent yet.
         self.pending = 0
+        #: This connection's subscriptions and unsent notifications (``subscribe``), if any.
+        self.sub: Subscriber | None = None
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -153,6 +160,27 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._server._conns.discard(self)
         self.transport = None
+        if self.sub is not None and self._server.watch is not None:
+            self._server.watch.remove(self.sub)  # subscriptions die with the connection
+
+    def subscriber(self) -> Subscriber:
+        """This connection's :class:`Subscriber`, made on first need."""
+        if self.sub is None:
+            self.sub = Subscriber()
+        return self.sub
+
+    def push(self) -> None:
+        """Write pending notifications while the peer keeps up: not while writing is paused or
+        more than the low-water mark of bytes wait unsent. Those left wait in the outbox,
+        which keeps one (the latest) value per counter."""
+        sub = self.sub
+        transport = self.transport
+        if sub is None or transport is None or self._paused or transport.is_closing():
+            return
+        srv = self._server
+        while sub.pending and transport.get_write_buffer_size() < srv.low_water:
+            # (A write that pauses writing leaves more than the low-water mark unsent.)
+            transport.write(srv._encoder.notifications("usage", sub.take(NOTIFY_CHUNK)))
 
     def pause_writing(self) -> None:
         # The peer is not reading its answers: stop reading its requests until it catches up.
@@ -164,6 +192,8 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
+            if self.sub is not None and self.sub.pending:
+                self.push()
 
     def data_received(self, data: bytes) -> None:
         srv = self._server
@@ -185,7 +215,6 @@ class _Connection(asyncio.Protocol):
             append = answers.append
             dispatch = srv._dispatch
             plain = _PLAIN
-            isawaitable = inspect.isawaitable
             # Counted once per batch (every message is a request but for the rare ones _other
             # takes back out): a status request in the batch sees the whole batch as received.
             srv.requests += len(messages)
@@ -217,10 +246,10 @@ class _Connection(asyncio.Protocol):
                     append([RESPONSE, msgid, _INTERNAL, None])
                     continue
                 # int first: what track answers, one compare instead of a set lookup.
-                if type(result) is int or type(result) in plain or not isawaitable(result):
+                if type(result) is int or type(result) in plain:
                     append([RESPONSE, msgid, None, result])
                 else:
-                    srv._spawn(self, msgid, method, result)
+                    self._answer_later(msgid, method, result)
         transport = self.transport
         bad_after_hold: ProtocolError | None = None
         if answers:
@@ -276,10 +305,10 @@ class _Connection(asyncio.Protocol):
                 srv.internal_errors += 1
                 answers.append([RESPONSE, req.msgid, _INTERNAL, None])
                 return
-            if type(result) in _PLAIN or not inspect.isawaitable(result):
+            if type(result) in _PLAIN:
                 answers.append([RESPONSE, req.msgid, None, result])
             else:
-                srv._spawn(self, req.msgid, req.method, result)
+                self._answer_later(req.msgid, req.method, result)
             return
         if not draining:
             srv.requests -= 1  # counted as a request by data_received; it is not one
@@ -291,6 +320,26 @@ class _Connection(asyncio.Protocol):
                 answers.append([RESPONSE, msg.msgid, invalid_error(msg.reason), None])
             else:
                 log.debug("ignored a malformed notification: %s", msg.reason)
+
+    def _answer_later(self, msgid: int, method: str, result: Any) -> None:
+        """Answer a result that is not a plain value: an awaitable (answered when done), or a
+        :class:`~meter.watch.Bind` (run with this connection's subscriber)."""
+        srv = self._server
+        if type(result) is Bind:
+            try:
+                result = result.run(self.subscriber())
+            except MeterError as exc:
+                self._answers.append([RESPONSE, msgid, exc.to_wire(), None])
+                return
+            except Exception:
+                log.exception("internal error in %.64r", method)
+                srv.internal_errors += 1
+                self._answers.append([RESPONSE, msgid, _INTERNAL, None])
+                return
+        if type(result) in _PLAIN or not inspect.isawaitable(result):
+            self._answers.append([RESPONSE, msgid, None, result])
+        else:
+            srv._spawn(self, msgid, method, result)
 
     def eof_received(self) -> bool:
         # A peer that half-closes after writing still gets its pending async answers.
@@ -371,6 +420,8 @@ class RpcServer:
         self._notify = getattr(dispatcher, "notify", None)
         #: The dispatcher's write-ahead log, if any: answers wait for its commits.
         self.wal: WriteAheadLog | None = getattr(dispatcher, "wal", None)
+        #: The dispatcher's live usage subscriptions, if any (``subscribe``).
+        self.watch: Watch | None = getattr(dispatcher, "watch", None)
         self._encoder = Encoder()
         self._conns: set[_Connection] = set()
         self._inflight: set[asyncio.Task[None]] = set()
@@ -414,6 +465,14 @@ class RpcServer:
             "invalid_requests": self.invalid_requests,
             "internal_errors": self.internal_errors,
         }
+
+    def push_notifications(self) -> None:
+        """Write every connection's pending notifications it can take now (see
+        :meth:`_Connection.push`)."""
+        for conn in self._conns:
+            sub = conn.sub
+            if sub is not None and sub.pending:
+                conn.push()
 
     def _spawn(self, conn: _Connection, msgid: int, method: str, aw: Awaitable[Any]) -> None:
         task = asyncio.get_running_loop().create_task(self._finish(conn, msgid, method, aw))
