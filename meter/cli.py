@@ -104,6 +104,12 @@ def _parser() -> argparse.ArgumentParser:
 
     client("ping", "ask a node whether it answers (prints pong)")
 
+    watch = client(
+        "watch", "print a tenant's counters as they change (live usage push) until Ctrl-C"
+    )
+    watch.add_argument("tenant")
+    watch.add_argument("features", nargs="*", metavar="FEATURE", help="default: every feature")
+
     status = client("status", "show a node's state (--json: the raw status map)")
     status.add_argument(
         "--check",
@@ -256,6 +262,13 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
                 _out(as_json, str(value), tenant=args.tenant, feature=args.feature, value=value)
         elif args.command == "ping":
             _out(as_json, client.ping(), ping="pong")
+        elif args.command == "watch":
+            for u in client.subscribe(args.tenant, args.features):
+                if as_json:
+                    line = json.dumps(u._asdict(), sort_keys=True)
+                else:
+                    line = f"{u.tenant}\t{u.feature}\t{u.value}\t{u.period}"
+                print(line, flush=True)
         elif args.command == "status":
             status = client.status()
             print(json.dumps(status, indent=2, sort_keys=True) if as_json else _fmt(status))

@@ -27,14 +27,15 @@ Request ids and retries (the contract is in docs/protocol.md, "Request ids and r
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import random
 import secrets
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from meter.errors import InvalidArgument, MeterError, Unavailable, from_wire
 from meter.idempotency import MAX_ID_BYTES
@@ -43,6 +44,7 @@ from meter.protocol import (
     MSGID_MAX,
     Decoder,
     Encoder,
+    Notification,
     ProtocolError,
     Response,
 )
@@ -57,6 +59,10 @@ RETRY_BACKOFF_MIN = 0.05
 RETRY_BACKOFF_MAX = 1.0
 #: A request id is a string of 1 .. this many UTF-8 bytes (the node's limit).
 MAX_REQUEST_ID_BYTES = MAX_ID_BYTES
+
+#: Notifications a client keeps per subscribed tenant until they are read; past that the
+#: oldest are dropped (counted in ``dropped_notifications``).
+MAX_BUFFERED = 10_000
 
 Call = tuple[str, Sequence[Any]]
 #: A ``track_many`` item: ``(tenant, feature, qty)`` or ``(tenant, feature, qty, id)``.
@@ -108,6 +114,68 @@ def _release(reservation_id: str, rid: str | None) -> list[Any]:
 def _many_results(result: Any) -> list[int | MeterError | None]:
     """A ``track_many`` answer with each item's error map turned into its exception."""
     return [from_wire(r) if isinstance(r, dict) else r for r in cast(list[Any], result)]
+
+
+class Usage(NamedTuple):
+    """A counter's value as a subscription delivers it (docs/protocol.md, "Live usage")."""
+
+    tenant: str
+    feature: str
+    value: int
+    period: str
+
+
+class _Inbox:
+    """A client's subscriptions (tenant -> the subscribe params) and the notifications
+    received and not read yet, per tenant."""
+
+    def __init__(self) -> None:
+        self.subs: dict[str, list[Any]] = {}
+        self.notes: dict[str, collections.deque[Usage]] = {}
+        #: Notifications dropped because the caller did not read them (MAX_BUFFERED).
+        self.dropped = 0
+        #: Set when something arrives or the connection is lost (the asyncio client's).
+        self.event: asyncio.Event | None = None
+
+    def subscribed(self, tenant: str, params: list[Any], items: Any) -> None:
+        """``tenant`` is watched (``params``: how to subscribe again); ``items`` are the
+        subscribe call's answer, the values now, delivered first."""
+        self.subs[tenant] = params
+        self.notes.setdefault(tenant, collections.deque())
+        for item in items if isinstance(items, list) else ():
+            self.add(item)
+
+    def unsubscribed(self, tenant: str) -> None:
+        self.subs.pop(tenant, None)
+        self.notes.pop(tenant, None)
+        self.wake()
+
+    def add(self, params: Any) -> None:
+        if type(params) is not list or len(params) != 4:
+            return
+        tenant, feature, value, period = params
+        queue = self.notes.get(tenant)
+        if queue is None:
+            return  # not subscribed (any more)
+        if len(queue) >= MAX_BUFFERED:
+            queue.popleft()
+            self.dropped += 1
+        queue.append(Usage(tenant, feature, value, period))
+
+    def take(self, tenant: str) -> Usage | None:
+        queue = self.notes.get(tenant)
+        return queue.popleft() if queue else None
+
+    def wake(self) -> None:
+        if self.event is not None:
+            self.event.set()
+
+
+def _subscribe_params(tenant: str, features: Iterable[str] | None) -> list[Any]:
+    if isinstance(features, str):
+        raise InvalidArgument("subscribe: features must be a list of names, not a string")
+    named = list(features or ())
+    return [tenant, named] if named else [tenant]
 
 
 class _Backoff:
@@ -217,10 +285,16 @@ class Client(_Ids):
         self._encoder = Encoder()
         self._decoder = Decoder(side="client", max_frame=max_frame)
         self._next = 0
+        self._inbox = _Inbox()
         #: Send a fresh random request id with every mutating call that has none.
         self.auto_ids = auto_ids
         #: Seconds (from a call's start) a typed method keeps retrying; 0 disables retries.
         self.retry_timeout = retry_timeout
+
+    @property
+    def dropped_notifications(self) -> int:
+        """Notifications dropped because they were not read (more than MAX_BUFFERED)."""
+        return self._inbox.dropped
 
     @classmethod
     def connect(
@@ -280,10 +354,17 @@ class Client(_Ids):
             raise Unavailable("the client is closed")
         if self._path is None:
             raise Unavailable("the connection to the node was lost (no socket path to reconnect)")
-        self._sock = _connect(self._path, self._timeout)
+        sock = self._sock = _connect(self._path, self._timeout)
         # A fresh stream: bytes of a half-read answer on the old one must not be kept.
         self._decoder = Decoder(side="client", max_frame=self._max_frame)
-        return self._sock
+        # Subscriptions die with a connection: make them again on the new one.
+        for tenant, params in list(self._inbox.subs.items()):
+            resp = self._exchange(sock, "subscribe", params)
+            if resp.error is not None:
+                self._drop()
+                raise from_wire(resp.error)
+            self._inbox.subscribed(tenant, params, resp.result)
+        return sock
 
     def _send(self, sock: socket.socket, data: bytes) -> None:
         try:
@@ -307,11 +388,39 @@ class Client(_Ids):
             except ProtocolError as exc:
                 raise self._broken(f"bad data from the node: {exc}") from None
             for resp in responses:
+                if type(resp) is Notification:
+                    self._inbox.add(resp.params)
+                    continue
                 msgid = cast(Response, resp).msgid
                 if msgid in wanted:
                     got[msgid] = cast(Response, resp)
                     wanted.discard(msgid)
         return got
+
+    def _read_notes(self, sock: socket.socket, timeout: float | None) -> bool:
+        """Read what the node sends for up to ``timeout`` seconds (None: until something
+        comes); False if nothing came in time."""
+        try:
+            sock.settimeout(timeout)
+            data = sock.recv(1 << 18)
+        except TimeoutError:
+            return False
+        except OSError as exc:
+            raise self._broken(str(exc) or type(exc).__name__) from None
+        finally:
+            if self._sock is sock:
+                sock.settimeout(self._timeout)
+        if not data:
+            raise self._broken("the node closed the connection")
+        try:
+            messages = self._decoder.feed(data)
+        except ProtocolError as exc:
+            raise self._broken(f"bad data from the node: {exc}") from None
+        for msg in messages:
+            if type(msg) is Notification:
+                self._inbox.add(msg.params)
+            # (A response now answers a call that timed out: its connection was dropped.)
+        return True
 
     def _exchange(self, sock: socket.socket, method: str, params: list[Any]) -> Response:
         msgid = self._msgid()
@@ -453,10 +562,64 @@ class Client(_Ids):
         """The node's status map."""
         return cast(dict[str, Any], self._invoke("status", [], True))
 
+    def subscribe(
+        self, tenant: str, features: Iterable[str] | None = None, *, timeout: float | None = None
+    ) -> Iterator[Usage]:
+        """Watch ``tenant``'s counters (``features``, default all): an iterator of
+        :class:`Usage`, first each watched counter's value now, then one item per change
+        (at most one per counter per node tick, the latest value). Each step waits up to
+        ``timeout`` seconds (None: for ever); the iteration ends when one waited in vain.
+        The client re-subscribes after a reconnect (the values then are delivered again)."""
+        params = _subscribe_params(tenant, features)
+        items = self._invoke("subscribe", params, True)
+        self._inbox.subscribed(tenant, params, items)
+        return self._follow(tenant, timeout)
+
+    def _follow(self, tenant: str, timeout: float | None) -> Iterator[Usage]:
+        while True:
+            usage = self.next_usage(tenant, timeout)
+            if usage is None:
+                return
+            yield usage
+
+    def next_usage(self, tenant: str, timeout: float | None = None) -> Usage | None:
+        """The next notification of a subscribed ``tenant``, waiting up to ``timeout`` seconds
+        (None: for ever); None if none came in time or the tenant is not subscribed. A lost
+        connection is reopened (and the subscriptions made again) within ``retry_timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        backoff: _Backoff | None = None
+        while True:
+            usage = self._inbox.take(tenant)
+            if usage is not None or tenant not in self._inbox.subs:
+                return usage
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            try:
+                sock = self._ensure()  # (a reconnection delivers the values then: take them)
+                if tenant in self._inbox.subs and self._inbox.notes.get(tenant):
+                    continue
+                if not self._read_notes(sock, left):
+                    return None
+                backoff = None
+            except Unavailable as exc:
+                if self.retry_timeout <= 0 or self._path is None or self._closed:
+                    raise
+                if backoff is None:
+                    backoff = _Backoff(time.monotonic(), self.retry_timeout)
+                pause = backoff.pause(exc)
+                time.sleep(pause if left is None else min(pause, left))
+
+    def unsubscribe(self, tenant: str) -> bool:
+        """Stop watching ``tenant``; whether it was watched (by this connection)."""
+        self._inbox.unsubscribed(tenant)
+        return cast(bool, self._invoke("unsubscribe", [tenant], True))
+
 
 class _ClientProtocol(asyncio.Protocol):
-    def __init__(self, max_frame: int) -> None:
+    def __init__(self, max_frame: int, inbox: _Inbox | None = None) -> None:
         self.decoder = Decoder(side="client", max_frame=max_frame)
+        self.inbox = _Inbox() if inbox is None else inbox
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, asyncio.Future[Response]] = {}
         self.lost: Unavailable | None = None
@@ -474,10 +637,17 @@ class _ClientProtocol(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
         pending = self.pending
+        noted = False
         for resp in responses:
+            if type(resp) is Notification:
+                self.inbox.add(resp.params)
+                noted = True
+                continue
             fut = pending.pop(cast(Response, resp).msgid, None)
             if fut is not None and not fut.done():
                 fut.set_result(cast(Response, resp))
+        if noted:
+            self.inbox.wake()
 
     def eof_received(self) -> bool:
         self._fail(Unavailable("the node closed the connection"))
@@ -494,6 +664,7 @@ class _ClientProtocol(asyncio.Protocol):
     def _fail(self, err: Unavailable) -> None:
         if self.lost is None:
             self.lost = err
+            self.inbox.wake()  # an iterator waiting for notifications reconnects
         pending, self.pending = self.pending, {}
         for fut in pending.values():
             if not fut.done():
@@ -513,11 +684,13 @@ class _ClientProtocol(asyncio.Protocol):
             await waiter
 
 
-async def _connect_async(path: str, max_frame: int) -> tuple[asyncio.Transport, _ClientProtocol]:
+async def _connect_async(
+    path: str, max_frame: int, inbox: _Inbox | None = None
+) -> tuple[asyncio.Transport, _ClientProtocol]:
     loop = asyncio.get_running_loop()
     try:
         transport, protocol = await loop.create_unix_connection(
-            lambda: _ClientProtocol(max_frame), path
+            lambda: _ClientProtocol(max_frame, inbox), path
         )
     except OSError as exc:
         raise Unavailable(f"cannot connect to {path}: {exc}") from None
@@ -613,16 +786,28 @@ class AsyncClient(_Ids):
         if self._path is None:
             lost = self._protocol.lost
             raise Unavailable(lost.message if lost is not None else "the connection is closed")
+        proto_inbox = self._protocol.inbox
         async with self._reconnecting:
             proto = self._usable()
             if proto is not None:
                 return proto
-            transport, proto = await _connect_async(self._path, self._max_frame)
+            transport, proto = await _connect_async(self._path, self._max_frame, proto_inbox)
             if self._closed:
                 transport.close()
                 raise Unavailable("the client is closed")
             self._transport.close()
             self._transport, self._protocol = transport, proto
+            # Subscriptions die with a connection: make them again on the new one.
+            for tenant, params in list(proto_inbox.subs.items()):
+                try:
+                    resp = await self._exchange(proto, "subscribe", params)
+                except BaseException:
+                    transport.close()
+                    raise
+                if resp.error is not None:
+                    transport.close()
+                    raise from_wire(resp.error)
+                proto_inbox.subscribed(tenant, params, resp.result)
             return proto
 
     def _register(self, proto: _ClientProtocol) -> tuple[int, asyncio.Future[Response]]:
@@ -813,3 +998,55 @@ class AsyncClient(_Ids):
     async def status(self) -> dict[str, Any]:
         """The node's status map."""
         return cast(dict[str, Any], await self._invoke("status", [], True))
+
+    @property
+    def dropped_notifications(self) -> int:
+        """Notifications dropped because they were not read (more than MAX_BUFFERED)."""
+        return self._protocol.inbox.dropped
+
+    async def subscribe(
+        self, tenant: str, features: Iterable[str] | None = None
+    ) -> AsyncIterator[Usage]:
+        """Watch ``tenant``'s counters (``features``, default all): an async iterator of
+        :class:`Usage`, first each watched counter's value now, then one item per change
+        (at most one per counter per node tick, the latest value). It ends when the tenant
+        is unsubscribed or the client closed; a lost connection is reopened (and the
+        subscriptions made again, their values delivered again) within ``retry_timeout``,
+        else :class:`~meter.errors.Unavailable` is raised."""
+        params = _subscribe_params(tenant, features)
+        items = await self._invoke("subscribe", params, True)
+        inbox = self._protocol.inbox
+        if inbox.event is None:
+            inbox.event = asyncio.Event()
+        inbox.subscribed(tenant, params, items)
+        return self._follow(tenant, inbox)
+
+    async def _follow(self, tenant: str, inbox: _Inbox) -> AsyncIterator[Usage]:
+        event = inbox.event
+        assert event is not None
+        backoff: _Backoff | None = None
+        while True:
+            usage = inbox.take(tenant)
+            if usage is not None:
+                yield usage
+                continue
+            if tenant not in inbox.subs or self._closed:
+                return
+            if self._usable() is None:
+                try:
+                    await self._ensure()
+                    backoff = None
+                except Unavailable as exc:
+                    if self.retry_timeout <= 0 or self._path is None or self._closed:
+                        raise
+                    if backoff is None:
+                        backoff = _Backoff(time.monotonic(), self.retry_timeout)
+                    await asyncio.sleep(backoff.pause(exc))
+                continue
+            event.clear()
+            await event.wait()
+
+    async def unsubscribe(self, tenant: str) -> bool:
+        """Stop watching ``tenant`` (its iterators end); whether it was watched."""
+        self._protocol.inbox.unsubscribed(tenant)
+        return cast(bool, await self._invoke("unsubscribe", [tenant], True))

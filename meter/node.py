@@ -376,6 +376,7 @@ class Node:
             asyncio.create_task(self._purge_loop(), name="retention-purge"),
             asyncio.create_task(self._read_ahead_loop(), name="rollover-read-ahead"),
             asyncio.create_task(self.owner.run(), name="owner"),
+            asyncio.create_task(self._watch_loop(), name="usage-push"),
         ]
         if warm:
             # Right after the socket opens: requests arriving meanwhile are read first.
@@ -590,6 +591,31 @@ class Node:
             queued += self.service.read_ahead(kind, now, keys[start : start + READ_AHEAD_SLICE])
             await asyncio.sleep(0)
         return queued
+
+    async def _watch_loop(self) -> None:
+        """Live usage push (``subscribe``): once per gossip interval (alone too), send each
+        subscriber the watched counters that changed since the last tick, once each, with
+        their latest value. The tick reads the table once the write-ahead log holds every
+        change made so far, so no value is pushed that a crash could take back."""
+        assert self.service is not None
+        interval = self.config.cluster.gossip_interval_ms / 1000
+        watch = self.service.watch
+        while True:
+            await asyncio.sleep(interval)
+            if not watch:
+                continue
+            if self.wal is None:
+                self._watch_tick()
+            else:
+                self.wal.at_commit(self._watch_tick)
+
+    def _watch_tick(self) -> None:
+        assert self.service is not None and self.server is not None
+        try:
+            if self.service.watch_tick():
+                self.server.push_notifications()
+        except Exception:  # a bug must not end the push for good
+            log.exception("usage push tick failed (tried again next tick)")
 
     async def _evict_loop(self) -> None:
         assert self.table is not None

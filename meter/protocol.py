@@ -136,7 +136,8 @@ class Decoder:
     """Incremental decoder for one connection's byte stream.
 
     ``side="server"`` accepts requests and notifications (a response becomes :class:`Invalid`);
-    ``side="client"`` accepts only responses (anything else is a :class:`ProtocolError`).
+    ``side="client"`` accepts responses and notifications (anything else is a
+    :class:`ProtocolError`).
     After a :class:`ProtocolError` the decoder stays broken; every further feed raises.
     """
 
@@ -338,6 +339,12 @@ class Decoder:
 
     @staticmethod
     def _client_message(obj: Any) -> Message:
+        if type(obj) is list and len(obj) == 3 and obj[0] == NOTIFICATION and type(obj[0]) is int:
+            # A node's notification (``subscribe``): delivered, never answered.
+            method = _method_name(obj[1])
+            if method is None or type(obj[2]) is not list:
+                raise ProtocolError("expected a notification [2, method, params]")
+            return _new(Notification, (method, obj[2]))
         if type(obj) is not list or len(obj) != 4:
             raise ProtocolError("expected a response [1, msgid, error, result]")
         kind, msgid, error, result = obj
@@ -382,6 +389,23 @@ class Encoder:
         """``[2, method, params]``."""
         data: bytes = self._one.pack([NOTIFICATION, method, params])
         return data
+
+    def notifications(self, method: str, params: list[list[Any]]) -> bytes:
+        """``[2, method, p]`` for each ``p`` of ``params``, in one buffer; one that cannot be
+        encoded (an int beyond 64 bits) is left out and counted in :attr:`encode_errors`."""
+        arrays = [[NOTIFICATION, method, p] for p in params]
+        try:
+            data: bytes = self._one.pack(arrays)
+        except (TypeError, ValueError, OverflowError):
+            parts: list[bytes] = []
+            for array in arrays:
+                try:
+                    parts.append(self._one.pack(array))
+                except (TypeError, ValueError, OverflowError) as exc:
+                    self._unencodable(exc)
+            return b"".join(parts)
+        n = len(arrays)
+        return data[1 if n < 16 else 3 if n < 0x10000 else 5 :]  # as response_arrays
 
     def response(self, msgid: int, error: ErrorMap | None, result: Any) -> bytes:
         """``[1, msgid, error, result]``; never raises for an unencodable result."""

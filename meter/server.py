@@ -39,6 +39,7 @@ from meter.protocol import (
     Request,
     invalid_error,
 )
+from meter.watch import Bind, Subscriber, Watch
 
 if TYPE_CHECKING:
     from meter.metric_counts import RequestStats
@@ -50,6 +51,9 @@ log = logging.getLogger("meter.server")
 DEFAULT_HIGH_WATER = 1 << 20
 #: ...and resume once the backlog is below this.
 DEFAULT_LOW_WATER = 256 << 10
+#: Notifications written to a subscriber in one piece; more are written only while its
+#: connection's unsent bytes stay under the low-water mark (docs/protocol.md, "Live usage").
+NOTIFY_CHUNK = 1000
 #: listen() backlog.
 DEFAULT_BACKLOG = 1024
 #: At most this many "closing a connection after a protocol error" lines per interval...
@@ -129,6 +133,7 @@ class _Connection(asyncio.Protocol):
         "_server",
         "_shut",
         "pending",
+        "sub",
         "transport",
     )
 
@@ -143,6 +148,8 @@ class _Connection(asyncio.Protocol):
         self._shut = False
         #: Asynchronous answers not sent yet.
         self.pending = 0
+        #: This connection's subscriptions and unsent notifications (``subscribe``), if any.
+        self.sub: Subscriber | None = None
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -156,6 +163,27 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._server._conns.discard(self)
         self.transport = None
+        if self.sub is not None and self._server.watch is not None:
+            self._server.watch.remove(self.sub)  # subscriptions die with the connection
+
+    def subscriber(self) -> Subscriber:
+        """This connection's :class:`Subscriber`, made on first need."""
+        if self.sub is None:
+            self.sub = Subscriber()
+        return self.sub
+
+    def push(self) -> None:
+        """Write pending notifications while the peer keeps up: not while writing is paused or
+        more than the low-water mark of bytes wait unsent. Those left wait in the outbox,
+        which keeps one (the latest) value per counter."""
+        sub = self.sub
+        transport = self.transport
+        if sub is None or transport is None or self._paused or transport.is_closing():
+            return
+        srv = self._server
+        while sub.pending and transport.get_write_buffer_size() < srv.low_water:
+            # (A write that pauses writing leaves more than the low-water mark unsent.)
+            transport.write(srv._encoder.notifications("usage", sub.take(NOTIFY_CHUNK)))
 
     def pause_writing(self) -> None:
         # The peer is not reading its answers: stop reading its requests until it catches up.
@@ -167,6 +195,8 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
+            if self.sub is not None and self.sub.pending:
+                self.push()
 
     def data_received(self, data: bytes) -> None:
         srv = self._server
@@ -234,12 +264,16 @@ class _Connection(asyncio.Protocol):
                         stats.one(stats.label(method), "internal", perf_counter() - t0)
                     continue
                 # int first: what track answers, one compare instead of a set lookup.
-                if type(result) is int or type(result) in plain or not isawaitable(result):
+                if (
+                    type(result) is int
+                    or type(result) in plain
+                    or (type(result) is not Bind and not isawaitable(result))
+                ):
                     append([RESPONSE, msgid, None, result])
                     if answered is not None:
                         answered[method] = answered.get(method, 0) + 1
                 else:
-                    srv._spawn(self, msgid, method, result)
+                    self._answer_later(msgid, method, result)
         transport = self.transport
         bad_after_hold: ProtocolError | None = None
         if answers:
@@ -309,12 +343,12 @@ class _Connection(asyncio.Protocol):
             if code is not None:
                 if stats is not None:
                     stats.one(stats.label(req.method), code, 0.0)
-            elif type(result) in _PLAIN or not inspect.isawaitable(result):
+            elif type(result) in _PLAIN:
                 answers.append([RESPONSE, req.msgid, None, result])
                 if stats is not None:
                     stats.one(stats.label(req.method), None, 0.0)
             else:
-                srv._spawn(self, req.msgid, req.method, result)
+                self._answer_later(req.msgid, req.method, result)
             return
         if not draining:
             srv.requests -= 1  # counted as a request by data_received; it is not one
@@ -328,6 +362,36 @@ class _Connection(asyncio.Protocol):
                     stats.one(OTHER, "invalid_argument", 0.0)
             else:
                 log.debug("ignored a malformed notification: %s", msg.reason)
+
+    def _answer_later(self, msgid: int, method: str, result: Any) -> None:
+        """Answer a result that is not a plain value: an awaitable (answered when done), or a
+        :class:`~meter.watch.Bind` (run with this connection's subscriber)."""
+        srv = self._server
+        if type(result) is Bind:
+            code: str | None = None
+            try:
+                result = result.run(self.subscriber())
+            except MeterError as exc:
+                self._answers.append([RESPONSE, msgid, exc.to_wire(), None])
+                code = exc.code
+            except Exception:
+                log.exception("internal error in %.64r", method)
+                srv.internal_errors += 1
+                self._answers.append([RESPONSE, msgid, _INTERNAL, None])
+                code = "internal"
+            if code is not None:
+                stats = srv.request_stats
+                if stats is not None:
+                    stats.one(stats.label(method), code, 0.0)
+                return
+            # Run: its answer is a value, or an awaitable (features read from storage first).
+        if type(result) in _PLAIN or not inspect.isawaitable(result):
+            self._answers.append([RESPONSE, msgid, None, result])
+            stats = srv.request_stats
+            if stats is not None:
+                stats.one(stats.label(method), None, 0.0)
+        else:
+            srv._spawn(self, msgid, method, result)
 
     def eof_received(self) -> bool:
         # A peer that half-closes after writing still gets its pending async answers.
@@ -419,6 +483,8 @@ class RpcServer:
         self._notify = getattr(dispatcher, "notify", None)
         #: The dispatcher's write-ahead log, if any: answers wait for its commits.
         self.wal: WriteAheadLog | None = getattr(dispatcher, "wal", None)
+        #: The dispatcher's live usage subscriptions, if any (``subscribe``).
+        self.watch: Watch | None = getattr(dispatcher, "watch", None)
         self._encoder = Encoder()
         self._conns: set[_Connection] = set()
         self._inflight: set[asyncio.Task[None]] = set()
@@ -464,6 +530,14 @@ class RpcServer:
             "invalid_requests": self.invalid_requests,
             "internal_errors": self.internal_errors,
         }
+
+    def push_notifications(self) -> None:
+        """Write every connection's pending notifications it can take now (see
+        :meth:`_Connection.push`)."""
+        for conn in self._conns:
+            sub = conn.sub
+            if sub is not None and sub.pending:
+                conn.push()
 
     def _spawn(self, conn: _Connection, msgid: int, method: str, aw: Awaitable[Any]) -> None:
         start = perf_counter() if self.request_stats is not None else 0.0

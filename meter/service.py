@@ -33,6 +33,7 @@ from meter.table import CounterTable, PartlyRefused
 from meter.wal import records as R
 from meter.wal.log import WalError, WriteAheadLog
 from meter.wal.replay import COMMITTED, RELEASED
+from meter.watch import Bind, Subscriber, View, Watch, check_features, views
 from storage.base import EMPTY, Storage, StorageError
 
 log = logging.getLogger("meter.service")
@@ -92,6 +93,8 @@ class Service:
         #: Keys a restart is reading ahead (recovery's warm-up) and may not have loaded yet:
         #: checkpoints list them as warm until the warm-up ends.
         self.warming: list[Key] = []
+        #: Live usage subscriptions (``subscribe``); ticked by the node's watch loop.
+        self.watch = Watch()
         self._periods: Mapping[str, PeriodKind] = self.config.feature_periods
         # Hot-path cache: (tenant, feature) -> its validated key in the current period. Valid
         # only within [_day_start, _day_end): the current UTC day, inside which neither a day
@@ -122,6 +125,8 @@ class Service:
             "release": self._release,
             "ping": self._ping,
             "status": self._status,
+            "subscribe": self._subscribe,
+            "unsubscribe": self._unsubscribe,
         }
 
     # -- entry point ----------------------------------------------------------------------
@@ -860,6 +865,64 @@ class Service:
                 left -= len(items)
                 yield [R.WARM, items]
 
+    # -- live usage push ---------------------------------------------------------------------
+
+    def _subscribe(self, params: list[Any]) -> Bind:
+        tenant, features = _args("subscribe", params, 1, 2, (None,))
+        tenant = self._tenant(tenant)
+        named = check_features(features)
+        if named is not None:
+            named = frozenset(_one_copy(self._features, f) for f in named)
+        return Bind(lambda sub: self._subscribe_for(sub, tenant, named))
+
+    def _subscribe_for(self, sub: Subscriber, tenant: str, features: frozenset[str] | None) -> Any:
+        # Named counters are loaded first: gossip is applied to loaded counters only, so a
+        # counter this node never loaded would never change here.
+        keys = [self.key_for(tenant, f) for f in features or ()]
+        cold = [k for k in keys if not self.table.is_seeded(k)]
+        if cold:
+            return self._subscribe_cold(sub, tenant, features, cold)
+        return self._subscribe_now(sub, tenant, features)
+
+    async def _subscribe_cold(
+        self, sub: Subscriber, tenant: str, features: frozenset[str] | None, cold: list[Key]
+    ) -> list[list[Any]]:
+        await self.seeder.seed_many(cold)  # a counter storage could not give is watched anyway
+        return self._subscribe_now(sub, tenant, features)
+
+    def _subscribe_now(
+        self, sub: Subscriber, tenant: str, features: frozenset[str] | None
+    ) -> list[list[Any]]:
+        """Watch, and answer the watched counters' values now, shaped as notifications."""
+        now = self.watch_view(tenant)
+        self.watch.subscribe(sub, tenant, features, now)
+        return [[tenant, f, v, p] for (f, p), v in now.items() if features is None or f in features]
+
+    def _unsubscribe(self, params: list[Any]) -> Bind:
+        (tenant,) = _args("unsubscribe", params, 1, 1, ())
+        tenant = self._tenant(tenant)
+        return Bind(lambda sub: self.watch.unsubscribe(sub, tenant))
+
+    def watch_view(self, tenant: str) -> View:
+        """``tenant``'s loaded counters of the current periods, as ``usage`` answers them (holds
+        included), marked used so a watched counter stays loaded."""
+        names = self._period_names
+        periods = [(k, _one_copy(names, period_start(k, None))) for k in sorted(self._kinds())]
+        kinds = self._periods
+        return views(
+            tenant,
+            periods,
+            lambda t, p: self.table.all_for(t, p, use=True),
+            lambda f: kinds.get(f, "month"),
+        )
+
+    def watch_tick(self) -> list[Subscriber]:
+        """One tick of the live usage push: offer every watched counter that changed since the
+        last tick to its subscribers; return the subscribers with notifications to send."""
+        if not self.watch:
+            return []
+        return self.watch.tick(self.watch_view)
+
     def _ping(self, params: list[Any]) -> str:
         _args("ping", params, 0, 0, ())
         return "pong"
@@ -892,6 +955,7 @@ class Service:
                 "max": self.ids.max_ids,
                 "finished_reservations": len(self.done),
             },
+            "subscriptions": self.watch.status(),
         }
         if self.status_extra is not None:
             out.update(self.status_extra())

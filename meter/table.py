@@ -265,14 +265,17 @@ class CounterTable:
                 "reserved": ext.reserved,
             }
 
-    def all_for(self, tenant: str, period: str) -> dict[str, int]:
-        """Feature -> value for every warm, seeded counter of ``tenant`` in ``period``."""
+    def all_for(self, tenant: str, period: str, *, use: bool = False) -> dict[str, int]:
+        """Feature -> value for every warm, seeded counter of ``tenant`` in ``period``;
+        ``use`` marks them used, as a call would (a watched counter is not evicted)."""
         with self._lock:
             out: dict[str, int] = {}
             for feature in self._by_period.get((tenant, period), ()):
                 row = self._rows[(tenant, feature, period)]
                 if row.flags & SEEDED:
                     out[feature] = row.value()
+                    if use:
+                        row.flags |= USED
             return out
 
     def unseeded_features(self, tenant: str, period: str) -> list[str]:

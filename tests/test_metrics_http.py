@@ -101,6 +101,9 @@ def test_counters_move_with_calls_and_labels_stay_bounded(workdir: Path) -> None
         node.call("track", "tenant-secret-b", "storage", 3)
         node.call("track", "tenant-secret-c", "gpu", 4)  # a third feature: "other"
         node.call("usage", "tenant-secret-a", "api")
+        node.call("usage_all", "tenant-secret-a")  # a map: answered at once, not awaited
+        assert raw_call(node.socket, "subscribe", "tenant-secret-a", ["api"])[0] is None
+        assert raw_call(node.socket, "subscribe", "", ["api"])[0]["code"] == "invalid_argument"
         assert raw_call(node.socket, "track", "", "api")[0]["code"] == "invalid_argument"
         assert raw_call(node.socket, "no_such_method")[0]["code"] == "unknown_method"
         items = [["tenant-secret-a", "api", 1], ["bad tenant", "api", 1]]
@@ -143,6 +146,9 @@ def test_counters_move_with_calls_and_labels_stay_bounded(workdir: Path) -> None
         assert moved("meter_requests_total", method="track", result="invalid_argument") == 1
         assert moved("meter_requests_total", method="usage", result="ok") == 1
         assert moved("meter_requests_total", method="track_many", result="ok") == 1
+        assert moved("meter_requests_total", method="usage_all", result="ok") == 1
+        assert moved("meter_requests_total", method="subscribe", result="ok") == 1
+        assert moved("meter_requests_total", method="subscribe", result="invalid_argument") == 1
         assert moved("meter_requests_total", method="other", result="unknown_method") == 1
         assert not [k for k in after if ("method", "no_such_method") in k[1]]
         # The histogram counts every answer, ok or not.
@@ -150,7 +156,7 @@ def test_counters_move_with_calls_and_labels_stay_bounded(workdir: Path) -> None
         assert moved("meter_request_duration_seconds_bucket", method="track", le="+Inf") == 60
         assert moved("meter_request_duration_seconds_sum", method="track") > 0
         # A call refused and a track_many item refused.
-        assert moved("meter_refusals_total", reason="invalid_argument") == 2
+        assert moved("meter_refusals_total", reason="invalid_argument") == 3
         assert moved("meter_refusals_total", reason="unknown_method") == 1
         # At most two features by name, the rest as "other"; every unit is there.
         features = {dict(k[1])["feature"] for k in after if k[0] == "meter_units_stored_total"}

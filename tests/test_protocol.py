@@ -92,10 +92,17 @@ def test_client_side_response() -> None:
     assert d.feed(packb([1, 4, err, None])) == [Response(4, err, None)]
 
 
+def test_client_side_notification() -> None:
+    d = Decoder(side="client")
+    params = ["acme", "api", 7, "2024-05"]
+    assert d.feed(packb([2, "usage", params])) == [Notification("usage", params)]
+
+
 @pytest.mark.parametrize(
     "obj",
-    [[0, 1, "ping", []], [2, "x", []], [1, 1, None], [1, -1, None, None], [1, "a", None, None], 5],
-)
+    [[0, 1, "ping", []], [2, "x", 5], [2, 5, []], [1, 1, None], [1, -1, None, None],
+     [1, "a", None, None], 5],
+)  # fmt: skip
 def test_client_side_rejects_non_responses(obj: Any) -> None:
     with pytest.raises(ProtocolError):
         Decoder(side="client").feed(packb(obj))

@@ -1,0 +1,220 @@
+"""Live usage push: who watches which tenant, and what each connection still has to be sent.
+
+Pure bookkeeping (no I/O, no asyncio); the server writes, the node's watch loop ticks.
+
+Changes are found by comparing, once per tick, each watched tenant's counters with the values
+seen at the tick before, not by recording every change as it happens. The counting paths
+(``track``, ``track_many``, reservations, gossip frames, re-bases on stored totals) then pay
+nothing, subscribers or not; a tick costs one read of each watched tenant's loaded counters.
+A counter that changed many times in a tick is seen once, with its latest value.
+
+A connection's unsent notifications wait in its :class:`Subscriber`: at most one per counter
+(a newer value replaces an unsent one) and at most ``max_pending`` counters, so a subscriber
+that does not read costs a bounded amount of memory whatever changes; what is replaced or
+refused is counted in ``dropped``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from itertools import islice
+from typing import Any
+
+from meter.errors import InvalidArgument
+from meter.keys import Key, check_feature
+
+#: Tenants one connection may subscribe to.
+MAX_SUBSCRIPTIONS = 64
+#: Features one subscription may name.
+MAX_FEATURES = 256
+#: Counters whose notification may wait unsent on one connection.
+MAX_PENDING = 10_000
+
+#: A tenant's counters as ``(feature, period) -> value``.
+View = dict[tuple[str, str], int]
+
+
+class Subscriber:
+    """One connection's subscriptions (tenant -> features, ``None`` for all) and its outbox."""
+
+    __slots__ = ("dropped", "max_pending", "pending", "sent", "tenants")
+
+    def __init__(self, max_pending: int = MAX_PENDING) -> None:
+        self.tenants: dict[str, frozenset[str] | None] = {}
+        #: Unsent notifications, one per counter, the latest value wins.
+        self.pending: dict[Key, int] = {}
+        self.max_pending = max_pending
+        #: Notifications handed to the connection.
+        self.sent = 0
+        #: Notifications never sent: replaced by a newer value, or refused while full.
+        self.dropped = 0
+
+    def offer(self, key: Key, value: int) -> None:
+        """Queue ``value`` for ``key``, replacing an unsent one (counted as dropped); refused
+        (and counted) if ``max_pending`` other counters are waiting already."""
+        pending = self.pending
+        if key in pending:
+            pending[key] = value
+            self.dropped += 1
+        elif len(pending) >= self.max_pending:
+            self.dropped += 1
+        else:
+            pending[key] = value
+
+    def take(self, most: int) -> list[list[Any]]:
+        """The params ``[tenant, feature, value, period]`` of the ``most`` oldest pending
+        notifications, taken out of the outbox."""
+        pending = self.pending
+        if len(pending) <= most:
+            self.pending = {}
+            out = [[t, f, v, p] for (t, f, p), v in pending.items()]
+        else:
+            keys = list(islice(pending, most))
+            out = [[t, f, pending.pop((t, f, p)), p] for t, f, p in keys]
+        self.sent += len(out)
+        return out
+
+
+class Bind:
+    """A method's answer that needs the calling connection's :class:`Subscriber`: the server
+    answers ``run(subscriber)`` instead (a result, or an awaitable of it)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Callable[[Subscriber], Any]) -> None:
+        self.run = run
+
+
+def check_features(features: Any) -> frozenset[str] | None:
+    """A subscription's feature list (``None`` or empty: every feature), validated."""
+    if features is None:
+        return None
+    if not isinstance(features, list):
+        raise InvalidArgument(
+            f"subscribe: features must be an array of feature names, got {type(features).__name__}"
+        )
+    if len(features) > MAX_FEATURES:
+        raise InvalidArgument(f"subscribe: at most {MAX_FEATURES} features per subscription")
+    if not features:
+        return None
+    return frozenset(check_feature(f) for f in features)
+
+
+class Watch:
+    """Every subscription of a node, by tenant, and the values each watched tenant's counters
+    had at the last tick."""
+
+    def __init__(self, max_subscriptions: int = MAX_SUBSCRIPTIONS) -> None:
+        self.max_subscriptions = max_subscriptions
+        self._tenants: dict[str, dict[Subscriber, frozenset[str] | None]] = {}
+        self._seen: dict[str, View] = {}
+        self._subscribers: set[Subscriber] = set()
+        #: ``sent`` and ``dropped`` of subscribers gone (their connections closed).
+        self._sent_gone = 0
+        self._dropped_gone = 0
+        #: Ticks that found something to send.
+        self.ticks = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._tenants)
+
+    def tenants(self) -> list[str]:
+        """The tenants someone watches."""
+        return list(self._tenants)
+
+    def subscribe(
+        self, sub: Subscriber, tenant: str, features: frozenset[str] | None, now: View
+    ) -> None:
+        """Watch ``tenant`` (its ``features``, ``None``: all) for ``sub``; a repeat replaces
+        the features. ``now`` is the tenant's view now: a tenant nobody watched yet starts
+        from it (what changes after is sent, not what is). :class:`InvalidArgument` past
+        ``max_subscriptions`` tenants on one connection."""
+        if tenant not in sub.tenants and len(sub.tenants) >= self.max_subscriptions:
+            raise InvalidArgument(
+                f"subscribe: at most {self.max_subscriptions} tenants per connection"
+            )
+        sub.tenants[tenant] = features
+        self._subscribers.add(sub)
+        watchers = self._tenants.get(tenant)
+        if watchers is None:
+            watchers = self._tenants[tenant] = {}
+            self._seen[tenant] = dict(now)
+        watchers[sub] = features
+
+    def unsubscribe(self, sub: Subscriber, tenant: str) -> bool:
+        """Stop watching ``tenant`` for ``sub`` (its unsent notifications of that tenant go
+        too); ``False`` if it was not watching it."""
+        if sub.tenants.pop(tenant, 0) == 0:
+            return False
+        sub.pending = {k: v for k, v in sub.pending.items() if k[0] != tenant}
+        watchers = self._tenants[tenant]
+        del watchers[sub]
+        if not watchers:
+            del self._tenants[tenant]
+            del self._seen[tenant]
+        return True
+
+    def remove(self, sub: Subscriber) -> None:
+        """Forget ``sub`` and its subscriptions (its connection closed)."""
+        for tenant in list(sub.tenants):
+            self.unsubscribe(sub, tenant)
+        if sub in self._subscribers:
+            self._subscribers.discard(sub)
+            self._sent_gone += sub.sent
+            self._dropped_gone += sub.dropped
+        sub.pending = {}
+
+    def tick(self, read: Callable[[str], View]) -> list[Subscriber]:
+        """Compare each watched tenant's view (``read(tenant)``) with the last tick's, offer
+        every changed counter to the subscribers watching it, and return the subscribers with
+        notifications to send."""
+        found = False
+        for tenant, watchers in self._tenants.items():
+            changed = self._diff(tenant, read(tenant))
+            if not changed:
+                continue
+            found = True
+            for sub, features in watchers.items():
+                offer = sub.offer
+                for (feature, period), value in changed:
+                    if features is None or feature in features:
+                        offer((tenant, feature, period), value)
+        if found:
+            self.ticks += 1
+        return [s for s in self._subscribers if s.pending]
+
+    def _diff(self, tenant: str, now: View) -> list[tuple[tuple[str, str], int]]:
+        seen = self._seen[tenant]
+        changed = [(fp, v) for fp, v in now.items() if seen.get(fp) != v]
+        # Replaced, not merged: counters no longer loaded (or of a period that ended) are
+        # forgotten, so this holds no more than the table does.
+        self._seen[tenant] = now
+        return changed
+
+    def status(self) -> dict[str, int]:
+        """Counts for ``status``."""
+        subs = self._subscribers
+        return {
+            "connections": sum(1 for s in subs if s.tenants),
+            "tenants": len(self._tenants),
+            "subscriptions": sum(len(s.tenants) for s in subs),
+            "pending": sum(len(s.pending) for s in subs),
+            "sent": self._sent_gone + sum(s.sent for s in subs),
+            "dropped": self._dropped_gone + sum(s.dropped for s in subs),
+        }
+
+
+def views(
+    tenant: str,
+    periods: Iterable[tuple[str, str]],
+    read: Callable[[str, str], dict[str, int]],
+    kind_of: Callable[[str], str],
+) -> View:
+    """A tenant's view over ``periods`` (``(kind, period)`` pairs), from ``read(tenant,
+    period) -> {feature: value}``, keeping each feature in its own kind's period only."""
+    out: View = {}
+    for kind, period in periods:
+        for feature, value in read(tenant, period).items():
+            if kind_of(feature) == kind:
+                out[(feature, period)] = value
+    return out
