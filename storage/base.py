@@ -150,7 +150,7 @@ def decode_cursor(cursor: object, max_len: int = 65_536) -> Any:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         return json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # (deep nesting: RecursionError)
         raise BadCursor(f"cursor {cursor[:32]!r} is not one a previous page handed out") from None
 
 

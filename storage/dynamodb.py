@@ -74,9 +74,10 @@ MAX_PK_BYTES = 2048
 MAX_SK_BYTES = 1024
 #: Keys per BatchGetItem request (DynamoDB's limit).
 BATCH_GET_LIMIT = 100
-#: Most segments of an export's parallel Scan (DynamoDB allows 1,000,000; a cursor keeps one
-#: position per segment).
-MAX_SEGMENTS = 64
+#: Most segments of an export's parallel Scan (DynamoDB allows 1,000,000). A cursor keeps one
+#: position per segment, up to ~1 KB each with the protocol's longest names: 32 keep it well
+#: inside the protocol's 64 KiB string limit.
+MAX_SEGMENTS = 32
 #: Node ids become attribute names (``s_<node>``): keep them to a plain, printable charset.
 NODE_RE = re.compile(r"[A-Za-z0-9_\-.:@/]{1,128}")
 SEQ_PREFIX = "s_"

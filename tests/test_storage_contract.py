@@ -6,6 +6,7 @@ fixtures (a server, a temp dir) are pulled in there with ``request.getfixtureval
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -386,7 +387,8 @@ async def test_export_refuses_bad_cursors_periods_and_limits(storage: Storage) -
     page = await storage.export_page("2026-11", None, 1)
     assert page.cursor is not None
     foreign = encode_cursor(["x", "2026-11", "a", "b"])
-    for cursor in ["", "!!!", "bm9wZQ", page.cursor[:-3], foreign, 42, "a" * 70_000]:
+    deep = base64.urlsafe_b64encode(b"[" * 40_000).decode()
+    for cursor in ["", "!!!", "bm9wZQ", page.cursor[:-3], foreign, deep, 42, "a" * 70_000]:
         with pytest.raises(BadCursor):
             await storage.export_page("2026-11", cursor, 1)  # type: ignore[arg-type]
     with pytest.raises(BadCursor):  # a cursor of another period
