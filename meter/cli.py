@@ -122,6 +122,21 @@ def _parser() -> argparse.ArgumentParser:
         help="with --check: exit 1 also when storage or the bus is not answering",
     )
 
+    export = sub.add_parser(
+        "export",
+        help="write every tenant's stored counters of a period (csv or jsonl), from storage",
+    )
+    common(export)
+    for flag, text in _NODE_FLAGS:
+        export.add_argument(flag, help=text)
+    export.add_argument(
+        "--period", required=True, help="a UTC month YYYY-MM (e.g. 2026-11) or day YYYY-MM-DD"
+    )
+    export.add_argument("--format", choices=("csv", "jsonl"), default="csv", help="default csv")
+    export.add_argument(
+        "--out", help="write to this file (appears only once complete; default stdout)"
+    )
+
     storage = sub.add_parser("storage", help="storage administration")
     ssub = storage.add_subparsers(dest="storage_command", required=True, metavar="ACTION")
     init = ssub.add_parser("init", help="create the backend's schema (idempotent)")
@@ -153,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(cfg)
         if args.command == "storage":
             return _run(_storage_init(cfg))
+        if args.command == "export":
+            return _export(args, cfg)
         return _client_command(args, cfg)
     except ConfigError as exc:
         print(f"meter: configuration error: {exc.message}", file=sys.stderr)
@@ -199,6 +216,75 @@ async def _storage_init(cfg: NodeConfig) -> int:
     finally:
         await storage.close()
     print(report)
+    return 0
+
+
+def _export(args: argparse.Namespace, cfg: NodeConfig) -> int:
+    """``meter export``: bad input exits 2 before storage is touched; a storage or write
+    failure exits 1 with one line, leaving no ``--out`` file behind."""
+    from pathlib import Path
+
+    from meter.export import RowWriter, atomic_file, export_to
+    from meter.keys import check_period
+    from meter.node import build_storage
+    from storage.base import ExportPage, StorageError
+
+    try:
+        period = check_period(args.period)
+    except MeterError as exc:
+        print(f"meter: --period: {exc.message}", file=sys.stderr)
+        return 2
+    if cfg.storage.kind == "memory":
+        print("meter: export: memory storage keeps nothing to export", file=sys.stderr)
+        return 2
+    out = None if args.out is None else Path(args.out)
+    if out is not None and not out.parent.is_dir():
+        print(f"meter: --out: no such directory: {out.parent}", file=sys.stderr)
+        return 2
+    if out is not None and out.is_dir():
+        print(f"meter: --out: {out} is a directory", file=sys.stderr)
+        return 2
+    if cfg.storage.kind == "sqlite":
+        db = cfg.data_dir / cfg.storage.sqlite_file
+        if not db.is_file():  # opening it would create an empty database, and export nothing
+            print(f"meter: export failed: no sqlite database at {db}", file=sys.stderr)
+            return 1
+    tty = sys.stderr.isatty()
+
+    def progress(rows: int, page: ExportPage) -> None:
+        parts = f", segments {page.parts_done}/{page.parts}" if page.parts > 1 else ""
+        sys.stderr.write(f"\rexported {rows} rows{parts}")
+        sys.stderr.flush()
+
+    async def go(stream: Any) -> int:
+        storage = build_storage(cfg)
+        try:
+            await storage.open()
+            return await export_to(
+                storage, period, RowWriter(stream, args.format), progress if tty else None
+            )
+        finally:
+            await storage.close()
+
+    try:
+        if out is None:
+            rows = _run(go(sys.stdout))
+            sys.stdout.flush()
+        else:
+            with atomic_file(out) as stream:
+                rows = _run(go(stream))
+    except StorageError as exc:
+        if tty:
+            sys.stderr.write("\n")
+        print(f"meter: export failed: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        if tty:
+            sys.stderr.write("\n")
+        print(f"meter: export failed: {exc}", file=sys.stderr)
+        return 1
+    if tty:
+        sys.stderr.write(f"\rexported {rows} rows of {period}, done\n")
     return 0
 
 

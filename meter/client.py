@@ -38,6 +38,7 @@ from types import TracebackType
 from typing import Any, NamedTuple, cast
 
 from meter.errors import InvalidArgument, MeterError, Unavailable, from_wire
+from meter.export import row_from_wire
 from meter.idempotency import MAX_ID_BYTES
 from meter.protocol import (
     DEFAULT_MAX_FRAME,
@@ -48,6 +49,7 @@ from meter.protocol import (
     ProtocolError,
     Response,
 )
+from storage.base import ExportRow
 
 #: Default seconds the blocking client waits for an answer before raising Unavailable.
 DEFAULT_TIMEOUT = 30.0
@@ -109,6 +111,15 @@ def _commit(reservation_id: str, actual_qty: int | None, rid: str | None) -> lis
 
 def _release(reservation_id: str, rid: str | None) -> list[Any]:
     return [reservation_id] if rid is None else [reservation_id, {"id": rid}]
+
+
+def _export_params(period: str, cursor: str | None, limit: int | None) -> list[Any]:
+    opts = {k: v for k, v in (("cursor", cursor), ("limit", limit)) if v is not None}
+    return [period, opts] if opts else [period]
+
+
+def _export_answer(result: Any) -> tuple[list[ExportRow], str | None]:
+    return [row_from_wire(r) for r in result["rows"]], result["cursor"]
 
 
 def _many_results(result: Any) -> list[int | MeterError | None]:
@@ -615,6 +626,22 @@ class Client(_Ids):
         self._inbox.unsubscribed(tenant)
         return cast(bool, self._invoke("unsubscribe", [tenant], True))
 
+    def export_page(
+        self, period: str, cursor: str | None = None, limit: int | None = None
+    ) -> tuple[list[ExportRow], str | None]:
+        """One page of ``period``'s stored counters (every tenant) and the cursor of the next
+        (``None`` after the last). A page may be short, even empty, before the last."""
+        return _export_answer(self._invoke("export", _export_params(period, cursor, limit), True))
+
+    def export(self, period: str, limit: int | None = None) -> Iterator[ExportRow]:
+        """Every stored counter of ``period``, a page (``limit`` rows) at a time."""
+        cursor: str | None = None
+        while True:
+            rows, cursor = self.export_page(period, cursor, limit)
+            yield from rows
+            if cursor is None:
+                return
+
 
 class _ClientProtocol(asyncio.Protocol):
     def __init__(self, max_frame: int, inbox: _Inbox | None = None) -> None:
@@ -1050,3 +1077,21 @@ class AsyncClient(_Ids):
         """Stop watching ``tenant`` (its iterators end); whether it was watched."""
         self._protocol.inbox.unsubscribed(tenant)
         return cast(bool, await self._invoke("unsubscribe", [tenant], True))
+
+    async def export_page(
+        self, period: str, cursor: str | None = None, limit: int | None = None
+    ) -> tuple[list[ExportRow], str | None]:
+        """One page of ``period``'s stored counters (every tenant) and the cursor of the next
+        (``None`` after the last). A page may be short, even empty, before the last."""
+        params = _export_params(period, cursor, limit)
+        return _export_answer(await self._invoke("export", params, True))
+
+    async def export(self, period: str, limit: int | None = None) -> AsyncIterator[ExportRow]:
+        """Every stored counter of ``period``, a page (``limit`` rows) at a time."""
+        cursor: str | None = None
+        while True:
+            rows, cursor = await self.export_page(period, cursor, limit)
+            for row in rows:
+                yield row
+            if cursor is None:
+                return

@@ -14,6 +14,8 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from meter.errors import InvalidArgument
+from storage.base import StoragePermanentError
+from storage.base import check_period as _storage_check_period
 
 Key = tuple[str, str, str]
 PeriodKind = Literal["month", "day"]
@@ -92,3 +94,17 @@ def period_start(kind: PeriodKind, at: float | None = None) -> str:
     if kind == "month":
         return f"{moment.year:04d}-{moment.month:02d}"
     return f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}"
+
+
+def check_period(period: object) -> str:
+    """Return ``period`` if it names a period counters are kept under (``YYYY-MM``, a UTC
+    month, or ``YYYY-MM-DD``, a UTC day), else raise :class:`InvalidArgument`."""
+    if isinstance(period, bytes | bytearray):
+        try:
+            period = bytes(period).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidArgument("period is not valid UTF-8") from None
+    try:
+        return _storage_check_period(period)
+    except StoragePermanentError as exc:
+        raise InvalidArgument(str(exc)) from None

@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
-from meter import __version__
+from meter import __version__, export
 from meter.config import CounterConfig
 from meter.errors import Conflict, InvalidArgument, MeterError, NotFound, Unavailable, UnknownMethod
 from meter.idempotency import RequestIds, check_id, fingerprint
@@ -127,6 +127,7 @@ class Service:
             "status": self._status,
             "subscribe": self._subscribe,
             "unsubscribe": self._unsubscribe,
+            "export": self._export,
         }
 
     # -- entry point ----------------------------------------------------------------------
@@ -922,6 +923,11 @@ class Service:
         if not self.watch:
             return []
         return self.watch.tick(self.watch_view)
+
+    def _export(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
+        # A read of storage only: units not flushed yet are not in it (docs/operations.md).
+        period, cursor, limit = export.parse_params(params)
+        return export.rpc_page(self.storage, period, cursor, limit)
 
     def _ping(self, params: list[Any]) -> str:
         _args("ping", params, 0, 0, ())

@@ -14,8 +14,13 @@ lease while it runs and writes only while it holds it (``docs/adr/0004-one-owner
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+import base64
+import datetime
+import json
+import re
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 Key = tuple[str, str, str]
 """``(tenant, feature, period)``; ``period`` is ``YYYY-MM`` or ``YYYY-MM-DD``."""
@@ -102,6 +107,88 @@ class BadItems(StoragePermanentError):
         self.bad = bad
 
 
+@dataclass(frozen=True, slots=True)
+class ExportRow:
+    """One stored counter as an export reads it: whose, what, when, and its stored total."""
+
+    tenant: str
+    feature: str
+    period: str
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExportPage:
+    """One page of a period's export.
+
+    ``cursor`` is the opaque string to ask for the next page with, ``None`` after the last
+    one. A page may hold fewer rows than asked for, even none, and still have a next cursor
+    (a DynamoDB scan reads items of every period and keeps those of this one). ``parts`` and
+    ``parts_done`` say how far the export is: scan segments on DynamoDB, 1 elsewhere.
+    """
+
+    rows: list[ExportRow]
+    cursor: str | None
+    parts: int = 1
+    parts_done: int = 0
+
+
+class BadCursor(StoragePermanentError):
+    """An export cursor that is not one this backend handed out for this period."""
+
+
+def encode_cursor(state: object) -> str:
+    """An opaque, URL-safe cursor for ``state`` (JSON-able)."""
+    raw = json.dumps(state, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+
+
+def decode_cursor(cursor: object, max_len: int = 65_536) -> Any:
+    """The state :func:`encode_cursor` wrapped; :class:`BadCursor` for anything else."""
+    if not isinstance(cursor, str) or not cursor or len(cursor) > max_len:
+        raise BadCursor("cursor must be a non-empty string handed out by a previous page")
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        return json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):  # (deep nesting: RecursionError)
+        raise BadCursor(f"cursor {cursor[:32]!r} is not one a previous page handed out") from None
+
+
+_PERIOD_RE = re.compile(r"(\d{4})-(\d{2})(?:-(\d{2}))?")
+
+
+def check_period(period: object) -> str:
+    """``period`` if it is a period counters are stored under (``YYYY-MM``, a UTC month, or
+    ``YYYY-MM-DD``, a UTC day, of a real date), else :class:`StoragePermanentError`."""
+    match = _PERIOD_RE.fullmatch(period) if isinstance(period, str) else None
+    if match is not None:
+        year, month, day = (int(g) if g else 1 for g in match.groups())
+        try:
+            datetime.date(year, month, day)
+        except ValueError:
+            match = None
+    if match is None:
+        shown = period[:32] if isinstance(period, str) else type(period).__name__
+        raise StoragePermanentError(
+            f"period {shown!r} is not a UTC month (YYYY-MM) or day (YYYY-MM-DD)"
+        )
+    assert isinstance(period, str)
+    return period
+
+
+def check_export_limit(limit: object) -> int:
+    """``limit`` if it is an int in ``1..MAX_EXPORT_PAGE``, else :class:`StoragePermanentError`."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_EXPORT_PAGE:
+        raise StoragePermanentError(
+            f"export limit must be an integer in 1..{MAX_EXPORT_PAGE}, got {limit!r}"
+        )
+    return limit
+
+
+#: Most rows one export page may be asked for (what one page holds in memory).
+MAX_EXPORT_PAGE = 10_000
+
+
 class Storage(abc.ABC):
     """A place counters are flushed to and seeded from. Implementations are async-safe."""
 
@@ -147,6 +234,29 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         """Every stored counter of ``tenant`` in ``period``, by feature."""
+
+    @abc.abstractmethod
+    async def export_page(self, period: str, cursor: str | None, limit: int) -> ExportPage:
+        """Up to ``limit`` (1..:data:`MAX_EXPORT_PAGE`) stored counters of ``period`` (every
+        tenant), from where ``cursor`` (``None``: the start) left off.
+
+        Memory is bounded by ``limit``: pages are read as asked for, never the whole period.
+        Each counter comes in exactly one page of an export (one taken to its end while
+        nothing is written to the period). Raises :class:`BadCursor` for a cursor this backend
+        did not hand out for ``period``, :class:`StoragePermanentError` for a bad period or
+        limit, and only :class:`StorageError` subclasses otherwise."""
+
+    async def export(
+        self, period: str, page_size: int = MAX_EXPORT_PAGE
+    ) -> AsyncIterator[ExportPage]:
+        """Every page of ``period``'s export, one at a time (see :meth:`export_page`)."""
+        cursor: str | None = None
+        while True:
+            page = await self.export_page(period, cursor, page_size)
+            yield page
+            cursor = page.cursor
+            if cursor is None:
+                return
 
     # -- node id owners (ADR 0004) -----------------------------------------------------------
 

@@ -48,8 +48,11 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from storage.base import (
     EMPTY,
     Applied,
+    BadCursor,
     BadItems,
     Delta,
+    ExportPage,
+    ExportRow,
     Key,
     Owner,
     Snapshot,
@@ -57,6 +60,10 @@ from storage.base import (
     StorageError,
     StoragePermanentError,
     StorageUnavailable,
+    check_export_limit,
+    check_period,
+    decode_cursor,
+    encode_cursor,
     lease_end_ms,
 )
 
@@ -67,6 +74,10 @@ MAX_PK_BYTES = 2048
 MAX_SK_BYTES = 1024
 #: Keys per BatchGetItem request (DynamoDB's limit).
 BATCH_GET_LIMIT = 100
+#: Most segments of an export's parallel Scan (DynamoDB allows 1,000,000). A cursor keeps one
+#: position per segment, up to ~1 KB each with the protocol's longest names: 32 keep it well
+#: inside the protocol's 64 KiB string limit.
+MAX_SEGMENTS = 32
 #: Node ids become attribute names (``s_<node>``): keep them to a plain, printable charset.
 NODE_RE = re.compile(r"[A-Za-z0-9_\-.:@/]{1,128}")
 SEQ_PREFIX = "s_"
@@ -167,14 +178,19 @@ class DynamoDBStorage(Storage):
         retries: int = 2,
         backoff_base: float = 0.05,
         backoff_cap: float = 1.0,
+        export_segments: int = 8,
     ) -> None:
         if not table:
             raise ValueError("table must not be empty")
         if concurrency < 1 or max_pool_connections < 1 or max_attempts < 1:
             raise ValueError("concurrency, max_pool_connections and max_attempts must be >= 1")
+        if not 1 <= export_segments <= MAX_SEGMENTS:
+            raise ValueError(f"export_segments must be in 1..{MAX_SEGMENTS}")
         if retries < 0 or retention_days < 0:
             raise ValueError("retries and retention_days must not be negative")
         self.table = table
+        #: Segments of an export's parallel Scan.
+        self.export_segments = export_segments
         self.endpoint_url = endpoint_url
         self.region = region
         self.retention_days = retention_days
@@ -480,6 +496,66 @@ class DynamoDBStorage(Storage):
                 return out
             query["ExclusiveStartKey"] = last
 
+    async def export_page(self, period: str, cursor: str | None, limit: int) -> ExportPage:
+        """A page of a parallel ``Scan`` (``export_segments`` segments, scanned concurrently)
+        filtered to ``period``'s items. The layout has no key that starts with the period, so
+        there is no Query for it; each segment's scan position is kept in the cursor.
+
+        Every page asks each unfinished segment (at most ``limit`` of them) for its share of
+        ``limit`` items: ``Limit`` bounds the items a Scan reads, and the filter only drops
+        some, so a page holds at most ``limit`` rows (fewer, even none, where other periods'
+        items were read)."""
+        check_period(period)
+        check_export_limit(limit)
+        if cursor is None:
+            states: list[Any] = [0] * self.export_segments
+        else:
+            states = _scan_states(decode_cursor(cursor), period)
+        total = len(states)
+        active = [i for i, st in enumerate(states) if st != 1][:limit]
+        prefix = period + "#"
+        shares = [limit // len(active) + (j < limit % len(active)) for j in range(len(active))]
+        pages = await asyncio.gather(
+            *(
+                self._scan_segment(i, total, states[i], prefix, n)
+                for i, n in zip(active, shares, strict=True)
+            )
+        )
+        rows: list[ExportRow] = []
+        for i, (items, last) in zip(active, pages, strict=True):
+            states[i] = 1 if last is None else last
+            for item in items:
+                rows.append(_export_row(item, prefix, period))
+        done = sum(1 for st in states if st == 1)
+        next_cursor = None if done == total else encode_cursor(["d", period, states])
+        return ExportPage(rows, next_cursor, total, done)
+
+    async def _scan_segment(
+        self, segment: int, total: int, start: Any, prefix: str, limit: int
+    ) -> tuple[list[dict[str, Any]], dict[str, str] | None]:
+        """One Scan request of ``segment``: its items of the period and where it stopped
+        (``None``: the segment is done)."""
+        scan: dict[str, Any] = {
+            "TableName": self.table,
+            "Segment": segment,
+            "TotalSegments": total,
+            "Limit": limit,
+            "ConsistentRead": True,
+            "FilterExpression": "begins_with(sk, :p)",
+            "ProjectionExpression": "pk, sk, #t",
+            "ExpressionAttributeNames": {"#t": "t"},
+            "ExpressionAttributeValues": {":p": {"S": prefix}},
+        }
+        if start != 0:
+            scan["ExclusiveStartKey"] = {"pk": {"S": start["pk"]}, "sk": {"S": start["sk"]}}
+        resp = await self._call("scan", f"scan segment {segment}/{total} for {prefix[:-1]}", **scan)
+        last = resp.get("LastEvaluatedKey")
+        try:
+            stop = None if not last else {"pk": last["pk"]["S"], "sk": last["sk"]["S"]}
+        except (KeyError, TypeError) as exc:
+            raise StoragePermanentError(f"dynamodb: unexpected LastEvaluatedKey {last!r}") from exc
+        return resp.get("Items", []), stop
+
     # -- node id owners (ADR 0004) ---------------------------------------------------------
 
     async def claim_owner(
@@ -681,6 +757,35 @@ def _owner(item: dict[str, Any] | None) -> Owner | None:
     if item is None or "tok" not in item:
         return None
     return Owner(item["tok"]["S"], _number(item["exp"]) / 1000)
+
+
+def _scan_states(state: Any, period: str) -> list[Any]:
+    """The per-segment scan positions in a cursor: 0 (not started), 1 (done) or the last
+    key read, ``{"pk": ..., "sk": ...}``; :class:`BadCursor` for anything else."""
+    if isinstance(state, list) and len(state) == 3 and state[:2] == ["d", period]:
+        states = state[2]
+        if isinstance(states, list) and 1 <= len(states) <= MAX_SEGMENTS:
+            ok = all(
+                (type(st) is int and st in (0, 1))
+                or (
+                    isinstance(st, dict)
+                    and set(st) == {"pk", "sk"}
+                    and all(isinstance(v, str) and v for v in st.values())
+                )
+                for st in states
+            )
+            if ok and any(st != 1 for st in states):
+                return states
+    raise BadCursor(f"cursor is not one handed out for period {period}")
+
+
+def _export_row(item: dict[str, Any], prefix: str, period: str) -> ExportRow:
+    try:
+        tenant, sk = item["pk"]["S"], item["sk"]["S"]
+        total = _number(item["t"]) if "t" in item else 0
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise StoragePermanentError(f"dynamodb: undecodable item in {period}: {exc!r}") from exc
+    return ExportRow(tenant, sk[len(prefix) :], period, total)
 
 
 def _snapshot(item: dict[str, Any]) -> Snapshot:

@@ -12,13 +12,20 @@ from collections.abc import Sequence
 from storage.base import (
     EMPTY,
     Applied,
+    BadCursor,
     Delta,
+    ExportPage,
+    ExportRow,
     Key,
     Owner,
     Snapshot,
     Storage,
     StorageError,
     StorageUnavailable,
+    check_export_limit,
+    check_period,
+    decode_cursor,
+    encode_cursor,
     lease_end_ms,
 )
 
@@ -62,6 +69,27 @@ class MemoryStorage(Storage):
 
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         return {f: s for (t, f, p), s in self.items.items() if t == tenant and p == period}
+
+    async def export_page(self, period: str, cursor: str | None, limit: int) -> ExportPage:
+        check_period(period)
+        check_export_limit(limit)
+        after = ("", "")
+        if cursor is not None:
+            state = decode_cursor(cursor)
+            if not (
+                isinstance(state, list)
+                and len(state) == 4
+                and state[:2] == ["m", period]
+                and all(isinstance(x, str) for x in state[2:])
+            ):
+                raise BadCursor(f"cursor is not one handed out for period {period}")
+            after = (state[2], state[3])
+        # Sorted by (tenant, feature) so the cursor is the last pair handed out.
+        names = sorted((t, f) for (t, f, p) in self.items if p == period and (t, f) > after)
+        rows = [ExportRow(t, f, period, self.items[(t, f, period)].total) for t, f in names[:limit]]
+        more = len(names) > limit
+        next_cursor = encode_cursor(["m", period, *names[limit - 1]]) if more else None
+        return ExportPage(rows, next_cursor, 1, 0 if more else 1)
 
     async def claim_owner(
         self, node: str, token: str, *, lease_s: float, now: float, accept: Sequence[str] = ()

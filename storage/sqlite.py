@@ -29,8 +29,11 @@ from typing import TypeVar
 from storage.base import (
     EMPTY,
     Applied,
+    BadCursor,
     BadItems,
     Delta,
+    ExportPage,
+    ExportRow,
     Key,
     Owner,
     Snapshot,
@@ -38,6 +41,10 @@ from storage.base import (
     StorageError,
     StoragePermanentError,
     StorageUnavailable,
+    check_export_limit,
+    check_period,
+    decode_cursor,
+    encode_cursor,
     lease_end_ms,
 )
 
@@ -216,6 +223,85 @@ class SQLiteStorage(Storage):
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         """Every stored counter of ``tenant`` in ``period``: one primary-key range scan."""
         return await self._run(lambda: self._list_sync(tenant, period))
+
+    async def export_page(self, period: str, cursor: str | None, limit: int) -> ExportPage:
+        """Up to ``limit`` counters of ``period`` in (tenant, feature) order, read in one read
+        transaction on the reader's connection (flushes are not held up)."""
+        check_period(period)
+        check_export_limit(limit)
+        after = ("", "")
+        if cursor is not None:
+            state = decode_cursor(cursor)
+            if not (
+                isinstance(state, list)
+                and len(state) == 4
+                and state[:2] == ["q", period]
+                and all(isinstance(x, str) for x in state[2:])
+            ):
+                raise BadCursor(f"cursor is not one handed out for period {period}")
+            after = (state[2], state[3])
+        reader = self._reader
+        if reader is None:
+            return await self._run(
+                lambda: self._export_sync(self._connection, period, after, limit)
+            )
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                reader, lambda: self._export_sync(self._read_connection, period, after, limit)
+            )
+        except RuntimeError as exc:
+            if "shutdown" in str(exc):
+                raise StorageUnavailable(f"sqlite storage at {self.path} is closed") from exc
+            raise
+
+    def _export_sync(
+        self,
+        connection: Callable[[], sqlite3.Connection],
+        period: str,
+        after: tuple[str, str],
+        limit: int,
+    ) -> ExportPage:
+        """A skip scan over tenants: per tenant one range of the primary key (its counters
+        of ``period`` are adjacent), then a seek to the next tenant. It reads the period's
+        rows and one key per tenant, never the other periods' rows (a year of months and
+        days would otherwise be read to export one month)."""
+        conn = connection()
+        rows: list[ExportRow] = []
+        tenant, feature = after
+        done = False
+        try:
+            if conn.in_transaction:  # left open by a read whose ROLLBACK failed
+                conn.execute("ROLLBACK")
+            conn.execute("BEGIN")
+            try:
+                while True:
+                    got = conn.execute(
+                        "SELECT feature, total FROM counters WHERE tenant = ? AND period = ?"
+                        " AND feature > ? ORDER BY feature LIMIT ?",
+                        (tenant, period, feature, limit - len(rows)),
+                    ).fetchall()
+                    for f, total in got:
+                        rows.append(ExportRow(tenant, f, period, _total(total, tenant, f, period)))
+                    if len(rows) >= limit:
+                        break
+                    nxt = conn.execute(
+                        "SELECT tenant FROM counters WHERE tenant > ? ORDER BY tenant LIMIT 1",
+                        (tenant,),
+                    ).fetchone()
+                    if nxt is None:
+                        done = True
+                        break
+                    tenant, feature = str(nxt[0]), ""
+            finally:
+                if conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):  # (the next read rolls it back)
+                        conn.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            raise _map(exc, f"exporting {period} from {self.path}") from exc
+        if done:
+            return ExportPage(rows, None, 1, 1)
+        last = rows[-1]
+        return ExportPage(rows, encode_cursor(["q", period, last.tenant, last.feature]), 1, 0)
 
     async def claim_owner(
         self, node: str, token: str, *, lease_s: float, now: float, accept: Sequence[str] = ()
@@ -619,6 +705,18 @@ def _period_end(period: str) -> int:
     except (ValueError, OverflowError):
         pass
     raise ValueError(f"period {period!r} is not a valid YYYY-MM or YYYY-MM-DD period")
+
+
+def _total(total: object, tenant: str, feature: str, period: str) -> int:
+    """A stored total as an exact int; a row this module did not write fails its export."""
+    try:
+        if type(total) is not str:
+            raise ValueError(f"a {type(total).__name__}, not decimal text")
+        return int(total)
+    except ValueError as exc:
+        raise StoragePermanentError(
+            f"bad stored total for ({tenant[:80]!r}, {feature[:80]!r}, {period}): {exc}"
+        ) from None
 
 
 def _snapshot(total: object, seqs: object) -> Snapshot:

@@ -6,12 +6,27 @@ fixtures (a server, a temp dir) are pulled in there with ``request.getfixtureval
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from storage.base import EMPTY, Applied, Delta, Key, Owner, Snapshot, Storage, StorageError
+from storage.base import (
+    EMPTY,
+    MAX_EXPORT_PAGE,
+    Applied,
+    BadCursor,
+    Delta,
+    ExportRow,
+    Key,
+    Owner,
+    Snapshot,
+    Storage,
+    StorageError,
+    StoragePermanentError,
+    encode_cursor,
+)
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
 
@@ -291,3 +306,98 @@ async def test_sqlite_reopen_after_close_keeps_data(tmp_path: Path) -> None:
         assert (await _ok(second, "n1", K, 1, 10**30)).duplicate
     finally:
         await second.close()
+
+
+# -- export (docs/operations.md, "Exporting usage for invoicing") ----------------------------
+
+
+async def _export_all(store: Storage, period: str, limit: int) -> list[ExportRow]:
+    """Every row of ``period``, page by page; checks each page's bound and progress."""
+    rows: list[ExportRow] = []
+    cursor: str | None = None
+    for _ in range(10_000):
+        page = await store.export_page(period, cursor, limit)
+        assert len(page.rows) <= limit
+        assert 0 <= page.parts_done <= page.parts
+        rows += page.rows
+        if page.cursor is None:
+            assert page.parts_done == page.parts
+            return rows
+        assert isinstance(page.cursor, str)
+        cursor = page.cursor
+    raise AssertionError("the export never ended")
+
+
+async def test_export_of_an_empty_period(storage: Storage) -> None:
+    assert await _export_all(storage, "2026-11", 10) == []
+    await _ok(storage, "n1", ("acme", "api", "2026-10"), 1, 5)
+    assert await _export_all(storage, "2026-11", 10) == []
+    assert await _export_all(storage, "2026-11-02", 10) == []
+
+
+async def test_export_one_page_only_that_period(storage: Storage) -> None:
+    writes: list[Key] = [
+        ("acme", "api_calls", "2026-11"),
+        ("acme", "storage", "2026-11"),
+        ("acme", "api_calls", "2026-11-01"),  # a day bucket: same prefix, other period
+        ("acme", "api_calls", "2026-12"),
+        ("acme", "api_calls", "2026-10"),
+        ("acme2", "api_calls", "2026-11"),
+        ("acme/user1", "x:y", "2026-11"),
+    ]
+    for i, key in enumerate(writes, start=1):
+        await _ok(storage, "n1", key, 1, i)
+    await _ok(storage, "n2", writes[0], 1, 10**30)  # totals past 64 bits export exactly
+    await storage.claim_owner("n1", "t1", lease_s=30, now=1000.0)  # owners are not counters
+    page = await storage.export_page("2026-11", None, 100)
+    assert sorted(page.rows, key=lambda r: (r.tenant, r.feature)) == [
+        ExportRow("acme", "api_calls", "2026-11", 1 + 10**30),
+        ExportRow("acme", "storage", "2026-11", 2),
+        ExportRow("acme/user1", "x:y", "2026-11", 7),
+        ExportRow("acme2", "api_calls", "2026-11", 6),
+    ]
+    assert page.cursor is None and page.parts_done == page.parts
+    assert await _export_all(storage, "2026-11-01", 100) == [
+        ExportRow("acme", "api_calls", "2026-11-01", 3)
+    ]
+
+
+async def test_export_pages_hold_every_counter_once(storage: Storage) -> None:
+    keys: list[Key] = [(f"t{i % 13}", f"f{i}", "2026-11") for i in range(120)]
+    others: list[Key] = [
+        (f"t{i % 13}", f"f{i}", p) for i in range(40) for p in ("2026-10", "2026-11-03")
+    ]
+    out = await storage.apply("n1", [Delta(k, 1, i + 1) for i, k in enumerate(keys + others)])
+    assert all(isinstance(v, Applied) for v in out.values())
+    for limit in (1, 7, 120, 1000):
+        rows = await _export_all(storage, "2026-11", limit)
+        assert len(rows) == len(keys), limit
+        assert {(r.tenant, r.feature): r.total for r in rows} == {
+            (t, f): i + 1 for i, (t, f, _) in enumerate(keys)
+        }
+        assert {r.period for r in rows} == {"2026-11"}
+    # An iterator over the pages gives the same.
+    got = [r async for page in storage.export("2026-11", page_size=9) for r in page.rows]
+    assert sorted(got, key=lambda r: r.feature) == sorted(rows, key=lambda r: r.feature)
+
+
+async def test_export_refuses_bad_cursors_periods_and_limits(storage: Storage) -> None:
+    for i in range(5):
+        await _ok(storage, "n1", (f"t{i}", "api", "2026-11"), 1, 1)
+    page = await storage.export_page("2026-11", None, 1)
+    assert page.cursor is not None
+    foreign = encode_cursor(["x", "2026-11", "a", "b"])
+    deep = base64.urlsafe_b64encode(b"[" * 40_000).decode()
+    for cursor in ["", "!!!", "bm9wZQ", page.cursor[:-3], foreign, deep, 42, "a" * 70_000]:
+        with pytest.raises(BadCursor):
+            await storage.export_page("2026-11", cursor, 1)  # type: ignore[arg-type]
+    with pytest.raises(BadCursor):  # a cursor of another period
+        await storage.export_page("2026-12", page.cursor, 1)
+    for period in ["2026-13", "2026-11-31", "2026-1", "26-11", "2026-11#", "", "2026/11", None]:
+        with pytest.raises(StoragePermanentError, match="period"):
+            await storage.export_page(period, None, 1)  # type: ignore[arg-type]
+    for limit in [0, -1, MAX_EXPORT_PAGE + 1, True, 1.5, "10"]:
+        with pytest.raises(StoragePermanentError, match="limit"):
+            await storage.export_page("2026-11", None, limit)  # type: ignore[arg-type]
+    # The good cursor still works after all that.
+    assert len(await _export_all(storage, "2026-11", 2)) == 5

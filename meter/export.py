@@ -1,0 +1,154 @@
+"""Usage export for invoicing: the ``export`` method's pages and the ``meter export`` writer.
+
+Both read stored totals page by page through :meth:`storage.base.Storage.export_page`, so
+memory is bounded by one page. What export reads, and when an export of a closed period is
+complete: docs/operations.md, "Exporting usage for invoicing".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from meter.errors import InvalidArgument, Unavailable
+from meter.keys import check_period
+from storage.base import BadCursor, ExportPage, ExportRow, Storage, StorageError
+
+#: Most rows one ``export`` call answers: 1,000 rows of the longest names (512-byte tenants,
+#: 256-byte features) stay inside the protocol's 1 MiB frame.
+MAX_EXPORT_LIMIT = 1000
+#: Rows per ``export`` call when the caller does not say.
+DEFAULT_EXPORT_LIMIT = 1000
+_OPTS = frozenset({"cursor", "limit"})
+#: What MessagePack carries as an integer; a total outside goes as its decimal string.
+_WIRE_MIN = -(2**63)
+_WIRE_MAX = 2**64 - 1
+#: The columns of a csv export, and the keys of a jsonl one.
+COLUMNS = ("tenant", "feature", "period", "total")
+
+
+def parse_params(params: list[Any]) -> tuple[str, str | None, int]:
+    """``[period, opts={cursor, limit}]`` as ``(period, cursor, limit)``; InvalidArgument."""
+    if not 1 <= len(params) <= 2:
+        raise InvalidArgument(f"export takes 1 to 2 params, got {len(params)}")
+    period = check_period(params[0])
+    opts = params[1] if len(params) == 2 else None
+    if opts is None:
+        opts = {}
+    if not isinstance(opts, dict):
+        raise InvalidArgument(f"export: opts must be a map, got {type(opts).__name__}")
+    for name in opts:
+        if name not in _OPTS:
+            raise InvalidArgument(
+                f"export: unknown option {str(name)[:32]!r} (allowed: cursor, limit)"
+            )
+    cursor = opts.get("cursor")
+    if cursor is not None and (not isinstance(cursor, str) or not cursor):
+        raise InvalidArgument("export: cursor must be a string from a previous page, or nil")
+    limit = opts.get("limit")
+    if limit is None:
+        limit = DEFAULT_EXPORT_LIMIT
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise InvalidArgument(f"export: limit must be an integer, got {type(limit).__name__}")
+    if not 1 <= limit <= MAX_EXPORT_LIMIT:
+        raise InvalidArgument(f"export: limit must be in 1..{MAX_EXPORT_LIMIT}, got {limit}")
+    return period, cursor, limit
+
+
+async def rpc_page(storage: Storage, period: str, cursor: str | None, limit: int) -> dict[str, Any]:
+    """One page of the ``export`` method (its params checked by :func:`parse_params`):
+    ``{"rows": [[tenant, feature, period, total], ...], "cursor": str | None}``."""
+    try:
+        page = await storage.export_page(period, cursor, limit)
+    except BadCursor as exc:
+        raise InvalidArgument(f"export: {exc}") from None
+    except StorageError as exc:
+        raise Unavailable(f"storage could not be read: {exc}") from None
+    return {"rows": [_wire_row(r) for r in page.rows], "cursor": page.cursor}
+
+
+def _wire_row(row: ExportRow) -> list[Any]:
+    total: int | str = row.total
+    if not _WIRE_MIN <= row.total <= _WIRE_MAX:
+        total = str(row.total)  # stored totals may outgrow 64 bits; MessagePack ints may not
+    return [row.tenant, row.feature, row.period, total]
+
+
+def row_from_wire(value: Any) -> ExportRow:
+    """An ``export`` answer's row as an :class:`ExportRow` (a str total back to an int)."""
+    tenant, feature, period, total = value
+    return ExportRow(str(tenant), str(feature), str(period), int(total))
+
+
+# -- the ``meter export`` writer ----------------------------------------------------------------
+
+
+class RowWriter:
+    """Writes rows as csv (a header row first) or jsonl (one object per line) to a stream."""
+
+    def __init__(self, stream: TextIO, fmt: str) -> None:
+        if fmt not in ("csv", "jsonl"):
+            raise InvalidArgument(f"format must be csv or jsonl, got {fmt!r}")
+        self.stream = stream
+        self.fmt = fmt
+        self.rows = 0
+        self._csv = csv.writer(stream, lineterminator="\n") if fmt == "csv" else None
+        if self._csv is not None:
+            self._csv.writerow(COLUMNS)
+
+    def write(self, rows: list[ExportRow]) -> None:
+        """Append ``rows``."""
+        if self._csv is not None:
+            self._csv.writerows((r.tenant, r.feature, r.period, r.total) for r in rows)
+        else:
+            self.stream.writelines(
+                json.dumps(
+                    dict(zip(COLUMNS, (r.tenant, r.feature, r.period, r.total), strict=True))
+                )
+                + "\n"
+                for r in rows
+            )
+        self.rows += len(rows)
+
+
+async def export_to(
+    storage: Storage,
+    period: str,
+    writer: RowWriter,
+    progress: Callable[[int, ExportPage], None] | None = None,
+) -> int:
+    """Write every stored counter of ``period`` with ``writer``, page by page; return the rows
+    written. ``progress(rows so far, page)`` is called after each page."""
+    async for page in storage.export(period):
+        writer.write(page.rows)
+        if progress is not None:
+            progress(writer.rows, page)
+    return writer.rows
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[TextIO]:
+    """A text stream whose content appears at ``path`` only once the block ends without an
+    exception (a temp file beside it, fsynced, then renamed); on failure nothing is left."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as stream:
+            yield stream
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    # The rename itself survives a power loss once the directory is synced.
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
