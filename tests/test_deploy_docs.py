@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import promql_parser
 import pytest
 import yaml
 
@@ -25,6 +27,9 @@ DEPLOY = ROOT / "docs" / "deploy"
 
 #: Seconds a node needs after its drain budget to close connections and exit.
 CLOSE_S = 2
+#: Seconds the pod's grace period leaves the app to stop before meter (a native sidecar) gets
+#: SIGTERM: the example says the grace period covers both.
+APP_STOP_S = 15
 
 
 def drain_budget(cfg: NodeConfig) -> float:
@@ -107,7 +112,7 @@ def test_the_kubernetes_sidecar_shares_its_socket_and_drains_in_time() -> None:
     assert meter["restartPolicy"] == "Always"
     check_serve(meter["command"])
     cfg = load_env(container_env(meter))
-    assert spec["terminationGracePeriodSeconds"] >= drain_budget(cfg)
+    assert spec["terminationGracePeriodSeconds"] >= APP_STOP_S + drain_budget(cfg)
     socket = str(cfg.server.socket)
     volume = mounted_at(meter, socket)
     assert "emptyDir" in next(v for v in spec["volumes"] if v["name"] == volume)
@@ -153,8 +158,60 @@ def test_every_environment_variable_the_docs_name_is_a_setting() -> None:
 HISTOGRAM_SERIES = ("_bucket", "_count", "_sum")
 
 
+#: Grafana's variables, replaced by what they stand for so the expressions parse as PromQL.
+GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$instance": ".*"}
+
+
+def promql(expr: str) -> Any:
+    """The parsed expression (Prometheus' grammar: a syntax error fails the test)."""
+    for var, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(var, value)
+    try:
+        return promql_parser.parse(expr)
+    except ValueError as exc:
+        pytest.fail(f"not PromQL: {expr!r}: {exc}")
+
+
+def selectors(node: Any) -> Iterator[tuple[str | None, set[str]]]:
+    """Every series an expression selects: its name and the labels it matches on."""
+    kind = type(node).__name__
+    if kind == "VectorSelector":
+        yield node.name, {m.name for m in node.matchers.matchers}
+    elif kind == "MatrixSelector":
+        yield from selectors(node.vector_selector)
+    elif kind == "Call":
+        for arg in node.args:
+            yield from selectors(arg)
+    elif kind == "BinaryExpr":
+        yield from selectors(node.lhs)
+        yield from selectors(node.rhs)
+    elif kind in ("AggregateExpr", "ParenExpr", "UnaryExpr", "SubqueryExpr"):
+        yield from selectors(node.expr)
+
+
+def grouping(node: Any) -> set[str]:
+    """Every label an expression groups by (``by``/``without``) or matches on (``on``)."""
+    kind = type(node).__name__
+    out: set[str] = set()
+    if kind == "AggregateExpr":
+        if node.modifier is not None:
+            out |= set(node.modifier.labels)
+        out |= grouping(node.expr)
+    elif kind == "BinaryExpr":
+        if node.modifier is not None and node.modifier.matching is not None:
+            out |= set(node.modifier.matching.labels)
+        out |= grouping(node.lhs) | grouping(node.rhs)
+    elif kind == "Call":
+        for arg in node.args:
+            out |= grouping(arg)
+    elif kind in ("ParenExpr", "UnaryExpr", "SubqueryExpr"):
+        out |= grouping(node.expr)
+    return out
+
+
 def metric_names(expr: str) -> set[str]:
-    return set(re.findall(r"\bmeter_[a-z0-9_]+", expr))
+    """The meter series an expression reads (Prometheus' own, such as ``up``, left out)."""
+    return {n for n, _ in selectors(promql(expr)) if n and n.startswith("meter_")}
 
 
 def family(series: str) -> str:
@@ -173,7 +230,12 @@ def dashboard_exprs() -> list[str]:
 
     dash = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    exprs += [v["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
+    for var in dash["templating"]["list"]:
+        if var["type"] == "query":
+            # Grafana's label_values(SERIES, LABEL): the series part is PromQL.
+            series = re.fullmatch(r"label_values\((.+),\s*[a-z_]+\)", var["query"])
+            assert series is not None, var["query"]
+            exprs.append(series.group(1))
     return exprs
 
 
@@ -186,6 +248,62 @@ def test_the_dashboard_and_the_alerts_use_only_metrics_the_node_exports() -> Non
     exprs = dashboard_exprs() + [r["expr"] for r in alert_rules()]
     used = {family(s) for e in exprs for s in metric_names(e)}
     assert len(used) >= 15, used  # the parsing found them
+
+
+def aggregated(node: Any) -> bool:
+    """Whether a side of a binary operation keeps fewer labels than its series (an
+    aggregation, under any comparisons and parentheses)."""
+    kind = type(node).__name__
+    if kind == "AggregateExpr":
+        return True
+    if kind == "BinaryExpr":
+        return aggregated(node.lhs) or aggregated(node.rhs)
+    if kind == "ParenExpr":
+        return aggregated(node.expr)
+    if kind == "Call":
+        return any(aggregated(a) for a in node.args)
+    return False
+
+
+def unmatched_set_operations(node: Any) -> list[str]:
+    """``and``/``or``/``unless`` between an aggregated side and a side that is not, without
+    ``on``/``ignoring``: they match on every label, so (the job and instance labels missing on
+    one side) such a rule never fires."""
+    kind = type(node).__name__
+    out: list[str] = []
+    if kind == "BinaryExpr":
+        matching = node.modifier.matching if node.modifier is not None else None
+        if (
+            str(node.op) in ("and", "or", "unless")
+            and matching is None
+            and aggregated(node.lhs) != aggregated(node.rhs)
+        ):
+            out.append(str(node))
+        out += unmatched_set_operations(node.lhs) + unmatched_set_operations(node.rhs)
+    elif kind in ("AggregateExpr", "ParenExpr", "UnaryExpr", "SubqueryExpr"):
+        out += unmatched_set_operations(node.expr)
+    elif kind == "Call":
+        for arg in node.args:
+            out += unmatched_set_operations(arg)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("expr", "bad"),
+    [
+        ("sum by (instance) (rate(a_total[5m])) > 0 and b > 0", True),
+        ("rate(a_total[5m]) > 0 and on (instance) b > 0", False),
+        ("sum by (instance) (a) > 0 and on (instance) b > 0", False),
+        ("a > 0 and b > 0", False),
+    ],
+)
+def test_the_set_operation_check_catches_rules_that_cannot_fire(expr: str, bad: bool) -> None:
+    assert bool(unmatched_set_operations(promql(expr))) is bad
+
+
+def test_no_rule_or_chart_matches_an_aggregate_on_every_label() -> None:
+    exprs = dashboard_exprs() + [r["expr"] for r in alert_rules()]
+    assert [bad for e in exprs for bad in unmatched_set_operations(promql(e))] == []
 
 
 def test_every_alert_is_explained_in_the_deployment_guide() -> None:
@@ -201,11 +319,10 @@ def test_every_alert_is_explained_in_the_deployment_guide() -> None:
 
 def labels_used(expr: str, legend: str = "") -> set[str]:
     """Label names an expression groups by, matches on, or its legend prints."""
-    names: set[str] = set()
-    for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
-        names |= {n.strip() for n in group.split(",") if n.strip()}
-    for matchers in re.findall(r"\{([^}]*)\}", expr):
-        names |= set(re.findall(r"([a-z_]+)\s*(?:=~|!~|!=|=)", matchers))
+    tree = promql(expr)
+    names = grouping(tree)
+    for _, matched in selectors(tree):
+        names |= matched
     names |= set(re.findall(r"\{\{\s*(?:\$labels\.)?([a-z_]+)\s*\}\}", legend))
     return names
 
