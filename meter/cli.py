@@ -92,8 +92,9 @@ def _parser() -> argparse.ArgumentParser:
 
     many = client(
         "track-many",
-        "count many items in one call each 10,000: lines 'TENANT FEATURE [QTY [ID]]' "
-        "from FILE or standard input",
+        "count lines 'TENANT FEATURE [QTY [ID]]' from FILE or standard input, 10,000 to a "
+        "call; every line's syntax is checked before any is sent (the node checks the names); "
+        "give lines an ID to make running the file again safe",
     )
     many.add_argument("file", nargs="?", default="-", help="file of items (default: stdin)")
 
@@ -428,7 +429,19 @@ def _track_many(client: Client, items: list[_Item], as_json: bool) -> int:
     failed = 0
     for start in range(0, len(items), _BATCH):
         batch = items[start : start + _BATCH]
-        answers = client.track_many([item for _, item in batch])
+        try:
+            answers = client.track_many([item for _, item in batch])
+        except MeterError as exc:
+            # Each call counts all or nothing, but a call that got no answer may have been
+            # counted: say exactly which lines are settled, so nobody re-sends the counted ones.
+            done = f"lines before {batch[0][0]} were sent and answered; " if start else ""
+            print(
+                f"meter: track-many: {done}lines {batch[0][0]} to {batch[-1][0]} failed as a "
+                f"whole ({exc.code}: {exc.message}): if no answer came they may have been "
+                f"counted, so re-send them only with the same IDs; later lines were not sent",
+                file=sys.stderr,
+            )
+            return 1
         for (n, item), answer in zip(batch, answers, strict=True):
             row: dict[str, Any] = {"line": n, "tenant": item[0], "feature": item[1]}
             if isinstance(answer, MeterError):

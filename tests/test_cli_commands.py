@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from meter.cli import main
-from meter.errors import LimitExceeded, NotFound
+from meter.errors import InvalidArgument, LimitExceeded, NotFound
 from meter.server import RpcServer, start_server
 from tests.nodes import short_tmpdir
 from tests.test_client import ANY_ID
@@ -44,6 +44,8 @@ class Node:
                 raise NotFound(f"no reservation {params[0]!r}")
             return None
         if method == "track_many":
+            if params[0][0][0] == "refused":
+                raise InvalidArgument("the whole call is refused")
             return [
                 {"code": "invalid_argument", "message": "feature is bad"}
                 if item[1] == "bad"
@@ -259,3 +261,22 @@ async def test_track_many_of_a_missing_file_is_a_usage_error(
 ) -> None:
     assert await meter(path, "track-many", str(tmp_path / "none")) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+async def test_track_many_says_which_lines_a_failed_call_leaves_unsettled(
+    server: RpcServer, path: str, node: Node, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    items = tmp_path / "items"
+    lines = [f"t{i} api" for i in range(10_000)] + ["refused api", "t api", "# end"]
+    lines += [f"u{i} api" for i in range(10_000)]
+    items.write_text("\n".join(lines) + "\n")
+    assert await meter(path, "track-many", str(items)) == 1
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith(
+        "meter: track-many: lines before 10001 were sent and answered; lines 10001 to 20001 "
+        "failed as a whole (invalid_argument: the whole call is refused): if no answer came "
+        "they may have been counted, so re-send them only with the same IDs; later lines were "
+        "not sent"
+    ), out.err
+    assert [len(p[0]) for _, p in node.calls] == [10_000, 10_000], "the third call never went"
