@@ -207,6 +207,39 @@ def test_health_endpoints_and_bad_http_requests(workdir: Path) -> None:
             socket.create_connection((host, int(port)), timeout=2).close()
 
 
+def test_idle_connections_cannot_keep_a_probe_out(workdir: Path) -> None:
+    """More idle or trickling clients than the listener serves at once (64) do not keep
+    /healthz out: it is answered at once, each new connection closing the oldest one still
+    reading its head; and the listener stops cleanly with a probe half sent (no traceback)."""
+    with NodeProcess(workdir, METER_METRICS_ADDRESS="127.0.0.1:0") as node:
+        address = metrics_address(node)
+        host, port = address.rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(70)]
+        for s in idle[::2]:
+            s.sendall(b"GET /healthz HTTP/1.1\r\n")  # a head trickled, never finished
+        for _ in range(3):
+            t0 = time.monotonic()
+            assert http(address, "/healthz") == (200, "ok\n")
+            # Answered before the head timeout (2 s) freed any slot: room was made for it.
+            assert time.monotonic() - t0 < 2
+            assert http(address, "/readyz?counting")[0] == 200
+        # The oldest idle ones were closed without an answer (not 408 after the timeout).
+        first = idle[0]
+        try:
+            got = first.recv(100)
+        except ConnectionResetError:
+            got = b""
+        assert got == b""
+        half = socket.create_connection((host, int(port)), timeout=10)
+        half.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n")  # in flight at the stop
+        assert node.stop() == 0
+        for s in [*idle, half]:
+            s.close()
+        log = node.log()
+        assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+        assert " ERROR " not in log, log[-3000:]
+
+
 def _listening_tcp_sockets(pid: int) -> int:
     """How many TCP sockets process ``pid`` listens on (from /proc)."""
     inodes = set()
