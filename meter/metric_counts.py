@@ -115,6 +115,39 @@ class RequestStats:
                 hist = latency[method] = Buckets(REQUEST_BOUNDS)
             hist.add(seconds, n)
 
+    def tally(self, counts: dict[tuple[str, str | None], int], seconds: float) -> None:
+        """``counts[(method, code)]`` requests answered (``code`` ``None``: ``ok``), each after
+        ``seconds``; ``method`` labels already (:meth:`label`)."""
+        for (method, code), n in counts.items():
+            if code is None:
+                self.ok[method] = self.ok.get(method, 0) + n
+            else:
+                key = (method, code)
+                self.errors[key] = self.errors.get(key, 0) + n
+            hist = self.latency.get(method)
+            if hist is None:
+                hist = self.latency[method] = Buckets(REQUEST_BOUNDS)
+            hist.add(seconds, n)
+
+    def failed(
+        self,
+        code: str,
+        tracks: int,
+        others: dict[str, int] | None,
+        counts: dict[tuple[str, str | None], int] | None,
+        seconds: float,
+    ) -> None:
+        """Answers that were to be what :meth:`batch` and :meth:`tally` take but were all
+        answered ``code`` instead (the log's write failed: ``unavailable``)."""
+        by_method: dict[tuple[str, str | None], int] = {}
+        if tracks:
+            by_method[("track", code)] = tracks
+        for method, n in (others or {}).items():
+            by_method[(method, code)] = by_method.get((method, code), 0) + n
+        for (method, _), n in (counts or {}).items():
+            by_method[(method, code)] = by_method.get((method, code), 0) + n
+        self.tally(by_method, seconds)
+
     def one(self, method: str, code: str | None, seconds: float) -> None:
         """One request answered: ``code`` ``None`` for ``ok``, else its error code.
         ``method`` must be a label already (:meth:`label`)."""
