@@ -27,6 +27,9 @@ FLUSH_BOUNDS: tuple[float, ...] = (
 
 #: The ``method`` label of requests naming no method the node has (bounded cardinality).
 OTHER = "other"
+#: Error results exported at 0 for every method from the start, so ``rate()`` and
+#: ``increase()`` see their first one (alerts watch them); other codes appear when first seen.
+PRESET_CODES: tuple[str, ...] = ("internal", "unavailable")
 
 
 class Buckets:
@@ -78,7 +81,9 @@ class RequestStats:
         #: ``track`` answered ``ok`` by the server's fast path (added to ``ok["track"]`` when
         #: read: one int add per pass on the hottest path).
         self.tracks = 0
-        self.errors: dict[tuple[str, str], int] = {}
+        self.errors: dict[tuple[str, str], int] = {
+            (m, code): 0 for m in sorted(self.methods) for code in PRESET_CODES
+        }
         self.latency: dict[str, Buckets] = {m: Buckets(REQUEST_BOUNDS) for m in self.methods}
         self._track = self.latency.setdefault("track", Buckets(REQUEST_BOUNDS))
 

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meter.config import load
-from meter.errors import ConfigError
+from meter.errors import BY_CODE, ConfigError
 from meter.metrics import METRIC_NAMES
 from tests.conftest_dynamodb import create_table
 from tests.dynamodb_local import DynamoDBLocal
@@ -173,6 +173,19 @@ def test_counters_move_with_calls_and_labels_stay_bounded(workdir: Path) -> None
         for _, labels in after:
             for k, v in labels:
                 assert "tenant" not in k and "tenant-secret" not in v
+
+
+def test_error_series_are_exported_at_zero_from_the_start(workdir: Path) -> None:
+    """A fresh node exports every refusal code, and the internal and unavailable results of
+    every method, at 0: ``increase()`` over them sees the first error (the alerts use it)."""
+    with NodeProcess(workdir, METER_METRICS_ADDRESS="127.0.0.1:0") as node:
+        samples = scrape(metrics_address(node))
+        for code in BY_CODE:
+            assert samples[("meter_refusals_total", (("reason", code),))] == 0, code
+        for method in ("track", "track_many", "usage", "reserve", "commit", "status"):
+            for code in ("internal", "unavailable"):
+                key = ("meter_requests_total", (("method", method), ("result", code)))
+                assert samples[key] == 0, key
 
 
 def test_health_endpoints_and_bad_http_requests(workdir: Path) -> None:
