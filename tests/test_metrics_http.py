@@ -126,6 +126,7 @@ def test_counters_move_with_calls_and_labels_stay_bounded(workdir: Path) -> None
             lambda: (
                 (s := scrape(address))
                 and value(s, "meter_units_stored_total", feature="api") >= 65
+                and value(s, "meter_keys", state="warm") == 3  # (at most 1 s old)
                 and s
             ),
             10,
@@ -186,6 +187,32 @@ def test_error_series_are_exported_at_zero_from_the_start(workdir: Path) -> None
             for code in ("internal", "unavailable"):
                 key = ("meter_requests_total", (("method", method), ("result", code)))
                 assert samples[key] == 0, key
+
+
+def test_table_counts_are_walked_at_most_once_a_second(workdir: Path) -> None:
+    """The counts that walk the table (meter_keys, the flush backlog) are reused for up to a
+    second, so a flood of scrapes costs one walk a second; they follow the table after it."""
+    env = {"METER_METRICS_ADDRESS": "127.0.0.1:0", "METER_FLUSH_INTERVAL_MS": "3600000"}
+    with NodeProcess(workdir, **env) as node:
+        address = metrics_address(node)
+        t0 = time.monotonic()
+        first = scrape(address)
+        assert value(first, "meter_keys", state="warm") == 0
+        node.call("track", "acme", "api", 5)
+        again = scrape(address)
+        if time.monotonic() - t0 < 0.9:  # (a box too loaded to scrape twice in 0.9 s: skip)
+            assert value(again, "meter_keys", state="warm") == 0
+            assert value(again, "meter_flush_backlog_units") == 0
+        # The request counters are not cached: they move at once.
+        assert value(again, "meter_requests_total", method="track", result="ok") == 1
+        wait_for(
+            lambda: (
+                value(s := scrape(address), "meter_keys", state="warm") == 1
+                and value(s, "meter_flush_backlog_units") == 5
+            ),
+            5,
+            "the key counts to follow the table within a second",
+        )
 
 
 def test_health_endpoints_and_bad_http_requests(workdir: Path) -> None:
