@@ -2,7 +2,10 @@
 
 Pure (no I/O, no prometheus objects): the request path adds to ints and to a bucket list
 indexed by :func:`bisect.bisect_left`, and the metrics collector turns them into Prometheus
-families at scrape time. Nothing here is updated unless metrics are on (``metrics_address``).
+families at scrape time. :class:`RequestStats` and :class:`FeatureUnits` are updated only while
+metrics are on (``metrics_address``); the log's fsync and the flusher's round :class:`Buckets`
+are kept always (one add per sync or round, off the request path), and so are the service's
+refused ``track_many`` items by code (an error path).
 """
 
 from __future__ import annotations

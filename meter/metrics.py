@@ -56,7 +56,7 @@ SEEDING_READS = "meter_seeding_reads_total"
 SEEDING_FAILED_READS = "meter_seeding_failed_reads_total"
 WAL_SIZE = "meter_wal_size_bytes"
 WAL_SEGMENTS = "meter_wal_segments"
-WAL_OLDEST_AGE = "meter_wal_oldest_record_age_seconds"
+WAL_OLDEST_AGE = "meter_wal_oldest_segment_age_seconds"
 WAL_COMMITS = "meter_wal_commits_total"
 WAL_FSYNCS = "meter_wal_fsyncs_total"
 WAL_FSYNC_DURATION = "meter_wal_fsync_duration_seconds"
@@ -276,8 +276,10 @@ class NodeCollector(Collector):
         st = wal.status()
         yield _gauge(WAL_SIZE, "Bytes of write-ahead log on disk.", st["size_bytes"])
         yield _gauge(WAL_SEGMENTS, "Write-ahead log segment files.", st["segments"])
-        age = st["oldest_record_age_s"]
-        yield _gauge(WAL_OLDEST_AGE, "Age of the oldest log segment.", age or 0.0)
+        age = st["oldest_segment_age_s"]
+        yield _gauge(
+            WAL_OLDEST_AGE, "Age of the oldest log segment, since its first record.", age or 0.0
+        )
         for name, doc, n in (
             (WAL_COMMITS, "Log commits (one write per event-loop pass).", wal.commits),
             (WAL_FSYNCS, "Log syncs (fdatasync).", wal.fsyncs),

@@ -333,7 +333,7 @@ def test_the_log_stays_bounded_by_the_unstored_backlog(workdir: Path) -> None:
         # Older segments were dropped: at most the open one and one being compacted.
         assert wal["segments"] <= 2, wal
         assert wal["size_bytes"] <= 2 * 65536 + 32768, wal
-        assert wal["oldest_record_age_s"] is not None
+        assert wal["oldest_segment_age_s"] is not None
         files = list((node.data_dir / "wal").iterdir())
         assert len(files) == wal["segments"], files
 

@@ -689,7 +689,7 @@ class WriteAheadLog:
             "mode": self.mode,
             "segments": len(self._sizes) + (1 if self._fd >= 0 else 0),
             "size_bytes": sum(self._sizes.values()) + self._end,
-            "oldest_record_age_s": None if oldest is None else round(time.time() - oldest, 3),
+            "oldest_segment_age_s": None if oldest is None else round(time.time() - oldest, 3),
             "broken": self.broken,
             "last_error": self.last_error,
             "commits": self.commits,
