@@ -102,7 +102,11 @@ def test_counters_move_with_calls_and_labels_stay_bounded(workdir: Path) -> None
         node.call("track", "tenant-secret-c", "gpu", 4)  # a third feature: "other"
         node.call("usage", "tenant-secret-a", "api")
         node.call("usage_all", "tenant-secret-a")  # a map: answered at once, not awaited
+        mid = scrape(address)
         assert raw_call(node.socket, "subscribe", "tenant-secret-a", ["api"])[0] is None
+        # Answers the hot loop does not give (subscribe's Bind) are timed, not put at 0 s.
+        sub = ("meter_request_duration_seconds_sum", (("method", "subscribe"),))
+        assert scrape(address)[sub] > mid[sub]
         assert raw_call(node.socket, "subscribe", "", ["api"])[0]["code"] == "invalid_argument"
         assert raw_call(node.socket, "track", "", "api")[0]["code"] == "invalid_argument"
         assert raw_call(node.socket, "no_such_method")[0]["code"] == "unknown_method"
@@ -156,6 +160,7 @@ def test_counters_move_with_calls_and_labels_stay_bounded(workdir: Path) -> None
         assert moved("meter_request_duration_seconds_count", method="track") == 7 + 2 + 50 + 1
         assert moved("meter_request_duration_seconds_bucket", method="track", le="+Inf") == 60
         assert moved("meter_request_duration_seconds_sum", method="track") > 0
+        assert moved("meter_request_duration_seconds_count", method="subscribe") == 2
         # A call refused and a track_many item refused.
         assert moved("meter_refusals_total", reason="invalid_argument") == 3
         assert moved("meter_refusals_total", reason="unknown_method") == 1
