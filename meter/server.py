@@ -281,8 +281,9 @@ class _Connection(asyncio.Protocol):
                     self._answer_later(msgid, method, result)
         transport = self.transport
         bad_after_hold: ProtocolError | None = None
-        tally = self._tally
-        self._tally = None
+        tally = self._tally  # (always None with metrics off)
+        if tally is not None:
+            self._tally = None
         if answers:
             wal = srv.wal
             if wal is not None and wal.dirty:
