@@ -134,12 +134,12 @@ class NodeCollector(Collector):
         now = time.monotonic()
         counts = self._counts
         if counts is None or now - counts.taken > TABLE_COUNTS_MAX_AGE_S:
-            backlog = None if node.flusher is None else node.flusher.backlog_keys()
+            backlog = None if node.flusher is None else node.flusher.backlog()
             counts = self._counts = TableCounts(
                 taken=now,
                 keys=node.table.stats(),
-                backlog_keys=None if backlog is None else len(backlog),
-                backlog_units=None if backlog is None else node.table.pending_units(backlog),
+                backlog_keys=None if backlog is None else len(backlog[0]),
+                backlog_units=None if backlog is None else backlog[1],
             )
         return counts
 
