@@ -493,7 +493,8 @@ def _fmt(s: dict[str, Any]) -> str:
             health = "ok" if not wal.get("broken") else f"BROKEN ({wal['broken']})"
             lines.append(
                 f"log          {dur.get('mode')} {health}  {wal.get('segments')} segments, "
-                f"{wal.get('size_bytes')} bytes, oldest {wal.get('oldest_record_age_s')} s, "
+                f"{wal.get('size_bytes')} bytes, oldest segment "
+                f"{wal.get('oldest_segment_age_s')} s, "
                 f"{wal.get('fsyncs')} fsyncs"
             )
         else:

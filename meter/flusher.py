@@ -201,10 +201,13 @@ class Flusher:
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     def backlog_keys(self) -> list[Key]:
-        """Keys still holding units the store does not have (poisoned keys excluded)."""
-        return [k for k in self.table.dirty_keys() if k not in self.stats.poisoned] + [
-            k for k in self.table.unseeded_keys() if self.table.pending(k)
-        ]
+        """Keys still holding units the store does not have, each once (poisoned keys
+        excluded)."""
+        return self.table.unflushed(self.stats.poisoned)[0]
+
+    def backlog(self) -> tuple[list[Key], int]:
+        """:meth:`backlog_keys` and the units they hold, in one walk of the table."""
+        return self.table.unflushed(self.stats.poisoned)
 
     async def _may_write(self) -> bool | None:
         """Whether this round may write: this node holds its id (and, after it (re)gained it,

@@ -2,8 +2,10 @@
 
 A deliberately small HTTP/1.x server on asyncio streams: one request per connection (the answer
 says ``Connection: close``), a request head of at most :data:`MAX_HEAD_BYTES` read within
-:data:`READ_TIMEOUT_S`, at most :data:`MAX_CONNECTIONS` at once, so a bad or slow client cannot
-hold it. Nothing here touches the counting path: answers are built from what the node exposes.
+:data:`READ_TIMEOUT_S`, at most :data:`MAX_CONNECTIONS` at once. A connection past the limit
+takes the place of the oldest one still reading its head (else of the oldest one), so idle or
+slow clients cannot keep a probe out. Nothing here touches the counting path: answers are built
+from what the node exposes.
 """
 
 from __future__ import annotations
@@ -13,15 +15,19 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 log = logging.getLogger("meter.http")
 
 #: Largest request head (request line and headers) read; a longer one is answered 431.
 MAX_HEAD_BYTES = 8192
-#: A client must send its whole request head within this many seconds (else 408).
-READ_TIMEOUT_S = 5.0
-#: Connections served at once; more are closed at once.
+#: A client must send its whole request head within this many seconds (else 408): a probe
+#: sends it at once, so a short limit only frees slots held by idle clients sooner.
+READ_TIMEOUT_S = 2.0
+#: An answer must leave within this many seconds, else the connection is aborted.
+WRITE_TIMEOUT_S = 5.0
+#: Connections served at once; a new one past it makes room by closing an older one.
 MAX_CONNECTIONS = 64
 
 #: ``check -> None (ok) or why it failed``, in the order the body lists them.
@@ -53,13 +59,27 @@ _REASONS = {
 }
 
 
+class _Conn:
+    """One connection being served: its writer, and whether its request head is still being
+    read (the state in which a client that sends nothing, or one byte at a time, sits)."""
+
+    __slots__ = ("reading", "writer")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.reading = True
+
+
 class HttpEndpoints:
     """A running listener; :meth:`start` it, :meth:`close` it with the node."""
 
     def __init__(self, endpoints: Endpoints) -> None:
         self.endpoints = endpoints
         self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        #: Connections being served, by their task, oldest first (dicts keep insertion order).
+        self._conns: dict[asyncio.Task[Any], _Conn] = {}
+        #: Connections closed to make room for a newer one.
+        self.evicted = 0
         #: ``host:port`` actually bound (the port chosen when 0 was asked for).
         self.address: str | None = None
 
@@ -74,23 +94,43 @@ class HttpEndpoints:
         return self.address
 
     async def close(self) -> None:
-        """Stop listening and drop every open connection."""
+        """Stop listening, drop every open connection and wait for their tasks to end."""
         if self._server is None:
             return
         self._server.close()
-        for writer in list(self._writers):
-            writer.close()
+        tasks = list(self._conns)
+        for task, conn in list(self._conns.items()):
+            conn.writer.transport.abort()
+            task.cancel()
+        self._conns.clear()
+        if tasks:
+            # (Each task ends at its next await; none can block, the transports are gone.)
+            await asyncio.wait(tasks, timeout=2.0)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._server.wait_closed(), 2.0)
         self._server = None
 
+    def _make_room(self) -> None:
+        """Close the oldest connection still reading its head (a client that sends nothing or
+        trickles bytes), else the oldest one (an answer its peer does not read)."""
+        oldest = next(iter(self._conns))
+        victim = next((t for t, c in self._conns.items() if c.reading), oldest)
+        conn = self._conns.pop(victim)
+        self.evicted += 1
+        conn.writer.transport.abort()
+        victim.cancel()
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._writers) >= MAX_CONNECTIONS:
-            writer.close()
-            return
-        self._writers.add(writer)
+        task = asyncio.current_task()
+        assert task is not None
+        if len(self._conns) >= MAX_CONNECTIONS:
+            self._make_room()
+        conn = self._conns[task] = _Conn(writer)
         try:
             status, ctype, body, head_only, extra = await self._answer(reader)
+            conn.reading = False
+            if writer.transport.is_closing():
+                return  # the peer is gone
             reason = _REASONS.get(status, "")
             headers = (
                 f"HTTP/1.1 {status} {reason}\r\n"
@@ -100,14 +140,22 @@ class HttpEndpoints:
                 "Connection: close\r\n\r\n"
             )
             writer.write(headers.encode("ascii") + (b"" if head_only else body))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
+            try:
+                await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
+            except TimeoutError:
+                # A peer that does not read: close() would wait for it to take the bytes.
+                writer.transport.abort()
+        except asyncio.CancelledError:
+            # Closed to make room, or the listener is closing: nothing to answer or log. Not
+            # re-raised: asyncio's streams (3.11) log a task of theirs that ends cancelled.
+            writer.transport.abort()
         except (ConnectionError, OSError):
             pass
         except Exception:  # a bug must not end the listener; the client sees a closed socket
             log.exception("http endpoint failed")
         finally:
-            self._writers.discard(writer)
+            if self._conns.get(task) is conn:
+                del self._conns[task]
             writer.close()
 
     async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, str, bytes, bool, str]:

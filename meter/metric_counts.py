@@ -2,7 +2,10 @@
 
 Pure (no I/O, no prometheus objects): the request path adds to ints and to a bucket list
 indexed by :func:`bisect.bisect_left`, and the metrics collector turns them into Prometheus
-families at scrape time. Nothing here is updated unless metrics are on (``metrics_address``).
+families at scrape time. :class:`RequestStats` and :class:`FeatureUnits` are updated only while
+metrics are on (``metrics_address``); the log's fsync and the flusher's round :class:`Buckets`
+are kept always (one add per sync or round, off the request path), and so are the service's
+refused ``track_many`` items by code (an error path).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ FLUSH_BOUNDS: tuple[float, ...] = (
 
 #: The ``method`` label of requests naming no method the node has (bounded cardinality).
 OTHER = "other"
+#: Error results exported at 0 for every method from the start, so ``rate()`` and
+#: ``increase()`` see their first one (alerts watch them); other codes appear when first seen.
+PRESET_CODES: tuple[str, ...] = ("internal", "unavailable")
 
 
 class Buckets:
@@ -78,7 +84,9 @@ class RequestStats:
         #: ``track`` answered ``ok`` by the server's fast path (added to ``ok["track"]`` when
         #: read: one int add per pass on the hottest path).
         self.tracks = 0
-        self.errors: dict[tuple[str, str], int] = {}
+        self.errors: dict[tuple[str, str], int] = {
+            (m, code): 0 for m in sorted(self.methods) for code in PRESET_CODES
+        }
         self.latency: dict[str, Buckets] = {m: Buckets(REQUEST_BOUNDS) for m in self.methods}
         self._track = self.latency.setdefault("track", Buckets(REQUEST_BOUNDS))
 
@@ -114,6 +122,39 @@ class RequestStats:
             if hist is None:
                 hist = latency[method] = Buckets(REQUEST_BOUNDS)
             hist.add(seconds, n)
+
+    def tally(self, counts: dict[tuple[str, str | None], int], seconds: float) -> None:
+        """``counts[(method, code)]`` requests answered (``code`` ``None``: ``ok``), each after
+        ``seconds``; ``method`` labels already (:meth:`label`)."""
+        for (method, code), n in counts.items():
+            if code is None:
+                self.ok[method] = self.ok.get(method, 0) + n
+            else:
+                key = (method, code)
+                self.errors[key] = self.errors.get(key, 0) + n
+            hist = self.latency.get(method)
+            if hist is None:
+                hist = self.latency[method] = Buckets(REQUEST_BOUNDS)
+            hist.add(seconds, n)
+
+    def failed(
+        self,
+        code: str,
+        tracks: int,
+        others: dict[str, int] | None,
+        counts: dict[tuple[str, str | None], int] | None,
+        seconds: float,
+    ) -> None:
+        """Answers that were to be what :meth:`batch` and :meth:`tally` take but were all
+        answered ``code`` instead (the log's write failed: ``unavailable``)."""
+        by_method: dict[tuple[str, str | None], int] = {}
+        if tracks:
+            by_method[("track", code)] = tracks
+        for method, n in (others or {}).items():
+            by_method[(method, code)] = by_method.get((method, code), 0) + n
+        for (method, _), n in (counts or {}).items():
+            by_method[(method, code)] = by_method.get((method, code), 0) + n
+        self.tally(by_method, seconds)
 
     def one(self, method: str, code: str | None, seconds: float) -> None:
         """One request answered: ``code`` ``None`` for ``ok``, else its error code.

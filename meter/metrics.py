@@ -2,16 +2,19 @@
 
 The collector reads the numbers the node keeps anyway (``status``'s sources, and the plain
 counters of :mod:`meter.metric_counts`) when Prometheus scrapes, so the request path pays for
-no prometheus object. Each node has its own :class:`CollectorRegistry`, never the global one
-(tests run several nodes in one process). Labels are bounded: methods the node has, error
-codes, fixed states and reasons, and features only up to ``metrics_feature_labels``. No label
-ever holds a tenant.
+no prometheus object. The counts that walk the table (keys by state, the flush backlog) are
+taken at most once per :data:`TABLE_COUNTS_MAX_AGE_S`: at a million keys a walk is a pause of
+the event loop, and a flood of scrapes must not repeat it. Each node has its own
+:class:`CollectorRegistry`, never the global one (tests run several nodes in one process).
+Labels are bounded: methods the node has, error codes, fixed states and reasons, and features
+only up to ``metrics_feature_labels``. No label ever holds a tenant.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -26,6 +29,7 @@ from prometheus_client.registry import Collector
 from meter import __version__
 from meter.errors import BY_CODE
 from meter.metric_counts import Buckets, FeatureUnits, RequestStats
+from meter.table import TableStats
 
 if TYPE_CHECKING:
     from meter.node import Node
@@ -52,7 +56,7 @@ SEEDING_READS = "meter_seeding_reads_total"
 SEEDING_FAILED_READS = "meter_seeding_failed_reads_total"
 WAL_SIZE = "meter_wal_size_bytes"
 WAL_SEGMENTS = "meter_wal_segments"
-WAL_OLDEST_AGE = "meter_wal_oldest_record_age_seconds"
+WAL_OLDEST_AGE = "meter_wal_oldest_segment_age_seconds"
 WAL_COMMITS = "meter_wal_commits_total"
 WAL_FSYNCS = "meter_wal_fsyncs_total"
 WAL_FSYNC_DURATION = "meter_wal_fsync_duration_seconds"
@@ -82,6 +86,21 @@ METRIC_NAMES: tuple[str, ...] = (
 )  # fmt: skip
 
 
+#: The table's counts (``meter_keys``, ``meter_flush_backlog_keys`` and ``_units``) are
+#: reused for this many seconds after they were taken.
+TABLE_COUNTS_MAX_AGE_S = 1.0
+
+
+@dataclass(frozen=True)
+class TableCounts:
+    """What a scrape reads by walking the table, and when it was taken (``time.monotonic()``)."""
+
+    taken: float
+    keys: TableStats
+    backlog_keys: int | None
+    backlog_units: int | None
+
+
 def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, labels=labels)  # (it drops the ``_total`` itself)
 
@@ -104,13 +123,33 @@ class NodeCollector(Collector):
         self.node = node
         self.requests = requests
         self.units = units
+        self._counts: TableCounts | None = None
+
+    def table_counts(self) -> TableCounts | None:
+        """The table's counts, taken again only when the last are over
+        :data:`TABLE_COUNTS_MAX_AGE_S` old (``None`` before the table exists)."""
+        node = self.node
+        if node.table is None:
+            return None
+        now = time.monotonic()
+        counts = self._counts
+        if counts is None or now - counts.taken > TABLE_COUNTS_MAX_AGE_S:
+            backlog = None if node.flusher is None else node.flusher.backlog()
+            counts = self._counts = TableCounts(
+                taken=now,
+                keys=node.table.stats(),
+                backlog_keys=None if backlog is None else len(backlog[0]),
+                backlog_units=None if backlog is None else backlog[1],
+            )
+        return counts
 
     def collect(self) -> Iterator[Metric]:
         node = self.node
         yield from self._requests()
         yield from self._units()
-        if node.table is not None:
-            st = node.table.stats()
+        counts = self.table_counts()
+        if counts is not None:
+            st = counts.keys
             keys = GaugeMetricFamily(KEYS, "Keys in memory, by state.", labels=["state"])
             for state, n in (
                 ("warm", st.warm),
@@ -121,8 +160,8 @@ class NodeCollector(Collector):
             ):
                 keys.add_metric([state], n)
             yield keys
-        if node.flusher is not None and node.table is not None:
-            yield from self._flush()
+        if node.flusher is not None and counts is not None:
+            yield from self._flush(counts)
         if node.service is not None:
             svc = node.service
             yield _gauge(RESERVATIONS_OPEN, "Reservations open.", len(svc.reservations))
@@ -202,9 +241,9 @@ class NodeCollector(Collector):
                 fam.add_metric([], sum(series.values()))
             yield fam
 
-    def _flush(self) -> Iterator[Metric]:
+    def _flush(self, counts: TableCounts) -> Iterator[Metric]:
         node = self.node
-        assert node.flusher is not None and node.table is not None
+        assert node.flusher is not None
         fs = node.flusher.stats
         for name, doc, n in (
             (FLUSH_ROUNDS, "Flush rounds.", fs.rounds),
@@ -215,12 +254,12 @@ class NodeCollector(Collector):
             fam.add_metric([], n)
             yield fam
         yield _histogram(FLUSH_DURATION, "Flush round duration.", [], {"": fs.round_seconds})
-        backlog = node.flusher.backlog_keys()
-        yield _gauge(FLUSH_BACKLOG_KEYS, "Keys with units storage does not have.", len(backlog))
+        yield _gauge(FLUSH_BACKLOG_KEYS, "Keys with units storage does not have.",
+                     counts.backlog_keys or 0)  # fmt: skip
         yield _gauge(
             FLUSH_BACKLOG_UNITS,
             "Units storage does not have (parked keys excluded).",
-            node.table.pending_units(backlog),
+            counts.backlog_units or 0,
         )
         since = fs.backlog_since
         yield _gauge(
@@ -237,8 +276,10 @@ class NodeCollector(Collector):
         st = wal.status()
         yield _gauge(WAL_SIZE, "Bytes of write-ahead log on disk.", st["size_bytes"])
         yield _gauge(WAL_SEGMENTS, "Write-ahead log segment files.", st["segments"])
-        age = st["oldest_record_age_s"]
-        yield _gauge(WAL_OLDEST_AGE, "Age of the oldest log segment.", age or 0.0)
+        age = st["oldest_segment_age_s"]
+        yield _gauge(
+            WAL_OLDEST_AGE, "Age of the oldest log segment, since its first record.", age or 0.0
+        )
         for name, doc, n in (
             (WAL_COMMITS, "Log commits (one write per event-loop pass).", wal.commits),
             (WAL_FSYNCS, "Log syncs (fdatasync).", wal.fsyncs),

@@ -456,8 +456,7 @@ class Node:
             await self.service.seeder.close()  # reads ahead nobody waits for any more
         self.drained = await self.flusher.drain(self.config.flush.drain_timeout_s)
         if not self.drained:
-            left = self.flusher.backlog_keys()
-            units = sum(self.table.pending(k) for k in left) if self.table else 0
+            left, units = self.flusher.backlog()
             refusal = None if self.owner is None else self.owner.refusal()
             log.error(
                 "drain %s: %d keys (%d units) not stored (they stay in the write-ahead log): %s",
@@ -667,7 +666,7 @@ class Node:
     def _status_extra(self) -> dict[str, Any]:
         assert self.flusher is not None and self.table is not None
         fs = self.flusher.stats
-        backlog = self.flusher.backlog_keys()
+        backlog, backlog_units = self.flusher.backlog()
         now = time.time()
         out: dict[str, Any] = {
             "socket": str(self.config.server.socket),
@@ -684,7 +683,7 @@ class Node:
                 "reseeded": fs.reseeded,
                 "failures": fs.failures,
                 "backlog_keys": len(backlog),
-                "backlog_units": self.table.pending_units(backlog),
+                "backlog_units": backlog_units,
                 "backlog_age_s": None
                 if fs.backlog_since is None
                 else round(now - fs.backlog_since, 3),

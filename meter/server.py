@@ -132,6 +132,7 @@ class _Connection(asyncio.Protocol):
         "_paused",
         "_server",
         "_shut",
+        "_tally",
         "pending",
         "sub",
         "transport",
@@ -148,6 +149,10 @@ class _Connection(asyncio.Protocol):
         self._shut = False
         #: Asynchronous answers not sent yet.
         self.pending = 0
+        #: Metrics on: the answers of the pass being served that are not counted in its own
+        #: ``tracks`` and ``answered`` (errors, and whatever ``_other`` answers), by
+        #: ``(method label, code or None for ok)``; counted when the pass's answers leave.
+        self._tally: dict[tuple[str, str | None], int] | None = None
         #: This connection's subscriptions and unsent notifications (``subscribe``), if any.
         self.sub: Subscriber | None = None
         self.transport: asyncio.Transport | None = None
@@ -254,14 +259,14 @@ class _Connection(asyncio.Protocol):
                 except MeterError as exc:
                     append([RESPONSE, msgid, exc.to_wire(), None])
                     if stats is not None:
-                        stats.one(stats.label(method), exc.code, perf_counter() - t0)
+                        self._count(stats.label(method), exc.code)
                     continue
                 except Exception:
                     log.exception("internal error in %.64r", method)
                     srv.internal_errors += 1
                     append([RESPONSE, msgid, _INTERNAL, None])
                     if stats is not None:
-                        stats.one(stats.label(method), "internal", perf_counter() - t0)
+                        self._count(stats.label(method), "internal")
                     continue
                 # int first: what track answers, one compare instead of a set lookup.
                 if (
@@ -276,13 +281,17 @@ class _Connection(asyncio.Protocol):
                     self._answer_later(msgid, method, result)
         transport = self.transport
         bad_after_hold: ProtocolError | None = None
+        tally = self._tally  # (always None with metrics off)
+        if tally is not None:
+            self._tally = None
         if answers:
             wal = srv.wal
             if wal is not None and wal.dirty:
                 # Some state change of this pass is not in the log yet: answer after it is.
-                self._hold(wal, answers[:], tracks, answered, t0)
+                self._hold(wal, answers[:], tracks, answered, tally, t0)
                 tracks = 0
                 answered = None
+                tally = None
                 bad_after_hold = bad
                 bad = None
             elif transport is not None and not transport.is_closing():
@@ -295,9 +304,12 @@ class _Connection(asyncio.Protocol):
                         "unencodable result answered as internal: %s", encoder.last_encode_error
                     )
             answers.clear()
-        if tracks or answered:
+        if tracks or answered or tally:
             assert stats is not None
-            stats.batch(tracks, answered, perf_counter() - t0)
+            seconds = perf_counter() - t0
+            stats.batch(tracks, answered, seconds)
+            if tally:
+                stats.tally(tally, seconds)
         bad = bad if bad is not None else bad_after_hold
         if bad is not None and transport is not None:
             srv.protocol_errors += 1
@@ -323,7 +335,7 @@ class _Connection(asyncio.Protocol):
                 msgid, method = (msg[1], msg[2]) if type(msg) is list else (msg[0], msg[1])
                 answers.append([RESPONSE, msgid, _DRAINING, None])
                 if stats is not None:
-                    stats.one(stats.label(method), "unavailable", 0.0)
+                    self._count(stats.label(method), "unavailable")
                 return
             # Only a Request with a method name sent as raw/bin gets here.
             req = cast(Request, msg)
@@ -342,11 +354,11 @@ class _Connection(asyncio.Protocol):
                 result = None
             if code is not None:
                 if stats is not None:
-                    stats.one(stats.label(req.method), code, 0.0)
+                    self._count(stats.label(req.method), code)
             elif type(result) in _PLAIN:
                 answers.append([RESPONSE, req.msgid, None, result])
                 if stats is not None:
-                    stats.one(stats.label(req.method), None, 0.0)
+                    self._count(stats.label(req.method), None)
             else:
                 self._answer_later(req.msgid, req.method, result)
             return
@@ -359,7 +371,7 @@ class _Connection(asyncio.Protocol):
             if msg.msgid is not None:
                 answers.append([RESPONSE, msg.msgid, invalid_error(msg.reason), None])
                 if stats is not None:
-                    stats.one(OTHER, "invalid_argument", 0.0)
+                    self._count(OTHER, "invalid_argument")
             else:
                 log.debug("ignored a malformed notification: %s", msg.reason)
 
@@ -382,14 +394,14 @@ class _Connection(asyncio.Protocol):
             if code is not None:
                 stats = srv.request_stats
                 if stats is not None:
-                    stats.one(stats.label(method), code, 0.0)
+                    self._count(stats.label(method), code)
                 return
             # Run: its answer is a value, or an awaitable (features read from storage first).
         if type(result) in _PLAIN or not inspect.isawaitable(result):
             self._answers.append([RESPONSE, msgid, None, result])
             stats = srv.request_stats
             if stats is not None:
-                stats.one(stats.label(method), None, 0.0)
+                self._count(stats.label(method), None)
         else:
             srv._spawn(self, msgid, method, result)
 
@@ -415,34 +427,65 @@ class _Connection(asyncio.Protocol):
             self._server.internal_errors += encoder.encode_errors - before
             log.error("unencodable result answered as internal: %s", encoder.last_encode_error)
 
+    def _count(self, method: str, code: str | None) -> None:
+        """Count one answer of this pass (metrics on): ``code`` ``None`` for ``ok``."""
+        tally = self._tally
+        if tally is None:
+            tally = self._tally = {}
+        key = (method, code)
+        tally[key] = tally.get(key, 0) + 1
+
     def _hold(
         self,
         wal: WriteAheadLog,
         answers: list[list[Any]],
         tracks: int = 0,
         answered: dict[str, int] | None = None,
+        tally: dict[tuple[str, str | None], int] | None = None,
         t0: float = 0.0,
     ) -> None:
         """Send ``answers`` after the log's commit; until then they count as pending, so a
         peer that half-closes (or a connection closing after a protocol error) still gets
-        them. ``tracks`` (fast-path tracks) and ``answered`` (the other ok answers by method) are
-        timed from ``t0`` to the send (metrics on)."""
+        them. ``tracks`` (fast-path tracks), ``answered`` (the other ok answers by method) and
+        ``tally`` (the rest, by method and code) are counted at the send, timed from ``t0``
+        (metrics on); all as ``unavailable`` if the log's write failed (so were they answered)."""
         self.pending += 1
         stats = self._server.request_stats
 
-        def send(arrays: list[list[Any]]) -> None:
+        def send(arrays: list[list[Any]], error: str | None) -> None:
             self._send_arrays(arrays)
             self.finished_one()
-            if stats is not None and (tracks or answered):
-                stats.batch(tracks, answered, perf_counter() - t0)
+            if stats is not None and (tracks or answered or tally):
+                seconds = perf_counter() - t0
+                if error is not None:
+                    stats.failed("unavailable", tracks, answered, tally, seconds)
+                    return
+                stats.batch(tracks, answered, seconds)
+                if tally:
+                    stats.tally(tally, seconds)
 
         wal.hold(send, answers)
 
-    def send(self, msgid: int, error: ErrorMap | None, result: Any) -> None:
+    def send(
+        self,
+        msgid: int,
+        error: ErrorMap | None,
+        result: Any,
+        count: tuple[str, str | None, float] | None = None,
+    ) -> None:
+        """Send one asynchronous answer, after the log's commit if it has something to commit.
+        ``count`` (metrics on): ``(method label, code or None, start)``, counted when it
+        leaves (as ``unavailable`` if the log's write failed)."""
         wal = self._server.wal
         if wal is not None and wal.dirty:
-            self._hold(wal, [[RESPONSE, msgid, error, result]])
+            tally = None if count is None else {(count[0], count[1]): 1}
+            self._hold(wal, [[RESPONSE, msgid, error, result]], tally=tally,
+                       t0=0.0 if count is None else count[2])  # fmt: skip
             return
+        if count is not None:
+            stats = self._server.request_stats
+            assert stats is not None
+            stats.one(count[0], count[1], perf_counter() - count[2])
         transport = self.transport
         if transport is None or transport.is_closing():
             return
@@ -549,28 +592,27 @@ class RpcServer:
     async def _finish(
         self, conn: _Connection, msgid: int, method: str, aw: Awaitable[Any], start: float
     ) -> None:
-        code: str | None = "unavailable"  # (cancelled: answered as draining)
+        stats = self.request_stats
+        label = "" if stats is None else stats.label(method)
+
+        def count(code: str | None) -> tuple[str, str | None, float] | None:
+            return None if stats is None else (label, code, start)
+
         try:
             result = await aw
         except MeterError as exc:
-            code = exc.code
-            conn.send(msgid, exc.to_wire(), None)
+            conn.send(msgid, exc.to_wire(), None, count(exc.code))
         except asyncio.CancelledError:
-            conn.send(msgid, _DRAINING, None)
+            conn.send(msgid, _DRAINING, None, count("unavailable"))
             raise
         except Exception:
             log.exception("internal error in %.64r", method)
             self.internal_errors += 1
-            code = "internal"
-            conn.send(msgid, _INTERNAL, None)
+            conn.send(msgid, _INTERNAL, None, count("internal"))
         else:
-            code = None
-            conn.send(msgid, None, result)
+            conn.send(msgid, None, result, count(None))
         finally:
             conn.finished_one()
-            stats = self.request_stats
-            if stats is not None:
-                stats.one(stats.label(method), code, perf_counter() - start)
 
     def _notify_one(self, msg: Notification) -> None:
         if self._notify is None:

@@ -37,7 +37,7 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
                 "broken": "writing wal-00000002.log failed: ENOSPC (disk full)",
                 "segments": 2,
                 "size_bytes": 4096,
-                "oldest_record_age_s": 3.5,
+                "oldest_segment_age_s": 3.5,
                 "fsyncs": 9,
             },
         },
@@ -65,6 +65,7 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
     assert "unseeded 1" in text and "in flight 2" in text
     assert "seeding      8 on demand, 5 read ahead, 3 reads (1 failed), 2 queued" in text
     assert "log          fsync BROKEN (writing wal-00000002.log failed: ENOSPC (disk full))" in text
+    assert "4096 bytes, oldest segment 3.5 s, 9 fsyncs" in text
     assert "request ids  10 remembered (max 250000), 2 dropped early" in text
     assert "node id      WAITING: held by another process until X" in text
     assert "ready        NO: storage: the last flush round failed: throttled" in text

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meter.config import load
-from meter.errors import ConfigError
+from meter.errors import BY_CODE, ConfigError
 from meter.metrics import METRIC_NAMES
 from tests.conftest_dynamodb import create_table
 from tests.dynamodb_local import DynamoDBLocal
@@ -102,7 +102,11 @@ def test_counters_move_with_calls_and_labels_stay_bounded(workdir: Path) -> None
         node.call("track", "tenant-secret-c", "gpu", 4)  # a third feature: "other"
         node.call("usage", "tenant-secret-a", "api")
         node.call("usage_all", "tenant-secret-a")  # a map: answered at once, not awaited
+        mid = scrape(address)
         assert raw_call(node.socket, "subscribe", "tenant-secret-a", ["api"])[0] is None
+        # Answers the hot loop does not give (subscribe's Bind) are timed, not put at 0 s.
+        sub = ("meter_request_duration_seconds_sum", (("method", "subscribe"),))
+        assert scrape(address)[sub] > mid[sub]
         assert raw_call(node.socket, "subscribe", "", ["api"])[0]["code"] == "invalid_argument"
         assert raw_call(node.socket, "track", "", "api")[0]["code"] == "invalid_argument"
         assert raw_call(node.socket, "no_such_method")[0]["code"] == "unknown_method"
@@ -126,6 +130,7 @@ def test_counters_move_with_calls_and_labels_stay_bounded(workdir: Path) -> None
             lambda: (
                 (s := scrape(address))
                 and value(s, "meter_units_stored_total", feature="api") >= 65
+                and value(s, "meter_keys", state="warm") == 3  # (at most 1 s old)
                 and s
             ),
             10,
@@ -155,6 +160,7 @@ def test_counters_move_with_calls_and_labels_stay_bounded(workdir: Path) -> None
         assert moved("meter_request_duration_seconds_count", method="track") == 7 + 2 + 50 + 1
         assert moved("meter_request_duration_seconds_bucket", method="track", le="+Inf") == 60
         assert moved("meter_request_duration_seconds_sum", method="track") > 0
+        assert moved("meter_request_duration_seconds_count", method="subscribe") == 2
         # A call refused and a track_many item refused.
         assert moved("meter_refusals_total", reason="invalid_argument") == 3
         assert moved("meter_refusals_total", reason="unknown_method") == 1
@@ -173,6 +179,45 @@ def test_counters_move_with_calls_and_labels_stay_bounded(workdir: Path) -> None
         for _, labels in after:
             for k, v in labels:
                 assert "tenant" not in k and "tenant-secret" not in v
+
+
+def test_error_series_are_exported_at_zero_from_the_start(workdir: Path) -> None:
+    """A fresh node exports every refusal code, and the internal and unavailable results of
+    every method, at 0: ``increase()`` over them sees the first error (the alerts use it)."""
+    with NodeProcess(workdir, METER_METRICS_ADDRESS="127.0.0.1:0") as node:
+        samples = scrape(metrics_address(node))
+        for code in BY_CODE:
+            assert samples[("meter_refusals_total", (("reason", code),))] == 0, code
+        for method in ("track", "track_many", "usage", "reserve", "commit", "status"):
+            for code in ("internal", "unavailable"):
+                key = ("meter_requests_total", (("method", method), ("result", code)))
+                assert samples[key] == 0, key
+
+
+def test_table_counts_are_walked_at_most_once_a_second(workdir: Path) -> None:
+    """The counts that walk the table (meter_keys, the flush backlog) are reused for up to a
+    second, so a flood of scrapes costs one walk a second; they follow the table after it."""
+    env = {"METER_METRICS_ADDRESS": "127.0.0.1:0", "METER_FLUSH_INTERVAL_MS": "3600000"}
+    with NodeProcess(workdir, **env) as node:
+        address = metrics_address(node)
+        t0 = time.monotonic()
+        first = scrape(address)
+        assert value(first, "meter_keys", state="warm") == 0
+        node.call("track", "acme", "api", 5)
+        again = scrape(address)
+        if time.monotonic() - t0 < 0.9:  # (a box too loaded to scrape twice in 0.9 s: skip)
+            assert value(again, "meter_keys", state="warm") == 0
+            assert value(again, "meter_flush_backlog_units") == 0
+        # The request counters are not cached: they move at once.
+        assert value(again, "meter_requests_total", method="track", result="ok") == 1
+        wait_for(
+            lambda: (
+                value(s := scrape(address), "meter_keys", state="warm") == 1
+                and value(s, "meter_flush_backlog_units") == 5
+            ),
+            5,
+            "the key counts to follow the table within a second",
+        )
 
 
 def test_health_endpoints_and_bad_http_requests(workdir: Path) -> None:
@@ -205,6 +250,39 @@ def test_health_endpoints_and_bad_http_requests(workdir: Path) -> None:
         assert node.stop() == 0
         with pytest.raises(OSError):  # the listener stopped with the node
             socket.create_connection((host, int(port)), timeout=2).close()
+
+
+def test_idle_connections_cannot_keep_a_probe_out(workdir: Path) -> None:
+    """More idle or trickling clients than the listener serves at once (64) do not keep
+    /healthz out: it is answered at once, each new connection closing the oldest one still
+    reading its head; and the listener stops cleanly with a probe half sent (no traceback)."""
+    with NodeProcess(workdir, METER_METRICS_ADDRESS="127.0.0.1:0") as node:
+        address = metrics_address(node)
+        host, port = address.rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(70)]
+        for s in idle[::2]:
+            s.sendall(b"GET /healthz HTTP/1.1\r\n")  # a head trickled, never finished
+        for _ in range(3):
+            t0 = time.monotonic()
+            assert http(address, "/healthz") == (200, "ok\n")
+            # Answered before the head timeout (2 s) freed any slot: room was made for it.
+            assert time.monotonic() - t0 < 2
+            assert http(address, "/readyz?counting")[0] == 200
+        # The oldest idle ones were closed without an answer (not 408 after the timeout).
+        first = idle[0]
+        try:
+            got = first.recv(100)
+        except ConnectionResetError:
+            got = b""
+        assert got == b""
+        half = socket.create_connection((host, int(port)), timeout=10)
+        half.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n")  # in flight at the stop
+        assert node.stop() == 0
+        for s in [*idle, half]:
+            s.close()
+        log = node.log()
+        assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+        assert " ERROR " not in log, log[-3000:]
 
 
 def _listening_tcp_sockets(pid: int) -> int:

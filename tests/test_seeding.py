@@ -273,6 +273,9 @@ async def test_a_failed_seeding_batch_counts_and_the_flusher_seeds_it_when_stora
             assert proxy.failed > 0 and during["seeding"]["failed_reads"] >= 1, during
             assert during["seeding"]["on_demand"] == 0, during
             assert during["keys"]["unseeded"] == len(keys), during
+            # Dirty and unseeded, each key is in the backlog once, with its units once.
+            assert during["flush"]["backlog_keys"] == len(keys), during["flush"]
+            assert during["flush"]["backlog_units"] == sum(tracked.values()), during["flush"]
 
             proxy.fail = None  # reads work again: nobody asks, the flusher seeds them
             healed = await wait_status(

@@ -91,3 +91,24 @@ def test_pending_units_sums_pending_over_the_keys() -> None:
     keys = [a, b, cold, a]
     assert t.pending_units(keys) == sum(t.pending(k) for k in keys) == 14
     assert t.pending_units([]) == 0
+
+
+def test_unflushed_lists_each_key_with_units_once() -> None:
+    """A cold key counted before it is seeded is both dirty and unseeded: the backlog holds it
+    (and its units) once; excluded keys (parked) are left out."""
+    t = CounterTable("n1")
+    a, b, parked = ("t", "a", "2026-11"), ("t", "b", "2026-11"), ("t", "p", "2026-11")
+    cold, restored = ("t", "c", "2026-11"), ("t", "r", "2026-11")
+    for key in (a, b, parked):
+        t.seed(key, EMPTY)
+    t.incr(a, 3)
+    t.incr(parked, 9)
+    assert t.take_flush(a) == (1, 3)  # in flight still counts
+    t.incr(a, 2)
+    t.incr(cold, 4, check=False)  # counted before its stored total is known
+    t.restore(restored, 7, 6, 0)  # replayed from the log: in flight, unseeded
+    keys, units = t.unflushed({parked})
+    assert sorted(keys) == sorted([a, cold, restored])
+    assert units == 5 + 4 + 6 == sum(t.pending(k) for k in (a, cold, restored))
+    every, total = t.unflushed(())
+    assert sorted(every) == sorted([a, parked, cold, restored]) and total == 24  # b: nothing

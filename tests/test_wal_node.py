@@ -16,6 +16,7 @@ import pytest
 from meter.wal import records as R
 from meter.wal.log import list_segments, segment_path
 from tests.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
+from tests.test_metrics_http import metrics_address, scrape, value
 
 pytestmark = pytest.mark.slow
 
@@ -243,10 +244,13 @@ def test_a_full_disk_refuses_writes_counts_nothing_and_recovers(
         METER_DATA_DIR=str(small_fs / "data"),
         METER_SQLITE_FILE=str(workdir / "counters.sqlite3"),  # storage stays on the real disk
         METER_WAL_SEGMENT_BYTES="65536",
+        METER_METRICS_ADDRESS="127.0.0.1:0",
         **NO_FLUSH,
     ).start()
     try:
         assert node.call("track", "acme", "api", 1) == 1
+        address = metrics_address(node)
+        before = scrape(address)
         filler = small_fs / "filler"
         with filler.open("wb", buffering=0) as fh, contextlib.suppress(OSError):
             while True:
@@ -265,6 +269,20 @@ def test_a_full_disk_refuses_writes_counts_nothing_and_recovers(
                 assert "write-ahead log" in error["message"]
                 refused += 1
         assert refused > 0, "the disk never filled"
+        # The metrics count each answer as it was answered: the calls the failed log write
+        # turned into "unavailable" too (not "ok").
+        after = scrape(address)
+
+        def moved(name: str, **labels: str) -> float:
+            return value(after, name, **labels) - value(before, name, **labels)
+
+        assert moved("meter_requests_total", method="track", result="ok") == counted - 1
+        assert moved("meter_requests_total", method="track", result="unavailable") == refused
+        assert moved("meter_refusals_total", reason="unavailable") == refused
+        assert (
+            moved("meter_request_duration_seconds_count", method="track") == counted - 1 + refused
+        )
+        assert value(after, "meter_wal_writable") == 0
         # Reads keep working, and say what was counted, nothing more.
         assert node.call("usage", "acme", "api") == counted
         status = node.call("status")
@@ -315,7 +333,7 @@ def test_the_log_stays_bounded_by_the_unstored_backlog(workdir: Path) -> None:
         # Older segments were dropped: at most the open one and one being compacted.
         assert wal["segments"] <= 2, wal
         assert wal["size_bytes"] <= 2 * 65536 + 32768, wal
-        assert wal["oldest_record_age_s"] is not None
+        assert wal["oldest_segment_age_s"] is not None
         files = list((node.data_dir / "wal").iterdir())
         assert len(files) == wal["segments"], files
 

@@ -38,7 +38,7 @@ from meter.wal.replay import Replay
 log = logging.getLogger("meter.wal")
 
 #: Answers held until a commit: a sender and the response arrays it sends.
-Held = tuple[Callable[[list[list[Any]]], None], list[list[Any]]]
+Held = tuple[Callable[[list[list[Any]], str | None], None], list[list[Any]]]
 
 _SEGMENT_RE = re.compile(r"wal-(\d{8})\.log")
 #: A segment older than this is closed (and the log compacted) if it is over SMALL_SEGMENT.
@@ -316,9 +316,12 @@ class WriteAheadLog:
             assert self._loop is not None
             self._loop.call_soon(self._commit)
 
-    def hold(self, send: Callable[[list[list[Any]]], None], answers: list[list[Any]]) -> None:
-        """Send ``answers`` (response arrays) once the open batch is committed; if its write
-        fails, each becomes an ``unavailable`` error first."""
+    def hold(
+        self, send: Callable[[list[list[Any]], str | None], None], answers: list[list[Any]]
+    ) -> None:
+        """Call ``send(answers, None)`` (response arrays) once the open batch is committed; if
+        its write fails, each answer becomes an ``unavailable`` error first, and ``send`` gets
+        the failure's text instead of ``None``."""
         self._held.append((send, answers))
 
     def at_commit(self, fn: Callable[[], object]) -> None:
@@ -366,7 +369,7 @@ class WriteAheadLog:
     def _commit_batch(self, batch: list[list[Any]], held: list[Held], gen: int) -> None:
         if not batch:
             for send, answers in held:
-                send(answers)
+                send(answers, None)
             return
         error: str | None = self.broken
         if error is None and self._closed:
@@ -391,7 +394,7 @@ class WriteAheadLog:
                 self.records += len(batch)
         if error is None:
             for send, answers in held:
-                send(answers)
+                send(answers, None)
             self._wake_waiters()
             if self.mode == "interval" and any(t <= gen for t, _ in self._waiters):
                 self._sync_soon()
@@ -408,7 +411,7 @@ class WriteAheadLog:
             for answer in answers:
                 answer[2] = unavailable
                 answer[3] = None
-            send(answers)
+            send(answers, error)
         self._fail_waiters(gen, error)
         if self._ckpt is not None:
             self._ckpt = None
@@ -686,7 +689,7 @@ class WriteAheadLog:
             "mode": self.mode,
             "segments": len(self._sizes) + (1 if self._fd >= 0 else 0),
             "size_bytes": sum(self._sizes.values()) + self._end,
-            "oldest_record_age_s": None if oldest is None else round(time.time() - oldest, 3),
+            "oldest_segment_age_s": None if oldest is None else round(time.time() - oldest, 3),
             "broken": self.broken,
             "last_error": self.last_error,
             "commits": self.commits,
