@@ -15,9 +15,10 @@ array ``[cluster, sender, incarnation, seq, sent_at, kind, body]``:
 ``seq``          the sender's message sequence within the incarnation, 1, 2, 3, ... (gaps are
                  lost messages);
 ``sent_at``      the sender's wall clock in seconds (for the gossip lag);
-``kind``         0 heartbeat (body ``nil``), 1 deltas, 2 flush announcements;
+``kind``         0 heartbeat (body ``nil``), 1 deltas, 2 flush announcements, 3 limits changed;
 ``body``         deltas: ``[[tenant, feature, period, flush_seq, delta], ...]``;
-                 announcements: ``[[tenant, feature, period, total, {node: seq}], ...]``.
+                 announcements: ``[[tenant, feature, period, total, {node: seq}], ...]``;
+                 limits changed: ``[version]``, the stored limits' new version.
 
 Deltas and totals that do not fit a signed 64-bit integer travel as decimal strings.
 :func:`decode` returns a :class:`Message` or a :class:`Rejected` with a reason; it never raises.
@@ -49,9 +50,9 @@ INT64_MAX: Final = 2**63 - 1
 #: Longest decimal string accepted for a big integer.
 MAX_BIGINT_DIGITS: Final = 80
 
-Kind = Literal["heartbeat", "deltas", "announce"]
-_KIND_CODE: Final[dict[str, int]] = {"heartbeat": 0, "deltas": 1, "announce": 2}
-_CODE_KIND: Final[dict[int, Kind]] = {0: "heartbeat", 1: "deltas", 2: "announce"}
+Kind = Literal["heartbeat", "deltas", "announce", "limits"]
+_KIND_CODE: Final[dict[str, int]] = {"heartbeat": 0, "deltas": 1, "announce": 2, "limits": 3}
+_CODE_KIND: Final[dict[int, Kind]] = {0: "heartbeat", 1: "deltas", 2: "announce", 3: "limits"}
 
 Reason = Literal["oversize", "malformed", "version", "unsigned", "bad_mac", "cluster"]
 #: Every rejection reason, for status maps that list zeros too.
@@ -89,6 +90,8 @@ class Message:
     kind: Kind
     deltas: tuple[DeltaItem, ...] = ()
     announcements: tuple[AnnounceItem, ...] = ()
+    #: ``limits``: the stored limits' version after the change the sender made.
+    limits_version: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,11 +130,15 @@ class Codec:
         header: Header,
         kind: Kind,
         items: Sequence[DeltaItem] | Sequence[AnnounceItem] = (),
+        limits_version: int = 0,
     ) -> bytes:
-        """One frame. ``items`` are deltas or announcements according to ``kind``."""
+        """One frame. ``items`` are deltas or announcements according to ``kind``;
+        ``limits_version`` is the body of a ``limits`` frame."""
         body: Any
         if kind == "heartbeat":
             body = None
+        elif kind == "limits":
+            body = [limits_version]
         elif kind == "deltas":
             body = [[t, f, p, s, _wire_int(cast(int, d))] for t, f, p, s, d in items]
         else:
@@ -224,6 +231,10 @@ class Codec:
             if body is not None:
                 raise _Bad("heartbeat with a body")
             return Message(header, kind)
+        if kind == "limits":
+            if not isinstance(body, list) or len(body) != 1:
+                raise _Bad("limits body is not [version]")
+            return Message(header, kind, limits_version=_uint(body[0], "limits version"))
         if not isinstance(body, list) or len(body) > MAX_ITEMS:
             raise _Bad("body is not an array (or too long)")
         if kind == "deltas":

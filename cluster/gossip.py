@@ -119,6 +119,8 @@ class Gossip(Generic[S]):
         self._resync_event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._warned_own_id = False
+        #: Called with the version of a ``limits`` frame from a peer (the node re-reads).
+        self.on_limits: Callable[[int], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -161,6 +163,10 @@ class Gossip(Generic[S]):
         self.broadcaster.muted = muted
         if not muted:
             self.broadcaster.heartbeat_now()
+
+    def limits_changed(self, version: int) -> None:
+        """Tell peers this node changed the stored limits to ``version``."""
+        self.broadcaster.limits_changed(version)
 
     async def on_flushed(self, written: Sequence[tuple[Key, AppliedView]]) -> None:
         """The flusher hook: announce the snapshots just written."""
@@ -209,6 +215,7 @@ class Gossip(Generic[S]):
         if verdict is Seen.GAP:
             log.info("gossip gap from %s: %d messages lost; resyncing", h.sender, missed)
             self.request_resync("gap")
+            self._maybe_missed_limits()
         elif verdict is Seen.FIRST and h.seq > 1:
             # A peer that was running before we heard it: its earlier messages may hold
             # deltas for keys we have warm. Cheap (once per peer), and closes that window.
@@ -235,6 +242,8 @@ class Gossip(Generic[S]):
                     applied += 1
             self.received["announcements_applied"] += applied
             self.received["announcements_skipped"] += len(msg.announcements) - applied
+        elif msg.kind == "limits" and self.on_limits is not None:
+            self.on_limits(msg.limits_version)
 
     def on_state(self, up: bool) -> None:
         """The bus connected or lost its connection."""
@@ -243,8 +252,14 @@ class Gossip(Generic[S]):
             # silence during our outage was ours, not theirs.
             self.peers.touch_all(time.monotonic())
             self.request_resync("connect")
+            self._maybe_missed_limits()
             # Tell peers at once that we are here (and where our sequence stands).
             self.broadcaster.heartbeat_now()
+
+    def _maybe_missed_limits(self) -> None:
+        """A lost frame may have been a ``limits`` one: have the node check the version."""
+        if self.on_limits is not None:
+            self.on_limits(-1)
 
     def _forget(self, peer: str) -> None:
         # A dead (or restarted) peer will never flush what it gossiped under those sequences:
