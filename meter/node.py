@@ -331,7 +331,9 @@ class Node:
                 status_extra=self._status_extra,
                 wal=self.wal,
                 ids=RequestIds(d.idempotency_window_s, d.idempotency_max_ids),
+                limits_poll_s=cfg.counters.limits_poll_ms / 1000,
             )
+            await self._load_limits()
             self._owner_state(self.owner.state, settled=True)  # nothing read yet
             warm: list[Key] = []
             if self.wal is not None:
@@ -368,6 +370,7 @@ class Node:
             asyncio.create_task(self._purge_loop(), name="retention-purge"),
             asyncio.create_task(self._read_ahead_loop(), name="rollover-read-ahead"),
             asyncio.create_task(self.owner.run(), name="owner"),
+            asyncio.create_task(self.service.limits.run(), name="limits"),
         ]
         if warm:
             # Right after the socket opens: requests arriving meanwhile are read first.
@@ -381,6 +384,20 @@ class Node:
             self.storage.kind,
             cfg.data_dir,
         )
+
+    async def _load_limits(self) -> None:
+        """Read the limits before the socket opens, and wire their propagation (gossip)."""
+        assert self.service is not None
+        limits = self.service.limits
+        gossip = self.gossip
+        if gossip is not None:
+            gossip.on_limits = limits.invalidate
+            limits.publish = gossip.limits_changed
+            limits.bus_up = lambda: gossip.bus.connected
+        try:
+            await limits.refresh()
+        except StorageError as exc:  # enforced from the first read that succeeds (the loop)
+            log.warning("limits could not be read at start; none enforced until they are: %s", exc)
 
     def request_stop(self) -> None:
         """Ask ``run()`` to drain and return (what SIGTERM does)."""

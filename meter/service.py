@@ -13,7 +13,15 @@ from typing import Any, cast
 
 from meter import __version__
 from meter.config import CounterConfig
-from meter.errors import Conflict, InvalidArgument, MeterError, NotFound, Unavailable, UnknownMethod
+from meter.errors import (
+    Conflict,
+    InvalidArgument,
+    LimitExceeded,
+    MeterError,
+    NotFound,
+    Unavailable,
+    UnknownMethod,
+)
 from meter.idempotency import RequestIds, check_id, fingerprint
 from meter.keys import (
     QTY_MAX,
@@ -26,6 +34,9 @@ from meter.keys import (
     check_tenant,
     period_start,
 )
+from meter.limit_methods import LimitMethods
+from meter.limits import Effective, LimitBook
+from meter.limits_sync import LimitsSync
 from meter.reservations import Lease, Reservations
 from meter.rollover import next_keys, period_end
 from meter.seeder import Seeder
@@ -46,7 +57,7 @@ KEY_CACHE_SIZE = 262_144
 #: Most names kept in one copy, per kind (tenants, features, periods); each starts over when full.
 NAME_CACHE_SIZE = 262_144
 
-_TRACK_OPTS = frozenset({"at", "id"})
+_TRACK_OPTS = frozenset({"at", "id", "detail"})
 _USAGE_OPTS = frozenset({"at"})
 _RESERVE_OPTS = frozenset({"limit", "ttl_ms", "at", "id"})
 _FINISH_OPTS = frozenset({"id"})
@@ -67,6 +78,7 @@ class Service:
         status_extra: Callable[[], Mapping[str, Any]] | None = None,
         wal: WriteAheadLog | None = None,
         ids: RequestIds | None = None,
+        limits_poll_s: float = 0.5,
     ) -> None:
         self.table = table
         self.storage = storage
@@ -110,7 +122,17 @@ class Service:
         self._tenants: dict[str, str] = {}
         self._features: dict[str, str] = {}
         self._period_names: dict[str, str] = {}
+        #: The limits this node enforces (docs/quotas.md), kept current with storage.
+        self.limits = LimitsSync(storage, self._new_limits, poll_s=limits_poll_s)
+        # (tenant, feature) -> its effective limit: the hot path's one lookup, an empty dict
+        # (false) while no limit exists anywhere.
+        self._limited: dict[tuple[str, str], Effective] = {}
+        #: Calls refused by a hard limit, and soft limits crossed, since start.
+        self.limit_refusals = 0
+        self.soft_crossings = 0
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
+            **LimitMethods(self.limits).handlers(),
+            "check": self._check,
             "track": self._track,
             "track_many": self._track_many,
             "usage": self._usage,
@@ -152,6 +174,7 @@ class Service:
         if wal is not None and wal.broken is not None:
             return []  # dispatch answers each one unavailable
         cache = self._keys
+        limited = self._limited
         items: list[tuple[Key, int]] = []
         append = items.append
         for req in requests:
@@ -166,6 +189,8 @@ class Service:
             key = cache.get((tenant, feature))
             if key is None or not QTY_MIN <= qty <= QTY_MAX:
                 break
+            if limited and (tenant, feature) in limited:
+                break  # checked against its limit by dispatch
             append((key, qty))
         if not items:
             return []
@@ -286,6 +311,12 @@ class Service:
                 qty = check_qty(qty)  # raises the usual error
             if self.fenced is not None:
                 raise Unavailable(self.fenced)
+            limited = self._limited
+            if limited:
+                eff = limited.get((key[0], key[1]))
+                if eff is not None:
+                    self._check_log()
+                    return self._track_limited(key, qty, eff, None, False)
             wal = self.wal
             if wal is None:
                 value = self.table.try_incr(key, qty)
@@ -303,6 +334,9 @@ class Service:
         o = _opts("track", opts, _TRACK_OPTS)
         at = o.get("at")
         rid = o.get("id")
+        detail = o.get("detail", False)
+        if type(detail) is not bool:
+            raise InvalidArgument(f"track: detail must be true or false, got {detail!r:.32}")
         key = self.key_for(tenant, feature, None if at is None else check_at(at))
         qty = check_qty(qty)
         idem: tuple[str, int] | None = None
@@ -312,8 +346,12 @@ class Service:
             idem = (check_id(rid), fingerprint("track", key[0], key[1], qty, at))
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
-                return entry[1]  # a retry: counts nothing, answers as the first call did
+                # A retry: counts nothing, answers as the first call did.
+                return self._detail(key, entry[1], 0) if detail else entry[1]
         self._check_log()
+        eff = self._limited.get((key[0], key[1])) if self._limited else None
+        if eff is not None or detail:
+            return self._track_limited(key, qty, eff, idem, detail)
         if self.table.is_seeded(key):
             return self._count(key, qty, idem)
         return self._track_cold(key, qty, idem)
@@ -329,6 +367,101 @@ class Service:
         # Counted whether or not seeding worked: usage is never dropped. An unseeded key
         # answers None, because its total is not known.
         return self._count(key, qty, idem)
+
+    # -- limits (docs/quotas.md) --------------------------------------------------------------
+
+    def _new_limits(self, book: LimitBook) -> None:
+        self._limited = book.by_pair
+
+    def _gate(self, key: Key, qty: int, eff: Effective | None) -> None:
+        """Refuse (raise, nothing counted) ``qty`` more units on a seeded-or-not ``key`` that
+        would take its view past a hard limit. Units taken away are never refused."""
+        if eff is None or qty <= 0 or eff.kind != "hard":
+            return
+        value = self.table.value(key)
+        if value is None:
+            raise Unavailable(
+                f"{key[0]}/{key[1]}: the stored total is unknown (storage unreachable), so its "
+                "hard limit cannot be checked; nothing counted"
+            )
+        if value + qty > eff.limit:
+            self.limit_refusals += 1
+            raise LimitExceeded(
+                f"{key[0]}/{key[1]}: {value} + {qty} would pass the hard limit {eff.limit} "
+                f"({eff.source}); nothing counted"
+            )
+
+    def _detail(self, key: Key, value: int | None, qty: int) -> dict[str, Any]:
+        """The ``check`` map of ``key`` at ``value`` for ``qty`` more units (0: as it is)."""
+        eff = self._limited.get((key[0], key[1])) if self._limited else None
+        if eff is None:
+            return {"allowed": True, "value": value, "limit": None, "remaining": None,
+                    "kind": None, "source": None, "over": False}  # fmt: skip
+        over = value is not None and value + qty > eff.limit
+        allowed = not over or qty <= 0 or eff.kind == "soft"
+        if value is None and eff.kind == "hard" and qty > 0:
+            allowed = False  # the total is unknown: a track would be refused
+        return {
+            "allowed": allowed,
+            "value": value,
+            "limit": eff.limit,
+            "remaining": None if value is None else max(0, eff.limit - value),
+            "kind": eff.kind,
+            "source": eff.source,
+            "over": over,
+        }
+
+    def _track_limited(
+        self, key: Key, qty: int, eff: Effective | None, idem: tuple[str, int] | None,
+        detail: bool,
+    ) -> Any:  # fmt: skip
+        if self.table.is_seeded(key):
+            return self._count_limited(key, qty, eff, idem, detail)
+        return self._track_limited_cold(key, qty, idem, detail)
+
+    async def _track_limited_cold(
+        self, key: Key, qty: int, idem: tuple[str, int] | None, detail: bool
+    ) -> Any:
+        await self.seed(key)
+        if idem is not None:
+            entry = self.ids.lookup(idem[0], idem[1], time.time())
+            if entry is not None:
+                return self._detail(key, entry[1], 0) if detail else entry[1]
+        self._check_log()
+        # The limits may have changed while the key was read.
+        eff = self._limited.get((key[0], key[1])) if self._limited else None
+        return self._count_limited(key, qty, eff, idem, detail)
+
+    def _count_limited(
+        self, key: Key, qty: int, eff: Effective | None, idem: tuple[str, int] | None,
+        detail: bool,
+    ) -> Any:  # fmt: skip
+        # No await between the check and the count: on one node they are one step.
+        self._gate(key, qty, eff)
+        value = self._count(key, qty, idem)
+        if _soft_crossing(eff, value, qty):
+            self._crossed(key, eff, value)
+        return self._detail(key, value, 0) if detail else value
+
+    def _crossed(self, key: Key, eff: Effective | None, value: int | None) -> None:
+        self.soft_crossings += 1
+        if eff is not None:
+            log.info("soft limit crossed: %s/%s at %s > %d (%s)",
+                     key[0], key[1], value, eff.limit, eff.source)  # fmt: skip
+
+    def _check(self, params: list[Any]) -> Any:
+        tenant, feature, qty, opts = _args("check", params, 2, 4, (1, {}))
+        at = _opts("check", opts, _USAGE_OPTS).get("at")
+        key = self.key_for(tenant, feature, None if at is None else check_at(at))
+        qty = check_qty(qty)
+        if self.table.is_seeded(key):
+            return self._detail(key, self.table.value(key), qty)
+        return self._check_cold(key, qty)
+
+    async def _check_cold(self, key: Key, qty: int) -> dict[str, Any]:
+        if not await self.seed(key):
+            raise Unavailable("storage is unreachable and this counter's total is not known")
+        return self._detail(key, self.table.value(key), qty)
 
     def _count(self, key: Key, qty: int, idem: tuple[str, int] | None) -> int | None:
         """Count one track, remember its id, and log it."""
@@ -360,6 +493,7 @@ class Service:
         now = time.time()
         # The key cache answers for the whole batch if it is valid now (see key_for).
         cache = self._keys if self._day_start <= now < self._day_end else {}
+        limited = self._limited
         if cache:
             # The common batch: every item a plain [str, str, int] on a known name pair and a
             # seeded key. One pass builds it; anything else takes the general path below.
@@ -374,6 +508,8 @@ class Service:
                 key = cache.get((tenant, feature))
                 if key is None or not QTY_MIN <= qty <= QTY_MAX:
                     break
+                if limited and (tenant, feature) in limited:
+                    break  # checked item by item below
                 append((key, qty))
             else:
                 self._check_log()
@@ -421,6 +557,8 @@ class Service:
             batch.add(i, key, qty, idem)
         if batch.good:
             self._check_log()
+        if limited and any((k[0], k[1]) in limited for k, _ in batch.good):
+            return self._track_many_limited(batch)
         # All warm: every item is counted under one hold of the table's lock. Otherwise nothing
         # is counted until the cold keys are seeded, so a batch cut short (a draining node
         # cancels it, a read fails unexpectedly) has counted nothing and its error answer is
@@ -468,6 +606,47 @@ class Service:
                 values.append(self.table.incr(key, qty))
             except InvalidArgument as exc:
                 values.append(exc)
+        return self._finish_many(batch, values)
+
+    def _track_many_limited(self, batch: _Batch) -> Any:
+        """A batch with items under a limit: each item checked and counted in turn (an item
+        over a hard limit fails alone, counting nothing), once every key is seeded."""
+        if all(self.table.is_seeded(k) for k, _ in batch.good):
+            return self._count_gated(batch)
+        return self._track_many_limited_cold(batch)
+
+    async def _track_many_limited_cold(self, batch: _Batch) -> Any:
+        await self.seeder.seed_many(k for k, _ in batch.good)
+        now = time.time()
+        for n, idem in enumerate(batch.idems):
+            if idem is not None:
+                try:
+                    entry = self.ids.lookup(idem[0], idem[1], now)
+                except Conflict as exc:
+                    entry = (0, exc.to_wire(), 0.0)
+                if entry is not None:
+                    batch.answered[n] = entry
+        self._check_log()
+        return self._count_gated(batch)
+
+    def _count_gated(self, batch: _Batch) -> list[Any]:
+        limited = self._limited
+        values: list[Any] = []
+        for n, (key, qty) in enumerate(batch.good):
+            entry = batch.answered.get(n)
+            if entry is not None:
+                values.append(entry[1])
+                continue
+            eff = limited.get((key[0], key[1])) if limited else None
+            try:
+                self._gate(key, qty, eff)
+                value = self.table.incr(key, qty)
+            except MeterError as exc:  # over a hard limit, or past the 64-bit range
+                values.append(exc)
+                continue
+            if _soft_crossing(eff, value, qty):
+                self._crossed(key, eff, value)
+            values.append(value)
         return self._finish_many(batch, values)
 
     def _finish_refused(self, items: list[tuple[Key, int]], answers: list[Any]) -> list[Any]:
@@ -632,7 +811,15 @@ class Service:
     def _reserve_now(
         self, key: Key, qty: int, limit: int | None, ttl_ms: int, idem: tuple[str, int] | None
     ) -> str:
-        self.table.reserve(key, qty, limit)
+        eff = self._limited.get((key[0], key[1])) if self._limited else None
+        if eff is not None and eff.kind == "hard":
+            # The tighter of the call's own limit and the tenant's hard limit applies.
+            limit = eff.limit if limit is None else min(limit, eff.limit)
+        try:
+            self.table.reserve(key, qty, limit)
+        except LimitExceeded:
+            self.limit_refusals += 1
+            raise
         lease = self.reservations.open(key, qty, time.monotonic() + ttl_ms / 1000)
         now = time.time()
         rid = fp = expires = None
@@ -665,6 +852,8 @@ class Service:
         self._check_log()
         if actual is None:
             actual = lease.qty
+        if actual > lease.qty:
+            self._gate_commit(lease, actual)
         # First the table, which may refuse (past the 64-bit range) with nothing changed.
         value = self.table.commit(lease.key, lease.qty, actual)
         self.reservations.close(lease_id)
@@ -676,6 +865,20 @@ class Service:
                  value, done_exp, rid, fp, expires]
             )  # fmt: skip
         return value
+
+    def _gate_commit(self, lease: Lease, actual: int) -> None:
+        """Refuse a commit above its reservation whose extra units would pass a hard limit;
+        the reservation still holds (commit at most what fits, or release it)."""
+        key = lease.key
+        eff = self._limited.get((key[0], key[1])) if self._limited else None
+        try:
+            self._gate(key, actual - lease.qty, eff)
+        except LimitExceeded:
+            raise LimitExceeded(
+                f"{key[0]}/{key[1]}: committing {actual} units on a reservation of {lease.qty} "
+                f"would pass the hard limit {eff.limit if eff else 0}; nothing changed, the "
+                "reservation still holds"
+            ) from None
 
     def _release(self, params: list[Any]) -> None:
         lease_id, opts = _args("release", params, 1, 2, ({},))
@@ -868,6 +1071,11 @@ class Service:
                 "expired_total": self.reservations.expired_total,
             },
             "calls": self.calls,
+            "limits": {
+                **self.limits.status(),
+                "refused": self.limit_refusals,
+                "soft_crossings": self.soft_crossings,
+            },
             "seeding": self.seeder.status(),
             "request_ids": {
                 "remembered": len(self.ids),
@@ -985,6 +1193,17 @@ def _wall(deadline: float) -> float:
 def _mono(deadline: float) -> float:
     """An epoch-seconds deadline as a monotonic one."""
     return time.monotonic() + (deadline - time.time())
+
+
+def _soft_crossing(eff: Effective | None, value: int | None, qty: int) -> bool:
+    """Whether counting ``qty`` units (now at ``value``) took a counter past a soft limit."""
+    return (
+        eff is not None
+        and eff.kind == "soft"
+        and value is not None
+        and qty > 0
+        and value - qty <= eff.limit < value
+    )
 
 
 def _log_down(wal: WriteAheadLog) -> Unavailable:
