@@ -74,6 +74,12 @@ def test_undecodable_records_are_skipped_and_listed() -> None:
     )
     assert len(book.bad) == 3
     assert book.effective("acme", "ok") == Effective(2, "soft", "fast", "override")
+    # A strict limit stored by a later build is kept (and enforced as fast by this one).
+    stored = '{"limit": 4, "kind": "hard", "enforcement": "strict"}'
+    book = LimitBook.from_records(1, [("limit", "acme", "api", stored)])
+    assert book.bad == [] and book.effective("acme", "api") == Effective(
+        4, "hard", "strict", "override"
+    )
 
 
 @pytest.mark.parametrize(
