@@ -50,6 +50,8 @@ log = logging.getLogger("meter.service")
 
 #: Longest ``track_many`` batch.
 MAX_BATCH_ITEMS = 10_000
+#: Most levels of a tenant name with the tenant hierarchy on (``a/b/c/d``).
+MAX_LEVELS = 4
 
 #: Most (tenant, feature) pairs whose current key is cached; the cache starts over when full.
 #: (65,536 made track_many leave its fast path past that many active pairs: 2.5x per item.)
@@ -127,6 +129,11 @@ class Service:
         # (tenant, feature) -> its effective limit: the hot path's one lookup, an empty dict
         # (false) while no limit exists anywhere.
         self._limited: dict[tuple[str, str], Effective] = {}
+        #: ``acme/alice`` also counts on ``acme`` (ADR 0008).
+        self._hier = self.config.tenant_hierarchy
+        #: Whether any call may need more than a plain count (a limit exists, or the tenant
+        #: hierarchy is on): the hot paths look at this one flag.
+        self._gated = self._hier
         #: Calls refused by a hard limit, and soft limits crossed, since start.
         self.limit_refusals = 0
         self.soft_crossings = 0
@@ -174,7 +181,7 @@ class Service:
         if wal is not None and wal.broken is not None:
             return []  # dispatch answers each one unavailable
         cache = self._keys
-        limited = self._limited
+        gated = self._gated
         items: list[tuple[Key, int]] = []
         append = items.append
         for req in requests:
@@ -189,8 +196,8 @@ class Service:
             key = cache.get((tenant, feature))
             if key is None or not QTY_MIN <= qty <= QTY_MAX:
                 break
-            if limited and (tenant, feature) in limited:
-                break  # checked against its limit by dispatch
+            if gated and self._needs_check(key):
+                break  # checked (limits, levels) by dispatch
             append((key, qty))
         if not items:
             return []
@@ -311,12 +318,9 @@ class Service:
                 qty = check_qty(qty)  # raises the usual error
             if self.fenced is not None:
                 raise Unavailable(self.fenced)
-            limited = self._limited
-            if limited:
-                eff = limited.get((key[0], key[1]))
-                if eff is not None:
-                    self._check_log()
-                    return self._track_limited(key, qty, eff, None, False)
+            if self._gated and self._needs_check(key):
+                self._check_log()
+                return self._track_checked(key, qty, None, False)
             wal = self.wal
             if wal is None:
                 value = self.table.try_incr(key, qty)
@@ -349,9 +353,8 @@ class Service:
                 # A retry: counts nothing, answers as the first call did.
                 return self._detail(key, entry[1], 0) if detail else entry[1]
         self._check_log()
-        eff = self._limited.get((key[0], key[1])) if self._limited else None
-        if eff is not None or detail:
-            return self._track_limited(key, qty, eff, idem, detail)
+        if detail or (self._gated and self._needs_check(key)):
+            return self._track_checked(key, qty, idem, detail)
         if self.table.is_seeded(key):
             return self._count(key, qty, idem)
         return self._track_cold(key, qty, idem)
@@ -372,6 +375,7 @@ class Service:
 
     def _new_limits(self, book: LimitBook) -> None:
         self._limited = book.by_pair
+        self._gated = bool(book.by_pair) or self._hier
 
     def _gate(self, key: Key, qty: int, eff: Effective | None) -> None:
         """Refuse (raise, nothing counted) ``qty`` more units on a seeded-or-not ``key`` that
@@ -411,37 +415,92 @@ class Service:
             "over": over,
         }
 
-    def _track_limited(
-        self, key: Key, qty: int, eff: Effective | None, idem: tuple[str, int] | None,
-        detail: bool,
-    ) -> Any:  # fmt: skip
-        if self.table.is_seeded(key):
-            return self._count_limited(key, qty, eff, idem, detail)
-        return self._track_limited_cold(key, qty, idem, detail)
+    def _needs_check(self, key: Key) -> bool:
+        """Whether a count on ``key`` is checked against a limit or spread over levels."""
+        limited = self._limited
+        return bool(limited and (key[0], key[1]) in limited) or (self._hier and "/" in key[0])
 
-    async def _track_limited_cold(
-        self, key: Key, qty: int, idem: tuple[str, int] | None, detail: bool
+    def _levels(self, key: Key) -> list[Key]:
+        """``key`` and, with the tenant hierarchy on, the same counter of every ancestor of
+        its tenant, leaf first: ``acme/alice`` -> ``[acme/alice, acme]``."""
+        tenant = key[0]
+        if not self._hier or "/" not in tenant:
+            return [key]
+        parts = tenant.split("/")
+        if len(parts) > MAX_LEVELS:
+            raise InvalidArgument(
+                f"tenant {tenant[:64]!r} has {len(parts)} levels; at most {MAX_LEVELS}"
+            )
+        if "" in parts:
+            raise InvalidArgument(f"tenant {tenant[:64]!r} has an empty level")
+        names = self._tenants
+        return [key] + [
+            (_one_copy(names, "/".join(parts[:n])), key[1], key[2])
+            for n in range(len(parts) - 1, 0, -1)
+        ]
+
+    def _levels_or_leaf(self, key: Key) -> list[Key]:
+        try:
+            return self._levels(key)
+        except InvalidArgument:
+            return [key]  # refused when counted
+
+    def _track_checked(self, key: Key, qty: int, idem: tuple[str, int] | None, detail: bool) -> Any:
+        keys = self._levels(key)
+        if all(self.table.is_seeded(k) for k in keys):
+            return self._count_checked(keys, qty, idem, detail)
+        return self._track_checked_cold(keys, qty, idem, detail)
+
+    async def _track_checked_cold(
+        self, keys: list[Key], qty: int, idem: tuple[str, int] | None, detail: bool
     ) -> Any:
-        await self.seed(key)
+        # Every level is seeded before any is checked: a level's limit is checked against
+        # its stored total, not against what this node happens to hold.
+        await self.seeder.seed_many(keys)
         if idem is not None:
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
-                return self._detail(key, entry[1], 0) if detail else entry[1]
+                return self._detail(keys[0], entry[1], 0) if detail else entry[1]
         self._check_log()
-        # The limits may have changed while the key was read.
-        eff = self._limited.get((key[0], key[1])) if self._limited else None
-        return self._count_limited(key, qty, eff, idem, detail)
+        return self._count_checked(keys, qty, idem, detail)
 
-    def _count_limited(
-        self, key: Key, qty: int, eff: Effective | None, idem: tuple[str, int] | None,
-        detail: bool,
-    ) -> Any:  # fmt: skip
-        # No await between the check and the count: on one node they are one step.
-        self._gate(key, qty, eff)
-        value = self._count(key, qty, idem)
-        if _soft_crossing(eff, value, qty):
-            self._crossed(key, eff, value)
-        return self._detail(key, value, 0) if detail else value
+    def _count_checked(
+        self, keys: list[Key], qty: int, idem: tuple[str, int] | None, detail: bool
+    ) -> Any:
+        """Check every level, then count on every level (no await between: on one node
+        they are one step); refused at any level means counted at none."""
+        values, log_items = self._count_levels(keys, qty)
+        value = values[0]
+        if len(keys) == 1:
+            self._log_track(keys[0], qty, idem, value)
+        else:
+            leaf = [*keys[0], qty]
+            if idem is not None:
+                expires = self.ids.remember(idem[0], idem[1], value, time.time())
+                leaf += [idem[0], idem[1], value, expires]
+            if self.wal is not None:  # one record: a torn log keeps all levels or none
+                self.wal.append([R.TRACK_MANY, [leaf, *log_items]])
+        return self._detail(keys[0], value, 0) if detail else value
+
+    def _count_levels(self, keys: list[Key], qty: int) -> tuple[list[int | None], list[list[Any]]]:
+        """Gate then count ``qty`` on each of ``keys``; the new values and the log items of
+        the levels above the first. Raises (nothing counted anywhere) if a level refuses."""
+        limited = self._limited
+        effs = [limited.get((k[0], k[1])) if limited else None for k in keys]
+        for k, eff in zip(keys, effs, strict=True):
+            self._gate(k, qty, eff)
+        values: list[int | None] = []
+        try:
+            for k in keys:
+                values.append(self.table.incr(k, qty))
+        except InvalidArgument:  # past the 64-bit range at some level: take back the others
+            for k in keys[: len(values)]:
+                self.table.incr(k, -qty, check=False)
+            raise
+        for k, eff, v in zip(keys, effs, values, strict=True):
+            if _soft_crossing(eff, v, qty):
+                self._crossed(k, eff, v)
+        return values, [[*k, qty] for k in keys[1:]]
 
     def _crossed(self, key: Key, eff: Effective | None, value: int | None) -> None:
         self.soft_crossings += 1
@@ -465,7 +524,12 @@ class Service:
 
     def _count(self, key: Key, qty: int, idem: tuple[str, int] | None) -> int | None:
         """Count one track, remember its id, and log it."""
-        value = self.table.incr(key, qty)
+        return self._log_track(key, qty, idem, self.table.incr(key, qty))
+
+    def _log_track(
+        self, key: Key, qty: int, idem: tuple[str, int] | None, value: int | None
+    ) -> int | None:
+        """Remember the id of a track just counted and log it."""
         if idem is None:
             if self.wal is not None:
                 self.wal.append([R.TRACK, key[0], key[1], key[2], qty])
@@ -493,7 +557,7 @@ class Service:
         now = time.time()
         # The key cache answers for the whole batch if it is valid now (see key_for).
         cache = self._keys if self._day_start <= now < self._day_end else {}
-        limited = self._limited
+        gated = self._gated
         if cache:
             # The common batch: every item a plain [str, str, int] on a known name pair and a
             # seeded key. One pass builds it; anything else takes the general path below.
@@ -508,7 +572,7 @@ class Service:
                 key = cache.get((tenant, feature))
                 if key is None or not QTY_MIN <= qty <= QTY_MAX:
                     break
-                if limited and (tenant, feature) in limited:
+                if gated and self._needs_check(key):
                     break  # checked item by item below
                 append((key, qty))
             else:
@@ -557,7 +621,7 @@ class Service:
             batch.add(i, key, qty, idem)
         if batch.good:
             self._check_log()
-        if limited and any((k[0], k[1]) in limited for k, _ in batch.good):
+        if gated and any(self._needs_check(k) for k, _ in batch.good):
             return self._track_many_limited(batch)
         # All warm: every item is counted under one hold of the table's lock. Otherwise nothing
         # is counted until the cold keys are seeded, so a batch cut short (a draining node
@@ -611,12 +675,13 @@ class Service:
     def _track_many_limited(self, batch: _Batch) -> Any:
         """A batch with items under a limit: each item checked and counted in turn (an item
         over a hard limit fails alone, counting nothing), once every key is seeded."""
-        if all(self.table.is_seeded(k) for k, _ in batch.good):
+        keys = [level for k, _ in batch.good for level in self._levels_or_leaf(k)]
+        if all(self.table.is_seeded(k) for k in keys):
             return self._count_gated(batch)
-        return self._track_many_limited_cold(batch)
+        return self._track_many_limited_cold(batch, keys)
 
-    async def _track_many_limited_cold(self, batch: _Batch) -> Any:
-        await self.seeder.seed_many(k for k, _ in batch.good)
+    async def _track_many_limited_cold(self, batch: _Batch, keys: list[Key]) -> Any:
+        await self.seeder.seed_many(keys)
         now = time.time()
         for n, idem in enumerate(batch.idems):
             if idem is not None:
@@ -630,24 +695,21 @@ class Service:
         return self._count_gated(batch)
 
     def _count_gated(self, batch: _Batch) -> list[Any]:
-        limited = self._limited
         values: list[Any] = []
+        above: list[list[Any]] = []  # log items of the levels above the items counted
         for n, (key, qty) in enumerate(batch.good):
             entry = batch.answered.get(n)
             if entry is not None:
                 values.append(entry[1])
                 continue
-            eff = limited.get((key[0], key[1])) if limited else None
             try:
-                self._gate(key, qty, eff)
-                value = self.table.incr(key, qty)
-            except MeterError as exc:  # over a hard limit, or past the 64-bit range
+                counted, items = self._count_levels(self._levels(key), qty)
+            except MeterError as exc:  # over a hard limit, past the 64-bit range, too deep
                 values.append(exc)
                 continue
-            if _soft_crossing(eff, value, qty):
-                self._crossed(key, eff, value)
-            values.append(value)
-        return self._finish_many(batch, values)
+            values.append(counted[0])
+            above += items
+        return self._finish_many(batch, values, above)
 
     def _finish_refused(self, items: list[tuple[Key, int]], answers: list[Any]) -> list[Any]:
         """The answers of a fast-path batch some of whose items were refused (not counted)."""
@@ -656,12 +718,15 @@ class Service:
             self.wal.append([R.TRACK_MANY, counted])
         return [a.to_wire() if isinstance(a, MeterError) else a for a in answers]
 
-    def _finish_many(self, batch: _Batch, values: list[Any]) -> list[Any]:
+    def _finish_many(
+        self, batch: _Batch, values: list[Any], above: list[list[Any]] | None = None
+    ) -> list[Any]:
         """Fill a batch's answers, remember its ids and log what it counted (items refused
-        by the range check carry their error instead of a value: not remembered, not logged)."""
+        by the range check carry their error instead of a value: not remembered, not logged),
+        with ``above`` (the upper levels' counts) in the same record."""
         out = batch.out
         now = time.time()
-        logged: list[list[Any]] = []
+        logged: list[list[Any]] = [] if above is None else above
         for n, ((key, qty), idem, value) in enumerate(
             zip(batch.good, batch.idems, values, strict=True)
         ):
@@ -778,6 +843,11 @@ class Service:
         at = o.get("at")
         key = self.key_for(tenant, feature, None if at is None else check_at(at))
         qty = check_qty(qty, allow_negative=False)
+        if self._hier and "/" in key[0]:
+            raise InvalidArgument(
+                "reserve on a tenant below an account (a name with '/') is not supported with "
+                "tenant_hierarchy yet: reserve on the account, or track"
+            )
         limit = o.get("limit")
         if limit is not None:
             limit = check_qty(limit, what="limit", allow_negative=False)
