@@ -205,7 +205,8 @@ def test_kill_9_keeps_every_level_of_an_acknowledged_track() -> None:
 
 
 def test_the_setting_takes_true_or_false_and_refuses_anything_else() -> None:
-    from meter.config import ConfigError, load
+    from meter.config import load
+    from meter.errors import ConfigError
 
     assert load(env={"METER_TENANT_HIERARCHY": "true"}).counters.tenant_hierarchy is True
     assert load(env={"METER_TENANT_HIERARCHY": "0"}).counters.tenant_hierarchy is False
