@@ -400,7 +400,7 @@ class Service:
         eff = self._limited.get((key[0], key[1])) if self._limited else None
         if eff is None:
             return {"allowed": True, "value": value, "limit": None, "remaining": None,
-                    "kind": None, "source": None, "over": False}  # fmt: skip
+                    "kind": None, "source": None, "over": False, "tenant": key[0]}  # fmt: skip
         over = value is not None and value + qty > eff.limit
         allowed = not over or qty <= 0 or eff.kind == "soft"
         if value is None and eff.kind == "hard" and qty > 0:
@@ -413,6 +413,7 @@ class Service:
             "kind": eff.kind,
             "source": eff.source,
             "over": over,
+            "tenant": key[0],
         }
 
     def _needs_check(self, key: Key) -> bool:
@@ -513,14 +514,21 @@ class Service:
         at = _opts("check", opts, _USAGE_OPTS).get("at")
         key = self.key_for(tenant, feature, None if at is None else check_at(at))
         qty = check_qty(qty)
-        if self.table.is_seeded(key):
-            return self._detail(key, self.table.value(key), qty)
-        return self._check_cold(key, qty)
+        keys = self._levels(key)
+        if all(self.table.is_seeded(k) for k in keys):
+            return self._check_levels(keys, qty)
+        return self._check_cold(keys, qty)
 
-    async def _check_cold(self, key: Key, qty: int) -> dict[str, Any]:
-        if not await self.seed(key):
+    async def _check_cold(self, keys: list[Key], qty: int) -> dict[str, Any]:
+        await self.seeder.seed_many(keys)
+        if not all(self.table.is_seeded(k) for k in keys):
             raise Unavailable("storage is unreachable and this counter's total is not known")
-        return self._detail(key, self.table.value(key), qty)
+        return self._check_levels(keys, qty)
+
+    def _check_levels(self, keys: list[Key], qty: int) -> dict[str, Any]:
+        """The leaf's map, or (with the hierarchy) that of the first level that would refuse."""
+        details = [self._detail(k, self.table.value(k), qty) for k in keys]
+        return next((d for d in details if not d["allowed"]), details[0])
 
     def _count(self, key: Key, qty: int, idem: tuple[str, int] | None) -> int | None:
         """Count one track, remember its id, and log it."""

@@ -103,6 +103,11 @@ async def test_a_refusal_at_any_level_counts_at_none(client: AsyncClient) -> Non
     d = await client.track_detail("acme/carol", "api", 30)
     assert d["value"] == 30 and d["source"] == "plan:user" and d["remaining"] == 30
     assert await client.usage("acme", "api") == 100
+    # check looks at every level: the first that would refuse answers.
+    no = await client.check("acme/carol", "api", 1)
+    assert no["allowed"] is False and no["tenant"] == "acme" and no["source"] == "plan:account"
+    assert (await client.check("acme/carol", "api", 0))["tenant"] == "acme/carol"
+    assert (await client.check("beta/new", "api", 5))["allowed"] is True  # cold levels read
     # A unit tracked on the account itself counts there only.
     with pytest.raises(LimitExceeded):
         await client.track("acme", "api", 1)

@@ -276,6 +276,7 @@ async def test_a_soft_limit_counts_past_it_and_reports_the_crossing(client: Asyn
         "kind": "soft",
         "source": "plan:free",
         "over": True,
+        "tenant": "acme",
     }
     assert await client.track("acme", "api", 5) == 18
     st = await client.status()
@@ -292,6 +293,7 @@ async def test_check_answers_without_counting(client: AsyncClient) -> None:
         "kind": None,
         "source": None,
         "over": False,
+        "tenant": "acme",
     }
     await client.set_limit("acme", "api", 10)
     await client.track("acme", "api", 7)
