@@ -86,6 +86,8 @@ class CounterConfig:
     limits_poll_ms: int = 500
     #: ``acme/alice`` also counts on ``acme`` (docs/quotas.md, ADR 0008); fleet-wide.
     tenant_hierarchy: bool = False
+    #: A TOML file of plans written to storage at start (docs/quotas.md), if set.
+    plans_file: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +336,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "warm_up_max_keys": ("counters", "warm_up_max_keys", _int(0, 100_000_000)),
     "limits_poll_ms": ("counters", "limits_poll_ms", _int(50, 600_000)),
     "tenant_hierarchy": ("counters", "tenant_hierarchy", _bool),
+    "plans_file": ("counters", "plans_file", _path),
     "flush_interval_ms": ("flush", "interval_ms", _int(1, 3_600_000)),
     "flush_batch_keys": ("flush", "batch_keys", _int(1, 1_000_000)),
     "flush_max_backoff_ms": ("flush", "max_backoff_ms", _int(1, 3_600_000)),

@@ -243,3 +243,26 @@ class LimitBook:
             if t == tenant:
                 out[feature] = self.by_pair[(t, feature)]
         return out
+
+
+def plans_from_toml(data: Mapping[str, Any], where: str) -> dict[str, dict[str, Limit]]:
+    """The plans of a plans file: ``[plans.NAME]`` tables of ``feature = LIMIT`` (hard, fast)
+    or ``feature = {limit = N, kind = "soft"}``; :class:`InvalidArgument` names the first bad
+    entry (``where``: the file, for the message)."""
+    for key in data:
+        if key != "plans":
+            raise InvalidArgument(f"{where}: unknown key {key!r} (only [plans.NAME] tables)")
+    plans = data.get("plans", {})
+    if not isinstance(plans, dict):
+        raise InvalidArgument(f"{where}: plans must be tables [plans.NAME]")
+    out: dict[str, dict[str, Limit]] = {}
+    for name, features in plans.items():
+        try:
+            plan = check_plan_name(name)
+            if not isinstance(features, dict):
+                raise InvalidArgument("must be a table of feature = limit")
+            specs = {f: {"limit": v} if type(v) is int else v for f, v in features.items()}
+            out[plan] = parse_features(specs)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{where}: plan {str(name)[:64]!r}: {exc.message}") from None
+    return out

@@ -13,11 +13,13 @@ import asyncio
 import contextlib
 import logging
 import time
+import tomllib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from meter.errors import Unavailable
-from meter.limits import LimitBook
+from meter.errors import ConfigError, InvalidArgument, Unavailable
+from meter.limits import LimitBook, plan_record, plans_from_toml
 from storage.base import Storage, StorageError
 
 log = logging.getLogger("meter.limits")
@@ -124,6 +126,26 @@ class LimitsSync:
         if self.publish is not None:
             self.publish(version)
         return version
+
+    async def apply_plans_file(self, path: Path) -> int:
+        """Write every plan of the TOML file ``path`` that storage does not hold as it is;
+        return how many were written. :class:`ConfigError` for a file that cannot be read or
+        holds a bad plan (nothing written); :class:`StorageError` if storage cannot be read."""
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh)
+            plans = plans_from_toml(data, str(path))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError("plans_file", f"cannot read {path}: {exc}") from None
+        except InvalidArgument as exc:
+            raise ConfigError("plans_file", exc.message) from None
+        await self.refresh()
+        written = 0
+        for name, features in plans.items():
+            if self.book.plans.get(name) != features:  # unchanged plans bump no version
+                await self.change(plan_record(name, features))
+                written += 1
+        return written
 
     def status(self) -> dict[str, Any]:
         """For ``status``."""

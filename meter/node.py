@@ -394,10 +394,18 @@ class Node:
             gossip.on_limits = limits.invalidate
             limits.publish = gossip.limits_changed
             limits.bus_up = lambda: gossip.bus.connected
+        plans_file = self.config.counters.plans_file
         try:
             await limits.refresh()
+            if plans_file is not None:
+                written = await limits.apply_plans_file(plans_file)
+                log.info("plans file %s: %d plans written, the others unchanged",
+                         plans_file, written)  # fmt: skip
         except StorageError as exc:  # enforced from the first read that succeeds (the loop)
             log.warning("limits could not be read at start; none enforced until they are: %s", exc)
+            if plans_file is not None:
+                log.warning("plans file %s not applied (storage unreachable): restart to apply",
+                            plans_file)  # fmt: skip
 
     def request_stop(self) -> None:
         """Ask ``run()`` to drain and return (what SIGTERM does)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 
 from meter.client import AsyncClient
 from meter.config import FlushConfig, NodeConfig, ServerConfig
-from meter.errors import InvalidArgument, LimitExceeded, NotFound
+from meter.errors import ConfigError, InvalidArgument, LimitExceeded, NotFound
 from meter.limits import (
     STRICT_NOT_YET,
     Effective,
@@ -377,3 +378,80 @@ async def test_limits_survive_a_restart_and_assigning_a_missing_plan_is_not_foun
         with pytest.raises(LimitExceeded):
             await c.track("acme", "api", 1)
         await c.close()
+
+
+# -- the plans file ---------------------------------------------------------------------------
+
+PLANS = """
+[plans.pro]
+api = 100
+gpu = { limit = 60, kind = "soft" }
+
+[plans.free]
+api = 10
+"""
+
+
+async def test_a_plans_file_is_written_at_start_and_unchanged_plans_bump_nothing(
+    tmp: Path,
+) -> None:
+    file = tmp / "plans.toml"
+    file.write_text(PLANS)
+    cfg = _config(tmp)
+    cfg = replace(cfg, counters=replace(cfg.counters, plans_file=file))
+    async with Node(cfg):
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        await c.assign_plan("acme", "pro")
+        got = await c.limits("acme")
+        assert got["version"] == 3  # two plans written, then the assignment
+        assert got["limits"]["gpu"] == {
+            "limit": 60, "kind": "soft", "enforcement": "fast", "source": "plan:pro"
+        }  # fmt: skip
+        await c.close()
+    async with Node(cfg):  # the same file again: nothing to write
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        assert (await c.limits("acme"))["version"] == 3
+        await c.close()
+    file.write_text(PLANS.replace("api = 100", "api = 200"))
+    async with Node(cfg):  # one plan changed: one write
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        got = await c.limits("acme")
+        assert got["version"] == 4 and got["limits"]["api"]["limit"] == 200
+        await c.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[plans.pro]\napi = -1\n", "plan 'pro': feature 'api': limit must be 0.."),
+        ("[plans.pro]\napi = 'lots'\n", "must be a map"),
+        ("[plans.pro]\napi = { limit = 5, enforcement = 'strict' }\n", STRICT_NOT_YET),
+        ('[plans."a b"]\napi = 1\n', "characters outside"),
+        ("[other]\nx = 1\n", "unknown key 'other'"),
+        ("plans = 5\n", "plans must be tables"),
+        ("[plans\n", "cannot read"),
+    ],
+)
+async def test_a_bad_plans_file_stops_the_node_naming_the_setting(
+    tmp: Path, text: str, message: str
+) -> None:
+    file = tmp / "plans.toml"
+    file.write_text(text)
+    cfg = _config(tmp)
+    cfg = replace(cfg, counters=replace(cfg.counters, plans_file=file))
+    with pytest.raises(ConfigError, match="plans_file") as info:
+        async with Node(cfg):
+            pass
+    assert message in str(info.value)
+
+
+def test_a_missing_plans_file_is_a_configuration_error(tmp: Path) -> None:
+    cfg = _config(tmp)
+    cfg = replace(cfg, counters=replace(cfg.counters, plans_file=tmp / "none.toml"))
+
+    async def start() -> None:
+        async with Node(cfg):
+            pass
+
+    with pytest.raises(ConfigError, match="plans_file: cannot read"):
+        asyncio.run(start())
