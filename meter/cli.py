@@ -532,6 +532,15 @@ def _fmt(s: dict[str, Any]) -> str:
         else:
             line = f"node id      {str(state).upper()}: {owner.get('last_error')}"
         lines.append(line)
+    lim = s.get("limits")
+    if isinstance(lim, dict):
+        line = (
+            f"limits       version {lim.get('version')}, {lim.get('limited_pairs')} limited, "
+            f"{lim.get('refused')} refused, {lim.get('soft_crossings')} soft crossings"
+        )
+        if lim.get("last_error"):
+            line += f"; cannot read them: {lim['last_error']}"
+        lines.append(line)
     if flush.get("last_error"):
         lines.append(f"last error   {flush['last_error']}")
     for p in flush.get("poisoned") or []:
