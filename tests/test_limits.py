@@ -17,7 +17,7 @@ import pytest
 
 from meter.client import AsyncClient
 from meter.config import FlushConfig, NodeConfig, ServerConfig
-from meter.errors import ConfigError, InvalidArgument, LimitExceeded, NotFound
+from meter.errors import ConfigError, InvalidArgument, LimitExceeded, NotFound, Unavailable
 from meter.limits import (
     STRICT_NOT_YET,
     Effective,
@@ -29,6 +29,7 @@ from meter.limits import (
     plan_record,
 )
 from meter.node import Node
+from tests.stores import DownStorage
 
 # -- the book ---------------------------------------------------------------------------------
 
@@ -455,3 +456,29 @@ def test_a_missing_plans_file_is_a_configuration_error(tmp: Path) -> None:
 
     with pytest.raises(ConfigError, match="plans_file: cannot read"):
         asyncio.run(start())
+
+
+async def test_with_storage_down_a_hard_limit_on_an_unknown_total_refuses_and_changes_fail(
+    tmp: Path,
+) -> None:
+    store = DownStorage()
+    cfg = _config(tmp)
+    async with Node(cfg, storage=store):
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        await c.set_limit("acme", "api", 100)
+        await c.set_limit("acme", "gpu", 100, kind="soft")
+        store.down = True
+        with pytest.raises(Unavailable, match="hard limit cannot be checked"):
+            await c.track("acme", "api", 1)  # cold: its total cannot be read
+        assert await c.track("acme", "gpu", 1) is None  # soft: counted, total not known
+        assert isinstance((await c.track_many([("acme", "api", 1)]))[0], Unavailable)
+        with pytest.raises(Unavailable, match="nothing changed"):
+            await c.set_limit("acme", "api", 5)
+        deadline = asyncio.get_running_loop().time() + 5
+        while not (await c.status())["limits"]["last_error"]:  # the poll says why
+            assert asyncio.get_running_loop().time() < deadline, "no last_error"
+            await asyncio.sleep(0.05)
+        store.down = False
+        assert await c.usage("acme", "api") == 0  # nothing was counted
+        assert (await c.limits("acme"))["limits"]["api"]["limit"] == 100  # not changed
+        await c.close()
