@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from cluster.api import AppliedView, GossipSource, Key
 from cluster.bus import Bus, BusUnavailable
-from cluster.codec import AnnounceItem, Codec, DeltaItem, Header, Kind, chunks
+from cluster.codec import AnnounceItem, Codec, DeltaItem, Header, HoldItem, Kind, chunks
 
 log = logging.getLogger("cluster.broadcaster")
 
@@ -34,6 +34,7 @@ class SendStats:
     announcements: int = 0
     heartbeats: int = 0
     limits: int = 0
+    holds: int = 0
     items: int = 0
     bytes: int = 0
     failed: int = 0  # publish failed (bus down): the frame is lost, peers see a gap
@@ -136,10 +137,18 @@ class Broadcaster:
         if self.bus.connected and not self.muted:
             self._queue("limits", (), version)
 
+    def holds_now(self, items: Sequence[HoldItem]) -> bool:
+        """Queue a ``holds`` frame: every counter this node holds reserved units on (one
+        frame: the receiver replaces what it knew). False if not sent (bus down, muted)."""
+        if not self.bus.connected or self.muted:
+            return False
+        self._queue("holds", items)
+        return True
+
     def _queue(
         self,
         kind: Kind,
-        items: Sequence[DeltaItem] | Sequence[AnnounceItem],
+        items: Sequence[DeltaItem] | Sequence[AnnounceItem] | Sequence[HoldItem],
         limits_version: int = 0,
     ) -> None:
         if self._owe_gap:
@@ -211,6 +220,8 @@ class Broadcaster:
             s.announcements += 1
         elif kind == "limits":
             s.limits += 1
+        elif kind == "holds":
+            s.holds += 1
         else:
             s.heartbeats += 1
 
@@ -223,6 +234,7 @@ class Broadcaster:
             "announce_messages": s.announcements,
             "heartbeats": s.heartbeats,
             "limits_messages": s.limits,
+            "holds_messages": s.holds,
             "items": s.items,
             "bytes": s.bytes,
             "failed": s.failed,

@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 from cluster.api import AppliedView, GossipTable, Key, Resync
 from cluster.broadcaster import Broadcaster
 from cluster.bus import Bus
-from cluster.codec import REASONS, Codec, Message, Rejected
+from cluster.codec import REASONS, Codec, HoldItem, Message, Rejected
 from cluster.peers import Peers, Seen
 
 log = logging.getLogger("cluster.gossip")
@@ -121,6 +121,8 @@ class Gossip(Generic[S]):
         self._warned_own_id = False
         #: Called with the version of a ``limits`` frame from a peer (the node re-reads).
         self.on_limits: Callable[[int], None] | None = None
+        #: Called with a peer and its holds (a ``holds`` frame; ``()`` when it is forgotten).
+        self.on_holds: Callable[[str, Sequence[HoldItem]], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -163,6 +165,10 @@ class Gossip(Generic[S]):
         self.broadcaster.muted = muted
         if not muted:
             self.broadcaster.heartbeat_now()
+
+    def holds_changed(self, items: Sequence[HoldItem]) -> bool:
+        """Tell peers every counter this node holds reserved units on; False if not sent."""
+        return self.broadcaster.holds_now(items)
 
     def limits_changed(self, version: int) -> None:
         """Tell peers this node changed the stored limits to ``version``."""
@@ -244,6 +250,8 @@ class Gossip(Generic[S]):
             self.received["announcements_skipped"] += len(msg.announcements) - applied
         elif msg.kind == "limits" and self.on_limits is not None:
             self.on_limits(msg.limits_version)
+        elif msg.kind == "holds" and self.on_holds is not None:
+            self.on_holds(h.sender, msg.holds)
 
     def on_state(self, up: bool) -> None:
         """The bus connected or lost its connection."""
@@ -265,6 +273,8 @@ class Gossip(Generic[S]):
         # A dead (or restarted) peer will never flush what it gossiped under those sequences:
         # drop it, or views would stay above the stored truth for good.
         self.forgotten_units += self.table.forget_peer(peer)
+        if self.on_holds is not None:  # its reservations died with it
+            self.on_holds(peer, ())
 
     # -- resync and housekeeping ---------------------------------------------------------------
 

@@ -377,6 +377,7 @@ class Node:
             self._tasks.append(asyncio.create_task(warm_up(self.service, warm), name="warm-up"))
         if self.gossip is not None:
             await self.gossip.start()  # connects in the background; serving does not wait
+            self._tasks.append(asyncio.create_task(self._holds_loop(), name="holds"))
         log.info(
             "node %s serving on %s (storage %s, data dir %s)",
             node_id,
@@ -391,6 +392,7 @@ class Node:
         limits = self.service.limits
         gossip = self.gossip
         if gossip is not None:
+            gossip.on_holds = self.service.peer_holds.replace
             gossip.on_limits = limits.invalidate
             limits.publish = gossip.limits_changed
             limits.bus_up = lambda: gossip.bus.connected
@@ -406,6 +408,25 @@ class Node:
             if plans_file is not None:
                 log.warning("plans file %s not applied (storage unreachable): restart to apply",
                             plans_file)  # fmt: skip
+
+    async def _holds_loop(self) -> None:
+        """Gossip this node's reservation holds each tick they changed, and every heartbeat
+        while it holds any (or held any lately: a lost frame must not leave peers with holds
+        that are gone); peers count them against hard limits (docs/quotas.md)."""
+        assert self.service is not None and self.gossip is not None
+        c = self.config.cluster
+        tick, beat = c.gossip_interval_ms / 1000, c.heartbeat_ms / 1000
+        sent: list[Any] = []
+        sent_at = last_held = 0.0
+        while True:
+            await asyncio.sleep(tick)
+            items = self.service.local_holds()
+            now = time.monotonic()
+            if items:
+                last_held = now
+            due = now - sent_at >= beat and now - last_held <= 10 * beat
+            if (items != sent or due) and self.gossip.holds_changed(items):
+                sent, sent_at = items, now
 
     def request_stop(self) -> None:
         """Ask ``run()`` to drain and return (what SIGTERM does)."""

@@ -22,6 +22,7 @@ from meter.errors import (
     Unavailable,
     UnknownMethod,
 )
+from meter.holds import HoldItem, PeerHolds, local_holds
 from meter.idempotency import RequestIds, check_id, fingerprint
 from meter.keys import (
     QTY_MAX,
@@ -134,6 +135,8 @@ class Service:
         #: Whether any call may need more than a plain count (a limit exists, or the tenant
         #: hierarchy is on): the hot paths look at this one flag.
         self._gated = self._hier
+        #: Units peers hold in open reservations (their ``holds`` frames): against limits.
+        self.peer_holds = PeerHolds()
         #: Calls refused by a hard limit, and soft limits crossed, since start.
         self.limit_refusals = 0
         self.soft_crossings = 0
@@ -388,11 +391,13 @@ class Service:
                 f"{key[0]}/{key[1]}: the stored total is unknown (storage unreachable), so its "
                 "hard limit cannot be checked; nothing counted"
             )
-        if value + qty > eff.limit:
+        elsewhere = self.peer_holds.total.get(key, 0) if self.peer_holds.total else 0
+        if value + elsewhere + qty > eff.limit:
             self.limit_refusals += 1
+            held = f" + {elsewhere} held by peers" if elsewhere else ""
             raise LimitExceeded(
-                f"{key[0]}/{key[1]}: {value} + {qty} would pass the hard limit {eff.limit} "
-                f"({eff.source}); nothing counted"
+                f"{key[0]}/{key[1]}: {value}{held} + {qty} would pass the hard limit "
+                f"{eff.limit} ({eff.source}); nothing counted"
             )
 
     def _detail(self, key: Key, value: int | None, qty: int) -> dict[str, Any]:
@@ -401,7 +406,8 @@ class Service:
         if eff is None:
             return {"allowed": True, "value": value, "limit": None, "remaining": None,
                     "kind": None, "source": None, "over": False, "tenant": key[0]}  # fmt: skip
-        over = value is not None and value + qty > eff.limit
+        elsewhere = self.peer_holds.total.get(key, 0) if self.peer_holds.total else 0
+        over = value is not None and value + elsewhere + qty > eff.limit
         allowed = not over or qty <= 0 or eff.kind == "soft"
         if value is None and eff.kind == "hard" and qty > 0:
             allowed = False  # the total is unknown: a track would be refused
@@ -409,7 +415,7 @@ class Service:
             "allowed": allowed,
             "value": value,
             "limit": eff.limit,
-            "remaining": None if value is None else max(0, eff.limit - value),
+            "remaining": None if value is None else max(0, eff.limit - value - elsewhere),
             "kind": eff.kind,
             "source": eff.source,
             "over": over,
@@ -893,6 +899,19 @@ class Service:
         if eff is not None and eff.kind == "hard":
             # The tighter of the call's own limit and the tenant's hard limit applies.
             limit = eff.limit if limit is None else min(limit, eff.limit)
+        elsewhere = self.peer_holds.total.get(key, 0) if self.peer_holds.total else 0
+        value = self.table.value(key)
+        if (
+            limit is not None
+            and elsewhere
+            and value is not None
+            and (value + elsewhere + qty > limit)
+        ):
+            self.limit_refusals += 1
+            raise LimitExceeded(
+                f"{key[0]}/{key[1]}: {value} + {elsewhere} held by peers + {qty} would pass "
+                f"the limit {limit}"
+            )
         try:
             self.table.reserve(key, qty, limit)
         except LimitExceeded:
@@ -1005,6 +1024,10 @@ class Service:
         if idem is None:
             return None, None, None
         return idem[0], idem[1], self.ids.remember(idem[0], idem[1], value, now)
+
+    def local_holds(self) -> list[HoldItem]:
+        """The units this node's open reservations hold, per counter (its ``holds`` frame)."""
+        return local_holds(self.reservations.held())
 
     def expire_reservations(self, now: float | None = None) -> int:
         """Release every reservation past its deadline; return how many."""

@@ -482,3 +482,21 @@ async def test_with_storage_down_a_hard_limit_on_an_unknown_total_refuses_and_ch
         assert await c.usage("acme", "api") == 0  # nothing was counted
         assert (await c.limits("acme"))["limits"]["api"]["limit"] == 100  # not changed
         await c.close()
+
+
+def test_peer_holds_replace_what_was_known_of_a_peer() -> None:
+    from meter.holds import PeerHolds, local_holds
+    from meter.reservations import Lease
+
+    holds = PeerHolds()
+    k1, k2 = ("acme", "gpu", "2026-11"), ("acme", "api", "2026-11")
+    holds.replace("a", [(*k1, 60), (*k2, 5)])
+    holds.replace("b", [(*k1, 10)])
+    assert holds.total == {k1: 70, k2: 5}
+    holds.replace("a", [(*k1, 20)])  # a whole snapshot: k2 is no longer held by a
+    assert holds.total == {k1: 30}
+    holds.replace("b", ())  # forgotten (dead or restarted)
+    holds.replace("a", [(*k1, 0)])
+    assert holds.total == {} and holds.peers() == 0
+    leases = [Lease("r1", k1, 5, 0.0), Lease("r2", k1, 7, 0.0), Lease("r3", k2, 0, 0.0)]
+    assert local_holds(leases) == [(*k1, 12)]

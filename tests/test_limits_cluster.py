@@ -156,3 +156,50 @@ def test_with_the_bus_down_a_limit_still_refuses_everywhere_within_a_second(
     print(f"\nlimit propagation, bus down: {[round(t * 1000) for t in took]} ms")
     assert max(took) <= PROPAGATION_S, took
     assert nodes[0].call("status")["cluster"]["sent"]["limits_messages"] == 0
+
+
+def test_holds_on_one_node_count_against_a_hard_limit_on_the_others(
+    workdir: Path,
+    redis_server: RedisServer,
+    dynamodb_local: str,
+    dynamodb_table: str,
+    cluster_name: str,
+    nodes_cleanup: list[NodeProcess],
+) -> None:
+    """A reservation holds its units against the limit on every node (a ``holds`` frame),
+    released holds and the holds of a node that died are let go."""
+    env = node_env(
+        redis_url=redis_server.url,
+        dynamodb_endpoint=dynamodb_local,
+        table=dynamodb_table,
+        cluster=cluster_name,
+    )
+    nodes = start_nodes(workdir, 3, env)
+    nodes_cleanup.extend(nodes)
+    a, b, c = nodes
+    a.call("set_limit", KEY_TENANT, "gpu", {"limit": 100})
+    for p in nodes:
+        p.call("track", KEY_TENANT, "gpu", 0)  # warm everywhere
+    wait_until(
+        lambda: all(p.call("limits", KEY_TENANT)["limits"] for p in nodes), 5, "limit", nodes
+    )
+    rid = a.call("reserve", KEY_TENANT, "gpu", 60)
+    t0 = time.monotonic()
+    wait_until(lambda: not b.call("check", KEY_TENANT, "gpu", 41)["allowed"], 5, "b sees", nodes)
+    seen = time.monotonic() - t0
+    wait_until(lambda: not c.call("check", KEY_TENANT, "gpu", 41)["allowed"], 5, "c sees", nodes)
+    error, _ = raw_call(c.socket, "track", KEY_TENANT, "gpu", 41)
+    assert error is not None and error["code"] == "limit_exceeded", error
+    assert "held by peers" in error["message"]
+    error, _ = raw_call(c.socket, "reserve", KEY_TENANT, "gpu", 41)
+    assert error is not None and error["code"] == "limit_exceeded", error
+    assert b.call("track", KEY_TENANT, "gpu", 40) == 40  # 40 + 60 held = 100: fits
+    a.call("release", rid)
+    wait_until(lambda: b.call("check", KEY_TENANT, "gpu", 60)["allowed"], 5, "released", nodes)
+    # A node that dies with holds: its peers let them go once it is declared dead.
+    a.call("reserve", KEY_TENANT, "gpu", 50)
+    wait_until(lambda: not b.call("check", KEY_TENANT, "gpu", 11)["allowed"], 5, "held", nodes)
+    a.kill()
+    wait_until(lambda: b.call("check", KEY_TENANT, "gpu", 60)["allowed"], 10, "let go", nodes)
+    print(f"\nholds seen by a peer after {seen * 1000:.0f} ms")
+    assert seen <= PROPAGATION_S
