@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from cluster.api import AppliedView, GossipSource, Key
 from cluster.bus import Bus, BusUnavailable
-from cluster.codec import AnnounceItem, Codec, DeltaItem, Header, Kind, chunks
+from cluster.codec import AnnounceItem, Codec, DeltaItem, Header, HoldItem, Kind, chunks
 
 log = logging.getLogger("cluster.broadcaster")
 
@@ -33,6 +33,8 @@ class SendStats:
     deltas: int = 0
     announcements: int = 0
     heartbeats: int = 0
+    limits: int = 0
+    holds: int = 0
     items: int = 0
     bytes: int = 0
     failed: int = 0  # publish failed (bus down): the frame is lost, peers see a gap
@@ -129,13 +131,32 @@ class Broadcaster:
         if self.bus.connected and not self.muted:
             self._queue("heartbeat", ())
 
-    def _queue(self, kind: Kind, items: Sequence[DeltaItem] | Sequence[AnnounceItem]) -> None:
+    def limits_changed(self, version: int) -> None:
+        """Queue a ``limits`` frame: this node changed the stored limits to ``version``.
+        With the bus down it is not sent; peers poll the version meanwhile."""
+        if self.bus.connected and not self.muted:
+            self._queue("limits", (), version)
+
+    def holds_now(self, items: Sequence[HoldItem]) -> bool:
+        """Queue a ``holds`` frame: every counter this node holds reserved units on (one
+        frame: the receiver replaces what it knew). False if not sent (bus down, muted)."""
+        if not self.bus.connected or self.muted:
+            return False
+        self._queue("holds", items)
+        return True
+
+    def _queue(
+        self,
+        kind: Kind,
+        items: Sequence[DeltaItem] | Sequence[AnnounceItem] | Sequence[HoldItem],
+        limits_version: int = 0,
+    ) -> None:
         if self._owe_gap:
             self._owe_gap = False
             self.seq += 1  # a number never sent: a gap for every peer
         self.seq += 1
         header = Header(self.codec.cluster, self.node_id, self.incarnation, self.seq, self.clock())
-        frame = self.codec.encode(header, kind, items)
+        frame = self.codec.encode(header, kind, items, limits_version)
         try:
             self._outbox.put_nowait((kind, len(items), frame))
             self._idle.clear()
@@ -197,6 +218,10 @@ class Broadcaster:
             s.deltas += 1
         elif kind == "announce":
             s.announcements += 1
+        elif kind == "limits":
+            s.limits += 1
+        elif kind == "holds":
+            s.holds += 1
         else:
             s.heartbeats += 1
 
@@ -208,6 +233,8 @@ class Broadcaster:
             "delta_messages": s.deltas,
             "announce_messages": s.announcements,
             "heartbeats": s.heartbeats,
+            "limits_messages": s.limits,
+            "holds_messages": s.holds,
             "items": s.items,
             "bytes": s.bytes,
             "failed": s.failed,

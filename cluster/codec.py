@@ -15,9 +15,14 @@ array ``[cluster, sender, incarnation, seq, sent_at, kind, body]``:
 ``seq``          the sender's message sequence within the incarnation, 1, 2, 3, ... (gaps are
                  lost messages);
 ``sent_at``      the sender's wall clock in seconds (for the gossip lag);
-``kind``         0 heartbeat (body ``nil``), 1 deltas, 2 flush announcements;
+``kind``         0 heartbeat (body ``nil``), 1 deltas, 2 flush announcements, 3 limits changed,
+                 4 holds;
 ``body``         deltas: ``[[tenant, feature, period, flush_seq, delta], ...]``;
-                 announcements: ``[[tenant, feature, period, total, {node: seq}], ...]``.
+                 announcements: ``[[tenant, feature, period, total, {node: seq}], ...]``;
+                 limits changed: ``[version]``, the stored limits' new version;
+                 holds: ``[[tenant, feature, period, held], ...]``, every counter the sender
+                 holds reserved units on, as it is now (a whole snapshot: a counter left out
+                 holds nothing).
 
 Deltas and totals that do not fit a signed 64-bit integer travel as decimal strings.
 :func:`decode` returns a :class:`Message` or a :class:`Rejected` with a reason; it never raises.
@@ -49,9 +54,15 @@ INT64_MAX: Final = 2**63 - 1
 #: Longest decimal string accepted for a big integer.
 MAX_BIGINT_DIGITS: Final = 80
 
-Kind = Literal["heartbeat", "deltas", "announce"]
-_KIND_CODE: Final[dict[str, int]] = {"heartbeat": 0, "deltas": 1, "announce": 2}
-_CODE_KIND: Final[dict[int, Kind]] = {0: "heartbeat", 1: "deltas", 2: "announce"}
+Kind = Literal["heartbeat", "deltas", "announce", "limits", "holds"]
+_KIND_CODE: Final[dict[str, int]] = {
+    "heartbeat": 0,
+    "deltas": 1,
+    "announce": 2,
+    "limits": 3,
+    "holds": 4,
+}
+_CODE_KIND: Final[dict[int, Kind]] = {v: cast(Kind, k) for k, v in _KIND_CODE.items()}
 
 Reason = Literal["oversize", "malformed", "version", "unsigned", "bad_mac", "cluster"]
 #: Every rejection reason, for status maps that list zeros too.
@@ -68,6 +79,8 @@ DeltaItem = tuple[str, str, str, int, int]
 """``(tenant, feature, period, flush_seq, delta)``."""
 AnnounceItem = tuple[str, str, str, int, Mapping[str, int]]
 """``(tenant, feature, period, total, {node: last applied seq})``."""
+HoldItem = tuple[str, str, str, int]
+"""``(tenant, feature, period, units held by the sender's open reservations)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +102,10 @@ class Message:
     kind: Kind
     deltas: tuple[DeltaItem, ...] = ()
     announcements: tuple[AnnounceItem, ...] = ()
+    #: ``limits``: the stored limits' version after the change the sender made.
+    limits_version: int = 0
+    #: ``holds``: the sender's reserved units per counter (all of them).
+    holds: tuple[HoldItem, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,18 +143,24 @@ class Codec:
         self,
         header: Header,
         kind: Kind,
-        items: Sequence[DeltaItem] | Sequence[AnnounceItem] = (),
+        items: Sequence[DeltaItem] | Sequence[AnnounceItem] | Sequence[HoldItem] = (),
+        limits_version: int = 0,
     ) -> bytes:
-        """One frame. ``items`` are deltas or announcements according to ``kind``."""
+        """One frame. ``items`` are deltas or announcements according to ``kind``;
+        ``limits_version`` is the body of a ``limits`` frame."""
         body: Any
         if kind == "heartbeat":
             body = None
+        elif kind == "limits":
+            body = [limits_version]
+        elif kind == "holds":
+            body = [list(cast(HoldItem, i)) for i in items]
         elif kind == "deltas":
-            body = [[t, f, p, s, _wire_int(cast(int, d))] for t, f, p, s, d in items]
+            deltas = cast(Sequence[DeltaItem], items)
+            body = [[t, f, p, s, _wire_int(d)] for t, f, p, s, d in deltas]
         else:
-            body = [
-                [t, f, p, _wire_int(n), dict(cast(Mapping[str, int], q))] for t, f, p, n, q in items
-            ]
+            anns = cast(Sequence[AnnounceItem], items)
+            body = [[t, f, p, _wire_int(n), dict(q)] for t, f, p, n, q in anns]
         payload: bytes = msgpack.packb(
             [
                 header.cluster,
@@ -224,10 +247,16 @@ class Codec:
             if body is not None:
                 raise _Bad("heartbeat with a body")
             return Message(header, kind)
+        if kind == "limits":
+            if not isinstance(body, list) or len(body) != 1:
+                raise _Bad("limits body is not [version]")
+            return Message(header, kind, limits_version=_uint(body[0], "limits version"))
         if not isinstance(body, list) or len(body) > MAX_ITEMS:
             raise _Bad("body is not an array (or too long)")
         if kind == "deltas":
             return Message(header, kind, deltas=_deltas(body))
+        if kind == "holds":
+            return Message(header, kind, holds=tuple(_hold(i) for i in body))
         return Message(header, kind, announcements=tuple(_announce(i) for i in body))
 
 
@@ -294,6 +323,13 @@ def _deltas(body: list[Any]) -> tuple[DeltaItem, ...]:
                 continue
         append(_delta(item))  # the uncommon shapes (big integers), or raises _Bad
     return tuple(out)
+
+
+def _hold(item: Any) -> HoldItem:
+    if not isinstance(item, list) or len(item) != 4:
+        raise _Bad("hold is not [tenant, feature, period, held]")
+    return (_str(item[0], "tenant"), _str(item[1], "feature"), _str(item[2], "period"),
+            _uint(item[3], "held"))  # fmt: skip
 
 
 def _announce(item: Any) -> AnnounceItem:

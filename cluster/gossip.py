@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 from cluster.api import AppliedView, GossipTable, Key, Resync
 from cluster.broadcaster import Broadcaster
 from cluster.bus import Bus
-from cluster.codec import REASONS, Codec, Message, Rejected
+from cluster.codec import REASONS, Codec, HoldItem, Message, Rejected
 from cluster.peers import Peers, Seen
 
 log = logging.getLogger("cluster.gossip")
@@ -119,6 +119,10 @@ class Gossip(Generic[S]):
         self._resync_event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._warned_own_id = False
+        #: Called with the version of a ``limits`` frame from a peer (the node re-reads).
+        self.on_limits: Callable[[int], None] | None = None
+        #: Called with a peer and its holds (a ``holds`` frame; ``()`` when it is forgotten).
+        self.on_holds: Callable[[str, Sequence[HoldItem]], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -161,6 +165,14 @@ class Gossip(Generic[S]):
         self.broadcaster.muted = muted
         if not muted:
             self.broadcaster.heartbeat_now()
+
+    def holds_changed(self, items: Sequence[HoldItem]) -> bool:
+        """Tell peers every counter this node holds reserved units on; False if not sent."""
+        return self.broadcaster.holds_now(items)
+
+    def limits_changed(self, version: int) -> None:
+        """Tell peers this node changed the stored limits to ``version``."""
+        self.broadcaster.limits_changed(version)
 
     async def on_flushed(self, written: Sequence[tuple[Key, AppliedView]]) -> None:
         """The flusher hook: announce the snapshots just written."""
@@ -209,6 +221,7 @@ class Gossip(Generic[S]):
         if verdict is Seen.GAP:
             log.info("gossip gap from %s: %d messages lost; resyncing", h.sender, missed)
             self.request_resync("gap")
+            self._maybe_missed_limits()
         elif verdict is Seen.FIRST and h.seq > 1:
             # A peer that was running before we heard it: its earlier messages may hold
             # deltas for keys we have warm. Cheap (once per peer), and closes that window.
@@ -235,6 +248,10 @@ class Gossip(Generic[S]):
                     applied += 1
             self.received["announcements_applied"] += applied
             self.received["announcements_skipped"] += len(msg.announcements) - applied
+        elif msg.kind == "limits" and self.on_limits is not None:
+            self.on_limits(msg.limits_version)
+        elif msg.kind == "holds" and self.on_holds is not None:
+            self.on_holds(h.sender, msg.holds)
 
     def on_state(self, up: bool) -> None:
         """The bus connected or lost its connection."""
@@ -243,13 +260,21 @@ class Gossip(Generic[S]):
             # silence during our outage was ours, not theirs.
             self.peers.touch_all(time.monotonic())
             self.request_resync("connect")
+            self._maybe_missed_limits()
             # Tell peers at once that we are here (and where our sequence stands).
             self.broadcaster.heartbeat_now()
+
+    def _maybe_missed_limits(self) -> None:
+        """A lost frame may have been a ``limits`` one: have the node check the version."""
+        if self.on_limits is not None:
+            self.on_limits(-1)
 
     def _forget(self, peer: str) -> None:
         # A dead (or restarted) peer will never flush what it gossiped under those sequences:
         # drop it, or views would stay above the stored truth for good.
         self.forgotten_units += self.table.forget_peer(peer)
+        if self.on_holds is not None:  # its reservations died with it
+            self.on_holds(peer, ())
 
     # -- resync and housekeeping ---------------------------------------------------------------
 

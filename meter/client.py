@@ -33,7 +33,7 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, cast
 
@@ -642,6 +642,38 @@ class Client(_Ids):
             if cursor is None:
                 return
 
+    # -- limits (docs/quotas.md) ------------------------------------------------------------
+
+    def check(self, tenant: str, feature: str, qty: int = 1, **opts: Any) -> dict[str, Any]:
+        """Whether ``qty`` more units would be counted, without counting them:
+        ``{allowed, value, limit, remaining, kind, source, over}``."""
+        params = _with_opts([tenant, feature, qty], opts)
+        return cast(dict[str, Any], self._invoke("check", params, True))
+
+    def set_plan(self, name: str, features: Mapping[str, Mapping[str, Any]]) -> int:
+        """Create or replace plan ``name``: ``{feature: {limit, kind, enforcement}}``;
+        returns the limits' new version."""
+        return _version(self._invoke("set_plan", [name, _features(features)], True))
+
+    def assign_plan(self, tenant: str, plan: str | None) -> int:
+        """Put ``tenant`` on ``plan`` (``None``: on none); the limits' new version."""
+        return _version(self._invoke("assign_plan", [tenant, plan], True))
+
+    def set_limit(
+        self, tenant: str, feature: str, limit: int, kind: str = "hard", enforcement: str = "fast"
+    ) -> int:
+        """Override ``tenant``'s limit on ``feature``; the limits' new version."""
+        spec = {"limit": limit, "kind": kind, "enforcement": enforcement}
+        return _version(self._invoke("set_limit", [tenant, feature, spec], True))
+
+    def clear_limit(self, tenant: str, feature: str) -> int:
+        """Remove ``tenant``'s override on ``feature``; the limits' new version."""
+        return _version(self._invoke("clear_limit", [tenant, feature], True))
+
+    def limits(self, tenant: str) -> dict[str, Any]:
+        """``{tenant, plan, version, limits: {feature: {limit, kind, enforcement, source}}}``."""
+        return cast(dict[str, Any], self._invoke("limits", [tenant], True))
+
 
 class _ClientProtocol(asyncio.Protocol):
     def __init__(self, max_frame: int, inbox: _Inbox | None = None) -> None:
@@ -1095,3 +1127,49 @@ class AsyncClient(_Ids):
                 yield row
             if cursor is None:
                 return
+
+    # -- limits (docs/quotas.md) ------------------------------------------------------------
+
+    async def track_detail(
+        self, tenant: str, feature: str, qty: int = 1, *, id: str | None = None, **opts: Any
+    ) -> dict[str, Any]:
+        """As :meth:`Client.track_detail`."""
+        params, has_id = self._track(tenant, feature, qty, id, {**opts, "detail": True})
+        return cast(dict[str, Any], await self._invoke("track", params, has_id))
+
+    async def check(self, tenant: str, feature: str, qty: int = 1, **opts: Any) -> dict[str, Any]:
+        """As :meth:`Client.check`."""
+        params = _with_opts([tenant, feature, qty], opts)
+        return cast(dict[str, Any], await self._invoke("check", params, True))
+
+    async def set_plan(self, name: str, features: Mapping[str, Mapping[str, Any]]) -> int:
+        """As :meth:`Client.set_plan`."""
+        return _version(await self._invoke("set_plan", [name, _features(features)], True))
+
+    async def assign_plan(self, tenant: str, plan: str | None) -> int:
+        """As :meth:`Client.assign_plan`."""
+        return _version(await self._invoke("assign_plan", [tenant, plan], True))
+
+    async def set_limit(
+        self, tenant: str, feature: str, limit: int, kind: str = "hard", enforcement: str = "fast"
+    ) -> int:
+        """As :meth:`Client.set_limit`."""
+        spec = {"limit": limit, "kind": kind, "enforcement": enforcement}
+        return _version(await self._invoke("set_limit", [tenant, feature, spec], True))
+
+    async def clear_limit(self, tenant: str, feature: str) -> int:
+        """As :meth:`Client.clear_limit`."""
+        return _version(await self._invoke("clear_limit", [tenant, feature], True))
+
+    async def limits(self, tenant: str) -> dict[str, Any]:
+        """As :meth:`Client.limits`."""
+        return cast(dict[str, Any], await self._invoke("limits", [tenant], True))
+
+
+def _features(features: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {f: dict(spec) for f, spec in features.items()}
+
+
+def _version(result: Any) -> int:
+    """The ``version`` of a limits change's answer."""
+    return int(result["version"])

@@ -81,6 +81,13 @@ class CounterConfig:
     #: Most keys a checkpoint of the write-ahead log lists as warm, and a restarted node reads
     #: ahead (docs/durability.md, "Warm-up after a restart"); 0: no warm-up.
     warm_up_max_keys: int = 1_000_000
+    #: How often the stored limits' version is read while the gossip bus is down or absent
+    #: (with it up, changes arrive as frames; docs/quotas.md).
+    limits_poll_ms: int = 500
+    #: ``acme/alice`` also counts on ``acme`` (docs/quotas.md, ADR 0008); fleet-wide.
+    tenant_hierarchy: bool = False
+    #: A TOML file of plans written to storage at start (docs/quotas.md), if set.
+    plans_file: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +204,16 @@ def _opt_str(setting: str, raw: Any) -> str | None:
 
 def _path(setting: str, raw: Any) -> Path:
     return Path(_str(setting, raw))
+
+
+def _bool(setting: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.strip().lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(raw, str) and raw.strip().lower() in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(setting, f"must be true or false, got {raw!r}")
 
 
 def _int(lo: int, hi: int) -> Any:
@@ -354,6 +371,9 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "evict_after_s": ("counters", "evict_after_s", _float(1, 10**7)),
     "rollover_read_ahead_s": ("counters", "rollover_read_ahead_s", _float(0, 86400)),
     "warm_up_max_keys": ("counters", "warm_up_max_keys", _int(0, 100_000_000)),
+    "limits_poll_ms": ("counters", "limits_poll_ms", _int(50, 600_000)),
+    "tenant_hierarchy": ("counters", "tenant_hierarchy", _bool),
+    "plans_file": ("counters", "plans_file", _path),
     "flush_interval_ms": ("flush", "interval_ms", _int(1, 3_600_000)),
     "flush_batch_keys": ("flush", "batch_keys", _int(1, 1_000_000)),
     "flush_max_backoff_ms": ("flush", "max_backoff_ms", _int(1, 3_600_000)),

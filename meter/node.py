@@ -335,7 +335,9 @@ class Node:
                 status_extra=self._status_extra,
                 wal=self.wal,
                 ids=RequestIds(d.idempotency_window_s, d.idempotency_max_ids),
+                limits_poll_s=cfg.counters.limits_poll_ms / 1000,
             )
+            await self._load_limits()
             self._owner_state(self.owner.state, settled=True)  # nothing read yet
             warm: list[Key] = []
             if self.wal is not None:
@@ -377,12 +379,14 @@ class Node:
             asyncio.create_task(self._read_ahead_loop(), name="rollover-read-ahead"),
             asyncio.create_task(self.owner.run(), name="owner"),
             asyncio.create_task(self._watch_loop(), name="usage-push"),
+            asyncio.create_task(self.service.limits.run(), name="limits"),
         ]
         if warm:
             # Right after the socket opens: requests arriving meanwhile are read first.
             self._tasks.append(asyncio.create_task(warm_up(self.service, warm), name="warm-up"))
         if self.gossip is not None:
             await self.gossip.start()  # connects in the background; serving does not wait
+            self._tasks.append(asyncio.create_task(self._holds_loop(), name="holds"))
         log.info(
             "node %s serving on %s (storage %s, data dir %s)",
             node_id,
@@ -421,6 +425,48 @@ class Node:
             ) from None
         log.info("metrics and probes on http://%s (/metrics, /healthz, /readyz)", bound)
         return requests
+
+    async def _load_limits(self) -> None:
+        """Read the limits before the socket opens, and wire their propagation (gossip)."""
+        assert self.service is not None
+        limits = self.service.limits
+        gossip = self.gossip
+        if gossip is not None:
+            gossip.on_holds = self.service.peer_holds.replace
+            gossip.on_limits = limits.invalidate
+            limits.publish = gossip.limits_changed
+            limits.bus_up = lambda: gossip.bus.connected
+        plans_file = self.config.counters.plans_file
+        try:
+            await limits.refresh()
+            if plans_file is not None:
+                written = await limits.apply_plans_file(plans_file)
+                log.info("plans file %s: %d plans written, the others unchanged",
+                         plans_file, written)  # fmt: skip
+        except StorageError as exc:  # enforced from the first read that succeeds (the loop)
+            log.warning("limits could not be read at start; none enforced until they are: %s", exc)
+            if plans_file is not None:
+                log.warning("plans file %s not applied (storage unreachable): restart to apply",
+                            plans_file)  # fmt: skip
+
+    async def _holds_loop(self) -> None:
+        """Gossip this node's reservation holds each tick they changed, and every heartbeat
+        while it holds any (or held any lately: a lost frame must not leave peers with holds
+        that are gone); peers count them against hard limits (docs/quotas.md)."""
+        assert self.service is not None and self.gossip is not None
+        c = self.config.cluster
+        tick, beat = c.gossip_interval_ms / 1000, c.heartbeat_ms / 1000
+        sent: list[Any] = []
+        sent_at = last_held = 0.0
+        while True:
+            await asyncio.sleep(tick)
+            items = self.service.local_holds()
+            now = time.monotonic()
+            if items:
+                last_held = now
+            due = now - sent_at >= beat and now - last_held <= 10 * beat
+            if (items != sent or due) and self.gossip.holds_changed(items):
+                sent, sent_at = items, now
 
     def request_stop(self) -> None:
         """Ask ``run()`` to drain and return (what SIGTERM does)."""

@@ -13,7 +13,16 @@ from typing import Any, cast
 
 from meter import __version__, export
 from meter.config import CounterConfig
-from meter.errors import Conflict, InvalidArgument, MeterError, NotFound, Unavailable, UnknownMethod
+from meter.errors import (
+    Conflict,
+    InvalidArgument,
+    LimitExceeded,
+    MeterError,
+    NotFound,
+    Unavailable,
+    UnknownMethod,
+)
+from meter.holds import HoldItem, PeerHolds, local_holds
 from meter.idempotency import RequestIds, check_id, fingerprint
 from meter.keys import (
     QTY_MAX,
@@ -26,6 +35,9 @@ from meter.keys import (
     check_tenant,
     period_start,
 )
+from meter.limit_methods import LimitMethods
+from meter.limits import Effective, LimitBook
+from meter.limits_sync import LimitsSync
 from meter.reservations import Lease, Reservations
 from meter.rollover import next_keys, period_end
 from meter.seeder import Seeder
@@ -40,6 +52,8 @@ log = logging.getLogger("meter.service")
 
 #: Longest ``track_many`` batch.
 MAX_BATCH_ITEMS = 10_000
+#: Most levels of a tenant name with the tenant hierarchy on (``a/b/c/d``).
+MAX_LEVELS = 4
 
 #: Most (tenant, feature) pairs whose current key is cached; the cache starts over when full.
 #: (65,536 made track_many leave its fast path past that many active pairs: 2.5x per item.)
@@ -47,7 +61,7 @@ KEY_CACHE_SIZE = 262_144
 #: Most names kept in one copy, per kind (tenants, features, periods); each starts over when full.
 NAME_CACHE_SIZE = 262_144
 
-_TRACK_OPTS = frozenset({"at", "id"})
+_TRACK_OPTS = frozenset({"at", "id", "detail"})
 _USAGE_OPTS = frozenset({"at"})
 _RESERVE_OPTS = frozenset({"limit", "ttl_ms", "at", "id"})
 _FINISH_OPTS = frozenset({"id"})
@@ -68,6 +82,7 @@ class Service:
         status_extra: Callable[[], Mapping[str, Any]] | None = None,
         wal: WriteAheadLog | None = None,
         ids: RequestIds | None = None,
+        limits_poll_s: float = 0.5,
     ) -> None:
         self.table = table
         self.storage = storage
@@ -115,7 +130,24 @@ class Service:
         self._tenants: dict[str, str] = {}
         self._features: dict[str, str] = {}
         self._period_names: dict[str, str] = {}
+        #: The limits this node enforces (docs/quotas.md), kept current with storage.
+        self.limits = LimitsSync(storage, self._new_limits, poll_s=limits_poll_s)
+        # (tenant, feature) -> its effective limit: the hot path's one lookup, an empty dict
+        # (false) while no limit exists anywhere.
+        self._limited: dict[tuple[str, str], Effective] = {}
+        #: ``acme/alice`` also counts on ``acme`` (ADR 0008).
+        self._hier = self.config.tenant_hierarchy
+        #: Whether any call may need more than a plain count (a limit exists, or the tenant
+        #: hierarchy is on): the hot paths look at this one flag.
+        self._gated = self._hier
+        #: Units peers hold in open reservations (their ``holds`` frames): against limits.
+        self.peer_holds = PeerHolds()
+        #: Calls refused by a hard limit, and soft limits crossed, since start.
+        self.limit_refusals = 0
+        self.soft_crossings = 0
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
+            **LimitMethods(self.limits).handlers(),
+            "check": self._check,
             "track": self._track,
             "track_many": self._track_many,
             "usage": self._usage,
@@ -168,6 +200,7 @@ class Service:
         if wal is not None and wal.broken is not None:
             return []  # dispatch answers each one unavailable
         cache = self._keys
+        gated = self._gated
         items: list[tuple[Key, int]] = []
         append = items.append
         for req in requests:
@@ -182,6 +215,8 @@ class Service:
             key = cache.get((tenant, feature))
             if key is None or not QTY_MIN <= qty <= QTY_MAX:
                 break
+            if gated and self._needs_check(key):
+                break  # checked (limits, levels) by dispatch
             append((key, qty))
         if not items:
             return []
@@ -302,6 +337,9 @@ class Service:
                 qty = check_qty(qty)  # raises the usual error
             if self.fenced is not None:
                 raise Unavailable(self.fenced)
+            if self._gated and self._needs_check(key):
+                self._check_log()
+                return self._track_checked(key, qty, None, False)
             wal = self.wal
             if wal is None:
                 value = self.table.try_incr(key, qty)
@@ -319,6 +357,9 @@ class Service:
         o = _opts("track", opts, _TRACK_OPTS)
         at = o.get("at")
         rid = o.get("id")
+        detail = o.get("detail", False)
+        if type(detail) is not bool:
+            raise InvalidArgument(f"track: detail must be true or false, got {detail!r:.32}")
         key = self.key_for(tenant, feature, None if at is None else check_at(at))
         qty = check_qty(qty)
         idem: tuple[str, int] | None = None
@@ -328,8 +369,11 @@ class Service:
             idem = (check_id(rid), fingerprint("track", key[0], key[1], qty, at))
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
-                return entry[1]  # a retry: counts nothing, answers as the first call did
+                # A retry: counts nothing, answers as the first call did.
+                return self._detail(key, entry[1], 0) if detail else entry[1]
         self._check_log()
+        if detail or (self._gated and self._needs_check(key)):
+            return self._track_checked(key, qty, idem, detail)
         if self.table.is_seeded(key):
             return self._count(key, qty, idem)
         return self._track_cold(key, qty, idem)
@@ -346,9 +390,176 @@ class Service:
         # answers None, because its total is not known.
         return self._count(key, qty, idem)
 
+    # -- limits (docs/quotas.md) --------------------------------------------------------------
+
+    def _new_limits(self, book: LimitBook) -> None:
+        self._limited = book.by_pair
+        self._gated = bool(book.by_pair) or self._hier
+
+    def _gate(self, key: Key, qty: int, eff: Effective | None) -> None:
+        """Refuse (raise, nothing counted) ``qty`` more units on a seeded-or-not ``key`` that
+        would take its view past a hard limit. Units taken away are never refused."""
+        if eff is None or qty <= 0 or eff.kind != "hard":
+            return
+        value = self.table.value(key)
+        if value is None:
+            raise Unavailable(
+                f"{key[0]}/{key[1]}: the stored total is unknown (storage unreachable), so its "
+                "hard limit cannot be checked; nothing counted"
+            )
+        elsewhere = self.peer_holds.total.get(key, 0) if self.peer_holds.total else 0
+        if value + elsewhere + qty > eff.limit:
+            self.limit_refusals += 1
+            held = f" + {elsewhere} held by peers" if elsewhere else ""
+            raise LimitExceeded(
+                f"{key[0]}/{key[1]}: {value}{held} + {qty} would pass the hard limit "
+                f"{eff.limit} ({eff.source}); nothing counted"
+            )
+
+    def _detail(self, key: Key, value: int | None, qty: int) -> dict[str, Any]:
+        """The ``check`` map of ``key`` at ``value`` for ``qty`` more units (0: as it is)."""
+        eff = self._limited.get((key[0], key[1])) if self._limited else None
+        if eff is None:
+            return {"allowed": True, "value": value, "limit": None, "remaining": None,
+                    "kind": None, "source": None, "over": False, "tenant": key[0]}  # fmt: skip
+        elsewhere = self.peer_holds.total.get(key, 0) if self.peer_holds.total else 0
+        over = value is not None and value + elsewhere + qty > eff.limit
+        allowed = not over or qty <= 0 or eff.kind == "soft"
+        if value is None and eff.kind == "hard" and qty > 0:
+            allowed = False  # the total is unknown: a track would be refused
+        return {
+            "allowed": allowed,
+            "value": value,
+            "limit": eff.limit,
+            "remaining": None if value is None else max(0, eff.limit - value - elsewhere),
+            "kind": eff.kind,
+            "source": eff.source,
+            "over": over,
+            "tenant": key[0],
+        }
+
+    def _needs_check(self, key: Key) -> bool:
+        """Whether a count on ``key`` is checked against a limit or spread over levels."""
+        limited = self._limited
+        return bool(limited and (key[0], key[1]) in limited) or (self._hier and "/" in key[0])
+
+    def _levels(self, key: Key) -> list[Key]:
+        """``key`` and, with the tenant hierarchy on, the same counter of every ancestor of
+        its tenant, leaf first: ``acme/alice`` -> ``[acme/alice, acme]``."""
+        tenant = key[0]
+        if not self._hier or "/" not in tenant:
+            return [key]
+        parts = tenant.split("/")
+        if len(parts) > MAX_LEVELS:
+            raise InvalidArgument(
+                f"tenant {tenant[:64]!r} has {len(parts)} levels; at most {MAX_LEVELS}"
+            )
+        if "" in parts:
+            raise InvalidArgument(f"tenant {tenant[:64]!r} has an empty level")
+        names = self._tenants
+        return [key] + [
+            (_one_copy(names, "/".join(parts[:n])), key[1], key[2])
+            for n in range(len(parts) - 1, 0, -1)
+        ]
+
+    def _levels_or_leaf(self, key: Key) -> list[Key]:
+        try:
+            return self._levels(key)
+        except InvalidArgument:
+            return [key]  # refused when counted
+
+    def _track_checked(self, key: Key, qty: int, idem: tuple[str, int] | None, detail: bool) -> Any:
+        keys = self._levels(key)
+        if all(self.table.is_seeded(k) for k in keys):
+            return self._count_checked(keys, qty, idem, detail)
+        return self._track_checked_cold(keys, qty, idem, detail)
+
+    async def _track_checked_cold(
+        self, keys: list[Key], qty: int, idem: tuple[str, int] | None, detail: bool
+    ) -> Any:
+        # Every level is seeded before any is checked: a level's limit is checked against
+        # its stored total, not against what this node happens to hold.
+        await self.seeder.seed_many(keys)
+        if idem is not None:
+            entry = self.ids.lookup(idem[0], idem[1], time.time())
+            if entry is not None:
+                return self._detail(keys[0], entry[1], 0) if detail else entry[1]
+        self._check_log()
+        return self._count_checked(keys, qty, idem, detail)
+
+    def _count_checked(
+        self, keys: list[Key], qty: int, idem: tuple[str, int] | None, detail: bool
+    ) -> Any:
+        """Check every level, then count on every level (no await between: on one node
+        they are one step); refused at any level means counted at none."""
+        values, log_items = self._count_levels(keys, qty)
+        value = values[0]
+        if len(keys) == 1:
+            self._log_track(keys[0], qty, idem, value)
+        else:
+            leaf = [*keys[0], qty]
+            if idem is not None:
+                expires = self.ids.remember(idem[0], idem[1], value, time.time())
+                leaf += [idem[0], idem[1], value, expires]
+            if self.wal is not None:  # one record: a torn log keeps all levels or none
+                self.wal.append([R.TRACK_MANY, [leaf, *log_items]])
+        return self._detail(keys[0], value, 0) if detail else value
+
+    def _count_levels(self, keys: list[Key], qty: int) -> tuple[list[int | None], list[list[Any]]]:
+        """Gate then count ``qty`` on each of ``keys``; the new values and the log items of
+        the levels above the first. Raises (nothing counted anywhere) if a level refuses."""
+        limited = self._limited
+        effs = [limited.get((k[0], k[1])) if limited else None for k in keys]
+        for k, eff in zip(keys, effs, strict=True):
+            self._gate(k, qty, eff)
+        values: list[int | None] = []
+        try:
+            for k in keys:
+                values.append(self.table.incr(k, qty))
+        except InvalidArgument:  # past the 64-bit range at some level: take back the others
+            for k in keys[: len(values)]:
+                self.table.incr(k, -qty, check=False)
+            raise
+        for k, eff, v in zip(keys, effs, values, strict=True):
+            if _soft_crossing(eff, v, qty):
+                self._crossed(k, eff, v)
+        return values, [[*k, qty] for k in keys[1:]]
+
+    def _crossed(self, key: Key, eff: Effective | None, value: int | None) -> None:
+        self.soft_crossings += 1
+        if eff is not None:
+            log.info("soft limit crossed: %s/%s at %s > %d (%s)",
+                     key[0], key[1], value, eff.limit, eff.source)  # fmt: skip
+
+    def _check(self, params: list[Any]) -> Any:
+        tenant, feature, qty, opts = _args("check", params, 2, 4, (1, {}))
+        at = _opts("check", opts, _USAGE_OPTS).get("at")
+        key = self.key_for(tenant, feature, None if at is None else check_at(at))
+        qty = check_qty(qty)
+        keys = self._levels(key)
+        if all(self.table.is_seeded(k) for k in keys):
+            return self._check_levels(keys, qty)
+        return self._check_cold(keys, qty)
+
+    async def _check_cold(self, keys: list[Key], qty: int) -> dict[str, Any]:
+        await self.seeder.seed_many(keys)
+        if not all(self.table.is_seeded(k) for k in keys):
+            raise Unavailable("storage is unreachable and this counter's total is not known")
+        return self._check_levels(keys, qty)
+
+    def _check_levels(self, keys: list[Key], qty: int) -> dict[str, Any]:
+        """The leaf's map, or (with the hierarchy) that of the first level that would refuse."""
+        details = [self._detail(k, self.table.value(k), qty) for k in keys]
+        return next((d for d in details if not d["allowed"]), details[0])
+
     def _count(self, key: Key, qty: int, idem: tuple[str, int] | None) -> int | None:
         """Count one track, remember its id, and log it."""
-        value = self.table.incr(key, qty)
+        return self._log_track(key, qty, idem, self.table.incr(key, qty))
+
+    def _log_track(
+        self, key: Key, qty: int, idem: tuple[str, int] | None, value: int | None
+    ) -> int | None:
+        """Remember the id of a track just counted and log it."""
         if idem is None:
             if self.wal is not None:
                 self.wal.append([R.TRACK, key[0], key[1], key[2], qty])
@@ -376,6 +587,7 @@ class Service:
         now = time.time()
         # The key cache answers for the whole batch if it is valid now (see key_for).
         cache = self._keys if self._day_start <= now < self._day_end else {}
+        gated = self._gated
         if cache:
             # The common batch: every item a plain [str, str, int] on a known name pair and a
             # seeded key. One pass builds it; anything else takes the general path below.
@@ -390,6 +602,8 @@ class Service:
                 key = cache.get((tenant, feature))
                 if key is None or not QTY_MIN <= qty <= QTY_MAX:
                     break
+                if gated and self._needs_check(key):
+                    break  # checked item by item below
                 append((key, qty))
             else:
                 self._check_log()
@@ -438,6 +652,8 @@ class Service:
             batch.add(i, key, qty, idem)
         if batch.good:
             self._check_log()
+        if gated and any(self._needs_check(k) for k, _ in batch.good):
+            return self._track_many_limited(batch)
         # All warm: every item is counted under one hold of the table's lock. Otherwise nothing
         # is counted until the cold keys are seeded, so a batch cut short (a draining node
         # cancels it, a read fails unexpectedly) has counted nothing and its error answer is
@@ -488,6 +704,45 @@ class Service:
                 values.append(exc)
         return self._finish_many(batch, values)
 
+    def _track_many_limited(self, batch: _Batch) -> Any:
+        """A batch with items under a limit: each item checked and counted in turn (an item
+        over a hard limit fails alone, counting nothing), once every key is seeded."""
+        keys = [level for k, _ in batch.good for level in self._levels_or_leaf(k)]
+        if all(self.table.is_seeded(k) for k in keys):
+            return self._count_gated(batch)
+        return self._track_many_limited_cold(batch, keys)
+
+    async def _track_many_limited_cold(self, batch: _Batch, keys: list[Key]) -> Any:
+        await self.seeder.seed_many(keys)
+        now = time.time()
+        for n, idem in enumerate(batch.idems):
+            if idem is not None:
+                try:
+                    entry = self.ids.lookup(idem[0], idem[1], now)
+                except Conflict as exc:
+                    entry = (0, exc.to_wire(), 0.0)
+                if entry is not None:
+                    batch.answered[n] = entry
+        self._check_log()
+        return self._count_gated(batch)
+
+    def _count_gated(self, batch: _Batch) -> list[Any]:
+        values: list[Any] = []
+        above: list[list[Any]] = []  # log items of the levels above the items counted
+        for n, (key, qty) in enumerate(batch.good):
+            entry = batch.answered.get(n)
+            if entry is not None:
+                values.append(entry[1])
+                continue
+            try:
+                counted, items = self._count_levels(self._levels(key), qty)
+            except MeterError as exc:  # over a hard limit, past the 64-bit range, too deep
+                values.append(exc)
+                continue
+            values.append(counted[0])
+            above += items
+        return self._finish_many(batch, values, above)
+
     def _finish_refused(self, items: list[tuple[Key, int]], answers: list[Any]) -> list[Any]:
         """The answers of a fast-path batch some of whose items were refused (not counted)."""
         counted = [[*k, q] for (k, q), a in zip(items, answers, strict=True) if type(a) is int]
@@ -498,12 +753,15 @@ class Service:
                 self._refused_item(a.code)
         return [a.to_wire() if isinstance(a, MeterError) else a for a in answers]
 
-    def _finish_many(self, batch: _Batch, values: list[Any]) -> list[Any]:
+    def _finish_many(
+        self, batch: _Batch, values: list[Any], above: list[list[Any]] | None = None
+    ) -> list[Any]:
         """Fill a batch's answers, remember its ids and log what it counted (items refused
-        by the range check carry their error instead of a value: not remembered, not logged)."""
+        by the range check carry their error instead of a value: not remembered, not logged),
+        with ``above`` (the upper levels' counts) in the same record."""
         out = batch.out
         now = time.time()
-        logged: list[list[Any]] = []
+        logged: list[list[Any]] = [] if above is None else above
         for n, ((key, qty), idem, value) in enumerate(
             zip(batch.good, batch.idems, values, strict=True)
         ):
@@ -621,6 +879,11 @@ class Service:
         at = o.get("at")
         key = self.key_for(tenant, feature, None if at is None else check_at(at))
         qty = check_qty(qty, allow_negative=False)
+        if self._hier and "/" in key[0]:
+            raise InvalidArgument(
+                "reserve on a tenant below an account (a name with '/') is not supported with "
+                "tenant_hierarchy yet: reserve on the account, or track"
+            )
         limit = o.get("limit")
         if limit is not None:
             limit = check_qty(limit, what="limit", allow_negative=False)
@@ -654,7 +917,28 @@ class Service:
     def _reserve_now(
         self, key: Key, qty: int, limit: int | None, ttl_ms: int, idem: tuple[str, int] | None
     ) -> str:
-        self.table.reserve(key, qty, limit)
+        eff = self._limited.get((key[0], key[1])) if self._limited else None
+        if eff is not None and eff.kind == "hard":
+            # The tighter of the call's own limit and the tenant's hard limit applies.
+            limit = eff.limit if limit is None else min(limit, eff.limit)
+        elsewhere = self.peer_holds.total.get(key, 0) if self.peer_holds.total else 0
+        value = self.table.value(key)
+        if (
+            limit is not None
+            and elsewhere
+            and value is not None
+            and (value + elsewhere + qty > limit)
+        ):
+            self.limit_refusals += 1
+            raise LimitExceeded(
+                f"{key[0]}/{key[1]}: {value} + {elsewhere} held by peers + {qty} would pass "
+                f"the limit {limit}"
+            )
+        try:
+            self.table.reserve(key, qty, limit)
+        except LimitExceeded:
+            self.limit_refusals += 1
+            raise
         lease = self.reservations.open(key, qty, time.monotonic() + ttl_ms / 1000)
         now = time.time()
         rid = fp = expires = None
@@ -687,6 +971,8 @@ class Service:
         self._check_log()
         if actual is None:
             actual = lease.qty
+        if actual > lease.qty:
+            self._gate_commit(lease, actual)
         # First the table, which may refuse (past the 64-bit range) with nothing changed.
         value = self.table.commit(lease.key, lease.qty, actual)
         self.reservations.close(lease_id)
@@ -698,6 +984,20 @@ class Service:
                  value, done_exp, rid, fp, expires]
             )  # fmt: skip
         return value
+
+    def _gate_commit(self, lease: Lease, actual: int) -> None:
+        """Refuse a commit above its reservation whose extra units would pass a hard limit;
+        the reservation still holds (commit at most what fits, or release it)."""
+        key = lease.key
+        eff = self._limited.get((key[0], key[1])) if self._limited else None
+        try:
+            self._gate(key, actual - lease.qty, eff)
+        except LimitExceeded:
+            raise LimitExceeded(
+                f"{key[0]}/{key[1]}: committing {actual} units on a reservation of {lease.qty} "
+                f"would pass the hard limit {eff.limit if eff else 0}; nothing changed, the "
+                "reservation still holds"
+            ) from None
 
     def _release(self, params: list[Any]) -> None:
         lease_id, opts = _args("release", params, 1, 2, ({},))
@@ -746,6 +1046,10 @@ class Service:
         if idem is None:
             return None, None, None
         return idem[0], idem[1], self.ids.remember(idem[0], idem[1], value, now)
+
+    def local_holds(self) -> list[HoldItem]:
+        """The units this node's open reservations hold, per counter (its ``holds`` frame)."""
+        return local_holds(self.reservations.held())
 
     def expire_reservations(self, now: float | None = None) -> int:
         """Release every reservation past its deadline; return how many."""
@@ -953,6 +1257,11 @@ class Service:
                 "expired_total": self.reservations.expired_total,
             },
             "calls": self.calls,
+            "limits": {
+                **self.limits.status(),
+                "refused": self.limit_refusals,
+                "soft_crossings": self.soft_crossings,
+            },
             "seeding": self.seeder.status(),
             "request_ids": {
                 "remembered": len(self.ids),
@@ -1071,6 +1380,17 @@ def _wall(deadline: float) -> float:
 def _mono(deadline: float) -> float:
     """An epoch-seconds deadline as a monotonic one."""
     return time.monotonic() + (deadline - time.time())
+
+
+def _soft_crossing(eff: Effective | None, value: int | None, qty: int) -> bool:
+    """Whether counting ``qty`` units (now at ``value``) took a counter past a soft limit."""
+    return (
+        eff is not None
+        and eff.kind == "soft"
+        and value is not None
+        and qty > 0
+        and value - qty <= eff.limit < value
+    )
 
 
 def _log_down(wal: WriteAheadLog) -> Unavailable:

@@ -283,3 +283,23 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     async def owner(self, node: str) -> Owner | None:
         """The owner of ``node`` now (a consistent read), ``None`` if it has none."""
+
+    # -- limits (docs/quotas.md) -------------------------------------------------------------
+    #
+    # Plans, assignments and overrides are opaque records ``(scope, name, feature, body)``
+    # (``meter.limits`` encodes them) plus one version number that every change bumps in the
+    # same atomic write, so a node can tell with one small read whether what it holds is
+    # current.
+
+    async def limits_version(self) -> int:
+        """The version of the stored limits (0: never changed). A consistent read."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep limits")
+
+    async def read_limits(self) -> tuple[int, list[tuple[str, str, str, str]]]:
+        """Every limits record and the version they are as of."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep limits")
+
+    async def write_limit(self, scope: str, name: str, feature: str, body: str | None) -> int:
+        """Put (``body``) or delete (``None``) one record and bump the version, atomically;
+        return the new version."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep limits")

@@ -128,6 +128,11 @@ LOCAL_DEFAULT_REGION = "us-east-1"
 #: The owner of node id ``n`` (ADR 0004) is the item ``pk = OWNER_PK, sk = "owner#" + n`` with
 #: ``tok`` (S) and ``exp`` (N, the lease's end in epoch ms). Tenants never contain ``#``.
 OWNER_PK = "#meter"
+#: Limits records are the items ``pk = OWNER_PK, sk = "lim#<scope>#<name>#<feature>"`` (names
+#: never contain ``#``) with ``sc``, ``n``, ``f`` (absent when empty), ``b`` (S); their
+#: version is the item ``sk = "limits-version"`` with ``v`` (N).
+_LIMIT_SK = "lim#"
+_LIMITS_VERSION_KEY: dict[str, Any] = {"pk": {"S": OWNER_PK}, "sk": {"S": "limits-version"}}
 _CLAIM_CONDITION = "attribute_not_exists(#tok) OR #exp <= :now OR #tok IN ({})"
 
 # The TTL is set on every write: it only grows (later of period end and now), so a counter
@@ -555,6 +560,87 @@ class DynamoDBStorage(Storage):
         except (KeyError, TypeError) as exc:
             raise StoragePermanentError(f"dynamodb: unexpected LastEvaluatedKey {last!r}") from exc
         return resp.get("Items", []), stop
+
+    # -- limits (docs/quotas.md) -----------------------------------------------------------
+
+    async def limits_version(self) -> int:
+        """A consistent ``GetItem`` of the limits' version item."""
+        resp = await self._call(
+            "get_item",
+            "limits version",
+            TableName=self.table,
+            Key=_LIMITS_VERSION_KEY,
+            ConsistentRead=True,
+        )
+        item = resp.get("Item")
+        return 0 if item is None or "v" not in item else _number(item["v"])
+
+    async def read_limits(self) -> tuple[int, list[tuple[str, str, str, str]]]:
+        """The version, then every record (a consistent query of the ``lim#`` items).
+
+        A change landing between the two reads shows in the records and not in the version:
+        the node reads again when it sees the newer version, so it never keeps a newer version
+        with older records."""
+        version = await self.limits_version()
+        query: dict[str, Any] = {
+            "TableName": self.table,
+            "KeyConditionExpression": "pk = :pk AND begins_with(sk, :p)",
+            "ExpressionAttributeValues": {":pk": {"S": OWNER_PK}, ":p": {"S": _LIMIT_SK}},
+            "ConsistentRead": True,
+        }
+        out: list[tuple[str, str, str, str]] = []
+        while True:
+            resp = await self._call("query", "limits", **query)
+            for item in resp.get("Items", []):
+                try:
+                    feature = item["f"]["S"] if "f" in item else ""
+                    out.append((item["sc"]["S"], item["n"]["S"], feature, item["b"]["S"]))
+                except (KeyError, TypeError):
+                    log.warning("dynamodb: undecodable limits item %r skipped", item.get("sk"))
+            last = resp.get("LastEvaluatedKey")
+            if not last:
+                return version, out
+            query["ExclusiveStartKey"] = last
+
+    async def write_limit(self, scope: str, name: str, feature: str, body: str | None) -> int:
+        """One ``TransactWriteItems``: the record, and the version moved from the one just
+        read to the next under a condition; a concurrent change cancels it and it is tried
+        again on the new version."""
+        key = {"pk": {"S": OWNER_PK}, "sk": {"S": f"{_LIMIT_SK}{scope}#{name}#{feature}"}}
+        op: dict[str, Any]
+        if body is None:
+            op = {"Delete": {"TableName": self.table, "Key": key}}
+        else:
+            item = {**key, "sc": {"S": scope}, "n": {"S": name}, "b": {"S": body}}
+            if feature:  # (an empty string is refused by older DynamoDB Local builds)
+                item["f"] = {"S": feature}
+            op = {"Put": {"TableName": self.table, "Item": item}}
+        for attempt in range(8):
+            old = await self.limits_version()
+            bump = {
+                "Update": {
+                    "TableName": self.table,
+                    "Key": _LIMITS_VERSION_KEY,
+                    "UpdateExpression": "SET v = :new",
+                    "ConditionExpression": "attribute_not_exists(v) OR v = :old",
+                    "ExpressionAttributeValues": {
+                        ":new": {"N": str(old + 1)},
+                        ":old": {"N": str(old)},
+                    },
+                }
+            }
+            try:
+                await self._call("transact_write_items", "limits change", TransactItems=[op, bump])
+                return old + 1
+            except StoragePermanentError as exc:
+                cause = exc.__cause__
+                if not isinstance(cause, ClientError) or _code(cause) not in (
+                    "TransactionCanceledException",
+                    "TransactionConflictException",
+                ):
+                    raise
+            await asyncio.sleep(self._backoff(attempt))
+        raise StorageUnavailable("dynamodb: limits change: the version kept changing; retry")
 
     # -- node id owners (ADR 0004) ---------------------------------------------------------
 

@@ -42,6 +42,9 @@ class MemoryStorage(Storage):
         self.fail_next = 0
         self.lose_next_ack = 0
         self.writes = 0
+        #: Limits records (scope, name, feature) -> body, and their version.
+        self._limits: dict[tuple[str, str, str], str] = {}
+        self._limits_version = 0
 
     async def apply(self, node: str, deltas: Sequence[Delta]) -> dict[Key, Applied | StorageError]:
         if self.fail_next > 0:
@@ -110,3 +113,19 @@ class MemoryStorage(Storage):
     async def owner(self, node: str) -> Owner | None:
         held = self.owners.get(node)
         return None if held is None else Owner(held[0], held[1] / 1000)
+
+    # -- limits ------------------------------------------------------------------------------
+
+    async def limits_version(self) -> int:
+        return self._limits_version
+
+    async def read_limits(self) -> tuple[int, list[tuple[str, str, str, str]]]:
+        return self._limits_version, [(*k, b) for k, b in self._limits.items()]
+
+    async def write_limit(self, scope: str, name: str, feature: str, body: str | None) -> int:
+        if body is None:
+            self._limits.pop((scope, name, feature), None)
+        else:
+            self._limits[(scope, name, feature)] = body
+        self._limits_version += 1
+        return self._limits_version

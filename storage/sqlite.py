@@ -102,6 +102,24 @@ CREATE TABLE IF NOT EXISTS owners (
 ) WITHOUT ROWID
 """
 
+#: Limits (docs/quotas.md): opaque records and the version every change bumps in the same
+#: transaction. Additive tables, like ``owners``: the schema version is unchanged.
+_LIMITS = """
+CREATE TABLE IF NOT EXISTS limits (
+    scope   TEXT NOT NULL,
+    name    TEXT NOT NULL,
+    feature TEXT NOT NULL,
+    body    TEXT NOT NULL,
+    PRIMARY KEY (scope, name, feature)
+) WITHOUT ROWID
+"""
+_LIMITS_VERSION = """
+CREATE TABLE IF NOT EXISTS limits_version (
+    id      INTEGER PRIMARY KEY CHECK (id = 1),
+    version INTEGER NOT NULL
+)
+"""
+
 _MONTH_RE = re.compile(r"\d{4}-\d{2}")
 _DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
@@ -342,6 +360,76 @@ class SQLiteStorage(Storage):
 
         return await self._run(read)
 
+    # -- limits ------------------------------------------------------------------------------
+
+    async def limits_version(self) -> int:
+        """The stored limits' version, from the committed state."""
+        return await self._run(lambda: self._limits_version_sync(self._connection()))
+
+    async def read_limits(self) -> tuple[int, list[tuple[str, str, str, str]]]:
+        """Every limits record and their version, from one read transaction."""
+
+        def read() -> tuple[int, list[tuple[str, str, str, str]]]:
+            conn = self._connection()
+            try:
+                conn.execute("BEGIN")
+                try:
+                    version = self._limits_version_sync(conn)
+                    rows = conn.execute("SELECT scope, name, feature, body FROM limits").fetchall()
+                finally:
+                    conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                raise _map(exc, f"reading limits from {self.path}") from exc
+            return version, [(str(a), str(b), str(c), str(d)) for a, b, c, d in rows]
+
+        return await self._run(read)
+
+    async def write_limit(self, scope: str, name: str, feature: str, body: str | None) -> int:
+        """Put or delete one record and bump the version in one ``BEGIN IMMEDIATE``."""
+
+        def write() -> int:
+            conn = self._connection()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    if body is None:
+                        conn.execute(
+                            "DELETE FROM limits WHERE scope = ? AND name = ? AND feature = ?",
+                            (scope, name, feature),
+                        )
+                    else:
+                        conn.execute(
+                            "INSERT INTO limits (scope, name, feature, body) VALUES (?, ?, ?, ?)"
+                            " ON CONFLICT (scope, name, feature)"
+                            " DO UPDATE SET body = excluded.body",
+                            (scope, name, feature, body),
+                        )
+                    version = self._limits_version_sync(conn) + 1
+                    conn.execute(
+                        "INSERT INTO limits_version (id, version) VALUES (1, ?)"
+                        " ON CONFLICT (id) DO UPDATE SET version = excluded.version",
+                        (version,),
+                    )
+                    conn.execute("COMMIT")
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        if conn.in_transaction:
+                            conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise _map(exc, f"writing a limit to {self.path}") from exc
+            return version
+
+        return await self._run(write)
+
+    @staticmethod
+    def _limits_version_sync(conn: sqlite3.Connection) -> int:
+        try:
+            row = conn.execute("SELECT version FROM limits_version WHERE id = 1").fetchone()
+        except sqlite3.Error as exc:
+            raise _map(exc, "reading the limits version") from exc
+        return 0 if row is None else int(row[0])
+
     # -- plumbing ----------------------------------------------------------------------------
 
     async def _run(self, fn: Callable[[], T]) -> T:
@@ -393,6 +481,8 @@ class SQLiteStorage(Storage):
             conn.execute(_SCHEMA)
             conn.execute(_EXPIRY_INDEX)
             conn.execute(_OWNERS)
+            conn.execute(_LIMITS)
+            conn.execute(_LIMITS_VERSION)
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:

@@ -24,3 +24,13 @@ class DownStorage(MemoryStorage):
         if self.down:
             raise StorageUnavailable("down")
         return await super().list_period(tenant, period)
+
+    async def limits_version(self) -> int:
+        if self.down:
+            raise StorageUnavailable("down")
+        return await super().limits_version()
+
+    async def write_limit(self, scope: str, name: str, feature: str, body: str | None) -> int:
+        if self.down:
+            raise StorageUnavailable("down")
+        return await super().write_limit(scope, name, feature, body)

@@ -74,3 +74,14 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
 def test_summary_says_when_the_log_is_off() -> None:
     text = _fmt({"durability": {"mode": "off", "wal": None}})
     assert "log          off (a crash loses what is not flushed)" in text
+
+
+def test_summary_shows_the_limits() -> None:
+    text = _fmt(
+        {"limits": {"version": 7, "limited_pairs": 3, "refused": 12, "soft_crossings": 1,
+                    "last_error": "dynamodb: down"}}
+    )  # fmt: skip
+    assert (
+        "limits       version 7, 3 limited, 12 refused, 1 soft crossings; "
+        "cannot read them: dynamodb: down"
+    ) in text.splitlines()

@@ -41,6 +41,15 @@ def test_round_trip_every_kind() -> None:
     m = c.decode(c.encode(H, "heartbeat"))
     assert isinstance(m, Message) and m.kind == "heartbeat" and m.deltas == ()
 
+    m = c.decode(c.encode(H, "limits", limits_version=12))
+    assert isinstance(m, Message) and m.kind == "limits" and m.limits_version == 12
+
+    holds = [("t1", "gpu", "2026-11", 60), ("t/u", "api", "2026-11-30", 0)]
+    m = c.decode(c.encode(H, "holds", holds))
+    assert isinstance(m, Message) and m.kind == "holds" and list(m.holds) == holds
+    m = c.decode(c.encode(H, "holds", []))
+    assert isinstance(m, Message) and m.kind == "holds" and m.holds == ()
+
 
 def test_integers_beyond_64_bits_travel_as_decimal_strings() -> None:
     c = Codec("prod")
@@ -122,6 +131,16 @@ def test_malformed_payloads() -> None:
         _frame(["prod", "n", 1, 1, 1.0, 2, [["t", "f", "p", 5, {"a": -1}]]]),
         _frame(["prod", "n", 1, 1, 1.0, 2, [["t", "f", "p", 5, {1: 1}]]]),
         _frame(["prod", b"bin", 1, 1, 1.0, 0, None]),
+        _frame(["prod", "n", 1, 1, 1.0, 3, None]),  # limits without a body
+        _frame(["prod", "n", 1, 1, 1.0, 3, []]),  # limits without a version
+        _frame(["prod", "n", 1, 1, 1.0, 3, [1, 2]]),
+        _frame(["prod", "n", 1, 1, 1.0, 3, [-1]]),
+        _frame(["prod", "n", 1, 1, 1.0, 3, ["7"]]),
+        _frame(["prod", "n", 1, 1, 1.0, 4, None]),  # holds without a body
+        _frame(["prod", "n", 1, 1, 1.0, 4, [["t", "f", "p"]]]),  # short hold
+        _frame(["prod", "n", 1, 1, 1.0, 4, [["t", "f", "p", -1]]]),  # negative hold
+        _frame(["prod", "n", 1, 1, 1.0, 4, [["t", "f", "p", 2**63]]]),  # past 64 bits
+        _frame(["prod", "n", 1, 1, 1.0, 4, [["t", "", "p", 1]]]),  # empty feature
     ]
     for frame in bad:
         r = c.decode(frame)
@@ -143,7 +162,9 @@ def _sound(c: Codec, data: bytes) -> Message | Rejected:
     assert all(d[3] >= 1 and d[0] and d[1] and d[2] for d in r.deltas), r.deltas
     assert all(min(a[4].values(), default=0) >= 0 for a in r.announcements), r.announcements
     items: list[Any] = list(r.deltas) if r.kind == "deltas" else list(r.announcements)
-    assert c.decode(c.encode(h, r.kind, items)) == r
+    if r.kind == "holds":
+        items = list(r.holds)
+    assert c.decode(c.encode(h, r.kind, items, r.limits_version)) == r
     return r
 
 
@@ -193,8 +214,14 @@ _payloads = st.tuples(
     _mostly(_int),
     _mostly(_int),
     _mostly(st.floats(-1, 2e11)),
-    _mostly(st.sampled_from([0, 1, 2])),
-    _mostly(st.none() | st.lists(_delta, max_size=3) | st.lists(_announce, max_size=3)),
+    _mostly(st.sampled_from([0, 1, 2, 3, 4])),
+    _mostly(
+        st.none()
+        | st.lists(_delta, max_size=3)
+        | st.lists(_announce, max_size=3)
+        | st.lists(_int, max_size=2)
+        | st.lists(st.tuples(_name, _name, _name, _int).map(list), max_size=3)
+    ),
 ).map(list)
 
 

@@ -285,6 +285,41 @@ async def test_only_the_holder_renews_its_lease(storage: Storage) -> None:
     assert await storage.owner("ghost") is None
 
 
+async def test_limits_records_are_kept_and_every_change_bumps_the_version(
+    storage: Storage,
+) -> None:
+    assert await storage.limits_version() == 0
+    assert await storage.read_limits() == (0, [])
+    assert await storage.write_limit("plan", "pro", "", '{"api":1}') == 1
+    assert await storage.write_limit("assign", "acme/alice", "", "pro") == 2
+    assert await storage.write_limit("limit", "acme", "api_calls", '{"x":2}') == 3
+    # Replacing a record is a change too; deleting one a record does not hold as well.
+    assert await storage.write_limit("plan", "pro", "", '{"api":5}') == 4
+    assert await storage.write_limit("limit", "nobody", "f", None) == 5
+    assert await storage.limits_version() == 5
+    version, records = await storage.read_limits()
+    assert version == 5
+    assert sorted(records) == [
+        ("assign", "acme/alice", "", "pro"),
+        ("limit", "acme", "api_calls", '{"x":2}'),
+        ("plan", "pro", "", '{"api":5}'),
+    ]
+    assert await storage.write_limit("limit", "acme", "api_calls", None) == 6
+    version, records = await storage.read_limits()
+    assert version == 6 and ("limit", "acme", "api_calls", '{"x":2}') not in records
+
+
+async def test_concurrent_limit_changes_each_get_their_own_version(storage: Storage) -> None:
+    import asyncio
+
+    got = await asyncio.gather(
+        *(storage.write_limit("limit", f"t{i}", "f", "{}") for i in range(6))
+    )
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    version, records = await storage.read_limits()
+    assert version == 6 and len(records) == 6
+
+
 async def test_sqlite_reopen_after_close_keeps_data(tmp_path: Path) -> None:
     """Persistence is a property of the durable backends only (not ``memory``)."""
     path = tmp_path / "nested" / "dir" / "meter.db"

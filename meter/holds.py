@@ -1,0 +1,58 @@
+"""Units held by open reservations across the fleet, for limit checks. Pure: no I/O.
+
+Each node gossips, as one ``holds`` frame, every counter it holds reserved units on
+(docs/quotas.md, "Holds across the fleet"); a peer's frame replaces what was known of it, and a
+peer declared dead or restarted holds nothing any more. Peers' holds count against hard limits
+(never in ``usage``, which is each node's own view).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from meter.keys import Key
+from meter.reservations import Lease
+
+HoldItem = tuple[str, str, str, int]
+"""``(tenant, feature, period, units held)``."""
+
+#: Most counters one ``holds`` frame carries (the most held first); past it, the rest are
+#: not announced (logged by the node).
+MAX_HOLD_KEYS = 10_000
+
+
+class PeerHolds:
+    """What each peer holds, and the sum per counter."""
+
+    def __init__(self) -> None:
+        self._by_peer: dict[str, dict[Key, int]] = {}
+        #: Counter -> units held on it by every peer together (absent: none).
+        self.total: dict[Key, int] = {}
+
+    def replace(self, peer: str, items: Sequence[HoldItem]) -> None:
+        """``peer`` holds exactly ``items`` now (``()``: nothing)."""
+        total = self.total
+        for key, held in self._by_peer.pop(peer, {}).items():
+            left = total[key] - held
+            if left:
+                total[key] = left
+            else:
+                del total[key]
+        new = {(t, f, p): held for t, f, p, held in items if held > 0}
+        for key, held in new.items():
+            total[key] = total.get(key, 0) + held
+        if new:
+            self._by_peer[peer] = new
+
+    def peers(self) -> int:
+        return len(self._by_peer)
+
+
+def local_holds(leases: Iterable[Lease]) -> list[HoldItem]:
+    """The units ``leases`` hold per counter, most held first, at most ``MAX_HOLD_KEYS``."""
+    held: dict[Key, int] = {}
+    for lease in leases:
+        if lease.qty:
+            held[lease.key] = held.get(lease.key, 0) + lease.qty
+    items = sorted(held.items(), key=lambda kv: -kv[1])[:MAX_HOLD_KEYS]
+    return [(t, f, p, n) for (t, f, p), n in items]

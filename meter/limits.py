@@ -1,0 +1,268 @@
+"""Plans, per-tenant overrides and the effective limit of a (tenant, feature). Pure: no I/O.
+
+A *plan* maps features to limits; each tenant may be assigned one plan and may have overrides
+of single features. The effective limit of ``(tenant, feature)`` is the override, else the
+tenant's plan's feature, else none (docs/quotas.md).
+
+Storage keeps the limits as opaque records ``(scope, name, feature, body)`` plus a version
+that every change bumps (:mod:`storage.base`); this module turns records into a
+:class:`LimitBook` and back. The book answers the hot path with one dict lookup
+(:attr:`LimitBook.by_pair`), which is empty when no limit exists anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from meter.errors import InvalidArgument
+from meter.keys import QTY_MAX, check_feature
+
+Kind = Literal["hard", "soft"]
+Enforcement = Literal["fast", "strict"]
+KINDS: tuple[Kind, ...] = ("hard", "soft")
+ENFORCEMENTS: tuple[Enforcement, ...] = ("fast", "strict")
+
+#: Most features in one plan (a plan is one stored record).
+MAX_PLAN_FEATURES = 1000
+#: Plan names: like feature names.
+PLAN_RE = re.compile(r"[A-Za-z0-9_\-.:]+")
+MAX_PLAN_BYTES = 128
+
+#: Record scopes, as storage keeps them.
+PLAN = "plan"  # name = plan, feature = "", body = {feature: limit spec} as JSON
+ASSIGN = "assign"  # name = tenant, feature = "", body = plan name
+OVERRIDE = "limit"  # name = tenant, feature = feature, body = limit spec as JSON
+SCOPES = (PLAN, ASSIGN, OVERRIDE)
+
+Record = tuple[str, str, str, str]
+"""``(scope, name, feature, body)``."""
+
+STRICT_NOT_YET = "strict enforcement is not available yet; use fast"
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """One limit: at most ``limit`` units per counting period."""
+
+    limit: int
+    kind: Kind = "hard"
+    enforcement: Enforcement = "fast"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"limit": self.limit, "kind": self.kind, "enforcement": self.enforcement}
+
+
+@dataclass(frozen=True, slots=True)
+class Effective:
+    """The limit that applies to one (tenant, feature), and where it comes from:
+    ``"override"`` or ``"plan:<name>"``."""
+
+    limit: int
+    kind: Kind
+    enforcement: Enforcement
+    source: str
+
+    @property
+    def hard(self) -> bool:
+        return self.kind == "hard"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "limit": self.limit,
+            "kind": self.kind,
+            "enforcement": self.enforcement,
+            "source": self.source,
+        }
+
+
+def check_plan_name(name: object) -> str:
+    """``name`` if it is a valid plan name, else :class:`InvalidArgument`."""
+    if isinstance(name, bytes | bytearray):
+        try:
+            name = bytes(name).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidArgument("plan is not valid UTF-8") from None
+    if not isinstance(name, str):
+        raise InvalidArgument(f"plan must be a string, got {type(name).__name__}")
+    if not name:
+        raise InvalidArgument("plan must not be empty")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_PLAN_BYTES:
+        raise InvalidArgument(f"plan is longer than {MAX_PLAN_BYTES} bytes")
+    if PLAN_RE.fullmatch(name) is None:
+        raise InvalidArgument(f"plan {name[:64]!r} has characters outside {PLAN_RE.pattern}")
+    return name
+
+
+def parse_limit(spec: object, what: str = "limit") -> Limit:
+    """A limit spec ``{limit, kind?, enforcement?}`` validated (``kind`` defaults to hard,
+    ``enforcement`` to fast); :class:`InvalidArgument` names ``what`` otherwise."""
+    if not isinstance(spec, dict):
+        raise InvalidArgument(
+            f"{what} must be a map {{limit, kind, enforcement}}, got {type(spec).__name__}"
+        )
+    for name in spec:
+        if name not in ("limit", "kind", "enforcement"):
+            raise InvalidArgument(
+                f"{what}: unknown field {str(name)[:32]!r} (allowed: enforcement, kind, limit)"
+            )
+    if "limit" not in spec:
+        raise InvalidArgument(f"{what}: limit is missing")
+    n = spec["limit"]
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise InvalidArgument(f"{what}: limit must be an integer, got {type(n).__name__}")
+    if not 0 <= n <= QTY_MAX:
+        raise InvalidArgument(f"{what}: limit must be 0..{QTY_MAX}, got {n}")
+    kind = spec.get("kind", "hard")
+    if kind not in KINDS:
+        raise InvalidArgument(f"{what}: kind must be hard or soft, got {str(kind)[:32]!r}")
+    enforcement = spec.get("enforcement", "fast")
+    if enforcement not in ENFORCEMENTS:
+        raise InvalidArgument(
+            f"{what}: enforcement must be fast or strict, got {str(enforcement)[:32]!r}"
+        )
+    if enforcement == "strict":
+        raise InvalidArgument(f"{what}: {STRICT_NOT_YET}")
+    return Limit(n, kind, enforcement)
+
+
+def parse_features(spec: object) -> dict[str, Limit]:
+    """A plan's ``{feature: limit spec}`` map, validated."""
+    if not isinstance(spec, dict):
+        raise InvalidArgument(f"plan features must be a map, got {type(spec).__name__}")
+    if len(spec) > MAX_PLAN_FEATURES:
+        raise InvalidArgument(f"a plan has at most {MAX_PLAN_FEATURES} features")
+    out: dict[str, Limit] = {}
+    for feature, limit in spec.items():
+        f = check_feature(feature)
+        out[f] = parse_limit(limit, f"feature {f!r}")
+    return out
+
+
+# -- records ---------------------------------------------------------------------------------
+
+
+def _dump(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def plan_record(name: str, features: Mapping[str, Limit]) -> Record:
+    return (PLAN, name, "", _dump({f: lim.to_wire() for f, lim in features.items()}))
+
+
+def assign_record(tenant: str, plan: str | None) -> tuple[str, str, str, str | None]:
+    """The record assigning ``plan`` to ``tenant`` (body ``None``: unassign)."""
+    return (ASSIGN, tenant, "", plan)
+
+
+def override_record(
+    tenant: str, feature: str, limit: Limit | None
+) -> tuple[str, str, str, str | None]:
+    """The record of an override (body ``None``: clear it)."""
+    return (OVERRIDE, tenant, feature, None if limit is None else _dump(limit.to_wire()))
+
+
+def _stored_limit(value: Any) -> Limit:
+    """A stored limit spec; strict ones written by a later build are kept as they are."""
+    if not isinstance(value, dict):
+        raise ValueError("not a map")
+    n, kind, enforcement = value.get("limit"), value.get("kind"), value.get("enforcement")
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= QTY_MAX:
+        raise ValueError(f"bad limit {n!r}")
+    if kind not in KINDS or enforcement not in ENFORCEMENTS:
+        raise ValueError(f"bad kind or enforcement {kind!r} {enforcement!r}")
+    return Limit(n, kind, enforcement)
+
+
+# -- the book --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LimitBook:
+    """Every plan, assignment and override a node knows, as of storage version ``version``."""
+
+    version: int = 0
+    plans: dict[str, dict[str, Limit]] = field(default_factory=dict)
+    assigned: dict[str, str] = field(default_factory=dict)
+    overrides: dict[tuple[str, str], Limit] = field(default_factory=dict)
+    #: (tenant, feature) -> its effective limit: the hot path's one lookup.
+    by_pair: dict[tuple[str, str], Effective] = field(default_factory=dict)
+    #: Records that could not be decoded (``(scope, name, feature)`` and why), skipped.
+    bad: list[tuple[tuple[str, str, str], str]] = field(default_factory=list)
+
+    @classmethod
+    def from_records(cls, version: int, records: Iterable[Record]) -> LimitBook:
+        """The book of storage version ``version``; undecodable records are listed in
+        :attr:`bad` and skipped (one bad record must not lift every other limit)."""
+        book = cls(version)
+        for scope, name, feature, body in records:
+            try:
+                if scope == PLAN:
+                    raw = json.loads(body)
+                    if not isinstance(raw, dict):
+                        raise ValueError("plan body is not a map")
+                    book.plans[name] = {str(f): _stored_limit(v) for f, v in raw.items()}
+                elif scope == ASSIGN:
+                    book.assigned[name] = body
+                elif scope == OVERRIDE:
+                    book.overrides[(name, feature)] = _stored_limit(json.loads(body))
+                else:
+                    raise ValueError(f"unknown scope {scope!r}")
+            except (ValueError, TypeError) as exc:
+                book.bad.append(((scope, name, feature), str(exc)))
+        book._index()
+        return book
+
+    def _index(self) -> None:
+        pairs: dict[tuple[str, str], Effective] = {}
+        for tenant, plan in self.assigned.items():
+            source = f"plan:{plan}"
+            for feature, lim in self.plans.get(plan, {}).items():
+                pairs[(tenant, feature)] = Effective(lim.limit, lim.kind, lim.enforcement, source)
+        for pair, lim in self.overrides.items():
+            pairs[pair] = Effective(lim.limit, lim.kind, lim.enforcement, "override")
+        self.by_pair = pairs
+
+    def effective(self, tenant: str, feature: str) -> Effective | None:
+        """The limit on ``(tenant, feature)``, ``None`` if there is none."""
+        return self.by_pair.get((tenant, feature))
+
+    def for_tenant(self, tenant: str) -> dict[str, Effective]:
+        """Every effective limit of ``tenant``, by feature."""
+        out: dict[str, Effective] = {}
+        plan = self.assigned.get(tenant)
+        if plan is not None:
+            for feature in self.plans.get(plan, {}):
+                eff = self.by_pair.get((tenant, feature))
+                if eff is not None:
+                    out[feature] = eff
+        for t, feature in self.overrides:
+            if t == tenant:
+                out[feature] = self.by_pair[(t, feature)]
+        return out
+
+
+def plans_from_toml(data: Mapping[str, Any], where: str) -> dict[str, dict[str, Limit]]:
+    """The plans of a plans file: ``[plans.NAME]`` tables of ``feature = LIMIT`` (hard, fast)
+    or ``feature = {limit = N, kind = "soft"}``; :class:`InvalidArgument` names the first bad
+    entry (``where``: the file, for the message)."""
+    for key in data:
+        if key != "plans":
+            raise InvalidArgument(f"{where}: unknown key {key!r} (only [plans.NAME] tables)")
+    plans = data.get("plans", {})
+    if not isinstance(plans, dict):
+        raise InvalidArgument(f"{where}: plans must be tables [plans.NAME]")
+    out: dict[str, dict[str, Limit]] = {}
+    for name, features in plans.items():
+        try:
+            plan = check_plan_name(name)
+            if not isinstance(features, dict):
+                raise InvalidArgument("must be a table of feature = limit")
+            specs = {f: {"limit": v} if type(v) is int else v for f, v in features.items()}
+            out[plan] = parse_features(specs)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{where}: plan {str(name)[:64]!r}: {exc.message}") from None
+    return out

@@ -1,0 +1,119 @@
+"""``meter plan / limit / limits / check`` against a real node (SQLite) on its socket.
+
+``main()`` runs in a worker thread (its client is blocking) while the node runs on the test's
+event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from meter.cli import main
+from meter.client import AsyncClient
+from meter.config import NodeConfig, ServerConfig
+from meter.errors import LimitExceeded
+from meter.node import Node
+from tests.nodes import short_tmpdir
+
+
+@pytest.fixture
+async def sock(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+    for name in list(os.environ):
+        if name.startswith("METER_"):
+            monkeypatch.delenv(name)
+    d = short_tmpdir("mcl")
+    cfg = NodeConfig(data_dir=d / "data", node_id="n1", server=ServerConfig(socket=d / "m.sock"))
+    try:
+        async with Node(cfg):
+            yield str(cfg.server.socket)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+async def meter(sock: str, *args: str) -> int:
+    where = 2 if args[0] in ("plan", "limit") else 1  # after the (sub)command
+    argv = [*args[:where], "--socket", sock, *args[where:]]
+    return await asyncio.to_thread(main, argv)
+
+
+async def test_plans_and_limits_from_the_shell(
+    sock: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert await meter(sock, "plan", "set", "pro", "api=100", "gpu=60:soft") == 0
+    assert await meter(sock, "plan", "assign", "acme", "pro") == 0
+    assert await meter(sock, "limit", "set", "acme", "api", "5") == 0
+    capsys.readouterr()
+    assert await meter(sock, "limits", "acme") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "tenant acme, plan pro, limits version 3"
+    assert out[1].split() == ["FEATURE", "LIMIT", "KIND", "SOURCE"]
+    assert out[2].split() == ["api", "5", "hard", "override"]
+    assert out[3].split() == ["gpu", "60", "soft", "plan:pro"]
+    # The node enforces what the shell set.
+    c = await AsyncClient.connect(sock, retry_timeout=0)
+    try:
+        await c.track("acme", "api", 5)
+        with pytest.raises(LimitExceeded):
+            await c.track("acme", "api", 1)
+    finally:
+        await c.close()
+    assert await meter(sock, "check", "acme", "api") == 1  # refused: exit 1
+    assert capsys.readouterr().out.startswith("REFUSED: 5 + 1 of hard limit 5 (0 remaining")
+    assert await meter(sock, "check", "acme", "api", "0", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["allowed"] is True
+    assert await meter(sock, "limit", "clear", "acme", "api", "--json") == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "tenant": "acme",
+        "feature": "api",
+        "version": 4,
+    }
+    assert await meter(sock, "limit", "set", "acme", "gpu", "9", "--soft") == 0
+    assert await meter(sock, "plan", "unassign", "acme") == 0
+    capsys.readouterr()
+    assert await meter(sock, "limits", "acme", "--json") == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["plan"] is None
+    assert got["limits"] == {
+        "gpu": {"limit": 9, "kind": "soft", "enforcement": "fast", "source": "override"}
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["plan", "set", "pro", "api"], 2, "expected FEATURE=LIMIT"),
+        (["plan", "set", "pro", "api=ten"], 2, "LIMIT must be an integer"),
+        (["plan", "set", "pro", "api=1:medium"], 2, "expected FEATURE=LIMIT"),
+        (["plan", "set", "pro", "api=1", "api=2"], 2, "given twice"),
+        (["plan", "set", "pro", "api=-1"], 1, "invalid_argument"),
+        (["plan", "assign", "acme", "nope"], 1, "not_found"),
+        (["limit", "set", "acme", "api", "10", "--strict"], 1, "not available yet"),
+        (["limit", "set", "bad tenant", "api", "10"], 1, "invalid_argument"),
+    ],
+)
+async def test_bad_input_from_the_shell_says_what_is_wrong(
+    sock: str, capsys: pytest.CaptureFixture[str], args: list[str], code: int, message: str
+) -> None:
+    assert await meter(sock, *args) == code
+    assert message in capsys.readouterr().err
+
+
+def test_a_limit_that_is_not_a_number_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["limit", "set", "acme", "api", "lots"])
+    assert info.value.code == 2
+    assert "invalid int value" in capsys.readouterr().err
+
+
+def test_the_docs_name_every_limits_command() -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "quotas.md").read_text()
+    commands = ["plan set", "plan assign", "plan unassign", "limit set", "limit clear"]
+    for command in [*commands, "limits", "check"]:
+        assert f"`meter {command}" in text, command

@@ -1,0 +1,502 @@
+"""Plans, overrides and their enforcement on one node (docs/quotas.md).
+
+The pure book (meter/limits.py) directly; everything else through a real node on SQLite and
+its socket, with the Python clients, as users call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meter.client import AsyncClient
+from meter.config import FlushConfig, NodeConfig, ServerConfig
+from meter.errors import ConfigError, InvalidArgument, LimitExceeded, NotFound, Unavailable
+from meter.limits import (
+    STRICT_NOT_YET,
+    Effective,
+    LimitBook,
+    assign_record,
+    override_record,
+    parse_features,
+    parse_limit,
+    plan_record,
+)
+from meter.node import Node
+from tests.stores import DownStorage
+
+# -- the book ---------------------------------------------------------------------------------
+
+
+def _book(*records: tuple[str, str, str, str | None]) -> LimitBook:
+    return LimitBook.from_records(len(records), [(a, b, c, d) for a, b, c, d in records if d])
+
+
+def test_an_override_beats_the_plan_and_a_plan_applies_to_its_tenants_only() -> None:
+    pro = parse_features({"api": {"limit": 100}, "gpu": {"limit": 5, "kind": "soft"}})
+    book = _book(
+        plan_record("pro", pro),
+        assign_record("acme", "pro"),
+        assign_record("beta", "pro"),
+        override_record("acme", "api", parse_limit({"limit": 7})),
+    )
+    assert book.effective("acme", "api") == Effective(7, "hard", "fast", "override")
+    assert book.effective("acme", "gpu") == Effective(5, "soft", "fast", "plan:pro")
+    assert book.effective("beta", "api") == Effective(100, "hard", "fast", "plan:pro")
+    assert book.effective("gamma", "api") is None  # no plan
+    assert book.effective("acme", "other") is None  # not in the plan
+    assert set(book.for_tenant("acme")) == {"api", "gpu"}
+    # A tenant on a plan that does not exist has only its overrides.
+    one = parse_limit({"limit": 1})
+    book = _book(assign_record("acme", "gone"), override_record("acme", "x", one))
+    assert book.for_tenant("acme") == {"x": Effective(1, "hard", "fast", "override")}
+
+
+def test_a_book_without_limits_answers_nothing_from_an_empty_dict() -> None:
+    book = LimitBook.from_records(0, [])
+    assert book.by_pair == {} and not book.by_pair
+    assert book.effective("acme", "api") is None
+
+
+def test_undecodable_records_are_skipped_and_listed() -> None:
+    book = LimitBook.from_records(
+        3,
+        [
+            ("plan", "p", "", "not json"),
+            ("limit", "acme", "api", '{"limit": -1, "kind": "hard", "enforcement": "fast"}'),
+            ("limit", "acme", "ok", '{"limit": 2, "kind": "soft", "enforcement": "fast"}'),
+            ("weird", "x", "", "{}"),
+        ],
+    )
+    assert len(book.bad) == 3
+    assert book.effective("acme", "ok") == Effective(2, "soft", "fast", "override")
+    # A strict limit stored by a later build is kept (and enforced as fast by this one).
+    stored = '{"limit": 4, "kind": "hard", "enforcement": "strict"}'
+    book = LimitBook.from_records(1, [("limit", "acme", "api", stored)])
+    assert book.bad == [] and book.effective("acme", "api") == Effective(
+        4, "hard", "strict", "override"
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (5, "must be a map"),
+        ({}, "limit is missing"),
+        ({"limit": "5"}, "must be an integer"),
+        ({"limit": True}, "must be an integer"),
+        ({"limit": -1}, "must be 0.."),
+        ({"limit": 2**63}, "must be 0.."),
+        ({"limit": 1, "kind": "medium"}, "kind must be hard or soft"),
+        ({"limit": 1, "enforcement": "eventual"}, "enforcement must be fast or strict"),
+        ({"limit": 1, "enforcement": "strict"}, STRICT_NOT_YET),
+        ({"limit": 1, "colour": "red"}, "unknown field 'colour'"),
+    ],
+)
+def test_bad_limit_specs_are_refused_with_a_clear_error(spec: Any, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message.replace(".", r"\.")):
+        parse_limit(spec)
+
+
+# -- through a node ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tmp() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:  # short path: socket paths are limited
+        yield Path(d)
+
+
+def _config(tmp: Path) -> NodeConfig:
+    return NodeConfig(
+        data_dir=tmp / "data",
+        node_id="n1",
+        server=ServerConfig(socket=tmp / "m.sock"),
+        flush=FlushConfig(interval_ms=200),
+    )
+
+
+@pytest.fixture
+async def client(tmp: Path) -> AsyncIterator[AsyncClient]:
+    cfg = _config(tmp)
+    async with Node(cfg):
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        try:
+            yield c
+        finally:
+            await c.close()
+
+
+async def test_plans_assignments_and_overrides_round_trip(client: AsyncClient) -> None:
+    v1 = await client.set_plan("pro", {"api": {"limit": 100}, "gpu": {"limit": 5, "kind": "soft"}})
+    v2 = await client.assign_plan("acme", "pro")
+    v3 = await client.set_limit("acme", "api", 7)
+    assert v1 < v2 < v3
+    got = await client.limits("acme")
+    assert got == {
+        "tenant": "acme",
+        "plan": "pro",
+        "version": v3,
+        "limits": {
+            "api": {"limit": 7, "kind": "hard", "enforcement": "fast", "source": "override"},
+            "gpu": {"limit": 5, "kind": "soft", "enforcement": "fast", "source": "plan:pro"},
+        },
+    }
+    await client.clear_limit("acme", "api")
+    assert (await client.limits("acme"))["limits"]["api"]["source"] == "plan:pro"
+    await client.assign_plan("acme", None)
+    assert (await client.limits("acme"))["limits"] == {}
+    assert (await client.limits("nobody")) == {
+        "tenant": "nobody",
+        "plan": None,
+        "version": v3 + 2,
+        "limits": {},
+    }
+
+
+@pytest.mark.parametrize(
+    ("method", "params", "code", "message"),
+    [
+        ("set_plan", ["pro"], "invalid_argument", "takes 2 params"),
+        ("set_plan", ["", {}], "invalid_argument", "plan must not be empty"),
+        ("set_plan", ["a b", {}], "invalid_argument", "characters outside"),
+        ("set_plan", ["p" * 200, {}], "invalid_argument", "longer than 128"),
+        ("set_plan", [7, {}], "invalid_argument", "plan must be a string"),
+        ("set_plan", ["pro", []], "invalid_argument", "features must be a map"),
+        ("set_plan", ["pro", {"bad feature": {"limit": 1}}], "invalid_argument", "feature"),
+        ("set_plan", ["pro", {"api": {"limit": -5}}], "invalid_argument", "must be 0.."),
+        ("set_plan", ["pro", {"api": {"limit": 1, "kind": "x"}}], "invalid_argument", "kind"),
+        (
+            "set_plan",
+            ["pro", {"api": {"limit": 1, "enforcement": "strict"}}],
+            "invalid_argument",
+            STRICT_NOT_YET,
+        ),
+        (
+            "set_plan",
+            ["pro", {f"f{i}": {"limit": 1} for i in range(1001)}],
+            "invalid_argument",
+            "at most 1000 features",
+        ),
+        ("assign_plan", ["acme"], "invalid_argument", "takes 2 params"),
+        ("assign_plan", ["bad tenant", "pro"], "invalid_argument", "tenant"),
+        ("assign_plan", ["acme", ""], "invalid_argument", "plan must not be empty"),
+        ("assign_plan", ["acme", "missing"], "not_found", "does not exist"),
+        ("set_limit", ["acme", "api"], "invalid_argument", "takes 3 params"),
+        ("set_limit", ["", "api", {"limit": 1}], "invalid_argument", "tenant must not be empty"),
+        ("set_limit", ["acme", "a/b", {"limit": 1}], "invalid_argument", "feature"),
+        ("set_limit", ["acme", "api", 5], "invalid_argument", "must be a map"),
+        ("set_limit", ["acme", "api", {"limit": 1.5}], "invalid_argument", "must be an integer"),
+        (
+            "set_limit",
+            ["acme", "api", {"limit": 1, "enforcement": "strict"}],
+            "invalid_argument",
+            STRICT_NOT_YET,
+        ),
+        ("clear_limit", ["acme"], "invalid_argument", "takes 2 params"),
+        ("clear_limit", ["acme", ""], "invalid_argument", "feature must not be empty"),
+        ("limits", [], "invalid_argument", "takes 1 params"),
+        ("limits", [b"\xff"], "invalid_argument", "not valid UTF-8"),
+        ("check", ["acme"], "invalid_argument", "takes 2 to 4 params"),
+        ("check", ["acme", "api", "x"], "invalid_argument", "qty must be an integer"),
+        ("check", ["acme", "api", 1, {"detail": True}], "invalid_argument", "unknown option"),
+        ("track", ["acme", "api", 1, {"detail": 1}], "invalid_argument", "detail must be"),
+    ],
+)
+async def test_every_bad_input_of_the_limits_methods_gets_a_clear_error(
+    client: AsyncClient, method: str, params: list[Any], code: str, message: str
+) -> None:
+    with pytest.raises(Exception) as info:
+        await client.call(method, *params)
+    assert getattr(info.value, "code", None) == code, info.value
+    assert message in str(info.value)
+    assert await client.ping() == "pong"  # the connection stays usable
+
+
+async def test_a_hard_limit_admits_exactly_the_limit_under_concurrent_clients(
+    tmp: Path,
+) -> None:
+    cfg = _config(tmp)
+    async with Node(cfg):
+        admin = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        await admin.set_limit("acme", "api", 100)
+        clients = [await AsyncClient.connect(cfg.server.socket, retry_timeout=0) for _ in range(8)]
+
+        async def burst(c: AsyncClient) -> tuple[int, int]:
+            ok = refused = 0
+            for _ in range(30):
+                try:
+                    await c.track("acme", "api", 1)
+                    ok += 1
+                except LimitExceeded:
+                    refused += 1
+            return ok, refused
+
+        got = await asyncio.gather(*(burst(c) for c in clients))
+        assert sum(ok for ok, _ in got) == 100
+        assert sum(r for _, r in got) == 8 * 30 - 100
+        assert await admin.usage("acme", "api") == 100  # refused calls counted nothing
+        st = await admin.status()
+        assert st["limits"]["refused"] == 140
+        # Other counters of the tenant, and other tenants, are not limited.
+        assert await admin.track("acme", "other", 10**6) == 10**6
+        assert await admin.track("beta", "api", 500) == 500
+        # Units taken away are never refused, and make room again.
+        assert await admin.track("acme", "api", -10) == 90
+        assert await admin.track("acme", "api", 10) == 100
+        for c in [admin, *clients]:
+            await c.close()
+
+
+async def test_pipelined_plain_tracks_are_checked_too(client: AsyncClient) -> None:
+    """The server counts a pipelined run of plain warm tracks in one step (warm_tracks):
+    a limited pair must leave that path."""
+    await client.track("acme", "api", 1)  # warm, and its names validated today
+    await client.set_limit("acme", "api", 10)
+    answers = await client.pipeline([("track", ["acme", "api", 1])] * 20, return_exceptions=True)
+    assert answers[:9] == list(range(2, 11))
+    assert all(isinstance(a, LimitExceeded) for a in answers[9:])
+    assert await client.usage("acme", "api") == 10
+
+
+async def test_a_soft_limit_counts_past_it_and_reports_the_crossing(client: AsyncClient) -> None:
+    await client.set_plan("free", {"api": {"limit": 10, "kind": "soft"}})
+    await client.assign_plan("acme", "free")
+    assert await client.track("acme", "api", 8) == 8
+    got = await client.track_detail("acme", "api", 5)
+    assert got == {
+        "allowed": True,
+        "value": 13,
+        "limit": 10,
+        "remaining": 0,
+        "kind": "soft",
+        "source": "plan:free",
+        "over": True,
+        "tenant": "acme",
+    }
+    assert await client.track("acme", "api", 5) == 18
+    st = await client.status()
+    assert st["limits"]["soft_crossings"] == 1  # crossed once, not on every call past it
+    assert st["limits"]["refused"] == 0
+
+
+async def test_check_answers_without_counting(client: AsyncClient) -> None:
+    assert await client.check("acme", "api", 5) == {
+        "allowed": True,
+        "value": 0,
+        "limit": None,
+        "remaining": None,
+        "kind": None,
+        "source": None,
+        "over": False,
+        "tenant": "acme",
+    }
+    await client.set_limit("acme", "api", 10)
+    await client.track("acme", "api", 7)
+    ok = await client.check("acme", "api", 3)
+    assert ok["allowed"] is True and ok["remaining"] == 3 and ok["value"] == 7
+    assert ok["source"] == "override" and ok["kind"] == "hard" and ok["over"] is False
+    no = await client.check("acme", "api", 4)
+    assert no["allowed"] is False and no["over"] is True and no["value"] == 7
+    assert await client.usage("acme", "api") == 7
+    # A cold counter is read first.
+    assert (await client.check("acme", "cold", 1))["value"] == 0
+    # With detail, track answers the same map after counting.
+    d = await client.track_detail("acme", "api", 1)
+    assert d["value"] == 8 and d["remaining"] == 2 and d["allowed"] is True
+
+
+async def test_track_many_refuses_only_the_items_over_a_hard_limit(client: AsyncClient) -> None:
+    await client.set_limit("acme", "api", 5)
+    await client.track("acme", "api", 3)
+    got = await client.track_many(
+        [("acme", "api", 2), ("acme", "api", 1), ("acme", "free", 9), ("beta", "api", 4)]
+    )
+    assert got[0] == 5 and isinstance(got[1], LimitExceeded)
+    assert got[2:] == [9, 4]
+    assert await client.usage("acme", "api") == 5
+    # A batch of cold keys under a limit: seeded, then checked in order.
+    await client.set_limit("gamma", "api", 3)
+    got = await client.track_many([("gamma", "api", 2), ("gamma", "api", 2), ("gamma", "x", 1)])
+    assert got[0] == 2 and isinstance(got[1], LimitExceeded) and got[2] == 1
+
+
+async def test_holds_count_against_limits_and_the_tighter_limit_applies(
+    client: AsyncClient,
+) -> None:
+    await client.set_limit("acme", "gpu", 100)
+    rid = await client.reserve("acme", "gpu", 60)
+    with pytest.raises(LimitExceeded):
+        await client.track("acme", "gpu", 41)  # 60 held + 41 > 100
+    assert await client.track("acme", "gpu", 40) == 100
+    with pytest.raises(LimitExceeded):
+        await client.reserve("acme", "gpu", 1)
+    await client.release(rid)
+    # The call's own limit and the tenant's: the tighter one.
+    with pytest.raises(LimitExceeded):
+        await client.reserve("acme", "gpu", 30, limit=60)  # own 60 is tighter than 100
+    rid = await client.reserve("acme", "gpu", 20, limit=1000)  # 100 is tighter; 60 fits
+    with pytest.raises(LimitExceeded, match="reservation still holds"):
+        await client.commit(rid, 70)  # 40 + 70 > 100: refused, nothing changed
+    assert await client.usage("acme", "gpu") == 60  # 40 counted + 20 held
+    assert await client.commit(rid, 25) == 65  # 5 over the hold still fits
+    rid = await client.reserve("acme", "gpu", 10)
+    await client.set_limit("acme", "gpu", 50)  # lowered below the usage meanwhile
+    assert await client.commit(rid, 10) == 75  # at most the hold: always accepted
+    with pytest.raises(LimitExceeded):
+        await client.reserve("acme", "gpu", 0)  # already past the new limit
+
+
+async def test_a_soft_limit_does_not_refuse_reservations(client: AsyncClient) -> None:
+    await client.set_limit("acme", "gpu", 10, kind="soft")
+    rid = await client.reserve("acme", "gpu", 50)
+    assert await client.commit(rid, 60) == 60
+    with pytest.raises(LimitExceeded):
+        await client.reserve("acme", "gpu", 1, limit=60)  # its own limit still applies
+
+
+async def test_limits_survive_a_restart_and_assigning_a_missing_plan_is_not_found(
+    tmp: Path,
+) -> None:
+    cfg = _config(tmp)
+    async with Node(cfg):
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        await c.set_plan("pro", {"api": {"limit": 2}})
+        await c.assign_plan("acme", "pro")
+        with pytest.raises(NotFound):
+            await c.assign_plan("acme", "enterprise")
+        await c.close()
+    async with Node(cfg):  # read from storage before the socket opens
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        assert (await c.limits("acme"))["plan"] == "pro"
+        await c.track("acme", "api", 2)
+        with pytest.raises(LimitExceeded):
+            await c.track("acme", "api", 1)
+        await c.close()
+
+
+# -- the plans file ---------------------------------------------------------------------------
+
+PLANS = """
+[plans.pro]
+api = 100
+gpu = { limit = 60, kind = "soft" }
+
+[plans.free]
+api = 10
+"""
+
+
+async def test_a_plans_file_is_written_at_start_and_unchanged_plans_bump_nothing(
+    tmp: Path,
+) -> None:
+    file = tmp / "plans.toml"
+    file.write_text(PLANS)
+    cfg = _config(tmp)
+    cfg = replace(cfg, counters=replace(cfg.counters, plans_file=file))
+    async with Node(cfg):
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        await c.assign_plan("acme", "pro")
+        got = await c.limits("acme")
+        assert got["version"] == 3  # two plans written, then the assignment
+        assert got["limits"]["gpu"] == {
+            "limit": 60, "kind": "soft", "enforcement": "fast", "source": "plan:pro"
+        }  # fmt: skip
+        await c.close()
+    async with Node(cfg):  # the same file again: nothing to write
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        assert (await c.limits("acme"))["version"] == 3
+        await c.close()
+    file.write_text(PLANS.replace("api = 100", "api = 200"))
+    async with Node(cfg):  # one plan changed: one write
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        got = await c.limits("acme")
+        assert got["version"] == 4 and got["limits"]["api"]["limit"] == 200
+        await c.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[plans.pro]\napi = -1\n", "plan 'pro': feature 'api': limit must be 0.."),
+        ("[plans.pro]\napi = 'lots'\n", "must be a map"),
+        ("[plans.pro]\napi = { limit = 5, enforcement = 'strict' }\n", STRICT_NOT_YET),
+        ('[plans."a b"]\napi = 1\n', "characters outside"),
+        ("[other]\nx = 1\n", "unknown key 'other'"),
+        ("plans = 5\n", "plans must be tables"),
+        ("[plans\n", "cannot read"),
+    ],
+)
+async def test_a_bad_plans_file_stops_the_node_naming_the_setting(
+    tmp: Path, text: str, message: str
+) -> None:
+    file = tmp / "plans.toml"
+    file.write_text(text)
+    cfg = _config(tmp)
+    cfg = replace(cfg, counters=replace(cfg.counters, plans_file=file))
+    with pytest.raises(ConfigError, match="plans_file") as info:
+        async with Node(cfg):
+            pass
+    assert message in str(info.value)
+
+
+def test_a_missing_plans_file_is_a_configuration_error(tmp: Path) -> None:
+    cfg = _config(tmp)
+    cfg = replace(cfg, counters=replace(cfg.counters, plans_file=tmp / "none.toml"))
+
+    async def start() -> None:
+        async with Node(cfg):
+            pass
+
+    with pytest.raises(ConfigError, match="plans_file: cannot read"):
+        asyncio.run(start())
+
+
+async def test_with_storage_down_a_hard_limit_on_an_unknown_total_refuses_and_changes_fail(
+    tmp: Path,
+) -> None:
+    store = DownStorage()
+    cfg = _config(tmp)
+    async with Node(cfg, storage=store):
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        await c.set_limit("acme", "api", 100)
+        await c.set_limit("acme", "gpu", 100, kind="soft")
+        store.down = True
+        with pytest.raises(Unavailable, match="hard limit cannot be checked"):
+            await c.track("acme", "api", 1)  # cold: its total cannot be read
+        assert await c.track("acme", "gpu", 1) is None  # soft: counted, total not known
+        assert isinstance((await c.track_many([("acme", "api", 1)]))[0], Unavailable)
+        with pytest.raises(Unavailable, match="nothing changed"):
+            await c.set_limit("acme", "api", 5)
+        deadline = asyncio.get_running_loop().time() + 5
+        while not (await c.status())["limits"]["last_error"]:  # the poll says why
+            assert asyncio.get_running_loop().time() < deadline, "no last_error"
+            await asyncio.sleep(0.05)
+        store.down = False
+        assert await c.usage("acme", "api") == 0  # nothing was counted
+        assert (await c.limits("acme"))["limits"]["api"]["limit"] == 100  # not changed
+        await c.close()
+
+
+def test_peer_holds_replace_what_was_known_of_a_peer() -> None:
+    from meter.holds import PeerHolds, local_holds
+    from meter.reservations import Lease
+
+    holds = PeerHolds()
+    k1, k2 = ("acme", "gpu", "2026-11"), ("acme", "api", "2026-11")
+    holds.replace("a", [(*k1, 60), (*k2, 5)])
+    holds.replace("b", [(*k1, 10)])
+    assert holds.total == {k1: 70, k2: 5}
+    holds.replace("a", [(*k1, 20)])  # a whole snapshot: k2 is no longer held by a
+    assert holds.total == {k1: 30}
+    holds.replace("b", ())  # forgotten (dead or restarted)
+    holds.replace("a", [(*k1, 0)])
+    assert holds.total == {} and holds.peers() == 0
+    leases = [Lease("r1", k1, 5, 0.0), Lease("r2", k1, 7, 0.0), Lease("r3", k2, 0, 0.0)]
+    assert local_holds(leases) == [(*k1, 12)]

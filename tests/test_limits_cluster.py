@@ -1,0 +1,205 @@
+"""Limits across a fleet: real nodes on one redis-server and one DynamoDB Local table.
+
+A limit set through one node must be enforced by every other within 1 s of the answer to
+``set_limit`` (docs/quotas.md, "Propagation"): carried by a ``limits`` gossip frame while the
+bus is up, found by polling the stored version while it is down.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster_harness import KEY_TENANT, node_env, start_nodes, wait_until
+from tests.nodes import NodeProcess, raw_call, short_tmpdir
+from tests.redis_server import RedisServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
+
+#: The bound docs/quotas.md claims.
+PROPAGATION_S = 1.0
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    d = short_tmpdir("ml-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def nodes_cleanup() -> Iterator[list[NodeProcess]]:
+    started: list[NodeProcess] = []
+    yield started
+    for p in started:
+        if p.proc is not None and p.proc.poll() is None:
+            p.kill()
+
+
+def _refuses(node: NodeProcess, feature: str) -> bool:
+    return node.call("check", KEY_TENANT, feature, 1)["allowed"] is False
+
+
+def _propagation(nodes: list[NodeProcess], feature: str) -> float:
+    """Set a limit at the current total through ``nodes[0]``; return the seconds from its
+    answer until every other node refuses one more unit, and check a track is refused."""
+    # Every node has the counter warm, with the same view.
+    for p in nodes:
+        p.call("track", KEY_TENANT, feature, 1)
+    total = len(nodes)
+    wait_until(
+        lambda: all(p.call("usage", KEY_TENANT, feature) == total for p in nodes),
+        10,
+        "the views agree",
+        nodes,
+    )
+    for p in nodes[1:]:
+        assert not _refuses(p, feature)
+    version = nodes[0].call("set_limit", KEY_TENANT, feature, {"limit": total})["version"]
+    t0 = time.monotonic()
+    took = wait_until(
+        lambda: all(_refuses(p, feature) for p in nodes[1:]),
+        5,
+        "every node refuses",
+        nodes,
+        step=0.005,
+    )
+    took = time.monotonic() - t0
+    for p in nodes:
+        error, _ = raw_call(p.socket, "track", KEY_TENANT, feature, 1)
+        assert error is not None and error["code"] == "limit_exceeded", error
+        assert p.call("limits", KEY_TENANT)["version"] == version
+        assert p.call("usage", KEY_TENANT, feature) == total  # the refused units: not counted
+    return took
+
+
+def test_a_limit_set_through_one_node_refuses_on_the_others_within_a_second(
+    workdir: Path,
+    redis_server: RedisServer,
+    dynamodb_local: str,
+    dynamodb_table: str,
+    cluster_name: str,
+    nodes_cleanup: list[NodeProcess],
+) -> None:
+    env = node_env(
+        redis_url=redis_server.url,
+        dynamodb_endpoint=dynamodb_local,
+        table=dynamodb_table,
+        cluster=cluster_name,
+    )
+    nodes = start_nodes(workdir, 3, env)
+    nodes_cleanup.extend(nodes)
+    took = [_propagation(nodes, f"api{i}") for i in range(3)]
+    print(f"\nlimit propagation, bus up: {[round(t * 1000) for t in took]} ms")
+    assert max(took) <= PROPAGATION_S, took
+    # Carried by frames: each node heard the changes on the bus.
+    sent = nodes[0].call("status")["cluster"]["sent"]
+    assert sent["limits_messages"] == 3, sent
+
+
+def test_with_the_bus_down_a_limit_still_refuses_everywhere_within_a_second(
+    workdir: Path,
+    redis_factory: Callable[..., RedisServer],
+    dynamodb_local: str,
+    dynamodb_table: str,
+    cluster_name: str,
+    nodes_cleanup: list[NodeProcess],
+) -> None:
+    server = redis_factory()
+    env = node_env(
+        redis_url=server.url,
+        dynamodb_endpoint=dynamodb_local,
+        table=dynamodb_table,
+        cluster=cluster_name,
+    )
+    nodes = start_nodes(workdir, 3, env)
+    nodes_cleanup.extend(nodes)
+    server.stop()
+    wait_until(
+        lambda: not any(p.call("status")["cluster"]["bus"]["connected"] for p in nodes),
+        10,
+        "every node sees Redis down",
+        nodes,
+    )
+    # Without gossip each node's view is its own: give each one the same warm counter by
+    # tracking through one node and letting the others read it from storage.
+    took = []
+    for i in range(3):
+        feature = f"gpu{i}"
+        nodes[0].call("track", KEY_TENANT, feature, 3)
+        wait_until(
+            lambda f=feature: nodes[0].call("status")["keys"]["dirty"] == 0,  # type: ignore[misc]
+            10,
+            "the unit is stored",
+            nodes,
+        )
+        for p in nodes[1:]:
+            assert p.call("usage", KEY_TENANT, feature) == 3  # cold: read from storage
+        version = nodes[0].call("set_limit", KEY_TENANT, feature, {"limit": 3})["version"]
+        t0 = time.monotonic()
+        wait_until(
+            lambda f=feature: all(_refuses(p, f) for p in nodes[1:]),  # type: ignore[misc]
+            5,
+            "every node refuses",
+            nodes,
+            step=0.005,
+        )
+        took.append(time.monotonic() - t0)
+        for p in nodes:
+            error, _ = raw_call(p.socket, "track", KEY_TENANT, feature, 1)
+            assert error is not None and error["code"] == "limit_exceeded", error
+            assert p.call("limits", KEY_TENANT)["version"] == version
+    print(f"\nlimit propagation, bus down: {[round(t * 1000) for t in took]} ms")
+    assert max(took) <= PROPAGATION_S, took
+    assert nodes[0].call("status")["cluster"]["sent"]["limits_messages"] == 0
+
+
+def test_holds_on_one_node_count_against_a_hard_limit_on_the_others(
+    workdir: Path,
+    redis_server: RedisServer,
+    dynamodb_local: str,
+    dynamodb_table: str,
+    cluster_name: str,
+    nodes_cleanup: list[NodeProcess],
+) -> None:
+    """A reservation holds its units against the limit on every node (a ``holds`` frame),
+    released holds and the holds of a node that died are let go."""
+    env = node_env(
+        redis_url=redis_server.url,
+        dynamodb_endpoint=dynamodb_local,
+        table=dynamodb_table,
+        cluster=cluster_name,
+    )
+    nodes = start_nodes(workdir, 3, env)
+    nodes_cleanup.extend(nodes)
+    a, b, c = nodes
+    a.call("set_limit", KEY_TENANT, "gpu", {"limit": 100})
+    for p in nodes:
+        p.call("track", KEY_TENANT, "gpu", 0)  # warm everywhere
+    wait_until(
+        lambda: all(p.call("limits", KEY_TENANT)["limits"] for p in nodes), 5, "limit", nodes
+    )
+    rid = a.call("reserve", KEY_TENANT, "gpu", 60)
+    t0 = time.monotonic()
+    wait_until(lambda: not b.call("check", KEY_TENANT, "gpu", 41)["allowed"], 5, "b sees", nodes)
+    seen = time.monotonic() - t0
+    wait_until(lambda: not c.call("check", KEY_TENANT, "gpu", 41)["allowed"], 5, "c sees", nodes)
+    error, _ = raw_call(c.socket, "track", KEY_TENANT, "gpu", 41)
+    assert error is not None and error["code"] == "limit_exceeded", error
+    assert "held by peers" in error["message"]
+    error, _ = raw_call(c.socket, "reserve", KEY_TENANT, "gpu", 41)
+    assert error is not None and error["code"] == "limit_exceeded", error
+    assert b.call("track", KEY_TENANT, "gpu", 40) == 40  # 40 + 60 held = 100: fits
+    a.call("release", rid)
+    wait_until(lambda: b.call("check", KEY_TENANT, "gpu", 60)["allowed"], 5, "released", nodes)
+    # A node that dies with holds: its peers let them go once it is declared dead.
+    a.call("reserve", KEY_TENANT, "gpu", 50)
+    wait_until(lambda: not b.call("check", KEY_TENANT, "gpu", 11)["allowed"], 5, "held", nodes)
+    a.kill()
+    wait_until(lambda: b.call("check", KEY_TENANT, "gpu", 60)["allowed"], 10, "let go", nodes)
+    print(f"\nholds seen by a peer after {seen * 1000:.0f} ms")
+    assert seen <= PROPAGATION_S
