@@ -1,4 +1,5 @@
-"""The issue's proof: 100,000 counters tracked through a real node on DynamoDB Local, then
+"""The issue's proof: 100,000 counters (10,000 in the suite: ``COUNTERS``) tracked through a real
+node on DynamoDB Local, then
 ``meter export`` (the CLI, as an operator runs it) matches what was tracked, per counter and in
 total."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,12 +23,17 @@ from tests.test_node_process import workdir  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.dynamodb, pytest.mark.slow]
 
+#: Counters tracked and exported. The issue's proof is 100,000 (``METER_EXPORT_COUNTERS=100000``:
+#: about 10 minutes, bound by DynamoDB Local's ~200 UpdateItem/s on 2 cores); the suite runs the
+#: same path at 10,000 to stay within its time budget.
+COUNTERS = int(os.environ.get("METER_EXPORT_COUNTERS", "10000"))
 TENANTS = 200
-FEATURES = 500  # 200 x 500 = 100,000 counters
+FEATURES = COUNTERS // TENANTS
+assert FEATURES * TENANTS == COUNTERS, "METER_EXPORT_COUNTERS: a multiple of 200"
 BATCH = 10_000  # track_many's largest call
 
 
-def test_export_of_100k_counters_matches_what_was_tracked(
+def test_export_of_many_counters_matches_what_was_tracked(
     workdir: Path,  # noqa: F811
     dynamodb_local: str,
     dynamodb_table: str,
@@ -51,7 +58,7 @@ def test_export_of_100k_counters_matches_what_was_tracked(
                     tracked[(tenant, feature)] += qty
         assert len(tracked) == TENANTS * FEATURES
         tracked_at = time.monotonic()
-        # status walks 100,000 keys: asked every 10 ms it took most of the node's time and
+        # status walks every key: asked every 10 ms it took most of the node's time and
         # starved the flusher; once a second is plenty.
         asked = [0.0]
 
@@ -81,6 +88,6 @@ def test_export_of_100k_counters_matches_what_was_tracked(
     assert got == dict(tracked)
     assert sum(got.values()) == sum(tracked.values()) == sum(q for _, _, q in items)
     print(
-        f"\n100k export proof: tracked in {tracked_at - started:.1f} s, stored in "
+        f"\n{COUNTERS} counters export proof: tracked in {tracked_at - started:.1f} s, stored in "
         f"{stored_at - tracked_at:.1f} s, exported in {exported_at - stored_at:.1f} s"
     )
