@@ -21,7 +21,9 @@ import pytest
 
 from meter.client import AsyncClient, Client, Usage
 from meter.errors import InvalidArgument
-from meter.keys import period_start
+from meter.keys import MAX_FEATURE_BYTES, MAX_TENANT_BYTES, period_start
+from meter.protocol import Encoder
+from meter.server import DEFAULT_LOW_WATER, NOTIFY_MAX_BYTES
 from meter.watch import MAX_PENDING, MAX_SUBSCRIPTIONS
 from tests.cluster_harness import node_env, start_nodes
 from tests.nodes import ROOT, NodeProcess, short_tmpdir, wait_for
@@ -190,20 +192,34 @@ def test_a_stalled_subscriber_stays_bounded_and_the_node_keeps_answering(
                 st = wait_for(
                     lambda rnd=rnd: _offered(c, n * (rnd - 1)),  # type: ignore[misc]
                     what=f"round {rnd}'s changes to be offered",
+                    timeout=30,
                 )
                 assert st["sent"] + st["dropped"] + st["pending"] == n * (rnd - 1)
                 assert st["pending"] <= MAX_PENDING
                 assert c.usage("acme", "f0") == rnd  # the node answers all along
-            print("\nstalled subscriber:", st)
+            server = c.status()["server"]
+            print("\nstalled subscriber:", st, "unsent bytes at most", server["notify_buffer_max"])
             assert st["pending"] == MAX_PENDING  # full: one value per counter, no more
             assert st["connections"] == 1 and st["dropped"] > n
             assert st["sent"] < n  # far fewer than the changes left the node
+            # Writing stopped at the low-water mark, and never passed it by a notification.
+            low = DEFAULT_LOW_WATER
+            assert low <= server["notify_buffer_max"] < low + NOTIFY_MAX_BYTES
         finally:
             s.close()
         wait_for(
             lambda: c.status()["subscriptions"]["pending"] == 0,
             what="the closed subscriber's outbox to go",
         )
+
+
+def test_a_notification_takes_at_most_notify_max_bytes() -> None:
+    """The bound on unsent bytes (docs/protocol.md) counts on it."""
+    longest = ["t" * MAX_TENANT_BYTES, "f" * MAX_FEATURE_BYTES, -(2**63), "2024-05-31"]
+    for value in (-(2**63), 2**64 - 1):
+        data = Encoder().notifications("usage", [[*longest[:2], value, longest[3]]])
+        assert len(data) <= NOTIFY_MAX_BYTES
+    assert len(Encoder().notifications("usage", [longest] * 2)) > NOTIFY_MAX_BYTES
 
 
 def _offered(c: Client, n: int) -> dict[str, int] | None:
