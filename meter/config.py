@@ -81,6 +81,9 @@ class CounterConfig:
     #: Most keys a checkpoint of the write-ahead log lists as warm, and a restarted node reads
     #: ahead (docs/durability.md, "Warm-up after a restart"); 0: no warm-up.
     warm_up_max_keys: int = 1_000_000
+    #: Distinct tenants the node's live usage subscriptions may watch, every connection
+    #: together (each push tick reads every watched tenant's loaded counters).
+    max_watched_tenants: int = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +357,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "evict_after_s": ("counters", "evict_after_s", _float(1, 10**7)),
     "rollover_read_ahead_s": ("counters", "rollover_read_ahead_s", _float(0, 86400)),
     "warm_up_max_keys": ("counters", "warm_up_max_keys", _int(0, 100_000_000)),
+    "max_watched_tenants": ("counters", "max_watched_tenants", _int(1, 1_000_000)),
     "flush_interval_ms": ("flush", "interval_ms", _int(1, 3_600_000)),
     "flush_batch_keys": ("flush", "batch_keys", _int(1, 1_000_000)),
     "flush_max_backoff_ms": ("flush", "max_backoff_ms", _int(1, 3_600_000)),
