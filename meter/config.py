@@ -18,6 +18,7 @@ from typing import Any
 
 from meter.errors import ConfigError
 from meter.keys import FEATURE_RE, PeriodKind
+from meter.watch import MAX_WATCHED_TENANTS
 
 STORAGE_KINDS = ("sqlite", "memory", "dynamodb")
 NODE_ID_RE = re.compile(r"[A-Za-z0-9_\-]{1,64}")
@@ -83,7 +84,7 @@ class CounterConfig:
     warm_up_max_keys: int = 1_000_000
     #: Distinct tenants the node's live usage subscriptions may watch, every connection
     #: together (each push tick reads every watched tenant's loaded counters).
-    max_watched_tenants: int = 1024
+    max_watched_tenants: int = MAX_WATCHED_TENANTS
 
 
 @dataclass(frozen=True, slots=True)
