@@ -143,35 +143,63 @@ class _Inbox:
     def __init__(self) -> None:
         self.subs: dict[str, list[Any]] = {}
         self.notes: dict[str, collections.deque[Usage]] = {}
+        #: Tenants whose ``subscribe`` is on its way on a connection that does not watch them
+        #: yet: their unread notifications set aside, and those received since, which can
+        #: only follow the answer (the node sends none before it).
+        self.held: dict[str, tuple[collections.deque[Usage], list[Usage]]] = {}
         #: Notifications dropped because the caller did not read them (MAX_BUFFERED).
         self.dropped = 0
         #: Set when something arrives or the connection is lost (the asyncio client's).
         self.event: asyncio.Event | None = None
 
+    def subscribing(self, tenant: str) -> None:
+        """Call before sending a ``subscribe`` of ``tenant`` that the connection does not
+        watch yet (a new tenant, or every tenant again on a new connection): a notification
+        decoded with the answer, before :meth:`subscribed` runs, is kept, after the answer's
+        values. (A repeat on the same connection needs nothing: the queue exists.)"""
+        self.held[tenant] = (self.notes.pop(tenant, collections.deque()), [])
+
     def subscribed(self, tenant: str, params: list[Any], items: Any) -> None:
         """``tenant`` is watched (``params``: how to subscribe again); ``items`` are the
         subscribe call's answer, the values now, delivered first."""
         self.subs[tenant] = params
-        self.notes.setdefault(tenant, collections.deque())
+        aside, later = self.held.pop(tenant, (None, []))
+        queue = self.notes.get(tenant)
+        if queue is None:
+            queue = self.notes[tenant] = collections.deque() if aside is None else aside
         for item in items if isinstance(items, list) else ():
-            self.add(item)
+            self._append(queue, item)
+        for usage in later:
+            self._append(queue, usage)
+
+    def not_subscribed(self, tenant: str) -> None:
+        """The ``subscribe`` announced by :meth:`subscribing` failed: put things back."""
+        held = self.held.pop(tenant, None)
+        if held is not None and tenant in self.subs:
+            self.notes[tenant] = held[0]
 
     def unsubscribed(self, tenant: str) -> None:
         self.subs.pop(tenant, None)
         self.notes.pop(tenant, None)
+        self.held.pop(tenant, None)
         self.wake()
 
     def add(self, params: Any) -> None:
         if type(params) is not list or len(params) != 4:
             return
-        tenant, feature, value, period = params
-        queue = self.notes.get(tenant)
+        queue = self.notes.get(params[0])
         if queue is None:
-            return  # not subscribed (any more)
+            held = self.held.get(params[0])
+            if held is not None:
+                held[1].append(Usage(*params))
+            return  # else: not subscribed (any more)
+        self._append(queue, params)
+
+    def _append(self, queue: collections.deque[Usage], params: Any) -> None:
         if len(queue) >= MAX_BUFFERED:
             queue.popleft()
             self.dropped += 1
-        queue.append(Usage(tenant, feature, value, period))
+        queue.append(params if type(params) is Usage else Usage(*params))
 
     def take(self, tenant: str) -> Usage | None:
         queue = self.notes.get(tenant)
@@ -369,12 +397,19 @@ class Client(_Ids):
         # A fresh stream: bytes of a half-read answer on the old one must not be kept.
         self._decoder = Decoder(side="client", max_frame=self._max_frame)
         # Subscriptions die with a connection: make them again on the new one.
-        for tenant, params in list(self._inbox.subs.items()):
-            resp = self._exchange(sock, "subscribe", params)
+        inbox = self._inbox
+        for tenant, params in list(inbox.subs.items()):
+            inbox.subscribing(tenant)
+            try:
+                resp = self._exchange(sock, "subscribe", params)
+            except BaseException:
+                inbox.not_subscribed(tenant)
+                raise
             if resp.error is not None:
+                inbox.not_subscribed(tenant)
                 self._drop()
                 raise from_wire(resp.error)
-            self._inbox.subscribed(tenant, params, resp.result)
+            inbox.subscribed(tenant, params, resp.result)
         return sock
 
     def _send(self, sock: socket.socket, data: bytes) -> None:
@@ -582,8 +617,17 @@ class Client(_Ids):
         ``timeout`` seconds (None: for ever); the iteration ends when one waited in vain.
         The client re-subscribes after a reconnect (the values then are delivered again)."""
         params = _subscribe_params(tenant, features)
-        items = self._invoke("subscribe", params, True)
-        self._inbox.subscribed(tenant, params, items)
+        inbox = self._inbox
+        fresh = tenant not in inbox.subs
+        if fresh:  # before sending: a notification may come in the answer's read
+            inbox.subscribing(tenant)
+        try:
+            items = self._invoke("subscribe", params, True)
+        except BaseException:
+            if fresh:
+                inbox.not_subscribed(tenant)
+            raise
+        inbox.subscribed(tenant, params, items)
         return self._follow(tenant, timeout)
 
     def _follow(self, tenant: str, timeout: float | None) -> Iterator[Usage]:
@@ -858,12 +902,15 @@ class AsyncClient(_Ids):
             self._transport, self._protocol = transport, proto
             # Subscriptions die with a connection: make them again on the new one.
             for tenant, params in list(proto_inbox.subs.items()):
+                proto_inbox.subscribing(tenant)
                 try:
                     resp = await self._exchange(proto, "subscribe", params)
                 except BaseException:
+                    proto_inbox.not_subscribed(tenant)
                     transport.close()
                     raise
                 if resp.error is not None:
+                    proto_inbox.not_subscribed(tenant)
                     transport.close()
                     raise from_wire(resp.error)
                 proto_inbox.subscribed(tenant, params, resp.result)
@@ -1073,8 +1120,16 @@ class AsyncClient(_Ids):
         subscriptions made again, their values delivered again) within ``retry_timeout``,
         else :class:`~meter.errors.Unavailable` is raised."""
         params = _subscribe_params(tenant, features)
-        items = await self._invoke("subscribe", params, True)
-        inbox = self._protocol.inbox
+        inbox = self._protocol.inbox  # (a reconnection keeps it)
+        fresh = tenant not in inbox.subs
+        if fresh:  # before sending: a notification may be handled before this resumes
+            inbox.subscribing(tenant)
+        try:
+            items = await self._invoke("subscribe", params, True)
+        except BaseException:
+            if fresh:
+                inbox.not_subscribed(tenant)
+            raise
         if inbox.event is None:
             inbox.event = asyncio.Event()
         inbox.subscribed(tenant, params, items)

@@ -18,6 +18,7 @@ from typing import Any
 
 from meter.errors import ConfigError
 from meter.keys import FEATURE_RE, PeriodKind
+from meter.watch import MAX_WATCHED_TENANTS
 
 STORAGE_KINDS = ("sqlite", "memory", "dynamodb")
 NODE_ID_RE = re.compile(r"[A-Za-z0-9_\-]{1,64}")
@@ -88,6 +89,9 @@ class CounterConfig:
     tenant_hierarchy: bool = False
     #: A TOML file of plans written to storage at start (docs/quotas.md), if set.
     plans_file: Path | None = None
+    #: Distinct tenants the node's live usage subscriptions may watch, every connection
+    #: together (each push tick reads every watched tenant's loaded counters).
+    max_watched_tenants: int = MAX_WATCHED_TENANTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,6 +378,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "limits_poll_ms": ("counters", "limits_poll_ms", _int(50, 600_000)),
     "tenant_hierarchy": ("counters", "tenant_hierarchy", _bool),
     "plans_file": ("counters", "plans_file", _path),
+    "max_watched_tenants": ("counters", "max_watched_tenants", _int(1, 1_000_000)),
     "flush_interval_ms": ("flush", "interval_ms", _int(1, 3_600_000)),
     "flush_batch_keys": ("flush", "batch_keys", _int(1, 1_000_000)),
     "flush_max_backoff_ms": ("flush", "max_backoff_ms", _int(1, 3_600_000)),

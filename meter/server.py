@@ -51,9 +51,9 @@ log = logging.getLogger("meter.server")
 DEFAULT_HIGH_WATER = 1 << 20
 #: ...and resume once the backlog is below this.
 DEFAULT_LOW_WATER = 256 << 10
-#: Notifications written to a subscriber in one piece; more are written only while its
-#: connection's unsent bytes stay under the low-water mark (docs/protocol.md, "Live usage").
-NOTIFY_CHUNK = 1000
+#: An upper bound on one encoded ``usage`` notification: names at their longest (512-byte
+#: tenant, 256-byte feature), a 64-bit value and a day period take 803 bytes.
+NOTIFY_MAX_BYTES = 1024
 #: listen() backlog.
 DEFAULT_BACKLOG = 1024
 #: At most this many "closing a connection after a protocol error" lines per interval...
@@ -179,16 +179,25 @@ class _Connection(asyncio.Protocol):
 
     def push(self) -> None:
         """Write pending notifications while the peer keeps up: not while writing is paused or
-        more than the low-water mark of bytes wait unsent. Those left wait in the outbox,
-        which keeps one (the latest) value per counter."""
+        the low-water mark of bytes wait unsent. Those left wait in the outbox, which keeps
+        one (the latest) value per counter.
+
+        Each write takes only as many notifications as fit, at :data:`NOTIFY_MAX_BYTES`
+        each, in the room left under the mark (one if less room is left), so the unsent
+        bytes never exceed the mark by a notification or more (docs/protocol.md)."""
         sub = self.sub
         transport = self.transport
         if sub is None or transport is None or self._paused or transport.is_closing():
             return
         srv = self._server
-        while sub.pending and transport.get_write_buffer_size() < srv.low_water:
-            # (A write that pauses writing leaves more than the low-water mark unsent.)
-            transport.write(srv._encoder.notifications("usage", sub.take(NOTIFY_CHUNK)))
+        low = srv.low_water
+        buffered = transport.get_write_buffer_size()
+        while sub.pending and buffered < low:
+            room = (low - buffered) // NOTIFY_MAX_BYTES
+            transport.write(srv._encoder.notifications("usage", sub.take(room or 1)))
+            buffered = transport.get_write_buffer_size()
+            if buffered > srv.notify_buffer_max:
+                srv.notify_buffer_max = buffered
 
     def pause_writing(self) -> None:
         # The peer is not reading its answers: stop reading its requests until it catches up.
@@ -549,6 +558,8 @@ class RpcServer:
         self.internal_errors = 0
         #: Connections accepted since start.
         self.accepted = 0
+        #: The most unsent bytes a connection had right after notifications were written.
+        self.notify_buffer_max = 0
         #: Requests by method and result, and their latency (``None``: metrics off).
         self.request_stats: RequestStats | None = None
 
@@ -572,6 +583,7 @@ class RpcServer:
             "protocol_errors": self.protocol_errors,
             "invalid_requests": self.invalid_requests,
             "internal_errors": self.internal_errors,
+            "notify_buffer_max": self.notify_buffer_max,
         }
 
     def push_notifications(self) -> None:

@@ -109,7 +109,7 @@ class Service:
         #: checkpoints list them as warm until the warm-up ends.
         self.warming: list[Key] = []
         #: Live usage subscriptions (``subscribe``); ticked by the node's watch loop.
-        self.watch = Watch()
+        self.watch = Watch(max_tenants=self.config.max_watched_tenants)
         self._periods: Mapping[str, PeriodKind] = self.config.feature_periods
         # Hot-path cache: (tenant, feature) -> its validated key in the current period. Valid
         # only within [_day_start, _day_end): the current UTC day, inside which neither a day
@@ -1199,7 +1199,7 @@ class Service:
         self, sub: Subscriber, tenant: str, features: frozenset[str] | None
     ) -> list[list[Any]]:
         """Watch, and answer the watched counters' values now, shaped as notifications."""
-        now = self.watch_view(tenant)
+        now = self.watch_view(tenant, features)
         self.watch.subscribe(sub, tenant, features, now)
         return [[tenant, f, v, p] for (f, p), v in now.items() if features is None or f in features]
 
@@ -1208,25 +1208,28 @@ class Service:
         tenant = self._tenant(tenant)
         return Bind(lambda sub: self.watch.unsubscribe(sub, tenant))
 
-    def watch_view(self, tenant: str) -> View:
+    def watch_view(self, tenant: str, features: frozenset[str] | None) -> View:
         """``tenant``'s loaded counters of the current periods, as ``usage`` answers them (holds
-        included), marked used so a watched counter stays loaded."""
+        included); the watched ones (``features``, ``None``: all) are marked used so they stay
+        loaded, the others may be evicted as if nobody watched."""
         names = self._period_names
         periods = [(k, _one_copy(names, period_start(k, None))) for k in sorted(self._kinds())]
         kinds = self._periods
+        use: bool | frozenset[str] = True if features is None else features
         return views(
             tenant,
             periods,
-            lambda t, p: self.table.all_for(t, p, use=True),
+            lambda t, p: self.table.all_for(t, p, use=use),
             lambda f: kinds.get(f, "month"),
         )
 
     def watch_tick(self) -> list[Subscriber]:
         """One tick of the live usage push: offer every watched counter that changed since the
         last tick to its subscribers; return the subscribers with notifications to send."""
-        if not self.watch:
+        watch = self.watch
+        if not watch:
             return []
-        return self.watch.tick(self.watch_view)
+        return watch.tick(lambda tenant: self.watch_view(tenant, watch.named(tenant)))
 
     def _export(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
         # A read of storage only: units not flushed yet are not in it (docs/operations.md).

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Container, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Literal
 
@@ -290,16 +291,21 @@ class CounterTable:
                 "reserved": ext.reserved,
             }
 
-    def all_for(self, tenant: str, period: str, *, use: bool = False) -> dict[str, int]:
+    def all_for(
+        self, tenant: str, period: str, *, use: bool | AbstractSet[str] = False
+    ) -> dict[str, int]:
         """Feature -> value for every warm, seeded counter of ``tenant`` in ``period``;
-        ``use`` marks them used, as a call would (a watched counter is not evicted)."""
+        ``use`` marks them used, as a call would (a watched counter is not evicted): all of
+        them (``True``) or those of the features it holds."""
+        every = use is True
+        named: AbstractSet[str] = frozenset() if isinstance(use, bool) else use
         with self._lock:
             out: dict[str, int] = {}
             for feature in self._by_period.get((tenant, period), ()):
                 row = self._rows[(tenant, feature, period)]
                 if row.flags & SEEDED:
                     out[feature] = row.value()
-                    if use:
+                    if every or feature in named:
                         row.flags |= USED
             return out
 

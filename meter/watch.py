@@ -10,8 +10,8 @@ A counter that changed many times in a tick is seen once, with its latest value.
 
 A connection's unsent notifications wait in its :class:`Subscriber`: at most one per counter
 (a newer value replaces an unsent one) and at most ``max_pending`` counters, so a subscriber
-that does not read costs a bounded amount of memory whatever changes; what is replaced or
-refused is counted in ``dropped``.
+that does not read costs a bounded amount of memory whatever changes; what is replaced
+(``replaced``) or refused (``refused``) is counted, together ``dropped``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from itertools import islice
 from typing import Any
 
-from meter.errors import InvalidArgument
+from meter.errors import InvalidArgument, Unavailable
 from meter.keys import Key, check_feature
 
 #: Tenants one connection may subscribe to.
@@ -29,6 +29,9 @@ MAX_SUBSCRIPTIONS = 64
 MAX_FEATURES = 256
 #: Counters whose notification may wait unsent on one connection.
 MAX_PENDING = 10_000
+#: Distinct tenants one node may watch, every connection together: each tick reads each
+#: watched tenant's loaded counters (the ``max_watched_tenants`` setting's default).
+MAX_WATCHED_TENANTS = 1024
 
 #: A tenant's counters as ``(feature, period) -> value``.
 View = dict[tuple[str, str], int]
@@ -37,7 +40,7 @@ View = dict[tuple[str, str], int]
 class Subscriber:
     """One connection's subscriptions (tenant -> features, ``None`` for all) and its outbox."""
 
-    __slots__ = ("dropped", "max_pending", "pending", "sent", "tenants")
+    __slots__ = ("closed", "max_pending", "pending", "refused", "replaced", "sent", "tenants")
 
     def __init__(self, max_pending: int = MAX_PENDING) -> None:
         self.tenants: dict[str, frozenset[str] | None] = {}
@@ -46,18 +49,27 @@ class Subscriber:
         self.max_pending = max_pending
         #: Notifications handed to the connection.
         self.sent = 0
-        #: Notifications never sent: replaced by a newer value, or refused while full.
-        self.dropped = 0
+        #: Unsent values replaced by a newer one of the same counter (the newer one waits).
+        self.replaced = 0
+        #: Values refused because ``max_pending`` other counters were waiting.
+        self.refused = 0
+        #: Its connection is gone (:meth:`Watch.remove`): it may not subscribe again.
+        self.closed = False
+
+    @property
+    def dropped(self) -> int:
+        """Notifications never sent: replaced by a newer value, or refused while full."""
+        return self.replaced + self.refused
 
     def offer(self, key: Key, value: int) -> None:
-        """Queue ``value`` for ``key``, replacing an unsent one (counted as dropped); refused
-        (and counted) if ``max_pending`` other counters are waiting already."""
+        """Queue ``value`` for ``key``, replacing an unsent one (counted in ``replaced``);
+        refused (counted in ``refused``) if ``max_pending`` other counters are waiting."""
         pending = self.pending
         if key in pending:
             pending[key] = value
-            self.dropped += 1
+            self.replaced += 1
         elif len(pending) >= self.max_pending:
-            self.dropped += 1
+            self.refused += 1
         else:
             pending[key] = value
 
@@ -104,16 +116,20 @@ class Watch:
     """Every subscription of a node, by tenant, and the values each watched tenant's counters
     had at the last tick."""
 
-    def __init__(self, max_subscriptions: int = MAX_SUBSCRIPTIONS) -> None:
+    def __init__(
+        self, max_subscriptions: int = MAX_SUBSCRIPTIONS, max_tenants: int = MAX_WATCHED_TENANTS
+    ) -> None:
         self.max_subscriptions = max_subscriptions
+        self.max_tenants = max_tenants
         self._tenants: dict[str, dict[Subscriber, frozenset[str] | None]] = {}
         self._seen: dict[str, View] = {}
         self._subscribers: set[Subscriber] = set()
         #: ``sent`` and ``dropped`` of subscribers gone (their connections closed).
         self._sent_gone = 0
         self._dropped_gone = 0
-        #: Ticks that found something to send.
+        #: Ticks run, and the number of the last one that found a change.
         self.ticks = 0
+        self.changed_tick = 0
 
     def __bool__(self) -> bool:
         return bool(self._tenants)
@@ -128,10 +144,19 @@ class Watch:
         """Watch ``tenant`` (its ``features``, ``None``: all) for ``sub``; a repeat replaces
         the features. ``now`` is the tenant's view now: a tenant nobody watched yet starts
         from it (what changes after is sent, not what is). :class:`InvalidArgument` past
-        ``max_subscriptions`` tenants on one connection."""
+        ``max_subscriptions`` tenants on one connection, :class:`Unavailable` past
+        ``max_tenants`` tenants watched on the node, or if ``sub``'s connection is gone (a
+        subscribe that waited on storage must not bring back a subscriber removed meanwhile)."""
+        if sub.closed:
+            raise Unavailable("subscribe: the connection closed")
         if tenant not in sub.tenants and len(sub.tenants) >= self.max_subscriptions:
             raise InvalidArgument(
                 f"subscribe: at most {self.max_subscriptions} tenants per connection"
+            )
+        if tenant not in self._tenants and len(self._tenants) >= self.max_tenants:
+            raise Unavailable(
+                f"subscribe: this node watches {self.max_tenants} tenants already "
+                "(max_watched_tenants); try later or another node"
             )
         sub.tenants[tenant] = features
         self._subscribers.add(sub)
@@ -154,8 +179,19 @@ class Watch:
             del self._seen[tenant]
         return True
 
+    def named(self, tenant: str) -> frozenset[str] | None:
+        """The features of ``tenant`` its watchers name together; ``None``: one watches all."""
+        out: set[str] = set()
+        for features in self._tenants.get(tenant, {}).values():
+            if features is None:
+                return None
+            out |= features
+        return frozenset(out)
+
     def remove(self, sub: Subscriber) -> None:
-        """Forget ``sub`` and its subscriptions (its connection closed)."""
+        """Forget ``sub`` and its subscriptions (its connection closed); it may not subscribe
+        again."""
+        sub.closed = True
         for tenant in list(sub.tenants):
             self.unsubscribe(sub, tenant)
         if sub in self._subscribers:
@@ -168,6 +204,7 @@ class Watch:
         """Compare each watched tenant's view (``read(tenant)``) with the last tick's, offer
         every changed counter to the subscribers watching it, and return the subscribers with
         notifications to send."""
+        self.ticks += 1
         found = False
         for tenant, watchers in self._tenants.items():
             changed = self._diff(tenant, read(tenant))
@@ -180,7 +217,7 @@ class Watch:
                     if features is None or feature in features:
                         offer((tenant, feature, period), value)
         if found:
-            self.ticks += 1
+            self.changed_tick = self.ticks
         return [s for s in self._subscribers if s.pending]
 
     def _diff(self, tenant: str, now: View) -> list[tuple[tuple[str, str], int]]:
@@ -192,7 +229,8 @@ class Watch:
         return changed
 
     def status(self) -> dict[str, int]:
-        """Counts for ``status``."""
+        """Counts for ``status`` (``ticks`` run, ``changed_tick``: the last that found a
+        change)."""
         subs = self._subscribers
         return {
             "connections": sum(1 for s in subs if s.tenants),
@@ -201,6 +239,8 @@ class Watch:
             "pending": sum(len(s.pending) for s in subs),
             "sent": self._sent_gone + sum(s.sent for s in subs),
             "dropped": self._dropped_gone + sum(s.dropped for s in subs),
+            "ticks": self.ticks,
+            "changed_tick": self.changed_tick,
         }
 
 

@@ -14,9 +14,10 @@ import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
+import msgpack
 import pytest
 
-from meter.client import AsyncClient, Client
+from meter.client import AsyncClient, Client, Usage
 from meter.errors import (
     BY_CODE,
     Conflict,
@@ -558,3 +559,61 @@ async def test_blocking_msgid_wraps(server: RpcServer, path: str) -> None:
         return out
 
     assert await blocking(path, go) == [[i] for i in range(6)]
+
+
+P = "2024-05"
+
+
+async def _answer_subscribe_with_a_notification(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """A node's stand-in that writes a ``subscribe`` answer and the tenant's first change in
+    one write, as a node whose tick came right after the subscribe can; ``subscribe`` of
+    tenant ``bad`` is ``invalid_argument``, anything else is answered ``"pong"``."""
+    unpacker = msgpack.Unpacker()
+    while data := await reader.read(65536):
+        unpacker.feed(data)
+        for _, msgid, method, params in unpacker:
+            if method != "subscribe":
+                writer.write(msgpack.packb([1, msgid, None, "pong"]))
+            elif params[0] == "bad":
+                writer.write(msgpack.packb([1, msgid, InvalidArgument("bad").to_wire(), None]))
+            else:
+                answer = [1, msgid, None, [[params[0], "api", 1, P]]]
+                change = [2, "usage", [params[0], "api", 2, P]]
+                writer.write(msgpack.packb(answer) + msgpack.packb(change))
+    writer.close()
+
+
+async def test_a_notification_read_with_the_subscribe_answer_is_kept(path: str) -> None:
+    """Both clients make a tenant's queue before sending ``subscribe``: a notification
+    decoded in the same read as the answer (blocking) or handled before the caller resumes
+    (asyncio) comes after the answer's values, not lost; a failed subscribe leaves no queue."""
+    server = await asyncio.start_unix_server(_answer_subscribe_with_a_notification, path)
+    try:
+        async with await AsyncClient.connect(path, timeout=WAIT) as m:
+            it = await m.subscribe("acme")
+            got = [await asyncio.wait_for(anext(it), WAIT) for _ in range(2)]
+            assert got == [Usage("acme", "api", 1, P), Usage("acme", "api", 2, P)]
+            with pytest.raises(InvalidArgument):
+                await m.subscribe("bad")
+            inbox = m._protocol.inbox
+            assert "bad" not in inbox.notes and not inbox.held and list(inbox.subs) == ["acme"]
+
+        def go() -> tuple[list[Usage | None], list[str]]:
+            with Client.connect(path, timeout=WAIT) as c:
+                # (The values are in the answer's read: the step timeout is never waited.)
+                it = c.subscribe("acme", timeout=1)
+                got = [next(it, None), next(it, None)]
+                with pytest.raises(InvalidArgument):
+                    c.subscribe("bad")
+                assert not c._inbox.held and "bad" not in c._inbox.notes
+                return got, list(c._inbox.subs)
+
+        assert await asyncio.to_thread(go) == (
+            [Usage("acme", "api", 1, P), Usage("acme", "api", 2, P)],
+            ["acme"],
+        )
+    finally:
+        server.close()
+        await server.wait_closed()

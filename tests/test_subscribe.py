@@ -8,7 +8,7 @@ import os
 import shutil
 import signal
 import socket
-import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -19,19 +19,21 @@ from typing import Any
 import msgpack
 import pytest
 
-from meter.client import AsyncClient, Client, Usage
-from meter.errors import InvalidArgument
-from meter.keys import period_start
+from meter.client import AsyncClient, Client, TrackItem, Usage
+from meter.errors import InvalidArgument, Unavailable
+from meter.keys import MAX_FEATURE_BYTES, MAX_TENANT_BYTES, period_start
+from meter.protocol import Encoder
+from meter.server import DEFAULT_LOW_WATER, NOTIFY_MAX_BYTES
 from meter.watch import MAX_PENDING, MAX_SUBSCRIPTIONS
 from tests.cluster_harness import node_env, start_nodes
+from tests.dynamodb_proxy import DynamoDBProxy
 from tests.nodes import ROOT, NodeProcess, short_tmpdir, wait_for
 from tests.redis_server import RedisServer
+from tests.test_warm_up import until
 
 TICK_MS = 100
-#: A change reaches a subscriber at the node's first tick after it (one tick at most), then
-#: crosses a socket; the slack is for this shared 2-core machine (a tick's timer firing late,
-#: the client process being scheduled late), not for the node's design.
-SLACK_S = 0.4
+#: Delivery and scheduling on a shared machine, on top of U02's two intervals (see the test).
+CROSS_NODE_SLACK_S = 0.5
 MONTH = period_start("month")
 
 
@@ -56,11 +58,13 @@ def test_a_change_is_pushed_once_per_tick_with_its_latest_value(node: NodeProces
         first = sorted([next(it), next(it)])
         assert first == [Usage("acme", "api", 5, MONTH), Usage("acme", "seats", 0, MONTH)]
         # 50 tracks in one write are counted in one pass of the node's loop: one tick sees
-        # them all, so one notification carries the latest value.
-        t0 = time.monotonic()
-        c.pipeline([("track", ["acme", "api", 1])] * 50)
+        # them all, so one notification carries the latest value. The status in the same
+        # pass says how many ticks ran before the change; the one that found it is the next
+        # (counted in ticks, not seconds: a loaded machine delays both alike).
+        *_, st = c.pipeline([("track", ["acme", "api", 1])] * 50 + [("status", [])])
+        ticks = st["subscriptions"]["ticks"]
         assert next(it) == Usage("acme", "api", 55, MONTH)
-        assert time.monotonic() - t0 <= TICK_MS / 1000 + SLACK_S
+        assert c.status()["subscriptions"]["changed_tick"] == ticks + 1
         assert w.next_usage("acme", timeout=3 * TICK_MS / 1000) is None  # nothing more
         # The value is usage's: holds included.
         rid = c.reserve("acme", "seats", 3)
@@ -166,6 +170,98 @@ def test_bad_subscribe_arguments_are_invalid_and_the_connection_stays(node: Node
         assert c.status()["subscriptions"]["subscriptions"] == MAX_SUBSCRIPTIONS
 
 
+def test_distinct_tenants_watched_on_a_node_are_capped(workdir: Path) -> None:
+    """``max_watched_tenants`` bounds what a tick reads, whatever the connections: past it a
+    subscribe of one more tenant is ``unavailable`` (and counted nowhere), a tenant watched
+    already can still be subscribed to, and one unwatched makes room."""
+    with (
+        NodeProcess(
+            workdir, METER_GOSSIP_INTERVAL_MS=str(TICK_MS), METER_MAX_WATCHED_TENANTS="3"
+        ) as node,
+        Client.connect(node.socket, timeout=5, retry_timeout=0) as a,
+        Client.connect(node.socket, timeout=5, retry_timeout=0) as b,
+    ):
+        a.call("subscribe", "t1")
+        a.call("subscribe", "t2")
+        b.call("subscribe", "t3")
+        with pytest.raises(Unavailable, match="watches 3 tenants already"):
+            b.call("subscribe", "t4")
+        b.call("subscribe", "t1", ["api"])  # watched already: no new tenant
+        assert b.ping() == "pong"  # the connection stays
+        st = a.status()["subscriptions"]
+        assert st["tenants"] == 3 and st["subscriptions"] == 4
+        assert a.unsubscribe("t2") is True
+        b.call("subscribe", "t4")
+
+
+def test_a_subscription_naming_features_keeps_only_those_loaded(workdir: Path) -> None:
+    """A tick reads the tenant's loaded counters but marks used only the watched ones: the
+    tenant's other counters are evicted when idle as if nobody watched."""
+    with (
+        NodeProcess(
+            workdir,
+            METER_GOSSIP_INTERVAL_MS=str(TICK_MS),
+            METER_EVICT_AFTER_S="1",
+            METER_FLUSH_INTERVAL_MS="100",
+        ) as node,
+        Client.connect(node.socket, timeout=5) as c,
+        Client.connect(node.socket, timeout=5) as w,
+    ):
+        it = w.subscribe("acme", ["api"], timeout=5)
+        assert next(it).value == 0
+        c.track("acme", "other", 2)
+        c.track("acme", "api", 1)
+        assert next(it).value == 1
+        assert c.status()["keys"]["warm"] == 2
+        # Stored, then idle for 1 to 2 eviction intervals: "other" goes, "api" stays loaded.
+        wait_for(lambda: c.status()["keys"]["warm"] == 1, what="the unwatched counter evicted")
+        reads = c.status()["seeding"]["on_demand"]
+        assert c.usage("acme", "api") == 1
+        assert c.status()["seeding"]["on_demand"] == reads  # not read again: it stayed
+
+
+@pytest.mark.dynamodb
+async def test_a_connection_reset_while_its_subscribe_reads_storage_leaves_nothing_watched(
+    workdir: Path, dynamodb_local: str, dynamodb_table: str
+) -> None:
+    """A client sends ``ping`` and a ``subscribe`` of a counter never loaded, then resets the
+    connection while the node reads the counter (the read held at a proxy in front of
+    DynamoDB Local): once the read ends, nothing is watched, nothing waits to be sent."""
+    async with DynamoDBProxy(int(dynamodb_local.rsplit(":", 1)[1])) as proxy:
+        node = NodeProcess(
+            workdir,
+            METER_STORAGE="dynamodb",
+            METER_DYNAMODB_ENDPOINT=proxy.endpoint,
+            METER_DYNAMODB_TABLE=dynamodb_table,
+            METER_GOSSIP_INTERVAL_MS=str(TICK_MS),
+        )
+        await asyncio.to_thread(node.start)
+        try:
+            proxy.hold()
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(node.socket))
+            s.sendall(msgpack.packb([0, 1, "ping", []]) + msgpack.packb(
+                [0, 2, "subscribe", ["acme", ["api"]]]))  # fmt: skip
+            await until(lambda: proxy.held == 1, "the counter's read held")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()  # a reset, the pong unread
+            await until(
+                lambda: node.call("status")["server"]["connections"] == 1,  # the status call's
+                "the reset connection gone",
+            )
+            proxy.stop_holding()
+            st = await until(
+                lambda: (st := node.call("status"))["server"]["in_flight"] == 0 and st,
+                "the subscribe to end",
+            )
+            assert st["seeding"]["in_flight"] == 0
+            sub = st["subscriptions"]
+            assert (sub["connections"], sub["tenants"], sub["subscriptions"], sub["pending"]) == (
+                0, 0, 0, 0), sub  # fmt: skip
+        finally:
+            assert await asyncio.to_thread(node.stop) == 0
+
+
 def test_a_stalled_subscriber_stays_bounded_and_the_node_keeps_answering(
     node: NodeProcess,
 ) -> None:
@@ -190,20 +286,34 @@ def test_a_stalled_subscriber_stays_bounded_and_the_node_keeps_answering(
                 st = wait_for(
                     lambda rnd=rnd: _offered(c, n * (rnd - 1)),  # type: ignore[misc]
                     what=f"round {rnd}'s changes to be offered",
+                    timeout=30,
                 )
                 assert st["sent"] + st["dropped"] + st["pending"] == n * (rnd - 1)
                 assert st["pending"] <= MAX_PENDING
                 assert c.usage("acme", "f0") == rnd  # the node answers all along
-            print("\nstalled subscriber:", st)
+            server = c.status()["server"]
+            print("\nstalled subscriber:", st, "unsent bytes at most", server["notify_buffer_max"])
             assert st["pending"] == MAX_PENDING  # full: one value per counter, no more
             assert st["connections"] == 1 and st["dropped"] > n
             assert st["sent"] < n  # far fewer than the changes left the node
+            # Writing stopped at the low-water mark, and never passed it by a notification.
+            low = DEFAULT_LOW_WATER
+            assert low <= server["notify_buffer_max"] < low + NOTIFY_MAX_BYTES
         finally:
             s.close()
         wait_for(
             lambda: c.status()["subscriptions"]["pending"] == 0,
             what="the closed subscriber's outbox to go",
         )
+
+
+def test_a_notification_takes_at_most_notify_max_bytes() -> None:
+    """The bound on unsent bytes (docs/protocol.md) counts on it."""
+    longest = ["t" * MAX_TENANT_BYTES, "f" * MAX_FEATURE_BYTES, -(2**63), "2024-05-31"]
+    for value in (-(2**63), 2**64 - 1):
+        data = Encoder().notifications("usage", [[*longest[:2], value, longest[3]]])
+        assert len(data) <= NOTIFY_MAX_BYTES
+    assert len(Encoder().notifications("usage", [longest] * 2)) > NOTIFY_MAX_BYTES
 
 
 def _offered(c: Client, n: int) -> dict[str, int] | None:
@@ -215,17 +325,35 @@ def test_a_subscriber_that_catches_up_gets_each_counters_latest_value(node: Node
     """A subscriber that stops reading while its counters change many times, then reads
     again, ends with every counter's latest value (fewer counters than the cap)."""
     features = [f"f{i}" for i in range(8_000)]
+    items: list[TrackItem] = [("acme", f, 1) for f in features]
     with Client.connect(node.socket, timeout=10) as c, Client.connect(node.socket) as w:
-        c.track_many([("acme", f, 1) for f in features])
+        c.track_many(items)
         w._ensure().setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         w.subscribe("acme", timeout=2)
-        for _ in range(8):  # not read meanwhile
-            c.track_many([("acme", f, 1) for f in features])
-        wait_for(lambda: c.status()["subscriptions"]["dropped"] > 0, what="drops while stalled")
+        # Not read meanwhile: rounds of changes, each seen by a tick of its own, until a
+        # newer value replaced one waiting (the socket's buffers full), however fast the
+        # machine; a handful of rounds fill them.
+        rounds = 0
+        while c.status()["subscriptions"]["dropped"] == 0:
+            assert rounds < 30, "no drop: the subscriber's socket never filled"
+            _, st = c.pipeline([("track_many", [items]), ("status", [])])
+            rounds += 1
+            ticks = st["subscriptions"]["ticks"]
+            wait_for(
+                lambda ticks=ticks: c.status()["subscriptions"]["ticks"] > ticks,  # type: ignore[misc]
+                what="a tick after the round",
+            )
+        # Read until every counter shows its value now: the latest arrives last, each once.
         latest: dict[str, int] = {}
-        while (u := w.next_usage("acme", timeout=5 * TICK_MS / 1000)) is not None:
+        done = 0
+        deadline = time.monotonic() + 30
+        while done < len(features):
+            u = w.next_usage("acme", timeout=max(0.0, deadline - time.monotonic()))
+            assert u is not None, f"{done} of {len(features)} counters caught up in 30 s"
+            assert latest.get(u.feature, 0) < u.value <= rounds + 1, u
             latest[u.feature] = u.value
-        assert latest == dict.fromkeys(features, 9)
+            done += u.value == rounds + 1
+        assert latest == dict.fromkeys(features, rounds + 1)
 
 
 async def test_the_async_client_iterates_and_resubscribes_after_a_restart(workdir: Path) -> None:
@@ -307,8 +435,9 @@ def test_a_subscriber_on_one_node_sees_a_unit_tracked_on_another_within_two_tick
 ) -> None:
     """Two real nodes on one Redis and one DynamoDB table. A unit tracked on B is gossiped at
     B's next tick (at most one interval) and pushed at A's next tick after it arrives (at most
-    one more): docs/protocol.md claims two intervals plus delivery; measured from the track's
-    answer to the notification's arrival, with the slack of this shared machine."""
+    one more): docs/protocol.md claims two intervals plus delivery; measured from before the
+    track is sent to the notification's arrival, every sample, with the slack of this shared
+    machine."""
     env = node_env(
         redis_url=redis_server.url,
         dynamodb_endpoint=dynamodb_local,
@@ -329,10 +458,14 @@ def test_a_subscriber_on_one_node_sees_a_unit_tracked_on_another_within_two_tick
                 u = next(it)
                 lat.append(time.monotonic() - t0)
                 assert u == Usage("acme", "api", s + 1, MONTH)
-            print(f"\nB -> A's subscriber: median {statistics.median(lat) * 1000:.0f} ms, "
-                  f"max {max(lat) * 1000:.0f} ms")  # fmt: skip
-            assert max(lat) <= 2 * TICK_MS / 1000 + SLACK_S
-            assert statistics.median(lat) <= 2 * TICK_MS / 1000
+            print(f"\nB -> A's subscriber: max {max(lat) * 1000:.0f} ms")
+            # Delivery is B's answer, B's frame through Redis and A's notification through
+            # its socket: milliseconds on an idle machine. The slack is for this shared
+            # 2-core box running two nodes, Redis, DynamoDB Local and the test at once, where
+            # a tick's timer or a process is scheduled late by a few hundred ms. (So this
+            # catches a unit that waits several ticks too many, or is never pushed; the
+            # single-node push is checked in ticks, test_a_change_is_pushed_once_per_tick...)
+            assert max(lat) <= 2 * TICK_MS / 1000 + CROSS_NODE_SLACK_S
             assert w.next_usage("acme", timeout=3 * TICK_MS / 1000) is None  # once each
     finally:
         for p in (a, b):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meter.errors import InvalidArgument
+from meter.errors import InvalidArgument, Unavailable
 from meter.watch import MAX_FEATURES, Subscriber, View, Watch, check_features
 
 P = "2024-05"
@@ -67,7 +69,45 @@ def test_a_connection_gone_leaves_nothing_but_its_counts() -> None:
     w.remove(sub)
     assert not w
     assert w.status() == {"connections": 0, "tenants": 0, "subscriptions": 0, "pending": 0,
-                          "sent": 1, "dropped": 0}  # fmt: skip
+                          "sent": 1, "dropped": 0, "ticks": 2, "changed_tick": 2}  # fmt: skip
+
+
+def test_a_removed_subscriber_cannot_subscribe_again() -> None:
+    """A subscribe that waited on storage while its connection went must not bring the
+    subscriber back: it would be watched for ever with nobody to send to."""
+    w = Watch()
+    sub = Subscriber()
+    w.subscribe(sub, "acme", None, {})
+    w.remove(sub)
+    with pytest.raises(Unavailable, match="connection closed"):
+        w.subscribe(sub, "zeta", None, {})
+    assert not w and sub.tenants == {}
+    assert w.status()["subscriptions"] == 0 and w.status()["connections"] == 0
+    w.remove(Subscriber())  # one that never subscribed: harmless
+
+
+def test_distinct_tenants_watched_on_the_node_are_capped() -> None:
+    w = Watch(max_tenants=2)
+    a, b = Subscriber(), Subscriber()
+    w.subscribe(a, "t1", None, {})
+    w.subscribe(b, "t2", None, {})
+    w.subscribe(b, "t1", frozenset({"api"}), {})  # a tenant watched already is no new one
+    with pytest.raises(Unavailable, match="watches 2 tenants already"):
+        w.subscribe(a, "t3", None, {})
+    assert w.tenants() == ["t1", "t2"] and list(a.tenants) == ["t1"]
+    w.unsubscribe(b, "t2")
+    w.subscribe(a, "t3", None, {})  # room again
+
+
+def test_the_features_watched_of_a_tenant_are_its_watchers_together() -> None:
+    w = Watch()
+    a, b = Subscriber(), Subscriber()
+    assert w.named("acme") == frozenset()
+    w.subscribe(a, "acme", frozenset({"api"}), {})
+    w.subscribe(b, "acme", frozenset({"seats"}), {})
+    assert w.named("acme") == frozenset({"api", "seats"})
+    w.subscribe(b, "acme", None, {})
+    assert w.named("acme") is None  # one watches every feature
 
 
 def test_subscriptions_per_connection_are_capped() -> None:
@@ -101,12 +141,12 @@ def test_feature_lists_are_validated() -> None:
 def test_a_full_outbox_keeps_the_latest_value_per_counter_and_counts_drops() -> None:
     sub = Subscriber(max_pending=2)
     sub.offer(("t", "a", P), 1)
-    sub.offer(("t", "a", P), 2)  # replaces the unsent 1: a drop
+    sub.offer(("t", "a", P), 2)  # replaces the unsent 1
     sub.offer(("t", "b", P), 1)
-    sub.offer(("t", "c", P), 1)  # two counters wait already: refused, a drop
+    sub.offer(("t", "c", P), 1)  # two counters wait already: refused
     sub.offer(("t", "b", P), 7)
     assert sub.pending == {("t", "a", P): 2, ("t", "b", P): 7}
-    assert sub.dropped == 3
+    assert (sub.replaced, sub.refused, sub.dropped) == (2, 1, 3)
     assert sub.take(1) == [["t", "a", 2, P]]
     assert sub.take(5) == [["t", "b", 7, P]]
     assert sub.sent == 2 and sub.pending == {}
@@ -123,35 +163,52 @@ views_strategy = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(views=views_strategy, cap=st.integers(1, 6), reads=st.lists(st.booleans(), max_size=30))
-def test_a_subscriber_ends_with_every_counters_latest_value_or_a_counted_drop(
+def test_a_subscriber_ends_with_every_counters_latest_value_unless_it_was_refused(
     views: list[View], cap: int, reads: list[bool]
 ) -> None:
     """Whatever the changes and however rarely the subscriber reads: the outbox never holds
-    more than its cap, and once everything is read, every counter changed since the
-    subscription shows its latest value unless a drop was counted."""
+    more than its cap, a value is refused only while the outbox is full, and once everything
+    is read, every counter whose last change was not refused has been sent that change's
+    value last. Replaced values are not lost: a newer one of the same counter took their
+    place."""
     w = Watch()
     sub = Subscriber(max_pending=cap)
     w.subscribe(sub, "t", None, views[0])
     got: dict[tuple[str, str], list[int]] = {}
+    last_offered: dict[tuple[str, str], int] = {}
+    refused_last: dict[tuple[str, str], bool] = {}
+    refusals = 0
 
     def read() -> None:
         for _, f, v, p in sub.take(cap):
             got.setdefault((f, p), []).append(v)
 
+    before = views[0]
     for i, view in enumerate(views[1:]):
+        changed = {fp: v for fp, v in view.items() if before.get(fp) != v}
         w.tick(lambda t, view=view: view)  # type: ignore[misc]
+        before = view
         assert len(sub.pending) <= cap
+        for (f, p), v in changed.items():
+            # Nothing is taken during a tick: a changed counter not waiting now was refused.
+            refused = sub.pending.get(("t", f, p)) != v
+            if refused:
+                assert len(sub.pending) == cap  # refused only while full
+                refusals += 1
+            last_offered[(f, p)] = v
+            refused_last[(f, p)] = refused
         if i < len(reads) and reads[i]:
             read()
     while sub.pending:
         read()
-    last = views[-1]
-    if sub.dropped == 0:
-        # Nothing dropped: every notification was delivered, so a counter that differs from
-        # its value at the subscription was sent, and its last notification is its value now.
-        for fp, v in last.items():
-            if v != views[0].get(fp) or fp in got:
-                assert got[fp][-1] == v
+    assert sub.refused == refusals
+    for fp, v in last_offered.items():
+        if not refused_last[fp]:
+            assert got[fp][-1] == v
     assert sub.sent == sum(len(v) for v in got.values())
+    # Every offer was sent, replaced by a newer one, or refused.
+    assert sub.sent + sub.replaced + sub.refused == sum(
+        1 for a, b in itertools.pairwise(views) for fp, v in b.items() if a.get(fp) != v
+    )
