@@ -76,7 +76,7 @@ class RequestStats:
     a client cannot make labels up.
     """
 
-    __slots__ = ("_track", "errors", "latency", "methods", "ok", "tracks")
+    __slots__ = ("errors", "latency", "methods", "ok", "track_latency", "tracks")
 
     def __init__(self, methods: Iterable[str]) -> None:
         self.methods = frozenset(methods)
@@ -88,7 +88,8 @@ class RequestStats:
             (m, code): 0 for m in sorted(self.methods) for code in PRESET_CODES
         }
         self.latency: dict[str, Buckets] = {m: Buckets(REQUEST_BOUNDS) for m in self.methods}
-        self._track = self.latency.setdefault("track", Buckets(REQUEST_BOUNDS))
+        #: ``latency["track"]``, which the server updates in place on its fast path.
+        self.track_latency = self.latency.setdefault("track", Buckets(REQUEST_BOUNDS))
 
     def ok_counts(self) -> dict[str, int]:
         """Requests answered ``ok``, by method."""
@@ -102,7 +103,7 @@ class RequestStats:
         ``others`` by method."""
         if tracks:
             self.tracks += tracks
-            hist = self._track
+            hist = self.track_latency
             hist.counts[bisect_left(hist.bounds, seconds)] += tracks
             hist.sum += seconds * tracks
         if others:
