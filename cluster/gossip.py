@@ -123,6 +123,8 @@ class Gossip(Generic[S]):
         self.on_limits: Callable[[int], None] | None = None
         #: Called with a peer and its holds (a ``holds`` frame; ``()`` when it is forgotten).
         self.on_holds: Callable[[str, Sequence[HoldItem]], None] | None = None
+        #: Called after a frame of a peer's deltas changed this node's views (live usage push).
+        self.on_deltas: Callable[[], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -240,6 +242,8 @@ class Gossip(Generic[S]):
             applied = table.apply_remote_many(h.sender, msg.deltas)
             self.received["deltas_applied"] += applied
             self.received["deltas_skipped"] += len(msg.deltas) - applied
+            if applied and self.on_deltas is not None:
+                self.on_deltas()
         elif msg.kind == "announce":
             applied = 0
             for t, f, p, total, seqs in msg.announcements:

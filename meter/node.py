@@ -269,6 +269,11 @@ class Node:
         self.http: HttpEndpoints | None = None
         self._claimed_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        #: Live usage push: a tick waits for the log's commit; when the last one ran.
+        self._watch_pending = False
+        self._watch_last = 0.0
+        self._watch_timer: asyncio.TimerHandle | None = None
+        self._watch_due = 0.0
         self._stop = asyncio.Event()
         self.drained: bool | None = None
 
@@ -433,6 +438,7 @@ class Node:
         gossip = self.gossip
         if gossip is not None:
             gossip.on_holds = self.service.peer_holds.replace
+            gossip.on_deltas = self._peer_deltas
             gossip.on_limits = limits.invalidate
             limits.publish = gossip.limits_changed
             limits.bus_up = lambda: gossip.bus.connected
@@ -494,6 +500,8 @@ class Node:
             self._tasks.append(self._claimed_task)
         for task in self._tasks:
             task.cancel()
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -639,26 +647,65 @@ class Node:
 
     async def _watch_loop(self) -> None:
         """Live usage push (``subscribe``): once per gossip interval (alone too), send each
-        subscriber the watched counters that changed since the last tick, once each, with
-        their latest value. The tick reads the table once the write-ahead log holds every
+        subscriber the watched counters that changed since they were last sent, once each,
+        with their latest value. The tick reads the table once the write-ahead log holds every
         change made so far, so no value is pushed that a crash could take back."""
         assert self.service is not None
         interval = self.config.cluster.gossip_interval_ms / 1000
         watch = self.service.watch
         while True:
             await asyncio.sleep(interval)
-            if not watch:
-                continue
-            if self.wal is None:
-                self._watch_tick()
-            else:
-                self.wal.at_commit(self._watch_tick)
+            if watch:
+                self._watch_schedule()
+
+    def _peer_deltas(self) -> None:
+        """A peer's gossip changed this node's views: push them now, not a tick later, so a
+        unit tracked on a peer reaches a subscriber here within the peer's tick and delivery.
+        Early ticks are at least a quarter of an interval apart, and no counter is sent more
+        than once per interval whatever the ticks (:meth:`Watch.tick`)."""
+        assert self.service is not None
+        interval = self.config.cluster.gossip_interval_ms / 1000
+        if (
+            self.service.watch
+            and not self._watch_pending
+            and time.monotonic() - self._watch_last >= interval / 4
+        ):
+            self._watch_schedule()
+
+    def _watch_schedule(self) -> None:
+        if self._watch_pending:
+            return
+        self._watch_pending = True
+        if self.wal is None:
+            self._watch_tick()
+        else:
+            self.wal.at_commit(self._watch_tick)
+
+    def _watch_due_now(self) -> None:
+        self._watch_timer = None
+        if not self._stop.is_set():
+            self._watch_schedule()
 
     def _watch_tick(self) -> None:
         assert self.service is not None and self.server is not None
+        self._watch_pending = False
+        now = self._watch_last = time.monotonic()
         try:
-            if self.service.watch_tick():
+            interval = self.config.cluster.gossip_interval_ms / 1000
+            if self.service.watch_tick(now, interval):
                 self.server.push_notifications()
+            due = self.service.watch.next_due
+            timer = self._watch_timer
+            if due is not None and (timer is None or timer.cancelled() or due < self._watch_due):
+                # A counter held back (sent less than an interval ago) goes as soon as it may:
+                # one timer at a time, for the earliest.
+                if timer is not None:
+                    timer.cancel()
+                loop = asyncio.get_running_loop()
+                self._watch_due = due
+                self._watch_timer = loop.call_at(
+                    loop.time() + max(0.0, due - now), self._watch_due_now
+                )
         except Exception:  # a bug must not end the push for good
             log.exception("usage push tick failed (tried again next tick)")
 

@@ -1223,13 +1223,14 @@ class Service:
             lambda f: kinds.get(f, "month"),
         )
 
-    def watch_tick(self) -> list[Subscriber]:
-        """One tick of the live usage push: offer every watched counter that changed since the
-        last tick to its subscribers; return the subscribers with notifications to send."""
+    def watch_tick(self, now: float = 0.0, spacing: float = 0.0) -> list[Subscriber]:
+        """One tick of the live usage push: offer every watched counter that changed since it
+        was last offered (and not within ``spacing`` seconds of ``now``) to its subscribers;
+        return the subscribers with notifications to send."""
         watch = self.watch
         if not watch:
             return []
-        return watch.tick(lambda tenant: self.watch_view(tenant, watch.named(tenant)))
+        return watch.tick(lambda tenant: self.watch_view(tenant, watch.named(tenant)), now, spacing)
 
     def _export(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
         # A read of storage only: units not flushed yet are not in it (docs/operations.md).

@@ -123,6 +123,8 @@ class Watch:
         self.max_tenants = max_tenants
         self._tenants: dict[str, dict[Subscriber, frozenset[str] | None]] = {}
         self._seen: dict[str, View] = {}
+        #: When each watched counter was last offered (monotonic seconds), by tenant.
+        self._offered: dict[str, dict[tuple[str, str], float]] = {}
         self._subscribers: set[Subscriber] = set()
         #: ``sent`` and ``dropped`` of subscribers gone (their connections closed).
         self._sent_gone = 0
@@ -130,6 +132,9 @@ class Watch:
         #: Ticks run, and the number of the last one that found a change.
         self.ticks = 0
         self.changed_tick = 0
+        #: After a tick, when the first counter it held back (offered too lately) may be
+        #: offered (monotonic seconds), or ``None``: the caller ticks again then.
+        self.next_due: float | None = None
 
     def __bool__(self) -> bool:
         return bool(self._tenants)
@@ -164,6 +169,7 @@ class Watch:
         if watchers is None:
             watchers = self._tenants[tenant] = {}
             self._seen[tenant] = dict(now)
+            self._offered[tenant] = {}
         watchers[sub] = features
 
     def unsubscribe(self, sub: Subscriber, tenant: str) -> bool:
@@ -177,6 +183,7 @@ class Watch:
         if not watchers:
             del self._tenants[tenant]
             del self._seen[tenant]
+            del self._offered[tenant]
         return True
 
     def named(self, tenant: str) -> frozenset[str] | None:
@@ -200,14 +207,19 @@ class Watch:
             self._dropped_gone += sub.dropped
         sub.pending = {}
 
-    def tick(self, read: Callable[[str], View]) -> list[Subscriber]:
-        """Compare each watched tenant's view (``read(tenant)``) with the last tick's, offer
-        every changed counter to the subscribers watching it, and return the subscribers with
-        notifications to send."""
+    def tick(
+        self, read: Callable[[str], View], now: float = 0.0, spacing: float = 0.0
+    ) -> list[Subscriber]:
+        """Compare each watched tenant's view (``read(tenant)``) with what was last offered,
+        offer every changed counter to the subscribers watching it, and return the subscribers
+        with notifications to send. A counter offered less than ``spacing`` seconds before
+        ``now`` waits for a later tick (its change is kept): a tick may run early, when peers'
+        gossip arrives, and no counter is offered more than once per ``spacing``."""
         self.ticks += 1
+        self.next_due = None
         found = False
         for tenant, watchers in self._tenants.items():
-            changed = self._diff(tenant, read(tenant))
+            changed = self._diff(tenant, read(tenant), now, spacing)
             if not changed:
                 continue
             found = True
@@ -220,12 +232,37 @@ class Watch:
             self.changed_tick = self.ticks
         return [s for s in self._subscribers if s.pending]
 
-    def _diff(self, tenant: str, now: View) -> list[tuple[tuple[str, str], int]]:
+    def _diff(
+        self, tenant: str, view: View, now: float, spacing: float
+    ) -> list[tuple[tuple[str, str], int]]:
         seen = self._seen[tenant]
-        changed = [(fp, v) for fp, v in now.items() if seen.get(fp) != v]
+        offered = self._offered[tenant]
+        changed: list[tuple[tuple[str, str], int]] = []
+        held: list[tuple[str, str]] = []
+        for fp, v in view.items():
+            old = seen.get(fp)
+            if old == v:
+                continue
+            last = offered.get(fp)
+            # (a millisecond's grace: the timer set for ``next_due`` may fire a hair early)
+            if spacing and last is not None and now - last < spacing - 0.001:
+                held.append(fp)  # offered too lately: the next tick finds it still changed
+                due = last + spacing
+                if self.next_due is None or due < self.next_due:
+                    self.next_due = due
+                continue
+            changed.append((fp, v))
+            offered[fp] = now
         # Replaced, not merged: counters no longer loaded (or of a period that ended) are
         # forgotten, so this holds no more than the table does.
-        self._seen[tenant] = now
+        for fp in held:
+            if fp in seen:
+                view[fp] = seen[fp]
+            else:
+                del view[fp]
+        self._seen[tenant] = view
+        if len(offered) > 2 * len(view) + 64:
+            self._offered[tenant] = {fp: t for fp, t in offered.items() if fp in view}
         return changed
 
     def status(self) -> dict[str, int]:

@@ -426,7 +426,7 @@ def test_meter_watch_prints_a_line_per_notification(node: NodeProcess) -> None:
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.dynamodb
-def test_a_subscriber_on_one_node_sees_a_unit_tracked_on_another_within_two_ticks(
+def test_a_subscriber_on_one_node_sees_a_unit_tracked_on_another_within_a_tick(
     workdir: Path,
     redis_server: RedisServer,
     dynamodb_local: str,
@@ -434,10 +434,9 @@ def test_a_subscriber_on_one_node_sees_a_unit_tracked_on_another_within_two_tick
     cluster_name: str,
 ) -> None:
     """Two real nodes on one Redis and one DynamoDB table. A unit tracked on B is gossiped at
-    B's next tick (at most one interval) and pushed at A's next tick after it arrives (at most
-    one more): docs/protocol.md claims two intervals plus delivery; measured from before the
-    track is sent to the notification's arrival, every sample, with the slack of this shared
-    machine."""
+    B's next tick (at most one interval) and pushed by A when the frame arrives:
+    docs/protocol.md claims one interval plus delivery; measured from before the track is sent
+    to the notification's arrival, every sample, with the slack of this shared machine."""
     env = node_env(
         redis_url=redis_server.url,
         dynamodb_endpoint=dynamodb_local,
@@ -458,14 +457,18 @@ def test_a_subscriber_on_one_node_sees_a_unit_tracked_on_another_within_two_tick
                 u = next(it)
                 lat.append(time.monotonic() - t0)
                 assert u == Usage("acme", "api", s + 1, MONTH)
-            print(f"\nB -> A's subscriber: max {max(lat) * 1000:.0f} ms")
+            lat.sort()
+            print(
+                f"\nB -> A's subscriber: median {lat[len(lat) // 2] * 1000:.0f} ms, "
+                f"max {lat[-1] * 1000:.0f} ms"
+            )
             # Delivery is B's answer, B's frame through Redis and A's notification through
             # its socket: milliseconds on an idle machine. The slack is for this shared
             # 2-core box running two nodes, Redis, DynamoDB Local and the test at once, where
             # a tick's timer or a process is scheduled late by a few hundred ms. (So this
             # catches a unit that waits several ticks too many, or is never pushed; the
             # single-node push is checked in ticks, test_a_change_is_pushed_once_per_tick...)
-            assert max(lat) <= 2 * TICK_MS / 1000 + CROSS_NODE_SLACK_S
+            assert lat[-1] <= TICK_MS / 1000 + CROSS_NODE_SLACK_S
             assert w.next_usage("acme", timeout=3 * TICK_MS / 1000) is None  # once each
     finally:
         for p in (a, b):

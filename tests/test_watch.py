@@ -28,6 +28,27 @@ def test_a_tick_sends_each_changed_counter_once_with_its_latest_value() -> None:
     assert sub.take(100) == [["acme", "tokens", 2, P]]
 
 
+def test_a_counter_is_offered_at_most_once_per_spacing_and_a_held_change_is_kept() -> None:
+    """Ticks may run early (peers' gossip arrived): a counter offered less than ``spacing``
+    ago waits, its change kept, and ``next_due`` says when it may go; others go at once."""
+    w = Watch()
+    sub = Subscriber()
+    w.subscribe(sub, "acme", None, {("api", P): 0, ("seats", P): 0})
+    assert w.tick(lambda t: {("api", P): 1, ("seats", P): 0}, now=10.0, spacing=0.1) == [sub]
+    assert sub.take(100) == [["acme", "api", 1, P]] and w.next_due is None
+    # 40 ms later api changed again (held: sent 40 ms ago), seats for the first time (sent).
+    w.tick(lambda t: {("api", P): 2, ("seats", P): 5}, now=10.04, spacing=0.1)
+    assert sub.take(100) == [["acme", "seats", 5, P]]
+    assert w.next_due == pytest.approx(10.1)
+    # Still held at 90 ms, with a newer value; at 100 ms it goes, the latest value, once.
+    w.tick(lambda t: {("api", P): 3, ("seats", P): 5}, now=10.09, spacing=0.1)
+    assert sub.take(100) == [] and w.next_due == pytest.approx(10.1)
+    w.tick(lambda t: {("api", P): 3, ("seats", P): 5}, now=10.1, spacing=0.1)
+    assert sub.take(100) == [["acme", "api", 3, P]] and w.next_due is None
+    w.tick(lambda t: {("api", P): 3, ("seats", P): 5}, now=10.5, spacing=0.1)
+    assert sub.take(100) == []  # nothing changed since: nothing sent
+
+
 def test_features_filter_and_tenants_are_apart() -> None:
     w = Watch()
     a, b = Subscriber(), Subscriber()
