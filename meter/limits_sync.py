@@ -63,10 +63,12 @@ class LimitsSync:
             self.reads += 1
             if version == self.book.version and self.loaded_at is not None:
                 self.loaded_at = time.time()
+                self.last_error = None  # storage answers again, nothing changed meanwhile
                 return False
             version, records = await self.storage.read_limits()
             self.reads += 1
             if version < self.book.version:  # an older read overtook a newer one: keep ours
+                self.last_error = None
                 return False
             book = LimitBook.from_records(version, records)
             for where, why in book.bad:
@@ -85,19 +87,21 @@ class LimitsSync:
 
     async def run(self) -> None:
         """Re-read when told to, and poll the version meanwhile, forever: every ``poll_s``
-        while the bus is down or absent, every ``BUS_UP_POLL_S`` while it is up (looked at
-        every ``poll_s``, so a bus going down is noticed within one)."""
+        while the bus is down or absent, while nothing was loaded yet and after a failed
+        read; every ``BUS_UP_POLL_S`` while the bus is up and the last read succeeded
+        (looked at every ``poll_s``, so a bus going down is noticed within one)."""
         last = time.monotonic()
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
             woken = self._wake.is_set()
             self._wake.clear()
-            if not woken and self.bus_up() and time.monotonic() - last < BUS_UP_POLL_S:
+            healthy = self.loaded_at is not None and self.last_error is None
+            if not woken and healthy and self.bus_up() and time.monotonic() - last < BUS_UP_POLL_S:
                 continue
-            last = time.monotonic()
             try:
                 await self.refresh()
+                last = time.monotonic()  # only a read that answered resets the backstop
             except StorageError as exc:
                 self._failed(exc)
             except Exception:  # a bug must not end the loop: limits would silently freeze

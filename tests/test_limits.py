@@ -7,6 +7,7 @@ its socket, with the Python clients, as users call it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -29,6 +30,7 @@ from meter.limits import (
     plan_record,
 )
 from meter.node import Node
+from storage.memory import MemoryStorage
 from tests.stores import DownStorage
 
 # -- the book ---------------------------------------------------------------------------------
@@ -500,3 +502,64 @@ def test_peer_holds_replace_what_was_known_of_a_peer() -> None:
     assert holds.total == {} and holds.peers() == 0
     leases = [Lease("r1", k1, 5, 0.0), Lease("r2", k1, 7, 0.0), Lease("r3", k2, 0, 0.0)]
     assert local_holds(leases) == [(*k1, 12)]
+
+
+async def test_with_the_bus_up_limits_are_read_every_poll_after_storage_comes_back() -> None:
+    """A node that could not read its limits (started with storage down, or a ``limits``
+    frame heard during a blip) reads them within a poll of storage answering again, not a
+    bus-up backstop (10 s) later, and says it reads them again (``last_error`` cleared)."""
+    from meter.limits_sync import BUS_UP_POLL_S, LimitsSync
+
+    store = DownStorage()
+    version = await store.write_limit(*override_record("acme", "api", parse_limit({"limit": 100})))
+    store.down = True
+    sync = LimitsSync(store, lambda book: None, poll_s=0.05)
+    sync.bus_up = lambda: True
+    task = asyncio.create_task(sync.run())
+    loop = asyncio.get_running_loop()
+
+    def error() -> str | None:  # a call: mypy would narrow the attribute across awaits
+        return sync.last_error
+
+    try:
+        deadline = loop.time() + 5
+        while error() is None:  # never loaded: the node enforces nothing yet
+            assert loop.time() < deadline, "the loop never tried storage"
+            await asyncio.sleep(0.01)
+        store.down = False
+        back = loop.time()
+        while sync.book.version != version:
+            assert loop.time() - back < 1.0, "not read within a second of storage answering"
+            await asyncio.sleep(0.01)
+        # A frame heard while storage blips: retried every poll, and the error clears on
+        # the first read that answers.
+        store.down = True
+        sync.invalidate(-1)
+        while error() is None:
+            assert loop.time() - back < 5, "the frame was not acted on"
+            await asyncio.sleep(0.01)
+        version = await MemoryStorage.write_limit(
+            store, *override_record("acme", "api", parse_limit({"limit": 5}))
+        )
+        store.down = False
+        back = loop.time()
+        while sync.book.version != version or error() is not None:
+            assert loop.time() - back < min(1.0, BUS_UP_POLL_S), "stale after the blip"
+            await asyncio.sleep(0.01)
+        # A blip with no change: the read that answers finds the version unchanged and
+        # clears the error all the same.
+        store.down = True
+        sync.invalidate(-1)  # a reconnect: re-read
+        while error() is None:
+            assert loop.time() - back < 10, "the re-read was not tried"
+            await asyncio.sleep(0.01)
+        store.down = False
+        back = loop.time()
+        while error() is not None:
+            assert loop.time() - back < 1.0, "last_error kept after storage came back"
+            await asyncio.sleep(0.01)
+        assert sync.book.version == version
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
