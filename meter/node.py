@@ -435,7 +435,6 @@ class Node:
             gossip.on_holds = self.service.peer_holds.replace
             gossip.on_limits = limits.invalidate
             limits.publish = gossip.limits_changed
-            limits.bus_up = lambda: gossip.bus.connected
         plans_file = self.config.counters.plans_file
         try:
             await limits.refresh()

@@ -158,6 +158,56 @@ def test_with_the_bus_down_a_limit_still_refuses_everywhere_within_a_second(
     assert nodes[0].call("status")["cluster"]["sent"]["limits_messages"] == 0
 
 
+def test_a_limit_set_through_a_node_whose_bus_is_down_reaches_peers_within_a_second(
+    workdir: Path,
+    redis_server: RedisServer,
+    redis_factory: Callable[..., RedisServer],
+    dynamodb_local: str,
+    dynamodb_table: str,
+    cluster_name: str,
+    nodes_cleanup: list[NodeProcess],
+) -> None:
+    """Its ``limits`` frame is never sent; the peers, whose bus is up, find the change by
+    polling the stored version."""
+    env = node_env(
+        redis_url=redis_server.url,
+        dynamodb_endpoint=dynamodb_local,
+        table=dynamodb_table,
+        cluster=cluster_name,
+    )
+    peers = start_nodes(workdir, 2, env)
+    nodes_cleanup.extend(peers)
+    lonely_redis = redis_factory()
+    lonely = NodeProcess(
+        workdir, "lonely", METER_NODE_ID="lonely", **{**env, "METER_REDIS_URL": lonely_redis.url}
+    ).start(timeout=60)
+    nodes_cleanup.append(lonely)
+    everyone = [lonely, *peers]
+    lonely_redis.stop()
+    wait_until(
+        lambda: not lonely.call("status")["cluster"]["bus"]["connected"], 10, "bus down", everyone
+    )
+    assert all(p.call("status")["cluster"]["bus"]["connected"] for p in peers)
+    for p in everyone:
+        p.call("track", KEY_TENANT, "api", 0)  # warm everywhere
+    version = lonely.call("set_limit", KEY_TENANT, "api", {"limit": 1})["version"]
+    t0 = time.monotonic()
+    wait_until(
+        lambda: all(p.call("limits", KEY_TENANT)["version"] >= version for p in peers),
+        5,
+        "the peers hold the new version",
+        everyone,
+        step=0.02,
+    )
+    took = time.monotonic() - t0
+    print(f"\nlimit propagation from a node with its bus down: {round(took * 1000)} ms")
+    assert took <= PROPAGATION_S, took
+    for p in peers:
+        error, _ = raw_call(p.socket, "track", KEY_TENANT, "api", 2)
+        assert error is not None and error["code"] == "limit_exceeded", error
+    assert lonely.call("status")["cluster"]["sent"]["limits_messages"] == 0
+
+
 def test_holds_on_one_node_count_against_a_hard_limit_on_the_others(
     workdir: Path,
     redis_server: RedisServer,
