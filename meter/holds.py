@@ -2,13 +2,16 @@
 
 Each node gossips, as one ``holds`` frame, every counter it holds reserved units on
 (docs/quotas.md, "Holds across the fleet"); a peer's frame replaces what was known of it, and a
-peer declared dead or restarted holds nothing any more. Peers' holds count against hard limits
-(never in ``usage``, which is each node's own view).
+peer declared dead or restarted holds nothing any more. A holder resends its frame every
+heartbeat while it holds anything, so a peer's holds not refreshed within ``max_age`` (this
+node's bus down, or the holder's) are dropped rather than counted for the whole outage.
+Peers' holds count against hard limits (never in ``usage``, which is each node's own view).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 from meter.keys import Key
 from meter.reservations import Lease
@@ -19,18 +22,26 @@ HoldItem = tuple[str, str, str, int]
 #: Most counters one ``holds`` frame carries (the most held first); past it, the rest are
 #: not announced (logged by the node).
 MAX_HOLD_KEYS = 10_000
+#: A peer's holds are dropped when not refreshed within this many heartbeats.
+STALE_AFTER_HEARTBEATS = 3
 
 
 class PeerHolds:
     """What each peer holds, and the sum per counter."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_age: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
+        #: Seconds a peer's holds count without a fresh frame (the node sets it to
+        #: ``STALE_AFTER_HEARTBEATS`` heartbeats).
+        self.max_age = max_age
+        self._clock = clock
         self._by_peer: dict[str, dict[Key, int]] = {}
+        self._received: dict[str, float] = {}
         #: Counter -> units held on it by every peer together (absent: none).
         self.total: dict[Key, int] = {}
 
     def replace(self, peer: str, items: Sequence[HoldItem]) -> None:
         """``peer`` holds exactly ``items`` now (``()``: nothing)."""
+        self._received.pop(peer, None)
         total = self.total
         for key, held in self._by_peer.pop(peer, {}).items():
             left = total[key] - held
@@ -43,6 +54,16 @@ class PeerHolds:
             total[key] = total.get(key, 0) + held
         if new:
             self._by_peer[peer] = new
+            self._received[peer] = self._clock()
+
+    def expire(self) -> list[str]:
+        """Drop the holds of every peer whose last frame is older than ``max_age``; return
+        those peers."""
+        cutoff = self._clock() - self.max_age
+        stale = [peer for peer, at in self._received.items() if at < cutoff]
+        for peer in stale:
+            self.replace(peer, ())
+        return stale
 
     def peers(self) -> int:
         return len(self._by_peer)

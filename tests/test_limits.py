@@ -504,6 +504,28 @@ def test_peer_holds_replace_what_was_known_of_a_peer() -> None:
     assert local_holds(leases) == [(*k1, 12)]
 
 
+def test_a_peers_holds_not_refreshed_within_max_age_are_dropped() -> None:
+    """Holders resend every heartbeat: holds heard longer ago (this node's bus down, or the
+    holder's) stop counting instead of counting for the whole outage."""
+    from meter.holds import PeerHolds
+
+    now = [100.0]
+    holds = PeerHolds(max_age=3.0, clock=lambda: now[0])
+    k1 = ("acme", "gpu", "2026-11")
+    holds.replace("a", [(*k1, 60)])
+    holds.replace("b", [(*k1, 10)])
+    now[0] += 2.0
+    holds.replace("b", [(*k1, 10)])  # b refreshed, a not
+    assert holds.expire() == [] and holds.total == {k1: 70}
+    now[0] += 1.5  # a: 3.5 s old; b: 1.5 s
+    assert holds.expire() == ["a"]
+    assert holds.total == {k1: 10} and holds.peers() == 1
+    now[0] += 10.0
+    assert holds.expire() == ["b"] and holds.total == {} and holds.peers() == 0
+    holds.replace("a", [(*k1, 5)])  # a frame after the outage counts again
+    assert holds.total == {k1: 5} and holds.expire() == []
+
+
 async def test_limits_are_read_within_a_poll_of_storage_answering_again() -> None:
     """A node that could not read its limits (started with storage down, or a ``limits``
     frame heard during a blip) reads them within a poll of storage answering again, bus up

@@ -253,3 +253,40 @@ def test_holds_on_one_node_count_against_a_hard_limit_on_the_others(
     wait_until(lambda: b.call("check", KEY_TENANT, "gpu", 60)["allowed"], 10, "let go", nodes)
     print(f"\nholds seen by a peer after {seen * 1000:.0f} ms")
     assert seen <= PROPAGATION_S
+
+
+def test_a_peers_holds_stop_counting_when_not_refreshed_while_the_bus_is_down(
+    workdir: Path,
+    redis_factory: Callable[..., RedisServer],
+    dynamodb_local: str,
+    dynamodb_table: str,
+    cluster_name: str,
+    nodes_cleanup: list[NodeProcess],
+) -> None:
+    """Heard before an outage, a peer's holds count for 3 heartbeats (here 300 ms each), not
+    for the whole outage (the peer is not declared dead while the bus is down)."""
+    server = redis_factory()
+    env = node_env(
+        redis_url=server.url,
+        dynamodb_endpoint=dynamodb_local,
+        table=dynamodb_table,
+        cluster=cluster_name,
+    )
+    nodes = start_nodes(workdir, 2, env)
+    nodes_cleanup.extend(nodes)
+    a, b = nodes
+    a.call("set_limit", KEY_TENANT, "gpu", {"limit": 100})
+    for p in nodes:
+        p.call("track", KEY_TENANT, "gpu", 0)  # warm everywhere
+    wait_until(
+        lambda: all(p.call("limits", KEY_TENANT)["limits"] for p in nodes), 5, "limit", nodes
+    )
+    a.call("reserve", KEY_TENANT, "gpu", 60)
+    wait_until(lambda: not b.call("check", KEY_TENANT, "gpu", 41)["allowed"], 5, "b sees", nodes)
+    server.stop()
+    t0 = time.monotonic()
+    wait_until(lambda: b.call("check", KEY_TENANT, "gpu", 41)["allowed"], 10, "let go", nodes)
+    took = time.monotonic() - t0
+    assert not b.call("status")["cluster"]["bus"]["connected"]
+    assert took <= 3.0, took  # 3 heartbeats (0.9 s) after the last frame, + slack for a busy box
+    assert "no longer counted" in b.log_path.read_text()
