@@ -195,8 +195,9 @@ class LimitBook:
 
     @classmethod
     def from_records(cls, version: int, records: Iterable[Record]) -> LimitBook:
-        """The book of storage version ``version``; undecodable records are listed in
-        :attr:`bad` and skipped (one bad record must not lift every other limit)."""
+        """The book of storage version ``version``; undecodable records, and undecodable
+        features of a plan, are listed in :attr:`bad` and skipped (one bad record or feature
+        must not lift every other limit)."""
         book = cls(version)
         for scope, name, feature, body in records:
             try:
@@ -204,7 +205,13 @@ class LimitBook:
                     raw = json.loads(body)
                     if not isinstance(raw, dict):
                         raise ValueError("plan body is not a map")
-                    book.plans[name] = {str(f): _stored_limit(v) for f, v in raw.items()}
+                    plan: dict[str, Limit] = {}
+                    for f, v in raw.items():
+                        try:
+                            plan[str(f)] = _stored_limit(v)
+                        except (ValueError, TypeError) as exc:  # only this feature is lost
+                            book.bad.append(((scope, name, str(f)), str(exc)))
+                    book.plans[name] = plan
                 elif scope == ASSIGN:
                     book.assigned[name] = body
                 elif scope == OVERRIDE:

@@ -78,6 +78,12 @@ def test_undecodable_records_are_skipped_and_listed() -> None:
     )
     assert len(book.bad) == 3
     assert book.effective("acme", "ok") == Effective(2, "soft", "fast", "override")
+    # A plan with one undecodable feature keeps its other features.
+    plan = '{"api": {"limit": 10, "kind": "hard", "enforcement": "fast"}, "gpu": {"limit": -3}}'
+    book = LimitBook.from_records(2, [("plan", "pro", "", plan), ("assign", "acme", "", "pro")])
+    assert book.bad == [(("plan", "pro", "gpu"), "bad limit -3")]
+    assert book.effective("acme", "api") == Effective(10, "hard", "fast", "plan:pro")
+    assert book.effective("acme", "gpu") is None
     # A strict limit stored by a later build is kept (and enforced as fast by this one).
     stored = '{"limit": 4, "kind": "hard", "enforcement": "strict"}'
     book = LimitBook.from_records(1, [("limit", "acme", "api", stored)])
