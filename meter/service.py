@@ -385,6 +385,9 @@ class Service:
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
                 return cast(int | None, entry[1])
+        if self._gated and self._needs_check(key):  # a limit was set while the read waited
+            value = await self._track_checked_cold(self._levels(key), qty, idem, False)
+            return cast(int | None, value)
         self._check_log()
         # Counted whether or not seeding worked: usage is never dropped. An unseeded key
         # answers None, because its total is not known.
@@ -685,6 +688,10 @@ class Service:
                 if entry is not None:
                     batch.answered[n] = entry
         self._check_log()
+        if self._gated and any(self._needs_check(k) for k, _ in batch.good):
+            # A limit was set while the read waited: check item by item (an unseeded key
+            # under a hard limit is refused, as it would have been had the limit come first).
+            return self._count_gated(batch)
         if not batch.answered:
             # Every key seeded (the usual case): the whole batch under one hold of the lock.
             done = self._count_seeded(batch)

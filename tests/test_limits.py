@@ -31,7 +31,7 @@ from meter.limits import (
 )
 from meter.node import Node
 from storage.memory import MemoryStorage
-from tests.stores import DownStorage
+from tests.stores import DownStorage, SlowStorage
 
 # -- the book ---------------------------------------------------------------------------------
 
@@ -490,6 +490,37 @@ async def test_with_storage_down_a_hard_limit_on_an_unknown_total_refuses_and_ch
         assert await c.usage("acme", "api") == 0  # nothing was counted
         assert (await c.limits("acme"))["limits"]["api"]["limit"] == 100  # not changed
         await c.close()
+
+
+async def test_a_limit_set_while_a_cold_key_is_read_is_checked_after_the_read(
+    tmp: Path,
+) -> None:
+    """A track (plain, with an id, or in a track_many) waiting for its cold counter's stored
+    total when a limit is set is checked against that limit once the total is read."""
+    store = SlowStorage()
+    cfg = _config(tmp)
+    async with Node(cfg, storage=store):
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0, auto_ids=False)
+        admin = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        store.release.clear()
+        store.reading.clear()
+        waiting = [
+            asyncio.create_task(c.track("acme", "api", 5)),
+            asyncio.create_task(c.track("acme", "api", 5, id="r1")),
+            asyncio.create_task(c.track_many([("acme", "api", 5), ("acme", "gpu", 5)])),
+        ]
+        await asyncio.wait_for(store.reading.wait(), 5)  # no limit yet: all are unchecked
+        await asyncio.sleep(0)  # let the other calls reach the read too
+        await admin.set_limit("acme", "api", 3)
+        store.release.set()
+        plain, with_id, many = await asyncio.gather(*waiting, return_exceptions=True)
+        assert isinstance(plain, LimitExceeded), plain
+        assert isinstance(with_id, LimitExceeded), with_id
+        assert isinstance(many, list) and isinstance(many[0], LimitExceeded), many
+        assert many[1] == 5  # no limit on gpu: counted
+        assert await c.usage("acme", "api") == 0
+        await c.close()
+        await admin.close()
 
 
 def test_peer_holds_replace_what_was_known_of_a_peer() -> None:
