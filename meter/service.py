@@ -726,8 +726,9 @@ class Service:
             if idem is not None:
                 try:
                     entry = self.ids.lookup(idem[0], idem[1], now)
-                except Conflict as exc:
+                except Conflict as exc:  # that item alone answers the error, uncounted
                     entry = (0, exc.to_wire(), 0.0)
+                    self._refused_item(exc.code)
                 if entry is not None:
                     batch.answered[n] = entry
         self._check_log()
@@ -982,6 +983,12 @@ class Service:
             self._gate_commit(lease, actual)
         # First the table, which may refuse (past the 64-bit range) with nothing changed.
         value = self.table.commit(lease.key, lease.qty, actual)
+        if actual > lease.qty and self._limited:  # the extra units may cross a soft limit
+            key = lease.key
+            eff = self._limited.get((key[0], key[1]))
+            view = self.table.value(key)
+            if _soft_crossing(eff, view, actual - lease.qty):
+                self._crossed(key, eff, view)
         self.reservations.close(lease_id)
         done_exp = self.done.remember(lease_id, COMMITTED, [actual, value], now)
         rid, fp, expires = self._remember_finish(idem, value, now)

@@ -18,7 +18,14 @@ import pytest
 
 from meter.client import AsyncClient
 from meter.config import FlushConfig, NodeConfig, ServerConfig
-from meter.errors import ConfigError, InvalidArgument, LimitExceeded, NotFound, Unavailable
+from meter.errors import (
+    ConfigError,
+    Conflict,
+    InvalidArgument,
+    LimitExceeded,
+    NotFound,
+    Unavailable,
+)
 from meter.limits import (
     STRICT_NOT_YET,
     Effective,
@@ -521,6 +528,48 @@ async def test_a_limit_set_while_a_cold_key_is_read_is_checked_after_the_read(
         assert await c.usage("acme", "api") == 0
         await c.close()
         await admin.close()
+
+
+async def test_a_commit_above_its_reservation_reports_a_soft_crossing(
+    client: AsyncClient,
+) -> None:
+    await client.set_limit("acme", "gpu", 10, kind="soft")
+    rid = await client.reserve("acme", "gpu", 5)
+    assert await client.commit(rid, 8) == 8  # 8 <= 10: no crossing
+    rid = await client.reserve("acme", "gpu", 1)
+    assert await client.commit(rid, 5) == 13  # the 4 extra units take it past 10
+    rid = await client.reserve("acme", "gpu", 2)
+    assert await client.commit(rid, 1) == 14  # less than reserved: nothing new crossed
+    assert (await client.status())["limits"]["soft_crossings"] == 1
+
+
+async def test_a_conflicting_id_in_a_limited_cold_batch_is_counted_as_refused(
+    tmp: Path,
+) -> None:
+    """Two batches reusing one id for different items wait on the same cold counter: the
+    second answers ``conflict`` for that item, and the node counts the refusal."""
+    store = SlowStorage()
+    cfg = _config(tmp)
+    async with Node(cfg, storage=store) as node:
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        await c.set_limit("acme", "api", 100)
+        assert node.service is not None
+        store.release.clear()
+        store.reading.clear()
+        first = asyncio.create_task(c.track_many([("acme", "api", 1, "x")]))
+        await asyncio.wait_for(store.reading.wait(), 5)
+        second = asyncio.create_task(c.track_many([("acme", "api", 2, "x")]))
+        waiting = node.service.seeder._waiting  # callers waiting per cold key
+        deadline = asyncio.get_running_loop().time() + 5
+        while sum(waiting.values()) < 2:  # the second batch waits on the same read
+            assert asyncio.get_running_loop().time() < deadline, "second batch not waiting"
+            await asyncio.sleep(0.01)
+        store.release.set()
+        assert await first == [1]
+        (answer,) = await second
+        assert isinstance(answer, Conflict), answer
+        assert node.service.item_refusals.get("conflict") == 1
+        await c.close()
 
 
 def test_peer_holds_replace_what_was_known_of_a_peer() -> None:
