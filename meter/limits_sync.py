@@ -148,7 +148,7 @@ class LimitsSync:
             "plans": len(book.plans),
             "assigned_tenants": len(book.assigned),
             "overrides": len(book.overrides),
-            "limited_pairs": len(book.by_pair),
+            "limited_pairs": book.by_pair.count,
             "bad_records": len(book.bad),
             "reads": self.reads,
             "loaded_at": self.loaded_at,

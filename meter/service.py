@@ -36,7 +36,7 @@ from meter.keys import (
     period_start,
 )
 from meter.limit_methods import LimitMethods
-from meter.limits import Effective, LimitBook
+from meter.limits import Effective, LimitBook, PairLimits
 from meter.limits_sync import LimitsSync
 from meter.reservations import Lease, Reservations
 from meter.rollover import next_keys, period_end
@@ -134,7 +134,8 @@ class Service:
         self.limits = LimitsSync(storage, self._new_limits, poll_s=limits_poll_s)
         # (tenant, feature) -> its effective limit: the hot path's one lookup, an empty dict
         # (false) while no limit exists anywhere.
-        self._limited: dict[tuple[str, str], Effective] = {}
+        #: The limits per (tenant, feature); None while no pair has one (the fast test).
+        self._limited: PairLimits | None = None
         #: ``acme/alice`` also counts on ``acme`` (ADR 0008).
         self._hier = self.config.tenant_hierarchy
         #: Whether any call may need more than a plain count (a limit exists, or the tenant
@@ -396,7 +397,7 @@ class Service:
     # -- limits (docs/quotas.md) --------------------------------------------------------------
 
     def _new_limits(self, book: LimitBook) -> None:
-        self._limited = book.by_pair
+        self._limited = book.by_pair if book.by_pair else None
         self._gated = bool(book.by_pair) or self._hier
 
     def _gate(self, key: Key, qty: int, eff: Effective | None) -> None:

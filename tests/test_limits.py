@@ -67,10 +67,36 @@ def test_an_override_beats_the_plan_and_a_plan_applies_to_its_tenants_only() -> 
     assert book.for_tenant("acme") == {"x": Effective(1, "hard", "fast", "override")}
 
 
-def test_a_book_without_limits_answers_nothing_from_an_empty_dict() -> None:
+def test_a_book_without_limits_answers_nothing_and_is_falsy() -> None:
     book = LimitBook.from_records(0, [])
-    assert book.by_pair == {} and not book.by_pair
+    assert not book.by_pair and book.by_pair.count == 0
     assert book.effective("acme", "api") is None
+    # A plan nobody is on limits no pair: the hot path stays unchecked.
+    assert not _book(plan_record("pro", {"api": parse_limit({"limit": 1})})).by_pair
+
+
+def test_a_book_is_not_built_per_tenant_and_feature() -> None:
+    """20,000 tenants on a 20-feature plan: the book holds per plan and per override, not
+    400,000 pairs (a change would stall every node's event loop for seconds at 100,000)."""
+    import tracemalloc
+
+    features = {f"f{i}": parse_limit({"limit": i + 1}) for i in range(20)}
+    records = [assign_record(f"t{i}", "pro") for i in range(20_000)]
+    records += [override_record("t7", "f3", parse_limit({"limit": 99, "kind": "soft"}))]
+    stored = [plan_record("pro", features)] + [(a, b, c, d) for a, b, c, d in records if d]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        book = LimitBook.from_records(1, stored)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 8 * 1024 * 1024, f"{grown / 2**20:.1f} MiB for the book"
+    assert book.by_pair.count == 400_000
+    assert book.effective("t19999", "f19") == Effective(20, "hard", "fast", "plan:pro")
+    assert book.effective("t7", "f3") == Effective(99, "soft", "fast", "override")
+    assert ("t7", "f4") in book.by_pair and ("t7", "nope") not in book.by_pair
+    assert book.effective("nobody", "f1") is None
 
 
 def test_undecodable_records_are_skipped_and_listed() -> None:
