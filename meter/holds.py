@@ -22,6 +22,10 @@ HoldItem = tuple[str, str, str, int]
 #: Most counters one ``holds`` frame carries (the most held first); past it, the rest are
 #: not announced (logged by the node).
 MAX_HOLD_KEYS = 10_000
+#: Most bytes of counters one ``holds`` frame carries (estimated as the codec's ``chunks``
+#: does: names are ASCII), half the 1 MiB gossip frame: 10,000 long names would not fit it,
+#: and every peer would reject the frame.
+MAX_HOLD_BYTES = 512 * 1024
 #: A peer's holds are dropped when not refreshed within this many heartbeats.
 STALE_AFTER_HEARTBEATS = 3
 
@@ -69,11 +73,21 @@ class PeerHolds:
         return len(self._by_peer)
 
 
-def local_holds(leases: Iterable[Lease]) -> list[HoldItem]:
-    """The units ``leases`` hold per counter, most held first, at most ``MAX_HOLD_KEYS``."""
+def local_holds(
+    leases: Iterable[Lease], max_bytes: int = MAX_HOLD_BYTES
+) -> tuple[list[HoldItem], int]:
+    """The units ``leases`` hold per counter, most held first, at most ``MAX_HOLD_KEYS``
+    counters and ``max_bytes`` bytes; and how many counters were left out."""
     held: dict[Key, int] = {}
     for lease in leases:
         if lease.qty:
             held[lease.key] = held.get(lease.key, 0) + lease.qty
-    items = sorted(held.items(), key=lambda kv: -kv[1])[:MAX_HOLD_KEYS]
-    return [(t, f, p, n) for (t, f, p), n in items]
+    ranked = sorted(held.items(), key=lambda kv: -kv[1])
+    out: list[HoldItem] = []
+    size = 0
+    for (t, f, p), n in ranked[:MAX_HOLD_KEYS]:
+        size += 16 + len(t) + len(f) + len(p) + 9  # framing, three strings, an int
+        if size > max_bytes:
+            break
+        out.append((t, f, p, n))
+    return out, len(ranked) - len(out)

@@ -22,7 +22,7 @@ from meter.errors import (
     Unavailable,
     UnknownMethod,
 )
-from meter.holds import HoldItem, PeerHolds, local_holds
+from meter.holds import MAX_HOLD_BYTES, MAX_HOLD_KEYS, HoldItem, PeerHolds, local_holds
 from meter.idempotency import RequestIds, check_id, fingerprint
 from meter.keys import (
     QTY_MAX,
@@ -68,6 +68,10 @@ _FINISH_OPTS = frozenset({"id"})
 _ITEM_OPTS = frozenset({"id"})
 #: Items per record when the state is restated in a checkpoint.
 CHECKPOINT_ITEMS = 1000
+
+
+#: At most one warning per this many seconds while holds are left out of the frame.
+WARN_HOLDS_EVERY_S = 60.0
 
 
 class Service:
@@ -143,6 +147,10 @@ class Service:
         self._gated = self._hier
         #: Units peers hold in open reservations (their ``holds`` frames): against limits.
         self.peer_holds = PeerHolds()
+        #: Counters this node holds units on that its last ``holds`` frame left out (too many
+        #: or too long for one frame), and when that was last logged.
+        self.holds_left_out = 0
+        self._holds_warned_at = -WARN_HOLDS_EVERY_S
         #: Calls refused by a hard limit, and soft limits crossed, since start.
         self.limit_refusals = 0
         self.soft_crossings = 0
@@ -1063,8 +1071,18 @@ class Service:
         return idem[0], idem[1], self.ids.remember(idem[0], idem[1], value, now)
 
     def local_holds(self) -> list[HoldItem]:
-        """The units this node's open reservations hold, per counter (its ``holds`` frame)."""
-        return local_holds(self.reservations.held())
+        """The units this node's open reservations hold, per counter (its ``holds`` frame),
+        bounded in counters and bytes; what is left out is logged (once a minute at most)."""
+        items, left_out = local_holds(self.reservations.held())
+        self.holds_left_out = left_out
+        if left_out:
+            now = time.monotonic()
+            if now - self._holds_warned_at >= WARN_HOLDS_EVERY_S:
+                self._holds_warned_at = now
+                log.warning("holds: %d counters held on are not announced to peers (one frame "
+                            "carries at most %d counters, %d bytes; the most held go first)",
+                            left_out, MAX_HOLD_KEYS, MAX_HOLD_BYTES)  # fmt: skip
+        return items
 
     def expire_reservations(self, now: float | None = None) -> int:
         """Release every reservation past its deadline; return how many."""

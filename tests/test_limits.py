@@ -613,7 +613,28 @@ def test_peer_holds_replace_what_was_known_of_a_peer() -> None:
     holds.replace("a", [(*k1, 0)])
     assert holds.total == {} and holds.peers() == 0
     leases = [Lease("r1", k1, 5, 0.0), Lease("r2", k1, 7, 0.0), Lease("r3", k2, 0, 0.0)]
-    assert local_holds(leases) == [(*k1, 12)]
+    assert local_holds(leases) == ([(*k1, 12)], 0)
+
+
+def test_a_holds_frame_is_bounded_in_bytes_and_fits_the_gossip_frame() -> None:
+    """10,000 counters with the longest names: the most held that fit go, the rest are
+    counted as left out, and the encoded frame is under the 1 MiB every peer accepts."""
+    from cluster.codec import MAX_FRAME_BYTES, Codec, Header
+    from meter.holds import MAX_HOLD_KEYS, local_holds
+    from meter.reservations import Lease
+
+    tenant, feature = "t" * 500, "f" * 250
+    leases = [
+        Lease(f"r{i}", (f"{tenant}{i:05d}", feature, "2026-11"), i + 1, 0.0)
+        for i in range(MAX_HOLD_KEYS)
+    ]
+    items, left_out = local_holds(leases)
+    assert 0 < len(items) < MAX_HOLD_KEYS and left_out == MAX_HOLD_KEYS - len(items)
+    assert items[0][3] == MAX_HOLD_KEYS  # the most held first
+    header = Header("prod", "node-a", 1_700_000_000_000_000_000, 7, 1_760_000_000.25)
+    assert len(Codec("prod").encode(header, "holds", items)) < MAX_FRAME_BYTES
+    short = [Lease(f"r{i}", (f"t{i}", "api", "2026-11"), 1, 0.0) for i in range(100)]
+    assert local_holds(short)[1] == 0
 
 
 def test_a_peers_holds_not_refreshed_within_max_age_are_dropped() -> None:
