@@ -6,8 +6,10 @@ tenant's plan's feature, else none (docs/quotas.md).
 
 Storage keeps the limits as opaque records ``(scope, name, feature, body)`` plus a version
 that every change bumps (:mod:`storage.base`); this module turns records into a
-:class:`LimitBook` and back. The book answers the hot path with one dict lookup
-(:attr:`LimitBook.by_pair`), which is empty when no limit exists anywhere.
+:class:`LimitBook` and back. The book answers the hot path on demand (:attr:`LimitBook.by_pair`:
+the override, else the tenant's plan's feature; nothing is built per tenant x feature, so a
+change costs the same with 100,000 tenants on 20-feature plans), and is falsy when no limit
+exists anywhere.
 """
 
 from __future__ import annotations
@@ -179,6 +181,51 @@ def _stored_limit(value: Any) -> Limit:
 
 # -- the book --------------------------------------------------------------------------------
 
+Pair = tuple[str, str]
+"""``(tenant, feature)``."""
+
+
+class PairLimits:
+    """``(tenant, feature)`` -> its effective limit, looked up when asked: the override, else
+    the feature of the tenant's plan. Falsy when no pair has a limit."""
+
+    __slots__ = ("_assigned", "_overrides", "_plans", "count")
+
+    def __init__(
+        self,
+        overrides: dict[Pair, Effective],
+        assigned: dict[str, str],
+        plans: dict[str, dict[str, Effective]],
+    ) -> None:
+        self._overrides = overrides
+        self._assigned = assigned
+        self._plans = plans
+        #: How many pairs have a limit (counted once per change, for ``status``).
+        self.count = sum(len(plans.get(plan, ())) for plan in assigned.values()) + sum(
+            1
+            for tenant, feature in overrides
+            if feature not in plans.get(assigned.get(tenant, ""), ())
+        )
+
+    def get(self, pair: Pair) -> Effective | None:
+        eff = self._overrides.get(pair)
+        if eff is not None:
+            return eff
+        plan = self._assigned.get(pair[0])
+        if plan is None:
+            return None
+        features = self._plans.get(plan)
+        return None if features is None else features.get(pair[1])
+
+    def __contains__(self, pair: object) -> bool:
+        return isinstance(pair, tuple) and len(pair) == 2 and self.get(pair) is not None
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def __len__(self) -> int:
+        return self.count
+
 
 @dataclass(slots=True)
 class LimitBook:
@@ -188,15 +235,16 @@ class LimitBook:
     plans: dict[str, dict[str, Limit]] = field(default_factory=dict)
     assigned: dict[str, str] = field(default_factory=dict)
     overrides: dict[tuple[str, str], Limit] = field(default_factory=dict)
-    #: (tenant, feature) -> its effective limit: the hot path's one lookup.
-    by_pair: dict[tuple[str, str], Effective] = field(default_factory=dict)
+    #: (tenant, feature) -> its effective limit, looked up on demand (the hot path's).
+    by_pair: PairLimits = field(default_factory=lambda: PairLimits({}, {}, {}))
     #: Records that could not be decoded (``(scope, name, feature)`` and why), skipped.
     bad: list[tuple[tuple[str, str, str], str]] = field(default_factory=list)
 
     @classmethod
     def from_records(cls, version: int, records: Iterable[Record]) -> LimitBook:
-        """The book of storage version ``version``; undecodable records are listed in
-        :attr:`bad` and skipped (one bad record must not lift every other limit)."""
+        """The book of storage version ``version``; undecodable records, and undecodable
+        features of a plan, are listed in :attr:`bad` and skipped (one bad record or feature
+        must not lift every other limit)."""
         book = cls(version)
         for scope, name, feature, body in records:
             try:
@@ -204,7 +252,13 @@ class LimitBook:
                     raw = json.loads(body)
                     if not isinstance(raw, dict):
                         raise ValueError("plan body is not a map")
-                    book.plans[name] = {str(f): _stored_limit(v) for f, v in raw.items()}
+                    plan: dict[str, Limit] = {}
+                    for f, v in raw.items():
+                        try:
+                            plan[str(f)] = _stored_limit(v)
+                        except (ValueError, TypeError) as exc:  # only this feature is lost
+                            book.bad.append(((scope, name, str(f)), str(exc)))
+                    book.plans[name] = plan
                 elif scope == ASSIGN:
                     book.assigned[name] = body
                 elif scope == OVERRIDE:
@@ -217,14 +271,19 @@ class LimitBook:
         return book
 
     def _index(self) -> None:
-        pairs: dict[tuple[str, str], Effective] = {}
-        for tenant, plan in self.assigned.items():
-            source = f"plan:{plan}"
-            for feature, lim in self.plans.get(plan, {}).items():
-                pairs[(tenant, feature)] = Effective(lim.limit, lim.kind, lim.enforcement, source)
-        for pair, lim in self.overrides.items():
-            pairs[pair] = Effective(lim.limit, lim.kind, lim.enforcement, "override")
-        self.by_pair = pairs
+        # Per plan and per override, never per tenant x feature (see the module doc).
+        plans = {
+            name: {
+                f: Effective(lim.limit, lim.kind, lim.enforcement, f"plan:{name}")
+                for f, lim in features.items()
+            }
+            for name, features in self.plans.items()
+        }
+        overrides = {
+            pair: Effective(lim.limit, lim.kind, lim.enforcement, "override")
+            for pair, lim in self.overrides.items()
+        }
+        self.by_pair = PairLimits(overrides, self.assigned, plans)
 
     def effective(self, tenant: str, feature: str) -> Effective | None:
         """The limit on ``(tenant, feature)``, ``None`` if there is none."""
@@ -241,7 +300,9 @@ class LimitBook:
                     out[feature] = eff
         for t, feature in self.overrides:
             if t == tenant:
-                out[feature] = self.by_pair[(t, feature)]
+                eff = self.by_pair.get((t, feature))
+                if eff is not None:
+                    out[feature] = eff
         return out
 
 

@@ -3,8 +3,8 @@
 A change made through this node is written to storage (one record and a version bump, in one
 atomic write), read back at once, and announced on the gossip bus (a ``limits`` frame with the
 new version); a peer that hears it, or that may have missed one (a gap, a reconnect), reads the
-version and, if it moved, every record. While the bus is down or absent the version is read
-every ``poll_s`` (docs/quotas.md, "Propagation").
+version and, if it moved, every record. Every node also reads the version every ``poll_s``,
+bus or no bus (docs/quotas.md, "Propagation").
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from storage.base import Storage, StorageError
 
 log = logging.getLogger("meter.limits")
 
-#: How often the version is read while the bus is up (a backstop: frames carry changes).
-BUS_UP_POLL_S = 10.0
 #: At most one warning per this many seconds while reads keep failing.
 WARN_EVERY_S = 60.0
 
@@ -46,8 +44,6 @@ class LimitsSync:
         self.book = LimitBook()
         #: Tell peers of a change (the gossip layer's ``limits_changed``), if clustered.
         self.publish: Callable[[int], None] | None = None
-        #: Whether the bus is up now (then frames carry changes and polling slows down).
-        self.bus_up: Callable[[], bool] = lambda: False
         self.reads = 0
         self.loaded_at: float | None = None
         self.last_error: str | None = None
@@ -63,10 +59,12 @@ class LimitsSync:
             self.reads += 1
             if version == self.book.version and self.loaded_at is not None:
                 self.loaded_at = time.time()
+                self.last_error = None  # storage answers again, nothing changed meanwhile
                 return False
             version, records = await self.storage.read_limits()
             self.reads += 1
             if version < self.book.version:  # an older read overtook a newer one: keep ours
+                self.last_error = None
                 return False
             book = LimitBook.from_records(version, records)
             for where, why in book.bad:
@@ -84,18 +82,13 @@ class LimitsSync:
             self._wake.set()
 
     async def run(self) -> None:
-        """Re-read when told to, and poll the version meanwhile, forever: every ``poll_s``
-        while the bus is down or absent, every ``BUS_UP_POLL_S`` while it is up (looked at
-        every ``poll_s``, so a bus going down is noticed within one)."""
-        last = time.monotonic()
+        """Re-read when told to (a ``limits`` frame, a gossip gap), and read the version
+        every ``poll_s`` meanwhile, forever, whatever the bus: a change made through a node
+        whose bus is down reaches no peer by frame, and a read that failed is retried."""
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
-            woken = self._wake.is_set()
             self._wake.clear()
-            if not woken and self.bus_up() and time.monotonic() - last < BUS_UP_POLL_S:
-                continue
-            last = time.monotonic()
             try:
                 await self.refresh()
             except StorageError as exc:
@@ -155,7 +148,7 @@ class LimitsSync:
             "plans": len(book.plans),
             "assigned_tenants": len(book.assigned),
             "overrides": len(book.overrides),
-            "limited_pairs": len(book.by_pair),
+            "limited_pairs": book.by_pair.count,
             "bad_records": len(book.bad),
             "reads": self.reads,
             "loaded_at": self.loaded_at,

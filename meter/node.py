@@ -25,6 +25,7 @@ from meter.config import NodeConfig
 from meter.errors import ConfigError, Unavailable
 from meter.flusher import Flusher
 from meter.gc_policy import tune_gc
+from meter.holds import STALE_AFTER_HEARTBEATS
 from meter.http_endpoints import Endpoints, HttpEndpoints
 from meter.idempotency import RequestIds
 from meter.keys import Key, PeriodKind
@@ -441,7 +442,6 @@ class Node:
             gossip.on_deltas = self._peer_deltas
             gossip.on_limits = limits.invalidate
             limits.publish = gossip.limits_changed
-            limits.bus_up = lambda: gossip.bus.connected
         plans_file = self.config.counters.plans_file
         try:
             await limits.refresh()
@@ -462,10 +462,15 @@ class Node:
         assert self.service is not None and self.gossip is not None
         c = self.config.cluster
         tick, beat = c.gossip_interval_ms / 1000, c.heartbeat_ms / 1000
+        peer_holds = self.service.peer_holds
+        peer_holds.max_age = STALE_AFTER_HEARTBEATS * beat
         sent: list[Any] = []
         sent_at = last_held = 0.0
         while True:
             await asyncio.sleep(tick)
+            for peer in peer_holds.expire():  # holders resend every beat: this one is silent
+                log.warning("holds of peer %s not refreshed for %.1f s: no longer counted",
+                            peer, peer_holds.max_age)  # fmt: skip
             items = self.service.local_holds()
             now = time.monotonic()
             if items:

@@ -22,7 +22,7 @@ from meter.errors import (
     Unavailable,
     UnknownMethod,
 )
-from meter.holds import HoldItem, PeerHolds, local_holds
+from meter.holds import MAX_HOLD_BYTES, MAX_HOLD_KEYS, HoldItem, PeerHolds, local_holds
 from meter.idempotency import RequestIds, check_id, fingerprint
 from meter.keys import (
     QTY_MAX,
@@ -36,7 +36,7 @@ from meter.keys import (
     period_start,
 )
 from meter.limit_methods import LimitMethods
-from meter.limits import Effective, LimitBook
+from meter.limits import Effective, LimitBook, PairLimits
 from meter.limits_sync import LimitsSync
 from meter.reservations import Lease, Reservations
 from meter.rollover import next_keys, period_end
@@ -68,6 +68,10 @@ _FINISH_OPTS = frozenset({"id"})
 _ITEM_OPTS = frozenset({"id"})
 #: Items per record when the state is restated in a checkpoint.
 CHECKPOINT_ITEMS = 1000
+
+
+#: At most one warning per this many seconds while holds are left out of the frame.
+WARN_HOLDS_EVERY_S = 60.0
 
 
 class Service:
@@ -134,7 +138,8 @@ class Service:
         self.limits = LimitsSync(storage, self._new_limits, poll_s=limits_poll_s)
         # (tenant, feature) -> its effective limit: the hot path's one lookup, an empty dict
         # (false) while no limit exists anywhere.
-        self._limited: dict[tuple[str, str], Effective] = {}
+        #: The limits per (tenant, feature); None while no pair has one (the fast test).
+        self._limited: PairLimits | None = None
         #: ``acme/alice`` also counts on ``acme`` (ADR 0008).
         self._hier = self.config.tenant_hierarchy
         #: Whether any call may need more than a plain count (a limit exists, or the tenant
@@ -142,6 +147,10 @@ class Service:
         self._gated = self._hier
         #: Units peers hold in open reservations (their ``holds`` frames): against limits.
         self.peer_holds = PeerHolds()
+        #: Counters this node holds units on that its last ``holds`` frame left out (too many
+        #: or too long for one frame), and when that was last logged.
+        self.holds_left_out = 0
+        self._holds_warned_at = -WARN_HOLDS_EVERY_S
         #: Calls refused by a hard limit, and soft limits crossed, since start.
         self.limit_refusals = 0
         self.soft_crossings = 0
@@ -385,6 +394,9 @@ class Service:
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
                 return cast(int | None, entry[1])
+        if self._gated and self._needs_check(key):  # a limit was set while the read waited
+            value = await self._track_checked_cold(self._levels(key), qty, idem, False)
+            return cast(int | None, value)
         self._check_log()
         # Counted whether or not seeding worked: usage is never dropped. An unseeded key
         # answers None, because its total is not known.
@@ -393,7 +405,7 @@ class Service:
     # -- limits (docs/quotas.md) --------------------------------------------------------------
 
     def _new_limits(self, book: LimitBook) -> None:
-        self._limited = book.by_pair
+        self._limited = book.by_pair if book.by_pair else None
         self._gated = bool(book.by_pair) or self._hier
 
     def _gate(self, key: Key, qty: int, eff: Effective | None) -> None:
@@ -685,6 +697,10 @@ class Service:
                 if entry is not None:
                     batch.answered[n] = entry
         self._check_log()
+        if self._gated and any(self._needs_check(k) for k, _ in batch.good):
+            # A limit was set while the read waited: check item by item (an unseeded key
+            # under a hard limit is refused, as it would have been had the limit come first).
+            return self._count_gated(batch)
         if not batch.answered:
             # Every key seeded (the usual case): the whole batch under one hold of the lock.
             done = self._count_seeded(batch)
@@ -719,8 +735,9 @@ class Service:
             if idem is not None:
                 try:
                     entry = self.ids.lookup(idem[0], idem[1], now)
-                except Conflict as exc:
+                except Conflict as exc:  # that item alone answers the error, uncounted
                     entry = (0, exc.to_wire(), 0.0)
+                    self._refused_item(exc.code)
                 if entry is not None:
                     batch.answered[n] = entry
         self._check_log()
@@ -975,6 +992,12 @@ class Service:
             self._gate_commit(lease, actual)
         # First the table, which may refuse (past the 64-bit range) with nothing changed.
         value = self.table.commit(lease.key, lease.qty, actual)
+        if actual > lease.qty and self._limited:  # the extra units may cross a soft limit
+            key = lease.key
+            eff = self._limited.get((key[0], key[1]))
+            view = self.table.value(key)
+            if _soft_crossing(eff, view, actual - lease.qty):
+                self._crossed(key, eff, view)
         self.reservations.close(lease_id)
         done_exp = self.done.remember(lease_id, COMMITTED, [actual, value], now)
         rid, fp, expires = self._remember_finish(idem, value, now)
@@ -1048,8 +1071,18 @@ class Service:
         return idem[0], idem[1], self.ids.remember(idem[0], idem[1], value, now)
 
     def local_holds(self) -> list[HoldItem]:
-        """The units this node's open reservations hold, per counter (its ``holds`` frame)."""
-        return local_holds(self.reservations.held())
+        """The units this node's open reservations hold, per counter (its ``holds`` frame),
+        bounded in counters and bytes; what is left out is logged (once a minute at most)."""
+        items, left_out = local_holds(self.reservations.held())
+        self.holds_left_out = left_out
+        if left_out:
+            now = time.monotonic()
+            if now - self._holds_warned_at >= WARN_HOLDS_EVERY_S:
+                self._holds_warned_at = now
+                log.warning("holds: %d counters held on are not announced to peers (one frame "
+                            "carries at most %d counters, %d bytes; the most held go first)",
+                            left_out, MAX_HOLD_KEYS, MAX_HOLD_BYTES)  # fmt: skip
+        return items
 
     def expire_reservations(self, now: float | None = None) -> int:
         """Release every reservation past its deadline; return how many."""

@@ -630,14 +630,17 @@ class DynamoDBStorage(Storage):
                 }
             }
             try:
-                await self._call("transact_write_items", "limits change", TransactItems=[op, bump])
+                await self._call(
+                    "transact_write_items",
+                    "limits change",
+                    # Retried with the version read again, by this loop, not with a stale one.
+                    _raise=_CONTENDED,
+                    TransactItems=[op, bump],
+                )
                 return old + 1
             except StoragePermanentError as exc:
                 cause = exc.__cause__
-                if not isinstance(cause, ClientError) or _code(cause) not in (
-                    "TransactionCanceledException",
-                    "TransactionConflictException",
-                ):
+                if not isinstance(cause, ClientError) or not _contended(cause):
                     raise
             await asyncio.sleep(self._backoff(attempt))
         raise StorageUnavailable("dynamodb: limits change: the version kept changing; retry")
@@ -709,9 +712,18 @@ class DynamoDBStorage(Storage):
 
     # -- the boundary ------------------------------------------------------------------------
 
-    async def _call(self, op: str, what: str, _read: bool = False, **params: Any) -> dict[str, Any]:
+    async def _call(
+        self,
+        op: str,
+        what: str,
+        _read: bool = False,
+        _raise: frozenset[str] = frozenset(),
+        **params: Any,
+    ) -> dict[str, Any]:
         """Call ``op``, retrying transient failures; map every failure to a StorageError.
-        ``_read``: a batch read, bounded by its own semaphore (not queued behind writes)."""
+        ``_read``: a batch read, bounded by its own semaphore (not queued behind writes).
+        ``_raise``: error codes not retried here but raised at once (as
+        :class:`StoragePermanentError`), for a caller whose retry must change the request."""
         if self._client is None:
             raise StorageUnavailable("dynamodb: storage is not open")
         method = getattr(self._client, op)
@@ -730,6 +742,8 @@ class DynamoDBStorage(Storage):
                 status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
                 message = exc.response.get("Error", {}).get("Message", str(exc))
                 text = f"dynamodb: {what}: {code}: {message}"
+                if code in _raise:
+                    raise StoragePermanentError(text) from exc
                 if code in RETRYABLE_CODES or status >= 500:
                     error: StorageError = StorageUnavailable(text)
                 elif code in OPERATOR_CODES:
@@ -752,6 +766,36 @@ class DynamoDBStorage(Storage):
     def _backoff(self, attempt: int) -> float:
         """Full jitter: uniform in [0, min(cap, base * 2**attempt)]."""
         return random.uniform(0, min(self.backoff_cap, self.backoff_base * 2**attempt))
+
+
+_CONTENDED = frozenset({"TransactionConflictException"})
+
+
+def _contended(exc: ClientError) -> bool:
+    """Whether a limits change failed because another change raced it (then it is tried
+    again on the new version): a transaction conflict, or a cancellation whose only reasons
+    are the version's condition and conflicts. Any other reason (a validation error, an item
+    too large) would fail again: it is not retried."""
+    code = _code(exc)
+    if code in _CONTENDED:
+        return True
+    if code != "TransactionCanceledException":
+        return False
+    reasons = exc.response.get("CancellationReasons")
+    if isinstance(reasons, list):
+        codes = [str(r.get("Code", "None")) if isinstance(r, dict) else "?" for r in reasons]
+    else:  # older builds name the reasons only in the message: "... [None, ConditionalCheckFailed]"
+        text = str(exc.response.get("Error", {}).get("Message", ""))
+        start, end = text.rfind("["), text.rfind("]")
+        if start < 0 or end < start:
+            return False
+        codes = [c.strip() for c in text[start + 1 : end].split(",")]
+    # [record, version]: the record's own condition-free write never fails its condition.
+    if len(codes) != 2 or codes[0] not in ("None", "TransactionConflict"):
+        return False
+    return codes[1] in ("ConditionalCheckFailed", "TransactionConflict") or (
+        codes[0] == "TransactionConflict" and codes[1] == "None"
+    )
 
 
 def _code(exc: ClientError) -> str:

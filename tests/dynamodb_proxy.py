@@ -19,6 +19,10 @@ It reads each HTTP/1.1 request whole, names its operation from the ``X-Amz-Targe
     (:meth:`~DynamoDBProxy.release_held`, :meth:`~DynamoDBProxy.stop_holding`), so the node's
     reads can be seen in flight and queued, wave by wave, whatever the machine's speed.
 
+:meth:`DynamoDBProxy.answer_next`
+    answers the next request of an operation with a canned DynamoDB error (the request never
+    reaches the server), e.g. a ``TransactWriteItems`` cancelled for a given reason.
+
 Setting ``fail`` back to ``None`` heals the proxy; a request already held is not replayed.
 """
 
@@ -117,6 +121,13 @@ class DynamoDBProxy(LoopbackProxy):
         self.held = 0
         self.released = 0
         self._release: asyncio.Event | None = None
+        self._canned: dict[str, list[Message]] = {}
+
+    def answer_next(self, op: str, error: str, message: str, **fields: Any) -> None:
+        """Answer the next ``op`` request (after any queued before) with a 400 error of type
+        ``error`` and ``fields`` (e.g. ``CancellationReasons``) without forwarding it."""
+        body = {"__type": f"com.amazonaws.dynamodb.v20120810#{error}", "message": message}
+        self._canned.setdefault(op, []).append(_error(400, "Bad Request", {**body, **fields}))
 
     def hold(self) -> None:
         """From now on, hold each ``BatchGetItem`` answer until :meth:`release_held`."""
@@ -146,6 +157,11 @@ class DynamoDBProxy(LoopbackProxy):
                 target = request.header("x-amz-target") or ""
                 op = target.removeprefix(TARGET_PREFIX)
                 self.ops[op] += 1
+                canned = self._canned.get(op)
+                if canned:
+                    client_w.write(canned.pop(0).encode())
+                    await client_w.drain()
+                    continue
                 if op == "BatchGetItem" and self.fail is not None:
                     self.failed += 1
                     if self.fail == "drop":
@@ -217,14 +233,21 @@ class DynamoDBProxy(LoopbackProxy):
 
 
 def _error_500() -> Message:
-    body = json.dumps(
-        {
-            "__type": "com.amazonaws.dynamodb.v20120810#InternalServerError",
-            "message": "injected by the test proxy",
-        }
-    ).encode()
+    body = {
+        "__type": "com.amazonaws.dynamodb.v20120810#InternalServerError",
+        "message": "injected by the test proxy",
+    }
+    return _error(500, "Internal Server Error", body)
+
+
+def _error(status: int, reason: str, body: dict[str, Any]) -> Message:
+    data = json.dumps(body).encode()
     return Message(
-        "HTTP/1.1 500 Internal Server Error",
-        [("Content-Type", "application/x-amz-json-1.0")],
-        body,
+        f"HTTP/1.1 {status} {reason}",
+        [
+            ("Content-Type", "application/x-amz-json-1.0"),
+            ("Content-Length", str(len(data))),
+            ("x-amz-crc32", str(zlib.crc32(data) & 0xFFFFFFFF)),
+        ],
+        data,
     )

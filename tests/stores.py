@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from storage.base import StorageUnavailable
@@ -34,3 +35,19 @@ class DownStorage(MemoryStorage):
         if self.down:
             raise StorageUnavailable("down")
         return await super().write_limit(scope, name, feature, body)
+
+
+class SlowStorage(MemoryStorage):
+    """A store whose counter reads wait until ``release`` is set (``reading`` is set when
+    one starts): a test can act while a cold key is being seeded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading = asyncio.Event()
+        self.release = asyncio.Event()
+        self.release.set()
+
+    async def load(self, keys: Any) -> Any:
+        self.reading.set()
+        await self.release.wait()
+        return await super().load(keys)

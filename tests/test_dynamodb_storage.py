@@ -16,6 +16,7 @@ import pytest
 from storage.base import Applied, Delta, Key, Snapshot, StoragePermanentError, StorageUnavailable
 from storage.dynamodb import DynamoDBStorage
 from tests.dynamodb_local import free_port
+from tests.dynamodb_proxy import DynamoDBProxy
 
 pytestmark = pytest.mark.dynamodb
 
@@ -190,3 +191,55 @@ async def test_not_open_is_unavailable(dynamodb_table: str) -> None:
     store = DynamoDBStorage(dynamodb_table, endpoint_url="http://127.0.0.1:9")
     out = await store.apply("n1", [Delta(K, 1, 1)])
     assert isinstance(out[K], StorageUnavailable)
+
+
+async def test_write_limit_retries_only_a_change_that_raced_it(
+    dynamodb_local: str, dynamodb_table: str
+) -> None:
+    """A conflict re-reads the version (not retried on the stale one by the call layer); a
+    cancellation for the version's condition is retried; one for another reason (validation,
+    size) fails at once with that reason, not as "the version kept changing"."""
+    async with DynamoDBProxy(int(dynamodb_local.rsplit(":", 1)[1])) as proxy:
+        store = DynamoDBStorage(dynamodb_table, endpoint_url=proxy.endpoint)
+        await store.open()
+        try:
+            v0 = await store.limits_version()
+            body = '{"limit": 1, "kind": "hard", "enforcement": "fast"}'
+
+            def ops() -> tuple[int, int]:
+                return proxy.ops["GetItem"], proxy.ops["TransactWriteItems"]
+
+            before = ops()
+            proxy.answer_next("TransactWriteItems", "TransactionConflictException", "conflict")
+            assert await store.write_limit("limit", "acme", "api", body) == v0 + 1
+            reads, writes = (a - b for a, b in zip(ops(), before, strict=True))
+            assert (reads, writes) == (2, 2)  # the version read again before the retry
+
+            before = ops()
+            proxy.answer_next(
+                "TransactWriteItems",
+                "TransactionCanceledException",
+                "Transaction cancelled, please refer cancellation reasons for specific reasons "
+                "[None, ConditionalCheckFailed]",
+                CancellationReasons=[{"Code": "None"}, {"Code": "ConditionalCheckFailed"}],
+            )
+            assert await store.write_limit("limit", "acme", "api", body) == v0 + 2
+            assert ops()[1] - before[1] == 2
+
+            before = ops()
+            proxy.answer_next(
+                "TransactWriteItems",
+                "TransactionCanceledException",
+                "Transaction cancelled, please refer cancellation reasons for specific reasons "
+                "[ValidationError, None]",
+                CancellationReasons=[
+                    {"Code": "ValidationError", "Message": "Item size has exceeded the limit"},
+                    {"Code": "None"},
+                ],
+            )
+            with pytest.raises(StoragePermanentError, match="ValidationError"):
+                await store.write_limit("limit", "acme", "api", body)
+            assert ops()[1] - before[1] == 1  # not retried
+            assert await store.limits_version() == v0 + 2  # nothing changed
+        finally:
+            await store.close()

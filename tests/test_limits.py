@@ -7,6 +7,7 @@ its socket, with the Python clients, as users call it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -17,7 +18,14 @@ import pytest
 
 from meter.client import AsyncClient
 from meter.config import FlushConfig, NodeConfig, ServerConfig
-from meter.errors import ConfigError, InvalidArgument, LimitExceeded, NotFound, Unavailable
+from meter.errors import (
+    ConfigError,
+    Conflict,
+    InvalidArgument,
+    LimitExceeded,
+    NotFound,
+    Unavailable,
+)
 from meter.limits import (
     STRICT_NOT_YET,
     Effective,
@@ -29,7 +37,8 @@ from meter.limits import (
     plan_record,
 )
 from meter.node import Node
-from tests.stores import DownStorage
+from storage.memory import MemoryStorage
+from tests.stores import DownStorage, SlowStorage
 
 # -- the book ---------------------------------------------------------------------------------
 
@@ -58,10 +67,36 @@ def test_an_override_beats_the_plan_and_a_plan_applies_to_its_tenants_only() -> 
     assert book.for_tenant("acme") == {"x": Effective(1, "hard", "fast", "override")}
 
 
-def test_a_book_without_limits_answers_nothing_from_an_empty_dict() -> None:
+def test_a_book_without_limits_answers_nothing_and_is_falsy() -> None:
     book = LimitBook.from_records(0, [])
-    assert book.by_pair == {} and not book.by_pair
+    assert not book.by_pair and book.by_pair.count == 0
     assert book.effective("acme", "api") is None
+    # A plan nobody is on limits no pair: the hot path stays unchecked.
+    assert not _book(plan_record("pro", {"api": parse_limit({"limit": 1})})).by_pair
+
+
+def test_a_book_is_not_built_per_tenant_and_feature() -> None:
+    """20,000 tenants on a 20-feature plan: the book holds per plan and per override, not
+    400,000 pairs (a change would stall every node's event loop for seconds at 100,000)."""
+    import tracemalloc
+
+    features = {f"f{i}": parse_limit({"limit": i + 1}) for i in range(20)}
+    records = [assign_record(f"t{i}", "pro") for i in range(20_000)]
+    records += [override_record("t7", "f3", parse_limit({"limit": 99, "kind": "soft"}))]
+    stored = [plan_record("pro", features)] + [(a, b, c, d) for a, b, c, d in records if d]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        book = LimitBook.from_records(1, stored)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 8 * 1024 * 1024, f"{grown / 2**20:.1f} MiB for the book"
+    assert book.by_pair.count == 400_000
+    assert book.effective("t19999", "f19") == Effective(20, "hard", "fast", "plan:pro")
+    assert book.effective("t7", "f3") == Effective(99, "soft", "fast", "override")
+    assert ("t7", "f4") in book.by_pair and ("t7", "nope") not in book.by_pair
+    assert book.effective("nobody", "f1") is None
 
 
 def test_undecodable_records_are_skipped_and_listed() -> None:
@@ -76,6 +111,12 @@ def test_undecodable_records_are_skipped_and_listed() -> None:
     )
     assert len(book.bad) == 3
     assert book.effective("acme", "ok") == Effective(2, "soft", "fast", "override")
+    # A plan with one undecodable feature keeps its other features.
+    plan = '{"api": {"limit": 10, "kind": "hard", "enforcement": "fast"}, "gpu": {"limit": -3}}'
+    book = LimitBook.from_records(2, [("plan", "pro", "", plan), ("assign", "acme", "", "pro")])
+    assert book.bad == [(("plan", "pro", "gpu"), "bad limit -3")]
+    assert book.effective("acme", "api") == Effective(10, "hard", "fast", "plan:pro")
+    assert book.effective("acme", "gpu") is None
     # A strict limit stored by a later build is kept (and enforced as fast by this one).
     stored = '{"limit": 4, "kind": "hard", "enforcement": "strict"}'
     book = LimitBook.from_records(1, [("limit", "acme", "api", stored)])
@@ -484,6 +525,79 @@ async def test_with_storage_down_a_hard_limit_on_an_unknown_total_refuses_and_ch
         await c.close()
 
 
+async def test_a_limit_set_while_a_cold_key_is_read_is_checked_after_the_read(
+    tmp: Path,
+) -> None:
+    """A track (plain, with an id, or in a track_many) waiting for its cold counter's stored
+    total when a limit is set is checked against that limit once the total is read."""
+    store = SlowStorage()
+    cfg = _config(tmp)
+    async with Node(cfg, storage=store):
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0, auto_ids=False)
+        admin = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        store.release.clear()
+        store.reading.clear()
+        waiting = [
+            asyncio.create_task(c.track("acme", "api", 5)),
+            asyncio.create_task(c.track("acme", "api", 5, id="r1")),
+            asyncio.create_task(c.track_many([("acme", "api", 5), ("acme", "gpu", 5)])),
+        ]
+        await asyncio.wait_for(store.reading.wait(), 5)  # no limit yet: all are unchecked
+        await asyncio.sleep(0)  # let the other calls reach the read too
+        await admin.set_limit("acme", "api", 3)
+        store.release.set()
+        plain, with_id, many = await asyncio.gather(*waiting, return_exceptions=True)
+        assert isinstance(plain, LimitExceeded), plain
+        assert isinstance(with_id, LimitExceeded), with_id
+        assert isinstance(many, list) and isinstance(many[0], LimitExceeded), many
+        assert many[1] == 5  # no limit on gpu: counted
+        assert await c.usage("acme", "api") == 0
+        await c.close()
+        await admin.close()
+
+
+async def test_a_commit_above_its_reservation_reports_a_soft_crossing(
+    client: AsyncClient,
+) -> None:
+    await client.set_limit("acme", "gpu", 10, kind="soft")
+    rid = await client.reserve("acme", "gpu", 5)
+    assert await client.commit(rid, 8) == 8  # 8 <= 10: no crossing
+    rid = await client.reserve("acme", "gpu", 1)
+    assert await client.commit(rid, 5) == 13  # the 4 extra units take it past 10
+    rid = await client.reserve("acme", "gpu", 2)
+    assert await client.commit(rid, 1) == 14  # less than reserved: nothing new crossed
+    assert (await client.status())["limits"]["soft_crossings"] == 1
+
+
+async def test_a_conflicting_id_in_a_limited_cold_batch_is_counted_as_refused(
+    tmp: Path,
+) -> None:
+    """Two batches reusing one id for different items wait on the same cold counter: the
+    second answers ``conflict`` for that item, and the node counts the refusal."""
+    store = SlowStorage()
+    cfg = _config(tmp)
+    async with Node(cfg, storage=store) as node:
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        await c.set_limit("acme", "api", 100)
+        assert node.service is not None
+        store.release.clear()
+        store.reading.clear()
+        first = asyncio.create_task(c.track_many([("acme", "api", 1, "x")]))
+        await asyncio.wait_for(store.reading.wait(), 5)
+        second = asyncio.create_task(c.track_many([("acme", "api", 2, "x")]))
+        waiting = node.service.seeder._waiting  # callers waiting per cold key
+        deadline = asyncio.get_running_loop().time() + 5
+        while sum(waiting.values()) < 2:  # the second batch waits on the same read
+            assert asyncio.get_running_loop().time() < deadline, "second batch not waiting"
+            await asyncio.sleep(0.01)
+        store.release.set()
+        assert await first == [1]
+        (answer,) = await second
+        assert isinstance(answer, Conflict), answer
+        assert node.service.item_refusals.get("conflict") == 1
+        await c.close()
+
+
 def test_peer_holds_replace_what_was_known_of_a_peer() -> None:
     from meter.holds import PeerHolds, local_holds
     from meter.reservations import Lease
@@ -499,4 +613,107 @@ def test_peer_holds_replace_what_was_known_of_a_peer() -> None:
     holds.replace("a", [(*k1, 0)])
     assert holds.total == {} and holds.peers() == 0
     leases = [Lease("r1", k1, 5, 0.0), Lease("r2", k1, 7, 0.0), Lease("r3", k2, 0, 0.0)]
-    assert local_holds(leases) == [(*k1, 12)]
+    assert local_holds(leases) == ([(*k1, 12)], 0)
+
+
+def test_a_holds_frame_is_bounded_in_bytes_and_fits_the_gossip_frame() -> None:
+    """10,000 counters with the longest names: the most held that fit go, the rest are
+    counted as left out, and the encoded frame is under the 1 MiB every peer accepts."""
+    from cluster.codec import MAX_FRAME_BYTES, Codec, Header
+    from meter.holds import MAX_HOLD_KEYS, local_holds
+    from meter.reservations import Lease
+
+    tenant, feature = "t" * 500, "f" * 250
+    leases = [
+        Lease(f"r{i}", (f"{tenant}{i:05d}", feature, "2026-11"), i + 1, 0.0)
+        for i in range(MAX_HOLD_KEYS)
+    ]
+    items, left_out = local_holds(leases)
+    assert 0 < len(items) < MAX_HOLD_KEYS and left_out == MAX_HOLD_KEYS - len(items)
+    assert items[0][3] == MAX_HOLD_KEYS  # the most held first
+    header = Header("prod", "node-a", 1_700_000_000_000_000_000, 7, 1_760_000_000.25)
+    assert len(Codec("prod").encode(header, "holds", items)) < MAX_FRAME_BYTES
+    short = [Lease(f"r{i}", (f"t{i}", "api", "2026-11"), 1, 0.0) for i in range(100)]
+    assert local_holds(short)[1] == 0
+
+
+def test_a_peers_holds_not_refreshed_within_max_age_are_dropped() -> None:
+    """Holders resend every heartbeat: holds heard longer ago (this node's bus down, or the
+    holder's) stop counting instead of counting for the whole outage."""
+    from meter.holds import PeerHolds
+
+    now = [100.0]
+    holds = PeerHolds(max_age=3.0, clock=lambda: now[0])
+    k1 = ("acme", "gpu", "2026-11")
+    holds.replace("a", [(*k1, 60)])
+    holds.replace("b", [(*k1, 10)])
+    now[0] += 2.0
+    holds.replace("b", [(*k1, 10)])  # b refreshed, a not
+    assert holds.expire() == [] and holds.total == {k1: 70}
+    now[0] += 1.5  # a: 3.5 s old; b: 1.5 s
+    assert holds.expire() == ["a"]
+    assert holds.total == {k1: 10} and holds.peers() == 1
+    now[0] += 10.0
+    assert holds.expire() == ["b"] and holds.total == {} and holds.peers() == 0
+    holds.replace("a", [(*k1, 5)])  # a frame after the outage counts again
+    assert holds.total == {k1: 5} and holds.expire() == []
+
+
+async def test_limits_are_read_within_a_poll_of_storage_answering_again() -> None:
+    """A node that could not read its limits (started with storage down, or a ``limits``
+    frame heard during a blip) reads them within a poll of storage answering again, bus up
+    or not, and says it reads them again (``last_error`` cleared)."""
+    from meter.limits_sync import LimitsSync
+
+    store = DownStorage()
+    version = await store.write_limit(*override_record("acme", "api", parse_limit({"limit": 100})))
+    store.down = True
+    sync = LimitsSync(store, lambda book: None, poll_s=0.05)
+    task = asyncio.create_task(sync.run())
+    loop = asyncio.get_running_loop()
+
+    def error() -> str | None:  # a call: mypy would narrow the attribute across awaits
+        return sync.last_error
+
+    try:
+        deadline = loop.time() + 5
+        while error() is None:  # never loaded: the node enforces nothing yet
+            assert loop.time() < deadline, "the loop never tried storage"
+            await asyncio.sleep(0.01)
+        store.down = False
+        back = loop.time()
+        while sync.book.version != version:
+            assert loop.time() - back < 1.0, "not read within a second of storage answering"
+            await asyncio.sleep(0.01)
+        # A frame heard while storage blips: retried every poll, and the error clears on
+        # the first read that answers.
+        store.down = True
+        sync.invalidate(-1)
+        while error() is None:
+            assert loop.time() - back < 5, "the frame was not acted on"
+            await asyncio.sleep(0.01)
+        version = await MemoryStorage.write_limit(
+            store, *override_record("acme", "api", parse_limit({"limit": 5}))
+        )
+        store.down = False
+        back = loop.time()
+        while sync.book.version != version or error() is not None:
+            assert loop.time() - back < 1.0, "stale after the blip"
+            await asyncio.sleep(0.01)
+        # A blip with no change: the read that answers finds the version unchanged and
+        # clears the error all the same.
+        store.down = True
+        sync.invalidate(-1)  # a reconnect: re-read
+        while error() is None:
+            assert loop.time() - back < 10, "the re-read was not tried"
+            await asyncio.sleep(0.01)
+        store.down = False
+        back = loop.time()
+        while error() is not None:
+            assert loop.time() - back < 1.0, "last_error kept after storage came back"
+            await asyncio.sleep(0.01)
+        assert sync.book.version == version
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
