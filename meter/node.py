@@ -272,6 +272,7 @@ class Node:
         self._tasks: list[asyncio.Task[None]] = []
         #: Live usage push: a tick waits for the log's commit; when the last one ran.
         self._watch_pending = False
+        self._watch_stopping = False
         self._watch_last = 0.0
         self._watch_timer: asyncio.TimerHandle | None = None
         self._watch_due = 0.0
@@ -499,6 +500,9 @@ class Node:
     async def stop(self) -> int:
         """Drain: stop accepting, finish requests, flush everything, close. Returns 0 or 1."""
         assert self.server is not None and self.flusher is not None and self.storage is not None
+        self._watch_stopping = True  # no more usage push ticks or timers
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
         self.server.stop_accepting()
         await self.server.close(drain_timeout=self.config.server.request_drain_timeout_s)
         if self._claimed_task is not None:
@@ -666,25 +670,40 @@ class Node:
     def _peer_deltas(self) -> None:
         """A peer's gossip changed this node's views: push them now, not a tick later, so a
         unit tracked on a peer reaches a subscriber here within the peer's tick and delivery.
-        Early ticks are at least a quarter of an interval apart, and no counter is sent more
-        than once per interval whatever the ticks (:meth:`Watch.tick`)."""
+        Ticks run at least a quarter of an interval apart (a frame sooner after one sets a
+        timer for then), and no counter is sent more than once per interval whatever the
+        ticks (:meth:`Watch.tick`)."""
         assert self.service is not None
+        if self._watch_stopping or not self.service.watch or self._watch_pending:
+            return
         interval = self.config.cluster.gossip_interval_ms / 1000
-        if (
-            self.service.watch
-            and not self._watch_pending
-            and time.monotonic() - self._watch_last >= interval / 4
-        ):
+        next_ok = self._watch_last + interval / 4
+        if time.monotonic() >= next_ok:
             self._watch_schedule()
+        else:
+            self._watch_at(next_ok)
 
     def _watch_schedule(self) -> None:
-        if self._watch_pending:
+        if self._watch_pending or self._watch_stopping:
             return
         self._watch_pending = True
         if self.wal is None:
             self._watch_tick()
         else:
             self.wal.at_commit(self._watch_tick)
+
+    def _watch_at(self, due: float) -> None:
+        """Tick at ``due`` (monotonic seconds), unless a timer is set for earlier: one timer."""
+        timer = self._watch_timer
+        if timer is not None and not timer.cancelled() and self._watch_due <= due:
+            return
+        if timer is not None:
+            timer.cancel()
+        self._watch_due = due
+        # (+2 ms: the loop's clock is not time.monotonic(), and uvloop's is cached to the ms;
+        # a timer firing early would find the counter still held and wait a whole tick)
+        delay = max(0.0, due - time.monotonic()) + 0.002
+        self._watch_timer = asyncio.get_running_loop().call_later(delay, self._watch_due_now)
 
     def _watch_due_now(self) -> None:
         self._watch_timer = None
@@ -694,23 +713,17 @@ class Node:
     def _watch_tick(self) -> None:
         assert self.service is not None and self.server is not None
         self._watch_pending = False
+        if self._watch_stopping:
+            return
         now = self._watch_last = time.monotonic()
         try:
             interval = self.config.cluster.gossip_interval_ms / 1000
             if self.service.watch_tick(now, interval):
                 self.server.push_notifications()
             due = self.service.watch.next_due
-            timer = self._watch_timer
-            if due is not None and (timer is None or timer.cancelled() or due < self._watch_due):
-                # A counter held back (sent less than an interval ago) goes as soon as it may:
-                # one timer at a time, for the earliest.
-                if timer is not None:
-                    timer.cancel()
-                loop = asyncio.get_running_loop()
-                self._watch_due = due
-                self._watch_timer = loop.call_at(
-                    loop.time() + max(0.0, due - now), self._watch_due_now
-                )
+            if due is not None and due > now:
+                # A counter held back (sent less than an interval ago) goes as soon as it may.
+                self._watch_at(due)
         except Exception:  # a bug must not end the push for good
             log.exception("usage push tick failed (tried again next tick)")
 

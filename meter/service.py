@@ -1262,6 +1262,7 @@ class Service:
         return the subscribers with notifications to send."""
         watch = self.watch
         if not watch:
+            watch.next_due = None  # (nothing held: nobody watches)
             return []
         return watch.tick(lambda tenant: self.watch_view(tenant, watch.named(tenant)), now, spacing)
 

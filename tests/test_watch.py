@@ -233,3 +233,20 @@ def test_a_subscriber_ends_with_every_counters_latest_value_unless_it_was_refuse
     assert sub.sent + sub.replaced + sub.refused == sum(
         1 for a, b in itertools.pairwise(views) for fp, v in b.items() if a.get(fp) != v
     )
+
+
+def test_a_node_nobody_watches_has_nothing_held() -> None:
+    """The last subscriber gone while a change was held back: the service's tick must not
+    report a due time any more (the node would set a timer for it again and again)."""
+    from meter.service import Service
+    from meter.table import CounterTable
+    from storage.memory import MemoryStorage
+
+    svc = Service(CounterTable("n"), MemoryStorage())
+    sub = Subscriber()
+    svc.watch.subscribe(sub, "acme", None, {("api", P): 1})
+    svc.watch.tick(lambda t: {("api", P): 2}, now=1.0, spacing=0.1)
+    svc.watch.tick(lambda t: {("api", P): 3}, now=1.05, spacing=0.1)
+    assert svc.watch.next_due == pytest.approx(1.1)
+    svc.watch.remove(sub)
+    assert svc.watch_tick(1.06, 0.1) == [] and svc.watch.next_due is None
