@@ -50,8 +50,11 @@ FEATURES = ("api", "gpu", "storage")
 KEYS = [(t, f) for t in TENANTS for f in FEATURES]
 #: Long enough for a retried call to outlast any restart.
 RETRY_TIMEOUT = 30.0
-#: The storm stops after this many seconds even if it has not killed KILLS times yet.
-STORM_BUDGET_S = 50.0
+#: The storm stops after this many seconds even if it has not killed KILLS times yet (a cap
+#: on the test's time, not a figure: a restart reads the limits before its socket opens, and
+#: through the lossy link a lost answer waits for its read timeout, so on a loaded 2-core box
+#: 20 restarts took over 50 s once).
+STORM_BUDGET_S = 80.0
 #: The clients' longest pause between two attempts (1 s by default): the workers are back
 #: within a quarter second of a restart, so kills come faster and always land under load.
 BACKOFF_MAX = 0.25
