@@ -427,21 +427,27 @@ class Client(_Ids):
                 data = sock.recv(1 << 18)
             except OSError as exc:
                 raise self._broken(str(exc) or type(exc).__name__) from None
-            if not data:
-                raise self._broken("the node closed the connection")
-            try:
-                responses = self._decoder.feed(data)
-            except ProtocolError as exc:
-                raise self._broken(f"bad data from the node: {exc}") from None
-            for resp in responses:
-                if type(resp) is Notification:
-                    self._inbox.add(resp.params)
-                    continue
-                msgid = cast(Response, resp).msgid
-                if msgid in wanted:
-                    got[msgid] = cast(Response, resp)
-                    wanted.discard(msgid)
+            for resp in self._responses(data):
+                if resp.msgid in wanted:
+                    got[resp.msgid] = resp
+                    wanted.discard(resp.msgid)
         return got
+
+    def _responses(self, data: bytes) -> list[Response]:
+        """Decode what the node sent: notifications go to the inbox, responses are returned."""
+        if not data:
+            raise self._broken("the node closed the connection")
+        try:
+            messages = self._decoder.feed(data)
+        except ProtocolError as exc:
+            raise self._broken(f"bad data from the node: {exc}") from None
+        out: list[Response] = []
+        for msg in messages:
+            if type(msg) is Notification:
+                self._inbox.add(msg.params)
+            else:
+                out.append(cast(Response, msg))
+        return out
 
     def _read_notes(self, sock: socket.socket, timeout: float | None) -> bool:
         """Read what the node sends for up to ``timeout`` seconds (None: until something
@@ -456,16 +462,8 @@ class Client(_Ids):
         finally:
             if self._sock is sock:
                 sock.settimeout(self._timeout)
-        if not data:
-            raise self._broken("the node closed the connection")
-        try:
-            messages = self._decoder.feed(data)
-        except ProtocolError as exc:
-            raise self._broken(f"bad data from the node: {exc}") from None
-        for msg in messages:
-            if type(msg) is Notification:
-                self._inbox.add(msg.params)
-            # (A response now answers a call that timed out: its connection was dropped.)
+        # (A response now answers a call that timed out: its connection was dropped.)
+        self._responses(data)
         return True
 
     def _exchange(self, sock: socket.socket, method: str, params: list[Any]) -> Response:

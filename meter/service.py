@@ -682,21 +682,26 @@ class Service:
             return self._finish_many(batch, exc.answers)
         return None if values is None else self._finish_many(batch, values)
 
-    async def _track_many_cold(self, batch: _Batch) -> Any:
-        await self.seeder.seed_many(k for k, _ in batch.good)
-        # Calls with the same ids may have counted while this one waited: answer those items
-        # as they were answered, and count the rest.
+    def _answer_repeated_ids(self, batch: _Batch) -> None:
+        """After a wait: items whose ids calls counted meanwhile are answered as those were
+        (a conflicting id answers its error alone, uncounted)."""
         now = time.time()
         for n, idem in enumerate(batch.idems):
             if idem is not None:
                 try:
                     entry = self.ids.lookup(idem[0], idem[1], now)
-                except Conflict as exc:  # that item alone answers the error, uncounted
+                except Conflict as exc:
                     entry = (0, exc.to_wire(), 0.0)
                     self._refused_item(exc.code)
                 if entry is not None:
                     batch.answered[n] = entry
         self._check_log()
+
+    async def _track_many_cold(self, batch: _Batch) -> Any:
+        await self.seeder.seed_many(k for k, _ in batch.good)
+        # Calls with the same ids may have counted while this one waited: answer those items
+        # as they were answered, and count the rest.
+        self._answer_repeated_ids(batch)
         if self._gated and any(self._needs_check(k) for k, _ in batch.good):
             # A limit was set while the read waited: check item by item (an unseeded key
             # under a hard limit is refused, as it would have been had the limit come first).
@@ -730,17 +735,7 @@ class Service:
 
     async def _track_many_limited_cold(self, batch: _Batch, keys: list[Key]) -> Any:
         await self.seeder.seed_many(keys)
-        now = time.time()
-        for n, idem in enumerate(batch.idems):
-            if idem is not None:
-                try:
-                    entry = self.ids.lookup(idem[0], idem[1], now)
-                except Conflict as exc:  # that item alone answers the error, uncounted
-                    entry = (0, exc.to_wire(), 0.0)
-                    self._refused_item(exc.code)
-                if entry is not None:
-                    batch.answered[n] = entry
-        self._check_log()
+        self._answer_repeated_ids(batch)
         return self._count_gated(batch)
 
     def _count_gated(self, batch: _Batch) -> list[Any]:
