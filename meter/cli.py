@@ -165,8 +165,8 @@ def _limit_parsers(sub: Any, common: Any) -> None:
     pset.add_argument(
         "limits",
         nargs="+",
-        metavar="FEATURE=LIMIT[:soft]",
-        help="e.g. api_calls=100000 gpu=60:soft",
+        metavar="FEATURE=LIMIT[:soft|:strict]",
+        help="e.g. api_calls=100000 gpu=60:soft credits=500:strict",
     )
     assign = client(psub, "assign", "put a tenant on a plan")
     assign.add_argument("tenant")
@@ -181,7 +181,7 @@ def _limit_parsers(sub: Any, common: Any) -> None:
     lset.add_argument("feature")
     lset.add_argument("limit", type=int)
     lset.add_argument("--soft", action="store_true", help="count past it and report (no refusal)")
-    lset.add_argument("--strict", action="store_true", help="zero-overshoot mode (not built yet)")
+    lset.add_argument("--strict", action="store_true", help="zero overshoot, fleet-wide")
     lclear = client(lsub, "clear", "remove a tenant's override (its plan's limit applies again)")
     lclear.add_argument("tenant")
     lclear.add_argument("feature")
@@ -196,20 +196,26 @@ def _limit_parsers(sub: Any, common: Any) -> None:
 
 
 def _parse_plan_limits(words: list[str]) -> dict[str, dict[str, Any]]:
-    """``FEATURE=LIMIT[:soft|:hard]`` words as a plan's features; ValueError names a bad one."""
+    """``FEATURE=LIMIT[:soft|:hard|:strict]`` words as a plan's features (``strict``: a hard
+    limit enforced strictly); ValueError names a bad one."""
     out: dict[str, dict[str, Any]] = {}
     for word in words:
         feature, eq, rest = word.partition("=")
         number, _, kind = rest.partition(":")
-        if not eq or not feature or kind not in ("", "soft", "hard"):
-            raise ValueError(f"{word!r}: expected FEATURE=LIMIT, FEATURE=LIMIT:soft or :hard")
+        if not eq or not feature or kind not in ("", "soft", "hard", "strict"):
+            raise ValueError(
+                f"{word!r}: expected FEATURE=LIMIT, FEATURE=LIMIT:soft, :hard or :strict"
+            )
         try:
             n = int(number)
         except ValueError:
             raise ValueError(f"{word!r}: LIMIT must be an integer") from None
         if feature in out:
             raise ValueError(f"{word!r}: feature {feature!r} given twice")
-        out[feature] = {"limit": n, "kind": kind or "hard"}
+        if kind == "strict":
+            out[feature] = {"limit": n, "kind": "hard", "enforcement": "strict"}
+        else:
+            out[feature] = {"limit": n, "kind": kind or "hard"}
     return out
 
 

@@ -92,6 +92,12 @@ class CounterConfig:
     #: Distinct tenants the node's live usage subscriptions may watch, every connection
     #: together (each push tick reads every watched tenant's loaded counters).
     max_watched_tenants: int = MAX_WATCHED_TENANTS
+    #: How long a node's share of a strict budget stays its own without a renewal; after it
+    #: (plus half of it for clocks) another node may take back what the share did not
+    #: promise (docs/quotas.md, ADR 0009).
+    strict_lease_ms: int = 10_000
+    #: Most units one grant of a strict budget gives a node.
+    strict_share_max: int = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,6 +385,8 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "tenant_hierarchy": ("counters", "tenant_hierarchy", _bool),
     "plans_file": ("counters", "plans_file", _path),
     "max_watched_tenants": ("counters", "max_watched_tenants", _int(1, 1_000_000)),
+    "strict_lease_ms": ("counters", "strict_lease_ms", _int(300, 3_600_000)),
+    "strict_share_max": ("counters", "strict_share_max", _int(1, 10**15)),
     "flush_interval_ms": ("flush", "interval_ms", _int(1, 3_600_000)),
     "flush_batch_keys": ("flush", "batch_keys", _int(1, 1_000_000)),
     "flush_max_backoff_ms": ("flush", "max_backoff_ms", _int(1, 3_600_000)),

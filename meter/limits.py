@@ -43,7 +43,7 @@ SCOPES = (PLAN, ASSIGN, OVERRIDE)
 Record = tuple[str, str, str, str]
 """``(scope, name, feature, body)``."""
 
-STRICT_NOT_YET = "strict enforcement is not available yet; use fast"
+SOFT_STRICT = "a soft limit never refuses, so it cannot be strict; strict limits are hard"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +126,8 @@ def parse_limit(spec: object, what: str = "limit") -> Limit:
         raise InvalidArgument(
             f"{what}: enforcement must be fast or strict, got {str(enforcement)[:32]!r}"
         )
-    if enforcement == "strict":
-        raise InvalidArgument(f"{what}: {STRICT_NOT_YET}")
+    if enforcement == "strict" and kind == "soft":
+        raise InvalidArgument(f"{what}: {SOFT_STRICT}")
     return Limit(n, kind, enforcement)
 
 

@@ -133,6 +133,8 @@ READ_AHEAD_PASSES = 4
 
 #: Earlier owner tokens a data dir keeps (starts whose claim never succeeded).
 MAX_EARLIER_TOKENS = 8
+#: Longest a clean stop waits to give back strict shares (ADR 0009).
+STRICT_DRAIN_S = 5.0
 
 
 class DataDir:
@@ -344,6 +346,10 @@ class Node:
                 ids=RequestIds(d.idempotency_window_s, d.idempotency_max_ids),
                 limits_poll_s=cfg.counters.limits_poll_ms / 1000,
             )
+            if self.gossip is not None:
+                gossip = self.gossip
+                # Grants of strict budgets are sized to the nodes sharing them (ADR 0009).
+                self.service.shares.nodes = lambda: 1 + len(gossip.peers.live())
             await self._load_limits()
             self._owner_state(self.owner.state, settled=True)  # nothing read yet
             warm: list[Key] = []
@@ -387,6 +393,7 @@ class Node:
             asyncio.create_task(self.owner.run(), name="owner"),
             asyncio.create_task(self._watch_loop(), name="usage-push"),
             asyncio.create_task(self.service.limits.run(), name="limits"),
+            asyncio.create_task(self._escrow_loop(), name="strict-shares"),
         ]
         if warm:
             # Right after the socket opens: requests arriving meanwhile are read first.
@@ -456,6 +463,14 @@ class Node:
                 log.warning("plans file %s not applied (storage unreachable): restart to apply",
                             plans_file)  # fmt: skip
 
+    async def _escrow_loop(self) -> None:
+        """Renew this node's strict shares and give back idle ones (ADR 0009)."""
+        assert self.service is not None
+        shares = self.service.shares
+        while True:
+            await asyncio.sleep(shares.lease_ms / 3000)
+            await shares.step()
+
     async def _holds_loop(self) -> None:
         """Gossip this node's reservation holds each tick they changed, and every heartbeat
         while it holds any (or held any lately: a lost frame must not leave peers with holds
@@ -517,6 +532,12 @@ class Node:
         self._tasks = []
         if self.service is not None:
             await self.service.seeder.close()  # reads ahead nobody waits for any more
+            # Nothing is admitted any more: what this node's strict shares hold and it did
+            # not admit goes back to the budgets (a crash would leave it until its lease ends).
+            try:
+                await asyncio.wait_for(self.service.shares.drain(), STRICT_DRAIN_S)
+            except TimeoutError:
+                log.warning("drain: strict shares not all given back within %s s", STRICT_DRAIN_S)
         self.drained = await self.flusher.drain(self.config.flush.drain_timeout_s)
         if not self.drained:
             left, units = self.flusher.backlog()

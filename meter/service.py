@@ -6,6 +6,7 @@ only when a cold key must first be seeded from storage. See docs/protocol.md for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
@@ -22,6 +23,8 @@ from meter.errors import (
     Unavailable,
     UnknownMethod,
 )
+from meter.escrow import NoBudget
+from meter.escrow_sync import Shares
 from meter.holds import MAX_HOLD_BYTES, MAX_HOLD_KEYS, HoldItem, PeerHolds, local_holds
 from meter.idempotency import RequestIds, check_id, fingerprint
 from meter.keys import (
@@ -54,6 +57,9 @@ log = logging.getLogger("meter.service")
 MAX_BATCH_ITEMS = 10_000
 #: Most levels of a tenant name with the tenant hierarchy on (``a/b/c/d``).
 MAX_LEVELS = 4
+#: Writes a call waits for when strict shares keep running out under it (other calls take
+#: the room each write makes) before it answers ``unavailable``.
+MAX_ROOM_TRIES = 8
 
 #: Most (tenant, feature) pairs whose current key is cached; the cache starts over when full.
 #: (65,536 made track_many leave its fast path past that many active pairs: 2.5x per item.)
@@ -154,6 +160,16 @@ class Service:
         #: Calls refused by a hard limit, and soft limits crossed, since start.
         self.limit_refusals = 0
         self.soft_crossings = 0
+        #: This node's shares of strict budgets (ADR 0009): strict limits admit from these.
+        self.shares = Shares(
+            storage,
+            table.node,
+            lease_ms=self.config.strict_lease_ms,
+            share_max=self.config.strict_share_max,
+        )
+        #: Reservations whose units were admitted from a strict share (given back when they
+        #: are released, expire or are committed for less).
+        self._escrowed: set[str] = set()
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
             **LimitMethods(self.limits).handlers(),
             "check": self._check,
@@ -413,6 +429,10 @@ class Service:
         would take its view past a hard limit. Units taken away are never refused."""
         if eff is None or qty <= 0 or eff.kind != "hard":
             return
+        if eff.enforcement == "strict":
+            if not self.shares.ready(key, qty, eff.limit):
+                raise _Short(key, qty, eff)
+            return
         value = self.table.value(key)
         if value is None:
             raise Unavailable(
@@ -435,7 +455,11 @@ class Service:
             return {"allowed": True, "value": value, "limit": None, "remaining": None,
                     "kind": None, "source": None, "over": False, "tenant": key[0]}  # fmt: skip
         elsewhere = self.peer_holds.total.get(key, 0) if self.peer_holds.total else 0
-        over = value is not None and value + elsewhere + qty > eff.limit
+        if eff.enforcement == "strict" and eff.kind == "hard":
+            # Strict: this node's share decides (checked before the answer, see _check).
+            over = qty > 0 and not self.shares.ready(key, qty, eff.limit)
+        else:
+            over = value is not None and value + elsewhere + qty > eff.limit
         allowed = not over or qty <= 0 or eff.kind == "soft"
         if value is None and eff.kind == "hard" and qty > 0:
             allowed = False  # the total is unknown: a track would be refused
@@ -483,7 +507,10 @@ class Service:
     def _track_checked(self, key: Key, qty: int, idem: tuple[str, int] | None, detail: bool) -> Any:
         keys = self._levels(key)
         if all(self.table.is_seeded(k) for k in keys):
-            return self._count_checked(keys, qty, idem, detail)
+            try:
+                return self._count_checked(keys, qty, idem, detail)
+            except _Short:
+                pass  # a strict share needs more room: one storage write, below
         return self._track_checked_cold(keys, qty, idem, detail)
 
     async def _track_checked_cold(
@@ -492,12 +519,17 @@ class Service:
         # Every level is seeded before any is checked: a level's limit is checked against
         # its stored total, not against what this node happens to hold.
         await self.seeder.seed_many(keys)
-        if idem is not None:
-            entry = self.ids.lookup(idem[0], idem[1], time.time())
-            if entry is not None:
-                return self._detail(keys[0], entry[1], 0) if detail else entry[1]
-        self._check_log()
-        return self._count_checked(keys, qty, idem, detail)
+        for _ in range(MAX_ROOM_TRIES):
+            if idem is not None:
+                entry = self.ids.lookup(idem[0], idem[1], time.time())
+                if entry is not None:
+                    return self._detail(keys[0], entry[1], 0) if detail else entry[1]
+            self._check_log()
+            try:
+                return self._count_checked(keys, qty, idem, detail)
+            except _Short as short:
+                await self._make_room(short)
+        raise Unavailable(f"{keys[0][0]}/{keys[0][1]}: the strict share kept running out; retry")
 
     def _count_checked(
         self, keys: list[Key], qty: int, idem: tuple[str, int] | None, detail: bool
@@ -533,7 +565,9 @@ class Service:
                 self.table.incr(k, -qty, check=False)
             raise
         for k, eff, v in zip(keys, effs, values, strict=True):
-            if _soft_crossing(eff, v, qty):
+            if eff is not None and eff.enforcement == "strict" and qty > 0 and eff.kind == "hard":
+                self.shares.admit(k, qty)
+            elif _soft_crossing(eff, v, qty):
                 self._crossed(k, eff, v)
         return values, [[*k, qty] for k in keys[1:]]
 
@@ -549,7 +583,7 @@ class Service:
         key = self.key_for(tenant, feature, None if at is None else check_at(at))
         qty = check_qty(qty)
         keys = self._levels(key)
-        if all(self.table.is_seeded(k) for k in keys):
+        if all(self.table.is_seeded(k) for k in keys) and not self._strict_short(keys, qty):
             return self._check_levels(keys, qty)
         return self._check_cold(keys, qty)
 
@@ -557,7 +591,52 @@ class Service:
         await self.seeder.seed_many(keys)
         if not all(self.table.is_seeded(k) for k in keys):
             raise Unavailable("storage is unreachable and this counter's total is not known")
+        for short in self._strict_short(keys, qty):
+            # Would a track be admitted? Only a share with room says yes: take one.
+            with contextlib.suppress(LimitExceeded):
+                await self._make_room(short)
         return self._check_levels(keys, qty)
+
+    def _strict_short(self, keys: list[Key], qty: int) -> list[_Short]:
+        """The strict levels of ``keys`` whose share has no room for ``qty`` now."""
+        limited = self._limited
+        if not limited or qty <= 0:
+            return []
+        out = []
+        for k in keys:
+            eff = limited.get((k[0], k[1]))
+            if (
+                eff is not None
+                and eff.enforcement == "strict"
+                and eff.kind == "hard"
+                and not self.shares.ready(k, qty, eff.limit)
+            ):
+                out.append(_Short(k, qty, eff))
+        return out
+
+    async def _make_room(self, short: _Short) -> None:
+        """One write (or a few, under contention) giving this node's share room for the
+        units ``short`` asked for; ``limit_exceeded`` if the strict budget cannot cover them."""
+        key, eff = short.key, short.eff
+        value = self.table.value(key)
+        if value is None:
+            raise Unavailable(
+                f"{key[0]}/{key[1]}: the stored total is unknown (storage unreachable), so its "
+                "strict limit cannot be checked; nothing counted"
+            )
+        try:
+            await self.shares.ensure(key, short.qty, eff.limit, max(0, value))
+        except NoBudget as exc:
+            self.limit_refusals += 1
+            raise LimitExceeded(
+                f"{key[0]}/{key[1]}: {short.qty} more would pass the strict limit {eff.limit} "
+                f"({eff.source}): {exc}; nothing counted"
+            ) from None
+        except StorageError as exc:
+            raise Unavailable(
+                f"{key[0]}/{key[1]}: the strict budget cannot be read or written ({exc}); "
+                "nothing counted"
+            ) from None
 
     def _check_levels(self, keys: list[Key], qty: int) -> dict[str, Any]:
         """The leaf's map, or (with the hierarchy) that of the first level that would refuse."""
@@ -729,14 +808,47 @@ class Service:
         """A batch with items under a limit: each item checked and counted in turn (an item
         over a hard limit fails alone, counting nothing), once every key is seeded."""
         keys = [level for k, _ in batch.good for level in self._levels_or_leaf(k)]
-        if all(self.table.is_seeded(k) for k in keys):
+        if all(self.table.is_seeded(k) for k in keys) and not self._batch_short(batch):
             return self._count_gated(batch)
         return self._track_many_limited_cold(batch, keys)
 
     async def _track_many_limited_cold(self, batch: _Batch, keys: list[Key]) -> Any:
         await self.seeder.seed_many(keys)
+        for _ in range(3):  # strict shares: room for every item first (others may take it)
+            shorts = self._batch_short(batch)
+            if not shorts:
+                break
+            for short, smallest in shorts:
+                try:
+                    await self._make_room(short)
+                except LimitExceeded:  # not all of them: room for the smallest item at least
+                    with contextlib.suppress(MeterError):
+                        await self._make_room(_Short(short.key, smallest, short.eff))
+                except MeterError:
+                    break  # storage: the items that find no room are refused
         self._answer_repeated_ids(batch)
         return self._count_gated(batch)
+
+    def _batch_short(self, batch: _Batch) -> list[tuple[_Short, int]]:
+        """Per strict level whose share cannot take every item of ``batch`` on it: what it
+        needs (the items' sum) and the smallest item."""
+        if not self._limited:
+            return []
+        sums: dict[Key, list[int]] = {}
+        for key, qty in batch.good:
+            if qty > 0:
+                for k in self._levels_or_leaf(key):
+                    acc = sums.get(k)
+                    if acc is None:
+                        sums[k] = [qty, qty]
+                    else:
+                        acc[0] += qty
+                        acc[1] = min(acc[1], qty)
+        out = []
+        for k, (total, smallest) in sums.items():
+            for short in self._strict_short([k], total):
+                out.append((short, smallest))
+        return out
 
     def _count_gated(self, batch: _Batch) -> list[Any]:
         values: list[Any] = []
@@ -750,6 +862,15 @@ class Service:
                 counted, items = self._count_levels(self._levels(key), qty)
             except MeterError as exc:  # over a hard limit, past the 64-bit range, too deep
                 values.append(exc)
+                continue
+            except _Short as short:  # its strict share had no room left for this item
+                self.limit_refusals += 1
+                values.append(
+                    LimitExceeded(
+                        f"{short.key[0]}/{short.key[1]}: {qty} more would pass the strict limit "
+                        f"{short.eff.limit} ({short.eff.source}); nothing counted"
+                    )
+                )
                 continue
             values.append(counted[0])
             above += items
@@ -912,25 +1033,37 @@ class Service:
                 return entry[1]
         self._check_log()
         if self.table.is_seeded(key):
-            return self._reserve_now(key, qty, limit, ttl_ms, idem)
+            try:
+                return self._reserve_now(key, qty, limit, ttl_ms, idem)
+            except _Short:
+                pass  # the strict share needs room first: _reserve_cold makes it
         return self._reserve_cold(key, qty, limit, ttl_ms, idem)
 
     async def _reserve_cold(
         self, key: Key, qty: int, limit: int | None, ttl_ms: int, idem: tuple[str, int] | None
     ) -> str:
         await self.seed(key)
-        if idem is not None:
-            entry = self.ids.lookup(idem[0], idem[1], time.time())
-            if entry is not None:
-                return cast(str, entry[1])
-        self._check_log()
-        return self._reserve_now(key, qty, limit, ttl_ms, idem)
+        for _ in range(MAX_ROOM_TRIES):
+            if idem is not None:
+                entry = self.ids.lookup(idem[0], idem[1], time.time())
+                if entry is not None:
+                    return cast(str, entry[1])
+            self._check_log()
+            try:
+                return self._reserve_now(key, qty, limit, ttl_ms, idem)
+            except _Short as short:
+                await self._make_room(short)
+        raise Unavailable(f"{key[0]}/{key[1]}: the strict share kept running out; retry")
 
     def _reserve_now(
         self, key: Key, qty: int, limit: int | None, ttl_ms: int, idem: tuple[str, int] | None
     ) -> str:
         eff = self._limited.get((key[0], key[1])) if self._limited else None
-        if eff is not None and eff.kind == "hard":
+        strict = eff is not None and eff.kind == "hard" and eff.enforcement == "strict"
+        if strict:
+            assert eff is not None
+            self._gate(key, qty, eff)  # raises _Short without room in this node's share
+        elif eff is not None and eff.kind == "hard":
             # The tighter of the call's own limit and the tenant's hard limit applies.
             limit = eff.limit if limit is None else min(limit, eff.limit)
         elsewhere = self.peer_holds.total.get(key, 0) if self.peer_holds.total else 0
@@ -952,6 +1085,9 @@ class Service:
             self.limit_refusals += 1
             raise
         lease = self.reservations.open(key, qty, time.monotonic() + ttl_ms / 1000)
+        if strict and qty > 0:
+            self.shares.admit(key, qty)
+            self._escrowed.add(lease.id)
         now = time.time()
         rid = fp = expires = None
         if idem is not None:
@@ -984,9 +1120,13 @@ class Service:
         if actual is None:
             actual = lease.qty
         if actual > lease.qty:
-            self._gate_commit(lease, actual)
+            try:
+                self._gate_commit(lease, actual)
+            except _Short as short:
+                return self._commit_after_room(short, params)
         # First the table, which may refuse (past the 64-bit range) with nothing changed.
         value = self.table.commit(lease.key, lease.qty, actual)
+        self._settle_escrow(lease, actual)
         if actual > lease.qty and self._limited:  # the extra units may cross a soft limit
             key = lease.key
             eff = self._limited.get((key[0], key[1]))
@@ -1002,6 +1142,31 @@ class Service:
                  value, done_exp, rid, fp, expires]
             )  # fmt: skip
         return value
+
+    async def _commit_after_room(self, short: _Short, params: list[Any]) -> Any:
+        """A commit above its reservation whose extra units need room in the strict share
+        first: make it, then commit as if called now (the reservation may have ended)."""
+        for _ in range(MAX_ROOM_TRIES):
+            await self._make_room(short)
+            answer = self._commit(params)
+            if not isinstance(answer, Awaitable):
+                return answer
+            answer.close()  # type: ignore[attr-defined]  # the share ran out again
+        raise Unavailable("commit: the strict share kept running out; retry")
+
+    def _settle_escrow(self, lease: Lease, actual: int | None) -> None:
+        """Move a finished reservation's units in this node's strict share: units not used
+        go back to it (``actual`` None: released or expired), extra units were admitted by
+        :meth:`_gate_commit`."""
+        key = lease.key
+        if lease.id in self._escrowed:
+            self._escrowed.discard(lease.id)
+            if actual is None or actual < lease.qty:
+                self.shares.free(key, lease.qty - (actual or 0))
+        if actual is not None and actual > lease.qty and self._limited:
+            eff = self._limited.get((key[0], key[1]))
+            if eff is not None and eff.kind == "hard" and eff.enforcement == "strict":
+                self.shares.admit(key, actual - lease.qty)
 
     def _gate_commit(self, lease: Lease, actual: int) -> None:
         """Refuse a commit above its reservation whose extra units would pass a hard limit;
@@ -1035,6 +1200,7 @@ class Service:
         self._check_log()
         self.reservations.close(lease_id)
         self.table.release(lease.key, lease.qty)
+        self._settle_escrow(lease, None)
         done_exp = self.done.remember(lease_id, RELEASED, None, now)
         rid, fp, expires = self._remember_finish(idem, None, now)
         if self.wal is not None:
@@ -1084,6 +1250,7 @@ class Service:
         leases = self.reservations.expire(time.monotonic() if now is None else now)
         for lease in leases:
             self.table.release(lease.key, lease.qty)
+            self._settle_escrow(lease, None)
         return len(leases)
 
     # -- the write-ahead log ----------------------------------------------------------------
@@ -1102,11 +1269,16 @@ class Service:
                 if self.reservations.get(lease_id) is not None:
                     self.reservations.close(lease_id)
                     self.table.release((t, f, p), qty)
+                    self._escrowed.discard(lease_id)  # its share's units stay spoken for
                 if rec[7] is not None:
                     self.ids.forget(rec[7])
             elif kind == R.COMMIT or kind == R.RELEASE:
                 lease_id, t, f, p, qty, deadline = rec[1:7]
                 key = (t, f, p)
+                # Units a strict share got back are spoken for again (never fewer than used).
+                back = qty if kind == R.RELEASE else max(0, qty - (rec[7] or 0))
+                if self.shares.readmit(key, back):
+                    self._escrowed.add(lease_id)
                 if kind == R.COMMIT and rec[7]:
                     self.table.incr(key, -rec[7], check=False)
                 self.table.reserve(key, qty, None, check=False)
@@ -1293,6 +1465,7 @@ class Service:
             "limits": {
                 **self.limits.status(),
                 "refused": self.limit_refusals,
+                "strict": self.shares.status(),
                 "soft_crossings": self.soft_crossings,
             },
             "seeding": self.seeder.status(),
@@ -1384,6 +1557,17 @@ class _Batch:
         self.out.append(None)
         self.dups.append((i, n))
         return True
+
+
+class _Short(Exception):
+    """Internal: ``key``'s strict share has no room for ``qty`` units now (nothing counted);
+    the call waits for :meth:`Service._make_room` and tries again."""
+
+    def __init__(self, key: Key, qty: int, eff: Effective) -> None:
+        super().__init__(key, qty)
+        self.key = key
+        self.qty = qty
+        self.eff = eff
 
 
 class _Answer:

@@ -303,3 +303,19 @@ class Storage(abc.ABC):
         """Put (``body``) or delete (``None``) one record and bump the version, atomically;
         return the new version."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep limits")
+
+    # -- strict budgets (escrow, ADR 0009) ---------------------------------------------------
+    # One record per counter under a strict limit (``meter.escrow`` encodes it), replaced
+    # whole by compare-and-swap on its version, so every decision stays in one pure module.
+
+    async def budget_read(self, key: Key) -> tuple[int, str | None]:
+        """The budget record of ``key`` and its version; ``(0, None)`` if there is none. A
+        consistent read."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep budgets")
+
+    async def budget_swap(self, key: Key, version: int, body: str) -> bool:
+        """Store ``body`` as version ``version + 1`` if the stored version is ``version`` (0:
+        none stored); ``False`` if it is not. A write whose answer was lost may have landed:
+        after ``False`` or :class:`StorageUnavailable` the caller reads the record again to
+        tell (its body names the write)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep budgets")

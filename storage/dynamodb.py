@@ -133,6 +133,10 @@ OWNER_PK = "#meter"
 #: version is the item ``sk = "limits-version"`` with ``v`` (N).
 _LIMIT_SK = "lim#"
 _LIMITS_VERSION_KEY: dict[str, Any] = {"pk": {"S": OWNER_PK}, "sk": {"S": "limits-version"}}
+#: The budget of a counter under a strict limit (ADR 0009) is the item ``pk = tenant,
+#: sk = "#b#<period>#<feature>"`` (never a counter's ``<period>#...``, so queries and exports of
+#: counters skip it) with ``v`` (N, its version), ``b`` (S, the record) and ``ttl``.
+_BUDGET_SK = "#b#"
 _CLAIM_CONDITION = "attribute_not_exists(#tok) OR #exp <= :now OR #tok IN ({})"
 
 # The TTL is set on every write: it only grows (later of period end and now), so a counter
@@ -645,6 +649,45 @@ class DynamoDBStorage(Storage):
             await asyncio.sleep(self._backoff(attempt))
         raise StorageUnavailable("dynamodb: limits change: the version kept changing; retry")
 
+    # -- strict budgets (ADR 0009) -----------------------------------------------------------
+
+    async def budget_read(self, key: Key) -> tuple[int, str | None]:
+        """A consistent ``GetItem`` of the counter's budget item."""
+        resp = await self._call(
+            "get_item",
+            "budget read",
+            TableName=self.table,
+            Key=_budget_key(key),
+            ConsistentRead=True,
+        )
+        item = resp.get("Item")
+        if item is None:
+            return 0, None
+        try:
+            return _number(item["v"]), item["b"]["S"]
+        except (KeyError, TypeError) as exc:
+            raise StoragePermanentError(f"dynamodb: undecodable budget item {key!r}") from exc
+
+    async def budget_swap(self, key: Key, version: int, body: str) -> bool:
+        """One ``PutItem`` on the condition that the stored version is ``version``."""
+        item = {
+            **_budget_key(key),
+            "v": {"N": str(version + 1)},
+            "b": {"S": body},
+            "ttl": {"N": str(_ttl(key[2], self.retention_days))},
+        }
+        params: dict[str, Any] = {"TableName": self.table, "Item": item}
+        if version == 0:
+            params["ConditionExpression"] = "attribute_not_exists(v)"
+        else:
+            params["ConditionExpression"] = "v = :v"
+            params["ExpressionAttributeValues"] = {":v": {"N": str(version)}}
+        try:
+            await self._call("put_item", "budget write", **params)
+        except _ConditionFailed:
+            return False
+        return True
+
     # -- node id owners (ADR 0004) ---------------------------------------------------------
 
     async def claim_owner(
@@ -845,6 +888,10 @@ def _period_ok(period: str) -> bool:
     except ValueError:
         pass
     return False
+
+
+def _budget_key(key: Key) -> dict[str, Any]:
+    return {"pk": {"S": key[0]}, "sk": {"S": f"{_BUDGET_SK}{key[2]}#{key[1]}"}}
 
 
 def _ttl(period: str, retention_days: int) -> int:

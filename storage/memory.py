@@ -45,6 +45,11 @@ class MemoryStorage(Storage):
         #: Limits records (scope, name, feature) -> body, and their version.
         self._limits: dict[tuple[str, str, str], str] = {}
         self._limits_version = 0
+        #: Budget records (escrow) by counter: (version, body).
+        self.budgets: dict[Key, tuple[int, str]] = {}
+        #: Budget swaps to fail before writing, and to write and then fail (answer lost).
+        self.budget_fail_next = 0
+        self.budget_lose_next = 0
 
     async def apply(self, node: str, deltas: Sequence[Delta]) -> dict[Key, Applied | StorageError]:
         if self.fail_next > 0:
@@ -129,3 +134,22 @@ class MemoryStorage(Storage):
             self._limits[(scope, name, feature)] = body
         self._limits_version += 1
         return self._limits_version
+
+    # -- strict budgets ------------------------------------------------------------------------
+
+    async def budget_read(self, key: Key) -> tuple[int, str | None]:
+        held = self.budgets.get(key)
+        return (0, None) if held is None else held
+
+    async def budget_swap(self, key: Key, version: int, body: str) -> bool:
+        if self.budget_fail_next > 0:
+            self.budget_fail_next -= 1
+            raise StorageUnavailable("injected failure before the budget write")
+        held = self.budgets.get(key)
+        if (0 if held is None else held[0]) != version:
+            return False
+        self.budgets[key] = (version + 1, body)
+        if self.budget_lose_next > 0:
+            self.budget_lose_next -= 1
+            raise StorageUnavailable("injected loss of the answer after the budget write")
+        return True

@@ -120,6 +120,19 @@ CREATE TABLE IF NOT EXISTS limits_version (
 )
 """
 
+#: Strict budgets (escrow, ADR 0009): one record per counter, replaced by version. Additive.
+_BUDGETS = """
+CREATE TABLE IF NOT EXISTS budgets (
+    tenant     TEXT    NOT NULL,
+    feature    TEXT    NOT NULL,
+    period     TEXT    NOT NULL,
+    version    INTEGER NOT NULL,
+    body       TEXT    NOT NULL,
+    expires_at INTEGER NOT NULL,
+    PRIMARY KEY (tenant, feature, period)
+) WITHOUT ROWID
+"""
+
 _MONTH_RE = re.compile(r"\d{4}-\d{2}")
 _DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
@@ -422,6 +435,65 @@ class SQLiteStorage(Storage):
 
         return await self._run(write)
 
+    # -- strict budgets (ADR 0009) -----------------------------------------------------------
+
+    async def budget_read(self, key: Key) -> tuple[int, str | None]:
+        """The record and its version, from the committed state (the writer's connection, so
+        a read after a swap sees it)."""
+
+        def read() -> tuple[int, str | None]:
+            try:
+                row = (
+                    self._connection()
+                    .execute(
+                        "SELECT version, body FROM budgets "
+                        "WHERE tenant = ? AND feature = ? AND period = ?",
+                        key,
+                    )
+                    .fetchone()
+                )
+            except sqlite3.Error as exc:
+                raise _map(exc, f"reading a budget from {self.path}") from exc
+            return (0, None) if row is None else (int(row[0]), str(row[1]))
+
+        return await self._run(read)
+
+    async def budget_swap(self, key: Key, version: int, body: str) -> bool:
+        """One transaction: compare the version, write the next."""
+        expires = self._expires_at(key[2])
+
+        def swap() -> bool:
+            conn = self._connection()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    row = conn.execute(
+                        "SELECT version FROM budgets"
+                        " WHERE tenant = ? AND feature = ? AND period = ?",
+                        key,
+                    ).fetchone()
+                    done = (0 if row is None else int(row[0])) == version
+                    if done:
+                        conn.execute(
+                            "INSERT INTO budgets"
+                            " (tenant, feature, period, version, body, expires_at)"
+                            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, feature, period)"
+                            " DO UPDATE SET version = excluded.version, body = excluded.body,"
+                            " expires_at = excluded.expires_at",
+                            (*key, version + 1, body, expires),
+                        )
+                    conn.execute("COMMIT")
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        if conn.in_transaction:
+                            conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise _map(exc, f"writing a budget to {self.path}") from exc
+            return done
+
+        return await self._run(swap)
+
     @staticmethod
     def _limits_version_sync(conn: sqlite3.Connection) -> int:
         try:
@@ -483,6 +555,7 @@ class SQLiteStorage(Storage):
             conn.execute(_OWNERS)
             conn.execute(_LIMITS)
             conn.execute(_LIMITS_VERSION)
+            conn.execute(_BUDGETS)
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
@@ -693,6 +766,8 @@ class SQLiteStorage(Storage):
                     " SELECT tenant, period, feature FROM counters WHERE expires_at < ? LIMIT ?)",
                     (cutoff, limit),
                 )
+                # Budgets of long-gone periods go too (few: one per strict counter).
+                conn.execute("DELETE FROM budgets WHERE expires_at < ?", (cutoff,))
                 return cur.rowcount
         except sqlite3.Error as exc:
             raise _map(exc, f"purging expired counters in {self.path}") from exc

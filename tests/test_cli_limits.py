@@ -94,7 +94,8 @@ async def test_plans_and_limits_from_the_shell(
         (["plan", "set", "pro", "api=1", "api=2"], 2, "given twice"),
         (["plan", "set", "pro", "api=-1"], 1, "invalid_argument"),
         (["plan", "assign", "acme", "nope"], 1, "not_found"),
-        (["limit", "set", "acme", "api", "10", "--strict"], 1, "not available yet"),
+        (["limit", "set", "acme", "api", "10", "--strict", "--soft"], 1, "cannot be strict"),
+        (["plan", "set", "pro", "api=1:lax"], 2, "expected FEATURE=LIMIT"),
         (["limit", "set", "bad tenant", "api", "10"], 1, "invalid_argument"),
     ],
 )

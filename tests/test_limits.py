@@ -27,7 +27,7 @@ from meter.errors import (
     Unavailable,
 )
 from meter.limits import (
-    STRICT_NOT_YET,
+    SOFT_STRICT,
     Effective,
     LimitBook,
     assign_record,
@@ -136,7 +136,7 @@ def test_undecodable_records_are_skipped_and_listed() -> None:
         ({"limit": 2**63}, "must be 0.."),
         ({"limit": 1, "kind": "medium"}, "kind must be hard or soft"),
         ({"limit": 1, "enforcement": "eventual"}, "enforcement must be fast or strict"),
-        ({"limit": 1, "enforcement": "strict"}, STRICT_NOT_YET),
+        ({"limit": 1, "kind": "soft", "enforcement": "strict"}, SOFT_STRICT),
         ({"limit": 1, "colour": "red"}, "unknown field 'colour'"),
     ],
 )
@@ -215,9 +215,9 @@ async def test_plans_assignments_and_overrides_round_trip(client: AsyncClient) -
         ("set_plan", ["pro", {"api": {"limit": 1, "kind": "x"}}], "invalid_argument", "kind"),
         (
             "set_plan",
-            ["pro", {"api": {"limit": 1, "enforcement": "strict"}}],
+            ["pro", {"api": {"limit": 1, "kind": "soft", "enforcement": "strict"}}],
             "invalid_argument",
-            STRICT_NOT_YET,
+            SOFT_STRICT,
         ),
         (
             "set_plan",
@@ -236,9 +236,9 @@ async def test_plans_assignments_and_overrides_round_trip(client: AsyncClient) -
         ("set_limit", ["acme", "api", {"limit": 1.5}], "invalid_argument", "must be an integer"),
         (
             "set_limit",
-            ["acme", "api", {"limit": 1, "enforcement": "strict"}],
+            ["acme", "api", {"limit": 1, "kind": "soft", "enforcement": "strict"}],
             "invalid_argument",
-            STRICT_NOT_YET,
+            SOFT_STRICT,
         ),
         ("clear_limit", ["acme"], "invalid_argument", "takes 2 params"),
         ("clear_limit", ["acme", ""], "invalid_argument", "feature must not be empty"),
@@ -467,7 +467,7 @@ async def test_a_plans_file_is_written_at_start_and_unchanged_plans_bump_nothing
     [
         ("[plans.pro]\napi = -1\n", "plan 'pro': feature 'api': limit must be 0.."),
         ("[plans.pro]\napi = 'lots'\n", "must be a map"),
-        ("[plans.pro]\napi = { limit = 5, enforcement = 'strict' }\n", STRICT_NOT_YET),
+        ("[plans.pro]\napi = { limit = 5, kind = 'soft', enforcement = 'strict' }\n", "cannot be"),
         ('[plans."a b"]\napi = 1\n', "characters outside"),
         ("[other]\nx = 1\n", "unknown key 'other'"),
         ("plans = 5\n", "plans must be tables"),

@@ -436,3 +436,23 @@ async def test_export_refuses_bad_cursors_periods_and_limits(storage: Storage) -
             await storage.export_page("2026-11", None, limit)  # type: ignore[arg-type]
     # The good cursor still works after all that.
     assert len(await _export_all(storage, "2026-11", 2)) == 5
+
+
+# -- strict budgets (ADR 0009) -----------------------------------------------------------------
+
+
+async def test_budget_swap_compares_versions(storage: Storage) -> None:
+    key = ("acme", "api", "2026-11")
+    assert await storage.budget_read(key) == (0, None)
+    assert not await storage.budget_swap(key, 1, "x")  # nothing is stored at version 1
+    assert await storage.budget_swap(key, 0, '{"a":1}')
+    assert await storage.budget_read(key) == (1, '{"a":1}')
+    assert not await storage.budget_swap(key, 0, "late")  # a second creation loses
+    assert await storage.budget_swap(key, 1, '{"a":2}')
+    assert not await storage.budget_swap(key, 1, "stale")
+    assert await storage.budget_read(key) == (2, '{"a":2}')
+    # Budgets are per counter, and never show as counters.
+    other = ("acme", "api", "2026-12")
+    assert await storage.budget_read(other) == (0, None)
+    assert await storage.list_period("acme", "2026-11") == {}
+    assert (await storage.export_page("2026-11", None, 10)).rows == []

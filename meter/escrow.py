@@ -1,0 +1,221 @@
+"""Strict limits by escrow: the budget record of a counter and one node's share of it. Pure.
+
+A strict limit ``L`` on a counter (one ``(tenant, feature, period)``) is split between the
+nodes that admit on it (ADR 0009). Storage keeps one **budget record** per counter: ``base``
+(units counted before the budget existed) and, per node, a **share**:
+
+- ``g``: units granted to the node and not given back (what it used is in here too);
+- ``c``: the node's **cap**: it promised never to admit more than ``c`` on this counter
+  (``c <= g``), so a share can be taken back up to ``g - c`` without knowing what was used;
+- ``e``: the share's epoch, bumped when a share is closed without its node (taken back after
+  its lease ended, or closed by the node's next process);
+- ``t``: the end of the share's lease (ms), renewed by its node while ``g > c``;
+- ``op``: the id of the node's last write, so a write whose answer was lost is recognised.
+
+Invariants (docs/correctness.md S01-S03, tests/test_escrow_properties.py):
+
+1. ``base + sum(g) <= L`` after every grant (a grant is only written if it fits);
+2. every node's admitted units on the counter stay ``<= c <= g`` of its share;
+3. so the units admitted by all nodes, plus ``base``, never pass ``L``, whatever the
+   interleaving of grants, cap raises, give-backs, take-backs, crashes and lost answers.
+
+Storage only compares and swaps whole records by version; every decision is made here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """One node's share of a budget (see the module doc)."""
+
+    g: int = 0
+    c: int = 0
+    e: int = 0
+    t: int = 0
+    op: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """The budget record of one counter."""
+
+    base: int = 0
+    shares: dict[str, Share] = field(default_factory=dict)
+
+    @property
+    def granted(self) -> int:
+        """Units spoken for: ``base`` plus every share's grant."""
+        return self.base + sum(s.g for s in self.shares.values())
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "base": self.base,
+                "shares": {n: [s.g, s.c, s.e, s.t, s.op] for n, s in sorted(self.shares.items())},
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, body: str) -> Budget:
+        """A stored record; ``ValueError`` if it is not one."""
+        raw: Any = json.loads(body)
+        if not isinstance(raw, dict):
+            raise ValueError("budget record is not a map")
+        base = raw.get("base")
+        shares = raw.get("shares")
+        if not isinstance(base, int) or not _count(base) or not isinstance(shares, dict):
+            raise ValueError("budget record has no base or shares")
+        out: dict[str, Share] = {}
+        for node, s in shares.items():
+            if not (
+                isinstance(s, list)
+                and len(s) == 5
+                and all(_count(x) for x in s[:4])
+                and isinstance(s[4], str)
+                and s[1] <= s[0]
+            ):
+                raise ValueError(f"budget record: bad share of {str(node)[:64]!r}")
+            out[str(node)] = Share(*s)
+        return cls(base, out)
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+@dataclass(slots=True)
+class Local:
+    """What one node knows of its own share of one counter.
+
+    ``a`` is what it has admitted under the share, counted from the same origin as ``g`` and
+    ``c`` (units it admitted under earlier epochs are in ``g``/``c`` as spent), so the node may
+    admit ``q`` more units while ``a + q <= c``."""
+
+    e: int
+    g: int
+    c: int
+    a: int
+    limit: int
+    #: Monotonic time of the last admission (idle shares are given back).
+    used_at: float = 0.0
+    #: Room below which the node asks for more in the background.
+    low: int = 0
+
+    @property
+    def room(self) -> int:
+        return self.c - self.a
+
+
+class NoBudget(Exception):
+    """The budget cannot cover the units asked for (the strict limit is reached)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A write to make: the new record, and the node's share as it will be once written."""
+
+    budget: Budget
+    local: Local
+
+
+def adopt(node: str, budget: Budget | None, local: Local | None, limit: int) -> Local:
+    """This node's :class:`Local` as of ``budget`` (stored).
+
+    Without a local share (a new process, or a share forgotten after it was given back),
+    everything up to the stored cap counts as spent: the earlier process may have admitted
+    that much. With one whose epoch was moved on (its share was taken back), the node keeps
+    its admitted count, which never passed its cap."""
+    s = None if budget is None else budget.shares.get(node)
+    if s is None:
+        return Local(0, 0, 0, 0 if local is None else local.a, limit)
+    if local is None:
+        return Local(s.e, s.g, s.c, s.c, limit)
+    # The stored cap may be above what this node knows (a raise whose answer was lost); the
+    # admitted count stays what it is, never above either.
+    return Local(s.e, s.g, s.c, local.a, limit, local.used_at, local.low)
+
+
+def take(
+    budget: Budget | None,
+    node: str,
+    local: Local | None,
+    *,
+    need: int,
+    want: int,
+    step: int,
+    limit: int,
+    base: int,
+    now_ms: int,
+    lease_ms: int,
+    grace_ms: int,
+    op: str,
+) -> Plan:
+    """The write that gives ``node`` room for ``need`` more units: its cap raised to
+    ``need + step`` past what it admitted, and its grant to ``want`` past it if that fits
+    (at least to the cap, or to ``need`` near the limit). Its share of an earlier process is
+    closed first, and if the budget is short, the unused part of shares whose lease ended
+    more than ``grace_ms`` ago is taken back. ``base`` seeds a new record (the counter's
+    value before it had one). Raises :class:`NoBudget` if less than ``need`` is left."""
+    if budget is None:
+        budget = Budget(base, {})
+    shares = dict(budget.shares)
+    mine = shares.get(node)
+    if mine is not None and local is None:
+        # A share this process did not take (an earlier process's, or one forgotten when it
+        # was given back): what it may have admitted is its cap; the rest goes back.
+        shares[node] = Share(mine.c, mine.c, mine.e + 1, mine.t, op)
+    cur = adopt(node, Budget(budget.base, shares), local, limit)
+    least = max(0, cur.a + need - cur.g)  # the grant must add at least this much
+    wanted = max(least, cur.a + max(need + step, want) - cur.g)
+    free = limit - (budget.base + sum(s.g for s in shares.values()))
+    if free < wanted:
+        for other, s in list(shares.items()):
+            if other != node and s.g > s.c and s.t + grace_ms < now_ms:
+                shares[other] = Share(s.c, s.c, s.e + 1, s.t, s.op)
+        free = limit - (budget.base + sum(s.g for s in shares.values()))
+    if free < least:
+        raise NoBudget(f"{max(0, free + cur.g - cur.a)} units left, {need} asked")
+    g = cur.g + max(least, min(free, wanted))
+    c = max(cur.c, min(g, cur.a + need + step))
+    shares[node] = Share(g, c, cur.e, now_ms + lease_ms, op)
+    b = Budget(budget.base, shares)
+    return Plan(b, adopt(node, b, cur, limit))
+
+
+def give_back(budget: Budget, node: str, local: Local, op: str) -> Plan | None:
+    """The write that returns every unit of ``node``'s share it has not admitted (``g`` and
+    ``c`` down to ``a``); ``None`` if there is nothing to return or the share is not the one
+    ``local`` knows (its epoch moved: it was taken back already)."""
+    s = budget.shares.get(node)
+    if s is None or s.e != local.e or s.g <= local.a:
+        return None
+    shares = dict(budget.shares)
+    shares[node] = Share(local.a, local.a, s.e, s.t, op)
+    b = Budget(budget.base, shares)
+    return Plan(b, Local(s.e, local.a, local.a, local.a, local.limit, local.used_at, local.low))
+
+
+def renew(
+    budget: Budget, node: str, local: Local, now_ms: int, lease_ms: int, op: str
+) -> Plan | None:
+    """The write that extends ``node``'s lease (``None``: its share is gone or not its own)."""
+    s = budget.shares.get(node)
+    if s is None or s.e != local.e:
+        return None
+    shares = dict(budget.shares)
+    shares[node] = replace(s, t=now_ms + lease_ms, op=op)
+    b = Budget(budget.base, shares)
+    return Plan(b, adopt(node, b, local, local.limit))
+
+
+def applied(budget: Budget | None, node: str, op: str) -> bool:
+    """Whether the stored ``budget`` holds the write ``op`` of ``node`` (or a later one of it,
+    which cannot exist while the node waits for this one)."""
+    s = None if budget is None else budget.shares.get(node)
+    return s is not None and s.op == op

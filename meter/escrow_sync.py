@@ -1,0 +1,322 @@
+"""This node's shares of strict budgets: admitting from memory, and the writes that keep them.
+
+The hot path (:meth:`Shares.room`, :meth:`Shares.admit`, :meth:`Shares.free`) touches only
+memory. Storage is written when a share runs low (in the background, before it runs out),
+when a call needs more than the share holds (the call waits for that one write), to renew a
+share's lease, to give back an idle share, and at a clean stop. Each write is one
+compare-and-swap of the counter's budget record (:mod:`meter.escrow` decides, ADR 0009).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from meter import escrow
+from meter.escrow import Budget, Local, NoBudget
+from meter.keys import Key
+from storage.base import Storage, StorageError, StorageUnavailable
+
+log = logging.getLogger("meter.escrow")
+
+#: Compare-and-swap attempts per write before giving up (contention from other nodes).
+MAX_ATTEMPTS = 32
+
+
+class Shares:
+    """This node's shares of strict budgets, and the writes that take, renew and return them.
+
+    ``share_max`` bounds one grant; ``nodes()`` is how many nodes are thought to share the
+    budgets (a grant is at most the remaining budget over twice that, so no node sits on what
+    the others need); ``lease_ms`` is how long a share stays this node's without a renewal,
+    after which (plus ``grace_ms`` for clocks) another node may take back what it did not
+    promise (its cap)."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        node: str,
+        *,
+        lease_ms: int = 10_000,
+        share_max: int = 10_000,
+        nodes: Callable[[], int] = lambda: 1,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.storage = storage
+        self.node = node
+        self.lease_ms = lease_ms
+        self.grace_ms = max(1, lease_ms // 2)
+        self.share_max = share_max
+        self.nodes = nodes
+        self.clock = clock
+        #: Counter -> this node's share of its budget (the hot path's one lookup).
+        self.local: dict[Key, Local] = {}
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._refills: set[asyncio.Task[None]] = set()
+        self._filling: set[Key] = set()
+        self._ops = itertools.count(1)
+        self._run = os.urandom(4).hex()
+        self.writes = 0
+        self.conflicts = 0
+        self.refused = 0
+        self.given_back = 0
+        self.taken_back = 0
+        self.errors = 0
+        self.last_error: str | None = None
+
+    # -- the hot path (no I/O) ---------------------------------------------------------------
+
+    def ready(self, key: Key, qty: int, limit: int) -> bool:
+        """Whether ``qty`` units can be admitted on ``key`` from this node's share now."""
+        loc = self.local.get(key)
+        return loc is not None and loc.limit == limit and loc.a + qty <= loc.c
+
+    def admit(self, key: Key, qty: int) -> None:
+        """Count ``qty`` units as admitted (the caller checked :meth:`ready`); ask for more
+        in the background when the share runs low."""
+        loc = self.local[key]
+        loc.a += qty
+        loc.used_at = time.monotonic()
+        if loc.c - loc.a < loc.low and key not in self._filling:
+            self._refill(key, loc.limit)
+
+    def free(self, key: Key, qty: int) -> None:
+        """Give ``qty`` admitted units back to this node's share (a reservation released,
+        expired or committed for less)."""
+        loc = self.local.get(key)
+        if loc is not None and qty > 0:
+            loc.a = max(0, loc.a - qty)
+
+    def readmit(self, key: Key, qty: int) -> bool:
+        """Count ``qty`` units as admitted again, room or not (units :meth:`free` gave back
+        whose call was then taken back); False if this node has no share of ``key``."""
+        loc = self.local.get(key)
+        if loc is None or qty <= 0:
+            return False
+        loc.a += qty
+        return True
+
+    # -- writes ------------------------------------------------------------------------------
+
+    async def ensure(self, key: Key, need: int, limit: int, base: int) -> None:
+        """Make room for ``need`` units on ``key`` (under strict limit ``limit``); ``base`` is
+        the counter's value, should its budget record not exist yet. Raises
+        :class:`~meter.escrow.NoBudget` when the budget cannot cover them, and
+        :class:`StorageError` when storage cannot be asked."""
+        async with self._lock(key):
+            loc = self.local.get(key)
+            if loc is not None and loc.limit != limit:
+                await self._give_back(key, loc)  # the limit moved: return, then take anew
+                loc = self.local.get(key)
+            if loc is not None and loc.limit == limit and loc.a + need <= loc.c:
+                return  # another call made room meanwhile
+            await self._write(key, lambda b, cur, op: self._take(b, cur, op, need, limit, base))
+
+    def _take(
+        self, budget: Budget | None, cur: Local | None, op: str, need: int, limit: int, base: int
+    ) -> escrow.Plan:
+        left = limit - (budget.granted if budget is not None else base)
+        want = min(self.share_max, max(need, left // (2 * max(1, self.nodes()))))
+        step = max(1, want // 4)
+        plan = escrow.take(
+            budget,
+            self.node,
+            cur,
+            need=need,
+            want=want,
+            step=step,
+            limit=limit,
+            base=base,
+            now_ms=int(self.clock() * 1000),
+            lease_ms=self.lease_ms,
+            grace_ms=self.grace_ms,
+            op=op,
+        )
+        plan.local.limit = limit
+        plan.local.low = max(1, step // 2)
+        if budget is not None:
+            before = {n: s.e for n, s in budget.shares.items() if n != self.node}
+            self.taken_back += sum(
+                1 for n, s in plan.budget.shares.items() if n in before and s.e != before[n]
+            )
+        return plan
+
+    async def _write(
+        self,
+        key: Key,
+        make: Callable[[Budget | None, Local | None, str], escrow.Plan | None],
+    ) -> bool:
+        """Read, decide, compare-and-swap, until a write lands (True) or there is nothing to
+        write (False). A write whose answer was lost is recognised by its op id on the next
+        read; a write that lost a race is decided again on what won it."""
+        version, budget = await self._read(key)
+        for _ in range(MAX_ATTEMPTS):
+            op = f"{self._run}.{next(self._ops)}"
+            try:
+                plan = make(budget, self.local.get(key), op)
+            except NoBudget:
+                self.refused += 1
+                raise
+            if plan is None:
+                return False
+            try:
+                done = await self.storage.budget_swap(key, version, plan.budget.to_json())
+            except StorageUnavailable:
+                done = False  # it may have landed: the next read tells
+            except StorageError as exc:
+                self._failed(exc)
+                raise
+            self.writes += 1
+            if not done:
+                version, budget = await self._read(key)
+                if not escrow.applied(budget, self.node, op):
+                    self.conflicts += 1
+                    continue
+                assert budget is not None
+                plan = escrow.Plan(budget, plan.local)
+            self._keep(key, plan)
+            return True
+        raise StorageUnavailable(f"escrow: the budget of {key!r} kept changing; retry")
+
+    def _keep(self, key: Key, plan: escrow.Plan) -> None:
+        """Take the written share as this node's, keeping what was admitted meanwhile (the
+        hot path admitted only within the old cap, which the new one is not below)."""
+        new = escrow.adopt(self.node, plan.budget, self.local.get(key), plan.local.limit)
+        loc = self.local.get(key)
+        if loc is None:
+            self.local[key] = Local(
+                new.e,
+                new.g,
+                new.c,
+                plan.local.a,
+                plan.local.limit,
+                time.monotonic(),
+                plan.local.low,
+            )
+        else:
+            loc.e, loc.g, loc.c = new.e, new.g, new.c
+            loc.limit, loc.low = plan.local.limit, plan.local.low or loc.low
+        self.last_error = None
+
+    async def _read(self, key: Key) -> tuple[int, Budget | None]:
+        try:
+            version, body = await self.storage.budget_read(key)
+        except StorageError as exc:
+            self._failed(exc)
+            raise
+        if body is None:
+            return version, None
+        try:
+            return version, Budget.from_json(body)
+        except ValueError as exc:
+            raise StorageUnavailable(
+                f"escrow: the budget of {key!r} cannot be read: {exc}"
+            ) from None
+
+    def _failed(self, exc: StorageError) -> None:
+        self.errors += 1
+        self.last_error = str(exc)
+
+    async def _give_back(self, key: Key, loc: Local) -> None:
+        """Return what this node has not admitted of its share on ``key`` (lock held). The cap
+        is lowered here first, so nothing is admitted past what the write keeps."""
+        saved_c = loc.c
+        loc.c = loc.a
+        try:
+            await self._write(
+                key,
+                lambda b, cur, op: (
+                    None if b is None or cur is None else escrow.give_back(b, self.node, cur, op)
+                ),
+            )
+        except BaseException:
+            loc.c = max(loc.c, saved_c)
+            raise
+        self.given_back += 1
+        if loc.g == loc.c == loc.a:
+            self.local.pop(key, None)
+
+    def _lock(self, key: Key) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        return lock
+
+    def _refill(self, key: Key, limit: int) -> None:
+        loc = self.local[key]
+        self._filling.add(key)
+
+        async def fill() -> None:
+            try:
+                await self.ensure(key, max(1, loc.low * 2), limit, 0)
+            except (NoBudget, StorageError):
+                pass  # the next call that finds no room asks again, and answers
+            finally:
+                self._filling.discard(key)
+
+        task = asyncio.get_running_loop().create_task(fill())
+        self._refills.add(task)
+        task.add_done_callback(self._refills.discard)
+
+    # -- upkeep ------------------------------------------------------------------------------
+
+    async def step(self) -> None:
+        """Renew the leases of shares with units promised to nobody yet (``g > c``), and give
+        back shares idle for a lease. Run every third of a lease."""
+        now = time.monotonic()
+        for key, loc in list(self.local.items()):
+            if self._lock(key).locked():
+                continue
+            try:
+                async with self._lock(key):
+                    if self.local.get(key) is not loc:
+                        continue
+                    if now - loc.used_at >= self.lease_ms / 1000:
+                        await self._give_back(key, loc)
+                    elif loc.g > loc.c:
+                        await self._write(key, lambda b, cur, op: self._renew(b, cur, op))
+            except (NoBudget, StorageError) as exc:
+                log.warning("escrow: upkeep of %r failed: %s", key, exc)
+            self._forget_lock(key)
+
+    def _renew(self, budget: Budget | None, cur: Local | None, op: str) -> escrow.Plan | None:
+        if budget is None or cur is None:
+            return None
+        plan = escrow.renew(budget, self.node, cur, int(self.clock() * 1000), self.lease_ms, op)
+        if plan is not None:
+            plan.local.limit, plan.local.low = cur.limit, cur.low
+        return plan
+
+    def _forget_lock(self, key: Key) -> None:
+        lock = self._locks.get(key)
+        if key not in self.local and lock is not None and not lock.locked():
+            del self._locks[key]
+
+    async def drain(self) -> None:
+        """Give back every share (a clean stop): what this node did not admit is the others'."""
+        for task in list(self._refills):
+            task.cancel()
+        for key, loc in list(self.local.items()):
+            try:
+                async with self._lock(key):
+                    await self._give_back(key, loc)
+            except (NoBudget, StorageError) as exc:
+                log.warning("escrow: could not give back the share of %r: %s", key, exc)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "shares": len(self.local),
+            "room": sum(max(0, loc.c - loc.a) for loc in self.local.values()),
+            "writes": self.writes,
+            "conflicts": self.conflicts,
+            "refused": self.refused,
+            "given_back": self.given_back,
+            "taken_back": self.taken_back,
+            "errors": self.errors,
+            "last_error": self.last_error,
+        }
