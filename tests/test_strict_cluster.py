@@ -155,12 +155,11 @@ def test_a_strict_limit_admits_exactly_the_limit_under_a_burst_from_four_nodes(
         assert burst.total == 1000, burst.acked
         # Every view converges on what was admitted (gossip), and refused calls counted
         # nothing anywhere.
-        wait_until(
-            lambda f=feature: all(p.call("usage", "acme", f) == 1000 for p in nodes),
-            10,
-            "every node sees 1000",
-            nodes,
-        )
+
+        def converged(f: str = feature) -> bool:
+            return all(p.call("usage", "acme", f) == 1000 for p in nodes)
+
+        wait_until(converged, 10, "every node sees 1000", nodes)
     writes = sum(p.call("status")["limits"]["strict"]["writes"] for p in nodes)
     print(f"\nstrict 1000, 4 nodes x 8 clients: admitted per node {runs}; {writes} budget writes")
     budget = _budget(dynamodb_local, dynamodb_table, ("acme", "api0", _period()))
