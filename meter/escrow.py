@@ -12,7 +12,7 @@ nodes that admit on it (ADR 0009). Storage keeps one **budget record** per count
 - ``t``: the end of the share's lease (ms), renewed by its node while ``g > c``;
 - ``op``: the id of the node's last write, so a write whose answer was lost is recognised.
 
-Invariants (docs/correctness.md S01-S03, tests/test_escrow_properties.py):
+Invariants (docs/correctness.md Q12-Q16, tests/test_escrow_properties.py):
 
 1. ``base + sum(g) <= L`` after every grant (a grant is only written if it fits);
 2. every node's admitted units on the counter stay ``<= c <= g`` of its share;
@@ -155,13 +155,15 @@ def take(
     lease_ms: int,
     grace_ms: int,
     op: str,
+    at_least: int | None = None,
 ) -> Plan:
     """The write that gives ``node`` room for ``need`` more units: its cap raised to
     ``need + step`` past what it admitted, and its grant to ``want`` past it if that fits
     (at least to the cap, or to ``need`` near the limit). Its share of an earlier process is
     closed first, and if the budget is short, the unused part of shares whose lease ended
     more than ``grace_ms`` ago is taken back. ``base`` seeds a new record (the counter's
-    value before it had one). Raises :class:`NoBudget` if less than ``need`` is left."""
+    value before it had one). Raises :class:`NoBudget` if less than ``need`` is left (or than
+    ``at_least``, if given: then as much as is left, up to ``need``)."""
     if budget is None:
         budget = Budget(base, {})
     shares = dict(budget.shares)
@@ -171,7 +173,8 @@ def take(
         # was given back): what it may have admitted is its cap; the rest goes back.
         shares[node] = Share(mine.c, mine.c, mine.e + 1, mine.t, op)
     cur = adopt(node, Budget(budget.base, shares), local, limit)
-    least = max(0, cur.a + need - cur.g)  # the grant must add at least this much
+    # The grant must add at least this much (less than need: what is left will do).
+    least = max(0, cur.a + (need if at_least is None else min(need, at_least)) - cur.g)
     wanted = max(least, cur.a + max(need + step, want) - cur.g)
     free = limit - (budget.base + sum(s.g for s in shares.values()))
     if free < wanted:

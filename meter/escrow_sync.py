@@ -103,11 +103,14 @@ class Shares:
 
     # -- writes ------------------------------------------------------------------------------
 
-    async def ensure(self, key: Key, need: int, limit: int, base: int) -> None:
+    async def ensure(
+        self, key: Key, need: int, limit: int, base: int, at_least: int | None = None
+    ) -> None:
         """Make room for ``need`` units on ``key`` (under strict limit ``limit``); ``base`` is
         the counter's value, should its budget record not exist yet. Raises
         :class:`~meter.escrow.NoBudget` when the budget cannot cover them, and
-        :class:`StorageError` when storage cannot be asked."""
+        :class:`StorageError` when storage cannot be asked. With ``at_least``, room for that
+        many will do when ``need`` is more than is left."""
         async with self._lock(key):
             loc = self.local.get(key)
             if loc is not None and loc.limit != limit:
@@ -115,10 +118,19 @@ class Shares:
                 loc = self.local.get(key)
             if loc is not None and loc.limit == limit and loc.a + need <= loc.c:
                 return  # another call made room meanwhile
-            await self._write(key, lambda b, cur, op: self._take(b, cur, op, need, limit, base))
+            await self._write(
+                key, lambda b, cur, op: self._take(b, cur, op, need, limit, base, at_least)
+            )
 
     def _take(
-        self, budget: Budget | None, cur: Local | None, op: str, need: int, limit: int, base: int
+        self,
+        budget: Budget | None,
+        cur: Local | None,
+        op: str,
+        need: int,
+        limit: int,
+        base: int,
+        at_least: int | None = None,
     ) -> escrow.Plan:
         left = limit - (budget.granted if budget is not None else base)
         want = min(self.share_max, max(need, left // (2 * max(1, self.nodes()))))
@@ -136,6 +148,7 @@ class Shares:
             lease_ms=self.lease_ms,
             grace_ms=self.grace_ms,
             op=op,
+            at_least=at_least,
         )
         plan.local.limit = limit
         plan.local.low = max(1, step // 2)

@@ -614,7 +614,7 @@ class Service:
                 out.append(_Short(k, qty, eff))
         return out
 
-    async def _make_room(self, short: _Short) -> None:
+    async def _make_room(self, short: _Short, at_least: int | None = None) -> None:
         """One write (or a few, under contention) giving this node's share room for the
         units ``short`` asked for; ``limit_exceeded`` if the strict budget cannot cover them."""
         key, eff = short.key, short.eff
@@ -625,7 +625,7 @@ class Service:
                 "strict limit cannot be checked; nothing counted"
             )
         try:
-            await self.shares.ensure(key, short.qty, eff.limit, max(0, value))
+            await self.shares.ensure(key, short.qty, eff.limit, max(0, value), at_least)
         except NoBudget as exc:
             self.limit_refusals += 1
             raise LimitExceeded(
@@ -819,13 +819,10 @@ class Service:
             if not shorts:
                 break
             for short, smallest in shorts:
-                try:
-                    await self._make_room(short)
-                except LimitExceeded:  # not all of them: room for the smallest item at least
-                    with contextlib.suppress(MeterError):
-                        await self._make_room(_Short(short.key, smallest, short.eff))
+                try:  # room for every item, or for as many as are left (the smallest at least)
+                    await self._make_room(short, smallest)
                 except MeterError:
-                    break  # storage: the items that find no room are refused
+                    break  # none left, or storage: the items that find no room are refused
         self._answer_repeated_ids(batch)
         return self._count_gated(batch)
 

@@ -1,4 +1,4 @@
-"""Escrow never admits more than the limit (meter/escrow.py, ADR 0009, S01).
+"""Escrow never admits more than the limit (meter/escrow.py, ADR 0009, Q12).
 
 A hypothesis state machine drives four nodes against one stored budget record with the same
 compare-and-swap storage gives: grants and cap raises begun, raced and finished, units

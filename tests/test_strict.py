@@ -138,3 +138,112 @@ async def _wait_value(c: AsyncClient, tenant: str, feature: str, value: int) -> 
     while (got := await c.usage(tenant, feature)) != value:
         assert asyncio.get_running_loop().time() < deadline, got
         await asyncio.sleep(0.05)
+
+
+async def test_reservations_commits_and_batches_take_from_the_strict_share(tmp: Path) -> None:
+    async with _nodes(tmp, 2, strict_share_max=20) as (a, b):
+        await a.set_limit("acme", "api", 100, "hard", "strict")
+        await _wait_for_limit(b, "acme", "api", "strict")
+        r1 = await a.reserve("acme", "api", 30)
+        r2 = await b.reserve("acme", "api", 30)
+        # 60 held: a batch gets the 40 left, item by item, and the rest is refused.
+        answers = await b.track_many(
+            [("acme", "api", 25), ("acme", "api", 10), ("acme", "api", 10)]
+        )
+        assert answers[:2] == [55, 65], answers  # with b's 30 held
+        assert isinstance(answers[2], LimitExceeded), answers
+        # b has 5 left of what it could take; a committing 10 less gives a 10 more to admit.
+        await a.commit(r1, 20)
+        await b.release(r2)  # back to b's share
+        assert (await a.check("acme", "api", 10))["allowed"] is True
+        r3 = await a.reserve("acme", "api", 5)
+        got = await asyncio.gather(_burst(a, "acme", "api"), _burst(b, "acme", "api"))
+        # 20 committed + 35 tracked + 5 held + the burst: exactly 100 in all.
+        assert 20 + 35 + 5 + sum(got) == 100
+        assert (await b.check("acme", "api", 1))["allowed"] is False
+        with pytest.raises(LimitExceeded, match="strict limit 100"):
+            await a.reserve("acme", "api", 1)
+        # A commit above its reservation needs room for its extra units: refused, it changes
+        # nothing and the reservation still holds.
+        with pytest.raises(LimitExceeded):
+            await a.commit(r3, 6)
+        assert await a.commit(r3, 5) >= 5
+        st = await a.status()
+        assert st["limits"]["strict"]["refused"] >= 1
+
+
+async def test_a_strict_limit_raised_or_lowered_takes_effect_at_the_next_admission(
+    tmp: Path,
+) -> None:
+    async with _nodes(tmp, 1) as (a,):
+        await a.set_limit("acme", "api", 10, "hard", "strict")
+        assert await _burst(a, "acme", "api") == 10
+        await a.set_limit("acme", "api", 1000, "hard", "strict")
+        assert await a.track("acme", "api", 5) == 15  # its share now has room to spare
+        assert (await a.status())["limits"]["strict"]["room"] > 100
+        # Lowered while the share still has room: the share goes back, the new limit holds.
+        await a.set_limit("acme", "api", 17, "hard", "strict")
+        assert await _burst(a, "acme", "api") == 2
+        await a.set_limit("acme", "api", 12, "hard", "strict")  # below what was admitted
+        with pytest.raises(LimitExceeded):
+            await a.track("acme", "api", 1)
+        assert await a.usage("acme", "api") == 17
+        # Turned fast: the view decides again.
+        await a.set_limit("acme", "api", 20, "hard", "fast")
+        assert await _burst(a, "acme", "api") == 3
+
+
+async def test_lost_answers_and_races_on_the_budget_are_never_counted_twice() -> None:
+    """Shares over a memory storage that loses answers after writing: every unit of the
+    limit is admitted once, by one of three nodes, and the budget agrees."""
+    from meter.escrow_sync import Shares
+    from storage.memory import MemoryStorage
+
+    storage = MemoryStorage()
+    key = ("acme", "api", "2026-11")
+    nodes = [Shares(storage, f"n{i}", share_max=7, nodes=lambda: 3) for i in range(3)]
+    admitted = [0, 0, 0]
+    refused = 0
+    for round_ in range(400):
+        i = round_ % 3
+        if round_ % 5 == 0:
+            storage.budget_lose_next = 1  # the next write lands and its answer is lost
+        s = nodes[i]
+        if not s.ready(key, 1, 100):
+            try:
+                await s.ensure(key, 1, 100, 0)
+            except Exception:
+                refused += 1
+                continue
+        s.admit(key, 1)
+        admitted[i] += 1
+    await asyncio.gather(*(asyncio.sleep(0) for _ in range(3)))
+    assert sum(admitted) == 100, admitted
+    _, body = await storage.budget_read(key)
+    assert body is not None
+    budget = Budget.from_json(body)
+    assert budget.granted == 100
+    for n, s in enumerate(nodes):
+        loc = s.local[key]
+        assert loc.a == admitted[n] and loc.a <= loc.c <= loc.g
+    assert refused > 0
+
+
+async def test_with_storage_down_a_strict_call_without_room_is_unavailable() -> None:
+    from meter.escrow_sync import Shares
+    from storage.base import StorageUnavailable
+    from storage.memory import MemoryStorage
+
+    storage = MemoryStorage()
+    key = ("acme", "api", "2026-11")
+    s = Shares(storage, "n0", share_max=4)
+    await s.ensure(key, 1, 100, 0)
+    room = s.local[key].room
+    storage.budget_fail_next = 10**6  # every write fails before landing
+    for _ in range(room):
+        assert s.ready(key, 1, 100)
+        s.admit(key, 1)
+    assert not s.ready(key, 1, 100)
+    with pytest.raises(StorageUnavailable):
+        await s.ensure(key, 1, 100, 0)
+    assert s.status()["last_error"] is None or "injected" in s.status()["last_error"]

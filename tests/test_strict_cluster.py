@@ -2,9 +2,9 @@
 DynamoDB Local table, bursts from many connections per node, and a node killed mid-burst.
 
 The figures asserted are the ones docs/quotas.md promises: a strict limit admits exactly the
-limit (S02); with a node ``kill -9``'d mid-burst at most the limit, and after the dead node's
+limit (Q13); with a node ``kill -9``'d mid-burst at most the limit, and after the dead node's
 lease ends everything but the part of its share it had promised (its cap, less what it used)
-is admitted again (S03); the restarted node stores what it had acknowledged, and the stored
+is admitted again (Q14); the restarted node stores what it had acknowledged, and the stored
 total never passes the limit.
 """
 
@@ -237,3 +237,56 @@ def test_a_node_killed_mid_burst_never_lets_the_fleet_pass_the_limit(
         f"\nkill -9 mid-burst: {first} admitted before the lease ended, {again.total} after, "
         f"{stored} stored; the dead share: g={share.g} c={share.c}, acked {burst.acked[3]}"
     )
+
+
+def test_an_account_and_its_users_under_strict_limits_across_three_nodes(
+    workdir: Path,
+    redis_server: RedisServer,
+    dynamodb_local: str,
+    dynamodb_table: str,
+    cluster_name: str,
+    nodes_cleanup: list[NodeProcess],
+) -> None:
+    """Account 100, users 60 each, tracked from every node: exactly 100 in all once idle
+    shares have gone back, at most 60 per user, and refused calls counted at no level."""
+    lease_ms = 1000
+    env = node_env(
+        redis_url=redis_server.url,
+        dynamodb_endpoint=dynamodb_local,
+        table=dynamodb_table,
+        cluster=cluster_name,
+        METER_TENANT_HIERARCHY="true",
+        METER_STRICT_LEASE_MS=str(lease_ms),
+    )
+    nodes = start_nodes(workdir, 3, env)
+    nodes_cleanup.extend(nodes)
+    users = ["acme/alice", "acme/bob", "acme/carol"]
+    _set_strict(nodes, "acme", "api", 100)
+    for user in users:
+        _set_strict(nodes, user, "api", 60)
+    acked = dict.fromkeys(users, 0)
+    rounds = 0
+    while True:  # until a round admits nothing: units in other nodes' idle shares come back
+        bursts = {u: Burst(nodes, 2, u, "api").start() for u in users}
+        for b in bursts.values():
+            b.join()
+            assert not b.errors, b.errors[:3]
+        got = {u: b.total for u, b in bursts.items()}
+        for u in users:
+            acked[u] += got[u]
+        rounds += 1
+        if not any(got.values()) or rounds >= 8:
+            break
+        time.sleep(lease_ms * 1.5 / 1000)  # idle shares are given back after a lease
+    assert sum(acked.values()) == 100, (acked, rounds)
+    assert all(v <= 60 for v in acked.values()), acked
+
+    def converged() -> bool:
+        return all(
+            p.call("usage", "acme", "api") == 100
+            and [p.call("usage", u, "api") for u in users] == [acked[u] for u in users]
+            for p in nodes
+        )
+
+    wait_until(converged, 10, "every node sees the account and its users", nodes)
+    print(f"\nstrict account 100 / users 60: {acked} in {rounds} rounds")
