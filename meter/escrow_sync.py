@@ -54,6 +54,9 @@ class Shares:
         self.share_max = share_max
         self.nodes = nodes
         self.clock = clock
+        #: Why this process may not write shares now (another process owns its node id, whose
+        #: shares these are), or None.
+        self.fenced: Callable[[], str | None] = lambda: None
         #: Counter -> this node's share of its budget (the hot path's one lookup).
         self.local: dict[Key, Local] = {}
         self._locks: dict[Key, asyncio.Lock] = {}
@@ -167,6 +170,9 @@ class Shares:
         """Read, decide, compare-and-swap, until a write lands (True) or there is nothing to
         write (False). A write whose answer was lost is recognised by its op id on the next
         read; a write that lost a race is decided again on what won it."""
+        why = self.fenced()
+        if why is not None:
+            raise StorageUnavailable(f"escrow: not writing shares: {why}")
         version, budget = await self._read(key)
         for _ in range(MAX_ATTEMPTS):
             op = f"{self._run}.{next(self._ops)}"

@@ -167,6 +167,7 @@ class Service:
             lease_ms=self.config.strict_lease_ms,
             share_max=self.config.strict_share_max,
         )
+        self.shares.fenced = lambda: self.fenced
         #: Reservations whose units were admitted from a strict share (given back when they
         #: are released, expire or are committed for less).
         self._escrowed: set[str] = set()

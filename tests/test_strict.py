@@ -247,3 +247,20 @@ async def test_with_storage_down_a_strict_call_without_room_is_unavailable() -> 
     with pytest.raises(StorageUnavailable):
         await s.ensure(key, 1, 100, 0)
     assert s.status()["last_error"] is None or "injected" in s.status()["last_error"]
+
+
+async def test_a_process_that_does_not_own_its_node_id_writes_no_share() -> None:
+    """Shares are per node id: a second process under the id (waiting, or fenced) must not
+    touch the owner's share; its calls are unavailable and storage is unchanged."""
+    from meter.escrow_sync import Shares
+    from storage.base import StorageUnavailable
+    from storage.memory import MemoryStorage
+
+    storage = MemoryStorage()
+    key = ("acme", "api", "2026-11")
+    s = Shares(storage, "n0")
+    s.fenced = lambda: "node id 'n0' is owned by another process"
+    with pytest.raises(StorageUnavailable, match="owned by another process"):
+        await s.ensure(key, 1, 100, 0)
+    await s.drain()
+    assert storage.budgets == {}
