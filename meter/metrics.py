@@ -70,6 +70,8 @@ GOSSIP_REJECTED = "meter_gossip_rejected_total"
 GOSSIP_GAPS = "meter_gossip_gaps_total"
 RESERVATIONS_OPEN = "meter_reservations_open"
 RESERVATIONS_EXPIRED = "meter_reservations_expired_total"
+STRICT_SHARES = "meter_strict_shares"
+STRICT_WRITES = "meter_strict_budget_writes_total"
 READY = "meter_ready"
 DEGRADED = "meter_degraded"
 BUILD_INFO = "meter_build_info"
@@ -82,7 +84,7 @@ METRIC_NAMES: tuple[str, ...] = (
     SEEDING_READS, SEEDING_FAILED_READS, WAL_SIZE, WAL_SEGMENTS, WAL_OLDEST_AGE, WAL_COMMITS,
     WAL_FSYNCS, WAL_FSYNC_DURATION, WAL_FAILURES, WAL_WRITABLE, GOSSIP_BUS_CONNECTED,
     GOSSIP_PEERS, GOSSIP_LAG, GOSSIP_MESSAGES, GOSSIP_REJECTED, GOSSIP_GAPS, RESERVATIONS_OPEN,
-    RESERVATIONS_EXPIRED, READY, DEGRADED, BUILD_INFO,
+    RESERVATIONS_EXPIRED, STRICT_SHARES, STRICT_WRITES, READY, DEGRADED, BUILD_INFO,
 )  # fmt: skip
 
 
@@ -175,6 +177,19 @@ class NodeCollector(Collector):
             failed = _counter(SEEDING_FAILED_READS, "Seeding reads that failed.")
             failed.add_metric([], seeding.failed_reads)
             yield failed
+            shares = svc.shares
+            yield _gauge(STRICT_SHARES, "Strict budgets this node holds a share of.",
+                         len(shares.local))  # fmt: skip
+            writes = _counter(
+                STRICT_WRITES,
+                "Strict budget writes (compare-and-swap), by outcome: written, conflict (a "
+                "race lost, decided again), failed (storage refused or unreachable).",
+                ["outcome"],
+            )
+            writes.add_metric(["written"], shares.writes - shares.conflicts)
+            writes.add_metric(["conflict"], shares.conflicts)
+            writes.add_metric(["failed"], shares.errors)
+            yield writes
         if node.wal is not None:
             yield from self._wal()
         if node.gossip is not None:
