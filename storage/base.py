@@ -303,3 +303,13 @@ class Storage(abc.ABC):
         """Put (``body``) or delete (``None``) one record and bump the version, atomically;
         return the new version."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep limits")
+
+    # -- threshold alerts (docs/quotas.md) ---------------------------------------------------
+
+    async def claim_alert(self, alert_id: str, body: str) -> bool:
+        """Store ``body`` under ``alert_id`` if nothing is stored under it yet ("put if
+        absent"); True only if the body stored under it now is ``body`` (this call, or an
+        earlier try of it whose answer was lost, stored it), False if another body was there.
+        Bodies name their claimant, so two claimants never store equal bodies. Raises
+        :class:`StorageError` if storage cannot tell (the caller tries again later)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep alerts")

@@ -45,6 +45,8 @@ class MemoryStorage(Storage):
         #: Limits records (scope, name, feature) -> body, and their version.
         self._limits: dict[tuple[str, str, str], str] = {}
         self._limits_version = 0
+        #: Claimed alerts: id -> body.
+        self.alerts: dict[str, str] = {}
 
     async def apply(self, node: str, deltas: Sequence[Delta]) -> dict[Key, Applied | StorageError]:
         if self.fail_next > 0:
@@ -129,3 +131,15 @@ class MemoryStorage(Storage):
             self._limits[(scope, name, feature)] = body
         self._limits_version += 1
         return self._limits_version
+
+    # -- alerts ------------------------------------------------------------------------------
+
+    async def claim_alert(self, alert_id: str, body: str) -> bool:
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise StorageUnavailable("injected failure before the write")
+        stored = self.alerts.setdefault(alert_id, body)
+        if self.lose_next_ack > 0:
+            self.lose_next_ack -= 1
+            raise StorageUnavailable("injected loss of the response after the write")
+        return stored == body

@@ -120,6 +120,14 @@ CREATE TABLE IF NOT EXISTS limits_version (
 )
 """
 
+#: Threshold alerts claimed (docs/quotas.md): the first body stored under an id stays. Additive.
+_ALERTS = """
+CREATE TABLE IF NOT EXISTS alerts (
+    id   TEXT PRIMARY KEY,
+    body TEXT NOT NULL
+) WITHOUT ROWID
+"""
+
 _MONTH_RE = re.compile(r"\d{4}-\d{2}")
 _DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
@@ -422,6 +430,34 @@ class SQLiteStorage(Storage):
 
         return await self._run(write)
 
+    # -- alerts ------------------------------------------------------------------------------
+
+    async def claim_alert(self, alert_id: str, body: str) -> bool:
+        """``INSERT OR IGNORE`` then read back, in one ``BEGIN IMMEDIATE``."""
+
+        def claim() -> bool:
+            conn = self._connection()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    conn.execute(
+                        "INSERT OR IGNORE INTO alerts (id, body) VALUES (?, ?)", (alert_id, body)
+                    )
+                    row = conn.execute(
+                        "SELECT body FROM alerts WHERE id = ?", (alert_id,)
+                    ).fetchone()
+                    conn.execute("COMMIT")
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        if conn.in_transaction:
+                            conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise _map(exc, f"claiming an alert in {self.path}") from exc
+            return row is not None and str(row[0]) == body
+
+        return await self._run(claim)
+
     @staticmethod
     def _limits_version_sync(conn: sqlite3.Connection) -> int:
         try:
@@ -483,6 +519,7 @@ class SQLiteStorage(Storage):
             conn.execute(_OWNERS)
             conn.execute(_LIMITS)
             conn.execute(_LIMITS_VERSION)
+            conn.execute(_ALERTS)
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
