@@ -70,6 +70,8 @@ GOSSIP_REJECTED = "meter_gossip_rejected_total"
 GOSSIP_GAPS = "meter_gossip_gaps_total"
 RESERVATIONS_OPEN = "meter_reservations_open"
 RESERVATIONS_EXPIRED = "meter_reservations_expired_total"
+ALERTS = "meter_alerts_total"
+ALERTS_PENDING = "meter_alerts_pending"
 READY = "meter_ready"
 DEGRADED = "meter_degraded"
 BUILD_INFO = "meter_build_info"
@@ -82,7 +84,7 @@ METRIC_NAMES: tuple[str, ...] = (
     SEEDING_READS, SEEDING_FAILED_READS, WAL_SIZE, WAL_SEGMENTS, WAL_OLDEST_AGE, WAL_COMMITS,
     WAL_FSYNCS, WAL_FSYNC_DURATION, WAL_FAILURES, WAL_WRITABLE, GOSSIP_BUS_CONNECTED,
     GOSSIP_PEERS, GOSSIP_LAG, GOSSIP_MESSAGES, GOSSIP_REJECTED, GOSSIP_GAPS, RESERVATIONS_OPEN,
-    RESERVATIONS_EXPIRED, READY, DEGRADED, BUILD_INFO,
+    RESERVATIONS_EXPIRED, ALERTS, ALERTS_PENDING, READY, DEGRADED, BUILD_INFO,
 )  # fmt: skip
 
 
@@ -175,6 +177,19 @@ class NodeCollector(Collector):
             failed = _counter(SEEDING_FAILED_READS, "Seeding reads that failed.")
             failed.add_metric([], seeding.failed_reads)
             yield failed
+            al = svc.alerts
+            alerts = _counter(
+                ALERTS,
+                "Threshold alerts: fired (claims this node won), delivered (to this node's "
+                "subscribers), dropped (crossings left unclaimed, too many pending).",
+                ["event"],
+            )
+            for event, n in (("fired", al.fired), ("delivered", al.delivered),
+                             ("dropped", al.dropped)):  # fmt: skip
+                alerts.add_metric([event], n)
+            yield alerts
+            yield _gauge(ALERTS_PENDING, "Threshold crossings waiting for their claim.",
+                         len(al.pending))  # fmt: skip
         if node.wal is not None:
             yield from self._wal()
         if node.gossip is not None:
