@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from meter.errors import InvalidArgument
@@ -145,12 +145,15 @@ def parse_limit(spec: object, what: str = "limit") -> Limit:
     """A limit spec ``{limit, kind?, enforcement?, alerts?}`` validated (``kind`` defaults to
     hard, ``enforcement`` to fast, ``alerts`` to none); :class:`InvalidArgument` names ``what``
     otherwise."""
+    if isinstance(spec, dict) and "alerts" in spec:  # the rest first, then the thresholds
+        rest = {k: v for k, v in spec.items() if k != "alerts"}
+        return replace(parse_limit(rest, what), alerts=parse_alerts(spec["alerts"], what))
     if not isinstance(spec, dict):
         raise InvalidArgument(
             f"{what} must be a map {{limit, kind, enforcement, alerts}}, got {type(spec).__name__}"
         )
     for name in spec:
-        if name not in ("limit", "kind", "enforcement", "alerts"):
+        if name not in ("limit", "kind", "enforcement"):
             raise InvalidArgument(
                 f"{what}: unknown field {str(name)[:32]!r} "
                 "(allowed: alerts, enforcement, kind, limit)"
@@ -170,10 +173,9 @@ def parse_limit(spec: object, what: str = "limit") -> Limit:
         raise InvalidArgument(
             f"{what}: enforcement must be fast or strict, got {str(enforcement)[:32]!r}"
         )
-    alerts = parse_alerts(spec["alerts"], what) if "alerts" in spec else ()
     if enforcement == "strict":
         raise InvalidArgument(f"{what}: {STRICT_NOT_YET}")
-    return Limit(n, kind, enforcement, alerts)
+    return Limit(n, kind, enforcement)
 
 
 def parse_features(spec: object) -> dict[str, Limit]:
