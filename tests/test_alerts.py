@@ -248,9 +248,16 @@ def test_one_node_fires_each_threshold_once_and_a_restart_does_not_fire_again(
             st = c.status()["alerts"]
             assert st["fired"] == 2 and st["delivered"] == 2 and st["pending"] == 0
             assert st["subscribers"] == 1 and st["notifications_sent"] == 2
+            assert st["claim_failures"] == 0 and st["last_error"] is None
             # Another tenant's counter has no alerts: nothing.
             c.track("zeta", "api", 1000)
             assert w.next_alert(0.3) is None
+            # Pipelined plain tracks (the server's batched path) cross too, on the unit that
+            # reaches the threshold.
+            c.set_limit("beta", "api", 10, alerts=[50])
+            assert c.pipeline([("track", ["beta", "api", 1])] * 10) == list(range(1, 11))
+            third = next(it)
+            assert (third["tenant"], third["value"], third["threshold_units"]) == ("beta", 5, 5)
         assert node.stop() == 0
         assert node.log().count("reached 80% of its limit 100") == 1
     # Restarted: the claims are stored, so crossing again fires nothing.
