@@ -313,3 +313,33 @@ def test_meter_alerts_prints_each_alert_as_one_json_line(workdir: Path) -> None:
                 shell.wait(10)
         assert [a["threshold"] for a in lines] == [50, 100]
         assert {a["threshold_units"] for a in lines} == {5, 10} and lines[0]["value"] == 12
+
+
+def test_both_clients_subscribe_to_alerts_again_after_a_restart(workdir: Path) -> None:
+    node = NodeProcess(workdir, METER_STORAGE="sqlite").start()
+    try:
+        with Client.connect(node.socket, timeout=5) as w:
+            w.subscribe_alerts(timeout=10)
+            node.call("set_limit", "acme", "api", {"limit": 10, "alerts": [50]})
+            assert node.stop() == 0
+            node.start()
+            assert w.next_alert(0.2) is None  # reconnects, subscribes again
+            wait_for(lambda: node.call("status")["alerts"]["subscribers"] == 1, 10, "resubscribed")
+            node.call("track", "acme", "api", 5)
+            got = w.next_alert(10)
+            assert got is not None and got["threshold"] == 50
+
+        async def go() -> None:
+            async with await AsyncClient.connect(node.socket) as c:
+                it = await c.subscribe_alerts()
+                assert node.stop() == 0
+                node.start()
+                await c.ping()  # reconnects, subscribes again
+                node.call("set_limit", "zeta", "api", {"limit": 10, "alerts": [50]})
+                node.call("track", "zeta", "api", 5)
+                alert = await asyncio.wait_for(anext(it), 10)
+                assert alert["tenant"] == "zeta"
+
+        asyncio.run(go())
+    finally:
+        node.stop()
