@@ -343,3 +343,39 @@ def test_both_clients_subscribe_to_alerts_again_after_a_restart(workdir: Path) -
         asyncio.run(go())
     finally:
         node.stop()
+
+
+@pytest.mark.redis
+def test_with_redis_down_the_winner_still_delivers_here_and_counts_the_stream_failure(
+    workdir: Path, redis_factory: Any, cluster_name: str
+) -> None:
+    import redis as redis_py
+
+    server = redis_factory()
+    stream = f"{cluster_name}:alerts"
+    env = {"METER_STORAGE": "sqlite", "METER_REDIS_URL": server.url,
+           "METER_CLUSTER_NAME": cluster_name, "METER_ALERTS_STREAM": stream}  # fmt: skip
+    with NodeProcess(workdir, **env) as node, Client.connect(node.socket, timeout=5) as w:
+        w.subscribe_alerts()
+        node.call("set_limit", "acme", "api", {"limit": 10, "kind": "soft", "alerts": [50, 100]})
+        wait_for(lambda: node.call("status")["cluster"]["bus"]["connected"], 10, "the bus up")
+        server.stop()
+        wait_for(lambda: not node.call("status")["cluster"]["bus"]["connected"], 10, "bus down")
+        node.call("track", "acme", "api", 5)
+        got = w.next_alert(10)
+        assert got is not None and got["threshold"] == 50  # delivered here all the same
+        wait_for(lambda: node.call("status")["alerts"]["stream_failures"] == 1, 15, "given up")
+        assert "the bus is down" in node.log() and "not added to the stream" in node.log()
+        server.start()
+        wait_for(lambda: node.call("status")["cluster"]["bus"]["connected"], 15, "the bus back")
+        node.call("track", "acme", "api", 5)
+        got = w.next_alert(10)
+        assert got is not None and got["threshold"] == 100
+        r: Any = redis_py.Redis.from_url(server.url, decode_responses=True)
+        try:
+            wait_for(lambda: r.xlen(stream) == 1, 10, "the stream entry")
+            entries: Any = r.xrange(stream)
+            fields = entries[0][1]
+            assert fields["id"] == got["id"] and fields["threshold"] == "100"
+        finally:
+            r.close()
