@@ -123,8 +123,9 @@ CREATE TABLE IF NOT EXISTS limits_version (
 #: Threshold alerts claimed (docs/quotas.md): the first body stored under an id stays. Additive.
 _ALERTS = """
 CREATE TABLE IF NOT EXISTS alerts (
-    id   TEXT PRIMARY KEY,
-    body TEXT NOT NULL
+    id         TEXT PRIMARY KEY,
+    body       TEXT NOT NULL,
+    expires_at INTEGER NOT NULL
 ) WITHOUT ROWID
 """
 
@@ -440,8 +441,11 @@ class SQLiteStorage(Storage):
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
+                    # Purged with the counters: the retention past the end of the current month.
+                    expires = int(time.time()) + (self.retention_days + 32) * 86400
                     conn.execute(
-                        "INSERT OR IGNORE INTO alerts (id, body) VALUES (?, ?)", (alert_id, body)
+                        "INSERT OR IGNORE INTO alerts (id, body, expires_at) VALUES (?, ?, ?)",
+                        (alert_id, body, expires),
                     )
                     row = conn.execute(
                         "SELECT body FROM alerts WHERE id = ?", (alert_id,)
@@ -730,7 +734,10 @@ class SQLiteStorage(Storage):
                     " SELECT tenant, period, feature FROM counters WHERE expires_at < ? LIMIT ?)",
                     (cutoff, limit),
                 )
-                return cur.rowcount
+                n = cur.rowcount
+                if n < limit:  # (the last batch) claimed alerts past their retention, too
+                    conn.execute("DELETE FROM alerts WHERE expires_at < ?", (cutoff,))
+                return n
         except sqlite3.Error as exc:
             raise _map(exc, f"purging expired counters in {self.path}") from exc
 

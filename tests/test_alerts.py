@@ -379,3 +379,20 @@ def test_with_redis_down_the_winner_still_delivers_here_and_counts_the_stream_fa
             assert fields["id"] == got["id"] and fields["threshold"] == "100"
         finally:
             r.close()
+
+
+async def test_sqlite_purges_claimed_alerts_past_their_retention(tmp_path: Path) -> None:
+    import time
+
+    from storage.sqlite import SQLiteStorage
+
+    store = SQLiteStorage(tmp_path / "m.db", retention_days=1)
+    await store.open()
+    try:
+        assert await store.claim_alert("x", "a")
+        await store.purge_expired(time.time() + 30 * 86400)  # within 1 + 32 days: kept
+        assert not await store.claim_alert("x", "b")
+        await store.purge_expired(time.time() + 34 * 86400)
+        assert await store.claim_alert("x", "b")  # gone: a new claim
+    finally:
+        await store.close()
