@@ -20,7 +20,16 @@ from dataclasses import dataclass
 
 from cluster.api import AppliedView, GossipSource, Key
 from cluster.bus import Bus, BusUnavailable
-from cluster.codec import AnnounceItem, Codec, DeltaItem, Header, HoldItem, Kind, chunks
+from cluster.codec import (
+    AlertItem,
+    AnnounceItem,
+    Codec,
+    DeltaItem,
+    Header,
+    HoldItem,
+    Kind,
+    chunks,
+)
 
 log = logging.getLogger("cluster.broadcaster")
 
@@ -35,6 +44,7 @@ class SendStats:
     heartbeats: int = 0
     limits: int = 0
     holds: int = 0
+    alerts: int = 0
     items: int = 0
     bytes: int = 0
     failed: int = 0  # publish failed (bus down): the frame is lost, peers see a gap
@@ -145,10 +155,21 @@ class Broadcaster:
         self._queue("holds", items)
         return True
 
+    def alert_now(self, item: AlertItem) -> bool:
+        """Queue an ``alert`` frame (a threshold alert this node fired); False if not sent
+        (bus down, muted)."""
+        if not self.bus.connected or self.muted:
+            return False
+        self._queue("alert", (item,))
+        return True
+
     def _queue(
         self,
         kind: Kind,
-        items: Sequence[DeltaItem] | Sequence[AnnounceItem] | Sequence[HoldItem],
+        items: Sequence[DeltaItem]
+        | Sequence[AnnounceItem]
+        | Sequence[HoldItem]
+        | Sequence[AlertItem],
         limits_version: int = 0,
     ) -> None:
         if self._owe_gap:
@@ -222,6 +243,8 @@ class Broadcaster:
             s.limits += 1
         elif kind == "holds":
             s.holds += 1
+        elif kind == "alert":
+            s.alerts += 1
         else:
             s.heartbeats += 1
 
@@ -235,6 +258,7 @@ class Broadcaster:
             "heartbeats": s.heartbeats,
             "limits_messages": s.limits,
             "holds_messages": s.holds,
+            "alert_messages": s.alerts,
             "items": s.items,
             "bytes": s.bytes,
             "failed": s.failed,

@@ -16,13 +16,16 @@ array ``[cluster, sender, incarnation, seq, sent_at, kind, body]``:
                  lost messages);
 ``sent_at``      the sender's wall clock in seconds (for the gossip lag);
 ``kind``         0 heartbeat (body ``nil``), 1 deltas, 2 flush announcements, 3 limits changed,
-                 4 holds;
+                 4 holds, 5 alert;
 ``body``         deltas: ``[[tenant, feature, period, flush_seq, delta], ...]``;
                  announcements: ``[[tenant, feature, period, total, {node: seq}], ...]``;
                  limits changed: ``[version]``, the stored limits' new version;
                  holds: ``[[tenant, feature, period, held], ...]``, every counter the sender
                  holds reserved units on, as it is now (a whole snapshot: a counter left out
-                 holds nothing).
+                 holds nothing);
+                 alert: ``[id, tenant, feature, period, threshold, threshold_units, limit,
+                 value, node, at]``, a threshold alert whose claim the sender won
+                 (docs/quotas.md).
 
 Deltas and totals that do not fit a signed 64-bit integer travel as decimal strings.
 :func:`decode` returns a :class:`Message` or a :class:`Rejected` with a reason; it never raises.
@@ -54,13 +57,14 @@ INT64_MAX: Final = 2**63 - 1
 #: Longest decimal string accepted for a big integer.
 MAX_BIGINT_DIGITS: Final = 80
 
-Kind = Literal["heartbeat", "deltas", "announce", "limits", "holds"]
+Kind = Literal["heartbeat", "deltas", "announce", "limits", "holds", "alert"]
 _KIND_CODE: Final[dict[str, int]] = {
     "heartbeat": 0,
     "deltas": 1,
     "announce": 2,
     "limits": 3,
     "holds": 4,
+    "alert": 5,
 }
 _CODE_KIND: Final[dict[int, Kind]] = {v: cast(Kind, k) for k, v in _KIND_CODE.items()}
 
@@ -81,6 +85,8 @@ AnnounceItem = tuple[str, str, str, int, Mapping[str, int]]
 """``(tenant, feature, period, total, {node: last applied seq})``."""
 HoldItem = tuple[str, str, str, int]
 """``(tenant, feature, period, units held by the sender's open reservations)``."""
+AlertItem = tuple[str, str, str, str, int, int, int, int, str, float]
+"""``(id, tenant, feature, period, threshold %, threshold units, limit, value, node, at)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +112,8 @@ class Message:
     limits_version: int = 0
     #: ``holds``: the sender's reserved units per counter (all of them).
     holds: tuple[HoldItem, ...] = ()
+    #: ``alert``: the alert the sender fired.
+    alert: AlertItem | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +151,10 @@ class Codec:
         self,
         header: Header,
         kind: Kind,
-        items: Sequence[DeltaItem] | Sequence[AnnounceItem] | Sequence[HoldItem] = (),
+        items: Sequence[DeltaItem]
+        | Sequence[AnnounceItem]
+        | Sequence[HoldItem]
+        | Sequence[AlertItem] = (),
         limits_version: int = 0,
     ) -> bytes:
         """One frame. ``items`` are deltas or announcements according to ``kind``;
@@ -155,6 +166,9 @@ class Codec:
             body = [limits_version]
         elif kind == "holds":
             body = [list(cast(HoldItem, i)) for i in items]
+        elif kind == "alert":
+            a = cast(AlertItem, items[0])
+            body = [*a[:6], _wire_int(a[6]), _wire_int(a[7]), a[8], a[9]]
         elif kind == "deltas":
             deltas = cast(Sequence[DeltaItem], items)
             body = [[t, f, p, s, _wire_int(d)] for t, f, p, s, d in deltas]
@@ -251,6 +265,8 @@ class Codec:
             if not isinstance(body, list) or len(body) != 1:
                 raise _Bad("limits body is not [version]")
             return Message(header, kind, limits_version=_uint(body[0], "limits version"))
+        if kind == "alert":
+            return Message(header, kind, alert=_alert(body))
         if not isinstance(body, list) or len(body) > MAX_ITEMS:
             raise _Bad("body is not an array (or too long)")
         if kind == "deltas":
@@ -330,6 +346,15 @@ def _hold(item: Any) -> HoldItem:
         raise _Bad("hold is not [tenant, feature, period, held]")
     return (_str(item[0], "tenant"), _str(item[1], "feature"), _str(item[2], "period"),
             _uint(item[3], "held"))  # fmt: skip
+
+
+def _alert(body: Any) -> AlertItem:
+    if not isinstance(body, list) or len(body) != 10:
+        raise _Bad("alert body is not a 10-element array")
+    aid, t, f, p, pct, units, limit, value, node, at = body
+    return (_str(aid, "alert id"), _str(t, "tenant"), _str(f, "feature"), _str(p, "period"),
+            _uint(pct, "threshold"), _bigint(units, "threshold units"), _bigint(limit, "limit"),
+            _bigint(value, "value"), _str(node, "node"), _time(at))  # fmt: skip
 
 
 def _announce(item: Any) -> AnnounceItem:

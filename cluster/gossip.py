@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 from cluster.api import AppliedView, GossipTable, Key, Resync
 from cluster.broadcaster import Broadcaster
 from cluster.bus import Bus
-from cluster.codec import REASONS, Codec, HoldItem, Message, Rejected
+from cluster.codec import REASONS, AlertItem, Codec, DeltaItem, HoldItem, Message, Rejected
 from cluster.peers import Peers, Seen
 
 log = logging.getLogger("cluster.gossip")
@@ -123,8 +123,11 @@ class Gossip(Generic[S]):
         self.on_limits: Callable[[int], None] | None = None
         #: Called with a peer and its holds (a ``holds`` frame; ``()`` when it is forgotten).
         self.on_holds: Callable[[str, Sequence[HoldItem]], None] | None = None
-        #: Called after a frame of a peer's deltas changed this node's views (live usage push).
-        self.on_deltas: Callable[[], None] | None = None
+        #: Called with a frame's deltas after they changed this node's views (live usage
+        #: push, threshold alerts).
+        self.on_deltas: Callable[[Sequence[DeltaItem]], None] | None = None
+        #: Called with the alert of a peer's ``alert`` frame (a threshold alert it fired).
+        self.on_alert: Callable[[AlertItem], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -171,6 +174,10 @@ class Gossip(Generic[S]):
     def holds_changed(self, items: Sequence[HoldItem]) -> bool:
         """Tell peers every counter this node holds reserved units on; False if not sent."""
         return self.broadcaster.holds_now(items)
+
+    def alert_fired(self, item: AlertItem) -> bool:
+        """Tell peers this node fired a threshold alert; False if not sent (bus down)."""
+        return self.broadcaster.alert_now(item)
 
     def limits_changed(self, version: int) -> None:
         """Tell peers this node changed the stored limits to ``version``."""
@@ -243,7 +250,7 @@ class Gossip(Generic[S]):
             self.received["deltas_applied"] += applied
             self.received["deltas_skipped"] += len(msg.deltas) - applied
             if applied and self.on_deltas is not None:
-                self.on_deltas()
+                self.on_deltas(msg.deltas)
         elif msg.kind == "announce":
             applied = 0
             for t, f, p, total, seqs in msg.announcements:
@@ -256,6 +263,8 @@ class Gossip(Generic[S]):
             self.on_limits(msg.limits_version)
         elif msg.kind == "holds" and self.on_holds is not None:
             self.on_holds(h.sender, msg.holds)
+        elif msg.kind == "alert" and self.on_alert is not None and msg.alert is not None:
+            self.on_alert(msg.alert)
 
     def on_state(self, up: bool) -> None:
         """The bus connected or lost its connection."""

@@ -83,6 +83,15 @@ class RedisBus(Bus):
         except (RedisError, OSError) as exc:
             raise BusUnavailable(f"publish failed: {_describe(exc)}") from None
 
+    async def xadd(self, stream: str, fields: dict[str, str], maxlen: int) -> str:
+        """``XADD stream MAXLEN ~ maxlen * fields`` on the client's pool; the entry's id.
+        :class:`BusUnavailable` if Redis does not answer (it may have added it anyway)."""
+        try:
+            entry = await self._client.xadd(stream, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
+        except (RedisError, OSError) as exc:
+            raise BusUnavailable(f"XADD {stream[:64]!r} failed: {_describe(exc)}") from None
+        return entry.decode() if isinstance(entry, bytes) else str(entry)
+
     async def close(self) -> None:
         self._closing = True
         if self._task is not None:

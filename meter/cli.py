@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("tenant")
     watch.add_argument("features", nargs="*", metavar="FEATURE", help="default: every feature")
 
+    client("alerts", "print threshold alerts as the node delivers them until Ctrl-C")
+
     status = client("status", "show a node's state (--json: the raw status map)")
     status.add_argument(
         "--check",
@@ -165,8 +168,8 @@ def _limit_parsers(sub: Any, common: Any) -> None:
     pset.add_argument(
         "limits",
         nargs="+",
-        metavar="FEATURE=LIMIT[:soft|:strict]",
-        help="e.g. api_calls=100000 gpu=60:soft credits=500:strict",
+        metavar="FEATURE=LIMIT[:soft|:strict][@PCT,...]",
+        help="e.g. api_calls=100000@80,100 gpu=60:soft credits=500:strict (@: alerts, percent)",
     )
     assign = client(psub, "assign", "put a tenant on a plan")
     assign.add_argument("tenant")
@@ -182,6 +185,13 @@ def _limit_parsers(sub: Any, common: Any) -> None:
     lset.add_argument("limit", type=int)
     lset.add_argument("--soft", action="store_true", help="count past it and report (no refusal)")
     lset.add_argument("--strict", action="store_true", help="zero overshoot, fleet-wide")
+    lset.add_argument(
+        "--alert",
+        type=int,
+        action="append",
+        metavar="PCT",
+        help="alert when usage reaches PCT percent of the limit (repeat for several)",
+    )
     lclear = client(lsub, "clear", "remove a tenant's override (its plan's limit applies again)")
     lclear.add_argument("tenant")
     lclear.add_argument("feature")
@@ -196,15 +206,18 @@ def _limit_parsers(sub: Any, common: Any) -> None:
 
 
 def _parse_plan_limits(words: list[str]) -> dict[str, dict[str, Any]]:
-    """``FEATURE=LIMIT[:soft|:hard|:strict]`` words as a plan's features (``strict``: a hard
-    limit enforced strictly); ValueError names a bad one."""
+    """``FEATURE=LIMIT[:soft|:hard|:strict][@PCT,PCT...]`` words as a plan's features
+    (``strict``: a hard limit enforced strictly); ValueError names a bad one (the node checks
+    the percentages' range)."""
     out: dict[str, dict[str, Any]] = {}
     for word in words:
         feature, eq, rest = word.partition("=")
+        rest, at, pcts = rest.partition("@")
         number, _, kind = rest.partition(":")
         if not eq or not feature or kind not in ("", "soft", "hard", "strict"):
             raise ValueError(
-                f"{word!r}: expected FEATURE=LIMIT, FEATURE=LIMIT:soft, :hard or :strict"
+                f"{word!r}: expected FEATURE=LIMIT, FEATURE=LIMIT:soft, :hard or :strict, "
+                "optionally followed by @PCT,PCT (alert thresholds)"
             )
         try:
             n = int(number)
@@ -216,6 +229,13 @@ def _parse_plan_limits(words: list[str]) -> dict[str, dict[str, Any]]:
             out[feature] = {"limit": n, "kind": "hard", "enforcement": "strict"}
         else:
             out[feature] = {"limit": n, "kind": kind or "hard"}
+        if at:
+            try:
+                out[feature]["alerts"] = [int(p) for p in pcts.split(",")]
+            except ValueError:
+                raise ValueError(
+                    f"{word!r}: alerts after @ must be integer percentages, e.g. @80,100"
+                ) from None
     return out
 
 
@@ -241,10 +261,14 @@ def _limits_command(args: argparse.Namespace, client: Client, as_json: bool) -> 
         if args.limit_command == "set":
             kind = "soft" if args.soft else "hard"
             enforcement = "strict" if args.strict else "fast"
-            version = client.set_limit(args.tenant, args.feature, args.limit, kind, enforcement)
+            alerts = args.alert or None
+            version = client.set_limit(
+                args.tenant, args.feature, args.limit, kind, enforcement, alerts
+            )
             _out(as_json, f"{args.tenant} {args.feature}: {kind} limit {args.limit} "
                  f"(limits version {version})", tenant=args.tenant, feature=args.feature,
-                 limit=args.limit, kind=kind, enforcement=enforcement, version=version)  # fmt: skip
+                 limit=args.limit, kind=kind, enforcement=enforcement, alerts=alerts or [],
+                 version=version)  # fmt: skip
         else:
             version = client.clear_limit(args.tenant, args.feature)
             _out(as_json, f"{args.tenant} {args.feature}: override cleared "
@@ -270,6 +294,7 @@ def _limits_table(got: dict[str, Any]) -> str:
     rows = [head, f"{'FEATURE':<{width}}  {'LIMIT':>20}  KIND  SOURCE"]
     rows += [
         f"{f:<{width}}  {lim.get('limit'):>20}  {lim.get('kind'):<4}  {lim.get('source')}"
+        + (f"  alerts at {','.join(map(str, lim['alerts']))} %" if lim.get("alerts") else "")
         for f, lim in sorted(limits.items())
     ]
     return "\n".join(rows)
@@ -496,6 +521,9 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
                 else:
                     line = f"{u.tenant}\t{u.feature}\t{u.value}\t{u.period}"
                 print(line, flush=True)
+        elif args.command == "alerts":
+            for a in client.subscribe_alerts():
+                print(json.dumps(a, sort_keys=True) if as_json else _alert_line(a), flush=True)
         elif args.command == "status":
             status = client.status()
             print(json.dumps(status, indent=2, sort_keys=True) if as_json else _fmt(status))
@@ -510,6 +538,21 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
                 if reasons:
                     return 1
     return 0
+
+
+def _alert_line(a: dict[str, Any]) -> str:
+    """One alert for people."""
+    at = a.get("at")
+    when = (
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+        if isinstance(at, int | float)
+        else str(at)
+    )
+    return (
+        f"{when}  {a.get('tenant')}/{a.get('feature')} ({a.get('period')}) reached "
+        f"{a.get('threshold')}% of {a.get('limit')}: {a.get('value')} >= "
+        f"{a.get('threshold_units')}  id {a.get('id')} (node {a.get('node')})"
+    )
 
 
 def _out(as_json: bool, text: str, **fields: Any) -> None:
@@ -666,6 +709,16 @@ def _fmt(s: dict[str, Any]) -> str:
         )
         if lim.get("last_error"):
             line += f"; cannot read them: {lim['last_error']}"
+        lines.append(line)
+    al = s.get("alerts")
+    if isinstance(al, dict):
+        line = (
+            f"alerts       {al.get('fired')} fired here, {al.get('delivered')} delivered, "
+            f"{al.get('pending')} pending, {al.get('dropped')} dropped, "
+            f"{al.get('subscribers')} subscribers"
+        )
+        if al.get("last_error"):
+            line += f"; cannot claim: {al['last_error']}"
         lines.append(line)
     if flush.get("last_error"):
         lines.append(f"last error   {flush['last_error']}")

@@ -151,6 +151,11 @@ class _Inbox:
         self.dropped = 0
         #: Set when something arrives or the connection is lost (the asyncio client's).
         self.event: asyncio.Event | None = None
+        #: ``subscribe_alerts``: whether this client gets threshold alerts (made again on a
+        #: new connection), and those received and not read yet (oldest dropped past
+        #: MAX_BUFFERED, counted in ``dropped``).
+        self.alerts_on = False
+        self.alerts: collections.deque[dict[str, Any]] = collections.deque()
 
     def subscribing(self, tenant: str) -> None:
         """Call before sending a ``subscribe`` of ``tenant`` that the connection does not
@@ -184,7 +189,15 @@ class _Inbox:
         self.held.pop(tenant, None)
         self.wake()
 
-    def add(self, params: Any) -> None:
+    def add(self, params: Any, method: str = "usage") -> None:
+        if method == "alert":  # params: [{id, tenant, ...}]
+            ok = type(params) is list and len(params) == 1 and type(params[0]) is dict
+            if ok and self.alerts_on:
+                if len(self.alerts) >= MAX_BUFFERED:
+                    self.alerts.popleft()
+                    self.dropped += 1
+                self.alerts.append(params[0])
+            return
         if type(params) is not list or len(params) != 4:
             return
         queue = self.notes.get(params[0])
@@ -410,6 +423,11 @@ class Client(_Ids):
                 self._drop()
                 raise from_wire(resp.error)
             inbox.subscribed(tenant, params, resp.result)
+        if inbox.alerts_on:
+            resp = self._exchange(sock, "subscribe_alerts", [])
+            if resp.error is not None:
+                self._drop()
+                raise from_wire(resp.error)
         return sock
 
     def _send(self, sock: socket.socket, data: bytes) -> None:
@@ -444,7 +462,7 @@ class Client(_Ids):
         out: list[Response] = []
         for msg in messages:
             if type(msg) is Notification:
-                self._inbox.add(msg.params)
+                self._inbox.add(msg.params, msg.method)
             else:
                 out.append(cast(Response, msg))
         return out
@@ -668,6 +686,62 @@ class Client(_Ids):
         self._inbox.unsubscribed(tenant)
         return cast(bool, self._invoke("unsubscribe", [tenant], True))
 
+    def subscribe_alerts(self, *, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """Get every threshold alert the node delivers from now on (docs/quotas.md): an
+        iterator of alert maps ``{id, tenant, feature, period, threshold, threshold_units,
+        limit, value, node, at}``. Each step waits up to ``timeout`` seconds (None: for
+        ever); the iteration ends when one waited in vain. Made again after a reconnect
+        (alerts delivered while the client was away are not sent)."""
+        self._inbox.alerts_on = True
+        try:
+            self._invoke("subscribe_alerts", [], True)
+        except BaseException:
+            self._inbox.alerts_on = False
+            raise
+        return self._follow_alerts(timeout)
+
+    def _follow_alerts(self, timeout: float | None) -> Iterator[dict[str, Any]]:
+        while True:
+            alert = self.next_alert(timeout)
+            if alert is None:
+                return
+            yield alert
+
+    def next_alert(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The next alert (after :meth:`subscribe_alerts`), waiting up to ``timeout``
+        seconds (None: for ever); None if none came in time or alerts are not subscribed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        backoff: _Backoff | None = None
+        inbox = self._inbox
+        while True:
+            if inbox.alerts:
+                return inbox.alerts.popleft()
+            if not inbox.alerts_on:
+                return None
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            try:
+                sock = self._ensure()
+                if inbox.alerts:
+                    continue
+                if not self._read_notes(sock, left):
+                    return None
+                backoff = None
+            except Unavailable as exc:
+                if self.retry_timeout <= 0 or self._path is None or self._closed:
+                    raise
+                if backoff is None:
+                    backoff = _Backoff(time.monotonic(), self.retry_timeout)
+                pause = backoff.pause(exc)
+                time.sleep(pause if left is None else min(pause, left))
+
+    def unsubscribe_alerts(self) -> bool:
+        """Stop getting alerts (those unread are dropped); whether they were subscribed."""
+        self._inbox.alerts_on = False
+        self._inbox.alerts.clear()
+        return cast(bool, self._invoke("unsubscribe_alerts", [], True))
+
     def export_page(
         self, period: str, cursor: str | None = None, limit: int | None = None
     ) -> tuple[list[ExportRow], str | None]:
@@ -702,10 +776,17 @@ class Client(_Ids):
         return _version(self._invoke("assign_plan", [tenant, plan], True))
 
     def set_limit(
-        self, tenant: str, feature: str, limit: int, kind: str = "hard", enforcement: str = "fast"
+        self,
+        tenant: str,
+        feature: str,
+        limit: int,
+        kind: str = "hard",
+        enforcement: str = "fast",
+        alerts: Sequence[int] | None = None,
     ) -> int:
-        """Override ``tenant``'s limit on ``feature``; the limits' new version."""
-        spec = {"limit": limit, "kind": kind, "enforcement": enforcement}
+        """Override ``tenant``'s limit on ``feature`` (``alerts``: threshold percentages);
+        the limits' new version."""
+        spec = _limit_spec(limit, kind, enforcement, alerts)
         return _version(self._invoke("set_limit", [tenant, feature, spec], True))
 
     def clear_limit(self, tenant: str, feature: str) -> int:
@@ -741,7 +822,7 @@ class _ClientProtocol(asyncio.Protocol):
         noted = False
         for resp in responses:
             if type(resp) is Notification:
-                self.inbox.add(resp.params)
+                self.inbox.add(resp.params, resp.method)
                 noted = True
                 continue
             fut = pending.pop(cast(Response, resp).msgid, None)
@@ -912,6 +993,15 @@ class AsyncClient(_Ids):
                     transport.close()
                     raise from_wire(resp.error)
                 proto_inbox.subscribed(tenant, params, resp.result)
+            if proto_inbox.alerts_on:
+                try:
+                    resp = await self._exchange(proto, "subscribe_alerts", [])
+                except BaseException:
+                    transport.close()
+                    raise
+                if resp.error is not None:
+                    transport.close()
+                    raise from_wire(resp.error)
             return proto
 
     def _register(self, proto: _ClientProtocol) -> tuple[int, asyncio.Future[Response]]:
@@ -1163,6 +1253,53 @@ class AsyncClient(_Ids):
         self._protocol.inbox.unsubscribed(tenant)
         return cast(bool, await self._invoke("unsubscribe", [tenant], True))
 
+    async def subscribe_alerts(self) -> AsyncIterator[dict[str, Any]]:
+        """As :meth:`Client.subscribe_alerts`: an async iterator of alert maps; it ends when
+        alerts are unsubscribed or the client closed; a lost connection is reopened (and the
+        subscription made again) within ``retry_timeout``."""
+        inbox = self._protocol.inbox
+        inbox.alerts_on = True
+        try:
+            await self._invoke("subscribe_alerts", [], True)
+        except BaseException:
+            inbox.alerts_on = False
+            raise
+        if inbox.event is None:
+            inbox.event = asyncio.Event()
+        return self._follow_alerts(inbox)
+
+    async def _follow_alerts(self, inbox: _Inbox) -> AsyncIterator[dict[str, Any]]:
+        event = inbox.event
+        assert event is not None
+        backoff: _Backoff | None = None
+        while True:
+            if inbox.alerts:
+                yield inbox.alerts.popleft()
+                continue
+            if not inbox.alerts_on or self._closed:
+                return
+            if self._usable() is None:
+                try:
+                    await self._ensure()
+                    backoff = None
+                except Unavailable as exc:
+                    if self.retry_timeout <= 0 or self._path is None or self._closed:
+                        raise
+                    if backoff is None:
+                        backoff = _Backoff(time.monotonic(), self.retry_timeout)
+                    await asyncio.sleep(backoff.pause(exc))
+                continue
+            event.clear()
+            await event.wait()
+
+    async def unsubscribe_alerts(self) -> bool:
+        """Stop getting alerts (the iterators end); whether they were subscribed."""
+        inbox = self._protocol.inbox
+        inbox.alerts_on = False
+        inbox.alerts.clear()
+        inbox.wake()
+        return cast(bool, await self._invoke("unsubscribe_alerts", [], True))
+
     async def export_page(
         self, period: str, cursor: str | None = None, limit: int | None = None
     ) -> tuple[list[ExportRow], str | None]:
@@ -1204,10 +1341,16 @@ class AsyncClient(_Ids):
         return _version(await self._invoke("assign_plan", [tenant, plan], True))
 
     async def set_limit(
-        self, tenant: str, feature: str, limit: int, kind: str = "hard", enforcement: str = "fast"
+        self,
+        tenant: str,
+        feature: str,
+        limit: int,
+        kind: str = "hard",
+        enforcement: str = "fast",
+        alerts: Sequence[int] | None = None,
     ) -> int:
         """As :meth:`Client.set_limit`."""
-        spec = {"limit": limit, "kind": kind, "enforcement": enforcement}
+        spec = _limit_spec(limit, kind, enforcement, alerts)
         return _version(await self._invoke("set_limit", [tenant, feature, spec], True))
 
     async def clear_limit(self, tenant: str, feature: str) -> int:
@@ -1217,6 +1360,15 @@ class AsyncClient(_Ids):
     async def limits(self, tenant: str) -> dict[str, Any]:
         """As :meth:`Client.limits`."""
         return cast(dict[str, Any], await self._invoke("limits", [tenant], True))
+
+
+def _limit_spec(
+    limit: int, kind: str, enforcement: str, alerts: Sequence[int] | None
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {"limit": limit, "kind": kind, "enforcement": enforcement}
+    if alerts:
+        spec["alerts"] = list(alerts)
+    return spec
 
 
 def _features(features: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:

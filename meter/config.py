@@ -153,6 +153,9 @@ class ClusterConfig:
     peer_timeout_ms: int = 5000
     #: Every warm key is re-read from storage this often to bound drift (0: never).
     reconcile_s: float = 60.0
+    #: The Redis Stream threshold alerts are added to (docs/quotas.md), and its MAXLEN (~).
+    alerts_stream: str = "meter:alerts"
+    alerts_stream_maxlen: int = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,6 +401,8 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "cluster_heartbeat_ms": ("cluster", "heartbeat_ms", _int(10, 600_000)),
     "cluster_peer_timeout_ms": ("cluster", "peer_timeout_ms", _int(100, 3_600_000)),
     "cluster_reconcile_s": ("cluster", "reconcile_s", _float(0, 10**7)),
+    "alerts_stream": ("cluster", "alerts_stream", _str),
+    "alerts_stream_maxlen": ("cluster", "alerts_stream_maxlen", _int(1, 1_000_000_000)),
     "durability": ("durability", "mode", _durability),
     "wal_fsync_interval_ms": ("durability", "fsync_interval_ms", _int(1, 60_000)),
     "wal_segment_bytes": ("durability", "segment_bytes", _int(4096, 1 << 40)),

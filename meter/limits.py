@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from meter.errors import InvalidArgument
@@ -45,6 +45,10 @@ Record = tuple[str, str, str, str]
 
 SOFT_STRICT = "a soft limit never refuses, so it cannot be strict; strict limits are hard"
 
+#: Alert thresholds of one limit: at most this many percentages, each 1..ALERT_PCT_MAX.
+MAX_ALERTS = 10
+ALERT_PCT_MAX = 1000
+
 
 @dataclass(frozen=True, slots=True)
 class Limit:
@@ -53,9 +57,18 @@ class Limit:
     limit: int
     kind: Kind = "hard"
     enforcement: Enforcement = "fast"
+    #: Alert thresholds in percent of ``limit`` (sorted, distinct; empty: no alerts).
+    alerts: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        return {"limit": self.limit, "kind": self.kind, "enforcement": self.enforcement}
+        out: dict[str, Any] = {
+            "limit": self.limit,
+            "kind": self.kind,
+            "enforcement": self.enforcement,
+        }
+        if self.alerts:  # (absent when none: records without alerts stay as they were)
+            out["alerts"] = list(self.alerts)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,18 +80,23 @@ class Effective:
     kind: Kind
     enforcement: Enforcement
     source: str
+    #: Alert thresholds in percent of ``limit`` (sorted, distinct; empty: no alerts).
+    alerts: tuple[int, ...] = ()
 
     @property
     def hard(self) -> bool:
         return self.kind == "hard"
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "limit": self.limit,
             "kind": self.kind,
             "enforcement": self.enforcement,
             "source": self.source,
         }
+        if self.alerts:
+            out["alerts"] = list(self.alerts)
+        return out
 
 
 def check_plan_name(name: object) -> str:
@@ -99,17 +117,46 @@ def check_plan_name(name: object) -> str:
     return name
 
 
+def parse_alerts(value: object, what: str = "limit") -> tuple[int, ...]:
+    """A limit's ``alerts``: a list of at most :data:`MAX_ALERTS` distinct integer
+    percentages 1..:data:`ALERT_PCT_MAX`, returned sorted; :class:`InvalidArgument` names
+    ``what`` otherwise."""
+    if not isinstance(value, list | tuple):
+        raise InvalidArgument(
+            f"{what}: alerts must be a list of percentages, got {type(value).__name__}"
+        )
+    if len(value) > MAX_ALERTS:
+        raise InvalidArgument(f"{what}: alerts has {len(value)} thresholds; at most {MAX_ALERTS}")
+    seen: set[int] = set()
+    for pct in value:
+        if isinstance(pct, bool) or not isinstance(pct, int):
+            raise InvalidArgument(
+                f"{what}: each of alerts must be an integer percentage, got {type(pct).__name__}"
+            )
+        if not 1 <= pct <= ALERT_PCT_MAX:
+            raise InvalidArgument(f"{what}: alerts must be 1..{ALERT_PCT_MAX} (percent), got {pct}")
+        if pct in seen:
+            raise InvalidArgument(f"{what}: alerts lists {pct} twice")
+        seen.add(pct)
+    return tuple(sorted(seen))
+
+
 def parse_limit(spec: object, what: str = "limit") -> Limit:
-    """A limit spec ``{limit, kind?, enforcement?}`` validated (``kind`` defaults to hard,
-    ``enforcement`` to fast); :class:`InvalidArgument` names ``what`` otherwise."""
+    """A limit spec ``{limit, kind?, enforcement?, alerts?}`` validated (``kind`` defaults to
+    hard, ``enforcement`` to fast, ``alerts`` to none); :class:`InvalidArgument` names ``what``
+    otherwise."""
+    if isinstance(spec, dict) and "alerts" in spec:  # the rest first, then the thresholds
+        rest = {k: v for k, v in spec.items() if k != "alerts"}
+        return replace(parse_limit(rest, what), alerts=parse_alerts(spec["alerts"], what))
     if not isinstance(spec, dict):
         raise InvalidArgument(
-            f"{what} must be a map {{limit, kind, enforcement}}, got {type(spec).__name__}"
+            f"{what} must be a map {{limit, kind, enforcement, alerts}}, got {type(spec).__name__}"
         )
     for name in spec:
         if name not in ("limit", "kind", "enforcement"):
             raise InvalidArgument(
-                f"{what}: unknown field {str(name)[:32]!r} (allowed: enforcement, kind, limit)"
+                f"{what}: unknown field {str(name)[:32]!r} "
+                "(allowed: alerts, enforcement, kind, limit)"
             )
     if "limit" not in spec:
         raise InvalidArgument(f"{what}: limit is missing")
@@ -176,7 +223,13 @@ def _stored_limit(value: Any) -> Limit:
         raise ValueError(f"bad limit {n!r}")
     if kind not in KINDS or enforcement not in ENFORCEMENTS:
         raise ValueError(f"bad kind or enforcement {kind!r} {enforcement!r}")
-    return Limit(n, kind, enforcement)
+    alerts: tuple[int, ...] = ()
+    if "alerts" in value:
+        try:
+            alerts = parse_alerts(value["alerts"])
+        except InvalidArgument as exc:
+            raise ValueError(f"bad alerts: {exc.message}") from None
+    return Limit(n, kind, enforcement, alerts)
 
 
 # -- the book --------------------------------------------------------------------------------
@@ -239,6 +292,8 @@ class LimitBook:
     by_pair: PairLimits = field(default_factory=lambda: PairLimits({}, {}, {}))
     #: Records that could not be decoded (``(scope, name, feature)`` and why), skipped.
     bad: list[tuple[tuple[str, str, str], str]] = field(default_factory=list)
+    #: Whether any limit has alert thresholds (the hot path's one test for alerts).
+    alerting: bool = False
 
     @classmethod
     def from_records(cls, version: int, records: Iterable[Record]) -> LimitBook:
@@ -274,16 +329,19 @@ class LimitBook:
         # Per plan and per override, never per tenant x feature (see the module doc).
         plans = {
             name: {
-                f: Effective(lim.limit, lim.kind, lim.enforcement, f"plan:{name}")
+                f: Effective(lim.limit, lim.kind, lim.enforcement, f"plan:{name}", lim.alerts)
                 for f, lim in features.items()
             }
             for name, features in self.plans.items()
         }
         overrides = {
-            pair: Effective(lim.limit, lim.kind, lim.enforcement, "override")
+            pair: Effective(lim.limit, lim.kind, lim.enforcement, "override", lim.alerts)
             for pair, lim in self.overrides.items()
         }
         self.by_pair = PairLimits(overrides, self.assigned, plans)
+        self.alerting = any(lim.alerts for lim in self.overrides.values()) or any(
+            lim.alerts for features in self.plans.values() for lim in features.values()
+        )
 
     def effective(self, tenant: str, feature: str) -> Effective | None:
         """The limit on ``(tenant, feature)``, ``None`` if there is none."""
@@ -308,8 +366,8 @@ class LimitBook:
 
 def plans_from_toml(data: Mapping[str, Any], where: str) -> dict[str, dict[str, Limit]]:
     """The plans of a plans file: ``[plans.NAME]`` tables of ``feature = LIMIT`` (hard, fast)
-    or ``feature = {limit = N, kind = "soft"}``; :class:`InvalidArgument` names the first bad
-    entry (``where``: the file, for the message)."""
+    or ``feature = {limit = N, kind = "soft", alerts = [80, 100]}``; :class:`InvalidArgument`
+    names the first bad entry (``where``: the file, for the message)."""
     for key in data:
         if key != "plans":
             raise InvalidArgument(f"{where}: unknown key {key!r} (only [plans.NAME] tables)")

@@ -72,6 +72,8 @@ RESERVATIONS_OPEN = "meter_reservations_open"
 RESERVATIONS_EXPIRED = "meter_reservations_expired_total"
 STRICT_SHARES = "meter_strict_shares"
 STRICT_WRITES = "meter_strict_budget_writes_total"
+ALERTS = "meter_alerts_total"
+ALERTS_PENDING = "meter_alerts_pending"
 READY = "meter_ready"
 DEGRADED = "meter_degraded"
 BUILD_INFO = "meter_build_info"
@@ -85,6 +87,7 @@ METRIC_NAMES: tuple[str, ...] = (
     WAL_FSYNCS, WAL_FSYNC_DURATION, WAL_FAILURES, WAL_WRITABLE, GOSSIP_BUS_CONNECTED,
     GOSSIP_PEERS, GOSSIP_LAG, GOSSIP_MESSAGES, GOSSIP_REJECTED, GOSSIP_GAPS, RESERVATIONS_OPEN,
     RESERVATIONS_EXPIRED, STRICT_SHARES, STRICT_WRITES, READY, DEGRADED, BUILD_INFO,
+    RESERVATIONS_EXPIRED, ALERTS, ALERTS_PENDING, READY, DEGRADED, BUILD_INFO,
 )  # fmt: skip
 
 
@@ -190,6 +193,19 @@ class NodeCollector(Collector):
             writes.add_metric(["conflict"], shares.conflicts)
             writes.add_metric(["failed"], shares.errors)
             yield writes
+            al = svc.alerts
+            alerts = _counter(
+                ALERTS,
+                "Threshold alerts: fired (claims this node won), delivered (to this node's "
+                "subscribers), dropped (crossings left unclaimed, too many pending).",
+                ["event"],
+            )
+            for event, n in (("fired", al.fired), ("delivered", al.delivered),
+                             ("dropped", al.dropped)):  # fmt: skip
+                alerts.add_metric([event], n)
+            yield alerts
+            yield _gauge(ALERTS_PENDING, "Threshold crossings waiting for their claim.",
+                         len(al.pending))  # fmt: skip
         if node.wal is not None:
             yield from self._wal()
         if node.gossip is not None:

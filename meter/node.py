@@ -16,11 +16,14 @@ import os
 import secrets
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from cluster.bus import BusUnavailable
+from cluster.codec import AlertItem, DeltaItem
 from cluster.gossip import Gossip, GossipSettings
+from meter.alerts import Alert
 from meter.config import NodeConfig
 from meter.errors import ConfigError, Unavailable
 from meter.flusher import Flusher
@@ -278,6 +281,8 @@ class Node:
         self._watch_last = 0.0
         self._watch_timer: asyncio.TimerHandle | None = None
         self._watch_due = 0.0
+        #: Threshold alerts being added to the Redis Stream.
+        self._stream_tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self.drained: bool | None = None
 
@@ -394,6 +399,7 @@ class Node:
             asyncio.create_task(self._watch_loop(), name="usage-push"),
             asyncio.create_task(self.service.limits.run(), name="limits"),
             asyncio.create_task(self._escrow_loop(), name="strict-shares"),
+            asyncio.create_task(self.service.alerts.run(), name="alerts"),
         ]
         if warm:
             # Right after the socket opens: requests arriving meanwhile are read first.
@@ -445,10 +451,14 @@ class Node:
         assert self.service is not None
         limits = self.service.limits
         gossip = self.gossip
+        alerts = self.service.alerts
+        alerts.on_fired = self._alert_fired
+        alerts.on_deliver = self._deliver_alert
         if gossip is not None:
             gossip.on_holds = self.service.peer_holds.replace
             gossip.on_deltas = self._peer_deltas
             gossip.on_limits = limits.invalidate
+            gossip.on_alert = self._peer_alert
             limits.publish = gossip.limits_changed
         plans_file = self.config.counters.plans_file
         try:
@@ -561,6 +571,8 @@ class Node:
                 "; ".join(f"{k}: {self.flusher.stats.poisoned[k]}" for k in parked[:20]),
             )
             self.drained = False
+        if self._stream_tasks:  # alerts being added to the Redis Stream: a moment to finish
+            await asyncio.wait(self._stream_tasks, timeout=2.0)
         if self.gossip is not None:
             # The drain's announcements are queued: send them and any last gossip, then close.
             await self.gossip.stop()
@@ -688,13 +700,70 @@ class Node:
             if watch:
                 self._watch_schedule()
 
-    def _peer_deltas(self) -> None:
-        """A peer's gossip changed this node's views: push them now, not a tick later, so a
+    # -- threshold alerts (docs/quotas.md) ---------------------------------------------------
+
+    def _alert_fired(self, alert: Alert) -> None:
+        """This node won ``alert``'s claim: announce it to the fleet (every peer delivers it
+        to its subscribers), deliver it here, and add it to the Redis Stream."""
+        assert self.service is not None
+        if self.gossip is not None:
+            item: AlertItem = (
+                alert.id, alert.tenant, alert.feature, alert.period, alert.threshold,
+                alert.threshold_units, alert.limit, alert.value, alert.node, alert.at,
+            )  # fmt: skip
+            if not self.gossip.alert_fired(item):
+                log.warning("alert %s: the bus is down, peers' subscribers will not get it",
+                            alert.id)  # fmt: skip
+            task = asyncio.create_task(self._stream_alert(alert), name="alert-stream")
+            self._stream_tasks.add(task)
+            task.add_done_callback(self._stream_tasks.discard)
+        self.service.alerts.deliver(alert)
+
+    async def _stream_alert(self, alert: Alert, attempts: int = 5) -> None:
+        """``XADD`` ``alert`` to ``alerts_stream``; tried again (up to ``attempts`` times in
+        all, backing off) while Redis does not answer."""
+        assert self.gossip is not None
+        bus = self.gossip.bus
+        xadd = getattr(bus, "xadd", None)
+        if xadd is None:
+            return
+        c = self.config.cluster
+        fields = {k: str(v) for k, v in alert.to_wire().items()}
+        pause = 0.2
+        for attempt in range(attempts):
+            try:
+                await xadd(c.alerts_stream, fields, c.alerts_stream_maxlen)
+                return
+            except BusUnavailable as exc:
+                if attempt == attempts - 1:
+                    log.error("alert %s not added to the stream %s: %s",
+                              alert.id, c.alerts_stream, exc)  # fmt: skip
+                    if self.service is not None:
+                        self.service.alerts.stream_failures += 1
+                    return
+            await asyncio.sleep(pause)
+            pause = min(5.0, pause * 2)
+
+    def _peer_alert(self, item: AlertItem) -> None:
+        assert self.service is not None
+        self.service.alerts.deliver(Alert(*item))
+
+    def _deliver_alert(self, alert: Alert) -> None:
+        assert self.service is not None
+        log.info("alert %s delivered: %s/%s %d%% (fired by %s)",
+                 alert.id, alert.tenant, alert.feature, alert.threshold, alert.node)  # fmt: skip
+        if self.service.watch.offer_alert(alert.to_wire()) and self.server is not None:
+            self.server.push_notifications()
+
+    def _peer_deltas(self, deltas: Sequence[DeltaItem] = ()) -> None:
+        """A peer's gossip changed this node's views: detect the threshold alerts it crossed,
+        and push them now, not a tick later, so a
         unit tracked on a peer reaches a subscriber here within the peer's tick and delivery.
         Ticks run at least a quarter of an interval apart (a frame sooner after one sets a
         timer for then), and no counter is sent more than once per interval whatever the
         ticks (:meth:`Watch.tick`)."""
         assert self.service is not None
+        self.service.peer_deltas(deltas)
         if self._watch_stopping or not self.service.watch or self._watch_pending:
             return
         interval = self.config.cluster.gossip_interval_ms / 1000

@@ -193,6 +193,12 @@ class _Connection(asyncio.Protocol):
         srv = self._server
         low = srv.low_water
         buffered = transport.get_write_buffer_size()
+        while sub.alerts and buffered < low:  # (few, and urgent: first)
+            room = (low - buffered) // (2 * NOTIFY_MAX_BYTES)  # (an alert: under 2 KiB)
+            # MessagePack-RPC params are an array: ``[2, "alert", [{...}]]``.
+            alerts = [[a] for a in sub.take_alerts(room or 1)]
+            transport.write(srv._encoder.notifications("alert", alerts))
+            buffered = transport.get_write_buffer_size()
         while sub.pending and buffered < low:
             room = (low - buffered) // NOTIFY_MAX_BYTES
             transport.write(srv._encoder.notifications("usage", sub.take(room or 1)))
@@ -210,7 +216,7 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
-            if self.sub is not None and self.sub.pending:
+            if self.sub is not None and self.sub.has_pending:
                 self.push()
 
     def data_received(self, data: bytes) -> None:
@@ -600,7 +606,7 @@ class RpcServer:
         :meth:`_Connection.push`)."""
         for conn in self._conns:
             sub = conn.sub
-            if sub is not None and sub.pending:
+            if sub is not None and sub.has_pending:
                 conn.push()
 
     def _spawn(self, conn: _Connection, msgid: int, method: str, aw: Awaitable[Any]) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 from meter import __version__, export
+from meter.alerts import Alerts
 from meter.config import CounterConfig
 from meter.errors import (
     Conflict,
@@ -171,6 +172,10 @@ class Service:
         #: Reservations whose units were admitted from a strict share (given back when they
         #: are released, expire or are committed for less).
         self._escrowed: set[str] = set()
+        #: Threshold alerts (docs/quotas.md): detected here, claimed by the node's loop.
+        self.alerts = Alerts(table.node, storage.claim_alert)
+        #: Whether any limit has alert thresholds (the one test the counting paths make).
+        self._alerting = False
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
             **LimitMethods(self.limits).handlers(),
             "check": self._check,
@@ -185,6 +190,8 @@ class Service:
             "status": self._status,
             "subscribe": self._subscribe,
             "unsubscribe": self._unsubscribe,
+            "subscribe_alerts": self._subscribe_alerts,
+            "unsubscribe_alerts": self._unsubscribe_alerts,
             "export": self._export,
         }
 
@@ -424,6 +431,7 @@ class Service:
     def _new_limits(self, book: LimitBook) -> None:
         self._limited = book.by_pair if book.by_pair else None
         self._gated = bool(book.by_pair) or self._hier
+        self._alerting = book.alerting
 
     def _gate(self, key: Key, qty: int, eff: Effective | None) -> None:
         """Refuse (raise, nothing counted) ``qty`` more units on a seeded-or-not ``key`` that
@@ -570,6 +578,10 @@ class Service:
                 self.shares.admit(k, qty)
             elif _soft_crossing(eff, v, qty):
                 self._crossed(k, eff, v)
+        if self._alerting and qty > 0:
+            for k, eff, v in zip(keys, effs, values, strict=True):
+                if eff is not None and eff.alerts and v is not None:
+                    self.alerts.detect(k, eff.limit, eff.alerts, v - qty, v)
         return values, [[*k, qty] for k in keys[1:]]
 
     def _crossed(self, key: Key, eff: Effective | None, value: int | None) -> None:
@@ -1078,10 +1090,12 @@ class Service:
                 f"the limit {limit}"
             )
         try:
-            self.table.reserve(key, qty, limit)
+            held = self.table.reserve(key, qty, limit)
         except LimitExceeded:
             self.limit_refusals += 1
             raise
+        if self._alerting and eff is not None and eff.alerts and held is not None:
+            self.alerts.detect(key, eff.limit, eff.alerts, held - qty, held)
         lease = self.reservations.open(key, qty, time.monotonic() + ttl_ms / 1000)
         if strict and qty > 0:
             self.shares.admit(key, qty)
@@ -1131,6 +1145,8 @@ class Service:
             view = self.table.value(key)
             if _soft_crossing(eff, view, actual - lease.qty):
                 self._crossed(key, eff, view)
+            if self._alerting and eff is not None and eff.alerts and view is not None:
+                self.alerts.detect(key, eff.limit, eff.alerts, view - actual + lease.qty, view)
         self.reservations.close(lease_id)
         done_exp = self.done.remember(lease_id, COMMITTED, [actual, value], now)
         rid, fp, expires = self._remember_finish(idem, value, now)
@@ -1406,6 +1422,32 @@ class Service:
         tenant = self._tenant(tenant)
         return Bind(lambda sub: self.watch.unsubscribe(sub, tenant))
 
+    def _subscribe_alerts(self, params: list[Any]) -> Bind:
+        _args("subscribe_alerts", params, 0, 0, ())
+        return Bind(self.watch.subscribe_alerts)
+
+    def _unsubscribe_alerts(self, params: list[Any]) -> Bind:
+        _args("unsubscribe_alerts", params, 0, 0, ())
+        return Bind(self.watch.unsubscribe_alerts)
+
+    def peer_deltas(self, deltas: Iterable[tuple[str, str, str, int, int]]) -> None:
+        """A peer's gossip deltas were applied: detect the threshold crossings they caused
+        (the view before a frame is taken as the view after it less the frame's units)."""
+        limited = self._limited
+        if not self._alerting or limited is None:
+            return
+        sums: dict[Key, int] = {}
+        for t, f, p, _, delta in deltas:
+            eff = limited.get((t, f))
+            if eff is not None and eff.alerts and delta > 0:
+                key = (t, f, p)
+                sums[key] = sums.get(key, 0) + delta
+        for key, units in sums.items():
+            eff = limited.get((key[0], key[1]))
+            value = self.table.value(key)
+            if eff is not None and value is not None:
+                self.alerts.detect(key, eff.limit, eff.alerts, value - units, value)
+
     def watch_view(self, tenant: str, features: frozenset[str] | None) -> View:
         """``tenant``'s loaded counters of the current periods, as ``usage`` answers them (holds
         included); the watched ones (``features``, ``None``: all) are marked used so they stay
@@ -1475,6 +1517,7 @@ class Service:
                 "finished_reservations": len(self.done),
             },
             "subscriptions": self.watch.status(),
+            "alerts": {**self.alerts.status(), **self.watch.alert_status()},
         }
         if self.status_extra is not None:
             out.update(self.status_extra())

@@ -16,6 +16,7 @@ that does not read costs a bounded amount of memory whatever changes; what is re
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 from itertools import islice
 from typing import Any
@@ -29,6 +30,9 @@ MAX_SUBSCRIPTIONS = 64
 MAX_FEATURES = 256
 #: Counters whose notification may wait unsent on one connection.
 MAX_PENDING = 10_000
+#: Threshold alerts that may wait unsent on one connection (``subscribe_alerts``); past this
+#: the oldest unsent one is dropped (counted).
+MAX_PENDING_ALERTS = 1000
 #: Distinct tenants one node may watch, every connection together: each tick reads each
 #: watched tenant's loaded counters (the ``max_watched_tenants`` setting's default).
 MAX_WATCHED_TENANTS = 1024
@@ -40,7 +44,19 @@ View = dict[tuple[str, str], int]
 class Subscriber:
     """One connection's subscriptions (tenant -> features, ``None`` for all) and its outbox."""
 
-    __slots__ = ("closed", "max_pending", "pending", "refused", "replaced", "sent", "tenants")
+    __slots__ = (
+        "alerts",
+        "alerts_dropped",
+        "alerts_on",
+        "alerts_sent",
+        "closed",
+        "max_pending",
+        "pending",
+        "refused",
+        "replaced",
+        "sent",
+        "tenants",
+    )
 
     def __init__(self, max_pending: int = MAX_PENDING) -> None:
         self.tenants: dict[str, frozenset[str] | None] = {}
@@ -55,6 +71,32 @@ class Subscriber:
         self.refused = 0
         #: Its connection is gone (:meth:`Watch.remove`): it may not subscribe again.
         self.closed = False
+        #: ``subscribe_alerts``: whether it gets threshold alerts, and those unsent (oldest
+        #: first, at most MAX_PENDING_ALERTS), sent, and dropped unsent.
+        self.alerts_on = False
+        self.alerts: deque[dict[str, Any]] = deque()
+        self.alerts_sent = 0
+        self.alerts_dropped = 0
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether notifications of any kind wait unsent."""
+        return bool(self.pending) or bool(self.alerts)
+
+    def offer_alert(self, alert: dict[str, Any]) -> None:
+        """Queue an ``alert`` notification; the oldest unsent one is dropped (counted) if
+        MAX_PENDING_ALERTS wait."""
+        if len(self.alerts) >= MAX_PENDING_ALERTS:
+            self.alerts.popleft()
+            self.alerts_dropped += 1
+        self.alerts.append(alert)
+
+    def take_alerts(self, most: int) -> list[dict[str, Any]]:
+        """The ``most`` oldest unsent alerts, taken out of the outbox."""
+        alerts = self.alerts
+        out = [alerts.popleft() for _ in range(min(most, len(alerts)))]
+        self.alerts_sent += len(out)
+        return out
 
     @property
     def dropped(self) -> int:
@@ -126,6 +168,10 @@ class Watch:
         #: When each watched counter was last offered (monotonic seconds), by tenant.
         self._offered: dict[str, dict[tuple[str, str], float]] = {}
         self._subscribers: set[Subscriber] = set()
+        #: Connections that get threshold alerts, and counts of those gone.
+        self._alert_subs: set[Subscriber] = set()
+        self._alerts_sent_gone = 0
+        self._alerts_dropped_gone = 0
         #: ``sent`` and ``dropped`` of subscribers gone (their connections closed).
         self._sent_gone = 0
         self._dropped_gone = 0
@@ -195,9 +241,45 @@ class Watch:
             out |= features
         return frozenset(out)
 
+    def subscribe_alerts(self, sub: Subscriber) -> bool:
+        """Send ``sub`` every threshold alert delivered here from now on; True."""
+        if sub.closed:
+            raise Unavailable("subscribe_alerts: the connection closed")
+        sub.alerts_on = True
+        self._alert_subs.add(sub)
+        return True
+
+    def unsubscribe_alerts(self, sub: Subscriber) -> bool:
+        """Stop sending ``sub`` alerts (those unsent go too); whether it was subscribed."""
+        was = sub.alerts_on
+        sub.alerts_on = False
+        if sub in self._alert_subs:
+            self._alert_subs.discard(sub)
+            self._alerts_sent_gone += sub.alerts_sent
+            self._alerts_dropped_gone += sub.alerts_dropped
+            sub.alerts_sent = sub.alerts_dropped = 0
+        sub.alerts.clear()
+        return was
+
+    def offer_alert(self, alert: dict[str, Any]) -> bool:
+        """Queue ``alert`` for every alert subscriber; whether any was."""
+        for sub in self._alert_subs:
+            sub.offer_alert(alert)
+        return bool(self._alert_subs)
+
+    def alert_status(self) -> dict[str, int]:
+        subs = self._alert_subs
+        return {
+            "subscribers": len(subs),
+            "notifications_sent": self._alerts_sent_gone + sum(s.alerts_sent for s in subs),
+            "notifications_dropped": self._alerts_dropped_gone
+            + sum(s.alerts_dropped for s in subs),
+        }
+
     def remove(self, sub: Subscriber) -> None:
         """Forget ``sub`` and its subscriptions (its connection closed); it may not subscribe
         again."""
+        self.unsubscribe_alerts(sub)
         sub.closed = True
         for tenant in list(sub.tenants):
             self.unsubscribe(sub, tenant)

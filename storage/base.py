@@ -319,3 +319,13 @@ class Storage(abc.ABC):
         after ``False`` or :class:`StorageUnavailable` the caller reads the record again to
         tell (its body names the write)."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep budgets")
+
+    # -- threshold alerts (docs/quotas.md) ---------------------------------------------------
+
+    async def claim_alert(self, alert_id: str, body: str) -> bool:
+        """Store ``body`` under ``alert_id`` if nothing is stored under it yet ("put if
+        absent"); True only if the body stored under it now is ``body`` (this call, or an
+        earlier try of it whose answer was lost, stored it), False if another body was there.
+        Bodies name their claimant, so two claimants never store equal bodies. Raises
+        :class:`StorageError` if storage cannot tell (the caller tries again later)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep alerts")

@@ -137,6 +137,9 @@ _LIMITS_VERSION_KEY: dict[str, Any] = {"pk": {"S": OWNER_PK}, "sk": {"S": "limit
 #: sk = "#b#<period>#<feature>"`` (never a counter's ``<period>#...``, so queries and exports of
 #: counters skip it) with ``v`` (N, its version), ``b`` (S, the record) and ``ttl``.
 _BUDGET_SK = "#b#"
+#: A claimed threshold alert (docs/quotas.md) is the item ``pk = OWNER_PK, sk = "alert#" + id``
+#: with ``b`` (S): the body of the claim that stored it first.
+_ALERT_SK = "alert#"
 _CLAIM_CONDITION = "attribute_not_exists(#tok) OR #exp <= :now OR #tok IN ({})"
 
 # The TTL is set on every write: it only grows (later of period end and now), so a counter
@@ -688,6 +691,41 @@ class DynamoDBStorage(Storage):
             return False
         return True
 
+    # -- threshold alerts (docs/quotas.md) --------------------------------------------------
+
+    async def claim_alert(self, alert_id: str, body: str) -> bool:
+        """A ``PutItem`` conditioned on ``attribute_not_exists(pk)``. A refused condition (held
+        already, perhaps by an earlier try of this very call whose answer was lost and that
+        ``_call`` sent again) and a failure that leaves it unknown whether the put landed are
+        both settled by a consistent read: True only if the stored body is ``body``."""
+        if not alert_id or len(alert_id) > 256:
+            raise StoragePermanentError(
+                f"dynamodb: alert id {alert_id[:64]!r} is empty or too long"
+            )
+        key = {"pk": {"S": OWNER_PK}, "sk": {"S": _ALERT_SK + alert_id}}
+        try:
+            await self._call(
+                "put_item",
+                "alert claim",
+                TableName=self.table,
+                # Expires with the counters: the retention after the longest period (a month).
+                Item={**key, "b": {"S": body}, "ttl": {"N": str(_alert_ttl(self.retention_days))}},
+                ConditionExpression="attribute_not_exists(pk)",
+            )
+            return True
+        except _ConditionFailed:
+            pass
+        except StorageUnavailable:
+            pass  # landed or not: the read below tells (and raises if it cannot)
+        resp = await self._call(
+            "get_item", "alert claim", TableName=self.table, Key=key, ConsistentRead=True
+        )
+        item = resp.get("Item")
+        if item is None:
+            raise StorageUnavailable("dynamodb: alert claim: not stored; try again")
+        stored = item.get("b", {}).get("S")
+        return bool(stored == body)
+
     # -- node id owners (ADR 0004) ---------------------------------------------------------
 
     async def claim_owner(
@@ -892,6 +930,12 @@ def _period_ok(period: str) -> bool:
 
 def _budget_key(key: Key) -> dict[str, Any]:
     return {"pk": {"S": key[0]}, "sk": {"S": f"{_BUDGET_SK}{key[2]}#{key[1]}"}}
+
+
+def _alert_ttl(retention_days: int) -> int:
+    """Epoch seconds at which DynamoDB may expire a claimed alert: after the retention past the
+    end of any period it can be of (now plus 32 days covers the current month)."""
+    return int(time.time()) + (retention_days + 32) * 86400
 
 
 def _ttl(period: str, retention_days: int) -> int:

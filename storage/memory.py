@@ -50,6 +50,8 @@ class MemoryStorage(Storage):
         #: Budget swaps to fail before writing, and to write and then fail (answer lost).
         self.budget_fail_next = 0
         self.budget_lose_next = 0
+        #: Claimed alerts: id -> body.
+        self.alerts: dict[str, str] = {}
 
     async def apply(self, node: str, deltas: Sequence[Delta]) -> dict[Key, Applied | StorageError]:
         if self.fail_next > 0:
@@ -153,3 +155,15 @@ class MemoryStorage(Storage):
             self.budget_lose_next -= 1
             raise StorageUnavailable("injected loss of the answer after the budget write")
         return True
+
+    # -- alerts ------------------------------------------------------------------------------
+
+    async def claim_alert(self, alert_id: str, body: str) -> bool:
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise StorageUnavailable("injected failure before the write")
+        stored = self.alerts.setdefault(alert_id, body)
+        if self.lose_next_ack > 0:
+            self.lose_next_ack -= 1
+            raise StorageUnavailable("injected loss of the response after the write")
+        return stored == body

@@ -133,6 +133,15 @@ CREATE TABLE IF NOT EXISTS budgets (
 ) WITHOUT ROWID
 """
 
+#: Threshold alerts claimed (docs/quotas.md): the first body stored under an id stays. Additive.
+_ALERTS = """
+CREATE TABLE IF NOT EXISTS alerts (
+    id         TEXT PRIMARY KEY,
+    body       TEXT NOT NULL,
+    expires_at INTEGER NOT NULL
+) WITHOUT ROWID
+"""
+
 _MONTH_RE = re.compile(r"\d{4}-\d{2}")
 _DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
@@ -435,6 +444,37 @@ class SQLiteStorage(Storage):
 
         return await self._run(write)
 
+    # -- alerts ------------------------------------------------------------------------------
+
+    async def claim_alert(self, alert_id: str, body: str) -> bool:
+        """``INSERT OR IGNORE`` then read back, in one ``BEGIN IMMEDIATE``."""
+
+        def claim() -> bool:
+            conn = self._connection()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    # Purged with the counters: the retention past the end of the current month.
+                    expires = int(time.time()) + (self.retention_days + 32) * 86400
+                    conn.execute(
+                        "INSERT OR IGNORE INTO alerts (id, body, expires_at) VALUES (?, ?, ?)",
+                        (alert_id, body, expires),
+                    )
+                    row = conn.execute(
+                        "SELECT body FROM alerts WHERE id = ?", (alert_id,)
+                    ).fetchone()
+                    conn.execute("COMMIT")
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        if conn.in_transaction:
+                            conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise _map(exc, f"claiming an alert in {self.path}") from exc
+            return row is not None and str(row[0]) == body
+
+        return await self._run(claim)
+
     # -- strict budgets (ADR 0009) -----------------------------------------------------------
 
     async def budget_read(self, key: Key) -> tuple[int, str | None]:
@@ -556,6 +596,7 @@ class SQLiteStorage(Storage):
             conn.execute(_LIMITS)
             conn.execute(_LIMITS_VERSION)
             conn.execute(_BUDGETS)
+            conn.execute(_ALERTS)
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
@@ -766,9 +807,11 @@ class SQLiteStorage(Storage):
                     " SELECT tenant, period, feature FROM counters WHERE expires_at < ? LIMIT ?)",
                     (cutoff, limit),
                 )
-                # Budgets of long-gone periods go too (few: one per strict counter).
-                conn.execute("DELETE FROM budgets WHERE expires_at < ?", (cutoff,))
-                return cur.rowcount
+                n = cur.rowcount
+                if n < limit:  # (the last batch) budgets and claimed alerts past their retention
+                    conn.execute("DELETE FROM budgets WHERE expires_at < ?", (cutoff,))
+                    conn.execute("DELETE FROM alerts WHERE expires_at < ?", (cutoff,))
+                return n
         except sqlite3.Error as exc:
             raise _map(exc, f"purging expired counters in {self.path}") from exc
 

@@ -97,6 +97,10 @@ async def test_plans_and_limits_from_the_shell(
         (["limit", "set", "acme", "api", "10", "--strict", "--soft"], 1, "cannot be strict"),
         (["plan", "set", "pro", "api=1:lax"], 2, "expected FEATURE=LIMIT"),
         (["limit", "set", "bad tenant", "api", "10"], 1, "invalid_argument"),
+        (["plan", "set", "pro", "api=10@80,x"], 2, "alerts after @ must be integer"),
+        (["plan", "set", "pro", "api=10@"], 2, "alerts after @ must be integer"),
+        (["plan", "set", "pro", "api=10:soft@80,80"], 1, "alerts lists 80 twice"),
+        (["limit", "set", "acme", "api", "10", "--alert", "0"], 1, "alerts must be 1..1000"),
     ],
 )
 async def test_bad_input_from_the_shell_says_what_is_wrong(
@@ -104,6 +108,34 @@ async def test_bad_input_from_the_shell_says_what_is_wrong(
 ) -> None:
     assert await meter(sock, *args) == code
     assert message in capsys.readouterr().err
+
+
+async def test_alert_thresholds_from_the_shell(
+    sock: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert await meter(sock, "plan", "set", "pro", "api=1000:soft@80,100", "gpu=6@50") == 0
+    assert await meter(sock, "plan", "assign", "acme", "pro") == 0
+    assert await meter(sock, "limit", "set", "acme", "seats", "9", "--alert", "90",
+                       "--alert", "50", "--json") == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["alerts"] == [90, 50]
+    assert await meter(sock, "limits", "acme", "--json") == 0
+    got = json.loads(capsys.readouterr().out)["limits"]
+    assert got["api"]["alerts"] == [80, 100] and got["api"]["kind"] == "soft"
+    assert got["gpu"]["alerts"] == [50] and got["seats"]["alerts"] == [50, 90]
+    assert await meter(sock, "limits", "acme") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].split()[-4:] == ["alerts", "at", "80,100", "%"]
+
+
+def test_meter_alerts_prints_one_line_per_alert() -> None:
+    from meter.cli import _alert_line
+
+    line = _alert_line({"id": "ab", "tenant": "acme", "feature": "api", "period": "2026-11",
+                        "threshold": 80, "threshold_units": 800, "limit": 1000, "value": 801,
+                        "node": "n1", "at": 0.0})  # fmt: skip
+    assert line == (
+        "1970-01-01T00:00:00Z  acme/api (2026-11) reached 80% of 1000: 801 >= 800  id ab (node n1)"
+    )
 
 
 def test_a_limit_that_is_not_a_number_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -116,5 +148,5 @@ def test_a_limit_that_is_not_a_number_is_a_usage_error(capsys: pytest.CaptureFix
 def test_the_docs_name_every_limits_command() -> None:
     text = (Path(__file__).resolve().parent.parent / "docs" / "quotas.md").read_text()
     commands = ["plan set", "plan assign", "plan unassign", "limit set", "limit clear"]
-    for command in [*commands, "limits", "check"]:
+    for command in [*commands, "limits", "check", "alerts"]:
         assert f"`meter {command}" in text, command

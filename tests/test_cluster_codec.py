@@ -51,6 +51,20 @@ def test_round_trip_every_kind() -> None:
     assert isinstance(m, Message) and m.kind == "holds" and m.holds == ()
 
 
+def test_an_alert_frame_round_trips_signed_and_a_bad_one_is_malformed() -> None:
+    c = Codec("prod", "s3cret")
+    alert = ("a" * 32, "t1", "api", "2026-11", 80, 800, 1000, 801, "n1", 1764460800.5)
+    m = c.decode(c.encode(H, "alert", [alert]))
+    assert isinstance(m, Message) and m.kind == "alert" and m.alert == alert
+    import msgpack
+
+    for body in ([], [*alert[:9]], [*alert[:4], -1, *alert[5:]], [*alert[:8], "", alert[9]]):
+        payload = msgpack.packb(["prod", "n1", 1, 1, 1.0, 5, body])
+        frame = b"mg\x01\x00" + payload
+        got = Codec("prod").decode(frame)
+        assert isinstance(got, Rejected) and got.reason == "malformed", body
+
+
 def test_integers_beyond_64_bits_travel_as_decimal_strings() -> None:
     c = Codec("prod")
     big = 2**70

@@ -320,6 +320,26 @@ async def test_concurrent_limit_changes_each_get_their_own_version(storage: Stor
     assert version == 6 and len(records) == 6
 
 
+async def test_an_alert_is_claimed_once_and_only_its_claimant_hears_yes(
+    storage: Storage,
+) -> None:
+    a = '{"id":"x","node":"a"}'
+    b = '{"id":"x","node":"b"}'
+    assert await storage.claim_alert("x", a) is True
+    assert await storage.claim_alert("x", b) is False  # another body: held
+    assert await storage.claim_alert("x", a) is True  # a retry of the winner's own claim
+    assert await storage.claim_alert("y", b) is True  # ids are independent
+    assert await storage.claim_alert("x", b) is False
+
+
+async def test_concurrent_alert_claims_have_one_winner(storage: Storage) -> None:
+    import asyncio
+
+    bodies = [f'{{"node":"n{i}"}}' for i in range(8)]
+    won = await asyncio.gather(*(storage.claim_alert("same", b) for b in bodies))
+    assert sum(won) == 1
+
+
 async def test_sqlite_reopen_after_close_keeps_data(tmp_path: Path) -> None:
     """Persistence is a property of the durable backends only (not ``memory``)."""
     path = tmp_path / "nested" / "dir" / "meter.db"

@@ -1,0 +1,277 @@
+"""Threshold alerts: a counter's view crossing a percentage of its limit (docs/quotas.md,
+"Threshold alerts").
+
+A limit may list ``alerts``, percentages of its ``limit``; the threshold of ``pct`` is
+``ceil(limit * pct / 100)`` units. A node detects a crossing when its view of a counter goes
+from below a threshold to at or above it (``before < threshold <= after``): on its own counts
+and when a peer's gossip raises the view. Every node may detect the same crossing; it fires
+once across the fleet per ``(tenant, feature, period, pct)``: the crossing's id is a digest of
+those four, and only the node whose conditional "put if absent" of the id in storage
+(:meth:`storage.base.Storage.claim_alert`) stored its body delivers it.
+
+The pure parts (:func:`threshold_units`, :func:`crossed`, :func:`alert_id`, :class:`Alert`)
+come first; :class:`Alerts` is a node's bookkeeping: crossings detected and not claimed yet
+(bounded, retried while storage is unreachable), ids already claimed or seen claimed
+(bounded), ids already delivered (bounded), and counts for ``status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from storage.base import StorageError
+
+log = logging.getLogger("meter.alerts")
+
+#: Crossings detected and not claimed yet that a node keeps (storage unreachable); past this
+#: the oldest is dropped (counted in ``dropped``).
+MAX_PENDING = 10_000
+#: Crossing ids a node remembers as claimed (by it or another node) or queued, so it does not
+#: claim again on every unit; the oldest are forgotten past this (a later crossing of a
+#: forgotten one asks storage again, which answers "already claimed").
+MAX_KNOWN = 100_000
+#: Crossing ids a node remembers as delivered (a repeated frame is not delivered twice).
+MAX_DELIVERED = 10_000
+#: Pause between claim attempts while storage does not answer.
+RETRY_S = 1.0
+
+Key = tuple[str, str, str]
+
+
+def threshold_units(limit: int, pct: int) -> int:
+    """The threshold of ``pct`` percent of ``limit``, in units: ``ceil(limit * pct / 100)``."""
+    return -(-limit * pct // 100)
+
+
+def crossed(alerts: tuple[int, ...], limit: int, before: int, after: int) -> list[tuple[int, int]]:
+    """``(pct, units)`` of every threshold of ``alerts`` that a view going from ``before`` to
+    ``after`` crossed upwards (``before < units <= after``), lowest first; several when one
+    change jumps over more than one."""
+    if after <= before:
+        return []
+    out: list[tuple[int, int]] = []
+    for pct in alerts:
+        units = -(-limit * pct // 100)
+        if before < units <= after:
+            out.append((pct, units))
+    return out
+
+
+def alert_id(tenant: str, feature: str, period: str, pct: int) -> str:
+    """The crossing's id: the same on every node for one ``(tenant, feature, period, pct)``
+    (32 hex digits of a SHA-256 of the four)."""
+    raw = "\x1f".join((tenant, feature, period, str(pct))).encode("utf-8", "surrogatepass")
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class Alert:
+    """One crossing as a node detected it (``node``: which, ``at``: when, epoch seconds)."""
+
+    id: str
+    tenant: str
+    feature: str
+    period: str
+    threshold: int
+    threshold_units: int
+    limit: int
+    value: int
+    node: str
+    at: float
+
+    def to_wire(self) -> dict[str, Any]:
+        """The map of an ``alert`` notification (docs/protocol.md)."""
+        return {
+            "id": self.id,
+            "tenant": self.tenant,
+            "feature": self.feature,
+            "period": self.period,
+            "threshold": self.threshold,
+            "threshold_units": self.threshold_units,
+            "limit": self.limit,
+            "value": self.value,
+            "node": self.node,
+            "at": self.at,
+        }
+
+    def body(self) -> str:
+        """What the claim stores: the whole record (the node id tells the claimant)."""
+        return json.dumps(self.to_wire(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_wire(cls, wire: object) -> Alert | None:
+        """An alert from its map (a gossip frame's body); ``None`` if it is not one."""
+        if not isinstance(wire, dict):
+            return None
+        try:
+            out = cls(
+                id=wire["id"],
+                tenant=wire["tenant"],
+                feature=wire["feature"],
+                period=wire["period"],
+                threshold=wire["threshold"],
+                threshold_units=wire["threshold_units"],
+                limit=wire["limit"],
+                value=wire["value"],
+                node=wire["node"],
+                at=float(wire["at"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        strs = (out.id, out.tenant, out.feature, out.period, out.node)
+        ints = (out.threshold, out.threshold_units, out.limit, out.value)
+        if not all(type(s) is str and 0 < len(s) <= 1024 for s in strs):
+            return None
+        if not all(type(n) is int for n in ints):
+            return None
+        return out
+
+
+def make_alert(key: Key, pct: int, units: int, limit: int, value: int, node: str) -> Alert:
+    """The record of ``key``'s view crossing ``pct`` percent (``units``) of ``limit``."""
+    t, f, p = key
+    return Alert(alert_id(t, f, p, pct), t, f, p, pct, units, limit, value, node, time.time())
+
+
+def _bounded_add(ids: OrderedDict[str, None], aid: str, most: int) -> None:
+    ids[aid] = None
+    ids.move_to_end(aid)
+    while len(ids) > most:
+        ids.popitem(last=False)
+
+
+class Alerts:
+    """One node's alerts: detect, claim (the run loop), deliver.
+
+    ``claim(id, body)`` is the storage's conditional put; ``on_fired(alert)`` is called for
+    each claim this node won (the node announces it to the fleet and delivers it here),
+    ``on_deliver(alert)`` for each alert to give to this node's subscribers (once per id).
+    """
+
+    def __init__(
+        self,
+        node: str,
+        claim: Callable[[str, str], Awaitable[bool]],
+        *,
+        max_pending: int = MAX_PENDING,
+        max_known: int = MAX_KNOWN,
+        retry_s: float = RETRY_S,
+    ) -> None:
+        self.node = node
+        self.claim = claim
+        self.max_pending = max_pending
+        self.max_known = max_known
+        self.retry_s = retry_s
+        self.on_fired: Callable[[Alert], None] | None = None
+        self.on_deliver: Callable[[Alert], None] | None = None
+        #: Crossings detected, not claimed yet (oldest first).
+        self.pending: OrderedDict[str, Alert] = OrderedDict()
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._delivered: OrderedDict[str, None] = OrderedDict()
+        #: Claims this node won (it delivered those alerts to the fleet).
+        self.fired = 0
+        #: Claims another node (or an earlier start of this one) had won already.
+        self.claimed_elsewhere = 0
+        #: Alerts given to this node's subscribers (once per id, whoever fired it).
+        self.delivered = 0
+        #: Crossings dropped unclaimed (``max_pending`` others waited).
+        self.dropped = 0
+        #: Claim attempts storage did not answer, and the last such error.
+        self.failures = 0
+        self.last_error: str | None = None
+        #: Alerts this node fired that could not be added to the Redis Stream.
+        self.stream_failures = 0
+        self._wake: asyncio.Event | None = None
+
+    def detect(
+        self, key: Key, limit: int, alerts: tuple[int, ...], before: int, after: int
+    ) -> None:
+        """The view of ``key`` went from ``before`` to ``after``: queue a claim for every
+        threshold crossed that this node does not know as claimed or queued already."""
+        for pct, units in crossed(alerts, limit, before, after):
+            alert = make_alert(key, pct, units, limit, after, self.node)
+            if alert.id in self._known:
+                continue
+            _bounded_add(self._known, alert.id, self.max_known)
+            pending = self.pending
+            if len(pending) >= self.max_pending:
+                old, _ = pending.popitem(last=False)
+                self._known.pop(old, None)
+                self.dropped += 1
+            pending[alert.id] = alert
+            if self._wake is not None:
+                self._wake.set()
+
+    async def run(self) -> None:
+        """Claim what is pending whenever something is detected; while storage does not
+        answer, try again every ``retry_s``."""
+        self._wake = wake = asyncio.Event()
+        while True:
+            if not self.pending:
+                await wake.wait()
+            wake.clear()
+            if not await self.claim_pending():
+                await asyncio.sleep(self.retry_s)
+
+    async def claim_pending(self) -> bool:
+        """Claim every pending crossing, oldest first; False if storage did not answer (what
+        is left stays pending)."""
+        while self.pending:
+            aid, alert = next(iter(self.pending.items()))
+            try:
+                won = await self.claim(aid, alert.body())
+            except StorageError as exc:
+                self.failures += 1
+                if self.last_error is None:
+                    log.warning("alerts: storage did not answer a claim (kept, retried): %s", exc)
+                self.last_error = str(exc)
+                return False
+            self.last_error = None
+            self.pending.pop(aid, None)
+            if not won:
+                self.claimed_elsewhere += 1
+                continue
+            self.fired += 1
+            log.warning(
+                "alert %s: %s/%s (%s) reached %d%% of its limit %d: %d >= %d",
+                aid, alert.tenant, alert.feature, alert.period, alert.threshold, alert.limit,
+                alert.value, alert.threshold_units,
+            )  # fmt: skip
+            if self.on_fired is not None:
+                try:
+                    self.on_fired(alert)
+                except Exception:  # a delivery bug must not stop the claims
+                    log.exception("alerts: delivering %s failed", aid)
+        return True
+
+    def deliver(self, alert: Alert) -> bool:
+        """Give ``alert`` to this node's subscribers unless it was already; whether it was."""
+        if alert.id in self._delivered:
+            return False
+        _bounded_add(self._delivered, alert.id, MAX_DELIVERED)
+        _bounded_add(self._known, alert.id, self.max_known)  # claimed: never claim it here
+        self.pending.pop(alert.id, None)
+        self.delivered += 1
+        if self.on_deliver is not None:
+            self.on_deliver(alert)
+        return True
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "fired": self.fired,
+            "pending": len(self.pending),
+            "delivered": self.delivered,
+            "dropped": self.dropped,
+            "claimed_elsewhere": self.claimed_elsewhere,
+            "claim_failures": self.failures,
+            "stream_failures": self.stream_failures,
+            "last_error": self.last_error,
+        }

@@ -1,0 +1,180 @@
+"""Threshold alerts across a fleet: 4 real nodes on one redis-server and one DynamoDB Local
+table (docs/quotas.md, "Threshold alerts"). Every node counts on one counter past 80 % and
+100 % of its limit; each threshold fires once across the fleet: one claim wins, one Redis
+Stream entry, one notification per subscriber on every node, with the same id everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from meter.alerts import alert_id
+from meter.client import Client
+from meter.keys import period_start
+from tests.cluster_harness import KEY_TENANT, node_env, wait_until
+from tests.dynamodb_proxy import DynamoDBProxy
+from tests.nodes import NodeProcess, short_tmpdir
+from tests.redis_server import RedisServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
+
+LIMIT = 400
+PER_NODE = 120  # 4 x 120 = 480: past 100 %
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    d = short_tmpdir("al-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def proxy(dynamodb_local: str) -> Iterator[DynamoDBProxy]:
+    """A proxy in front of DynamoDB Local on its own event loop thread (the test is blocking)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    px = DynamoDBProxy(int(dynamodb_local.rsplit(":", 1)[1]))
+    asyncio.run_coroutine_threadsafe(px.start(), loop).result(10)
+    try:
+        yield px
+    finally:
+        asyncio.run_coroutine_threadsafe(px.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@pytest.fixture
+def nodes_cleanup() -> Iterator[list[NodeProcess]]:
+    started: list[NodeProcess] = []
+    yield started
+    for p in started:
+        if p.proc is not None and p.proc.poll() is None:
+            p.kill()
+
+
+def test_each_threshold_fires_once_across_four_nodes(
+    workdir: Path,
+    redis_server: RedisServer,
+    dynamodb_local: str,
+    dynamodb_table: str,
+    cluster_name: str,
+    nodes_cleanup: list[NodeProcess],
+    proxy: DynamoDBProxy,
+) -> None:
+    stream = f"{cluster_name}:alerts"
+    env = node_env(
+        redis_url=redis_server.url,
+        dynamodb_endpoint=dynamodb_local,
+        table=dynamodb_table,
+        cluster=cluster_name,
+        METER_ALERTS_STREAM=stream,
+    )
+    # n0 reaches DynamoDB through the proxy (which can refuse its claims, below).
+    nodes = [NodeProcess(workdir, f"n{i}", **{**env, "METER_NODE_ID": f"n{i}"}) for i in range(4)]
+    nodes[0].env["METER_DYNAMODB_ENDPOINT"] = proxy.endpoint
+    nodes_cleanup.extend(nodes)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda p: p.start(timeout=60), nodes))
+    ids = {p.name for p in nodes}
+    wait_until(
+        lambda: all(
+            set(p.call("status")["cluster"]["live_peers"]) == ids - {p.name} for p in nodes
+        ),
+        20,
+        "every node sees every peer",
+        nodes,
+    )
+    feature = "api"
+    with Client.connect(nodes[0].socket, timeout=10) as c:
+        version = c.set_limit(KEY_TENANT, feature, LIMIT, "soft", alerts=[80, 100])
+    wait_until(
+        lambda: all(p.call("limits", KEY_TENANT)["version"] >= version for p in nodes),
+        5,
+        "every node holds the limit",
+        nodes,
+    )
+    subs: list[Any] = [Client.connect(p.socket, timeout=10) for p in nodes]
+    try:
+        for s in subs[:4]:
+            s.subscribe_alerts()
+
+        def load(p: NodeProcess) -> None:
+            with Client.connect(p.socket, timeout=10) as c:
+                for _ in range(PER_NODE):
+                    c.track(KEY_TENANT, feature, 1)
+
+        threads = [threading.Thread(target=load, args=(p,)) for p in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        month = period_start("month")
+        want = {alert_id(KEY_TENANT, feature, month, pct): pct for pct in (80, 100)}
+        for i, s in enumerate(subs[:4]):
+            got: list[dict[str, Any]] = []
+            while len(got) < 2:
+                a = s.next_alert(10)
+                assert a is not None, (i, got, nodes[i].log()[-3000:])
+                got.append(a)
+            assert s.next_alert(1.0) is None, (i, got)  # one per threshold, no more
+            assert {a["id"]: a["threshold"] for a in got} == want, (i, got)
+            for a in got:
+                assert a["tenant"] == KEY_TENANT and a["period"] == month
+                assert a["limit"] == LIMIT and a["value"] >= a["threshold_units"]
+        statuses = [p.call("status")["alerts"] for p in nodes]
+        assert sum(st["fired"] for st in statuses) == 2, statuses
+        assert all(st["delivered"] == 2 and st["pending"] == 0 for st in statuses), statuses
+        r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+        subs.append(r)  # (closed with them)
+        wait_until(lambda: len(_stream(r, stream)) >= 2, 5, "stream entries", nodes)
+        rows = _stream(r, stream)
+        assert sorted(row["id"] for row in rows) == sorted(want), rows
+        assert {row["id"]: int(row["threshold"]) for row in rows} == want
+        assert {row["node"] for row in rows} <= ids
+
+        # Units counted on n0 only, whose claims storage refuses for a while: its peers
+        # detect the crossing from n0's gossip deltas, one of them wins the claim, and every
+        # subscriber (n0's too) gets the alert once; n0's pending claim is dropped when the
+        # winner's frame arrives.
+        for p in nodes:
+            assert p.call("usage", KEY_TENANT, "gpu") == 0  # warm everywhere
+        with Client.connect(nodes[0].socket, timeout=10) as c:
+            version = c.set_limit(KEY_TENANT, "gpu", 10, "soft", alerts=[50])
+            wait_until(
+                lambda: all(p.call("limits", KEY_TENANT)["version"] >= version for p in nodes),
+                5,
+                "every node holds the gpu limit",
+                nodes,
+            )
+            for _ in range(5):
+                proxy.answer_next("PutItem", "ValidationException", "refused by the test")
+            c.track(KEY_TENANT, "gpu", 6)
+        gpu = alert_id(KEY_TENANT, "gpu", month, 50)
+        for s in subs[:4]:
+            a = s.next_alert(10)
+            assert a is not None and a["id"] == gpu and a["node"] != "n0", a
+            assert s.next_alert(0.5) is None
+        after = [p.call("status")["alerts"] for p in nodes]
+        assert after[0]["claim_failures"] >= 1 and after[0]["pending"] == 0, after[0]
+        assert after[0]["fired"] == statuses[0]["fired"], after[0]
+        assert sum(st["fired"] for st in after) == 3, after
+        wait_until(lambda: len(_stream(r, stream)) >= 3, 5, "the third stream entry", nodes)
+        assert [row["id"] for row in _stream(r, stream)] == [*[row["id"] for row in rows], gpu]
+    finally:
+        for s in subs:
+            s.close()
+
+
+def _stream(r: Any, stream: str) -> list[dict[str, str]]:
+    """The stream's entries' fields, oldest first (``XRANGE - +``)."""
+    return [dict(fields) for _, fields in r.xrange(stream)]
