@@ -36,6 +36,16 @@ class Load:
     keys: int = 1  # distinct keys per connection for track / incr (cycled through a batch)
     duration: float = 1.0
     warmup: float = 0.2
+    #: Tenant of worker ``i``: ``tenant.format(i=i)`` (without ``{i}``: one tenant for all).
+    tenant: str = "bench-{i}"
+    #: Further Unix sockets: worker ``i`` connects to ``(path, *paths)[i % (1 + len(paths))]``
+    #: (one load spread over the nodes of a cluster).
+    paths: tuple[str, ...] = ()
+
+    def socket_of(self, worker: int) -> str:
+        """The socket worker ``worker`` connects to."""
+        every = (self.path, *self.paths)
+        return every[worker % len(every)]
 
 
 @dataclass
@@ -73,10 +83,10 @@ def _feature(load: Load, j: int) -> str:
 def meter_frames(load: Load, worker: int) -> bytes:
     """``depth`` MessagePack-RPC requests (msgids 0..depth-1) in one buffer.
 
-    Tenant ``bench-<worker>``; ``track`` cycles through ``keys`` features, ``track_many``
-    counts ``items`` features (``f0`` ..) per call.
+    Tenant ``bench-<worker>`` (``load.tenant``); ``track`` cycles through ``keys`` features,
+    ``track_many`` counts ``items`` features (``f0`` ..) per call.
     """
-    tenant = f"bench-{worker}"
+    tenant = load.tenant.format(i=worker)
     out = bytearray()
     for msgid in range(load.depth):
         if load.method == "track_many":
@@ -89,10 +99,11 @@ def meter_frames(load: Load, worker: int) -> bytes:
 
 def redis_frames(load: Load, worker: int) -> bytes:
     """``depth`` RESP ``INCR`` commands in one buffer, on the node's names joined by ``:``
-    (``bench-<worker>:f``, or ``bench-<worker>:f0`` .. cycling through ``keys``)."""
+    (``bench-<worker>:f`` with the default ``load.tenant``, or ``bench-<worker>:f0`` ..
+    cycling through ``keys``)."""
     out = bytearray()
     for j in range(load.depth):
-        key = f"bench-{worker}:{_feature(load, j)}".encode()
+        key = f"{load.tenant.format(i=worker)}:{_feature(load, j)}".encode()
         out += b"*2\r\n$4\r\nINCR\r\n$%d\r\n%s\r\n" % (len(key), key)
     return bytes(out)
 
@@ -111,7 +122,7 @@ def _run(load: Load, index: int, ready: Any, go: Any) -> tuple[Any, ...]:
     depth = load.depth
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(SOCKET_TIMEOUT)
-    sock.connect(load.path)
+    sock.connect(load.socket_of(index))
     ready.release()
     if not go.wait(60):
         sock.close()

@@ -88,7 +88,7 @@ def chart(rows: list[Row], path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     thr = [r for r in rows if r.unit in ("ops/s", "incr/s", "events/s", "keys/s") and r.ours]
-    lat = [r for r in rows if r.scenario.startswith("1") and r.unit == "ops/s"]
+    lat = [r for r in rows if r.scenario.startswith("1 ") and r.unit == "ops/s"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 6.5), gridspec_kw={"width_ratios": [3, 2]})
     labels = [r.metric.replace(" vs ", "\nvs ").replace(", ", "\n", 1) for r in thr]
     xs = range(len(thr))

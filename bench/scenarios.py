@@ -58,6 +58,21 @@ class ScaleSizes:
 
 
 @dataclass(frozen=True)
+class QuotaSizes:
+    """Scenario 10 (``quotas``, :mod:`bench.quotas`)."""
+
+    #: (connections, depth) of part 1 on 1 node and on 3 nodes (spread over them).
+    one_node: tuple[tuple[int, int], ...]
+    three_nodes: tuple[tuple[int, int], ...]
+    burst_limit: int  # part 2's small strict limit
+    burst_clients: int  # client threads per node of that burst
+    overshoot_limit: int  # part 3's limit
+    overshoot_clients: int  # client threads per node
+    overshoot_ticks: tuple[int, ...]  # gossip ticks measured, ms
+    strict_tick: int  # the tick of part 3's strict burst
+
+
+@dataclass(frozen=True)
 class Sizes:
     """How long and how big: ``full``, ``quick`` (about a minute) or ``smoke`` (seconds)."""
 
@@ -74,6 +89,7 @@ class Sizes:
     conv_ticks: tuple[int, ...]
     durable_configs: tuple[tuple[int, int], ...]  # (connections, depth) for ``durable``
     scale: ScaleSizes
+    quotas: QuotaSizes
 
 
 FULL = Sizes(
@@ -92,6 +108,7 @@ FULL = Sizes(
     ScaleSizes(
         10_000, 5, 100_000, 3, 10_000, 2.0, 30.0, 25.0, 10.0, 5.0, 1, True, conv_seconds=30.0
     ),
+    QuotaSizes(((4, 1), (4, 16)), ((6, 1), (6, 16)), 10_000, 4, 20_000, 2, (25, 100, 1000), 100),
 )
 QUICK = Sizes(
     "quick",
@@ -107,6 +124,7 @@ QUICK = Sizes(
     (100,),
     ((1, 1), (4, 1), (16, 1), (4, 16)),
     ScaleSizes(5_000, 3, 20_000, 3, 3_000, 2.0, 25.0, 12.0, 7.0, 5.0, 1, False, conv_seconds=10.0),
+    QuotaSizes(((4, 1), (4, 16)), ((6, 1),), 10_000, 4, 5_000, 2, (25, 1000), 100),
 )
 SMOKE = Sizes(
     "smoke",
@@ -122,6 +140,7 @@ SMOKE = Sizes(
     (100,),
     ((2, 4),),
     ScaleSizes(400, 1, 1_000, 1, 200, 1.0, 6.0, 4.0, 2.0, 2.0, 1, True, 200, 400, 2_000.0, 2.0),
+    QuotaSizes(((2, 1),), ((3, 1),), 1_000, 2, 1_000, 2, (100,), 100),
 )
 
 
@@ -1005,6 +1024,13 @@ def metrics(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     return metrics_cost(svc, sizes, progress)
 
 
+def quotas(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    """Scenario 10: see :mod:`bench.quotas` (imported here: it builds on this module)."""
+    from bench.quotas import quotas as run
+
+    return run(svc, sizes, progress)
+
+
 SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "rpc": rpc_vs_redis,
     "batch": batch,
@@ -1015,4 +1041,5 @@ SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "durable": durable,
     "scale": scale,
     "metrics": metrics,
+    "quotas": quotas,
 }

@@ -1,5 +1,6 @@
 """The bench runs end to end for about a second and produces its table and JSON; scenario 8
-(``scale``), which needs DynamoDB Local and three clustered nodes, for about a minute.
+(``scale``), which needs DynamoDB Local and three clustered nodes, for about a minute, and
+scenario 10 (``quotas``, the same) for about half a minute.
 
 No timing assertion: only the structure of what it reports is checked.
 """
@@ -19,6 +20,7 @@ from bench import report
 from bench.cli import run
 from bench.loadgen import Load, meter_frames, redis_frames
 from bench.metrics_cost import METRICS
+from bench.quotas import QUOTAS
 from bench.scale import SCALE, read_ahead_modes
 from bench.scenarios import BATCH, RPC, SMOKE, Row, _in_turn
 
@@ -127,9 +129,11 @@ def test_table_and_chart_render(tmp_path: Path) -> None:
             None,
             {"status": "not measured yet"},
         ),
+        # Scenario 10's throughput rows have no Redis latencies: not in scenario 1's panel.
+        Row(QUOTAS, "track, strict vs fast", "ops/s", 9.0, 10.0, 0.9, ">= 0.8x", True, {}),
     ]
     text = report.table(rows)
-    assert text.count("\n") == 3 and "not measured yet" in text and "NO" in text
+    assert text.count("\n") == 4 and "not measured yet" in text and "NO" in text
     png = report.chart(rows, tmp_path / "c.png", "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -259,3 +263,39 @@ def test_smoke_scale_counts_exactly(tmp_path: Path) -> None:
         assert r["ours"] is not None and r["ours"] > 0 and r["met"] is None
     text = out.getvalue()
     assert "8 scale" in text and "50,000 (target)" in text
+
+
+@pytest.mark.dynamodb
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_smoke_quotas_admits_exactly(tmp_path: Path) -> None:
+    """Scenario 10 at smoke size (about half a minute: DynamoDB Local and four clusters):
+    both sides of every throughput row measured without errors, the strict burst admitted
+    exactly its limit, the fast overshoot judged against its bound, the strict one 0."""
+    q = SMOKE.quotas
+    doc = run(SMOKE, ["quotas"], results_dir=tmp_path, out=io.StringIO())
+    assert doc["failures"] == {}
+    rows = doc["rows"]
+    assert {r["scenario"] for r in rows} == {QUOTAS}
+    thr = [r for r in rows if r["unit"] == "ops/s"]
+    far = [r for r in rows if "far from the limit" in r["metric"]]
+    assert len(thr) == len(far) == len(q.one_node) + len(q.three_nodes)
+    assert [r["detail"]["nodes"] for r in thr] == [1] * len(q.one_node) + [3] * len(q.three_nodes)
+    for r in thr:
+        assert r["target"] == ">= 0.8x fast" and r["met"] in (True, False)
+        assert r["ours"] > 0 and r["reference"] > 0 and r["detail"]["errors"] == 0
+    for r in far:
+        assert r["detail"]["admitted_units"] > 0 and r["detail"]["strict_errors"] == 0
+        assert r["ours"] == 1000 * r["detail"]["strict_writes"] / r["detail"]["admitted_units"]
+    admitted, writes = [r for r in rows if r["metric"].startswith("strict burst")]
+    assert admitted["ours"] == admitted["reference"] == q.burst_limit and admitted["met"]
+    assert writes["ours"] > 0 and writes["detail"]["strict_writes"] > 0
+    assert writes["detail"]["enforcement"] == "strict"
+    fast = [r for r in rows if r["metric"].startswith("fast overshoot")]
+    assert [r["detail"]["tick_ms"] for r in fast] == list(q.overshoot_ticks)
+    for r in fast:
+        assert r["detail"]["enforcement"] == "fast" and r["reference_kind"] == "target"
+        assert r["ours"] == r["detail"]["admitted"] - q.overshoot_limit
+    (strict,) = [r for r in rows if r["metric"].startswith("strict overshoot")]
+    assert strict["ours"] == 0 and strict["met"] and strict["detail"]["enforcement"] == "strict"
+    assert strict["detail"]["admitted"] == q.overshoot_limit
