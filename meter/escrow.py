@@ -122,6 +122,11 @@ class Plan:
 
     budget: Budget
     local: Local
+    #: What the node's admitted count must be at least once written: the cap of a share of
+    #: another process it closed (0: none closed).
+    floor: int = 0
+    #: Of ``owed``, the units this write took off the admitted count.
+    owed: int = 0
 
 
 def adopt(node: str, budget: Budget | None, local: Local | None, limit: int) -> Local:
@@ -141,11 +146,18 @@ def adopt(node: str, budget: Budget | None, local: Local | None, limit: int) -> 
     return Local(s.e, s.g, s.c, local.a, limit, local.used_at, local.low)
 
 
+def ours(share: Share, run: str) -> bool:
+    """Whether ``share`` was last written by the process ``run`` (ops are ``<run>.<n>``; a
+    take-back keeps the op, so a share taken back is still its process's)."""
+    return share.op.startswith(run + ".")
+
+
 def take(
     budget: Budget | None,
     node: str,
     local: Local | None,
     *,
+    run: str,
     need: int,
     want: int,
     step: int,
@@ -156,6 +168,7 @@ def take(
     grace_ms: int,
     op: str,
     at_least: int | None = None,
+    owed: int = 0,
 ) -> Plan:
     """The write that gives ``node`` room for ``need`` more units: its cap raised to
     ``need + step`` past what it admitted, and its grant to ``want`` past it if that fits
@@ -163,16 +176,28 @@ def take(
     closed first, and if the budget is short, the unused part of shares whose lease ended
     more than ``grace_ms`` ago is taken back. ``base`` seeds a new record (the counter's
     value before it had one). Raises :class:`NoBudget` if less than ``need`` is left (or than
-    ``at_least``, if given: then as much as is left, up to ``need``)."""
+    ``at_least``, if given: then as much as is left, up to ``need``). ``run`` names this
+    process: a share under ``node`` that another process wrote is closed first. ``owed``: units
+    this process gave back (never used) while it had no local share, which its closed share
+    counted as admitted."""
     if budget is None:
         budget = Budget(base, {})
     shares = dict(budget.shares)
     mine = shares.get(node)
-    if mine is not None and local is None:
-        # A share this process did not take (an earlier process's, or one forgotten when it
-        # was given back): what it may have admitted is its cap; the rest goes back.
-        shares[node] = Share(mine.c, mine.c, mine.e + 1, mine.t, op)
-    cur = adopt(node, Budget(budget.base, shares), local, limit)
+    if mine is not None and (local is None or not ours(mine, run)):
+        # A share this process did not write (an earlier process's, one forgotten when it was
+        # given back, or another process's under the same node id): what was admitted under
+        # it is at most its cap, all spent; the rest goes back.
+        closed = Share(mine.c, mine.c, mine.e + 1, mine.t, op)
+        shares[node] = closed
+        a = max(0, mine.c - owed) if local is None else max(local.a, mine.c)
+        used_owed = min(owed, mine.c) if local is None else 0
+        used_at, low = (0.0, 0) if local is None else (local.used_at, local.low)
+        cur = Local(closed.e, closed.g, closed.c, a, limit, used_at, low)
+        floor = mine.c
+    else:
+        cur = adopt(node, Budget(budget.base, shares), local, limit)
+        floor = used_owed = 0
     # The grant must add at least this much (less than need: what is left will do).
     least = max(0, cur.a + (need if at_least is None else min(need, at_least)) - cur.g)
     wanted = max(least, cur.a + max(need + step, want) - cur.g)
@@ -188,15 +213,15 @@ def take(
     c = max(cur.c, min(g, cur.a + need + step))
     shares[node] = Share(g, c, cur.e, now_ms + lease_ms, op)
     b = Budget(budget.base, shares)
-    return Plan(b, adopt(node, b, cur, limit))
+    return Plan(b, adopt(node, b, cur, limit), floor, used_owed)
 
 
-def give_back(budget: Budget, node: str, local: Local, op: str) -> Plan | None:
+def give_back(budget: Budget, node: str, local: Local, op: str, run: str) -> Plan | None:
     """The write that returns every unit of ``node``'s share it has not admitted (``g`` and
     ``c`` down to ``a``); ``None`` if there is nothing to return or the share is not the one
-    ``local`` knows (its epoch moved: it was taken back already)."""
+    ``local`` knows (its epoch moved: it was taken back already; or another process wrote it)."""
     s = budget.shares.get(node)
-    if s is None or s.e != local.e or s.g <= local.a:
+    if s is None or s.e != local.e or not ours(s, run) or s.g <= local.a:
         return None
     shares = dict(budget.shares)
     shares[node] = Share(local.a, local.a, s.e, s.t, op)
@@ -205,11 +230,11 @@ def give_back(budget: Budget, node: str, local: Local, op: str) -> Plan | None:
 
 
 def renew(
-    budget: Budget, node: str, local: Local, now_ms: int, lease_ms: int, op: str
+    budget: Budget, node: str, local: Local, now_ms: int, lease_ms: int, op: str, run: str
 ) -> Plan | None:
     """The write that extends ``node``'s lease (``None``: its share is gone or not its own)."""
     s = budget.shares.get(node)
-    if s is None or s.e != local.e:
+    if s is None or s.e != local.e or not ours(s, run):
         return None
     shares = dict(budget.shares)
     shares[node] = replace(s, t=now_ms + lease_ms, op=op)

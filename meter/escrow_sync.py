@@ -63,7 +63,14 @@ class Shares:
         self._refills: set[asyncio.Task[None]] = set()
         self._filling: set[Key] = set()
         self._ops = itertools.count(1)
-        self._run = os.urandom(4).hex()
+        #: This process (ops are ``<run>.<n>``): a share another process wrote is not ours.
+        self.run = os.urandom(6).hex()
+        #: Units held by open reservations admitted from a share, per counter: the share is
+        #: kept while any are held.
+        self.held: dict[Key, int] = {}
+        #: Units given back while the counter had no local share (its share had gone back
+        #: with them counted as admitted): taken off the next share's admitted count.
+        self._owed: dict[Key, int] = {}
         self.writes = 0
         self.conflicts = 0
         self.refused = 0
@@ -88,45 +95,81 @@ class Shares:
         if loc.c - loc.a < loc.low and key not in self._filling:
             self._refill(key, loc.limit)
 
-    def free(self, key: Key, qty: int) -> None:
-        """Give ``qty`` admitted units back to this node's share (a reservation released,
-        expired or committed for less)."""
-        loc = self.local.get(key)
-        if loc is not None and qty > 0:
-            loc.a = max(0, loc.a - qty)
+    def hold(self, key: Key, qty: int) -> None:
+        """Admit ``qty`` units a reservation holds (the caller checked :meth:`ready`)."""
+        self.admit(key, qty)
+        self.held[key] = self.held.get(key, 0) + qty
 
-    def readmit(self, key: Key, qty: int) -> bool:
-        """Count ``qty`` units as admitted again, room or not (units :meth:`free` gave back
-        whose call was then taken back); False if this node has no share of ``key``."""
+    def settle(self, key: Key, held: int, unused: int) -> None:
+        """A reservation of ``held`` units ended with ``unused`` of them not used (released,
+        expired, committed for less): those go back to this node's share."""
+        left = self.held.get(key, 0) - held
+        if left > 0:
+            self.held[key] = left
+        else:
+            self.held.pop(key, None)
+        self.free(key, unused)
+
+    def free(self, key: Key, qty: int) -> None:
+        """Give ``qty`` admitted units back to this node's share (never used)."""
+        if qty <= 0:
+            return
         loc = self.local.get(key)
-        if loc is None or qty <= 0:
+        if loc is not None:
+            loc.a = max(0, loc.a - qty)
+        else:  # the share went back with them counted: off the next one's count
+            self._owed[key] = self._owed.get(key, 0) + qty
+
+    def readmit(self, key: Key, qty: int, held: int) -> bool:
+        """Count ``qty`` units as admitted again, room or not, and ``held`` as held (a
+        reservation's end whose log write failed is taken back); False, changing nothing, if
+        this node has no share of ``key``."""
+        loc = self.local.get(key)
+        if loc is None:
             return False
-        loc.a += qty
+        loc.a += max(0, qty)
+        if held > 0:
+            self.held[key] = self.held.get(key, 0) + held
         return True
 
     # -- writes ------------------------------------------------------------------------------
 
     async def ensure(
-        self, key: Key, need: int, limit: int, base: int, at_least: int | None = None
+        self,
+        key: Key,
+        need: int,
+        limit: int,
+        base: int,
+        at_least: int | None = None,
+        *,
+        background: bool = False,
     ) -> None:
         """Make room for ``need`` units on ``key`` (under strict limit ``limit``); ``base`` is
         the counter's value, should its budget record not exist yet. Raises
         :class:`~meter.escrow.NoBudget` when the budget cannot cover them, and
         :class:`StorageError` when storage cannot be asked. With ``at_least``, room for that
         many will do when ``need`` is more than is left."""
-        async with self._lock(key):
-            loc = self.local.get(key)
-            if loc is not None and loc.limit != limit:
-                await self._give_back(key, loc)  # the limit moved: return, then take anew
+        try:
+            async with self._lock(key):
                 loc = self.local.get(key)
-            if loc is not None and loc.limit == limit and loc.a + need <= loc.c:
-                return  # another call made room meanwhile
-            await self._write(
-                key, lambda b, cur, op: self._take(b, cur, op, need, limit, base, at_least)
-            )
+                if loc is not None and loc.limit != limit:
+                    await self._give_back(key, loc)  # the limit moved: return, then take anew
+                    loc = self.local.get(key)
+                if loc is not None and loc.limit == limit and loc.a + need <= loc.c:
+                    return  # another call made room meanwhile
+                await self._write(
+                    key, lambda b, cur, op: self._take(key, b, cur, op, need, limit, base, at_least)
+                )
+        except NoBudget:
+            if not background:
+                self.refused += 1
+            raise
+        finally:
+            self._forget_lock(key)
 
     def _take(
         self,
+        key: Key,
         budget: Budget | None,
         cur: Local | None,
         op: str,
@@ -137,11 +180,15 @@ class Shares:
     ) -> escrow.Plan:
         left = limit - (budget.granted if budget is not None else base)
         want = min(self.share_max, max(need, left // (2 * max(1, self.nodes()))))
-        step = max(1, want // 4)
+        # A quarter of a grant, or of what this node holds unpromised if that is more (with
+        # the budget spent elsewhere, steps sized by what is left would be a write a unit).
+        held = 0 if cur is None else max(0, cur.g - cur.a)
+        step = max(1, want // 4, held // 4)
         plan = escrow.take(
             budget,
             self.node,
             cur,
+            run=self.run,
             need=need,
             want=want,
             step=step,
@@ -152,6 +199,7 @@ class Shares:
             grace_ms=self.grace_ms,
             op=op,
             at_least=at_least,
+            owed=self._owed.get(key, 0) if cur is None else 0,
         )
         plan.local.limit = limit
         plan.local.low = max(1, step // 2)
@@ -175,12 +223,8 @@ class Shares:
             raise StorageUnavailable(f"escrow: not writing shares: {why}")
         version, budget = await self._read(key)
         for _ in range(MAX_ATTEMPTS):
-            op = f"{self._run}.{next(self._ops)}"
-            try:
-                plan = make(budget, self.local.get(key), op)
-            except NoBudget:
-                self.refused += 1
-                raise
+            op = f"{self.run}.{next(self._ops)}"
+            plan = make(budget, self.local.get(key), op)
             if plan is None:
                 return False
             try:
@@ -197,7 +241,7 @@ class Shares:
                     self.conflicts += 1
                     continue
                 assert budget is not None
-                plan = escrow.Plan(budget, plan.local)
+                plan = escrow.Plan(budget, plan.local, plan.floor, plan.owed)
             self._keep(key, plan)
             return True
         raise StorageUnavailable(f"escrow: the budget of {key!r} kept changing; retry")
@@ -208,17 +252,17 @@ class Shares:
         new = escrow.adopt(self.node, plan.budget, self.local.get(key), plan.local.limit)
         loc = self.local.get(key)
         if loc is None:
-            self.local[key] = Local(
-                new.e,
-                new.g,
-                new.c,
-                plan.local.a,
-                plan.local.limit,
-                time.monotonic(),
-                plan.local.low,
-            )
+            now = time.monotonic()
+            a = plan.local.a  # (units owed were taken off it by the take: settled now)
+            left = self._owed.get(key, 0) - plan.owed
+            if left > 0:
+                self._owed[key] = left
+            else:
+                self._owed.pop(key, None)
+            self.local[key] = Local(new.e, new.g, new.c, a, plan.local.limit, now, plan.local.low)
         else:
             loc.e, loc.g, loc.c = new.e, new.g, new.c
+            loc.a = max(loc.a, plan.floor)  # a share of another process closed: all spent
             loc.limit, loc.low = plan.local.limit, plan.local.low or loc.low
         self.last_error = None
 
@@ -244,20 +288,20 @@ class Shares:
     async def _give_back(self, key: Key, loc: Local) -> None:
         """Return what this node has not admitted of its share on ``key`` (lock held). The cap
         is lowered here first, so nothing is admitted past what the write keeps."""
-        saved_c = loc.c
-        loc.c = loc.a
-        try:
-            await self._write(
-                key,
-                lambda b, cur, op: (
-                    None if b is None or cur is None else escrow.give_back(b, self.node, cur, op)
-                ),
-            )
-        except BaseException:
-            loc.c = max(loc.c, saved_c)
-            raise
-        self.given_back += 1
-        if loc.g == loc.c == loc.a:
+        # Nothing is admitted past ``kept`` from here on, and the write keeps ``kept``: units
+        # freed meanwhile stay room here. The cap is never raised back, even if the write
+        # fails (it may have landed, answer lost): the next take reads it from storage.
+        kept = loc.c = loc.a
+
+        def back(b: Budget | None, cur: Local | None, op: str) -> escrow.Plan | None:
+            if b is None or cur is None:
+                return None
+            frozen = Local(cur.e, cur.g, cur.c, kept, cur.limit, cur.used_at, cur.low)
+            return escrow.give_back(b, self.node, frozen, op, self.run)
+
+        if await self._write(key, back):
+            self.given_back += 1
+        if loc.g == loc.c == loc.a and not self.held.get(key):
             self.local.pop(key, None)
 
     def _lock(self, key: Key) -> asyncio.Lock:
@@ -272,7 +316,7 @@ class Shares:
 
         async def fill() -> None:
             try:
-                await self.ensure(key, max(1, loc.low * 2), limit, 0)
+                await self.ensure(key, max(1, loc.low * 2), limit, 0, background=True)
             except (NoBudget, StorageError):
                 pass  # the next call that finds no room asks again, and answers
             finally:
@@ -306,7 +350,8 @@ class Shares:
     def _renew(self, budget: Budget | None, cur: Local | None, op: str) -> escrow.Plan | None:
         if budget is None or cur is None:
             return None
-        plan = escrow.renew(budget, self.node, cur, int(self.clock() * 1000), self.lease_ms, op)
+        now_ms = int(self.clock() * 1000)
+        plan = escrow.renew(budget, self.node, cur, now_ms, self.lease_ms, op, self.run)
         if plan is not None:
             plan.local.limit, plan.local.low = cur.limit, cur.low
         return plan

@@ -355,6 +355,13 @@ class Node:
                 gossip = self.gossip
                 # Grants of strict budgets are sized to the nodes sharing them (ADR 0009).
                 self.service.shares.nodes = lambda: 1 + len(gossip.peers.live())
+            service, owner = self.service, self.owner
+            # Shares are the node id's: written only while this process owns the id (not
+            # while its claim is unknown, storage unreachable at start, nor once lost).
+            service.shares.fenced = lambda: (
+                service.fenced
+                or (None if owner.owned else "this process does not own its node id (yet)")
+            )
             await self._load_limits()
             self._owner_state(self.owner.state, settled=True)  # nothing read yet
             warm: list[Key] = []
@@ -479,7 +486,10 @@ class Node:
         shares = self.service.shares
         while True:
             await asyncio.sleep(shares.lease_ms / 3000)
-            await shares.step()
+            try:
+                await shares.step()
+            except Exception:  # a bug must not end renewals (and then the drain) for good
+                log.exception("strict shares: upkeep failed")
 
     async def _holds_loop(self) -> None:
         """Gossip this node's reservation holds each tick they changed, and every heartbeat

@@ -168,7 +168,7 @@ class Service:
             lease_ms=self.config.strict_lease_ms,
             share_max=self.config.strict_share_max,
         )
-        self.shares.fenced = lambda: self.fenced
+        self.shares.fenced = lambda: self.fenced  # (the node adds its ownership to this)
         #: Reservations whose units were admitted from a strict share (given back when they
         #: are released, expire or are committed for less).
         self._escrowed: set[str] = set()
@@ -1098,7 +1098,7 @@ class Service:
             self.alerts.detect(key, eff.limit, eff.alerts, held - qty, held)
         lease = self.reservations.open(key, qty, time.monotonic() + ttl_ms / 1000)
         if strict and qty > 0:
-            self.shares.admit(key, qty)
+            self.shares.hold(key, qty)
             self._escrowed.add(lease.id)
         now = time.time()
         rid = fp = expires = None
@@ -1175,8 +1175,8 @@ class Service:
         key = lease.key
         if lease.id in self._escrowed:
             self._escrowed.discard(lease.id)
-            if actual is None or actual < lease.qty:
-                self.shares.free(key, lease.qty - (actual or 0))
+            unused = lease.qty if actual is None else max(0, lease.qty - actual)
+            self.shares.settle(key, lease.qty, unused)
         if actual is not None and actual > lease.qty and self._limited:
             eff = self._limited.get((key[0], key[1]))
             if eff is not None and eff.kind == "hard" and eff.enforcement == "strict":
@@ -1283,7 +1283,9 @@ class Service:
                 if self.reservations.get(lease_id) is not None:
                     self.reservations.close(lease_id)
                     self.table.release((t, f, p), qty)
-                    self._escrowed.discard(lease_id)  # its share's units stay spoken for
+                    if lease_id in self._escrowed:  # its share's units stay spoken for
+                        self._escrowed.discard(lease_id)
+                        self.shares.settle((t, f, p), qty, 0)
                 if rec[7] is not None:
                     self.ids.forget(rec[7])
             elif kind == R.COMMIT or kind == R.RELEASE:
@@ -1291,7 +1293,7 @@ class Service:
                 key = (t, f, p)
                 # Units a strict share got back are spoken for again (never fewer than used).
                 back = qty if kind == R.RELEASE else max(0, qty - (rec[7] or 0))
-                if self.shares.readmit(key, back):
+                if self.shares.readmit(key, back, qty):
                     self._escrowed.add(lease_id)
                 if kind == R.COMMIT and rec[7]:
                     self.table.incr(key, -rec[7], check=False)

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,11 @@ import pytest
 from meter.client import AsyncClient
 from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig, StorageConfig
 from meter.errors import LimitExceeded
-from meter.escrow import Budget
+from meter.escrow import Budget, NoBudget
+from meter.escrow_sync import Shares
 from meter.node import Node
+from storage.base import StorageUnavailable
+from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
 
 
@@ -264,3 +267,169 @@ async def test_a_process_that_does_not_own_its_node_id_writes_no_share() -> None
         await s.ensure(key, 1, 100, 0)
     await s.drain()
     assert storage.budgets == {}
+
+
+# -- interleavings at the awaits of Shares (found by review; each failed before its fix) -----
+
+KEY = ("acme", "api", "2026-11")
+L = 100
+
+
+def stored(storage: MemoryStorage) -> Budget:
+    _, body = storage.budgets[KEY]
+    return Budget.from_json(body)
+
+
+class HookStorage(MemoryStorage):
+    """Memory storage whose budget_read/budget_swap can run a hook (another coroutine's work
+    interleaving at the await) or fail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_read: Callable[[], None] | None = None
+        self.on_swap: Callable[[], None] | None = None
+        self.read_fails = 0
+
+    async def budget_read(self, key: tuple[str, str, str]) -> tuple[int, str | None]:
+        if self.read_fails > 0:
+            self.read_fails -= 1
+            raise StorageUnavailable("injected: read fails")
+        hook, self.on_read = self.on_read, None
+        if hook is not None:
+            hook()
+        await asyncio.sleep(0)
+        return await super().budget_read(key)
+
+    async def budget_swap(self, key: tuple[str, str, str], version: int, body: str) -> bool:
+        hook, self.on_swap = self.on_swap, None
+        if hook is not None:
+            hook()
+        await asyncio.sleep(0)
+        return await super().budget_swap(key, version, body)
+
+
+async def test_units_freed_during_a_give_back_are_not_admitted_twice() -> None:
+    """A: a reservation released while an (idle/limit-change) give-back reads the budget:
+    the give-back writes g=c=a_after_free, but the local cap stays a_before_free, so the hot
+    path admits the freed units again while the budget hands them to another node."""
+    st = HookStorage()
+    a = Shares(st, "a", share_max=40, lease_ms=10_000)
+    b = Shares(st, "b", share_max=1000, lease_ms=10_000)
+    await a.ensure(KEY, 30, L, 0)  # a: room for 30 at least
+    # 20 units tracked (committed), 10 held by a reservation.
+    a.admit(KEY, 20)
+    a.admit(KEY, 10)  # the reservation (escrowed)
+    real_admitted_by_a = 30
+    loc = a.local[KEY]
+
+    # Release the reservation while the give-back's read is in flight.
+    def release() -> None:
+        nonlocal real_admitted_by_a
+        a.free(KEY, 10)
+        real_admitted_by_a -= 10
+
+    st.on_read = release
+
+    # A track of 10 arrives while the swap is in flight: the hot path checks ready/admit.
+    def track() -> None:
+        nonlocal real_admitted_by_a
+        if a.ready(KEY, 10, L):
+            a.admit(KEY, 10)
+            real_admitted_by_a += 10
+
+    st.on_swap = track
+    async with a._lock(KEY):
+        await a._give_back(KEY, loc)
+    s = stored(st)
+    print(
+        "stored a:",
+        s.shares["a"],
+        "local a:",
+        a.local.get(KEY),
+        "really admitted:",
+        real_admitted_by_a,
+    )
+    # b now takes everything left in the budget and admits it.
+    left = L - s.granted
+    await b.ensure(KEY, left, L, 0)
+    b.admit(KEY, left)
+    total = real_admitted_by_a + left
+    assert total <= L, f"overshoot: {total} admitted under strict limit {L}"
+
+
+async def test_a_give_back_whose_answer_and_reread_are_lost_keeps_the_cap_lowered() -> None:
+    """B: a give-back lands, its answer is lost, the re-read fails: _give_back restores the
+    local cap to what it was, though storage already handed the units back to the pool."""
+    st = HookStorage()
+    a = Shares(st, "a", share_max=40, lease_ms=10_000)
+    b = Shares(st, "b", share_max=1000, lease_ms=10_000)
+    await a.ensure(KEY, 1, L, 0)
+    a.admit(KEY, 1)
+    loc = a.local[KEY]
+    room_before = loc.c - loc.a
+    assert room_before > 0
+    st.budget_lose_next = 1  # the give-back lands, its answer is lost
+
+    def fail_reads() -> None:
+        st.read_fails = 1  # ... and the read that would tell fails
+
+    st.on_swap = fail_reads
+    # idle give-back as Shares.step does it (the exception is logged there)
+    loc.used_at = time.monotonic() - 60
+    await a.step()
+    s = stored(st)
+    admitted_a = 1
+    while a.ready(KEY, 1, L):
+        a.admit(KEY, 1)
+        admitted_a += 1
+    left = L - s.granted
+    await b.ensure(KEY, left, L, 0)
+    b.admit(KEY, left)
+    assert admitted_a + left <= L, f"overshoot: {admitted_a}+{left} admitted under {L}"
+
+
+async def test_an_idle_give_back_while_units_are_held_keeps_them_coming_back() -> None:
+    """A reservation held past a lease: the idle give-back keeps the held units spent, and
+    their release gives them back (held through ``hold``, and through a plain admit whose
+    share went back before the release: owed to the next share)."""
+    for held in (True, False):
+        st = HookStorage()
+        a = Shares(st, "a", share_max=1000, lease_ms=10_000)
+        await a.ensure(KEY, L, L, 0)
+        if held:
+            a.hold(KEY, L)  # reserve(L): every unit of the limit held
+        else:
+            a.admit(KEY, L)
+        a.local[KEY].used_at = time.monotonic() - 60  # idle for a lease
+        await a.step()
+        if held:
+            a.settle(KEY, L, L)  # released: nothing used
+        else:
+            a.free(KEY, L)
+        await a.ensure(KEY, L, L, 0)  # the whole limit can be admitted again
+        assert a.ready(KEY, L, L)
+
+
+async def test_two_processes_under_one_node_id_never_share_a_share() -> None:
+    """D: a second process under the same node id while neither is fenced (the new one in
+    ownership state 'unknown' - its claim_owner failed - which Ownership.refusal() maps to
+    None; or the old one before its next renew/may_write notices the claim). Both write
+    the one share 'a' with their own admitted counts."""
+    st = MemoryStorage()
+    p1 = Shares(st, "a", share_max=20)
+    p2 = Shares(st, "a", share_max=20)
+    admitted = 0
+    for _ in range(400):
+        progressed = False
+        for p in (p1, p2):
+            if not p.ready(KEY, 1, L):
+                try:
+                    await p.ensure(KEY, 1, L, 0)
+                except NoBudget:
+                    continue
+            p.admit(KEY, 1)
+            admitted += 1
+            progressed = True
+        if not progressed:
+            break
+    assert admitted <= L, f"overshoot: {admitted} admitted under {L}"
