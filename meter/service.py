@@ -38,6 +38,8 @@ from meter.keys import (
     check_tenant,
     period_start,
 )
+from meter.ledger_book import LedgerBook
+from meter.ledger_methods import LedgerMethods
 from meter.limit_methods import LimitMethods
 from meter.limits import Effective, LimitBook, PairLimits
 from meter.limits_sync import LimitsSync
@@ -170,8 +172,11 @@ class Service:
         #: Reservations whose units were admitted from a strict share (given back when they
         #: are released, expire or are committed for less).
         self._escrowed: set[str] = set()
+        #: Credits ledgers (docs/ledger.md): every call writes or reads storage.
+        self.ledgers = LedgerBook(storage)
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
             **LimitMethods(self.limits).handlers(),
+            **LedgerMethods(self.ledgers).handlers(),
             "check": self._check,
             "track": self._track,
             "track_many": self._track_many,
