@@ -1005,6 +1005,13 @@ def metrics(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     return metrics_cost(svc, sizes, progress)
 
 
+def ledger(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    """Scenario ``ledger``: see :mod:`bench.ledger_cost` (imported here: it builds on this)."""
+    from bench.ledger_cost import ledger as ledger_cost
+
+    return ledger_cost(svc, sizes, progress)
+
+
 SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "rpc": rpc_vs_redis,
     "batch": batch,
@@ -1015,4 +1022,5 @@ SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "durable": durable,
     "scale": scale,
     "metrics": metrics,
+    "ledger": ledger,
 }

@@ -1,4 +1,4 @@
-"""The credits ledger keeps its invariants whatever happens (docs/ledger.md, L01-L06).
+"""The credits ledger keeps its invariants whatever happens (docs/ledger.md, B01-B06).
 
 A hypothesis state machine drives two ledger books (two nodes) over one store - grants,
 debits, time passing (grants expire), the same ref sent twice, a ref reused with another
