@@ -59,6 +59,8 @@ class MemoryStorage(Storage):
         self.ledger_fail_next = 0
         self.ledger_lose_next = 0
         self.ledger_down = False
+        #: Ledger calls refused because ``ledger_down`` was set.
+        self.ledger_down_hits = 0
 
     async def apply(self, node: str, deltas: Sequence[Delta]) -> dict[Key, Applied | StorageError]:
         if self.fail_next > 0:
@@ -167,6 +169,7 @@ class MemoryStorage(Storage):
 
     def _ledger_up(self) -> None:
         if self.ledger_down:
+            self.ledger_down_hits += 1
             raise StorageUnavailable("injected: the ledger storage is down")
 
     async def ledger_read(self, tenant: str) -> tuple[int, str | None]:

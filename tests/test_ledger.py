@@ -214,6 +214,39 @@ async def test_storage_down_is_unavailable_and_the_retry_lands_once() -> None:
     assert len(store.ledger_entries_["acme"]) == 2
 
 
+async def test_through_a_node_storage_down_is_unavailable_and_a_client_retry_lands_once(
+    tmp: Path,
+) -> None:
+    store = MemoryStorage()
+    cfg = _config(tmp)
+    async with Node(cfg, storage=store):
+        c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+        patient = await AsyncClient.connect(cfg.server.socket, retry_timeout=10)
+        try:
+            await c.grant("acme", 10, ref="g")
+            store.ledger_down = True
+            with pytest.raises(Unavailable, match="nothing changed"):
+                await c.debit("acme", 4, ref="d")
+            with pytest.raises(Unavailable):
+                await c.balance("acme")
+            # The client retries unavailable answers with the same ref until storage is back.
+            hits = store.ledger_down_hits
+            call = asyncio.create_task(patient.debit("acme", 4))
+            deadline = time.monotonic() + 5
+            while store.ledger_down_hits < hits + 2:  # refused, and asked again
+                assert time.monotonic() < deadline and not call.done()
+                await asyncio.sleep(0.01)
+            store.ledger_down = False
+            store.ledger_lose_next = 1  # and the first write's answer is lost
+            got = await call
+            assert got["balance_after"] == 6
+            assert (await c.balance("acme"))["available"] == 6
+            assert [e["kind"] for e in await _entries(c, "acme")] == ["grant", "debit"]
+        finally:
+            await c.close()
+            await patient.close()
+
+
 def test_cli_commands(tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = _config(tmp)
     sock = ["--socket", str(cfg.server.socket)]
