@@ -1031,6 +1031,13 @@ def quotas(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     return run(svc, sizes, progress)
 
 
+def ledger(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    """Scenario ``ledger``: see :mod:`bench.ledger_cost` (imported here: it builds on this)."""
+    from bench.ledger_cost import ledger as ledger_cost
+
+    return ledger_cost(svc, sizes, progress)
+
+
 SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "rpc": rpc_vs_redis,
     "batch": batch,
@@ -1042,4 +1049,5 @@ SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "scale": scale,
     "metrics": metrics,
     "quotas": quotas,
+    "ledger": ledger,
 }

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from meter import __version__
+from meter import __version__, ledger_cli
 from meter.config import NodeConfig, load
 from meter.errors import ConfigError, MeterError
 
@@ -141,6 +141,7 @@ def _parser() -> argparse.ArgumentParser:
         "--out", help="write to this file (appears only once complete; default stdout)"
     )
     _limit_parsers(sub, common)
+    ledger_cli.add_parsers(sub, common)
 
     storage = sub.add_parser("storage", help="storage administration")
     ssub = storage.add_subparsers(dest="storage_command", required=True, metavar="ACTION")
@@ -487,6 +488,8 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
     with Client.connect(str(cfg.server.socket), **_PROBE if probe else {}) as client:
         if args.command in ("plan", "limit", "limits", "check"):
             return _limits_command(args, client, as_json)
+        if args.command in ledger_cli.COMMANDS:
+            return ledger_cli.run(args, client, as_json)
         if args.command == "track":
             value = client.track(args.tenant, args.feature, args.qty, id=rid, **opts)
             text = _NOT_KNOWN if value is None else str(value)

@@ -797,6 +797,51 @@ class Client(_Ids):
         """``{tenant, plan, version, limits: {feature: {limit, kind, enforcement, source}}}``."""
         return cast(dict[str, Any], self._invoke("limits", [tenant], True))
 
+    # -- credits ledgers (docs/ledger.md) ---------------------------------------------------
+
+    def grant(
+        self,
+        tenant: str,
+        amount: int,
+        *,
+        ref: str | None = None,
+        expires_at: int | None = None,
+        priority: int | None = None,
+    ) -> dict[str, Any]:
+        """Credit ``amount`` to ``tenant``'s ledger; the entry written (or, for a ref seen
+        before with the same request, its first answer). Without ``ref`` one is made up, so
+        the client's own retries land once."""
+        params = _grant_params(tenant, amount, ref, expires_at, priority)
+        return cast(dict[str, Any], self._invoke("grant", params, True))
+
+    def debit(self, tenant: str, amount: int, *, ref: str | None = None) -> dict[str, Any]:
+        """Spend ``amount`` from ``tenant``'s ledger (``InsufficientBalance`` if it does not
+        fit: nothing changed); the entry written."""
+        params = [tenant, amount, {"ref": ref if ref is not None else _new_ref()}]
+        return cast(dict[str, Any], self._invoke("debit", params, True))
+
+    def balance(self, tenant: str) -> dict[str, Any]:
+        """``{tenant, available, seq, grants: [{seq, remaining, priority, expires_at}]}``."""
+        return cast(dict[str, Any], self._invoke("balance", [tenant], True))
+
+    def ledger_page(
+        self, tenant: str, after: int | None = None, limit: int | None = None
+    ) -> dict[str, Any]:
+        """One page of entries after sequence ``after``: ``{tenant, entries, cursor}``."""
+        return cast(
+            dict[str, Any], self._invoke("ledger", _page_params(tenant, after, limit), True)
+        )
+
+    def ledger_entries(self, tenant: str, page_size: int = 100) -> Iterator[dict[str, Any]]:
+        """Every entry of ``tenant``'s ledger, page by page."""
+        after: int | None = None
+        while True:
+            page = self.ledger_page(tenant, after, page_size)
+            yield from page["entries"]
+            after = page["cursor"]
+            if after is None:
+                return
+
 
 class _ClientProtocol(asyncio.Protocol):
     def __init__(self, max_frame: int, inbox: _Inbox | None = None) -> None:
@@ -1360,6 +1405,71 @@ class AsyncClient(_Ids):
     async def limits(self, tenant: str) -> dict[str, Any]:
         """As :meth:`Client.limits`."""
         return cast(dict[str, Any], await self._invoke("limits", [tenant], True))
+
+    # -- credits ledgers (docs/ledger.md) ---------------------------------------------------
+
+    async def grant(
+        self,
+        tenant: str,
+        amount: int,
+        *,
+        ref: str | None = None,
+        expires_at: int | None = None,
+        priority: int | None = None,
+    ) -> dict[str, Any]:
+        """As :meth:`Client.grant`."""
+        params = _grant_params(tenant, amount, ref, expires_at, priority)
+        return cast(dict[str, Any], await self._invoke("grant", params, True))
+
+    async def debit(self, tenant: str, amount: int, *, ref: str | None = None) -> dict[str, Any]:
+        """As :meth:`Client.debit`."""
+        params = [tenant, amount, {"ref": ref if ref is not None else _new_ref()}]
+        return cast(dict[str, Any], await self._invoke("debit", params, True))
+
+    async def balance(self, tenant: str) -> dict[str, Any]:
+        """As :meth:`Client.balance`."""
+        return cast(dict[str, Any], await self._invoke("balance", [tenant], True))
+
+    async def ledger_page(
+        self, tenant: str, after: int | None = None, limit: int | None = None
+    ) -> dict[str, Any]:
+        """As :meth:`Client.ledger_page`."""
+        params = _page_params(tenant, after, limit)
+        return cast(dict[str, Any], await self._invoke("ledger", params, True))
+
+    async def ledger_entries(
+        self, tenant: str, page_size: int = 100
+    ) -> AsyncIterator[dict[str, Any]]:
+        """As :meth:`Client.ledger_entries`."""
+        after: int | None = None
+        while True:
+            page = await self.ledger_page(tenant, after, page_size)
+            for entry in page["entries"]:
+                yield entry
+            after = page["cursor"]
+            if after is None:
+                return
+
+
+def _new_ref() -> str:
+    """A ref for a ledger change whose caller gave none: the client's retries reuse it."""
+    return "c-" + secrets.token_hex(16)
+
+
+def _grant_params(
+    tenant: str, amount: int, ref: str | None, expires_at: int | None, priority: int | None
+) -> list[Any]:
+    opts: dict[str, Any] = {"ref": ref if ref is not None else _new_ref()}
+    if expires_at is not None:
+        opts["expires_at"] = expires_at
+    if priority is not None:
+        opts["priority"] = priority
+    return [tenant, amount, opts]
+
+
+def _page_params(tenant: str, after: int | None, limit: int | None) -> list[Any]:
+    opts = {k: v for k, v in (("after", after), ("limit", limit)) if v is not None}
+    return [tenant, opts] if opts else [tenant]
 
 
 def _limit_spec(

@@ -39,6 +39,12 @@ class LimitExceeded(MeterError):
     code = "limit_exceeded"
 
 
+class InsufficientBalance(MeterError):
+    """A ledger debit would take the balance below zero; nothing changed (docs/ledger.md)."""
+
+    code = "insufficient_balance"
+
+
 class NotFound(MeterError):
     """The reservation id is unknown (never issued, already finished, or expired)."""
 
@@ -80,6 +86,7 @@ BY_CODE: dict[str, type[MeterError]] = {
         InvalidArgument,
         UnknownMethod,
         LimitExceeded,
+        InsufficientBalance,
         NotFound,
         Conflict,
         Unavailable,

@@ -39,6 +39,8 @@ from meter.keys import (
     check_tenant,
     period_start,
 )
+from meter.ledger_book import LedgerBook
+from meter.ledger_methods import LedgerMethods
 from meter.limit_methods import LimitMethods
 from meter.limits import Effective, LimitBook, PairLimits
 from meter.limits_sync import LimitsSync
@@ -176,8 +178,11 @@ class Service:
         self.alerts = Alerts(table.node, storage.claim_alert)
         #: Whether any limit has alert thresholds (the one test the counting paths make).
         self._alerting = False
+        #: Credits ledgers (docs/ledger.md): every call writes or reads storage.
+        self.ledgers = LedgerBook(storage)
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
             **LimitMethods(self.limits).handlers(),
+            **LedgerMethods(self.ledgers).handlers(),
             "check": self._check,
             "track": self._track,
             "track_many": self._track_many,

@@ -329,3 +329,40 @@ class Storage(abc.ABC):
         Bodies name their claimant, so two claimants never store equal bodies. Raises
         :class:`StorageError` if storage cannot tell (the caller tries again later)."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep alerts")
+
+    # -- credits ledgers (docs/ledger.md) ----------------------------------------------------
+    # Per tenant: a balance record replaced by compare-and-swap on its version, an append-only
+    # run of entries ordered by sequence, and one ref record per change (never replaced). All
+    # bodies are opaque strings (``meter.ledger`` encodes them, so every decision stays in
+    # that one pure module).
+
+    async def ledger_read(self, tenant: str) -> tuple[int, str | None]:
+        """The balance record of ``tenant``'s ledger and its version; ``(0, None)`` if it has
+        none. A consistent read."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep ledgers")
+
+    async def ledger_write(
+        self,
+        tenant: str,
+        version: int,
+        body: str,
+        entries: Sequence[tuple[int, str]],
+        refs: Sequence[tuple[str, str]] = (),
+    ) -> bool:
+        """In one atomic write: store ``body`` as version ``version + 1``, add each entry
+        ``(seq, body)`` and each ref record ``(ref, body)``, if the stored version is
+        ``version`` (0: none stored) and none of the refs or entry sequences exists yet.
+        ``False`` (nothing written) otherwise. A write whose answer was lost may have landed:
+        after ``False`` or :class:`StorageUnavailable` the caller reads again to tell (its ref
+        record names the write)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep ledgers")
+
+    async def ledger_ref(self, tenant: str, ref: str) -> str | None:
+        """The ref record ``ref`` of ``tenant``'s ledger, ``None`` if there is none. A
+        consistent read."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep ledgers")
+
+    async def ledger_entries(self, tenant: str, after: int, limit: int) -> list[tuple[int, str]]:
+        """Up to ``limit`` entries ``(seq, body)`` of ``tenant``'s ledger with a sequence above
+        ``after``, in sequence order. A consistent read."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep ledgers")

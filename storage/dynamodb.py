@@ -140,6 +140,14 @@ _BUDGET_SK = "#b#"
 #: A claimed threshold alert (docs/quotas.md) is the item ``pk = OWNER_PK, sk = "alert#" + id``
 #: with ``b`` (S): the body of the claim that stored it first.
 _ALERT_SK = "alert#"
+#: A tenant's credits ledger (docs/ledger.md) lives in the tenant's partition under sort keys
+#: that start with ``#l#`` (never a counter's ``<period>#...`` nor a budget's ``#b#``): the
+#: balance record ``#l#bal`` with ``v`` (N, its version) and ``b`` (S); each entry
+#: ``#l#e#<seq, 20 digits>`` with ``b`` (S), so a Query on the prefix reads them in order;
+#: each ref record ``#l#r#<ref>`` with ``b`` (S). No ``ttl``: a ledger is kept for good.
+_LEDGER_BALANCE_SK = "#l#bal"
+_LEDGER_ENTRY_SK = "#l#e#"
+_LEDGER_REF_SK = "#l#r#"
 _CLAIM_CONDITION = "attribute_not_exists(#tok) OR #exp <= :now OR #tok IN ({})"
 
 # The TTL is set on every write: it only grows (later of period end and now), so a counter
@@ -726,6 +734,122 @@ class DynamoDBStorage(Storage):
         stored = item.get("b", {}).get("S")
         return bool(stored == body)
 
+    # -- credits ledgers (docs/ledger.md) ----------------------------------------------------
+
+    async def ledger_read(self, tenant: str) -> tuple[int, str | None]:
+        """A consistent ``GetItem`` of the balance item."""
+        resp = await self._call(
+            "get_item",
+            "ledger read",
+            TableName=self.table,
+            Key=_ledger_key(tenant, _LEDGER_BALANCE_SK),
+            ConsistentRead=True,
+        )
+        item = resp.get("Item")
+        if item is None:
+            return 0, None
+        try:
+            return _number(item["v"]), item["b"]["S"]
+        except (KeyError, TypeError) as exc:
+            raise StoragePermanentError(f"dynamodb: undecodable ledger of {tenant!r}") from exc
+
+    async def ledger_write(
+        self,
+        tenant: str,
+        version: int,
+        body: str,
+        entries: Sequence[tuple[int, str]],
+        refs: Sequence[tuple[str, str]] = (),
+    ) -> bool:
+        """One ``TransactWriteItems``: the balance item on the condition of its version, each
+        ref and entry item on the condition that it does not exist. A cancellation for those
+        conditions (or a conflicting transaction) is ``False``; any other reason is raised."""
+        if 1 + len(entries) + len(refs) > TRANSACT_LIMIT:
+            raise StoragePermanentError(
+                f"dynamodb: a ledger write of {len(entries)} entries is too large"
+            )
+        balance: dict[str, Any] = {
+            "Put": {
+                "TableName": self.table,
+                "Item": {
+                    **_ledger_key(tenant, _LEDGER_BALANCE_SK),
+                    "v": {"N": str(version + 1)},
+                    "b": {"S": body},
+                },
+            }
+        }
+        if version == 0:
+            balance["Put"]["ConditionExpression"] = "attribute_not_exists(v)"
+        else:
+            balance["Put"]["ConditionExpression"] = "v = :v"
+            balance["Put"]["ExpressionAttributeValues"] = {":v": {"N": str(version)}}
+        ops = [balance]
+        for ref, ref_body in refs:
+            ops.append(_put_new(self.table, _ledger_key(tenant, _LEDGER_REF_SK + ref), ref_body))
+        for seq, entry_body in entries:
+            ops.append(_put_new(self.table, _ledger_key(tenant, _entry_sk(seq)), entry_body))
+        try:
+            await self._call(
+                "transact_write_items",
+                "ledger write",
+                _raise=_CANCELLED,
+                TransactItems=ops,
+            )
+        except StoragePermanentError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ClientError) and _cancelled_by_conditions(cause):
+                return False
+            raise
+        return True
+
+    async def ledger_ref(self, tenant: str, ref: str) -> str | None:
+        """A consistent ``GetItem`` of the ref item."""
+        resp = await self._call(
+            "get_item",
+            "ledger ref read",
+            TableName=self.table,
+            Key=_ledger_key(tenant, _LEDGER_REF_SK + ref),
+            ConsistentRead=True,
+        )
+        item = resp.get("Item")
+        if item is None:
+            return None
+        try:
+            return str(item["b"]["S"])
+        except (KeyError, TypeError) as exc:
+            raise StoragePermanentError(f"dynamodb: undecodable ledger ref {ref!r}") from exc
+
+    async def ledger_entries(self, tenant: str, after: int, limit: int) -> list[tuple[int, str]]:
+        """A consistent ``Query`` of the entry items after ``after``, in sort key order."""
+        query: dict[str, Any] = {
+            "TableName": self.table,
+            "KeyConditionExpression": "pk = :pk AND sk BETWEEN :lo AND :hi",
+            "ExpressionAttributeValues": {
+                ":pk": {"S": tenant},
+                ":lo": {"S": _entry_sk(after + 1)},
+                ":hi": {"S": _LEDGER_ENTRY_SK + "9" * 20},
+            },
+            "ConsistentRead": True,
+            "Limit": limit,
+        }
+        out: list[tuple[int, str]] = []
+        while len(out) < limit:
+            query["Limit"] = limit - len(out)
+            resp = await self._call("query", "ledger entries", **query)
+            for item in resp.get("Items", []):
+                try:
+                    sk = item["sk"]["S"]
+                    out.append((int(sk[len(_LEDGER_ENTRY_SK) :]), item["b"]["S"]))
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise StoragePermanentError(
+                        f"dynamodb: undecodable ledger entry of {tenant!r}"
+                    ) from exc
+            last = resp.get("LastEvaluatedKey")
+            if not last:
+                break
+            query["ExclusiveStartKey"] = last
+        return out
+
     # -- node id owners (ADR 0004) ---------------------------------------------------------
 
     async def claim_owner(
@@ -850,6 +974,54 @@ class DynamoDBStorage(Storage):
 
 
 _CONTENDED = frozenset({"TransactionConflictException"})
+_CANCELLED = frozenset({"TransactionCanceledException"})
+#: Most items in one TransactWriteItems.
+TRANSACT_LIMIT = 100
+
+
+def _cancel_reasons(exc: ClientError) -> list[str] | None:
+    """The cancellation reason codes of a cancelled transaction, in item order."""
+    reasons = exc.response.get("CancellationReasons")
+    if isinstance(reasons, list):
+        return [str(r.get("Code", "None")) if isinstance(r, dict) else "?" for r in reasons]
+    # older builds name the reasons only in the message: "... [None, ConditionalCheckFailed]"
+    text = str(exc.response.get("Error", {}).get("Message", ""))
+    start, end = text.rfind("["), text.rfind("]")
+    if start < 0 or end < start:
+        return None
+    return [c.strip() for c in text[start + 1 : end].split(",")]
+
+
+def _cancelled_by_conditions(exc: ClientError) -> bool:
+    """Whether a ledger write was cancelled only by its conditions or a conflicting
+    transaction (then it wrote nothing and the caller reads again)."""
+    if _code(exc) not in _CANCELLED:
+        return False
+    codes = _cancel_reasons(exc)
+    if not codes:
+        return False
+    ok = ("None", "ConditionalCheckFailed", "TransactionConflict")
+    return all(c in ok for c in codes) and any(c != "None" for c in codes)
+
+
+def _ledger_key(tenant: str, sk: str) -> dict[str, Any]:
+    if not tenant or len(tenant.encode("utf-8")) > MAX_PK_BYTES:
+        raise StoragePermanentError("dynamodb: ledger tenant is empty or too long")
+    return {"pk": {"S": tenant}, "sk": {"S": sk}}
+
+
+def _entry_sk(seq: int) -> str:
+    return f"{_LEDGER_ENTRY_SK}{seq:020d}"
+
+
+def _put_new(table: str, key: dict[str, Any], body: str) -> dict[str, Any]:
+    return {
+        "Put": {
+            "TableName": table,
+            "Item": {**key, "b": {"S": body}},
+            "ConditionExpression": "attribute_not_exists(pk)",
+        }
+    }
 
 
 def _contended(exc: ClientError) -> bool:

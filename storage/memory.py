@@ -52,6 +52,17 @@ class MemoryStorage(Storage):
         self.budget_lose_next = 0
         #: Claimed alerts: id -> body.
         self.alerts: dict[str, str] = {}
+        #: Ledgers (docs/ledger.md) by tenant: (version, balance body), entries by seq, refs.
+        self.ledgers: dict[str, tuple[int, str]] = {}
+        self.ledger_entries_: dict[str, dict[int, str]] = {}
+        self.ledger_refs: dict[str, dict[str, str]] = {}
+        #: Ledger writes to fail before writing, and to write and then fail (answer lost);
+        #: ledger reads to fail (storage down while it is non-zero).
+        self.ledger_fail_next = 0
+        self.ledger_lose_next = 0
+        self.ledger_down = False
+        #: Ledger calls refused because ``ledger_down`` was set.
+        self.ledger_down_hits = 0
 
     async def apply(self, node: str, deltas: Sequence[Delta]) -> dict[Key, Applied | StorageError]:
         if self.fail_next > 0:
@@ -167,3 +178,51 @@ class MemoryStorage(Storage):
             self.lose_next_ack -= 1
             raise StorageUnavailable("injected loss of the response after the write")
         return stored == body
+
+    # -- credits ledgers -----------------------------------------------------------------------
+
+    def _ledger_up(self) -> None:
+        if self.ledger_down:
+            self.ledger_down_hits += 1
+            raise StorageUnavailable("injected: the ledger storage is down")
+
+    async def ledger_read(self, tenant: str) -> tuple[int, str | None]:
+        self._ledger_up()
+        held = self.ledgers.get(tenant)
+        return (0, None) if held is None else held
+
+    async def ledger_write(
+        self,
+        tenant: str,
+        version: int,
+        body: str,
+        entries: Sequence[tuple[int, str]],
+        refs: Sequence[tuple[str, str]] = (),
+    ) -> bool:
+        self._ledger_up()
+        if self.ledger_fail_next > 0:
+            self.ledger_fail_next -= 1
+            raise StorageUnavailable("injected failure before the ledger write")
+        held = self.ledgers.get(tenant)
+        stored = self.ledger_entries_.setdefault(tenant, {})
+        known = self.ledger_refs.setdefault(tenant, {})
+        if (0 if held is None else held[0]) != version:
+            return False
+        if any(r in known for r, _ in refs) or any(s in stored for s, _ in entries):
+            return False
+        self.ledgers[tenant] = (version + 1, body)
+        stored.update(entries)
+        known.update(refs)
+        if self.ledger_lose_next > 0:
+            self.ledger_lose_next -= 1
+            raise StorageUnavailable("injected loss of the answer after the ledger write")
+        return True
+
+    async def ledger_ref(self, tenant: str, ref: str) -> str | None:
+        self._ledger_up()
+        return self.ledger_refs.get(tenant, {}).get(ref)
+
+    async def ledger_entries(self, tenant: str, after: int, limit: int) -> list[tuple[int, str]]:
+        self._ledger_up()
+        stored = self.ledger_entries_.get(tenant, {})
+        return [(s, stored[s]) for s in sorted(s for s in stored if s > after)[:limit]]

@@ -141,6 +141,33 @@ CREATE TABLE IF NOT EXISTS alerts (
     expires_at INTEGER NOT NULL
 ) WITHOUT ROWID
 """
+#: Credits ledgers (docs/ledger.md): a balance record per tenant replaced by version, its
+#: entries by sequence and its ref records. Additive tables: the schema version is unchanged.
+_LEDGERS = (
+    """
+CREATE TABLE IF NOT EXISTS ledger_balances (
+    tenant  TEXT    NOT NULL PRIMARY KEY,
+    version INTEGER NOT NULL,
+    body    TEXT    NOT NULL
+) WITHOUT ROWID
+""",
+    """
+CREATE TABLE IF NOT EXISTS ledger_entries (
+    tenant TEXT    NOT NULL,
+    seq    INTEGER NOT NULL,
+    body   TEXT    NOT NULL,
+    PRIMARY KEY (tenant, seq)
+) WITHOUT ROWID
+""",
+    """
+CREATE TABLE IF NOT EXISTS ledger_refs (
+    tenant TEXT NOT NULL,
+    ref    TEXT NOT NULL,
+    body   TEXT NOT NULL,
+    PRIMARY KEY (tenant, ref)
+) WITHOUT ROWID
+""",
+)
 
 _MONTH_RE = re.compile(r"\d{4}-\d{2}")
 _DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
@@ -534,6 +561,117 @@ class SQLiteStorage(Storage):
 
         return await self._run(swap)
 
+    # -- credits ledgers (docs/ledger.md) ----------------------------------------------------
+
+    async def ledger_read(self, tenant: str) -> tuple[int, str | None]:
+        """The balance record and its version, from the committed state."""
+
+        def read() -> tuple[int, str | None]:
+            try:
+                row = (
+                    self._connection()
+                    .execute(
+                        "SELECT version, body FROM ledger_balances WHERE tenant = ?", (tenant,)
+                    )
+                    .fetchone()
+                )
+            except sqlite3.Error as exc:
+                raise _map(exc, f"reading a ledger from {self.path}") from exc
+            return (0, None) if row is None else (int(row[0]), str(row[1]))
+
+        return await self._run(read)
+
+    async def ledger_write(
+        self,
+        tenant: str,
+        version: int,
+        body: str,
+        entries: Sequence[tuple[int, str]],
+        refs: Sequence[tuple[str, str]] = (),
+    ) -> bool:
+        """One ``BEGIN IMMEDIATE``: compare the version and the refs, write everything."""
+
+        def write() -> bool:
+            conn = self._connection()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    row = conn.execute(
+                        "SELECT version FROM ledger_balances WHERE tenant = ?", (tenant,)
+                    ).fetchone()
+                    done = (0 if row is None else int(row[0])) == version
+                    for ref, _ in refs if done else ():
+                        hit = conn.execute(
+                            "SELECT 1 FROM ledger_refs WHERE tenant = ? AND ref = ?", (tenant, ref)
+                        ).fetchone()
+                        done = done and hit is None
+                    for seq, _ in entries if done else ():
+                        hit = conn.execute(
+                            "SELECT 1 FROM ledger_entries WHERE tenant = ? AND seq = ?",
+                            (tenant, seq),
+                        ).fetchone()
+                        done = done and hit is None
+                    if done:
+                        conn.execute(
+                            "INSERT INTO ledger_balances (tenant, version, body) VALUES (?, ?, ?)"
+                            " ON CONFLICT (tenant) DO UPDATE SET"
+                            " version = excluded.version, body = excluded.body",
+                            (tenant, version + 1, body),
+                        )
+                        conn.executemany(
+                            "INSERT INTO ledger_entries (tenant, seq, body) VALUES (?, ?, ?)",
+                            [(tenant, seq, b) for seq, b in entries],
+                        )
+                        conn.executemany(
+                            "INSERT INTO ledger_refs (tenant, ref, body) VALUES (?, ?, ?)",
+                            [(tenant, ref, b) for ref, b in refs],
+                        )
+                    conn.execute("COMMIT")
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        if conn.in_transaction:
+                            conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise _map(exc, f"writing a ledger to {self.path}") from exc
+            return done
+
+        return await self._run(write)
+
+    async def ledger_ref(self, tenant: str, ref: str) -> str | None:
+        def read() -> str | None:
+            try:
+                row = (
+                    self._connection()
+                    .execute(
+                        "SELECT body FROM ledger_refs WHERE tenant = ? AND ref = ?", (tenant, ref)
+                    )
+                    .fetchone()
+                )
+            except sqlite3.Error as exc:
+                raise _map(exc, f"reading a ledger ref from {self.path}") from exc
+            return None if row is None else str(row[0])
+
+        return await self._run(read)
+
+    async def ledger_entries(self, tenant: str, after: int, limit: int) -> list[tuple[int, str]]:
+        def read() -> list[tuple[int, str]]:
+            try:
+                rows = (
+                    self._connection()
+                    .execute(
+                        "SELECT seq, body FROM ledger_entries WHERE tenant = ? AND seq > ?"
+                        " ORDER BY seq LIMIT ?",
+                        (tenant, after, limit),
+                    )
+                    .fetchall()
+                )
+            except sqlite3.Error as exc:
+                raise _map(exc, f"reading ledger entries from {self.path}") from exc
+            return [(int(a), str(b)) for a, b in rows]
+
+        return await self._run(read)
+
     @staticmethod
     def _limits_version_sync(conn: sqlite3.Connection) -> int:
         try:
@@ -597,6 +735,8 @@ class SQLiteStorage(Storage):
             conn.execute(_LIMITS_VERSION)
             conn.execute(_BUDGETS)
             conn.execute(_ALERTS)
+            for statement in _LEDGERS:
+                conn.execute(statement)
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:

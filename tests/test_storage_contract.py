@@ -476,3 +476,53 @@ async def test_budget_swap_compares_versions(storage: Storage) -> None:
     assert await storage.budget_read(other) == (0, None)
     assert await storage.list_period("acme", "2026-11") == {}
     assert (await storage.export_page("2026-11", None, 10)).rows == []
+
+
+# -- credits ledgers (docs/ledger.md) ----------------------------------------------------------
+
+
+async def test_ledger_write_compares_version_and_refs(storage: Storage) -> None:
+    assert await storage.ledger_read("acme") == (0, None)
+    assert await storage.ledger_ref("acme", "r1") is None
+    assert await storage.ledger_entries("acme", 0, 10) == []
+    assert not await storage.ledger_write("acme", 1, "x", [(1, "e1")])  # nothing at version 1
+    assert await storage.ledger_write("acme", 0, "b1", [(1, "e1")], [("r1", "a1")])
+    assert await storage.ledger_read("acme") == (1, "b1")
+    assert await storage.ledger_ref("acme", "r1") == "a1"
+    assert not await storage.ledger_write("acme", 0, "late", [(1, "x")], [("r9", "x")])
+    # The version matches but the ref was used: nothing of it is written.
+    assert not await storage.ledger_write("acme", 1, "b2", [(2, "e2")], [("r1", "other")])
+    assert await storage.ledger_read("acme") == (1, "b1")
+    assert await storage.ledger_ref("acme", "r1") == "a1"
+    assert await storage.ledger_entries("acme", 0, 10) == [(1, "e1")]
+    # Several entries in one write; refs are per tenant.
+    assert await storage.ledger_write("acme", 1, "b2", [(2, "e2"), (3, "e3")], [("r2", "a2")])
+    assert await storage.ledger_write("beta", 0, "c1", [(1, "f1")], [("r1", "other")])
+    assert await storage.ledger_read("acme") == (2, "b2")
+    assert await storage.ledger_ref("beta", "r1") == "other"
+    assert await storage.ledger_entries("beta", 0, 10) == [(1, "f1")]
+
+
+async def test_ledger_entries_are_paged_in_sequence_order(storage: Storage) -> None:
+    for seq in range(1, 26):  # past 9 and 10: ordered as numbers, not strings
+        assert await storage.ledger_write("acme", seq - 1, f"b{seq}", [(seq, f"e{seq}")])
+    assert await storage.ledger_entries("acme", 0, 3) == [(1, "e1"), (2, "e2"), (3, "e3")]
+    assert await storage.ledger_entries("acme", 9, 2) == [(10, "e10"), (11, "e11")]
+    assert [s for s, _ in await storage.ledger_entries("acme", 20, 100)] == [21, 22, 23, 24, 25]
+    assert await storage.ledger_entries("acme", 25, 10) == []
+
+
+async def test_ledger_items_never_show_as_counters(storage: Storage) -> None:
+    await _ok(storage, "n1", K, 1, 5)
+    await storage.budget_swap(K, 0, "budget")
+    assert await storage.ledger_write(K[0], 0, "b", [(1, "e")], [("2026-11#api_calls", "x")])
+    assert await storage.list_period(K[0], K[2]) == {"api_calls": Snapshot(5, {"n1": 1})}
+    page = await storage.export_page(K[2], None, 100)
+    rows = list(page.rows)
+    cursor = page.cursor
+    while cursor is not None:
+        page = await storage.export_page(K[2], cursor, 100)
+        rows += page.rows
+        cursor = page.cursor
+    assert rows == [ExportRow(K[0], "api_calls", K[2], 5)]
+    assert (await storage.load([K]))[K] == Snapshot(5, {"n1": 1})

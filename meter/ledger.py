@@ -1,0 +1,391 @@
+"""A tenant's credits ledger, as a pure model: no I/O, every decision (docs/ledger.md).
+
+State: one *balance record* per tenant - the last entry's sequence, the running balance and
+the open grants (what is left of each, its priority and its expiry) - plus an append-only list
+of *entries*. Every change is one or more entries written together with the next balance
+record (:mod:`meter.ledger_book` does the writing, by compare-and-swap on the record's
+version). Kinds of entry:
+
+* ``grant`` (and any caller-chosen credit kind): ``+amount``, opens a grant;
+* ``debit`` (and any caller-chosen debit kind): ``-amount``, taken from the open grants in
+  spending order (:func:`spending_order`: higher ``priority`` first, then the earliest
+  ``expires_at``, a grant that never expires last, then the oldest);
+* ``expire``: ``-remaining`` of one grant whose ``expires_at`` has passed, written lazily
+  before anything else the first time the ledger is read or written after it; other grants
+  are untouched.
+
+Invariants (checked by :func:`check`): the balance is the sum of every entry's amount and the
+sum of the open grants' remainders; it is never negative (a debit that does not fit raises
+:class:`InsufficientBalance` and changes nothing); every open grant has something left.
+
+Idempotency: every change carries a ``ref``. The first answer is stored under it, with a
+fingerprint of the request (:func:`fingerprint`); the same ref and request answer that first
+answer again, the same ref with another request is a :class:`~meter.errors.Conflict`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from meter.errors import Conflict, InsufficientBalance, InvalidArgument, MeterError
+
+__all__ = ["InsufficientBalance"]
+
+#: Largest amount of one entry, and largest balance (what MessagePack carries as an int).
+MAX_AMOUNT = 2**63 - 1
+#: Longest ref, in characters.
+MAX_REF_CHARS = 128
+#: Most grants open at once per tenant (the balance record must fit in one DynamoDB item).
+MAX_OPEN_GRANTS = 1000
+#: Most expiry entries written in one write; more are written by several writes first.
+MAX_EXPIRE_PER_WRITE = 20
+#: Priorities and expiries must fit a signed 64-bit int.
+MAX_INT = 2**63 - 1
+MIN_INT = -(2**63)
+
+GRANT = "grant"
+DEBIT = "debit"
+EXPIRE = "expire"
+#: A caller-chosen kind: lower-case letters, digits and ``_``, starting with a letter.
+KIND_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """An open grant: the sequence of the entry that opened it (its id), what is left of it,
+    its priority and its expiry (epoch seconds, ``None``: never)."""
+
+    seq: int
+    remaining: int
+    priority: int = 0
+    expires_at: int | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "remaining": self.remaining,
+            "priority": self.priority,
+            "expires_at": self.expires_at,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """The balance record: the last entry's sequence, the balance and the open grants."""
+
+    seq: int = 0
+    balance: int = 0
+    grants: tuple[Grant, ...] = ()
+
+
+EMPTY = State()
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One ledger entry. ``amount`` is signed; ``alloc`` is, for a debit, what it took from
+    each grant (``(grant seq, amount)``) and, for a credit or an expiry, the grant's seq."""
+
+    seq: int
+    time: float
+    kind: str
+    amount: int
+    balance_after: int
+    ref: str | None = None
+    alloc: tuple[tuple[int, int], ...] = ()
+    priority: int | None = None
+    expires_at: int | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "seq": self.seq,
+            "time": self.time,
+            "kind": self.kind,
+            "amount": self.amount,
+            "ref": self.ref,
+            "balance_after": self.balance_after,
+        }
+        if self.amount > 0:
+            out["priority"] = self.priority
+            out["expires_at"] = self.expires_at
+        else:
+            out["grants"] = [list(a) for a in self.alloc]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """A change asked for: a credit (``credit=True``: opens a grant) or a debit, of ``amount``
+    (> 0) under ``ref``, with a kind (``grant``/``debit`` or a caller's own)."""
+
+    credit: bool
+    amount: int
+    ref: str
+    kind: str
+    priority: int = 0
+    expires_at: int | None = None
+
+    def fingerprint(self) -> str:
+        return fingerprint(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one write stores: the next state, its new entries and, when the write carries
+    the op, the op's ref record (``ref``, ``ref_body``) and its answer."""
+
+    state: State
+    entries: tuple[Entry, ...]
+    ref: str | None = None
+    ref_body: str | None = None
+    answer: dict[str, Any] | None = None
+    #: False when only expiries were planned and the op still has to be written after them.
+    done: bool = True
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def check_amount(amount: object, what: str = "amount") -> int:
+    if isinstance(amount, bool) or not isinstance(amount, int):
+        raise InvalidArgument(f"{what} must be an integer, got {type(amount).__name__}")
+    if not 1 <= amount <= MAX_AMOUNT:
+        raise InvalidArgument(f"{what} must be in 1..{MAX_AMOUNT}, got {amount}")
+    return amount
+
+
+def check_ref(ref: object) -> str:
+    if not isinstance(ref, str):
+        raise InvalidArgument(f"ref must be a string, got {type(ref).__name__}")
+    if not 1 <= len(ref) <= MAX_REF_CHARS:
+        raise InvalidArgument(f"ref must be 1..{MAX_REF_CHARS} characters, got {len(ref)}")
+    if not ref.isprintable():
+        raise InvalidArgument("ref must not contain control characters")
+    try:
+        ref.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument("ref is not valid UTF-8") from None
+    return ref
+
+
+def check_int(value: object, what: str, *, least: int = MIN_INT) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{what} must be an integer, got {type(value).__name__}")
+    if not least <= value <= MAX_INT:
+        raise InvalidArgument(f"{what} must be in {least}..{MAX_INT}, got {value}")
+    return value
+
+
+def check_kind(kind: object) -> str:
+    if not isinstance(kind, str) or not KIND_RE.fullmatch(kind) or kind == EXPIRE:
+        raise InvalidArgument(
+            f"kind must match {KIND_RE.pattern} and not be {EXPIRE!r}, got {kind!r}"
+        )
+    return kind
+
+
+def credit(
+    amount: object,
+    ref: object,
+    *,
+    kind: object = GRANT,
+    priority: object = 0,
+    expires_at: object = None,
+) -> Op:
+    """A checked credit op (``InvalidArgument`` naming the bad field)."""
+    return Op(
+        True,
+        check_amount(amount),
+        check_ref(ref),
+        check_kind(kind),
+        check_int(priority, "priority"),
+        None if expires_at is None else check_int(expires_at, "expires_at", least=0),
+    )
+
+
+def debit(amount: object, ref: object, *, kind: object = DEBIT) -> Op:
+    """A checked debit op."""
+    return Op(False, check_amount(amount), check_ref(ref), check_kind(kind))
+
+
+def fingerprint(op: Op) -> str:
+    """What must match for a repeated ref to be the same request."""
+    return json.dumps(
+        ["c" if op.credit else "d", op.kind, op.amount, op.priority, op.expires_at],
+        separators=(",", ":"),
+    )
+
+
+# -- decisions -------------------------------------------------------------------------------
+
+
+def spending_order(grants: Iterable[Grant]) -> list[Grant]:
+    """The order a debit takes from grants: higher priority first, then the earliest expiry
+    (a grant that never expires after every one that does), then the oldest (lowest seq)."""
+    return sorted(
+        grants,
+        key=lambda g: (-g.priority, g.expires_at is None, g.expires_at or 0, g.seq),
+    )
+
+
+def expired(state: State, now: float) -> list[Grant]:
+    """The open grants past their expiry at ``now`` (``now >= expires_at``), oldest first."""
+    return [g for g in state.grants if g.expires_at is not None and now >= g.expires_at]
+
+
+def plan_expiry(state: State, now: float, limit: int = MAX_EXPIRE_PER_WRITE) -> Plan | None:
+    """Expiry entries for (up to ``limit`` of) the grants past their expiry; ``None`` if none
+    is."""
+    gone = expired(state, now)[:limit]
+    if not gone:
+        return None
+    t = _ms(now)
+    seq, balance = state.seq, state.balance
+    entries = []
+    for g in gone:
+        seq += 1
+        balance -= g.remaining
+        entries.append(Entry(seq, t, EXPIRE, -g.remaining, balance, None, ((g.seq, g.remaining),)))
+    ids = {g.seq for g in gone}
+    grants = tuple(g for g in state.grants if g.seq not in ids)
+    return Plan(State(seq, balance, grants), tuple(entries), done=False)
+
+
+def plan(state: State, op: Op, now: float) -> Plan:
+    """The write that applies ``op`` to ``state`` at ``now``.
+
+    If grants have expired, the plan is first their expiry entries - with the op's own entry
+    after them when they are few enough for one write, else alone (``done=False``: plan again
+    on the state after it). Raises :class:`InsufficientBalance` when a debit does not fit in
+    what is left after the expiries, and ``InvalidArgument`` when a credit would take the
+    balance past :data:`MAX_AMOUNT` or open too many grants."""
+    pre = plan_expiry(state, now, MAX_EXPIRE_PER_WRITE + 1)
+    if pre is not None and len(pre.entries) > MAX_EXPIRE_PER_WRITE:
+        return plan_expiry(state, now) or pre  # (the first is never None here)
+    base = state if pre is None else pre.state
+    before = () if pre is None else pre.entries
+    t = _ms(now)
+    seq = base.seq + 1
+    if op.credit:
+        if base.balance + op.amount > MAX_AMOUNT:
+            raise InvalidArgument(
+                f"amount: the balance would exceed {MAX_AMOUNT} ({base.balance} + {op.amount})"
+            )
+        if len(base.grants) >= MAX_OPEN_GRANTS:
+            raise InvalidArgument(f"the tenant already has {MAX_OPEN_GRANTS} open grants")
+        balance = base.balance + op.amount
+        grant = Grant(seq, op.amount, op.priority, op.expires_at)
+        entry = Entry(seq, t, op.kind, op.amount, balance, op.ref, (), op.priority, op.expires_at)
+        grants = (*base.grants, grant)
+    else:
+        if op.amount > base.balance:
+            raise InsufficientBalance(
+                f"debit of {op.amount} exceeds the available balance of {base.balance}"
+            )
+        left = op.amount
+        taken: list[tuple[int, int]] = []
+        after: dict[int, int] = {}
+        for g in spending_order(base.grants):
+            if left == 0:
+                break
+            take = min(left, g.remaining)
+            taken.append((g.seq, take))
+            after[g.seq] = g.remaining - take
+            left -= take
+        assert left == 0, "grants must cover the balance"
+        balance = base.balance - op.amount
+        entry = Entry(seq, t, op.kind, -op.amount, balance, op.ref, tuple(taken))
+        grants = tuple(
+            g if g.seq not in after else Grant(g.seq, after[g.seq], g.priority, g.expires_at)
+            for g in base.grants
+            if after.get(g.seq, 1) > 0
+        )
+    answer = entry.to_wire()
+    ref_body = json.dumps({"f": op.fingerprint(), "a": answer}, separators=(",", ":"))
+    return Plan(State(seq, balance, grants), (*before, entry), op.ref, ref_body, answer, done=True)
+
+
+def repeated(op: Op, ref_body: str) -> dict[str, Any]:
+    """The first answer stored under ``op``'s ref, or :class:`Conflict` if that ref was used
+    for another request."""
+    try:
+        record = json.loads(ref_body)
+        first_print, answer = record["f"], record["a"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MeterError(f"undecodable ref record for {op.ref!r}: {exc}") from None
+    if first_print != op.fingerprint():
+        raise Conflict(f"ref {op.ref!r} was already used for another request ({first_print})")
+    return dict(answer)
+
+
+def check(state: State, entries: Sequence[Entry]) -> None:
+    """Assert the invariants over a state and every entry written so far."""
+    assert state.balance >= 0, state
+    assert state.balance == sum(e.amount for e in entries), (state, entries)
+    assert state.balance == sum(g.remaining for g in state.grants), state
+    assert all(g.remaining > 0 for g in state.grants), state
+    assert state.seq == (entries[-1].seq if entries else 0)
+
+
+# -- encoding (the opaque bodies storage keeps) ------------------------------------------------
+
+
+def encode_state(state: State) -> str:
+    grants = [[g.seq, g.remaining, g.priority, g.expires_at] for g in state.grants]
+    return json.dumps({"s": state.seq, "b": state.balance, "g": grants}, separators=(",", ":"))
+
+
+def decode_state(body: str | None) -> State:
+    if body is None:
+        return EMPTY
+    try:
+        raw = json.loads(body)
+        grants = tuple(Grant(int(s), int(r), int(p), e) for s, r, p, e in raw["g"])
+        return State(int(raw["s"]), int(raw["b"]), grants)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MeterError(f"undecodable ledger balance record: {exc}") from None
+
+
+def encode_entry(entry: Entry) -> str:
+    raw: dict[str, Any] = {
+        "s": entry.seq,
+        "t": entry.time,
+        "k": entry.kind,
+        "a": entry.amount,
+        "b": entry.balance_after,
+    }
+    if entry.ref is not None:
+        raw["r"] = entry.ref
+    if entry.alloc:
+        raw["g"] = [list(a) for a in entry.alloc]
+    if entry.priority is not None:
+        raw["p"] = entry.priority
+    if entry.expires_at is not None:
+        raw["e"] = entry.expires_at
+    return json.dumps(raw, separators=(",", ":"))
+
+
+def decode_entry(body: str) -> Entry:
+    try:
+        raw = json.loads(body)
+        return Entry(
+            int(raw["s"]),
+            float(raw["t"]),
+            str(raw["k"]),
+            int(raw["a"]),
+            int(raw["b"]),
+            raw.get("r"),
+            tuple((int(s), int(a)) for s, a in raw.get("g", ())),
+            raw.get("p"),
+            raw.get("e"),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MeterError(f"undecodable ledger entry: {exc}") from None
+
+
+def _ms(now: float) -> float:
+    return round(now, 3)
