@@ -42,10 +42,18 @@ class Share:
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """The budget record of one counter."""
+    """The budget record of one counter, or of one tenant's credit pool.
+
+    A pool (``funded`` not ``None``) is its own limit: ``funded`` credits moved into it from
+    the tenant's ledger, one funding at a time (``fund``: ``[n, amount, started ms]`` while
+    one is in flight, written to the ledger under ref ``pool:<pool>:<n>``; docs/ledger.md)."""
 
     base: int = 0
     shares: dict[str, Share] = field(default_factory=dict)
+    funded: int | None = None
+    fund_n: int = 0
+    fund: tuple[int, int, int] | None = None
+    pool: str = ""
 
     @property
     def granted(self) -> int:
@@ -53,13 +61,13 @@ class Budget:
         return self.base + sum(s.g for s in self.shares.values())
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "base": self.base,
-                "shares": {n: [s.g, s.c, s.e, s.t, s.op] for n, s in sorted(self.shares.items())},
-            },
-            separators=(",", ":"),
-        )
+        out: dict[str, Any] = {
+            "base": self.base,
+            "shares": {n: [s.g, s.c, s.e, s.t, s.op] for n, s in sorted(self.shares.items())},
+        }
+        if self.funded is not None:
+            out["pool"] = [self.pool, self.funded, self.fund_n, self.fund]
+        return json.dumps(out, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, body: str) -> Budget:
@@ -82,7 +90,23 @@ class Budget:
             ):
                 raise ValueError(f"budget record: bad share of {str(node)[:64]!r}")
             out[str(node)] = Share(*s)
-        return cls(base, out)
+        pool = raw.get("pool")
+        if pool is None:
+            return cls(base, out)
+        if not (
+            isinstance(pool, list)
+            and len(pool) == 4
+            and isinstance(pool[0], str)
+            and _count(pool[1])
+            and _count(pool[2])
+            and (
+                pool[3] is None
+                or (isinstance(pool[3], list) and len(pool[3]) == 3 and all(map(_count, pool[3])))
+            )
+        ):
+            raise ValueError("budget record: bad pool")
+        fund = None if pool[3] is None else (pool[3][0], pool[3][1], pool[3][2])
+        return cls(base, out, pool[1], pool[2], fund, pool[0])
 
 
 def _count(x: object) -> bool:
@@ -196,7 +220,7 @@ def take(
         cur = Local(closed.e, closed.g, closed.c, a, limit, used_at, low)
         floor = mine.c
     else:
-        cur = adopt(node, Budget(budget.base, shares), local, limit)
+        cur = adopt(node, replace(budget, shares=shares), local, limit)
         floor = used_owed = 0
     # The grant must add at least this much (less than need: what is left will do).
     least = max(0, cur.a + (need if at_least is None else min(need, at_least)) - cur.g)
@@ -212,7 +236,7 @@ def take(
     g = cur.g + max(least, min(free, wanted))
     c = max(cur.c, min(g, cur.a + need + step))
     shares[node] = Share(g, c, cur.e, now_ms + lease_ms, op)
-    b = Budget(budget.base, shares)
+    b = replace(budget, shares=shares)
     return Plan(b, adopt(node, b, cur, limit), floor, used_owed)
 
 
@@ -225,7 +249,7 @@ def give_back(budget: Budget, node: str, local: Local, op: str, run: str) -> Pla
         return None
     shares = dict(budget.shares)
     shares[node] = Share(local.a, local.a, s.e, s.t, op)
-    b = Budget(budget.base, shares)
+    b = replace(budget, shares=shares)
     return Plan(b, Local(s.e, local.a, local.a, local.a, local.limit, local.used_at, local.low))
 
 
@@ -238,7 +262,7 @@ def renew(
         return None
     shares = dict(budget.shares)
     shares[node] = replace(s, t=now_ms + lease_ms, op=op)
-    b = Budget(budget.base, shares)
+    b = replace(budget, shares=shares)
     return Plan(b, adopt(node, b, local, local.limit))
 
 
@@ -247,3 +271,32 @@ def applied(budget: Budget | None, node: str, op: str) -> bool:
     which cannot exist while the node waits for this one)."""
     s = None if budget is None else budget.shares.get(node)
     return s is not None and s.op == op
+
+
+# -- credit pools (docs/ledger.md) -------------------------------------------------------------
+
+
+def begin_fund(budget: Budget | None, amount: int, now_ms: int, pool: str) -> Budget:
+    """The pool with a funding of ``amount`` credits begun (a new pool named ``pool`` if
+    there is none); ``ValueError`` if one is already in flight (finish it first)."""
+    if budget is None:
+        budget = Budget(0, {}, 0, 0, None, pool)
+    if budget.funded is None:
+        raise ValueError("not a credit pool")
+    if budget.fund is not None:
+        raise ValueError("a funding is in flight")
+    return replace(budget, fund=(budget.fund_n + 1, amount, now_ms))
+
+
+def end_fund(budget: Budget, n: int, landed: bool) -> Budget | None:
+    """The pool with funding ``n`` finished (its credits in if ``landed``); ``None`` if that
+    funding is not the one in flight (finished already)."""
+    if budget.funded is None or budget.fund is None or budget.fund[0] != n:
+        return None
+    funded = budget.funded + (budget.fund[1] if landed else 0)
+    return replace(budget, funded=funded, fund_n=n, fund=None)
+
+
+def fund_ref(budget: Budget, n: int) -> str:
+    """The ledger ref of the pool's funding ``n``."""
+    return f"pool:{budget.pool}:{n}"

@@ -15,9 +15,10 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from meter import escrow
+from meter.errors import InsufficientBalance
 from meter.escrow import Budget, Local, NoBudget
 from meter.keys import Key
 from storage.base import Storage, StorageError, StorageUnavailable
@@ -26,6 +27,23 @@ log = logging.getLogger("meter.escrow")
 
 #: Compare-and-swap attempts per write before giving up (contention from other nodes).
 MAX_ATTEMPTS = 32
+#: The ``limit`` a credit pool's shares are kept under: a pool's limit is in its record.
+POOL = -1
+#: Fundings of a pool one call may wait for before answering ``unavailable``.
+MAX_FUNDINGS = 8
+
+
+class Funder(Protocol):
+    """Where a credit pool's credits come from: the tenant's ledger (docs/ledger.md)."""
+
+    async def available(self, tenant: str) -> int:
+        """Credits the tenant's ledger has now."""
+        ...
+
+    async def take(self, tenant: str, amount: int, ref: str) -> bool:
+        """Debit ``amount`` under ``ref`` exactly once (a repeated ref answers as its first
+        call did): True if it is debited, False if the ledger cannot cover it."""
+        ...
 
 
 class Shares:
@@ -78,6 +96,11 @@ class Shares:
         self.taken_back = 0
         self.errors = 0
         self.last_error: str | None = None
+        #: Credits moved from a ledger to a pool at a time (at least what a call needs).
+        self.fund_chunk = 1_000
+        #: Pool fundings this process began (it finishes its own at once).
+        self._funding: set[tuple[Key, int]] = set()
+        self.fundings = 0
 
     # -- the hot path (no I/O) ---------------------------------------------------------------
 
@@ -178,7 +201,13 @@ class Shares:
         base: int,
         at_least: int | None = None,
     ) -> escrow.Plan:
-        left = limit - (budget.granted if budget is not None else base)
+        if limit == POOL:  # a credit pool: its limit is what was moved into it
+            if budget is None or budget.funded is None:
+                raise NoBudget("the credit pool is empty")
+            cap_limit = budget.funded
+        else:
+            cap_limit = limit
+        left = cap_limit - (budget.granted if budget is not None else base)
         want = min(self.share_max, max(need, left // (2 * max(1, self.nodes()))))
         # A quarter of a grant, or of what this node holds unpromised if that is more (with
         # the budget spent elsewhere, steps sized by what is left would be a write a unit).
@@ -192,7 +221,7 @@ class Shares:
             need=need,
             want=want,
             step=step,
-            limit=limit,
+            limit=cap_limit,
             base=base,
             now_ms=int(self.clock() * 1000),
             lease_ms=self.lease_ms,
@@ -325,6 +354,78 @@ class Shares:
         task = asyncio.get_running_loop().create_task(fill())
         self._refills.add(task)
         task.add_done_callback(self._refills.discard)
+
+    # -- credit pools (docs/ledger.md) -------------------------------------------------------
+
+    async def ensure_pool(self, key: Key, need: int, funder: Funder) -> None:
+        """Room for ``need`` credits in this node's share of ``key``'s credit pool (``key``:
+        ``(tenant, CREDITS, "")``), moving credits from the tenant's ledger into the pool when
+        it runs dry. Raises :class:`InsufficientBalance` when the ledger cannot cover it."""
+        for _ in range(MAX_FUNDINGS):
+            try:
+                await self.ensure(key, need, POOL, 0, background=True)
+                return
+            except NoBudget:
+                await self._fund(key, need, funder)
+        raise StorageUnavailable(f"credit pool of {key[0]!r}: kept running dry; retry")
+
+    async def _fund(self, key: Key, need: int, funder: Funder) -> None:
+        """One funding of ``key``'s pool from the ledger, or the finish of one in flight.
+        The funding is in the pool's record before the ledger is debited under its ref, so
+        any node can finish it, and the ledger's ref makes it count once."""
+        tenant = key[0]
+        async with self._lock(key):
+            version, budget = await self._read(key)
+            now_ms = int(self.clock() * 1000)
+            if budget is not None and budget.fund is not None:
+                n, amount, started = budget.fund
+                if (key, n) not in self._funding and now_ms - started < 2 * self.lease_ms:
+                    # Another node's, young: it finishes it (a late ledger write of a
+                    # crashed node must not land after we decided it did not).
+                    await asyncio.sleep(0.02)
+                    return
+            else:
+                free = (
+                    0 if budget is None or budget.funded is None else budget.funded - budget.granted
+                )
+                loc = self.local.get(key)
+                mine = 0 if loc is None else max(0, loc.g - loc.a)
+                short = max(1, need - mine - max(0, free))
+                available = await funder.available(tenant)
+                if available < short:
+                    self.refused += 1
+                    raise InsufficientBalance(
+                        f"{tenant}: {need} credits needed, {available} available; nothing counted"
+                    )
+                amount = min(available, max(short, self.fund_chunk))
+                pool = os.urandom(6).hex()
+                new = escrow.begin_fund(budget, amount, now_ms, pool)
+                assert new.fund is not None
+                n = new.fund[0]
+                self._funding.add((key, n))
+                if not await self._swap(key, version, new):
+                    return  # raced: read again
+                budget = new
+            assert budget is not None
+            landed = await funder.take(tenant, amount, escrow.fund_ref(budget, n))
+            self.fundings += 1
+            for _ in range(MAX_ATTEMPTS):
+                version, stored = await self._read(key)
+                done = None if stored is None else escrow.end_fund(stored, n, landed)
+                if done is None or await self._swap(key, version, done):
+                    break
+            self._funding.discard((key, n))
+
+    async def _swap(self, key: Key, version: int, new: Budget) -> bool:
+        """One compare-and-swap of a whole record; a lost answer settled by reading it."""
+        body = new.to_json()
+        try:
+            if await self.storage.budget_swap(key, version, body):
+                return True
+        except StorageUnavailable:
+            pass
+        _, stored = await self._read(key)
+        return stored is not None and stored.to_json() == body
 
     # -- upkeep ------------------------------------------------------------------------------
 

@@ -45,6 +45,8 @@ Record = tuple[str, str, str, str]
 
 SOFT_STRICT = "a soft limit never refuses, so it cannot be strict; strict limits are hard"
 
+#: Most credits one unit of a credit-metered feature may cost (docs/ledger.md).
+PRICE_MAX = 10**12
 #: Alert thresholds of one limit: at most this many percentages, each 1..ALERT_PCT_MAX.
 MAX_ALERTS = 10
 ALERT_PCT_MAX = 1000
@@ -59,6 +61,8 @@ class Limit:
     enforcement: Enforcement = "fast"
     #: Alert thresholds in percent of ``limit`` (sorted, distinct; empty: no alerts).
     alerts: tuple[int, ...] = ()
+    #: Credits one unit costs (0: the feature is not credit-metered; docs/ledger.md).
+    price: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -68,6 +72,8 @@ class Limit:
         }
         if self.alerts:  # (absent when none: records without alerts stay as they were)
             out["alerts"] = list(self.alerts)
+        if self.price:
+            out["price"] = self.price
         return out
 
 
@@ -82,6 +88,8 @@ class Effective:
     source: str
     #: Alert thresholds in percent of ``limit`` (sorted, distinct; empty: no alerts).
     alerts: tuple[int, ...] = ()
+    #: Credits one unit costs (0: not credit-metered).
+    price: int = 0
 
     @property
     def hard(self) -> bool:
@@ -96,6 +104,8 @@ class Effective:
         }
         if self.alerts:
             out["alerts"] = list(self.alerts)
+        if self.price:
+            out["price"] = self.price
         return out
 
 
@@ -145,6 +155,10 @@ def parse_limit(spec: object, what: str = "limit") -> Limit:
     """A limit spec ``{limit, kind?, enforcement?, alerts?}`` validated (``kind`` defaults to
     hard, ``enforcement`` to fast, ``alerts`` to none); :class:`InvalidArgument` names ``what``
     otherwise."""
+    if isinstance(spec, dict) and "price" in spec:  # credit-metered: a limit is optional
+        rest = {k: v for k, v in spec.items() if k != "price"}
+        rest.setdefault("limit", QTY_MAX)
+        return replace(parse_limit(rest, what), price=parse_price(spec["price"], what))
     if isinstance(spec, dict) and "alerts" in spec:  # the rest first, then the thresholds
         rest = {k: v for k, v in spec.items() if k != "alerts"}
         return replace(parse_limit(rest, what), alerts=parse_alerts(spec["alerts"], what))
@@ -156,7 +170,7 @@ def parse_limit(spec: object, what: str = "limit") -> Limit:
         if name not in ("limit", "kind", "enforcement"):
             raise InvalidArgument(
                 f"{what}: unknown field {str(name)[:32]!r} "
-                "(allowed: alerts, enforcement, kind, limit)"
+                "(allowed: alerts, enforcement, kind, limit, price)"
             )
     if "limit" not in spec:
         raise InvalidArgument(f"{what}: limit is missing")
@@ -176,6 +190,15 @@ def parse_limit(spec: object, what: str = "limit") -> Limit:
     if enforcement == "strict" and kind == "soft":
         raise InvalidArgument(f"{what}: {SOFT_STRICT}")
     return Limit(n, kind, enforcement)
+
+
+def parse_price(value: object, what: str = "limit") -> int:
+    """A feature's price in credits per unit: an integer 1..PRICE_MAX."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{what}: price must be an integer, got {type(value).__name__}")
+    if not 1 <= value <= PRICE_MAX:
+        raise InvalidArgument(f"{what}: price must be 1..{PRICE_MAX} credits a unit, got {value}")
+    return value
 
 
 def parse_features(spec: object) -> dict[str, Limit]:
@@ -229,7 +252,13 @@ def _stored_limit(value: Any) -> Limit:
             alerts = parse_alerts(value["alerts"])
         except InvalidArgument as exc:
             raise ValueError(f"bad alerts: {exc.message}") from None
-    return Limit(n, kind, enforcement, alerts)
+    price = 0
+    if "price" in value:
+        try:
+            price = parse_price(value["price"])
+        except InvalidArgument as exc:
+            raise ValueError(f"bad price: {exc.message}") from None
+    return Limit(n, kind, enforcement, alerts, price)
 
 
 # -- the book --------------------------------------------------------------------------------
@@ -329,13 +358,15 @@ class LimitBook:
         # Per plan and per override, never per tenant x feature (see the module doc).
         plans = {
             name: {
-                f: Effective(lim.limit, lim.kind, lim.enforcement, f"plan:{name}", lim.alerts)
+                f: Effective(
+                    lim.limit, lim.kind, lim.enforcement, f"plan:{name}", lim.alerts, lim.price
+                )
                 for f, lim in features.items()
             }
             for name, features in self.plans.items()
         }
         overrides = {
-            pair: Effective(lim.limit, lim.kind, lim.enforcement, "override", lim.alerts)
+            pair: Effective(lim.limit, lim.kind, lim.enforcement, "override", lim.alerts, lim.price)
             for pair, lim in self.overrides.items()
         }
         self.by_pair = PairLimits(overrides, self.assigned, plans)

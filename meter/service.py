@@ -12,11 +12,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
-from meter import __version__, export
+from meter import __version__, export, ledger
 from meter.alerts import Alerts
 from meter.config import CounterConfig
 from meter.errors import (
     Conflict,
+    InsufficientBalance,
     InvalidArgument,
     LimitExceeded,
     MeterError,
@@ -25,7 +26,7 @@ from meter.errors import (
     UnknownMethod,
 )
 from meter.escrow import NoBudget
-from meter.escrow_sync import Shares
+from meter.escrow_sync import POOL, Shares
 from meter.holds import MAX_HOLD_BYTES, MAX_HOLD_KEYS, HoldItem, PeerHolds, local_holds
 from meter.idempotency import RequestIds, check_id, fingerprint
 from meter.keys import (
@@ -180,6 +181,8 @@ class Service:
         self._alerting = False
         #: Credits ledgers (docs/ledger.md): every call writes or reads storage.
         self.ledgers = LedgerBook(storage)
+        #: Credit-metered features spend from pools funded by the ledgers (docs/ledger.md).
+        self._funder = _LedgerFunder(self.ledgers)
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
             **LimitMethods(self.limits).handlers(),
             **LedgerMethods(self.ledgers).handlers(),
@@ -441,7 +444,11 @@ class Service:
     def _gate(self, key: Key, qty: int, eff: Effective | None) -> None:
         """Refuse (raise, nothing counted) ``qty`` more units on a seeded-or-not ``key`` that
         would take its view past a hard limit. Units taken away are never refused."""
-        if eff is None or qty <= 0 or eff.kind != "hard":
+        if eff is None or qty <= 0:
+            return
+        if eff.price and not self.shares.ready(pool_key(key[0]), eff.price * qty, POOL):
+            raise _Short(pool_key(key[0]), eff.price * qty, eff, credits=True)
+        if eff.kind != "hard":
             return
         if eff.enforcement == "strict":
             if not self.shares.ready(key, qty, eff.limit):
@@ -477,7 +484,7 @@ class Service:
         allowed = not over or qty <= 0 or eff.kind == "soft"
         if value is None and eff.kind == "hard" and qty > 0:
             allowed = False  # the total is unknown: a track would be refused
-        return {
+        out = {
             "allowed": allowed,
             "value": value,
             "limit": eff.limit,
@@ -487,6 +494,12 @@ class Service:
             "over": over,
             "tenant": key[0],
         }
+        if eff.price:  # credit-metered: the credits it costs, and whether they are there
+            credits = eff.price * max(0, qty)
+            out["credits"] = credits
+            if credits and not self.shares.ready(pool_key(key[0]), credits, POOL):
+                out["allowed"] = False
+        return out
 
     def _needs_check(self, key: Key) -> bool:
         """Whether a count on ``key`` is checked against a limit or spread over levels."""
@@ -579,6 +592,8 @@ class Service:
                 self.table.incr(k, -qty, check=False)
             raise
         for k, eff, v in zip(keys, effs, values, strict=True):
+            if eff is not None and eff.price and qty > 0:  # credit-metered: spend its credits
+                self.shares.admit(pool_key(k[0]), eff.price * qty)
             if eff is not None and eff.enforcement == "strict" and qty > 0 and eff.kind == "hard":
                 self.shares.admit(k, qty)
             elif _soft_crossing(eff, v, qty):
@@ -611,7 +626,7 @@ class Service:
             raise Unavailable("storage is unreachable and this counter's total is not known")
         for short in self._strict_short(keys, qty):
             # Would a track be admitted? Only a share with room says yes: take one.
-            with contextlib.suppress(LimitExceeded):
+            with contextlib.suppress(LimitExceeded, InsufficientBalance):
                 await self._make_room(short)
         return self._check_levels(keys, qty)
 
@@ -623,9 +638,12 @@ class Service:
         out = []
         for k in keys:
             eff = limited.get((k[0], k[1]))
+            if eff is None:
+                continue
+            if eff.price and not self.shares.ready(pool_key(k[0]), eff.price * qty, POOL):
+                out.append(_Short(pool_key(k[0]), eff.price * qty, eff, credits=True))
             if (
-                eff is not None
-                and eff.enforcement == "strict"
+                eff.enforcement == "strict"
                 and eff.kind == "hard"
                 and not self.shares.ready(k, qty, eff.limit)
             ):
@@ -633,6 +651,18 @@ class Service:
         return out
 
     async def _make_room(self, short: _Short, at_least: int | None = None) -> None:
+        if short.credits:
+            try:
+                await self.shares.ensure_pool(short.key, short.qty, self._funder)
+            except StorageError as exc:
+                raise Unavailable(
+                    f"{short.key[0]}: the credit pool cannot be read or written ({exc}); "
+                    "nothing counted"
+                ) from None
+            return
+        await self._make_strict_room(short, at_least)
+
+    async def _make_strict_room(self, short: _Short, at_least: int | None = None) -> None:
         """One write (or a few, under contention) giving this node's share room for the
         units ``short`` asked for; ``limit_exceeded`` if the strict budget cannot cover them."""
         key, eff = short.key, short.eff
@@ -832,7 +862,7 @@ class Service:
 
     async def _track_many_limited_cold(self, batch: _Batch, keys: list[Key]) -> Any:
         await self.seeder.seed_many(keys)
-        for _ in range(3):  # strict shares: room for every item first (others may take it)
+        for _ in range(3):  # strict shares, credit pools: room for every item first
             shorts = self._batch_short(batch)
             if not shorts:
                 break
@@ -878,7 +908,15 @@ class Service:
             except MeterError as exc:  # over a hard limit, past the 64-bit range, too deep
                 values.append(exc)
                 continue
-            except _Short as short:  # its strict share had no room left for this item
+            except _Short as short:  # its strict share (or credit pool) had no room left for it
+                if short.credits:
+                    values.append(
+                        InsufficientBalance(
+                            f"{short.key[0]}: {short.qty} credits needed, not available; "
+                            "nothing counted"
+                        )
+                    )
+                    continue
                 self.limit_refusals += 1
                 values.append(
                     LimitExceeded(
@@ -1074,6 +1112,11 @@ class Service:
         self, key: Key, qty: int, limit: int | None, ttl_ms: int, idem: tuple[str, int] | None
     ) -> str:
         eff = self._limited.get((key[0], key[1])) if self._limited else None
+        if eff is not None and eff.price:
+            raise InvalidArgument(
+                f"reserve on a credit-metered feature ({key[0]}/{key[1]} costs {eff.price} "
+                "credits a unit) is not supported yet: track it"
+            )
         strict = eff is not None and eff.kind == "hard" and eff.enforcement == "strict"
         if strict:
             assert eff is not None
@@ -1184,6 +1227,8 @@ class Service:
             self.shares.settle(key, lease.qty, unused)
         if actual is not None and actual > lease.qty and self._limited:
             eff = self._limited.get((key[0], key[1]))
+            if eff is not None and eff.price:  # (checked by _gate_commit, as the strict share)
+                self.shares.admit(pool_key(key[0]), eff.price * (actual - lease.qty))
             if eff is not None and eff.kind == "hard" and eff.enforcement == "strict":
                 self.shares.admit(key, actual - lease.qty)
 
@@ -1608,14 +1653,42 @@ class _Batch:
 
 
 class _Short(Exception):
-    """Internal: ``key``'s strict share has no room for ``qty`` units now (nothing counted);
-    the call waits for :meth:`Service._make_room` and tries again."""
+    """Internal: ``key``'s strict share (``credits``: ``key`` is a tenant's credit pool and
+    ``qty`` credits) has no room for ``qty`` now (nothing counted); the call waits for
+    :meth:`Service._make_room` and tries again."""
 
-    def __init__(self, key: Key, qty: int, eff: Effective) -> None:
+    def __init__(self, key: Key, qty: int, eff: Effective, *, credits: bool = False) -> None:
         super().__init__(key, qty)
         self.key = key
         self.qty = qty
         self.eff = eff
+        self.credits = credits
+
+
+#: The feature name of a tenant's credit pool (``#`` never appears in a feature).
+CREDITS = "#credits"
+
+
+def pool_key(tenant: str) -> Key:
+    """The key of ``tenant``'s credit pool (a budget record with no period)."""
+    return (tenant, CREDITS, "")
+
+
+class _LedgerFunder:
+    """Credit pools are funded by metered debits of the tenant's ledger (docs/ledger.md)."""
+
+    def __init__(self, book: LedgerBook) -> None:
+        self.book = book
+
+    async def available(self, tenant: str) -> int:
+        return int((await self.book.balance(tenant))["available"])
+
+    async def take(self, tenant: str, amount: int, ref: str) -> bool:
+        try:
+            await self.book.apply(tenant, ledger.debit(amount, ref, kind="metered"))
+        except InsufficientBalance:
+            return False
+        return True
 
 
 class _Answer:

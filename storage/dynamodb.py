@@ -685,8 +685,9 @@ class DynamoDBStorage(Storage):
             **_budget_key(key),
             "v": {"N": str(version + 1)},
             "b": {"S": body},
-            "ttl": {"N": str(_ttl(key[2], self.retention_days))},
         }
+        if key[2]:  # a record with no period (a credit pool) never expires
+            item["ttl"] = {"N": str(_ttl(key[2], self.retention_days))}
         params: dict[str, Any] = {"TableName": self.table, "Item": item}
         if version == 0:
             params["ConditionExpression"] = "attribute_not_exists(v)"

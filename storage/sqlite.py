@@ -526,8 +526,9 @@ class SQLiteStorage(Storage):
         return await self._run(read)
 
     async def budget_swap(self, key: Key, version: int, body: str) -> bool:
-        """One transaction: compare the version, write the next."""
-        expires = self._expires_at(key[2])
+        """One transaction: compare the version, write the next. A record with no period (a
+        credit pool) never expires."""
+        expires = self._expires_at(key[2]) if key[2] else 2**62
 
         def swap() -> bool:
             conn = self._connection()

@@ -1,0 +1,150 @@
+"""Credit-metered features (docs/ledger.md, "Credit-metered features"): a feature with a price
+spends the tenant's credits through a pool funded from its ledger, escrowed to nodes like a
+strict limit's budget; at zero a call is `insufficient_balance`, and nothing is overdrawn.
+
+Real nodes in this process on one SQLite file (each its own data dir and node id); the fleet
+test on Redis and DynamoDB Local is in test_credits_cluster.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meter.client import AsyncClient
+from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig, StorageConfig
+from meter.errors import InsufficientBalance, InvalidArgument
+from meter.escrow import Budget
+from meter.service import pool_key
+from storage.sqlite import SQLiteStorage
+
+
+@pytest.fixture
+def tmp() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:  # short path: socket paths are limited
+        yield Path(d)
+
+
+def _config(tmp: Path, name: str) -> NodeConfig:
+    return NodeConfig(
+        data_dir=tmp / name,
+        node_id=name,
+        server=ServerConfig(socket=tmp / f"{name}.sock"),
+        storage=StorageConfig(kind="sqlite", sqlite_file=str(tmp / "shared.db")),
+        flush=FlushConfig(interval_ms=100),
+        counters=CounterConfig(),
+    )
+
+
+@contextlib.asynccontextmanager
+async def _nodes(tmp: Path, n: int) -> AsyncIterator[list[AsyncClient]]:
+    from meter.node import Node
+
+    async with contextlib.AsyncExitStack() as stack:
+        clients = []
+        for i in range(n):
+            cfg = _config(tmp, f"n{i}")
+            await stack.enter_async_context(Node(cfg))
+            c = await AsyncClient.connect(cfg.server.socket, retry_timeout=0)
+            stack.push_async_callback(c.close)
+            clients.append(c)
+        yield clients
+
+
+async def _spend(c: AsyncClient, tenant: str, feature: str, qty: int = 1) -> int:
+    """Track until refused for credits (or 100,000 units: never refused); the units admitted."""
+    ok = 0
+    while ok < 100_000:
+        try:
+            await c.track(tenant, feature, qty)
+        except InsufficientBalance:
+            return ok
+        ok += qty
+    return ok
+
+
+async def _pool(tmp: Path, tenant: str) -> Budget | None:
+    storage = SQLiteStorage(tmp / "shared.db")
+    await storage.open()
+    try:
+        _, body = await storage.budget_read(pool_key(tenant))
+    finally:
+        await storage.close()
+    return None if body is None else Budget.from_json(body)
+
+
+async def _wait_price(c: AsyncClient, tenant: str, feature: str, price: int) -> None:
+    deadline = asyncio.get_running_loop().time() + 5
+    while (await c.limits(tenant))["limits"].get(feature, {}).get("price") != price:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.02)
+
+
+async def test_a_priced_feature_spends_credits_and_stops_at_zero(tmp: Path) -> None:
+    async with _nodes(tmp, 1) as (a,):
+        await a.set_plan("pro", {"gpu": {"price": 3}, "api": {"limit": 10**6}})
+        await a.assign_plan("acme", "pro")
+        assert (await a.limits("acme"))["limits"]["gpu"]["price"] == 3
+        await a.grant("acme", 100, ref="g1")
+        assert await _spend(a, "acme", "gpu") == 33  # 99 credits; the 34th unit needs 3
+        with pytest.raises(InsufficientBalance):
+            await a.track("acme", "gpu", 1)
+        assert await a.usage("acme", "gpu") == 33  # refused units counted nothing
+        assert await a.track("acme", "api", 5) == 5  # unpriced features are not charged
+        # check says so, with the credits a call would cost.
+        detail = await a.check("acme", "gpu", 1)
+        assert detail["allowed"] is False and detail["credits"] == 3
+        # A grant makes room again: the pool is funded from the ledger as needed.
+        await a.grant("acme", 30, ref="g2")
+        assert await _spend(a, "acme", "gpu") == 10  # 1 credit left over + 30 = 31: 10 units
+        # The ledger shows the metered debits: every credit that went to the pool.
+        page = await a.ledger_page("acme")
+        metered = [e for e in page["entries"] if e["kind"] == "metered"]
+        assert sum(-e["amount"] if e["amount"] < 0 else e["amount"] for e in metered) == 130
+        assert (await a.balance("acme"))["available"] == 0
+        # A reservation on a priced feature is refused, clearly.
+        with pytest.raises(InvalidArgument, match="credit-metered"):
+            await a.reserve("acme", "gpu", 1)
+    pool = await _pool(tmp, "acme")
+    assert pool is not None and pool.funded == 130 and pool.fund is None
+    assert pool.granted <= pool.funded
+
+
+async def test_nodes_sharing_credits_never_overdraw(tmp: Path) -> None:
+    async with _nodes(tmp, 3) as (a, b, c):
+        await a.set_plan("metered", {"gpu": {"price": 2}})
+        await a.assign_plan("acme", "metered")
+        for node in (a, b, c):
+            await _wait_price(node, "acme", "gpu", 2)
+        await a.grant("acme", 1001, ref="g1")
+        conns = [x for x in (a, b, c) for _ in range(4)]
+        got = await asyncio.gather(*(_spend(x, "acme", "gpu") for x in conns))
+        spent = 2 * sum(got)
+        # Never more than granted; each node strands at most one unit's price in its share.
+        assert 1001 - 3 * 2 < spent <= 1001, got
+        balance = await a.balance("acme")
+    pool = await _pool(tmp, "acme")
+    assert pool is not None and pool.funded is not None
+    # What the pool holds came from the ledger, which never went below zero.
+    assert balance["available"] + pool.funded == 1001 and balance["available"] >= 0
+
+
+async def test_bad_prices_are_refused_with_a_clear_error(tmp: Path) -> None:
+    async with _nodes(tmp, 1) as (a,):
+        bad: list[tuple[dict[str, Any], str]] = [
+            ({"price": 0}, "price must be 1.."),
+            ({"price": -2}, "price must be 1.."),
+            ({"price": "3"}, "price must be an integer"),
+            ({"price": True}, "price must be an integer"),
+            ({"price": 10**13}, "price must be 1.."),
+        ]
+        for spec, message in bad:
+            with pytest.raises(InvalidArgument, match=message):
+                await a.set_plan("p", {"gpu": spec})
+        assert await a.set_limit("acme", "gpu", 10) >= 1  # an override without a price: fine
