@@ -50,6 +50,10 @@ QUOTAS = "10 quotas (DynamoDB Local, 1 or 3 nodes)"
 FAR = 10**15
 #: The two sides' counters (one each, shared by every connection).
 STRICT_TENANT, FAST_TENANT, FEATURE = "q-strict", "q-fast", "f"
+#: Credit-metered (1 credit a unit, 10^15 credits granted) against plain (no limit at all).
+CREDIT_TENANT, PLAIN_TENANT = "q-credit", "q-plain"
+#: Credit-metered throughput at least this many times plain (issue 10).
+CREDIT_TARGET = 0.8
 #: Strict throughput at least this many times fast.
 THROUGHPUT_TARGET = 0.8
 #: Seconds of unmeasured load on each side before the first round (seeding, first grants).
@@ -289,6 +293,80 @@ def _bursts(svc: Services, q: QuotaSizes, progress: Progress) -> list[Row]:
     return rows
 
 
+def _credits(
+    nodes: list[NodeProcess],
+    configs: tuple[tuple[int, int], ...],
+    sizes: Sizes,
+    progress: Progress,
+) -> list[Row]:
+    """Credit-metered ``track`` against plain ``track``, far from zero, on ``nodes``."""
+    n = len(nodes)
+    paths = [str(p.socket) for p in nodes]
+    _set_limit(nodes, CREDIT_TENANT, {"price": 1})
+    nodes[0].call("grant", CREDIT_TENANT, FAR, {"ref": f"bench-{n}"})
+
+    def load(tenant: str, conns: int, depth: int, seconds: float) -> Load:
+        return Load(
+            "meter", paths[0], "track", conns, depth, duration=seconds, tenant=tenant,
+            paths=tuple(paths[1:]),
+        )  # fmt: skip
+
+    progress(f"quotas: {n} node(s): warming up the credit-metered and plain counters")
+    for tenant in (CREDIT_TENANT, PLAIN_TENANT):
+        run_load(load(tenant, max(n, 2), 1, WARMUP_S))
+    rows: list[Row] = []
+    for conns, depth in configs:
+        seconds = max(sizes.duration, MIN_ROUND_S)
+        ours: list[LoadResult] = []
+        ref: list[LoadResult] = []
+        for r in range(sizes.rounds):
+            progress(
+                f"quotas: credit-metered vs plain, {n} node(s), {conns} conn, depth {depth}, "
+                f"round {r + 1}/{sizes.rounds}"
+            )
+            a, b = _in_turn(
+                r,
+                partial(run_load, load(CREDIT_TENANT, conns, depth, seconds)),
+                partial(run_load, load(PLAIN_TENANT, conns, depth, seconds)),
+            )
+            ours.append(a)
+            ref.append(b)
+        errors = sum(x.errors for x in ours + ref)
+        o_ops = [x.ops_per_s for x in ours]
+        r_ops = [x.ops_per_s for x in ref]
+        ratio = _ratios(o_ops, r_ops)
+        shape = f"{n} node{'s' if n > 1 else ''}, {conns} conn" + (
+            f", pipelined {depth}" if depth > 1 else ""
+        )
+        rows.append(
+            Row(
+                QUOTAS,
+                f"track, credit-metered (1 credit a unit, far from zero) vs plain, {shape}",
+                "ops/s",
+                _median(o_ops),
+                _median(r_ops),
+                ratio,
+                f">= {CREDIT_TARGET}x plain",
+                ratio >= CREDIT_TARGET and errors == 0,
+                {
+                    "nodes": n,
+                    "connections": conns,
+                    "depth": depth,
+                    "errors": errors,
+                    "credits_granted": FAR,
+                    "ours_p50_us": _median([x.percentile_us(50) for x in ours]),
+                    "ours_p99_us": _median([x.percentile_us(99) for x in ours]),
+                    "plain_p50_us": _median([x.percentile_us(50) for x in ref]),
+                    "plain_p99_us": _median([x.percentile_us(99) for x in ref]),
+                    "rounds_credit_ops": o_ops,
+                    "rounds_plain_ops": r_ops,
+                    "order": ALTERNATING,
+                },
+            )
+        )
+    return rows
+
+
 def quotas(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     """Parts 1-3 (see the module doc)."""
     q = sizes.quotas
@@ -299,6 +377,7 @@ def quotas(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
         nodes = start_cluster(svc, [f"q{n}-{i}" for i in range(n)], env)
         try:
             rows += _throughput(nodes, configs, sizes, progress)
+            rows += _credits(nodes, configs, sizes, progress)
         finally:
             for p in nodes:
                 svc.stop_node(p)

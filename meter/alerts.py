@@ -31,6 +31,8 @@ from storage.base import StorageError
 
 log = logging.getLogger("meter.alerts")
 
+#: The ``feature`` of a balance alert (a tenant's credits went below an amount).
+BALANCE = "#balance"
 #: Crossings detected and not claimed yet that a node keeps (storage unreachable); past this
 #: the oldest is dropped (counted in ``dropped``).
 MAX_PENDING = 10_000
@@ -197,18 +199,38 @@ class Alerts:
         """The view of ``key`` went from ``before`` to ``after``: queue a claim for every
         threshold crossed that this node does not know as claimed or queued already."""
         for pct, units in crossed(alerts, limit, before, after):
-            alert = make_alert(key, pct, units, limit, after, self.node)
-            if alert.id in self._known:
-                continue
-            _bounded_add(self._known, alert.id, self.max_known)
-            pending = self.pending
-            if len(pending) >= self.max_pending:
-                old, _ = pending.popitem(last=False)
-                self._known.pop(old, None)
-                self.dropped += 1
-            pending[alert.id] = alert
-            if self._wake is not None:
-                self._wake.set()
+            self.queue(make_alert(key, pct, units, limit, after, self.node))
+
+    def balance_entry(
+        self, tenant: str, seq: int, before: int, after: int, amounts: tuple[int, ...]
+    ) -> None:
+        """Ledger entry ``seq`` took ``tenant``'s balance from ``before`` to ``after``: queue
+        an alert for every amount it went below (``after < amount <= before``). The entry's
+        sequence names the crossing, so each crossing fires once and a later one (after a
+        grant) fires again (docs/ledger.md, "Balance alerts")."""
+        for amount in amounts:
+            if after < amount <= before:
+                period = f"seq-{seq}"
+                aid = alert_id(tenant, BALANCE, period, amount)
+                now = time.time()
+                alert = Alert(
+                    aid, tenant, BALANCE, period, amount, amount, 0, after, self.node, now
+                )
+                self.queue(alert)
+
+    def queue(self, alert: Alert) -> None:
+        """Queue a claim of ``alert`` unless this node knows it as claimed or queued."""
+        if alert.id in self._known:
+            return
+        _bounded_add(self._known, alert.id, self.max_known)
+        pending = self.pending
+        if len(pending) >= self.max_pending:
+            old, _ = pending.popitem(last=False)
+            self._known.pop(old, None)
+            self.dropped += 1
+        pending[alert.id] = alert
+        if self._wake is not None:
+            self._wake.set()
 
     async def run(self) -> None:
         """Claim what is pending whenever something is detected; while storage does not

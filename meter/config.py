@@ -98,6 +98,9 @@ class CounterConfig:
     strict_lease_ms: int = 10_000
     #: Most units one grant of a strict budget gives a node.
     strict_share_max: int = 10_000
+    #: Credit balances whose crossing downwards is alerted, once per crossing
+    #: (docs/ledger.md, "Balance alerts"); empty: none.
+    balance_alerts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +338,23 @@ def _address(setting: str, raw: Any) -> tuple[str, int] | None:
     return host, int(port)
 
 
+def _balance_alerts(setting: str, raw: Any) -> tuple[int, ...]:
+    """``[1000, 100]`` in TOML, or ``1000,100`` in env/flags: credit amounts, each 1..2^63-1."""
+    if isinstance(raw, str):
+        try:
+            raw = [int(p) for p in filter(None, (p.strip() for p in raw.split(",")))]
+        except ValueError:
+            raise ConfigError(setting, f"expected amounts like 1000,100, got {raw!r}") from None
+    if not isinstance(raw, list) or len(raw) > 10:
+        raise ConfigError(setting, "must be a list of at most 10 credit amounts")
+    for n in raw:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 2**63 - 1:
+            raise ConfigError(setting, f"amounts must be integers 1..2^63-1, got {n!r}")
+    if len(set(raw)) != len(raw):
+        raise ConfigError(setting, "an amount is listed twice")
+    return tuple(sorted(raw))
+
+
 def _feature_periods(setting: str, raw: Any) -> dict[str, PeriodKind]:
     """``{"api_calls": "day"}`` in TOML, or ``api_calls=day,seats=month`` in env/flags."""
     if isinstance(raw, str):
@@ -390,6 +410,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "max_watched_tenants": ("counters", "max_watched_tenants", _int(1, 1_000_000)),
     "strict_lease_ms": ("counters", "strict_lease_ms", _int(300, 3_600_000)),
     "strict_share_max": ("counters", "strict_share_max", _int(1, 10**15)),
+    "balance_alerts": ("counters", "balance_alerts", _balance_alerts),
     "flush_interval_ms": ("flush", "interval_ms", _int(1, 3_600_000)),
     "flush_batch_keys": ("flush", "batch_keys", _int(1, 1_000_000)),
     "flush_max_backoff_ms": ("flush", "max_backoff_ms", _int(1, 3_600_000)),

@@ -23,7 +23,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from meter import ledger
@@ -66,6 +66,9 @@ class LedgerBook:
         self.backoff_cap = backoff_cap
         # Tenant -> (version, state) last read or written here: the compare-and-swap base of
         # the next write (a stale one only costs a refused write and a read).
+        #: Called with a tenant and the entries of each write of its ledger this node made
+        #: and saw land (balance alerts watch them).
+        self.on_entries: Callable[[str, Sequence[ledger.Entry]], None] | None = None
         self._known: dict[str, tuple[int, State]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiting: dict[str, int] = {}
@@ -177,6 +180,8 @@ class LedgerBook:
             raise Internal(f"ledger of {tenant!r}: storage refused the write: {exc}") from None
         if ok:
             self._remember(tenant, version + 1, step.state)
+            if self.on_entries is not None and step.entries:
+                self.on_entries(tenant, step.entries)
             return "ok"
         self.refused += 1
         self._known.pop(tenant, None)

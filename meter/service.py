@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 from meter import __version__, export, ledger
@@ -183,6 +183,8 @@ class Service:
         self.ledgers = LedgerBook(storage)
         #: Credit-metered features spend from pools funded by the ledgers (docs/ledger.md).
         self._funder = _LedgerFunder(self.ledgers)
+        if self.config.balance_alerts:
+            self.ledgers.on_entries = self._balance_entries
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
             **LimitMethods(self.limits).handlers(),
             **LedgerMethods(self.ledgers).handlers(),
@@ -244,6 +246,9 @@ class Service:
         gated = self._gated
         items: list[tuple[Key, int]] = []
         append = items.append
+        # Credit-metered items with no other check ride along when their pool's share has
+        # room for them all: (item index, pool, credits), admitted once counted.
+        priced: list[tuple[int, Key, int]] = []
         for req in requests:
             if type(req) is not list or req[2] != "track":
                 break
@@ -257,16 +262,43 @@ class Service:
             if key is None or not QTY_MIN <= qty <= QTY_MAX:
                 break
             if gated and self._needs_check(key):
-                break  # checked (limits, levels) by dispatch
+                credits = self._priced_only(key, qty)
+                if credits is None:
+                    break  # checked (limits, levels) by dispatch
+                pool = pool_key(key[0])
+                need = credits + sum(c for _, p, c in priced if p == pool)
+                if not self.shares.ready(pool, need, POOL):
+                    break  # the pool needs a write first: dispatch waits for it
+                priced.append((len(items), pool, credits))
             append((key, qty))
         if not items:
             return []
         values = self.table.incr_prefix(items)
+        for n, pool, credits in priced:
+            if n < len(values):
+                self.shares.admit(pool, credits)
         self.calls += len(values)
         if wal is not None and values:
             counted = items if len(values) == len(items) else items[: len(values)]
             wal.append([R.TRACK_MANY, [[*k, q] for k, q in counted]])
         return values
+
+    def _priced_only(self, key: Key, qty: int) -> int | None:
+        """The credits a plain track of ``qty`` on ``key`` costs if its price is the only
+        thing to check (no unit limit, alerts or levels), else ``None``."""
+        limited = self._limited
+        eff = limited.get((key[0], key[1])) if limited else None
+        if (
+            eff is None
+            or not eff.price
+            or qty <= 0
+            or eff.limit != QTY_MAX
+            or eff.alerts
+            or eff.enforcement != "fast"
+            or (self._hier and "/" in key[0])
+        ):
+            return None
+        return eff.price * qty
 
     def notify(self, method: str, params: list[Any]) -> None:
         """Notifications are accepted and ignored (none is defined yet)."""
@@ -603,6 +635,14 @@ class Service:
                 if eff is not None and eff.alerts and v is not None:
                     self.alerts.detect(k, eff.limit, eff.alerts, v - qty, v)
         return values, [[*k, qty] for k in keys[1:]]
+
+    def _balance_entries(self, tenant: str, entries: Sequence[ledger.Entry]) -> None:
+        """Alert the balances a ledger write took ``tenant`` below (``balance_alerts``)."""
+        for e in entries:
+            before = e.balance_after - e.amount
+            self.alerts.balance_entry(
+                tenant, e.seq, before, e.balance_after, self.config.balance_alerts
+            )
 
     def _crossed(self, key: Key, eff: Effective | None, value: int | None) -> None:
         self.soft_crossings += 1

@@ -277,12 +277,18 @@ def test_smoke_quotas_admits_exactly(tmp_path: Path) -> None:
     assert doc["failures"] == {}
     rows = doc["rows"]
     assert {r["scenario"] for r in rows} == {QUOTAS}
-    thr = [r for r in rows if r["unit"] == "ops/s"]
+    thr = [r for r in rows if r["unit"] == "ops/s" and "strict vs fast" in r["metric"]]
     far = [r for r in rows if "far from the limit" in r["metric"]]
     assert len(thr) == len(far) == len(q.one_node) + len(q.three_nodes)
     assert [r["detail"]["nodes"] for r in thr] == [1] * len(q.one_node) + [3] * len(q.three_nodes)
     for r in thr:
         assert r["target"] == ">= 0.8x fast" and r["met"] in (True, False)
+        assert r["ours"] > 0 and r["reference"] > 0 and r["detail"]["errors"] == 0
+    # Credit-metered against plain, on the same clusters.
+    credit = [r for r in rows if r["unit"] == "ops/s" and "credit-metered" in r["metric"]]
+    assert [r["detail"]["nodes"] for r in credit] == [r["detail"]["nodes"] for r in thr]
+    for r in credit:
+        assert r["target"] == ">= 0.8x plain" and r["met"] in (True, False)
         assert r["ours"] > 0 and r["reference"] > 0 and r["detail"]["errors"] == 0
     for r in far:
         assert r["detail"]["admitted_units"] > 0 and r["detail"]["strict_errors"] == 0

@@ -148,3 +148,82 @@ async def test_bad_prices_are_refused_with_a_clear_error(tmp: Path) -> None:
             with pytest.raises(InvalidArgument, match=message):
                 await a.set_plan("p", {"gpu": spec})
         assert await a.set_limit("acme", "gpu", 10) >= 1  # an override without a price: fine
+
+
+def test_a_balance_going_below_an_amount_alerts_once_per_crossing() -> None:
+    """``balance_alerts = 100,10``: each ledger write that takes the balance below an amount
+    fires one alert (named by its entry), a grant and a later fall fires again, metered
+    fundings count too, and nothing fires while the balance stays above."""
+    import shutil
+
+    from meter.alerts import BALANCE, alert_id
+    from meter.client import Client
+    from tests.nodes import NodeProcess, short_tmpdir
+
+    workdir = short_tmpdir("mb-")
+    try:
+        node = NodeProcess(workdir, METER_STORAGE="sqlite", METER_BALANCE_ALERTS="100,10")
+        with node, Client.connect(node.socket, timeout=5) as c, Client.connect(node.socket) as w:
+            it = w.subscribe_alerts(timeout=5)
+            c.grant("acme", 150, ref="g1")
+            c.debit("acme", 40, ref="d1")  # 110: nothing crossed
+            assert w.next_alert(0.3) is None
+            entry = c.debit("acme", 20, ref="d2")  # 90: below 100
+            first = next(it)
+            assert (first["tenant"], first["feature"], first["threshold"]) == ("acme", BALANCE, 100)
+            assert first["value"] == 90
+            assert first["id"] == alert_id("acme", BALANCE, f"seq-{entry['seq']}", 100)
+            c.debit("acme", 85, ref="d3")  # 5: below 10
+            assert next(it)["threshold"] == 10
+            assert w.next_alert(0.3) is None
+            c.grant("acme", 200, ref="g2")  # 205
+            c.set_plan("metered", {"gpu": {"price": 1}})
+            c.assign_plan("acme", "metered")
+            c.track("acme", "gpu", 1)  # the pool takes every credit left: below 100 and 10
+            got = sorted(a["threshold"] for a in (next(it), next(it)))
+            assert got == [10, 100]
+            assert w.next_alert(0.3) is None
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def test_pipelined_metered_tracks_are_charged_too(tmp: Path) -> None:
+    """Pipelined plain tracks of a priced feature are counted in one step with their
+    credits (Service.warm_tracks) while the share has room, and wait for a write when not:
+    exactly the granted credits are spent either way."""
+    async with _nodes(tmp, 1) as (a,):
+        await a.set_plan("metered", {"gpu": {"price": 1}})
+        await a.assign_plan("acme", "metered")
+        await a.grant("acme", 100, ref="g1")
+        assert await a.track("acme", "gpu", 1) == 1  # warm: the key and a share exist
+        # Plain tracks (no request ids), pipelined on one connection.
+        plain = await AsyncClient.connect(tmp / "n0.sock", retry_timeout=0, auto_ids=False)
+        try:
+            results = await asyncio.gather(
+                *(plain.track("acme", "gpu", 1) for _ in range(150)), return_exceptions=True
+            )
+        finally:
+            await plain.close()
+        ok = [r for r in results if isinstance(r, int)]
+        assert len(ok) == 99
+        assert all(isinstance(r, InsufficientBalance) for r in results if not isinstance(r, int))
+        assert await a.usage("acme", "gpu") == 100
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("100,x", "expected amounts"),
+        ("0", "1..2"),
+        ("100,100", "listed twice"),
+        (",".join(str(i) for i in range(1, 13)), "at most 10"),
+    ],
+)
+def test_bad_balance_alerts_stop_the_node_naming_the_setting(raw: str, message: str) -> None:
+    from meter.config import load
+    from meter.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as err:
+        load(env={"METER_BALANCE_ALERTS": raw})
+    assert "balance_alerts" in str(err.value)
+    assert load(env={"METER_BALANCE_ALERTS": "10,1000"}).counters.balance_alerts == (10, 1000)
