@@ -249,6 +249,7 @@ class Service:
         # Credit-metered items with no other check ride along when their pool's share has
         # room for them all: (item index, pool, credits), admitted once counted.
         priced: list[tuple[int, Key, int]] = []
+        needs: dict[Key, int] = {}
         for req in requests:
             if type(req) is not list or req[2] != "track":
                 break
@@ -266,17 +267,23 @@ class Service:
                 if credits is None:
                     break  # checked (limits, levels) by dispatch
                 pool = pool_key(key[0])
-                need = credits + sum(c for _, p, c in priced if p == pool)
+                need = needs.get(pool, 0) + credits
                 if not self.shares.ready(pool, need, POOL):
                     break  # the pool needs a write first: dispatch waits for it
+                needs[pool] = need
                 priced.append((len(items), pool, credits))
             append((key, qty))
         if not items:
             return []
         values = self.table.incr_prefix(items)
-        for n, pool, credits in priced:
-            if n < len(values):
-                self.shares.admit(pool, credits)
+        if priced:
+            if len(values) < len(items):  # a prefix was counted: only its credits are spent
+                needs = {}
+                for n, pool, credits in priced:
+                    if n < len(values):
+                        needs[pool] = needs.get(pool, 0) + credits
+            for pool, need in needs.items():
+                self.shares.admit(pool, need)
         self.calls += len(values)
         if wal is not None and values:
             counted = items if len(values) == len(items) else items[: len(values)]
