@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from meter.history import flush_day
 from meter.keys import Key
 from meter.metric_counts import FLUSH_BOUNDS, Buckets, FeatureUnits
 from meter.owner import Ownership
@@ -86,6 +87,11 @@ class Flusher:
         self._failures_in_row = 0
         self._round_started = time.time()
         self._reread = False
+        #: The clock that dates day buckets (tests set it).
+        self.clock: Callable[[], float] = time.time
+        #: Each month key's in-flight ``(seq, day)``: a retry of a delta goes to the same day
+        #: bucket as its first try (docs/history.md), whatever day the retry is sent on.
+        self._days: dict[Key, tuple[int, str]] = {}
 
     def reread_before_writing(self) -> None:
         """The node (re)gained its id: rows seeded before may hold sequences of ours that the
@@ -299,10 +305,20 @@ class Flusher:
     def _take(self, keys: list[Key]) -> list[Delta]:
         """Take each key's delta; with a log, append them to it (in the same step)."""
         deltas: list[Delta] = []
+        now = self.clock()
+        days = self._days
         for key in keys:
             taken = self.table.take_flush(key)
             if taken is not None:
-                deltas.append(Delta(key, taken[0], taken[1]))
+                seq = taken[0]
+                held = days.get(key)
+                if held is not None and held[0] == seq:
+                    day: str | None = held[1]
+                else:
+                    day = flush_day(key[2], now)
+                    if day is not None:
+                        days[key] = (seq, day)
+                deltas.append(Delta(key, seq, taken[1], day))
         if self.wal is not None and deltas:
             self.wal.append([FLUSH, [[*d.key, d.seq, d.delta] for d in deltas]])
         return deltas
@@ -357,6 +373,7 @@ class Flusher:
         for d in deltas:
             outcome = results.get(d.key)
             if isinstance(outcome, Applied):
+                self._days.pop(d.key, None)
                 snap = outcome.snapshot
                 if not self.table.rebase(d.key, snap, "flush") and snap.seq_of(node) >= d.seq:
                     # The answer holds our delta but is older than the row's snapshot: either a

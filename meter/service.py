@@ -25,6 +25,7 @@ from meter.errors import (
 )
 from meter.escrow import NoBudget
 from meter.escrow_sync import Shares
+from meter.history import HistoryMethod
 from meter.holds import MAX_HOLD_BYTES, MAX_HOLD_KEYS, HoldItem, PeerHolds, local_holds
 from meter.idempotency import RequestIds, check_id, fingerprint
 from meter.keys import (
@@ -172,6 +173,7 @@ class Service:
         self._escrowed: set[str] = set()
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
             **LimitMethods(self.limits).handlers(),
+            **HistoryMethod(self).handlers(),
             "check": self._check,
             "track": self._track,
             "track_many": self._track_many,
