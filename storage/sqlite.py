@@ -95,6 +95,18 @@ def _load_query(n: int) -> str:
     )
 
 
+@functools.lru_cache(maxsize=8)
+def _load_days_query(n: int) -> str:
+    """:func:`_load_query` on the ``days`` table: ``(index, tenant, day, feature)``."""
+    values = ",".join(["(?,?,?,?)"] * n)
+    return (
+        f"WITH w(i, t, d, f) AS (VALUES {values})"
+        " SELECT w.i, b.total, b.seqs"
+        " FROM w CROSS JOIN days AS b"
+        " ON b.tenant = w.t AND b.feature = w.f AND b.day = w.d"
+    )
+
+
 # For the retention purge (purge_expired), which deletes by expiry.
 _EXPIRY_INDEX = "CREATE INDEX IF NOT EXISTS counters_expiry ON counters (expires_at)"
 #: Who owns each node id (ADR 0004): an additive table, so files of this layout still open in
@@ -762,14 +774,20 @@ class SQLiteStorage(Storage):
 
     def _apply_days(self, conn: sqlite3.Connection, node: str, deltas: list[Delta]) -> None:
         """Add each delta to its day bucket unless its ``(node, seq)`` is in it already."""
+        stored: dict[tuple[str, str, str], tuple[object, object]] = {}
+        buckets = list({(d.key[0], d.key[1], d.day or "") for d in deltas})
+        for start in range(0, len(buckets), _LOAD_QUERY_KEYS):
+            chunk = buckets[start : start + _LOAD_QUERY_KEYS]
+            args: list[object] = []
+            for i, (t, f, day) in enumerate(chunk):
+                args += (i, t, day, f)
+            for i, total, seqs in conn.execute(_load_days_query(len(chunk)), args):
+                stored[chunk[i]] = (total, seqs)
         rows: list[tuple[str, str, str, str, str, int]] = []
         for d in deltas:
             tenant, feature, period = d.key
             assert d.day is not None
-            row = conn.execute(
-                "SELECT total, seqs FROM days WHERE tenant = ? AND feature = ? AND day = ?",
-                (tenant, feature, d.day),
-            ).fetchone()
+            row = stored.get((tenant, feature, d.day))
             try:
                 current = EMPTY if row is None else _snapshot(row[0], row[1])
             except ValueError as exc:
@@ -783,6 +801,7 @@ class SQLiteStorage(Storage):
             seqs_json = json.dumps(seqs, sort_keys=True, separators=(",", ":"))
             total = str(current.total + d.delta)
             rows.append((tenant, feature, d.day, total, seqs_json, self._expires_at(period)))
+            stored[(tenant, feature, d.day)] = (total, seqs_json)  # a key named twice
         if rows:
             conn.executemany(_DAYS_UPSERT, rows)
 
