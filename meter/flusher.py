@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from meter.history import flush_day
+from meter.history import clamp_day, utc_day
 from meter.keys import Key
 from meter.metric_counts import FLUSH_BOUNDS, Buckets, FeatureUnits
 from meter.owner import Ownership
@@ -305,7 +305,7 @@ class Flusher:
     def _take(self, keys: list[Key]) -> list[Delta]:
         """Take each key's delta; with a log, append them to it (in the same step)."""
         deltas: list[Delta] = []
-        now = self.clock()
+        today = utc_day(self.clock())
         days = self._days
         for key in keys:
             taken = self.table.take_flush(key)
@@ -315,7 +315,7 @@ class Flusher:
                 if held is not None and held[0] == seq:
                     day: str | None = held[1]
                 else:
-                    day = flush_day(key[2], now)
+                    day = clamp_day(key[2], today)
                     if day is not None:
                         days[key] = (seq, day)
                 deltas.append(Delta(key, seq, taken[1], day))

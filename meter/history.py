@@ -41,16 +41,24 @@ def flush_day(period: str, now: float) -> str | None:
     UTC day of ``now`` clamped into the month ``period`` (units counted into November and
     flushed on December 1 go to November 30, so a month's days sum to the month). ``None``
     for a day key: it is its own day bucket."""
+    return clamp_day(period, utc_day(now))
+
+
+def utc_day(now: float) -> str:
+    """The UTC day (``YYYY-MM-DD``) of the instant ``now``."""
+    moment = datetime.fromtimestamp(now, tz=UTC)
+    return f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}"
+
+
+def clamp_day(period: str, today: str) -> str | None:
+    """:func:`flush_day` for the day ``today`` (the flusher dates a whole round at once)."""
     if len(period) != 7:
         return None
-    moment = datetime.fromtimestamp(now, tz=UTC)
-    today = f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}"
     if today.startswith(period):
         return today
     if today < period:  # a key of a later month (counted with ``at``): its first day
         return f"{period}-01"
-    year, month = int(period[:4]), int(period[5:7])
-    return f"{period}-{calendar.monthrange(year, month)[1]:02d}"
+    return last_day(period)
 
 
 def days_between(first: str, last: str) -> list[str]:
