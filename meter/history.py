@@ -11,6 +11,7 @@ current day's (or month's) bucket agrees with ``usage``.
 from __future__ import annotations
 
 import calendar
+import re
 import time
 from collections.abc import Awaitable, Mapping
 from datetime import UTC, date, datetime, timedelta
@@ -34,6 +35,9 @@ DEFAULT_DAYS = 30
 DEFAULT_MONTHS = 12
 
 _OPTS = frozenset({"from", "to", "granularity"})
+#: ASCII digits only: ``strptime`` alone takes ``"2026-11- 3"`` for a day.
+_DAY_RE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+_MONTH_RE = re.compile(r"[0-9]{4}-[0-9]{2}")
 
 
 def flush_day(period: str, now: float) -> str | None:
@@ -90,7 +94,8 @@ def _month_name(index: int) -> str:
 def _parse(field: str, value: object, granularity: Granularity) -> str:
     """A ``from``/``to`` option: ``YYYY-MM-DD`` for days, ``YYYY-MM`` for months."""
     shape = "YYYY-MM-DD" if granularity == "day" else "YYYY-MM"
-    if not isinstance(value, str) or len(value) != len(shape):
+    pattern = _DAY_RE if granularity == "day" else _MONTH_RE
+    if not isinstance(value, str) or pattern.fullmatch(value) is None:
         raise InvalidArgument(
             f"history: {field} must be a UTC {granularity} {shape} for {granularity} "
             f"granularity, got {str(value)[:32]!r}"

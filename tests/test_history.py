@@ -159,6 +159,9 @@ def test_defaults_are_the_last_30_days_and_12_months() -> None:
         ({"from": "2026-11"}, "from must be a UTC day YYYY-MM-DD"),
         ({"to": 20261130}, "to must be a UTC day"),
         ({"from": "2026-02-30"}, "from '2026-02-30' is not a real day"),
+        ({"from": "2026-11- 3"}, "from must be a UTC day"),
+        ({"to": "2026-\u0661\u0661-03"}, "to must be a UTC day"),
+        ({"from": "0000-01-01"}, "not a real day"),
         ({"from": "2026-11", "granularity": "month", "to": "2026-13"}, "to '2026-13'"),
         ({"from": "2026-11-30", "to": "2026-11-01"}, "from 2026-11-30 is after to 2026-11-01"),
         ({"from": "2025-01-01"}, f"is 699 days; at most {MAX_DAYS}"),
@@ -291,6 +294,13 @@ async def test_bad_calls_are_invalid_arguments(tmp: Path) -> None:
                 await client.history("acme", "api", first="yesterday")
             with pytest.raises(InvalidArgument, match="at most 400"):
                 await client.history("acme", "api", first="2000-01-01", last="2026-01-01")
+            # The calendar's ends are ranges like any other.
+            assert len(await client.history("acme", "api", last="9999-12-31")) == 30
+            assert len(await client.history("acme", "api", last="0001-01-05")) == 5
+            months = await client.history("acme", "api", last="0001-03", granularity="month")
+            assert months == [("0001-01", 0), ("0001-02", 0), ("0001-03", 0)]
+            months = await client.history("acme", "api", last="9999-12", granularity="month")
+            assert len(months) == 12
         finally:
             await client.close()
 
