@@ -346,6 +346,14 @@ class Storage(abc.ABC):
 
     # -- history (docs/history.md) -------------------------------------------------------------
 
+    async def apply_days(self, node: str, deltas: Sequence[Delta]) -> list[StorageError | None]:
+        """Add each delta (its ``day`` set) to its day bucket only, unless the bucket holds
+        its ``(node, seq)`` already: the bucket write of a delta whose counter write is known
+        to have landed (docs/history.md, "Repairs"). One outcome per delta, in order: ``None``
+        (applied or a duplicate) or the error it hit. An exception means every outcome is
+        unknown (retry them)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep day buckets")
+
     async def day_buckets(self, tenant: str, feature: str, first: str, last: str) -> dict[str, int]:
         """The stored day buckets of the month counters of ``(tenant, feature)``, days
         ``first``..``last`` (``YYYY-MM-DD``, inclusive), by day; days with no bucket are left

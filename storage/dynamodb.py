@@ -410,6 +410,24 @@ class DynamoDBStorage(Storage):
         day = await self._apply_day(attr, d, d.day)
         return applied if day is None else day
 
+    async def apply_days(self, node: str, deltas: Sequence[Delta]) -> list[StorageError | None]:
+        """The bucket's ``UpdateItem`` of each delta, concurrently."""
+        if NODE_RE.fullmatch(node) is None:
+            bad = StoragePermanentError(f"dynamodb: node id {node[:64]!r} is not allowed")
+            return [bad for _ in deltas]
+        attr = SEQ_PREFIX + node
+
+        async def one(d: Delta) -> StorageError | None:
+            try:
+                check_day_of(d.day or "", d.key[2])
+                _item_key(d.key)
+            except StorageError as exc:
+                return exc
+            assert d.day is not None
+            return await self._apply_day(attr, d, d.day)
+
+        return list(await asyncio.gather(*(one(d) for d in deltas)))
+
     async def _apply_day(self, attr: str, d: Delta, day: str) -> StorageError | None:
         tenant, feature, period = d.key
         try:

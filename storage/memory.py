@@ -81,20 +81,40 @@ class MemoryStorage(Storage):
                 self.writes += 1
                 out[d.key] = Applied(current)
             if d.day is not None:
-                if self.day_fail_next > 0:
-                    self.day_fail_next -= 1
-                    out[d.key] = StorageUnavailable("injected failure of a day-bucket write")
-                    continue
-                day_key = (d.key[0], d.key[1], d.day)
-                bucket = self.days.get(day_key, EMPTY)
-                if bucket.seq_of(node) < d.seq:
-                    seqs = dict(bucket.seqs)
-                    seqs[node] = d.seq
-                    self.days[day_key] = Snapshot(bucket.total + d.delta, seqs)
-                    self.writes += 1
+                failed = self._apply_day(node, d)
+                if failed is not None:
+                    out[d.key] = failed
         if self.lose_next_ack > 0:
             self.lose_next_ack -= 1
             raise StorageUnavailable("injected loss of the response after the write")
+        return out
+
+    def _apply_day(self, node: str, d: Delta) -> StorageError | None:
+        if self.day_fail_next > 0:
+            self.day_fail_next -= 1
+            return StorageUnavailable("injected failure of a day-bucket write")
+        assert d.day is not None
+        day_key = (d.key[0], d.key[1], d.day)
+        bucket = self.days.get(day_key, EMPTY)
+        if bucket.seq_of(node) < d.seq:
+            seqs = dict(bucket.seqs)
+            seqs[node] = d.seq
+            self.days[day_key] = Snapshot(bucket.total + d.delta, seqs)
+            self.writes += 1
+        return None
+
+    async def apply_days(self, node: str, deltas: Sequence[Delta]) -> list[StorageError | None]:
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise StorageUnavailable("injected failure before the write")
+        out: list[StorageError | None] = []
+        for d in deltas:
+            try:
+                check_day_of(d.day or "", d.key[2])
+            except StorageError as exc:
+                out.append(exc)
+                continue
+            out.append(self._apply_day(node, d))
         return out
 
     async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]:

@@ -273,6 +273,34 @@ class SQLiteStorage(Storage):
         batch = list(deltas)
         return await self._run(lambda: self._apply_sync(node, batch))
 
+    async def apply_days(self, node: str, deltas: Sequence[Delta]) -> list[StorageError | None]:
+        """The day buckets only, in one ``BEGIN IMMEDIATE`` transaction."""
+        out: list[StorageError | None] = []
+        good: list[Delta] = []
+        for d in deltas:
+            problem = _check_delta(d) if d.day is not None else f"{d.key!r}: no day"
+            out.append(None if problem is None else StoragePermanentError(problem))
+            if problem is None:
+                good.append(d)
+        if good:
+            await self._run(lambda: self._apply_days_sync(node, good))
+        return out
+
+    def _apply_days_sync(self, node: str, deltas: list[Delta]) -> None:
+        conn = self._connection()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._apply_days(conn, node, deltas)
+                conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise _map(exc, f"writing day buckets to {self.path}") from exc
+
     async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]:
         """Read the current snapshot of each key from one consistent read transaction."""
         if not keys:

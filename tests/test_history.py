@@ -100,6 +100,27 @@ async def test_a_failure_between_the_two_writes_neither_doubles_nor_drops() -> N
     assert sum(s.total for s in store.days.values()) == store.items[K].total
 
 
+async def test_a_delta_stored_without_our_answer_still_reaches_its_day() -> None:
+    """The counter's write lands, the bucket's fails, and before the retry a peer's snapshot
+    (or a read) holding the delta ends it in flight: the flusher writes the bucket alone,
+    once, on the first try's day."""
+    store = MemoryStorage()
+    table, flusher = _flusher(store, "2026-11-29T23:59:59")
+    table.incr(K, 5)
+    store.day_fail_next = 1
+    assert not await flusher.flush_once()
+    assert table.rebase(K, store.items[K], "gossip")  # a peer's announcement of the item
+    assert table.pending(K) == 0, "no longer in flight"
+    flusher.clock = lambda: _at("2026-11-30T00:00:05")
+    store.fail_next = 1  # the repair's first try fails too
+    assert not await flusher.flush_once()
+    assert await flusher.flush_once()
+    assert store.days == {("acme", "api", "2026-11-29"): Snapshot(5, {"n1": 1})}
+    assert store.items[K] == Snapshot(5, {"n1": 1})
+    assert await flusher.flush_once()  # nothing more to write
+    assert store.days == {("acme", "api", "2026-11-29"): Snapshot(5, {"n1": 1})}
+
+
 async def test_a_lost_answer_after_both_writes_counts_the_day_once() -> None:
     store = MemoryStorage()
     table, flusher = _flusher(store, "2026-11-29T23:59:59")

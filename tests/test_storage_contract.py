@@ -541,3 +541,20 @@ async def test_a_bad_day_or_range_is_refused(storage: Storage) -> None:
             await storage.day_buckets("acme", "api", first, last)
         with pytest.raises(StoragePermanentError):
             await storage.counters_between("acme", "api", first, last)
+
+
+async def test_apply_days_writes_buckets_alone_once(storage: Storage) -> None:
+    """A delta whose counter holds it already gets its day bucket (a repair), once."""
+    key: Key = ("acme", "api", "2026-11")
+    await _ok(storage, "n1", key, 1, 5)  # the counter only
+    good = Delta(key, 1, 5, "2026-11-29")
+    for _ in range(2):
+        assert await storage.apply_days("n1", [good]) == [None]
+    bad = [Delta(key, 2, 1, "2026-12-01"), Delta(key, 2, 1, None)]
+    outcomes = await storage.apply_days("n1", [*bad, Delta(key, 2, 3, "2026-11-30")])
+    assert [type(o) for o in outcomes[:2]] == [StoragePermanentError] * 2 and outcomes[2] is None
+    assert await storage.day_buckets("acme", "api", "2026-11-01", "2026-11-30") == {
+        "2026-11-29": 5,
+        "2026-11-30": 3,
+    }
+    assert (await storage.load([key]))[key].total == 5, "the counter is not touched"
