@@ -416,6 +416,16 @@ async def test_dynamodb_cost_per_flushed_key(dynamodb_storage: DynamoDBStorage) 
     before = store.calls["query"]
     assert await store.day_buckets("acme", "f7", "2025-11-01", "2026-11-30") == {"2026-11-30": 2}
     assert store.calls["query"] - before == 1
+    # Item sizes as DynamoDB bills them: a bucket is as small as its counter (one write unit).
+    sizes = []
+    for sk in ("2026-11#f7", "#d#f7#2026-11-30"):
+        resp = await store._client.get_item(
+            TableName=store.table, Key={"pk": {"S": "acme"}, "sk": {"S": sk}}
+        )
+        sizes.append(_item_bytes(resp["Item"]))
+    print(f"\nitem bytes: counter {sizes[0]}, day bucket {sizes[1]}")
+    assert sizes[1] - sizes[0] == len("#d#") + len("-30")
+    assert max(sizes) < 100
 
 
 @pytest.mark.dynamodb
@@ -441,3 +451,17 @@ async def test_dynamodb_a_failed_day_write_is_completed_by_the_retry(
         assert isinstance(result, Applied) and result.duplicate
     assert (await store.load([key]))[key] == Snapshot(5, {"n1": 1})
     assert await store.day_buckets("acme", "api", "2026-11-01", "2026-11-30") == {"2026-11-29": 5}
+
+
+def _item_bytes(item: dict[str, dict[str, str]]) -> int:
+    """An item's size by DynamoDB's rules: each attribute's name plus its value (a string's
+    UTF-8 bytes; a number's significant digits / 2, rounded up, plus 1)."""
+    size = 0
+    for name, value in item.items():
+        size += len(name.encode())
+        if "S" in value:
+            size += len(value["S"].encode())
+        else:
+            digits = value["N"].lstrip("-").lstrip("0") or "0"
+            size += (len(digits.rstrip("0") or "0") + 1) // 2 + 1
+    return size
