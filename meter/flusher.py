@@ -322,6 +322,10 @@ class Flusher:
         try:
             outcomes = await self.storage.apply_days(self.table.node, [d for _, d in repairs])
         except StorageError as exc:
+            if not exc.retryable:  # (a backend without day buckets): never retried
+                for ident, _ in repairs:
+                    del self._repairs[ident]
+                log.error("%d day buckets not written: %s", len(repairs), exc)
             self._note_error(f"writing {len(repairs)} day buckets: {exc}"[:500])
             return False
         ok = True
