@@ -205,7 +205,7 @@ class Flusher:
                 await self.flush_once()
             except Exception:  # a bug must not turn a drain into a crash of Node.stop
                 log.exception("flush round failed unexpectedly while draining")
-            if not self.backlog_keys():
+            if not self.backlog_keys() and not self._repairs:
                 return True
             if time.monotonic() >= deadline:
                 return False

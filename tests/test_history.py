@@ -121,6 +121,18 @@ async def test_a_delta_stored_without_our_answer_still_reaches_its_day() -> None
     assert store.days == {("acme", "api", "2026-11-29"): Snapshot(5, {"n1": 1})}
 
 
+async def test_a_drain_waits_for_day_bucket_repairs() -> None:
+    store = MemoryStorage()
+    table, flusher = _flusher(store, "2026-11-29T12:00:00")
+    table.incr(K, 5)
+    store.day_fail_next = 1
+    assert not await flusher.flush_once()
+    assert table.rebase(K, store.items[K], "gossip")
+    store.fail_next = 1
+    assert await flusher.drain(10)
+    assert store.days == {("acme", "api", "2026-11-29"): Snapshot(5, {"n1": 1})}
+
+
 async def test_a_lost_answer_after_both_writes_counts_the_day_once() -> None:
     store = MemoryStorage()
     table, flusher = _flusher(store, "2026-11-29T23:59:59")
