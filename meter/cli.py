@@ -104,6 +104,15 @@ def _parser() -> argparse.ArgumentParser:
     usage.add_argument("feature", nargs="?")
     usage.add_argument("--at", type=float, help="epoch seconds choosing the period")
 
+    history = client(
+        "history", "a counter's units per UTC day (or month), with a bar chart (docs/history.md)"
+    )
+    history.add_argument("tenant")
+    history.add_argument("feature")
+    span = history.add_mutually_exclusive_group()
+    span.add_argument("--days", type=int, help="the last N days, today included (default 30)")
+    span.add_argument("--months", type=int, help="the last N months, this one included")
+
     client("ping", "ask a node whether it answers (prints pong)")
 
     watch = client(
@@ -515,6 +524,19 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
             else:
                 value = client.usage(args.tenant, args.feature, **opts)
                 _out(as_json, str(value), tenant=args.tenant, feature=args.feature, value=value)
+        elif args.command == "history":
+            from meter.history import history_args, render
+
+            first, granularity = history_args(args.days, args.months)
+            points = client.history(args.tenant, args.feature, first, None, granularity)
+            _out(
+                as_json,
+                render(points),
+                tenant=args.tenant,
+                feature=args.feature,
+                granularity=granularity,
+                history=[list(p) for p in points],
+            )
         elif args.command == "ping":
             _out(as_json, client.ping(), ping="pong")
         elif args.command == "watch":

@@ -103,6 +103,16 @@ def _with_opts(params: list[Any], opts: dict[str, Any]) -> list[Any]:
     return params
 
 
+def _history_params(
+    tenant: str, feature: str, first: str | None, last: str | None, granularity: str
+) -> list[Any]:
+    return _with_opts([tenant, feature], {"from": first, "to": last, "granularity": granularity})
+
+
+def _history_answer(answer: Any) -> list[tuple[str, int]]:
+    return [(str(period), int(value)) for period, value in answer]
+
+
 def _commit(reservation_id: str, actual_qty: int | None, rid: str | None) -> list[Any]:
     if rid is not None:
         return [reservation_id, actual_qty, {"id": rid}]
@@ -586,6 +596,20 @@ class Client(_Ids):
     def usage_all(self, tenant: str, **opts: Any) -> dict[str, int]:
         """Every feature's value for ``tenant`` in the period."""
         return cast(dict[str, int], self._invoke("usage_all", _with_opts([tenant], opts), True))
+
+    def history(
+        self,
+        tenant: str,
+        feature: str,
+        first: str | None = None,
+        last: str | None = None,
+        granularity: str = "day",
+    ) -> list[tuple[str, int]]:
+        """The counter's units per UTC day (``YYYY-MM-DD``) or month (``YYYY-MM``) from
+        ``first`` to ``last``, oldest first, zero-filled; the current period's bucket agrees
+        with :meth:`usage` (docs/history.md). Defaults: the last 30 days / 12 months."""
+        params = _history_params(tenant, feature, first, last, granularity)
+        return _history_answer(self._invoke("history", params, True))
 
     def reserve(
         self,
@@ -1200,6 +1224,18 @@ class AsyncClient(_Ids):
         """Every feature's value for ``tenant`` in the period."""
         params = _with_opts([tenant], opts)
         return cast(dict[str, int], await self._invoke("usage_all", params, True))
+
+    async def history(
+        self,
+        tenant: str,
+        feature: str,
+        first: str | None = None,
+        last: str | None = None,
+        granularity: str = "day",
+    ) -> list[tuple[str, int]]:
+        """As :meth:`Client.history`."""
+        params = _history_params(tenant, feature, first, last, granularity)
+        return _history_answer(await self._invoke("history", params, True))
 
     async def reserve(
         self,

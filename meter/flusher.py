@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from meter.history import clamp_day, utc_day
 from meter.keys import Key
 from meter.metric_counts import FLUSH_BOUNDS, Buckets, FeatureUnits
 from meter.owner import Ownership
@@ -86,6 +87,15 @@ class Flusher:
         self._failures_in_row = 0
         self._round_started = time.time()
         self._reread = False
+        #: The clock that dates day buckets (tests set it).
+        self.clock: Callable[[], float] = time.time
+        #: Each month key's in-flight ``(seq, day, delta)``: a retry of a delta goes to the
+        #: same day bucket as its first try (docs/history.md), whatever day it is sent on.
+        self._days: dict[Key, tuple[int, str, int]] = {}
+        #: Deltas stored without this node hearing it (a peer's snapshot or a read covered
+        #: them while their write's answer was an error): their day bucket may lack them, and
+        #: is written alone (``Storage.apply_days``) until it answers.
+        self._repairs: dict[tuple[Key, int], Delta] = {}
 
     def reread_before_writing(self) -> None:
         """The node (re)gained its id: rows seeded before may hold sequences of ours that the
@@ -162,7 +172,8 @@ class Flusher:
         seeded = await self._seed_unseeded()
         wrote = True
         keys = [k for k in self.table.dirty_keys() if k not in self.stats.poisoned]
-        if keys:
+        self._find_repairs()
+        if keys or self._repairs:
             may = await self._may_write()
             if may is None:
                 # Storage did not answer the owner read: it is down, and every write
@@ -174,6 +185,8 @@ class Flusher:
                 self.stats.rounds += 1
                 self.stats.last_at = time.time()
                 return False
+        if self._repairs:
+            wrote = await self._write_repairs()
         for start in range(0, len(keys), self.batch_keys):
             wrote = await self._write(keys[start : start + self.batch_keys]) and wrote
         # Only failed writes back off: a failed seeding read is retried next round, so it
@@ -192,7 +205,7 @@ class Flusher:
                 await self.flush_once()
             except Exception:  # a bug must not turn a drain into a crash of Node.stop
                 log.exception("flush round failed unexpectedly while draining")
-            if not self.backlog_keys():
+            if not self.backlog_keys() and not self._repairs:
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -290,6 +303,43 @@ class Flusher:
                 self.table.reseed(key, snap)
                 self.stats.reseeded += 1
 
+    def _find_repairs(self) -> None:
+        """Move to the repairs the dated deltas no longer in flight: a re-base on a snapshot
+        holding one (a peer's, a read) ended it while its write's answer was an error, so its
+        counter has it and its day bucket may not."""
+        days = self._days
+        if not days:
+            return
+        inflight_seq = self.table.inflight_seq
+        for key, (seq, day, delta) in list(days.items()):
+            if inflight_seq(key) != seq:
+                del days[key]
+                self._repairs[(key, seq)] = Delta(key, seq, delta, day)
+
+    async def _write_repairs(self) -> bool:
+        """Write the repairs' day buckets (each once by its sequence); True if all landed."""
+        repairs = list(self._repairs.items())[: self.batch_keys]
+        try:
+            outcomes = await self.storage.apply_days(self.table.node, [d for _, d in repairs])
+        except StorageError as exc:
+            if not exc.retryable:  # (a backend without day buckets): never retried
+                for ident, _ in repairs:
+                    del self._repairs[ident]
+                log.error("%d day buckets not written: %s", len(repairs), exc)
+            self._note_error(f"writing {len(repairs)} day buckets: {exc}"[:500])
+            return False
+        ok = True
+        for (ident, d), outcome in zip(repairs, outcomes, strict=True):
+            if outcome is None:
+                del self._repairs[ident]
+            elif not outcome.retryable:
+                del self._repairs[ident]
+                log.error("day bucket %s of %s not written: %s", d.day, _fmt(d.key), outcome)
+            else:
+                ok = False
+                self._note_error(f"day bucket {d.day} of {_fmt(d.key)}: {outcome}")
+        return ok
+
     def _park(self, key: Key, why: str) -> None:
         """Never retry ``key`` automatically; report it (status, log)."""
         self.stats.poisoned[key] = why
@@ -299,10 +349,22 @@ class Flusher:
     def _take(self, keys: list[Key]) -> list[Delta]:
         """Take each key's delta; with a log, append them to it (in the same step)."""
         deltas: list[Delta] = []
+        today = utc_day(self.clock())
+        days = self._days
         for key in keys:
             taken = self.table.take_flush(key)
             if taken is not None:
-                deltas.append(Delta(key, taken[0], taken[1]))
+                seq = taken[0]
+                held = days.get(key)
+                if held is not None and held[0] == seq:
+                    day: str | None = held[1]
+                else:
+                    if held is not None:  # stored without our answer: its bucket may lack it
+                        self._repairs[(key, held[0])] = Delta(key, held[0], held[2], held[1])
+                    day = clamp_day(key[2], today)
+                    if day is not None:
+                        days[key] = (seq, day, taken[1])
+                deltas.append(Delta(key, seq, taken[1], day))
         if self.wal is not None and deltas:
             self.wal.append([FLUSH, [[*d.key, d.seq, d.delta] for d in deltas]])
         return deltas
@@ -357,6 +419,7 @@ class Flusher:
         for d in deltas:
             outcome = results.get(d.key)
             if isinstance(outcome, Applied):
+                self._days.pop(d.key, None)
                 snap = outcome.snapshot
                 if not self.table.rebase(d.key, snap, "flush") and snap.seq_of(node) >= d.seq:
                     # The answer holds our delta but is older than the row's snapshot: either a

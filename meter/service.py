@@ -27,6 +27,7 @@ from meter.errors import (
 )
 from meter.escrow import NoBudget
 from meter.escrow_sync import POOL, Shares
+from meter.history import HistoryMethod
 from meter.holds import MAX_HOLD_BYTES, MAX_HOLD_KEYS, HoldItem, PeerHolds, local_holds
 from meter.idempotency import RequestIds, check_id, fingerprint
 from meter.keys import (
@@ -188,6 +189,7 @@ class Service:
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
             **LimitMethods(self.limits).handlers(),
             **LedgerMethods(self.ledgers).handlers(),
+            **HistoryMethod(self).handlers(),
             "check": self._check,
             "track": self._track,
             "track_many": self._track_many,

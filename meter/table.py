@@ -213,6 +213,12 @@ class CounterTable:
             row.flags |= USED
             return row.base + row.inflight + row.pending_flush + row.extra
 
+    def inflight_seq(self, key: Key) -> int:
+        """The sequence of ``key``'s delta in flight, 0 if none (or the key is cold)."""
+        with self._lock:
+            row = self._rows.get(key)
+            return 0 if row is None else row.inflight_seq
+
     def base(self, key: Key) -> int | None:
         """What this node believes the store holds for ``key`` (``None`` if unknown)."""
         with self._lock:

@@ -44,11 +44,19 @@ EMPTY = Snapshot(0, {})
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """One node's flush of one key: add ``delta`` unless ``(node, key, seq)`` already applied."""
+    """One node's flush of one key: add ``delta`` unless ``(node, key, seq)`` already applied.
+
+    ``day`` (``YYYY-MM-DD``, inside a month key's period): also add ``delta`` to that day's
+    bucket of the counter (docs/history.md), under the same ``(node, seq)`` with its own
+    exactly-once condition on the bucket. The key's outcome is an :class:`Applied` only once
+    both landed (each may be a duplicate); a retry of the same ``(key, seq, delta, day)``
+    applies whichever did not.
+    """
 
     key: Key
     seq: int
     delta: int
+    day: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +191,22 @@ def check_export_limit(limit: object) -> int:
             f"export limit must be an integer in 1..{MAX_EXPORT_PAGE}, got {limit!r}"
         )
     return limit
+
+
+def check_range(first: object, last: object) -> tuple[str, str]:
+    """``(first, last)`` if both are periods of the same shape with ``first <= last``, else
+    :class:`StoragePermanentError`."""
+    a, b = check_period(first), check_period(last)
+    if len(a) != len(b) or a > b:
+        raise StoragePermanentError(f"bad period range {a!r}..{b!r}")
+    return a, b
+
+
+def check_day_of(day: str, period: str) -> None:
+    """:class:`StoragePermanentError` unless ``day`` is a ``YYYY-MM-DD`` inside the month
+    ``period`` (a delta's day bucket)."""
+    if len(period) != 7 or len(check_period(day)) != 10 or not day.startswith(period + "-"):
+        raise StoragePermanentError(f"day {day!r} is not a day of month period {period!r}")
 
 
 #: Most rows one export page may be asked for (what one page holds in memory).
@@ -366,3 +390,28 @@ class Storage(abc.ABC):
         """Up to ``limit`` entries ``(seq, body)`` of ``tenant``'s ledger with a sequence above
         ``after``, in sequence order. A consistent read."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep ledgers")
+
+    # -- history (docs/history.md) -------------------------------------------------------------
+
+    async def apply_days(self, node: str, deltas: Sequence[Delta]) -> list[StorageError | None]:
+        """Add each delta (its ``day`` set) to its day bucket only, unless the bucket holds
+        its ``(node, seq)`` already: the bucket write of a delta whose counter write is known
+        to have landed (docs/history.md, "Repairs"). One outcome per delta, in order: ``None``
+        (applied or a duplicate) or the error it hit. An exception means every outcome is
+        unknown (retry them)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep day buckets")
+
+    async def day_buckets(self, tenant: str, feature: str, first: str, last: str) -> dict[str, int]:
+        """The stored day buckets of the month counters of ``(tenant, feature)``, days
+        ``first``..``last`` (``YYYY-MM-DD``, inclusive), by day; days with no bucket are left
+        out. One range read (one DynamoDB Query, one SQLite index range)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep day buckets")
+
+    async def counters_between(
+        self, tenant: str, feature: str, first: str, last: str
+    ) -> dict[str, int]:
+        """The stored totals of the counters of ``(tenant, feature)`` whose periods are of the
+        shape of ``first`` and ``last`` (both ``YYYY-MM``: month counters; both
+        ``YYYY-MM-DD``: day counters) and lie in ``first``..``last``, by period; periods with
+        no counter are left out. One range read of the tenant's counters."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not read ranges")

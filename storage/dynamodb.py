@@ -60,8 +60,10 @@ from storage.base import (
     StorageError,
     StoragePermanentError,
     StorageUnavailable,
+    check_day_of,
     check_export_limit,
     check_period,
+    check_range,
     decode_cursor,
     encode_cursor,
     lease_end_ms,
@@ -148,6 +150,14 @@ _ALERT_SK = "alert#"
 _LEDGER_BALANCE_SK = "#l#bal"
 _LEDGER_ENTRY_SK = "#l#e#"
 _LEDGER_REF_SK = "#l#r#"
+#: The day bucket of a month counter (docs/history.md) is the item ``pk = tenant,
+#: sk = "#d#<feature>#<YYYY-MM-DD>"`` with ``t``, ``s_<node>`` and ``ttl`` like a counter's: one
+#: tenant and feature's days are one sort-key range (one Query), and no counter's
+#: ``<period>#...`` prefix (queries, exports) nor any key ``load`` asks for ever matches it.
+_DAY_SK = "#d#"
+#: Above every character of a feature name (``[A-Za-z0-9_.:-]``): ``<period>#~`` ends a
+#: period's sort-key range.
+_SK_END = "~"
 _CLAIM_CONDITION = "attribute_not_exists(#tok) OR #exp <= :now OR #tok IN ({})"
 
 # The TTL is set on every write: it only grows (later of period end and now), so a counter
@@ -245,6 +255,8 @@ class DynamoDBStorage(Storage):
         self.calls: collections.Counter[str] = collections.Counter()
         #: Deltas refused as already applied (answered from the item).
         self.duplicates = 0
+        #: Day-bucket writes refused as already applied.
+        self.day_duplicates = 0
         #: Items per Query page (None: DynamoDB's own 1 MB pages); small values test paging.
         self.page_size: int | None = None
 
@@ -393,6 +405,68 @@ class DynamoDBStorage(Storage):
         return {d.key: r for d, r in zip(deltas, results, strict=True)}
 
     async def _apply_one(self, attr: str, d: Delta) -> Applied | StorageError:
+        """The counter's write, then (``d.day``) its day bucket's: the bucket is written only
+        once the counter holds the delta, each under its own ``s_<node> < seq`` condition.
+        Not atomic together: when the second fails (or its answer is lost) the key's outcome
+        is that error, and the caller's retry of the same delta is a duplicate on the
+        counter and lands (or is a duplicate) on the bucket."""
+        if d.day is not None:
+            try:
+                check_day_of(d.day, d.key[2])
+            except StorageError as exc:
+                return exc
+        applied = await self._apply_item(attr, d)
+        if d.day is None or not isinstance(applied, Applied):
+            return applied
+        day = await self._apply_day(attr, d, d.day)
+        return applied if day is None else day
+
+    async def apply_days(self, node: str, deltas: Sequence[Delta]) -> list[StorageError | None]:
+        """The bucket's ``UpdateItem`` of each delta, concurrently."""
+        if NODE_RE.fullmatch(node) is None:
+            bad = StoragePermanentError(f"dynamodb: node id {node[:64]!r} is not allowed")
+            return [bad for _ in deltas]
+        attr = SEQ_PREFIX + node
+
+        async def one(d: Delta) -> StorageError | None:
+            try:
+                check_day_of(d.day or "", d.key[2])
+                _item_key(d.key)
+            except StorageError as exc:
+                return exc
+            assert d.day is not None
+            return await self._apply_day(attr, d, d.day)
+
+        return list(await asyncio.gather(*(one(d) for d in deltas)))
+
+    async def _apply_day(self, attr: str, d: Delta, day: str) -> StorageError | None:
+        tenant, feature, period = d.key
+        try:
+            await self._call(
+                "update_item",
+                f"day bucket {day} of {_describe(d.key)}",
+                TableName=self.table,
+                Key={"pk": {"S": tenant}, "sk": {"S": f"{_DAY_SK}{feature}#{day}"}},
+                UpdateExpression=_UPDATE_EXPRESSION,
+                ConditionExpression=_CONDITION,
+                ExpressionAttributeNames={"#t": "t", "#s": attr, "#ttl": "ttl"},
+                ExpressionAttributeValues={
+                    ":d": {"N": str(d.delta)},
+                    ":seq": {"N": str(d.seq)},
+                    ":ttl": {"N": str(_ttl(period, self.retention_days))},
+                },
+                ReturnValues="NONE",
+            )
+        except _ConditionFailed:
+            self.day_duplicates += 1  # landed before: a retry whose answer was lost
+        except StorageError as exc:
+            return exc
+        except Exception as exc:  # a bug must fail this key, not escape apply()
+            log.exception("dynamodb: unexpected error writing a day bucket")
+            return StoragePermanentError(f"dynamodb: day bucket {day}: unexpected {exc!r}")
+        return None
+
+    async def _apply_item(self, attr: str, d: Delta) -> Applied | StorageError:
         try:
             pk, sk = _item_key(d.key)
             ttl = _ttl(d.key[2], self.retention_days)
@@ -514,6 +588,65 @@ class DynamoDBStorage(Storage):
             last = resp.get("LastEvaluatedKey")
             if not last:
                 return out
+            query["ExclusiveStartKey"] = last
+
+    # -- history (docs/history.md) -----------------------------------------------------------
+
+    async def day_buckets(self, tenant: str, feature: str, first: str, last: str) -> dict[str, int]:
+        """One Query: ``sk BETWEEN "#d#<feature>#<first>" AND "#d#<feature>#<last>"``."""
+        first, last = check_range(first, last)
+        if len(first) != 10:
+            raise StoragePermanentError(f"day buckets are read by days, got {first!r}")
+        prefix = f"{_DAY_SK}{feature}#"
+        items = await self._query_between(tenant, prefix + first, prefix + last, "day buckets")
+        out: dict[str, int] = {}
+        for item in items:
+            out[item["sk"]["S"][len(prefix) :]] = _number(item["t"]) if "t" in item else 0
+        return out
+
+    async def counters_between(
+        self, tenant: str, feature: str, first: str, last: str
+    ) -> dict[str, int]:
+        """One Query: ``sk BETWEEN "<first>#" AND "<last>#~"``, every feature's counters of
+        the tenant in the range (a month range also holds the day counters of its months but
+        the last): ``feature``'s of ``first``'s shape are kept."""
+        first, last = check_range(first, last)
+        items = await self._query_between(
+            tenant, first + "#", last + "#" + _SK_END, "counter range"
+        )
+        out: dict[str, int] = {}
+        for item in items:
+            period, _, name = item["sk"]["S"].partition("#")
+            if name == feature and len(period) == len(first):
+                out[period] = _number(item["t"]) if "t" in item else 0
+        return out
+
+    async def _query_between(
+        self, tenant: str, low: str, high: str, what: str
+    ) -> list[dict[str, Any]]:
+        if not tenant or len(tenant.encode("utf-8")) > MAX_PK_BYTES:
+            raise StoragePermanentError("dynamodb: tenant is empty or too long")
+        query: dict[str, Any] = {
+            "TableName": self.table,
+            "KeyConditionExpression": "pk = :pk AND sk BETWEEN :lo AND :hi",
+            "ExpressionAttributeValues": {
+                ":pk": {"S": tenant},
+                ":lo": {"S": low},
+                ":hi": {"S": high},
+            },
+            "ProjectionExpression": "sk, #t",
+            "ExpressionAttributeNames": {"#t": "t"},
+            "ConsistentRead": True,
+        }
+        if self.page_size is not None:
+            query["Limit"] = self.page_size
+        items: list[dict[str, Any]] = []
+        while True:
+            resp = await self._call("query", f"{what} of {tenant[:80]!r}", **query)
+            items.extend(resp.get("Items", []))
+            last = resp.get("LastEvaluatedKey")
+            if not last:
+                return items
             query["ExclusiveStartKey"] = last
 
     async def export_page(self, period: str, cursor: str | None, limit: int) -> ExportPage:

@@ -22,8 +22,10 @@ from storage.base import (
     Storage,
     StorageError,
     StorageUnavailable,
+    check_day_of,
     check_export_limit,
     check_period,
+    check_range,
     decode_cursor,
     encode_cursor,
     lease_end_ms,
@@ -63,6 +65,11 @@ class MemoryStorage(Storage):
         self.ledger_down = False
         #: Ledger calls refused because ``ledger_down`` was set.
         self.ledger_down_hits = 0
+        #: Day buckets (docs/history.md) by (tenant, feature, day).
+        self.days: dict[Key, Snapshot] = {}
+        #: Day-bucket writes to fail after their month write landed (the two are separate
+        #: writes on DynamoDB): the key's outcome is then an error, and a retry completes it.
+        self.day_fail_next = 0
 
     async def apply(self, node: str, deltas: Sequence[Delta]) -> dict[Key, Applied | StorageError]:
         if self.fail_next > 0:
@@ -70,23 +77,79 @@ class MemoryStorage(Storage):
             raise StorageUnavailable("injected failure before the write")
         out: dict[Key, Applied | StorageError] = {}
         for d in deltas:
+            if d.day is not None:
+                try:
+                    check_day_of(d.day, d.key[2])
+                except StorageError as exc:
+                    out[d.key] = exc
+                    continue
             current = self.items.get(d.key, EMPTY)
             if current.seq_of(node) >= d.seq:
                 out[d.key] = Applied(current, duplicate=True)
-                continue
-            seqs = dict(current.seqs)
-            seqs[node] = d.seq
-            snap = Snapshot(current.total + d.delta, seqs)
-            self.items[d.key] = snap
-            self.writes += 1
-            out[d.key] = Applied(snap)
+            else:
+                seqs = dict(current.seqs)
+                seqs[node] = d.seq
+                current = Snapshot(current.total + d.delta, seqs)
+                self.items[d.key] = current
+                self.writes += 1
+                out[d.key] = Applied(current)
+            if d.day is not None:
+                failed = self._apply_day(node, d)
+                if failed is not None:
+                    out[d.key] = failed
         if self.lose_next_ack > 0:
             self.lose_next_ack -= 1
             raise StorageUnavailable("injected loss of the response after the write")
         return out
 
+    def _apply_day(self, node: str, d: Delta) -> StorageError | None:
+        if self.day_fail_next > 0:
+            self.day_fail_next -= 1
+            return StorageUnavailable("injected failure of a day-bucket write")
+        assert d.day is not None
+        day_key = (d.key[0], d.key[1], d.day)
+        bucket = self.days.get(day_key, EMPTY)
+        if bucket.seq_of(node) < d.seq:
+            seqs = dict(bucket.seqs)
+            seqs[node] = d.seq
+            self.days[day_key] = Snapshot(bucket.total + d.delta, seqs)
+            self.writes += 1
+        return None
+
+    async def apply_days(self, node: str, deltas: Sequence[Delta]) -> list[StorageError | None]:
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise StorageUnavailable("injected failure before the write")
+        out: list[StorageError | None] = []
+        for d in deltas:
+            try:
+                check_day_of(d.day or "", d.key[2])
+            except StorageError as exc:
+                out.append(exc)
+                continue
+            out.append(self._apply_day(node, d))
+        return out
+
     async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]:
         return {k: self.items.get(k, EMPTY) for k in keys}
+
+    async def day_buckets(self, tenant: str, feature: str, first: str, last: str) -> dict[str, int]:
+        first, last = check_range(first, last)
+        return {
+            day: snap.total
+            for (t, f, day), snap in sorted(self.days.items())
+            if t == tenant and f == feature and first <= day <= last
+        }
+
+    async def counters_between(
+        self, tenant: str, feature: str, first: str, last: str
+    ) -> dict[str, int]:
+        first, last = check_range(first, last)
+        return {
+            p: snap.total
+            for (t, f, p), snap in sorted(self.items.items())
+            if t == tenant and f == feature and len(p) == len(first) and first <= p <= last
+        }
 
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         return {f: s for (t, f, p), s in self.items.items() if t == tenant and p == period}

@@ -18,6 +18,7 @@ import concurrent.futures
 import contextlib
 import functools
 import json
+import logging
 import re
 import sqlite3
 import time
@@ -41,14 +42,18 @@ from storage.base import (
     StorageError,
     StoragePermanentError,
     StorageUnavailable,
+    check_day_of,
     check_export_limit,
     check_period,
+    check_range,
     decode_cursor,
     encode_cursor,
     lease_end_ms,
 )
 
 T = TypeVar("T")
+
+log = logging.getLogger("meter.storage.sqlite")
 
 #: Bumped when the table layout changes; a file written by a newer layout is refused.
 SCHEMA_VERSION = 1
@@ -87,6 +92,18 @@ def _load_query(n: int) -> str:
         " SELECT w.i, c.total, c.seqs"
         " FROM w CROSS JOIN counters AS c"
         " ON c.tenant = w.t AND c.period = w.p AND c.feature = w.f"
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _load_days_query(n: int) -> str:
+    """:func:`_load_query` on the ``days`` table: ``(index, tenant, day, feature)``."""
+    values = ",".join(["(?,?,?,?)"] * n)
+    return (
+        f"WITH w(i, t, d, f) AS (VALUES {values})"
+        " SELECT w.i, b.total, b.seqs"
+        " FROM w CROSS JOIN days AS b"
+        " ON b.tenant = w.t AND b.feature = w.f AND b.day = w.d"
     )
 
 
@@ -167,6 +184,28 @@ CREATE TABLE IF NOT EXISTS ledger_refs (
     PRIMARY KEY (tenant, ref)
 ) WITHOUT ROWID
 """,
+)
+
+#: Day buckets of month counters (docs/history.md): the units a counter's flushes added on each
+#: UTC day, exactly once per (node, seq) like the counter itself. Keyed so that one tenant and
+#: feature's range of days is one primary-key range. Additive, like ``budgets``; purged with
+#: the retention (``expires_at`` is its month counter's).
+_DAYS = """
+CREATE TABLE IF NOT EXISTS days (
+    tenant     TEXT    NOT NULL,
+    feature    TEXT    NOT NULL,
+    day        TEXT    NOT NULL,
+    total      TEXT    NOT NULL,
+    seqs       TEXT    NOT NULL,
+    expires_at INTEGER NOT NULL,
+    PRIMARY KEY (tenant, feature, day)
+) WITHOUT ROWID
+"""
+_DAYS_EXPIRY_INDEX = "CREATE INDEX IF NOT EXISTS days_expiry ON days (expires_at)"
+_DAYS_UPSERT = (
+    "INSERT INTO days (tenant, feature, day, total, seqs, expires_at) VALUES (?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (tenant, feature, day) DO UPDATE SET"
+    " total = excluded.total, seqs = excluded.seqs, expires_at = excluded.expires_at"
 )
 
 _MONTH_RE = re.compile(r"\d{4}-\d{2}")
@@ -270,6 +309,34 @@ class SQLiteStorage(Storage):
         batch = list(deltas)
         return await self._run(lambda: self._apply_sync(node, batch))
 
+    async def apply_days(self, node: str, deltas: Sequence[Delta]) -> list[StorageError | None]:
+        """The day buckets only, in one ``BEGIN IMMEDIATE`` transaction."""
+        out: list[StorageError | None] = []
+        good: list[Delta] = []
+        for d in deltas:
+            problem = _check_delta(d) if d.day is not None else f"{d.key!r}: no day"
+            out.append(None if problem is None else StoragePermanentError(problem))
+            if problem is None:
+                good.append(d)
+        if good:
+            await self._run(lambda: self._apply_days_sync(node, good))
+        return out
+
+    def _apply_days_sync(self, node: str, deltas: list[Delta]) -> None:
+        conn = self._connection()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._apply_days(conn, node, deltas)
+                conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise _map(exc, f"writing day buckets to {self.path}") from exc
+
     async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]:
         """Read the current snapshot of each key from one consistent read transaction."""
         if not keys:
@@ -290,6 +357,53 @@ class SQLiteStorage(Storage):
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         """Every stored counter of ``tenant`` in ``period``: one primary-key range scan."""
         return await self._run(lambda: self._list_sync(tenant, period))
+
+    # -- history (docs/history.md) -------------------------------------------------------------
+
+    async def day_buckets(self, tenant: str, feature: str, first: str, last: str) -> dict[str, int]:
+        """One range of the ``days`` primary key, on the reader's connection."""
+        first, last = check_range(first, last)
+        sql = (
+            "SELECT day, total FROM days WHERE tenant = ? AND feature = ?"
+            " AND day BETWEEN ? AND ? ORDER BY day"
+        )
+        return await self._read_range(sql, (tenant, feature, first, last), len(first))
+
+    async def counters_between(
+        self, tenant: str, feature: str, first: str, last: str
+    ) -> dict[str, int]:
+        """One range of the ``counters`` primary key (the tenant's periods ``first`` to
+        ``last``), keeping ``feature``'s rows of that period shape."""
+        first, last = check_range(first, last)
+        sql = (
+            "SELECT period, total FROM counters WHERE tenant = ? AND period BETWEEN ? AND ?"
+            " AND feature = ? ORDER BY period"
+        )
+        return await self._read_range(sql, (tenant, first, last, feature), len(first))
+
+    async def _read_range(self, sql: str, args: tuple[str, ...], shape: int) -> dict[str, int]:
+        def read(connection: Callable[[], sqlite3.Connection]) -> dict[str, int]:
+            try:
+                rows = connection().execute(sql, args).fetchall()
+            except sqlite3.Error as exc:
+                raise _map(exc, f"reading history from {self.path}") from exc
+            out: dict[str, int] = {}
+            for period, total in rows:
+                if len(period) == shape:
+                    out[period] = _total(total, args[0], "history", period)
+            return out
+
+        reader = self._reader
+        if reader is None:
+            return await self._run(lambda: read(self._connection))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                reader, lambda: read(self._read_connection)
+            )
+        except RuntimeError as exc:
+            if "shutdown" in str(exc):
+                raise StorageUnavailable(f"sqlite storage at {self.path} is closed") from exc
+            raise
 
     async def export_page(self, period: str, cursor: str | None, limit: int) -> ExportPage:
         """Up to ``limit`` counters of ``period`` in (tenant, feature) order, read in one read
@@ -738,6 +852,8 @@ class SQLiteStorage(Storage):
             conn.execute(_ALERTS)
             for statement in _LEDGERS:
                 conn.execute(statement)
+            conn.execute(_DAYS)
+            conn.execute(_DAYS_EXPIRY_INDEX)
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
@@ -789,6 +905,7 @@ class SQLiteStorage(Storage):
                     out[d.key] = StoragePermanentError(problem)
                 else:
                     good.append(d)
+            checked = list(good)
             done = self._apply_many(conn, node, good)
             if done is not None:
                 out.update(done)
@@ -807,6 +924,10 @@ class SQLiteStorage(Storage):
                         else StoragePermanentError(f"bad stored item for {d.key}: {exc}")
                     )
                 conn.execute("RELEASE k")
+            # Day buckets in the same transaction: a counter and its day bucket land together.
+            self._apply_days(
+                conn, node, [d for d in checked if d.day and isinstance(out[d.key], Applied)]
+            )
             conn.execute("COMMIT")
         except BaseException as exc:
             # The whole batch is abandoned: nothing of it is committed.
@@ -860,6 +981,39 @@ class SQLiteStorage(Storage):
             return None
         conn.execute("RELEASE m")
         return out
+
+    def _apply_days(self, conn: sqlite3.Connection, node: str, deltas: list[Delta]) -> None:
+        """Add each delta to its day bucket unless its ``(node, seq)`` is in it already."""
+        stored: dict[tuple[str, str, str], tuple[object, object]] = {}
+        buckets = list({(d.key[0], d.key[1], d.day or "") for d in deltas})
+        for start in range(0, len(buckets), _LOAD_QUERY_KEYS):
+            chunk = buckets[start : start + _LOAD_QUERY_KEYS]
+            args: list[object] = []
+            for i, (t, f, day) in enumerate(chunk):
+                args += (i, t, day, f)
+            for i, total, seqs in conn.execute(_load_days_query(len(chunk)), args):
+                stored[chunk[i]] = (total, seqs)
+        rows: list[tuple[str, str, str, str, str, int]] = []
+        for d in deltas:
+            tenant, feature, period = d.key
+            assert d.day is not None
+            row = stored.get((tenant, feature, d.day))
+            try:
+                current = EMPTY if row is None else _snapshot(row[0], row[1])
+            except ValueError as exc:
+                # A damaged bucket must not stop counting: it is rewritten from this delta on.
+                log.error("bad day bucket %s/%s@%s rewritten: %s", tenant, feature, d.day, exc)
+                current = EMPTY
+            if current.seq_of(node) >= d.seq:
+                continue
+            seqs = dict(current.seqs)
+            seqs[node] = d.seq
+            seqs_json = json.dumps(seqs, sort_keys=True, separators=(",", ":"))
+            total = str(current.total + d.delta)
+            rows.append((tenant, feature, d.day, total, seqs_json, self._expires_at(period)))
+            stored[(tenant, feature, d.day)] = (total, seqs_json)  # a key named twice
+        if rows:
+            conn.executemany(_DAYS_UPSERT, rows)
 
     def _apply_one(self, conn: sqlite3.Connection, node: str, d: Delta) -> Applied:
         tenant, feature, period = d.key
@@ -949,10 +1103,16 @@ class SQLiteStorage(Storage):
                     (cutoff, limit),
                 )
                 n = cur.rowcount
+                # Day buckets expire with their month counters.
+                days = conn.execute(
+                    "DELETE FROM days WHERE (tenant, feature, day) IN ("
+                    " SELECT tenant, feature, day FROM days WHERE expires_at < ? LIMIT ?)",
+                    (cutoff, limit),
+                )
                 if n < limit:  # (the last batch) budgets and claimed alerts past their retention
                     conn.execute("DELETE FROM budgets WHERE expires_at < ?", (cutoff,))
                     conn.execute("DELETE FROM alerts WHERE expires_at < ?", (cutoff,))
-                return n
+                return max(n, days.rowcount)
         except sqlite3.Error as exc:
             raise _map(exc, f"purging expired counters in {self.path}") from exc
 
@@ -1030,6 +1190,11 @@ def _check_delta(d: Delta) -> str | None:
         _period_end(key[2])
     except ValueError as exc:
         return f"{key!r}: {exc}"
+    if d.day is not None:
+        try:
+            check_day_of(d.day, key[2])
+        except StoragePermanentError as exc:
+            return f"{key!r}: {exc}"
     return None
 
 

@@ -60,6 +60,7 @@ METHODS = [
     "release",
     "ping",
     "status",
+    "history",
 ]
 TENANTS = ["acme", "zeta", "a/b", "t:1@x.y", "fuzz"]
 FEATURES = ["api", "seats", "gpu", "f.x-y:z_"]
@@ -177,6 +178,17 @@ class Gen:
         r = self.r
         return self.maybe(r.choice([1, r.randint(0, 100), r.randint(-5, 5), self.int_()]))
 
+    def day(self) -> Any:
+        """A ``history`` bound: a day or month near now, at the calendar's ends, or odd."""
+        r = self.r
+        roll = r.random()
+        if roll < 0.6:
+            y, m, d = r.randint(2024, 2027), r.randint(1, 12), r.randint(1, 31)
+            return f"{y:04d}-{m:02d}" if r.random() < 0.4 else f"{y:04d}-{m:02d}-{d:02d}"
+        if roll < 0.8:
+            return r.choice(["0001-01-01", "9999-12-31", "0001-01", "9999-12", "0000-00"])
+        return self.value()
+
     def rid(self) -> str:
         r = self.r
         if r.random() < 0.7:
@@ -200,6 +212,10 @@ class Gen:
                 out[name] = self.maybe(r.randint(0, 1000))
             elif name == "ttl_ms":
                 out[name] = self.maybe(r.randint(1, 60_000))
+            elif name in ("from", "to"):
+                out[name] = self.maybe(self.day())
+            elif name == "granularity":
+                out[name] = self.maybe(r.choice(["day", "month", "year", ""]))
             else:
                 out[name] = self.value()
         return out
@@ -225,6 +241,10 @@ class Gen:
                     item.append(self.opts(["id"]))
                 items.append(self.maybe(item))
             p = [self.maybe(items)]
+        elif method == "history":
+            p = [self.name(TENANTS), self.name(FEATURES)]
+            if r.random() < 0.7:
+                p.append(self.opts(["from", "to", "granularity"]))
         elif method == "usage_all":
             p = [self.name(TENANTS)]
             if r.random() < 0.3:

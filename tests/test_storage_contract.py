@@ -526,3 +526,105 @@ async def test_ledger_items_never_show_as_counters(storage: Storage) -> None:
         cursor = page.cursor
     assert rows == [ExportRow(K[0], "api_calls", K[2], 5)]
     assert (await storage.load([K]))[K] == Snapshot(5, {"n1": 1})
+
+
+# -- history: day buckets (docs/history.md) ----------------------------------------------------
+
+
+async def test_day_buckets_exactly_once_and_in_one_range(storage: Storage) -> None:
+    """A delta with a day adds to its counter and to that day's bucket, each once per (node,
+    seq): a retry (lost answer) adds to neither again; buckets are per tenant and feature and
+    read as one range of days."""
+    key: Key = ("acme", "api", "2026-11")
+    for _ in range(2):  # the second time a retry: duplicates on both
+        out = await storage.apply("n1", [Delta(key, 1, 5, "2026-11-03")])
+        assert isinstance(out[key], Applied)
+    await storage.apply("n1", [Delta(key, 2, 7, "2026-11-04")])
+    await storage.apply("n2", [Delta(key, 1, 1, "2026-11-04")])  # another node's seq 1
+    await storage.apply("n1", [Delta(("acme", "other", "2026-11"), 1, 100, "2026-11-04")])
+    await storage.apply("n1", [Delta(("beta", "api", "2026-11"), 1, 100, "2026-11-04")])
+    await storage.apply("n1", [Delta(("acme", "api", "2026-12"), 1, 9, "2026-12-01")])
+    assert (await storage.load([key]))[key].total == 13
+    assert await storage.day_buckets("acme", "api", "2026-11-01", "2026-12-31") == {
+        "2026-11-03": 5,
+        "2026-11-04": 8,
+        "2026-12-01": 9,
+    }
+    assert await storage.day_buckets("acme", "api", "2026-11-04", "2026-11-30") == {"2026-11-04": 8}
+    assert await storage.day_buckets("acme", "api", "2026-10-01", "2026-10-31") == {}
+    # Day buckets never show as counters: not listed, exported, loaded or ranged.
+    assert set(await storage.list_period("acme", "2026-11")) == {"api", "other"}
+    assert sorted(r.feature for r in await _export_all(storage, "2026-11", 10)) == [
+        "api",
+        "api",
+        "other",
+    ]
+    assert await storage.counters_between("acme", "api", "2026-11", "2026-12") == {
+        "2026-11": 13,
+        "2026-12": 9,
+    }
+    assert await storage.counters_between("acme", "api", "2026-11-01", "2026-11-30") == {}
+
+
+async def test_a_delta_without_a_day_writes_no_bucket(storage: Storage) -> None:
+    key: Key = ("acme", "api", "2026-11")
+    await _ok(storage, "n1", key, 1, 5)
+    assert await storage.day_buckets("acme", "api", "2026-11-01", "2026-11-30") == {}
+
+
+async def test_counters_between_reads_one_shape(storage: Storage) -> None:
+    """Month counters for a month range, day counters for a day range; other features and
+    tenants and the periods outside are left out."""
+    for key, units in [
+        (("acme", "api", "2026-10"), 1),
+        (("acme", "api", "2026-11"), 2),
+        (("acme", "api", "2027-01"), 3),
+        (("acme", "api", "2026-10-31"), 4),
+        (("acme", "api", "2026-11-01"), 5),
+        (("acme", "api", "2026-11-02"), 6),
+        (("acme", "api2", "2026-11"), 7),
+        (("acme", "ap", "2026-11-01"), 8),
+        (("acme/x", "api", "2026-11"), 9),
+    ]:
+        await _ok(storage, "n1", key, 1, units)
+    assert await storage.counters_between("acme", "api", "2026-10", "2026-12") == {
+        "2026-10": 1,
+        "2026-11": 2,
+    }
+    assert await storage.counters_between("acme", "api", "2026-10-15", "2026-11-01") == {
+        "2026-10-31": 4,
+        "2026-11-01": 5,
+    }
+    assert await storage.counters_between("acme", "api", "2026-11-02", "2026-11-02") == {
+        "2026-11-02": 6
+    }
+
+
+async def test_a_bad_day_or_range_is_refused(storage: Storage) -> None:
+    key: Key = ("acme", "api", "2026-11")
+    for day in ["2026-12-01", "2026-11-31", "2026-11", "x"]:
+        out = await storage.apply("n1", [Delta(key, 1, 5, day)])
+        assert isinstance(out[key], StoragePermanentError), day
+    assert (await storage.load([key]))[key] == EMPTY  # refused before any write
+    for first, last in [("2026-11-02", "2026-11-01"), ("2026-11", "2026-11-01"), ("x", "y")]:
+        with pytest.raises(StoragePermanentError):
+            await storage.day_buckets("acme", "api", first, last)
+        with pytest.raises(StoragePermanentError):
+            await storage.counters_between("acme", "api", first, last)
+
+
+async def test_apply_days_writes_buckets_alone_once(storage: Storage) -> None:
+    """A delta whose counter holds it already gets its day bucket (a repair), once."""
+    key: Key = ("acme", "api", "2026-11")
+    await _ok(storage, "n1", key, 1, 5)  # the counter only
+    good = Delta(key, 1, 5, "2026-11-29")
+    for _ in range(2):
+        assert await storage.apply_days("n1", [good]) == [None]
+    bad = [Delta(key, 2, 1, "2026-12-01"), Delta(key, 2, 1, None)]
+    outcomes = await storage.apply_days("n1", [*bad, Delta(key, 2, 3, "2026-11-30")])
+    assert [type(o) for o in outcomes[:2]] == [StoragePermanentError] * 2 and outcomes[2] is None
+    assert await storage.day_buckets("acme", "api", "2026-11-01", "2026-11-30") == {
+        "2026-11-29": 5,
+        "2026-11-30": 3,
+    }
+    assert (await storage.load([key]))[key].total == 5, "the counter is not touched"
