@@ -27,6 +27,10 @@ from storage.base import Applied, BadItems, Delta, Storage, StorageError
 
 log = logging.getLogger("meter.flusher")
 
+#: Day bucket repairs a flusher keeps waiting (docs/history.md); past this the oldest is given
+#: up (logged, counted in ``repairs_dropped``).
+MAX_REPAIRS = 100_000
+
 #: Called after every successful write with the keys and snapshots just stored (gossip hook).
 OnFlushed = Callable[[list[tuple[Key, Applied]]], Awaitable[None] | None]
 
@@ -96,6 +100,12 @@ class Flusher:
         #: them while their write's answer was an error): their day bucket may lack them, and
         #: is written alone (``Storage.apply_days``) until it answers.
         self._repairs: dict[tuple[Key, int], Delta] = {}
+        #: Keys with a repair outstanding, and how many: a key's next delta is not taken
+        #: before its repair landed (a bucket keeps one sequence per node, so a later one
+        #: landing first would make the repair look like a duplicate).
+        self._repair_keys: dict[Key, int] = {}
+        #: Repairs given up: more than MAX_REPAIRS outstanding (counted, logged).
+        self.repairs_dropped = 0
 
     def reread_before_writing(self) -> None:
         """The node (re)gained its id: rows seeded before may hold sequences of ours that the
@@ -187,6 +197,9 @@ class Flusher:
                 return False
         if self._repairs:
             wrote = await self._write_repairs()
+            if self._repair_keys:  # a key's next delta waits for its repair
+                held = self._repair_keys
+                keys = [k for k in keys if k not in held]
         for start in range(0, len(keys), self.batch_keys):
             wrote = await self._write(keys[start : start + self.batch_keys]) and wrote
         # Only failed writes back off: a failed seeding read is retried next round, so it
@@ -208,6 +221,13 @@ class Flusher:
             if not self.backlog_keys() and not self._repairs:
                 return True
             if time.monotonic() >= deadline:
+                if self._repairs:  # not in the log: those days stay short of these units
+                    log.error(
+                        "drain: %d day bucket repairs (%d units) not written; those days' "
+                        "buckets stay short (the month counters have the units)",
+                        len(self._repairs),
+                        sum(d.delta for d in self._repairs.values()),
+                    )
                 return False
             if self.owner is not None and self.owner.can_never_write():
                 return False
@@ -314,7 +334,28 @@ class Flusher:
         for key, (seq, day, delta) in list(days.items()):
             if inflight_seq(key) != seq:
                 del days[key]
-                self._repairs[(key, seq)] = Delta(key, seq, delta, day)
+                self._add_repair(Delta(key, seq, delta, day))
+
+    def _add_repair(self, d: Delta) -> None:
+        ident = (d.key, d.seq)
+        if ident in self._repairs:
+            return
+        if len(self._repairs) >= MAX_REPAIRS:  # bounded: the oldest goes (logged, counted)
+            old = next(iter(self._repairs))
+            self._drop_repair(old)
+            self.repairs_dropped += 1
+            log.error("day bucket repair of %s dropped: over %d waiting", _fmt(old[0]), MAX_REPAIRS)
+        self._repairs[ident] = d
+        self._repair_keys[d.key] = self._repair_keys.get(d.key, 0) + 1
+
+    def _drop_repair(self, ident: tuple[Key, int]) -> None:
+        if self._repairs.pop(ident, None) is None:
+            return
+        left = self._repair_keys.get(ident[0], 0) - 1
+        if left > 0:
+            self._repair_keys[ident[0]] = left
+        else:
+            self._repair_keys.pop(ident[0], None)
 
     async def _write_repairs(self) -> bool:
         """Write the repairs' day buckets (each once by its sequence); True if all landed."""
@@ -324,16 +365,16 @@ class Flusher:
         except StorageError as exc:
             if not exc.retryable:  # (a backend without day buckets): never retried
                 for ident, _ in repairs:
-                    del self._repairs[ident]
+                    self._drop_repair(ident)
                 log.error("%d day buckets not written: %s", len(repairs), exc)
             self._note_error(f"writing {len(repairs)} day buckets: {exc}"[:500])
             return False
         ok = True
         for (ident, d), outcome in zip(repairs, outcomes, strict=True):
             if outcome is None:
-                del self._repairs[ident]
+                self._drop_repair(ident)
             elif not outcome.retryable:
-                del self._repairs[ident]
+                self._drop_repair(ident)
                 log.error("day bucket %s of %s not written: %s", d.day, _fmt(d.key), outcome)
             else:
                 ok = False
@@ -351,16 +392,26 @@ class Flusher:
         deltas: list[Delta] = []
         today = utc_day(self.clock())
         days = self._days
+        inflight_seq = self.table.inflight_seq
+        repair_keys = self._repair_keys
         for key in keys:
+            held = days.get(key)
+            if held is not None and inflight_seq(key) != held[0]:
+                # Ended while a write's answer was an error (a re-base meanwhile): its bucket
+                # first, this key's next delta once that landed.
+                del days[key]
+                self._add_repair(Delta(key, held[0], held[2], held[1]))
+                continue
+            if repair_keys and key in repair_keys:
+                continue
             taken = self.table.take_flush(key)
             if taken is not None:
                 seq = taken[0]
-                held = days.get(key)
                 if held is not None and held[0] == seq:
                     day: str | None = held[1]
                 else:
                     if held is not None:  # stored without our answer: its bucket may lack it
-                        self._repairs[(key, held[0])] = Delta(key, held[0], held[2], held[1])
+                        self._add_repair(Delta(key, held[0], held[2], held[1]))
                     day = clamp_day(key[2], today)
                     if day is not None:
                         days[key] = (seq, day, taken[1])
