@@ -29,8 +29,8 @@ log = logging.getLogger("meter.escrow")
 MAX_ATTEMPTS = 32
 #: The ``limit`` a credit pool's shares are kept under: a pool's limit is in its record.
 POOL = -1
-#: Fundings of a pool one call may wait for before answering ``unavailable``.
-MAX_FUNDINGS = 8
+#: Longest a call waits for a pool funding (another node's in flight) before ``unavailable``.
+FUND_WAIT_S = 5.0
 
 
 class Funder(Protocol):
@@ -361,17 +361,28 @@ class Shares:
     async def ensure_pool(self, key: Key, need: int, funder: Funder) -> None:
         """Room for ``need`` credits in this node's share of ``key``'s credit pool (``key``:
         ``(tenant, CREDITS, "")``), moving credits from the tenant's ledger into the pool when
-        it runs dry. Raises :class:`InsufficientBalance` when the ledger cannot cover it."""
-        for _ in range(MAX_FUNDINGS):
+        it runs dry. Raises :class:`InsufficientBalance` when the ledger cannot cover it, and
+        :class:`StorageUnavailable` when no funding could be made or finished within
+        ``FUND_WAIT_S`` (another node's funding in flight, storage down)."""
+        deadline = time.monotonic() + FUND_WAIT_S
+        pause = 0.01
+        while True:
             try:
                 await self.ensure(key, need, POOL, 0, background=True)
                 return
             except NoBudget:
-                await self._fund(key, need, funder)
-        raise StorageUnavailable(f"credit pool of {key[0]!r}: kept running dry; retry")
+                if await self._fund(key, need, funder):
+                    continue
+            if time.monotonic() >= deadline:
+                raise StorageUnavailable(
+                    f"credit pool of {key[0]!r}: another node's funding is in flight; retry"
+                )
+            await asyncio.sleep(pause)  # another node's funding: wait for it to land
+            pause = min(pause * 2, 0.2)
 
-    async def _fund(self, key: Key, need: int, funder: Funder) -> None:
-        """One funding of ``key``'s pool from the ledger, or the finish of one in flight.
+    async def _fund(self, key: Key, need: int, funder: Funder) -> bool:
+        """One funding of ``key``'s pool from the ledger, or the finish of one in flight;
+        False if nothing could be done yet (another node's young funding, a lost race).
         The funding is in the pool's record before the ledger is debited under its ref, so
         any node can finish it, and the ledger's ref makes it count once."""
         tenant = key[0]
@@ -383,12 +394,10 @@ class Shares:
                 if (key, n) not in self._funding and now_ms - started < 2 * self.lease_ms:
                     # Another node's, young: it finishes it (a late ledger write of a
                     # crashed node must not land after we decided it did not).
-                    await asyncio.sleep(0.02)
-                    return
+                    return False
             else:
-                free = (
-                    0 if budget is None or budget.funded is None else budget.funded - budget.granted
-                )
+                funded = 0 if budget is None or budget.funded is None else budget.funded
+                free = funded - (0 if budget is None else budget.granted)
                 loc = self.local.get(key)
                 mine = 0 if loc is None else max(0, loc.g - loc.a)
                 short = max(1, need - mine - max(0, free))
@@ -399,23 +408,25 @@ class Shares:
                         f"{tenant}: {need} credits needed, {available} available; nothing counted"
                     )
                 amount = min(available, max(short, self.fund_chunk, 2 * self.share_max))
-                pool = os.urandom(6).hex()
-                new = escrow.begin_fund(budget, amount, now_ms, pool)
+                new = escrow.begin_fund(budget, amount, now_ms, os.urandom(6).hex())
                 assert new.fund is not None
                 n = new.fund[0]
-                self._funding.add((key, n))
                 if not await self._swap(key, version, new):
-                    return  # raced: read again
+                    return False  # raced (or unsure): read again
+                self._funding.add((key, n))  # ours: finished at once, by this process
                 budget = new
             assert budget is not None
+            # (Any failure from here leaves (key, n) ours: the next call finishes it, under
+            # the same ref, which lands at most once.)
             landed = await funder.take(tenant, amount, escrow.fund_ref(budget, n))
             self.fundings += 1
             for _ in range(MAX_ATTEMPTS):
                 version, stored = await self._read(key)
                 done = None if stored is None else escrow.end_fund(stored, n, landed)
                 if done is None or await self._swap(key, version, done):
-                    break
-            self._funding.discard((key, n))
+                    self._funding.discard((key, n))
+                    return True
+            raise StorageUnavailable(f"credit pool of {tenant!r}: the funding kept racing; retry")
 
     async def _swap(self, key: Key, version: int, new: Budget) -> bool:
         """One compare-and-swap of a whole record; a lost answer settled by reading it."""

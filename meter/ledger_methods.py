@@ -59,7 +59,7 @@ class LedgerMethods:
         o = _opts("grant", opts, _GRANT_OPTS)
         op = ledger.credit(
             amount,
-            o.get("ref", new_ref()),
+            _client_ref(o.get("ref", new_ref())),
             priority=o.get("priority", 0),
             expires_at=o.get("expires_at"),
         )
@@ -69,7 +69,7 @@ class LedgerMethods:
         tenant, amount, opts = _arity("debit", params, 2, 3)
         tenant = check_tenant(tenant)
         o = _opts("debit", opts, _DEBIT_OPTS)
-        return self.book.apply(tenant, ledger.debit(amount, o.get("ref", new_ref())))
+        return self.book.apply(tenant, ledger.debit(amount, _client_ref(o.get("ref", new_ref()))))
 
     def balance(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
         (tenant,) = _arity("balance", params, 1, 1)
@@ -81,3 +81,16 @@ class LedgerMethods:
         o = _opts("ledger", opts, _PAGE_OPTS)
         after, limit = check_page(o.get("after"), o.get("limit"))
         return self.book.page(tenant, after, limit)
+
+
+#: Refs the node writes itself (credit pools' fundings, docs/ledger.md): refused from clients,
+#: so no client call can take or jam a funding's ref.
+RESERVED_REF_PREFIX = "pool:"
+
+
+def _client_ref(ref: object) -> object:
+    if isinstance(ref, str) and ref.startswith(RESERVED_REF_PREFIX):
+        raise InvalidArgument(
+            f"ref must not start with {RESERVED_REF_PREFIX!r} (reserved for credit pools)"
+        )
+    return ref

@@ -307,7 +307,8 @@ class Service:
             or (self._hier and "/" in key[0])
         ):
             return None
-        return eff.price * qty
+        credits = eff.price * qty
+        return credits if credits <= QTY_MAX else None  # (dispatch refuses it, clearly)
 
     def notify(self, method: str, params: list[Any]) -> None:
         """Notifications are accepted and ignored (none is defined yet)."""
@@ -487,7 +488,7 @@ class Service:
         would take its view past a hard limit. Units taken away are never refused."""
         if eff is None or qty <= 0:
             return
-        if eff.price and not self.shares.ready(pool_key(key[0]), eff.price * qty, POOL):
+        if eff.price and not self.shares.ready(pool_key(key[0]), _credits(eff, qty), POOL):
             raise _Short(pool_key(key[0]), eff.price * qty, eff, credits=True)
         if eff.kind != "hard":
             return
@@ -536,7 +537,7 @@ class Service:
             "tenant": key[0],
         }
         if eff.price:  # credit-metered: the credits it costs, and whether they are there
-            credits = eff.price * max(0, qty)
+            credits = _credits(eff, max(0, qty))
             out["credits"] = credits
             if credits and not self.shares.ready(pool_key(key[0]), credits, POOL):
                 out["allowed"] = False
@@ -689,7 +690,7 @@ class Service:
             eff = limited.get((k[0], k[1]))
             if eff is None:
                 continue
-            if eff.price and not self.shares.ready(pool_key(k[0]), eff.price * qty, POOL):
+            if eff.price and not self.shares.ready(pool_key(k[0]), _credits(eff, qty), POOL):
                 out.append(_Short(pool_key(k[0]), eff.price * qty, eff, credits=True))
             if (
                 eff.enforcement == "strict"
@@ -938,10 +939,22 @@ class Service:
                     else:
                         acc[0] += qty
                         acc[1] = min(acc[1], qty)
-        out = []
+        out: list[tuple[_Short, int]] = []
+        pools: dict[Key, list[Any]] = {}  # every priced feature of a tenant: one pool
+        limited = self._limited
         for k, (total, smallest) in sums.items():
             for short in self._strict_short([k], total):
-                out.append((short, smallest))
+                if not short.credits:
+                    out.append((short, smallest))
+            eff = limited.get((k[0], k[1]))
+            if eff is not None and eff.price:
+                acc = pools.setdefault(pool_key(k[0]), [0, None, eff])
+                acc[0] = min(acc[0] + eff.price * total, QTY_MAX)  # (items past it fail alone)
+                cost = min(eff.price * smallest, QTY_MAX)
+                acc[1] = cost if acc[1] is None else min(acc[1], cost)
+        for pool, (need, smallest, eff) in pools.items():
+            if not self.shares.ready(pool, need, POOL):
+                out.append((_Short(pool, need, eff, credits=True), smallest))
         return out
 
     def _count_gated(self, batch: _Batch) -> list[Any]:
@@ -1712,6 +1725,16 @@ class _Short(Exception):
         self.qty = qty
         self.eff = eff
         self.credits = credits
+
+
+def _credits(eff: Effective, qty: int) -> int:
+    """What ``qty`` units of a priced feature cost; ``invalid_argument`` past 2^63 - 1."""
+    credits = eff.price * qty
+    if credits > QTY_MAX:
+        raise InvalidArgument(
+            f"{qty} units at {eff.price} credits a unit cost more than {QTY_MAX} credits"
+        )
+    return credits
 
 
 #: The feature name of a tenant's credit pool (``#`` never appears in a feature).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -227,3 +228,64 @@ def test_bad_balance_alerts_stop_the_node_naming_the_setting(raw: str, message: 
         load(env={"METER_BALANCE_ALERTS": raw})
     assert "balance_alerts" in str(err.value)
     assert load(env={"METER_BALANCE_ALERTS": "10,1000"}).counters.balance_alerts == (10, 1000)
+
+
+async def test_a_batch_over_two_priced_features_takes_room_for_their_sum(tmp: Path) -> None:
+    """Every priced feature of a tenant spends from its one pool: a batch makes room for the
+    items' credits together, not feature by feature (found by review)."""
+    async with _nodes(tmp, 1) as (a,):
+        await a.set_plan("m", {"gpu": {"price": 1}, "cpu": {"price": 1}})
+        await a.assign_plan("acme", "m")
+        await a.grant("acme", 1_000_000, ref="g1")
+        await a.track("acme", "gpu", 1)
+        await a.track("acme", "cpu", 1)
+        got = await a.track_many([("acme", "gpu", 50_000), ("acme", "cpu", 50_000)])
+        assert got == [50_001, 50_001], got
+
+
+async def test_pool_refs_are_reserved_and_huge_costs_are_refused_clearly(tmp: Path) -> None:
+    async with _nodes(tmp, 1) as (a,):
+        for call in (a.grant("acme", 5, ref="pool:x:1"), a.debit("acme", 5, ref="pool:x:2")):
+            with pytest.raises(InvalidArgument, match="reserved for credit pools"):
+                await call
+        await a.set_plan("m", {"gpu": {"price": 10**12}})
+        await a.assign_plan("acme", "m")
+        with pytest.raises(InvalidArgument, match="cost more than"):
+            await a.check("acme", "gpu", 2**62)
+        with pytest.raises(InvalidArgument, match="cost more than"):
+            await a.track("acme", "gpu", 2**62)
+
+
+async def test_a_node_that_loses_a_funding_race_does_not_finish_the_winners() -> None:
+    """Only the process that began a funding finishes it at once (others wait two leases):
+    a lost race to begin one leaves nothing behind (found by review: the loser kept the
+    funding as its own and could send its ref while the winner was still deciding)."""
+    from meter import escrow as esc
+    from meter.escrow_sync import Shares
+    from meter.ledger_book import LedgerBook
+    from meter.service import _LedgerFunder
+    from storage.memory import MemoryStorage
+
+    storage = MemoryStorage()
+    key = pool_key("acme")
+    book = LedgerBook(storage)
+    from meter import ledger
+
+    await book.apply("acme", ledger.credit(10_000, "g1"))
+    loser = Shares(storage, "l")
+    # The winner's funding lands in the record first (as if between the loser's read and its
+    # swap); the loser's begin then fails its compare-and-swap.
+    winner_fund = esc.begin_fund(None, 1000, int(time.time() * 1000), "p1")
+    real_swap = storage.budget_swap
+
+    async def swap_after_winner(k: Any, version: int, body: str) -> bool:
+        if k == key and version == 0 and storage.budgets.get(key) is None:
+            await real_swap(k, 0, winner_fund.to_json())
+        return await real_swap(k, version, body)
+
+    storage.budget_swap = swap_after_winner  # type: ignore[method-assign, assignment]
+    assert await loser._fund(key, 10, _LedgerFunder(book)) is False
+    assert loser._funding == set()
+    # And a young funding of another node is not finished by it: nothing is debited.
+    assert await loser._fund(key, 10, _LedgerFunder(book)) is False
+    assert (await book.balance("acme"))["available"] == 10_000
