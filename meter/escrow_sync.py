@@ -29,6 +29,8 @@ log = logging.getLogger("meter.escrow")
 MAX_ATTEMPTS = 32
 #: The ``limit`` a credit pool's shares are kept under: a pool's limit is in its record.
 POOL = -1
+#: Largest funding size a pool grows to (then ``available`` bounds it anyway).
+QTY_CAP = 2**62
 #: Longest a call waits for a pool funding (another node's in flight) before ``unavailable``.
 FUND_WAIT_S = 5.0
 
@@ -101,6 +103,9 @@ class Shares:
         self.fund_chunk = 1_000
         #: Pool fundings this process began (it finishes its own at once).
         self._funding: set[tuple[Key, int]] = set()
+        #: Per pool: (the size of this process's last funding, when it began): a pool funded
+        #: again within a second gets twice as much (fewer fundings under a fast spend).
+        self._fund_size: dict[Key, tuple[int, float]] = {}
         self.fundings = 0
 
     # -- the hot path (no I/O) ---------------------------------------------------------------
@@ -407,7 +412,12 @@ class Shares:
                     raise InsufficientBalance(
                         f"{tenant}: {need} credits needed, {available} available; nothing counted"
                     )
-                amount = min(available, max(short, self.fund_chunk, 2 * self.share_max))
+                size = max(self.fund_chunk, 2 * self.share_max * max(1, self.nodes()))
+                last = self._fund_size.get(key)
+                if last is not None and time.monotonic() - last[1] < 1.0:
+                    size = max(size, min(2 * last[0], QTY_CAP))
+                self._fund_size[key] = (size, time.monotonic())
+                amount = min(available, max(short, size))
                 new = escrow.begin_fund(budget, amount, now_ms, os.urandom(6).hex())
                 assert new.fund is not None
                 n = new.fund[0]

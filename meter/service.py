@@ -180,6 +180,8 @@ class Service:
         self.alerts = Alerts(table.node, storage.claim_alert)
         #: Whether any limit has alert thresholds (the one test the counting paths make).
         self._alerting = False
+        #: (tenant, feature) -> how the batched warm path checks it (see _warm_check).
+        self._warm_checks: dict[tuple[str, str], Any] = {}
         #: Credits ledgers (docs/ledger.md): every call writes or reads storage.
         self.ledgers = LedgerBook(storage)
         #: Credit-metered features spend from pools funded by the ledgers (docs/ledger.md).
@@ -252,6 +254,8 @@ class Service:
         # room for them all: (item index, pool, credits), admitted once counted.
         priced: list[tuple[int, Key, int]] = []
         needs: dict[Key, int] = {}
+        checks = self._warm_checks
+        shares_local = self.shares.local
         for req in requests:
             if type(req) is not list or req[2] != "track":
                 break
@@ -264,16 +268,23 @@ class Service:
             key = cache.get((tenant, feature))
             if key is None or not QTY_MIN <= qty <= QTY_MAX:
                 break
-            if gated and self._needs_check(key):
-                credits = self._priced_only(key, qty)
-                if credits is None:
-                    break  # checked (limits, levels) by dispatch
-                pool = pool_key(key[0])
-                need = needs.get(pool, 0) + credits
-                if not self.shares.ready(pool, need, POOL):
-                    break  # the pool needs a write first: dispatch waits for it
-                needs[pool] = need
-                priced.append((len(items), pool, credits))
+            if gated:
+                how = checks.get((tenant, feature), _UNKNOWN)
+                if how is _UNKNOWN:
+                    how = self._warm_check(key)
+                if how is not None:
+                    if how is False or qty <= 0:
+                        break  # checked (limits, levels) by dispatch
+                    pool, price = how
+                    credits = price * qty
+                    if credits > QTY_MAX:
+                        break  # dispatch refuses it, clearly
+                    need = needs.get(pool, 0) + credits
+                    loc = shares_local.get(pool)
+                    if loc is None or loc.limit != POOL or loc.a + need > loc.c:
+                        break  # the pool needs a write first (or a clear refusal): dispatch
+                    needs[pool] = need
+                    priced.append((len(items), pool, credits))
             append((key, qty))
         if not items:
             return []
@@ -291,6 +302,21 @@ class Service:
             counted = items if len(values) == len(items) else items[: len(values)]
             wal.append([R.TRACK_MANY, [[*k, q] for k, q in counted]])
         return values
+
+    def _warm_check(self, key: Key) -> Any:
+        """How a plain warm track on ``key``'s pair is checked, remembered until the limits
+        change: ``None`` (nothing to check), ``(pool, price)`` (its price only: the batched
+        path charges the pool) or ``False`` (dispatch checks it)."""
+        if not self._needs_check(key):
+            how: Any = None
+        else:
+            credits = self._priced_only(key, 1)
+            how = False if credits is None else (pool_key(key[0]), credits)
+        checks = self._warm_checks
+        if len(checks) >= NAME_CACHE_SIZE:
+            checks.clear()
+        checks[(key[0], key[1])] = how
+        return how
 
     def _priced_only(self, key: Key, qty: int) -> int | None:
         """The credits a plain track of ``qty`` on ``key`` costs if its price is the only
@@ -479,6 +505,7 @@ class Service:
     # -- limits (docs/quotas.md) --------------------------------------------------------------
 
     def _new_limits(self, book: LimitBook) -> None:
+        self._warm_checks = {}  # decided again under the new limits
         self._limited = book.by_pair if book.by_pair else None
         self._gated = bool(book.by_pair) or self._hier
         self._alerting = book.alerting
@@ -1736,6 +1763,9 @@ def _credits(eff: Effective, qty: int) -> int:
         )
     return credits
 
+
+#: Not decided yet (see Service._warm_check).
+_UNKNOWN = object()
 
 #: The feature name of a tenant's credit pool (``#`` never appears in a feature).
 CREDITS = "#credits"
