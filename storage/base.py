@@ -162,7 +162,7 @@ def decode_cursor(cursor: object, max_len: int = 65_536) -> Any:
         raise BadCursor(f"cursor {cursor[:32]!r} is not one a previous page handed out") from None
 
 
-_PERIOD_RE = re.compile(r"(\d{4})-(\d{2})(?:-(\d{2}))?")
+_PERIOD_RE = re.compile(r"([0-9]{4})-([0-9]{2})(?:-([0-9]{2}))?")  # ASCII digits only
 
 
 def check_period(period: object) -> str:

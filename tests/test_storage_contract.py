@@ -448,7 +448,9 @@ async def test_export_refuses_bad_cursors_periods_and_limits(storage: Storage) -
             await storage.export_page("2026-11", cursor, 1)  # type: ignore[arg-type]
     with pytest.raises(BadCursor):  # a cursor of another period
         await storage.export_page("2026-12", page.cursor, 1)
-    for period in ["2026-13", "2026-11-31", "2026-1", "26-11", "2026-11#", "", "2026/11", None]:
+    arabic = "2026-\u0661\u0661"  # Arabic-Indic digits: not a period (ASCII digits only)
+    bad = ["2026-13", "2026-11-31", "2026-1", "26-11", "2026-11#", "", "2026/11", arabic, None]
+    for period in bad:
         with pytest.raises(StoragePermanentError, match="period"):
             await storage.export_page(period, None, 1)  # type: ignore[arg-type]
     for limit in [0, -1, MAX_EXPORT_PAGE + 1, True, 1.5, "10"]:
