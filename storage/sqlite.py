@@ -550,71 +550,45 @@ class SQLiteStorage(Storage):
     async def write_limit(self, scope: str, name: str, feature: str, body: str | None) -> int:
         """Put or delete one record and bump the version in one ``BEGIN IMMEDIATE``."""
 
-        def write() -> int:
-            conn = self._connection()
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    if body is None:
-                        conn.execute(
-                            "DELETE FROM limits WHERE scope = ? AND name = ? AND feature = ?",
-                            (scope, name, feature),
-                        )
-                    else:
-                        conn.execute(
-                            "INSERT INTO limits (scope, name, feature, body) VALUES (?, ?, ?, ?)"
-                            " ON CONFLICT (scope, name, feature)"
-                            " DO UPDATE SET body = excluded.body",
-                            (scope, name, feature, body),
-                        )
-                    version = self._limits_version_sync(conn) + 1
-                    conn.execute(
-                        "INSERT INTO limits_version (id, version) VALUES (1, ?)"
-                        " ON CONFLICT (id) DO UPDATE SET version = excluded.version",
-                        (version,),
-                    )
-                    conn.execute("COMMIT")
-                except BaseException:
-                    with contextlib.suppress(sqlite3.Error):
-                        if conn.in_transaction:
-                            conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as exc:
-                raise _map(exc, f"writing a limit to {self.path}") from exc
+        def write(conn: sqlite3.Connection) -> int:
+            if body is None:
+                conn.execute(
+                    "DELETE FROM limits WHERE scope = ? AND name = ? AND feature = ?",
+                    (scope, name, feature),
+                )
+            else:
+                conn.execute(
+                    "INSERT INTO limits (scope, name, feature, body) VALUES (?, ?, ?, ?)"
+                    " ON CONFLICT (scope, name, feature)"
+                    " DO UPDATE SET body = excluded.body",
+                    (scope, name, feature, body),
+                )
+            version = self._limits_version_sync(conn) + 1
+            conn.execute(
+                "INSERT INTO limits_version (id, version) VALUES (1, ?)"
+                " ON CONFLICT (id) DO UPDATE SET version = excluded.version",
+                (version,),
+            )
             return version
 
-        return await self._run(write)
+        return await self._run(lambda: self._immediate(write, f"writing a limit to {self.path}"))
 
     # -- alerts ------------------------------------------------------------------------------
 
     async def claim_alert(self, alert_id: str, body: str) -> bool:
         """``INSERT OR IGNORE`` then read back, in one ``BEGIN IMMEDIATE``."""
 
-        def claim() -> bool:
-            conn = self._connection()
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    # Purged with the counters: the retention past the end of the current month.
-                    expires = int(time.time()) + (self.retention_days + 32) * 86400
-                    conn.execute(
-                        "INSERT OR IGNORE INTO alerts (id, body, expires_at) VALUES (?, ?, ?)",
-                        (alert_id, body, expires),
-                    )
-                    row = conn.execute(
-                        "SELECT body FROM alerts WHERE id = ?", (alert_id,)
-                    ).fetchone()
-                    conn.execute("COMMIT")
-                except BaseException:
-                    with contextlib.suppress(sqlite3.Error):
-                        if conn.in_transaction:
-                            conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as exc:
-                raise _map(exc, f"claiming an alert in {self.path}") from exc
+        def claim(conn: sqlite3.Connection) -> bool:
+            # Purged with the counters: the retention past the end of the current month.
+            expires = int(time.time()) + (self.retention_days + 32) * 86400
+            conn.execute(
+                "INSERT OR IGNORE INTO alerts (id, body, expires_at) VALUES (?, ?, ?)",
+                (alert_id, body, expires),
+            )
+            row = conn.execute("SELECT body FROM alerts WHERE id = ?", (alert_id,)).fetchone()
             return row is not None and str(row[0]) == body
 
-        return await self._run(claim)
+        return await self._run(lambda: self._immediate(claim, f"claiming an alert in {self.path}"))
 
     # -- strict budgets (ADR 0009) -----------------------------------------------------------
 
@@ -644,37 +618,24 @@ class SQLiteStorage(Storage):
         credit pool) never expires."""
         expires = self._expires_at(key[2]) if key[2] else 2**62
 
-        def swap() -> bool:
-            conn = self._connection()
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    row = conn.execute(
-                        "SELECT version FROM budgets"
-                        " WHERE tenant = ? AND feature = ? AND period = ?",
-                        key,
-                    ).fetchone()
-                    done = (0 if row is None else int(row[0])) == version
-                    if done:
-                        conn.execute(
-                            "INSERT INTO budgets"
-                            " (tenant, feature, period, version, body, expires_at)"
-                            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, feature, period)"
-                            " DO UPDATE SET version = excluded.version, body = excluded.body,"
-                            " expires_at = excluded.expires_at",
-                            (*key, version + 1, body, expires),
-                        )
-                    conn.execute("COMMIT")
-                except BaseException:
-                    with contextlib.suppress(sqlite3.Error):
-                        if conn.in_transaction:
-                            conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as exc:
-                raise _map(exc, f"writing a budget to {self.path}") from exc
+        def swap(conn: sqlite3.Connection) -> bool:
+            row = conn.execute(
+                "SELECT version FROM budgets WHERE tenant = ? AND feature = ? AND period = ?",
+                key,
+            ).fetchone()
+            done = (0 if row is None else int(row[0])) == version
+            if done:
+                conn.execute(
+                    "INSERT INTO budgets"
+                    " (tenant, feature, period, version, body, expires_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, feature, period)"
+                    " DO UPDATE SET version = excluded.version, body = excluded.body,"
+                    " expires_at = excluded.expires_at",
+                    (*key, version + 1, body, expires),
+                )
             return done
 
-        return await self._run(swap)
+        return await self._run(lambda: self._immediate(swap, f"writing a budget to {self.path}"))
 
     # -- credits ledgers (docs/ledger.md) ----------------------------------------------------
 
@@ -706,52 +667,40 @@ class SQLiteStorage(Storage):
     ) -> bool:
         """One ``BEGIN IMMEDIATE``: compare the version and the refs, write everything."""
 
-        def write() -> bool:
-            conn = self._connection()
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    row = conn.execute(
-                        "SELECT version FROM ledger_balances WHERE tenant = ?", (tenant,)
-                    ).fetchone()
-                    done = (0 if row is None else int(row[0])) == version
-                    for ref, _ in refs if done else ():
-                        hit = conn.execute(
-                            "SELECT 1 FROM ledger_refs WHERE tenant = ? AND ref = ?", (tenant, ref)
-                        ).fetchone()
-                        done = done and hit is None
-                    for seq, _ in entries if done else ():
-                        hit = conn.execute(
-                            "SELECT 1 FROM ledger_entries WHERE tenant = ? AND seq = ?",
-                            (tenant, seq),
-                        ).fetchone()
-                        done = done and hit is None
-                    if done:
-                        conn.execute(
-                            "INSERT INTO ledger_balances (tenant, version, body) VALUES (?, ?, ?)"
-                            " ON CONFLICT (tenant) DO UPDATE SET"
-                            " version = excluded.version, body = excluded.body",
-                            (tenant, version + 1, body),
-                        )
-                        conn.executemany(
-                            "INSERT INTO ledger_entries (tenant, seq, body) VALUES (?, ?, ?)",
-                            [(tenant, seq, b) for seq, b in entries],
-                        )
-                        conn.executemany(
-                            "INSERT INTO ledger_refs (tenant, ref, body) VALUES (?, ?, ?)",
-                            [(tenant, ref, b) for ref, b in refs],
-                        )
-                    conn.execute("COMMIT")
-                except BaseException:
-                    with contextlib.suppress(sqlite3.Error):
-                        if conn.in_transaction:
-                            conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as exc:
-                raise _map(exc, f"writing a ledger to {self.path}") from exc
+        def write(conn: sqlite3.Connection) -> bool:
+            row = conn.execute(
+                "SELECT version FROM ledger_balances WHERE tenant = ?", (tenant,)
+            ).fetchone()
+            done = (0 if row is None else int(row[0])) == version
+            for ref, _ in refs if done else ():
+                hit = conn.execute(
+                    "SELECT 1 FROM ledger_refs WHERE tenant = ? AND ref = ?", (tenant, ref)
+                ).fetchone()
+                done = done and hit is None
+            for seq, _ in entries if done else ():
+                hit = conn.execute(
+                    "SELECT 1 FROM ledger_entries WHERE tenant = ? AND seq = ?",
+                    (tenant, seq),
+                ).fetchone()
+                done = done and hit is None
+            if done:
+                conn.execute(
+                    "INSERT INTO ledger_balances (tenant, version, body) VALUES (?, ?, ?)"
+                    " ON CONFLICT (tenant) DO UPDATE SET"
+                    " version = excluded.version, body = excluded.body",
+                    (tenant, version + 1, body),
+                )
+                conn.executemany(
+                    "INSERT INTO ledger_entries (tenant, seq, body) VALUES (?, ?, ?)",
+                    [(tenant, seq, b) for seq, b in entries],
+                )
+                conn.executemany(
+                    "INSERT INTO ledger_refs (tenant, ref, body) VALUES (?, ?, ?)",
+                    [(tenant, ref, b) for ref, b in refs],
+                )
             return done
 
-        return await self._run(write)
+        return await self._run(lambda: self._immediate(write, f"writing a ledger to {self.path}"))
 
     async def ledger_ref(self, tenant: str, ref: str) -> str | None:
         def read() -> str | None:
@@ -796,6 +745,25 @@ class SQLiteStorage(Storage):
         return 0 if row is None else int(row[0])
 
     # -- plumbing ----------------------------------------------------------------------------
+
+    def _immediate(self, body: Callable[[sqlite3.Connection], T], doing: str) -> T:
+        """``body`` in one ``BEGIN IMMEDIATE`` transaction of the writer's connection (on the
+        worker thread): committed, or rolled back on any exception; a SQLite error is mapped
+        to a :class:`StorageError` saying what it was ``doing``."""
+        conn = self._connection()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                out = body(conn)
+                conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise _map(exc, doing) from exc
+        return out
 
     async def _run(self, fn: Callable[[], T]) -> T:
         executor = self._executor
