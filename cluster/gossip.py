@@ -127,7 +127,7 @@ class Gossip(Generic[S]):
         #: push, threshold alerts).
         self.on_deltas: Callable[[Sequence[DeltaItem]], None] | None = None
         #: Called with the alert of a peer's ``alert`` frame (a threshold alert it fired).
-        self.on_alert: Callable[[AlertItem], None] | None = None
+        self.on_alert: Callable[[str, AlertItem], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -264,7 +264,7 @@ class Gossip(Generic[S]):
         elif msg.kind == "holds" and self.on_holds is not None:
             self.on_holds(h.sender, msg.holds)
         elif msg.kind == "alert" and self.on_alert is not None and msg.alert is not None:
-            self.on_alert(msg.alert)
+            self.on_alert(h.sender, msg.alert)
 
     def on_state(self, up: bool) -> None:
         """The bus connected or lost its connection."""

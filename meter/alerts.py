@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -137,6 +138,20 @@ class Alert:
         return out
 
 
+def from_peer_ok(alert: Alert, sender: str, now: float) -> bool:
+    """Whether a peer's ``alert`` frame is one ``sender`` could have fired now: its own claim,
+    under the id of its fields, of the current UTC month or day (or of a minute ago: a frame
+    sent just before a boundary). A signed frame replayed later, or from another node, is not."""
+    if alert.node != sender:
+        return False
+    if alert.id != alert_id(alert.tenant, alert.feature, alert.period, alert.threshold):
+        return False
+    if alert.feature == BALANCE:  # (named by a ledger entry, not a period)
+        return True
+    moments = (time.gmtime(now), time.gmtime(now - 60))
+    return alert.period in {time.strftime(f, t) for t in moments for f in ("%Y-%m", "%Y-%m-%d")}
+
+
 def make_alert(key: Key, pct: int, units: int, limit: int, value: int, node: str) -> Alert:
     """The record of ``key``'s view crossing ``pct`` percent (``units``) of ``limit``."""
     t, f, p = key
@@ -168,6 +183,8 @@ class Alerts:
         retry_s: float = RETRY_S,
     ) -> None:
         self.node = node
+        #: This process (claims name it: see _claim_body).
+        self.process = os.urandom(6).hex()
         self.claim = claim
         self.max_pending = max_pending
         self.max_known = max_known
@@ -220,7 +237,7 @@ class Alerts:
 
     def queue(self, alert: Alert) -> None:
         """Queue a claim of ``alert`` unless this node knows it as claimed or queued."""
-        if alert.id in self._known:
+        if alert.id in self._known or alert.id in self.pending:
             return
         _bounded_add(self._known, alert.id, self.max_known)
         pending = self.pending
@@ -249,7 +266,7 @@ class Alerts:
         while self.pending:
             aid, alert = next(iter(self.pending.items()))
             try:
-                won = await self.claim(aid, alert.body())
+                won = await self.claim(aid, self._claim_body(alert))
             except StorageError as exc:
                 self.failures += 1
                 if self.last_error is None:
@@ -262,17 +279,32 @@ class Alerts:
                 self.claimed_elsewhere += 1
                 continue
             self.fired += 1
-            log.warning(
-                "alert %s: %s/%s (%s) reached %d%% of its limit %d: %d >= %d",
-                aid, alert.tenant, alert.feature, alert.period, alert.threshold, alert.limit,
-                alert.value, alert.threshold_units,
-            )  # fmt: skip
+            if alert.feature == BALANCE:
+                log.warning("alert %s: the balance of %s fell below %d: %d",
+                            aid, alert.tenant, alert.threshold, alert.value)  # fmt: skip
+            else:
+                log.warning(
+                    "alert %s: %s/%s (%s) reached %d%% of its limit %d: %d >= %d",
+                    aid, alert.tenant, alert.feature, alert.period, alert.threshold,
+                    alert.limit, alert.value, alert.threshold_units,
+                )  # fmt: skip
             if self.on_fired is not None:
                 try:
                     self.on_fired(alert)
                 except Exception:  # a delivery bug must not stop the claims
                     log.exception("alerts: delivering %s failed", aid)
         return True
+
+    def _claim_body(self, alert: Alert) -> str:
+        """What a claim stores: the crossing and its claimant (this node and process), not
+        what changes between detections (value, time), so a claim tried again after a lost
+        answer, even for a crossing detected anew, is recognised as this process's."""
+        return json.dumps(
+            {"id": alert.id, "tenant": alert.tenant, "feature": alert.feature,
+             "period": alert.period, "threshold": alert.threshold, "node": self.node,
+             "process": self.process},
+            sort_keys=True, separators=(",", ":"),
+        )  # fmt: skip
 
     def deliver(self, alert: Alert) -> bool:
         """Give ``alert`` to this node's subscribers unless it was already; whether it was."""

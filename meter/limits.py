@@ -156,12 +156,18 @@ def parse_limit(spec: object, what: str = "limit") -> Limit:
     hard, ``enforcement`` to fast, ``alerts`` to none); :class:`InvalidArgument` names ``what``
     otherwise."""
     if isinstance(spec, dict) and "price" in spec:  # credit-metered: a limit is optional
+        if "alerts" in spec and "limit" not in spec:
+            raise InvalidArgument(f"{what}: alerts are percentages of a limit: give a limit")
         rest = {k: v for k, v in spec.items() if k != "price"}
         rest.setdefault("limit", QTY_MAX)
         return replace(parse_limit(rest, what), price=parse_price(spec["price"], what))
     if isinstance(spec, dict) and "alerts" in spec:  # the rest first, then the thresholds
         rest = {k: v for k, v in spec.items() if k != "alerts"}
-        return replace(parse_limit(rest, what), alerts=parse_alerts(spec["alerts"], what))
+        parsed = parse_limit(rest, what)
+        alerts = parse_alerts(spec["alerts"], what)
+        if alerts and parsed.limit == 0:
+            raise InvalidArgument(f"{what}: alerts are percentages of a limit: 0 has none")
+        return replace(parsed, alerts=alerts)
     if not isinstance(spec, dict):
         raise InvalidArgument(
             f"{what} must be a map {{limit, kind, enforcement, alerts}}, got {type(spec).__name__}"

@@ -23,7 +23,7 @@ from typing import IO, Any
 from cluster.bus import BusUnavailable
 from cluster.codec import AlertItem, DeltaItem
 from cluster.gossip import Gossip, GossipSettings
-from meter.alerts import Alert
+from meter.alerts import Alert, from_peer_ok
 from meter.config import NodeConfig
 from meter.errors import ConfigError, Unavailable
 from meter.flusher import Flusher
@@ -754,9 +754,17 @@ class Node:
             await asyncio.sleep(pause)
             pause = min(5.0, pause * 2)
 
-    def _peer_alert(self, item: AlertItem) -> None:
+    def _peer_alert(self, sender: str, item: AlertItem) -> None:
+        """A peer's ``alert`` frame: delivered here only if it is what that peer could have
+        fired (its own claim, under the id of its fields, of a current period): a signed
+        frame replayed from another node, or from a past period, is dropped (logged)."""
         assert self.service is not None
-        self.service.alerts.deliver(Alert(*item))
+        alert = Alert(*item)
+        if not from_peer_ok(alert, sender, time.time()):
+            log.warning("alert frame from %s dropped: not one it could fire now (%s)",
+                        sender, alert.id)  # fmt: skip
+            return
+        self.service.alerts.deliver(alert)
 
     def _deliver_alert(self, alert: Alert) -> None:
         assert self.service is not None

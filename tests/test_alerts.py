@@ -396,3 +396,57 @@ async def test_sqlite_purges_claimed_alerts_past_their_retention(tmp_path: Path)
         assert await store.claim_alert("x", "b")  # gone: a new claim
     finally:
         await store.close()
+
+
+def test_a_peers_alert_frame_is_delivered_only_if_its_sender_could_fire_it_now() -> None:
+    """A signed frame replayed from another node, under an id that is not its fields', or of
+    a past period, is dropped (found by review: a node that had not heard the sender since it
+    started took a year-old captured frame for news)."""
+    import time
+
+    from meter.alerts import from_peer_ok, make_alert
+
+    now = time.time()
+    month = time.strftime("%Y-%m", time.gmtime(now))
+    good = make_alert(("acme", "api", month), 80, 800, 1000, 801, "n1")
+    assert from_peer_ok(good, "n1", now)
+    assert not from_peer_ok(good, "n2", now)  # another node's alert, replayed by n2
+    forged = Alert(alert_id("acme", "api", month, 100), *list(good.to_wire().values())[1:])
+    assert not from_peer_ok(forged, "n1", now)  # the id is not its fields'
+    old = make_alert(("acme", "api", "2025-11"), 80, 800, 1000, 801, "n1")
+    assert not from_peer_ok(old, "n1", now)  # a past period
+
+
+def test_a_claim_whose_answer_was_lost_is_a_win_even_if_detected_again() -> None:
+    """The claim's body names the crossing and the process, not the value or time, so a
+    crossing detected again (its pending entry pushed out meanwhile) still wins the claim its
+    first try stored (found by review: nobody delivered it)."""
+
+    async def main() -> tuple[int, int]:
+        store = MemoryStorage()
+        alerts = Alerts("n1", store.claim_alert, max_pending=2)
+        fired: list[Alert] = []
+        alerts.on_fired = fired.append
+        key = ("acme", "api", "2026-11")
+        alerts.detect(key, 1000, (80,), 799, 800)
+        store.lose_next_ack = 1
+        assert not await alerts.claim_pending()  # landed, answer lost: kept pending
+        store.fail_next = 10
+        alerts.detect(("b", "api", "2026-11"), 1000, (80,), 799, 800)
+        alerts.detect(("c", "api", "2026-11"), 1000, (80,), 799, 800)  # pushes acme's out
+        alerts.detect(key, 1000, (80,), 0, 900)  # detected again
+        store.fail_next = 0
+        await alerts.claim_pending()
+        await alerts.claim_pending()
+        return len([a for a in fired if a.tenant == "acme"]), alerts.claimed_elsewhere
+
+    n, elsewhere = asyncio.run(main())
+    assert n == 1 and elsewhere == 0
+
+
+def test_alerts_need_a_limit_above_zero() -> None:
+    with pytest.raises(InvalidArgument, match="give a limit"):
+        parse_limit({"price": 1, "alerts": [80]})
+    with pytest.raises(InvalidArgument, match="0 has none"):
+        parse_limit({"limit": 0, "alerts": [80]})
+    assert parse_limit({"limit": 10, "price": 1, "alerts": [80]}).alerts == (80,)
