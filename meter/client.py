@@ -33,7 +33,7 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, cast
 
@@ -1304,16 +1304,24 @@ class AsyncClient(_Ids):
         inbox.subscribed(tenant, params, items)
         return self._follow(tenant, inbox)
 
-    async def _follow(self, tenant: str, inbox: _Inbox) -> AsyncIterator[Usage]:
+    def _follow(self, tenant: str, inbox: _Inbox) -> AsyncIterator[Usage]:
+        return self._drain_inbox(inbox, lambda: inbox.take(tenant), lambda: tenant in inbox.subs)
+
+    async def _drain_inbox(
+        self, inbox: _Inbox, take: Callable[[], Any], active: Callable[[], bool]
+    ) -> AsyncIterator[Any]:
+        """Yield what ``take`` finds in the inbox as notifications arrive, while ``active``
+        and the client open; a lost connection is reopened (subscriptions made again) within
+        ``retry_timeout``, else :class:`~meter.errors.Unavailable` is raised."""
         event = inbox.event
         assert event is not None
         backoff: _Backoff | None = None
         while True:
-            usage = inbox.take(tenant)
-            if usage is not None:
-                yield usage
+            item = take()
+            if item is not None:
+                yield item
                 continue
-            if tenant not in inbox.subs or self._closed:
+            if not active() or self._closed:
                 return
             if self._usable() is None:
                 try:
@@ -1349,29 +1357,11 @@ class AsyncClient(_Ids):
             inbox.event = asyncio.Event()
         return self._follow_alerts(inbox)
 
-    async def _follow_alerts(self, inbox: _Inbox) -> AsyncIterator[dict[str, Any]]:
-        event = inbox.event
-        assert event is not None
-        backoff: _Backoff | None = None
-        while True:
-            if inbox.alerts:
-                yield inbox.alerts.popleft()
-                continue
-            if not inbox.alerts_on or self._closed:
-                return
-            if self._usable() is None:
-                try:
-                    await self._ensure()
-                    backoff = None
-                except Unavailable as exc:
-                    if self.retry_timeout <= 0 or self._path is None or self._closed:
-                        raise
-                    if backoff is None:
-                        backoff = _Backoff(time.monotonic(), self.retry_timeout)
-                    await asyncio.sleep(backoff.pause(exc))
-                continue
-            event.clear()
-            await event.wait()
+    def _follow_alerts(self, inbox: _Inbox) -> AsyncIterator[dict[str, Any]]:
+        alerts = inbox.alerts
+        return self._drain_inbox(
+            inbox, lambda: alerts.popleft() if alerts else None, lambda: inbox.alerts_on
+        )
 
     async def unsubscribe_alerts(self) -> bool:
         """Stop getting alerts (the iterators end); whether they were subscribed."""
