@@ -26,6 +26,7 @@ a load are the strict budgets' (``status.limits.strict.writes``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -99,6 +100,60 @@ def _strict(nodes: list[NodeProcess]) -> dict[str, int]:
     return out
 
 
+def _loads(nodes: list[NodeProcess]) -> Callable[[str, int, int, float], Load]:
+    """A maker of loads tracking on one tenant's counter from connections spread over
+    ``nodes``."""
+    paths = [str(p.socket) for p in nodes]
+
+    def load(tenant: str, conns: int, depth: int, seconds: float) -> Load:
+        return Load(
+            "meter", paths[0], "track", conns, depth, duration=seconds, tenant=tenant,
+            paths=tuple(paths[1:]),
+        )  # fmt: skip
+
+    return load
+
+
+def _warm_up(
+    nodes: list[NodeProcess], tenants: tuple[str, str], what: str, progress: Progress
+) -> None:
+    """Unmeasured load on each side first (seeding, first grants or fundings)."""
+    progress(f"quotas: {len(nodes)} node(s): warming up {what}")
+    load = _loads(nodes)
+    for tenant in tenants:
+        run_load(load(tenant, max(len(nodes), 2), 1, WARMUP_S))
+
+
+def _rounds(
+    nodes: list[NodeProcess],
+    tenants: tuple[str, str],
+    what: str,
+    shape: tuple[int, int],
+    sizes: Sizes,
+    progress: Progress,
+) -> tuple[list[LoadResult], list[LoadResult]]:
+    """``sizes.rounds`` alternating rounds of the two tenants' loads at ``shape``
+    (connections, depth); each side's results."""
+    conns, depth = shape
+    # At least half a second a round: a strict round waits for a budget write now and then,
+    # and on a loaded machine one write can outlast a smoke-sized round.
+    seconds = max(sizes.duration, MIN_ROUND_S)
+    load = _loads(nodes)
+    ours_side = load(tenants[0], conns, depth, seconds)
+    ref_side = load(tenants[1], conns, depth, seconds)
+    ours: list[LoadResult] = []
+    ref: list[LoadResult] = []
+    for r in range(sizes.rounds):
+        progress(
+            f"quotas: {what}, {len(nodes)} node(s), {conns} conn, depth {depth}, "
+            f"round {r + 1}/{sizes.rounds}"
+        )
+        a, b = _in_turn(r, partial(run_load, ours_side), partial(run_load, ref_side))
+        ours.append(a)
+        ref.append(b)
+    return ours, ref
+
+
 def _throughput(
     nodes: list[NodeProcess],
     configs: tuple[tuple[int, int], ...],
@@ -107,38 +162,15 @@ def _throughput(
 ) -> list[Row]:
     """Part 1 (and part 2's far-from-limit writes) on ``nodes``."""
     n = len(nodes)
-    paths = [str(p.socket) for p in nodes]
     _set_limit(nodes, STRICT_TENANT, {"limit": FAR, "kind": "hard", "enforcement": "strict"})
     _set_limit(nodes, FAST_TENANT, {"limit": FAR, "kind": "hard", "enforcement": "fast"})
-
-    def load(tenant: str, conns: int, depth: int, seconds: float) -> Load:
-        return Load(
-            "meter", paths[0], "track", conns, depth, duration=seconds, tenant=tenant,
-            paths=tuple(paths[1:]),
-        )  # fmt: skip
-
-    progress(f"quotas: {n} node(s): warming up both counters")
-    for tenant in (STRICT_TENANT, FAST_TENANT):
-        run_load(load(tenant, max(n, 2), 1, WARMUP_S))
+    sides = (STRICT_TENANT, FAST_TENANT)
+    _warm_up(nodes, sides, "both counters", progress)
     rows: list[Row] = []
     for conns, depth in configs:
-        # At least half a second a round: a strict round waits for a budget write now and
-        # then, and on a loaded machine one write can outlast a smoke-sized round.
-        seconds = max(sizes.duration, MIN_ROUND_S)
-        strict_side = load(STRICT_TENANT, conns, depth, seconds)
-        fast_side = load(FAST_TENANT, conns, depth, seconds)
-        ours: list[LoadResult] = []
-        ref: list[LoadResult] = []
         units0 = _usage(nodes, STRICT_TENANT)
         writes0 = _strict(nodes)
-        for r in range(sizes.rounds):
-            progress(
-                f"quotas: strict vs fast, {n} node(s), {conns} conn, depth {depth}, "
-                f"round {r + 1}/{sizes.rounds}"
-            )
-            a, b = _in_turn(r, partial(run_load, strict_side), partial(run_load, fast_side))
-            ours.append(a)
-            ref.append(b)
+        ours, ref = _rounds(nodes, sides, "strict vs fast", (conns, depth), sizes, progress)
         units = _usage(nodes, STRICT_TENANT) - units0
         writes1 = _strict(nodes)
         strict = {k: writes1[k] - writes0[k] for k in writes0}
@@ -177,7 +209,7 @@ def _throughput(
                 detail,
             )
         )
-        per_1k = strict["writes"] / (units / 1000) if units else 0.0
+        per_1k = 1000 * strict["writes"] / units if units else 0.0
         rows.append(
             Row(
                 QUOTAS,
@@ -210,7 +242,7 @@ def _bursts(svc: Services, q: QuotaSizes, progress: Progress) -> list[Row]:
     )
     got = measure(100, q.burst_limit, q.burst_clients, enforcement="strict", svc=svc)
     exact = got["admitted"] == q.burst_limit
-    per_1k = got["strict_writes"] / (got["admitted"] / 1000) if got["admitted"] else 0.0
+    per_1k = 1000 * got["strict_writes"] / got["admitted"] if got["admitted"] else 0.0
     shape = f"3 nodes x {q.burst_clients} clients to a strict limit of {q.burst_limit:,}"
     rows.append(
         Row(
@@ -301,36 +333,15 @@ def _credits(
 ) -> list[Row]:
     """Credit-metered ``track`` against plain ``track``, far from zero, on ``nodes``."""
     n = len(nodes)
-    paths = [str(p.socket) for p in nodes]
     _set_limit(nodes, CREDIT_TENANT, {"price": 1})
     nodes[0].call("grant", CREDIT_TENANT, FAR, {"ref": f"bench-{n}"})
-
-    def load(tenant: str, conns: int, depth: int, seconds: float) -> Load:
-        return Load(
-            "meter", paths[0], "track", conns, depth, duration=seconds, tenant=tenant,
-            paths=tuple(paths[1:]),
-        )  # fmt: skip
-
-    progress(f"quotas: {n} node(s): warming up the credit-metered and plain counters")
-    for tenant in (CREDIT_TENANT, PLAIN_TENANT):
-        run_load(load(tenant, max(n, 2), 1, WARMUP_S))
+    sides = (CREDIT_TENANT, PLAIN_TENANT)
+    _warm_up(nodes, sides, "the credit-metered and plain counters", progress)
     rows: list[Row] = []
     for conns, depth in configs:
-        seconds = max(sizes.duration, MIN_ROUND_S)
-        ours: list[LoadResult] = []
-        ref: list[LoadResult] = []
-        for r in range(sizes.rounds):
-            progress(
-                f"quotas: credit-metered vs plain, {n} node(s), {conns} conn, depth {depth}, "
-                f"round {r + 1}/{sizes.rounds}"
-            )
-            a, b = _in_turn(
-                r,
-                partial(run_load, load(CREDIT_TENANT, conns, depth, seconds)),
-                partial(run_load, load(PLAIN_TENANT, conns, depth, seconds)),
-            )
-            ours.append(a)
-            ref.append(b)
+        ours, ref = _rounds(
+            nodes, sides, "credit-metered vs plain", (conns, depth), sizes, progress
+        )
         errors = sum(x.errors for x in ours + ref)
         o_ops = [x.ops_per_s for x in ours]
         r_ops = [x.ops_per_s for x in ref]
