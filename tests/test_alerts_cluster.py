@@ -6,7 +6,6 @@ Stream entry, one notification per subscriber on every node, with the same id ev
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,20 +20,13 @@ from meter.client import Client
 from meter.keys import period_start
 from tests.cluster_harness import KEY_TENANT, node_env, wait_until
 from tests.dynamodb_proxy import DynamoDBProxy
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.nodes import NodeProcess
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 
 LIMIT = 400
 PER_NODE = 120  # 4 x 120 = 480: past 100 %
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = short_tmpdir("al-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -51,15 +43,6 @@ def proxy(dynamodb_local: str) -> Iterator[DynamoDBProxy]:
         asyncio.run_coroutine_threadsafe(px.close(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
-
-
-@pytest.fixture
-def nodes_cleanup() -> Iterator[list[NodeProcess]]:
-    started: list[NodeProcess] = []
-    yield started
-    for p in started:
-        if p.proc is not None and p.proc.poll() is None:
-            p.kill()
 
 
 def test_each_threshold_fires_once_across_four_nodes(

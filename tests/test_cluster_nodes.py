@@ -46,15 +46,6 @@ def workdir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture
-def nodes_cleanup() -> Iterator[list[NodeProcess]]:
-    started: list[NodeProcess] = []
-    yield started
-    for p in started:
-        if p.proc is not None and p.proc.poll() is None:
-            p.kill()
-
-
 StartCluster = Callable[..., list[NodeProcess]]
 
 

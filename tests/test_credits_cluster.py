@@ -4,25 +4,15 @@ the nodes' pool took from the ledger is exactly what the ledger lost (docs/ledge
 
 from __future__ import annotations
 
-import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.cluster_harness import Conn, node_env, start_nodes, wait_until
-from tests.nodes import short_tmpdir
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = short_tmpdir("mc-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_metered_tracks_from_three_nodes_never_overdraw(

@@ -5,9 +5,7 @@ stored day buckets of the month sum to the stored month counter, which is what w
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -15,26 +13,10 @@ import pytest
 
 from storage.dynamodb import DynamoDBStorage
 from tests.cluster_harness import KEY_TENANT, node_env, start_nodes, wait_until
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.nodes import NodeProcess
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = short_tmpdir("mh-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def nodes_cleanup() -> Iterator[list[NodeProcess]]:
-    started: list[NodeProcess] = []
-    yield started
-    for p in started:
-        if p.proc is not None and p.proc.poll() is None:
-            p.kill()
 
 
 def _today(p: NodeProcess) -> list[int]:

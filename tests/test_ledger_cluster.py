@@ -5,7 +5,6 @@ expiry and spending order hold whichever node writes."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -15,17 +14,10 @@ from typing import Any
 import pytest
 
 from tests.cluster_harness import Conn, node_env, start_nodes
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.nodes import NodeProcess
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = short_tmpdir("lc-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

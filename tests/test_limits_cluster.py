@@ -7,37 +7,20 @@ bus is up, found by polling the stored version while it is down.
 
 from __future__ import annotations
 
-import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.cluster_harness import KEY_TENANT, node_env, start_nodes, wait_until
-from tests.nodes import NodeProcess, raw_call, short_tmpdir
+from tests.nodes import NodeProcess, raw_call
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 
 #: The bound docs/quotas.md claims.
 PROPAGATION_S = 1.0
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = short_tmpdir("ml-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def nodes_cleanup() -> Iterator[list[NodeProcess]]:
-    started: list[NodeProcess] = []
-    yield started
-    for p in started:
-        if p.proc is not None and p.proc.poll() is None:
-            p.kill()
 
 
 def _refuses(node: NodeProcess, feature: str) -> bool:

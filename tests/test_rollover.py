@@ -105,13 +105,6 @@ TO_BOUNDARY = 14.0
 LEAD = 7.0
 
 
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = short_tmpdir("ro-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def _items(n: int, qty: int = 1) -> list[list[Any]]:
     return [[f"t{i % 50}", f"f{i // 50}", qty] for i in range(n)]
 

@@ -11,10 +11,8 @@ total never passes the limit.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,26 +21,10 @@ import pytest
 from meter.escrow import Budget
 from storage.dynamodb import DynamoDBStorage
 from tests.cluster_harness import Conn, node_env, start_nodes, wait_until
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.nodes import NodeProcess
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = short_tmpdir("ms-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def nodes_cleanup() -> Iterator[list[NodeProcess]]:
-    started: list[NodeProcess] = []
-    yield started
-    for p in started:
-        if p.proc is not None and p.proc.poll() is None:
-            p.kill()
 
 
 class Burst:
