@@ -288,9 +288,9 @@ class Decoder:
             self._broken = str(exc)
             exc.messages = out
             raise
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        except (ValueError, TypeError, msgpack.UnpackException) as bad:
             # FormatError, StackError, over-limit lengths, bad map keys, unhashable keys.
-            self._fail(f"malformed MessagePack: {type(exc).__name__}: {exc}"[:200], out)
+            self._fail(f"malformed MessagePack: {type(bad).__name__}: {bad}"[:200], out)
         self._frame_start = start
         if self._fed - start > max_frame:
             self._fail(

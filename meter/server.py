@@ -272,10 +272,10 @@ class _Connection(asyncio.Protocol):
                 _, msgid, method, params = msg
                 try:
                     result = dispatch(method, params)
-                except MeterError as exc:
-                    append([RESPONSE, msgid, exc.to_wire(), None])
+                except MeterError as err:
+                    append([RESPONSE, msgid, err.to_wire(), None])
                     if stats is not None:
-                        self._count(stats.label(method), exc.code)
+                        self._count(stats.label(method), err.code)
                     continue
                 except Exception:
                     log.exception("internal error in %.64r", method)

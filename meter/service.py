@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
-from meter import __version__, export, ledger
+from meter import BUILD, __version__, compiled, export, ledger
 from meter.alerts import Alerts
 from meter.config import CounterConfig
 from meter.errors import (
@@ -757,9 +757,9 @@ class Service:
                 f"{key[0]}/{key[1]}: {short.qty} more would pass the strict limit {eff.limit} "
                 f"({eff.source}): {exc}; nothing counted"
             ) from None
-        except StorageError as exc:
+        except StorageError as failed:
             raise Unavailable(
-                f"{key[0]}/{key[1]}: the strict budget cannot be read or written ({exc}); "
+                f"{key[0]}/{key[1]}: the strict budget cannot be read or written ({failed}); "
                 "nothing counted"
             ) from None
 
@@ -825,8 +825,8 @@ class Service:
                 self._check_log()
                 try:
                     values = self.table.incr_seeded(fast)
-                except PartlyRefused as exc:  # items past the 64-bit range: not counted
-                    return self._finish_refused(fast, exc.answers)
+                except PartlyRefused as refused:  # items past the 64-bit range: not counted
+                    return self._finish_refused(fast, refused.answers)
                 if values is not None:
                     if self.wal is not None and fast:
                         self.wal.append([R.TRACK_MANY, [[*k, q] for k, q in fast]])
@@ -882,8 +882,8 @@ class Service:
         (nothing counted) if a key is cold or unseeded."""
         try:
             values = self.table.incr_seeded(batch.good)
-        except PartlyRefused as exc:
-            return self._finish_many(batch, exc.answers)
+        except PartlyRefused as refused:
+            return self._finish_many(batch, refused.answers)
         return None if values is None else self._finish_many(batch, values)
 
     def _answer_repeated_ids(self, batch: _Batch) -> None:
@@ -975,10 +975,11 @@ class Service:
                     out.append((short, smallest))
             eff = limited.get((k[0], k[1]))
             if eff is not None and eff.price:
-                acc = pools.setdefault(pool_key(k[0]), [0, None, eff])
-                acc[0] = min(acc[0] + eff.price * total, QTY_MAX)  # (items past it fail alone)
+                # (its own name: mypyc would check its items as ``sums``' ints)
+                entry: list[Any] = pools.setdefault(pool_key(k[0]), [0, None, eff])
+                entry[0] = min(entry[0] + eff.price * total, QTY_MAX)  # (past it: fail alone)
                 cost = min(eff.price * smallest, QTY_MAX)
-                acc[1] = cost if acc[1] is None else min(acc[1], cost)
+                entry[1] = cost if entry[1] is None else min(entry[1], cost)
         for pool, (need, smallest, eff) in pools.items():
             if not self.shares.ready(pool, need, POOL):
                 out.append((_Short(pool, need, eff, credits=True), smallest))
@@ -1410,12 +1411,12 @@ class Service:
 
     def undo(self, records: list[list[Any]]) -> None:
         """Take back the effects of records whose log write failed (newest first)."""
-        for rec in reversed(records):
+        for rec in records[::-1]:
             kind = rec[0]
             if kind == R.TRACK or kind == R.TRACK_ID:
                 self._undo_track(rec, 1)
             elif kind == R.TRACK_MANY:
-                for item in reversed(rec[1]):
+                for item in rec[1][::-1]:
                     self._undo_track(item, 0)
             elif kind == R.RESERVE:
                 lease_id, t, f, p, qty = rec[1:6]
@@ -1629,6 +1630,7 @@ class Service:
         out: dict[str, Any] = {
             "node_id": self.table.node,
             "version": __version__,
+            "build": compiled.running(BUILD).to_json(),
             "uptime_s": round(time.time() - self.started_at, 3),
             "storage": self.storage.kind,
             "keys": {
