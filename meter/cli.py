@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from meter import __version__, ledger_cli
+from meter import BUILD, __version__, compiled, ledger_cli
 from meter.config import NodeConfig, load
 from meter.errors import ConfigError, MeterError
 
@@ -43,7 +43,11 @@ _NODE_FLAGS: list[tuple[str, str]] = [
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meter", description="An in-memory usage-counter node.")
-    p.add_argument("--version", action="version", version=f"meter {__version__}")
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"meter {__version__}, {compiled.running(BUILD).describe()}",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def common(sp: argparse.ArgumentParser) -> None:
@@ -675,6 +679,7 @@ def _fmt(s: dict[str, Any]) -> str:
     seed = s.get("seeding", {})
     lines = [
         f"node         {s.get('node_id')}  (meter {s.get('version')}, up {s.get('uptime_s')} s)",
+        f"build        {(s.get('build') or {}).get('summary')}",
         "ready        "
         + ("yes" if s.get("ready") is True else "NO: " + "; ".join(s.get("not_ready") or ["?"]))
         + ("".join(f"; degraded: {r}" for r in s.get("degraded") or [])),

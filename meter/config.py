@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meter.compiled import PURE_ENV
 from meter.errors import ConfigError
 from meter.keys import FEATURE_RE, PeriodKind
 from meter.watch import MAX_WATCHED_TENANTS
@@ -459,7 +460,8 @@ def load(
     file = file or env.get("METER_CONFIG") or None
     if file is not None:
         values.update(_read_toml(Path(file)))
-    known_env = {env_name(s): s for s in _SETTINGS} | {"METER_CONFIG": ""}
+    # METER_PURE_PYTHON is read at import, before any setting (meter.compiled).
+    known_env = {env_name(s): s for s in _SETTINGS} | {"METER_CONFIG": "", PURE_ENV: ""}
     for name, raw in env.items():
         if not name.startswith("METER_"):
             continue

@@ -23,6 +23,7 @@ from typing import IO, Any
 from cluster.bus import BusUnavailable
 from cluster.codec import AlertItem, DeltaItem
 from cluster.gossip import Gossip, GossipSettings
+from meter import BUILD, compiled
 from meter.alerts import Alert, from_peer_ok
 from meter.config import NodeConfig
 from meter.errors import ConfigError, Unavailable
@@ -415,11 +416,12 @@ class Node:
             await self.gossip.start()  # connects in the background; serving does not wait
             self._tasks.append(asyncio.create_task(self._holds_loop(), name="holds"))
         log.info(
-            "node %s serving on %s (storage %s, data dir %s)",
+            "node %s serving on %s (storage %s, data dir %s; %s)",
             node_id,
             cfg.server.socket,
             self.storage.kind,
             cfg.data_dir,
+            compiled.running(BUILD).describe(),
         )
 
     async def _start_metrics(self) -> RequestStats:

@@ -136,7 +136,13 @@ def probes(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
 # -- prose ----------------------------------------------------------------------------------
 
 #: Environment variables the docs may name that are not settings (the tests' own knobs).
-NOT_SETTINGS = {"METER_CONFIG", "METER_FUZZ_FRAMES", "METER_FUZZ_SEED", "METER_EXPORT_COUNTERS"}
+NOT_SETTINGS = {
+    "METER_CONFIG",
+    "METER_PURE_PYTHON",
+    "METER_FUZZ_FRAMES",
+    "METER_FUZZ_SEED",
+    "METER_EXPORT_COUNTERS",
+}
 
 
 def test_every_environment_variable_the_docs_name_is_a_setting() -> None:

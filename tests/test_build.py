@@ -1,0 +1,214 @@
+"""The compiled build (setup.py, meter.compiled): what runs, what is reported, the fallbacks.
+
+The suite itself runs on whatever ``pip install -e .`` built; where a C compiler is on the
+PATH that must be the compiled build, and these tests say so if it is not.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import meter
+from meter import compiled
+from meter.client import Client
+from tests.nodes import ROOT, NodeProcess
+
+HOT = ("meter.protocol", "meter.server", "meter.service", "meter.table", "meter.wal.log")
+HAS_CC = shutil.which(os.environ.get("CC", "gcc")) is not None or shutil.which("cc") is not None
+#: The quick subset of the suite that also runs on pure Python (see test_pure_subset).
+PURE_SUBSET = (
+    "tests/test_table_properties.py",
+    "tests/test_table_batch.py",
+    "tests/test_protocol.py",
+    "tests/test_server.py",
+    "tests/test_service.py",
+    "tests/test_wal_records.py",
+    "tests/test_wal_service.py",
+    "tests/test_warm_tracks.py",
+)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METER_")}
+    return {**env, "PYTHONPATH": str(ROOT), **extra}
+
+
+def _python(code: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_this_install_runs_the_hot_modules_compiled() -> None:
+    build = compiled.running(meter.BUILD)
+    if not HAS_CC:  # an install without a C compiler is pure Python, and says why
+        assert not build.compiled and build.reason
+        return
+    assert build.compiled, build.reason
+    assert set(HOT) <= set(build.modules)
+    for name in HOT:
+        __import__(name)
+        assert sys.modules[name].__file__.endswith(".so"), name  # type: ignore[union-attr]
+    assert build.describe().startswith("compiled by mypyc ")
+
+
+def test_meter_pure_python_imports_every_compiled_module_from_source() -> None:
+    code = (
+        "import meter, meter.cli, meter.node, meter.service, meter.table, meter.wal.log\n"
+        "from meter import compiled\n"
+        "b = compiled.running(meter.BUILD)\n"
+        "print(b.compiled, b.reason)\n"
+        "print(*sorted({__import__('sys').modules[m].__file__[-3:] for m in b.modules}))\n"
+    )
+    res = _python(code, METER_PURE_PYTHON="1")
+    assert res.returncode == 0, res.stderr
+    first, suffixes = res.stdout.splitlines()
+    assert first == "False METER_PURE_PYTHON=1"
+    if meter.BUILD.modules:  # a compiled install: none of its extensions was loaded
+        assert suffixes == ".py"
+    out = subprocess.run(
+        [sys.executable, "-m", "meter", "--version"],
+        env=_env(METER_PURE_PYTHON="1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "meter 0.1.0, pure Python (METER_PURE_PYTHON=1)"
+    # 0 means "not set": the installed build runs.
+    res = _python("import meter; print(meter.BUILD.compiled)", METER_PURE_PYTHON="0")
+    assert res.stdout.strip() == str(meter.BUILD.compiled)
+
+
+def test_status_and_version_say_which_build_runs(workdir: Path) -> None:
+    version = subprocess.run(
+        [sys.executable, "-m", "meter", "--version"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
+    assert version == f"meter 0.1.0, {meter.BUILD.describe()}"
+    with (
+        NodeProcess(workdir, "c") as node,
+        NodeProcess(workdir, "p", METER_PURE_PYTHON="1") as pure,
+    ):
+        with Client.connect(node.socket) as c:
+            build = c.status()["build"]
+        assert build["compiled"] is meter.BUILD.compiled
+        assert build["summary"] == meter.BUILD.describe()
+        with Client.connect(pure.socket) as c:
+            build = c.status()["build"]
+        assert build["compiled"] is False and build["reason"] == "METER_PURE_PYTHON=1"
+        text = subprocess.run(
+            [sys.executable, "-m", "meter", "status", "--socket", str(pure.socket)],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        assert "build        pure Python (METER_PURE_PYTHON=1)" in text
+        assert node.stop() == 0
+        assert meter.BUILD.describe() in node.log()  # the startup line names the build
+
+
+def _copy_tree(dest: Path) -> Path:
+    """The importable packages of this checkout, built files included."""
+    for pkg in ("meter", "storage", "cluster"):
+        shutil.copytree(ROOT / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def test_a_source_changed_since_the_build_runs_pure_python_and_says_why(tmp_path: Path) -> None:
+    if not meter.BUILD.compiled:
+        assert not HAS_CC, meter.BUILD.reason
+        return
+    tree = _copy_tree(tmp_path)
+    code = "import meter, meter.service as s; print(meter.BUILD.compiled, s.__file__[-3:])"
+    res = _python(code, cwd=tree, PYTHONPATH=str(tree))
+    assert res.stdout.split() == ["True", ".so"], res.stderr  # the copy runs compiled
+    table = tree / "meter" / "table.py"
+    table.write_text(table.read_text() + "\n# changed\n")
+    res = _python(code, cwd=tree, PYTHONPATH=str(tree))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["False", ".py"]  # every module, not only the changed one
+    assert res.stderr.strip() == (
+        "meter: running pure Python: source changed since the build: meter.table; "
+        "pip install -e . compiles it again"
+    )
+
+
+def _source_copy(dest: Path) -> Path:
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, dest / name)
+    for pkg in ("meter", "storage", "cluster"):
+        shutil.copytree(
+            ROOT / pkg,
+            dest / pkg,
+            ignore=shutil.ignore_patterns("__pycache__", "*.so", "_compiled.json"),
+        )
+    return dest
+
+
+def _setup(src: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "setup.py", "-q", *args],
+        cwd=src,
+        env={**_env(**env), "PYTHONPATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _says(res: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in res.stderr.splitlines() if line.startswith("meter build:")]
+
+
+def test_a_build_without_a_c_compiler_installs_pure_python_in_one_line(tmp_path: Path) -> None:
+    src = _source_copy(tmp_path)
+    res = _setup(src, "build_ext", "--build-lib", "out", CC="/bin/false")
+    assert res.returncode == 0, res.stderr[-2000:]
+    (line,) = _says(res)
+    assert line.startswith("meter build: pure Python (the C build failed: ")
+    assert not list((src / "out").rglob("*.so")) and not list(src.rglob("_compiled.json"))
+
+
+def test_meter_pure_python_at_build_time_removes_an_earlier_compiled_build(
+    tmp_path: Path,
+) -> None:
+    src = _source_copy(tmp_path)
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    stale = [src / "meter" / f"table{suffix}", src / "meter" / "_compiled.json"]
+    for path in stale:
+        path.write_text("an earlier build")
+    res = _setup(src, "build_ext", "--inplace", METER_PURE_PYTHON="1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert _says(res) == ["meter build: pure Python (METER_PURE_PYTHON=1)"]
+    assert not any(p.exists() for p in stale)
+
+
+def test_pure_subset() -> None:
+    """The quick subset of the suite, on pure Python: the code must stay correct without
+    the compiler, not only with it."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *PURE_SUBSET],
+        cwd=ROOT,
+        env=_env(METER_PURE_PYTHON="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    tail = res.stdout[-3000:]
+    assert res.returncode == 0, tail
+    assert " passed" in tail and "failed" not in tail and "skipped" not in tail
+    assert "meter build: pure Python (METER_PURE_PYTHON=1)" in res.stdout  # the header
