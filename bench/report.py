@@ -42,7 +42,17 @@ def _num(x: float | None, unit: str = "") -> str:
 def table(rows: list[Row]) -> str:
     """A plain-text table (also valid Markdown). A reference that is a fixed target rather
     than a measurement reads ``(target)``."""
-    head = ["scenario", "metric", "ours", "reference", "ratio", "target", "met?"]
+    head = [
+        "scenario",
+        "metric",
+        "ours",
+        "reference",
+        "ratio",
+        "target",
+        "met?",
+        "pure",
+        "pure ratio",
+    ]
     lines = [head]
     for r in rows:
         met = "n/a" if r.met is None else ("yes" if r.met else "NO")
@@ -57,6 +67,8 @@ def table(rows: list[Row]) -> str:
                 "-" if r.ratio is None else f"{r.ratio:.3g}x",
                 r.target,
                 met,
+                "-" if r.pure is None else _num(r.pure, r.unit),
+                "-" if r.pure_ratio is None else f"{r.pure_ratio:.3g}x",
             ]
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]

@@ -54,6 +54,8 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
             "target",
             "met",
             "detail",
+            "pure",
+            "pure_ratio",
         }
         assert r["ours"] is not None and r["ours"] > 0
         assert r["reference"] is not None and r["reference"] > 0
@@ -61,6 +63,12 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
         # The memory rows' reference is the 300 B target; every other row here is measured.
         want = "target" if r["scenario"] == "6 memory" else "measured"
         assert r["reference_kind"] == want, r["metric"]
+        # Scenarios 1, 2 and 7 ran a pure-Python node beside the compiled one.
+        if r["scenario"] in (RPC, BATCH, "7 durable vs Redis AOF"):
+            assert r["pure"] > 0 and r["pure_ratio"] > 0, r["metric"]
+            assert "NOT compiled" not in r["metric"]  # this install is compiled
+        else:
+            assert r["pure"] is None and r["pure_ratio"] is None
     memory = [r for r in doc["rows"] if r["scenario"] == "6 memory"]
     assert len(memory) == 2 and "over the wire" in memory[0]["metric"]
     assert memory[0]["met"] in (True, False) and memory[1]["met"] is None  # the table: context
