@@ -60,7 +60,14 @@ def pure_wanted() -> str | None:
     return f"METER_PURE_PYTHON={value}" if value not in ("", "0") else None
 
 
+#: The commands that build extensions; the others (metadata, requirements) need none, and
+#: mypyc's type check and C generation take seconds.
+BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
+
+
 def extensions() -> list[Any]:
+    if not BUILDS & set(sys.argv[1:]):
+        return []
     reason = pure_wanted()
     if reason is None:
         try:

@@ -244,7 +244,6 @@ class Decoder:
     def _drain(self, out: list[Any]) -> None:
         unpacker = self._unpacker
         tell = unpacker.tell
-        append = out.append
         max_frame = self._max_frame
         start = self._frame_start
         classify = self._classify
@@ -263,7 +262,7 @@ class Decoder:
                             f"frame of {end - start} bytes exceeds the {max_frame}-byte limit", out
                         )
                     start = end
-                    append(classify(obj))
+                    out.append(classify(obj))
             else:
                 # The server's common case, specialised: no frame can exceed the limit, and
                 # the common well-formed request is checked inline and passed through as is;
@@ -281,9 +280,9 @@ class Decoder:
                             and type(method) is str
                             and type(params) is list
                         ):
-                            append(obj)
+                            out.append(obj)
                             continue
-                    append(classify(obj))
+                    out.append(classify(obj))
         except ProtocolError as exc:
             self._broken = str(exc)
             exc.messages = out
@@ -423,6 +422,9 @@ class Encoder:
         """Several responses already shaped ``[1, msgid, error, result]``, in one buffer;
         never raises for an unencodable result (that one is answered ``internal``)."""
         try:
+            if len(responses) == 1:  # the unpipelined call: no header to cut off (no copy)
+                one: bytes = self._one.pack(responses[0])
+                return one
             # One pack call for the batch: pack the list of responses as one array and drop
             # its header; what follows the header is exactly the responses back to back.
             data: bytes = self._one.pack(responses)

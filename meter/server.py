@@ -125,7 +125,7 @@ class _LimitedLog:
             self._ends = 0.0
 
 
-class _Connection(asyncio.Protocol):
+class _Connection:
     __slots__ = (
         "_answers",
         "_decoder",
@@ -242,7 +242,6 @@ class _Connection(asyncio.Protocol):
             # The hot loop: a well-formed request is the decoded list [0, msgid, method, params]
             # (see Decoder.feed_raw); everything else goes to _other. An answer is appended
             # already shaped as the response array, so the encoder packs it as is.
-            append = answers.append
             dispatch = srv._dispatch
             plain = _PLAIN
             isawaitable = inspect.isawaitable
@@ -259,7 +258,7 @@ class _Connection(asyncio.Protocol):
                     req[0] = RESPONSE
                     req[2] = None
                     req[3] = value
-                    append(req)
+                    answers.append(req)
                     start += 1
             if stats is not None:
                 tracks = start
@@ -273,14 +272,14 @@ class _Connection(asyncio.Protocol):
                 try:
                     result = dispatch(method, params)
                 except MeterError as err:
-                    append([RESPONSE, msgid, err.to_wire(), None])
+                    answers.append([RESPONSE, msgid, err.to_wire(), None])
                     if stats is not None:
                         self._count(stats.label(method), err.code)
                     continue
                 except Exception:
                     log.exception("internal error in %.64r", method)
                     srv.internal_errors += 1
-                    append([RESPONSE, msgid, _INTERNAL, None])
+                    answers.append([RESPONSE, msgid, _INTERNAL, None])
                     if stats is not None:
                         self._count(stats.label(method), "internal")
                     continue
@@ -290,7 +289,7 @@ class _Connection(asyncio.Protocol):
                     or type(result) in plain
                     or (type(result) is not Bind and not isawaitable(result))
                 ):
-                    append([RESPONSE, msgid, None, result])
+                    answers.append([RESPONSE, msgid, None, result])
                     if answered is not None:
                         answered[method] = answered.get(method, 0) + 1
                 else:
@@ -807,7 +806,10 @@ async def start_server(
         server._inode = (st.st_dev, st.st_ino, st.st_ctime_ns)
         sock.setblocking(False)
         server._server = await asyncio.get_running_loop().create_unix_server(
-            lambda: _Connection(server), sock=sock, backlog=backlog
+            # (a native class under mypyc: the loop takes any object with the protocol's methods)
+            lambda: cast(asyncio.Protocol, _Connection(server)),
+            sock=sock,
+            backlog=backlog,
         )
     except BaseException:
         sock.close()

@@ -249,7 +249,6 @@ class Service:
         cache = self._keys
         gated = self._gated
         items: list[tuple[Key, int]] = []
-        append = items.append
         # Credit-metered items with no other check ride along when their pool's share has
         # room for them all: (item index, pool, credits), admitted once counted.
         priced: list[tuple[int, Key, int]] = []
@@ -285,7 +284,7 @@ class Service:
                         break  # the pool needs a write first (or a clear refusal): dispatch
                     needs[pool] = need
                     priced.append((len(items), pool, credits))
-            append((key, qty))
+            items.append((key, qty))
         if not items:
             return []
         values = self.table.incr_prefix(items)
@@ -808,7 +807,6 @@ class Service:
             # The common batch: every item a plain [str, str, int] on a known name pair and a
             # seeded key. One pass builds it; anything else takes the general path below.
             fast: list[tuple[Key, int]] = []
-            append = fast.append
             for item in items:
                 if type(item) is not list or len(item) != 3:
                     break
@@ -820,7 +818,7 @@ class Service:
                     break
                 if gated and self._needs_check(key):
                     break  # checked item by item below
-                append((key, qty))
+                fast.append((key, qty))
             else:
                 self._check_log()
                 try:

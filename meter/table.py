@@ -615,7 +615,6 @@ class CounterTable:
         """Count items up to the first cold or unseeded key, or the first item the range
         check refuses; the caller holds the lock."""
         out: list[int] = []
-        append = out.append
         rows = self._rows
         gossip = self.gossip
         lo, hi = QTY_MIN, QTY_MAX
@@ -643,7 +642,7 @@ class CounterTable:
             if not flags & DIRTY:
                 self._dirty.append(key)
             row.flags = flags | DIRTY | USED
-            append(value)
+            out.append(value)  # (not a local alias: compiled, this is a direct list append)
         return out
 
     def reserve(self, key: Key, qty: int, limit: int | None, *, check: bool = True) -> int | None:
