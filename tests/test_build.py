@@ -212,3 +212,36 @@ def test_pure_subset() -> None:
     assert res.returncode == 0, tail
     assert " passed" in tail and "failed" not in tail and "skipped" not in tail
     assert "meter build: pure Python (METER_PURE_PYTHON=1)" in res.stdout  # the header
+
+
+def test_pip_install_of_a_wheel_runs_compiled(tmp_path: Path) -> None:
+    """``pip install .`` (a wheel, not the editable install the suite runs on) carries the
+    compiled modules, their sources and the build record, and runs compiled."""
+    if not HAS_CC:
+        return  # test_a_build_without_a_c_compiler_... covers this machine
+    (tmp_path / "src").mkdir()
+    src = _source_copy(tmp_path / "src")
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    built = subprocess.run(
+        [*pip, "wheel", str(src), "--no-deps", "-w", str(tmp_path / "wheels")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheels").glob("meter-*.whl")
+    target = tmp_path / "site"
+    installed = subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(target), str(wheel)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    assert (target / "meter" / "_compiled.json").exists() and (target / "meter/table.py").exists()
+    code = "import meter, meter.service as s; print(meter.BUILD.describe(), s.__file__[-3:])"
+    res = _python(code, cwd=tmp_path, PYTHONPATH=str(target))
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.stdout.split() == [*meter.BUILD.describe().split(), ".so"]
