@@ -16,6 +16,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+import meter
 from bench import report
 from bench.cli import run
 from bench.loadgen import Load, meter_frames, redis_frames
@@ -66,12 +67,16 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
         # Scenarios 1, 2 and 7 ran a pure-Python node beside the compiled one.
         if r["scenario"] in (RPC, BATCH, "7 durable vs Redis AOF"):
             assert r["pure"] > 0 and r["pure_ratio"] > 0, r["metric"]
-            assert "NOT compiled" not in r["metric"]  # this install is compiled
+            assert ("NOT compiled" in r["metric"]) is not meter.BUILD.compiled
+            rounds = r["detail"].get("rounds_ours_ops") or r["detail"].get("rounds_ours")
+            assert rounds is None or len(rounds) % 3 == 0  # each side first as often
         else:
             assert r["pure"] is None and r["pure_ratio"] is None
     memory = [r for r in doc["rows"] if r["scenario"] == "6 memory"]
     assert len(memory) == 2 and "over the wire" in memory[0]["metric"]
     assert memory[0]["met"] in (True, False) and memory[1]["met"] is None  # the table: context
+    pipelined = [r for r in doc["rows"] if r["scenario"] == RPC and r["unit"] == "ops/s"][-1]
+    assert "pipelined 16" in pipelined["metric"] and pipelined["target"] == ">= 0.7x Redis"
     (many,) = [r for r in doc["rows"] if r["scenario"] == BATCH]
     assert many["detail"]["distinct_keys_per_conn"] == 100
     rpc = [r for r in doc["rows"] if r["unit"] == "ops/s"]

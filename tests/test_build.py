@@ -7,6 +7,7 @@ PATH that must be the compiled build, and these tests say so if it is not.
 from __future__ import annotations
 
 import importlib.machinery
+import json
 import os
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ from meter import compiled
 from meter.client import Client
 from tests.nodes import ROOT, NodeProcess
 
-HOT = ("meter.protocol", "meter.server", "meter.service", "meter.table", "meter.wal.log")
+HOT = compiled.HOT
 HAS_CC = shutil.which(os.environ.get("CC", "gcc")) is not None or shutil.which("cc") is not None
 #: The quick subset of the suite that also runs on pure Python (see test_pure_subset).
 PURE_SUBSET = (
@@ -55,7 +56,7 @@ def test_this_install_runs_the_hot_modules_compiled() -> None:
         assert not build.compiled and build.reason
         return
     assert build.compiled, build.reason
-    assert set(HOT) <= set(build.modules)
+    assert build.modules == HOT and len(HOT) == 8
     for name in HOT:
         __import__(name)
         assert sys.modules[name].__file__.endswith(".so"), name  # type: ignore[union-attr]
@@ -142,9 +143,71 @@ def test_a_source_changed_since_the_build_runs_pure_python_and_says_why(tmp_path
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["False", ".py"]  # every module, not only the changed one
     assert res.stderr.strip() == (
-        "meter: running pure Python: source changed since the build: meter.table; "
+        "meter: running pure Python: source changed since the build: meter/table.py; "
         "pip install -e . compiles it again"
     )
+    # A module the compiled code calls but which is not compiled counts too: the compiled
+    # code assumes what its types were at the build.
+    table.write_text(table.read_text().removesuffix("\n# changed\n"))
+    assert _python(code, cwd=tree, PYTHONPATH=str(tree)).stdout.split() == ["True", ".so"]
+    limits = tree / "meter" / "limits.py"
+    limits.write_text(limits.read_text() + "\n# changed\n")
+    res = _python(code, cwd=tree, PYTHONPATH=str(tree))
+    assert res.stdout.split() == ["False", ".py"]
+    assert "source changed since the build: meter/limits.py" in res.stderr
+
+
+def _pure_run(tree: Path) -> tuple[list[str], str]:
+    code = (
+        "import meter, meter.service as s, meter.keys as k\n"
+        "print(meter.BUILD.compiled, s.__file__[-3:], k.__file__[-3:])\n"
+        "print(meter.BUILD.reason)"
+    )
+    res = _python(code, cwd=tree, PYTHONPATH=str(tree))
+    assert res.returncode == 0, res.stderr
+    first, reason = res.stdout.splitlines()
+    return [*first.split(), reason], res.stderr
+
+
+def test_a_missing_compiled_module_or_library_runs_every_module_from_source(
+    tmp_path: Path,
+) -> None:
+    if not meter.BUILD.compiled:
+        assert not HAS_CC, meter.BUILD.reason
+        return
+    for gone in ("keys", "_hot__mypyc"):
+        tree = _copy_tree(tmp_path / gone)
+        for built in (tree / "meter").glob(f"{gone}.*.so"):
+            built.unlink()
+        out, err = _pure_run(tree)
+        name = "meter._hot__mypyc" if gone.startswith("_") else f"meter.{gone}"
+        assert out == ["False", ".py", ".py", f"compiled modules missing: {name}"]
+        assert err.strip() == f"meter: running pure Python: compiled modules missing: {name}"
+
+
+def test_compiled_files_without_a_build_record_are_not_imported(tmp_path: Path) -> None:
+    if not meter.BUILD.compiled:
+        assert not HAS_CC, meter.BUILD.reason
+        return
+    tree = _copy_tree(tmp_path)
+    (tree / "meter" / "_compiled.json").unlink()
+    reason = "compiled files without a build record; pip install -e . builds again"
+    assert _pure_run(tree) == (
+        ["False", ".py", ".py", reason],
+        f"meter: running pure Python: {reason}\n",
+    )
+
+
+def test_a_pure_build_record_says_why(tmp_path: Path) -> None:
+    tree = _copy_tree(tmp_path)
+    for built in (tree / "meter").rglob("*.so"):
+        built.unlink()
+    (tree / "meter" / "_compiled.json").write_text(
+        '{"compiled": false, "reason": "the C build failed: no cc"}'
+    )
+    assert _pure_run(tree) == (["False", ".py", ".py", "the C build failed: no cc"], "")
+    res = _python("import meter; print(meter.BUILD.describe())", cwd=tree, PYTHONPATH=str(tree))
+    assert res.stdout.strip() == "pure Python (the C build failed: no cc)"
 
 
 def _source_copy(dest: Path) -> Path:
@@ -180,7 +243,14 @@ def test_a_build_without_a_c_compiler_installs_pure_python_in_one_line(tmp_path:
     assert res.returncode == 0, res.stderr[-2000:]
     (line,) = _says(res)
     assert line.startswith("meter build: pure Python (the C build failed: ")
-    assert not list((src / "out").rglob("*.so")) and not list(src.rglob("_compiled.json"))
+    assert not list((src / "out").rglob("*.so")) and not list(src.rglob("*.so"))
+    # The reason is recorded where the build went, for meter --version to say.
+    record = json.loads((src / "out" / "meter" / "_compiled.json").read_text())
+    assert (
+        record["compiled"] is False
+        and record["reason"] == line[len("meter build: pure Python (") : -1]
+    )
+    assert not (src / "meter" / "_compiled.json").exists()  # not an in-place build
 
 
 def test_meter_pure_python_at_build_time_removes_an_earlier_compiled_build(
@@ -193,8 +263,14 @@ def test_meter_pure_python_at_build_time_removes_an_earlier_compiled_build(
         path.write_text("an earlier build")
     res = _setup(src, "build_ext", "--inplace", METER_PURE_PYTHON="1")
     assert res.returncode == 0, res.stderr[-2000:]
-    assert _says(res) == ["meter build: pure Python (METER_PURE_PYTHON=1)"]
-    assert not any(p.exists() for p in stale)
+    assert _says(res) == ["meter build: pure Python (METER_PURE_PYTHON=1 at install)"]
+    assert not stale[0].exists()
+    record = json.loads(stale[1].read_text())
+    assert record == {"compiled": False, "reason": "METER_PURE_PYTHON=1 at install"}
+    # A build that is not in place (a wheel) leaves the source tree's build alone.
+    stale[0].write_text("an earlier build")
+    res = _setup(src, "build_ext", "--build-lib", "out", METER_PURE_PYTHON="1")
+    assert res.returncode == 0 and stale[0].exists()
 
 
 def test_pure_subset() -> None:
@@ -245,3 +321,28 @@ def test_pip_install_of_a_wheel_runs_compiled(tmp_path: Path) -> None:
     res = _python(code, cwd=tmp_path, PYTHONPATH=str(target))
     assert res.returncode == 0 and res.stderr == "", res.stderr
     assert res.stdout.split() == [*meter.BUILD.describe().split(), ".so"]
+
+
+def test_every_error_class_keeps_the_code_its_source_declares() -> None:
+    """A compiled subclass of an interpreted exception loses its class attribute ``code``
+    (mypyc), so a node would answer ``internal`` where the source says otherwise: every
+    error class, compiled module or not, must answer the code it declares."""
+    import ast
+    import importlib
+
+    checked = 0
+    for path in sorted((ROOT / "meter").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for item in node.body:
+                if (
+                    isinstance(item, ast.Assign)
+                    and [getattr(t, "id", None) for t in item.targets] == ["code"]
+                    and isinstance(item.value, ast.Constant)
+                ):
+                    cls = getattr(importlib.import_module(module), node.name)
+                    assert cls.code == item.value.value, f"{module}.{node.name}"
+                    checked += 1
+    assert checked >= 12  # errors.py's classes and the log's

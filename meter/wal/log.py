@@ -30,10 +30,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from meter.errors import MeterError
 from meter.metric_counts import FSYNC_BOUNDS, Buckets
 from meter.wal import records as R
+from meter.wal.errors import LogCorrupt, LogIdMismatch, WalError  # (interpreted: ADR 0011)
 from meter.wal.replay import Replay
+
+__all__ = ["LogCorrupt", "LogIdMismatch", "WalError", "WriteAheadLog", "read_log"]
 
 log = logging.getLogger("meter.wal")
 
@@ -48,40 +50,6 @@ SMALL_SEGMENT = 1 << 20
 CHECKPOINT_RECORDS_PER_PASS = 4
 #: How often a broken log tries to write again.
 PROBE_INTERVAL_S = 0.5
-
-
-class WalError(Exception):
-    """The log cannot be written now (disk full, I/O error); nothing new can be accepted."""
-
-
-class LogCorrupt(MeterError):
-    """A segment is damaged before its tail; the node refuses to start on it."""
-
-    code = "internal"
-
-    def __init__(self, path: Path, offset: int, reason: str) -> None:
-        super().__init__(
-            f"write-ahead log {path} is damaged at byte {offset} ({reason}); records after it "
-            f"cannot be trusted. To start anyway, keeping the records before it: "
-            f"truncate -s {offset} {path}   (see docs/durability.md, 'Recovery')"
-        )
-        self.path = path
-        self.offset = offset
-
-
-class LogIdMismatch(MeterError):
-    """The log was written by another node id: replaying it under this one would re-send its
-    in-flight deltas under sequences storage has never seen from this id."""
-
-    code = "invalid_argument"
-
-    def __init__(self, directory: Path, logged: str, configured: str) -> None:
-        super().__init__(
-            f"the write-ahead log in {directory} belongs to node id {logged!r}, but this node "
-            f"is {configured!r}. Start it with METER_NODE_ID={logged} to deliver what the log "
-            f"holds (then change the id after a clean drain), or move the log aside "
-            f"(see docs/durability.md, 'Recovery')"
-        )
 
 
 def segment_path(directory: Path, number: int) -> Path:
