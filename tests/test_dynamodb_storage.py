@@ -23,6 +23,9 @@ pytestmark = pytest.mark.dynamodb
 K: Key = ("acme", "api_calls", "2026-11")
 # 2026-12-01T00:00:00Z, the end of 2026-11.
 END_OF_NOV_2026 = 1796083200
+#: A month that ends after today: a write to a period already over expires from now.
+K_LATER: Key = ("acme", "api_calls", "2099-11")
+END_OF_NOV_2099 = 4099766400
 
 
 @pytest.fixture
@@ -36,20 +39,20 @@ async def raw(dynamodb_local: str) -> AsyncIterator[Any]:
 
 
 async def test_item_layout(dynamodb_storage: DynamoDBStorage, raw: Any) -> None:
-    await dynamodb_storage.apply("node-a", [Delta(K, 3, 10**30)])
-    await dynamodb_storage.apply("node-b", [Delta(K, 1, -1)])
+    await dynamodb_storage.apply("node-a", [Delta(K_LATER, 3, 10**30)])
+    await dynamodb_storage.apply("node-b", [Delta(K_LATER, 1, -1)])
     resp = await raw.get_item(
         TableName=dynamodb_storage.table,
-        Key={"pk": {"S": "acme"}, "sk": {"S": "2026-11#api_calls"}},
+        Key={"pk": {"S": "acme"}, "sk": {"S": "2099-11#api_calls"}},
         ConsistentRead=True,
     )
     assert resp["Item"] == {
         "pk": {"S": "acme"},
-        "sk": {"S": "2026-11#api_calls"},
+        "sk": {"S": "2099-11#api_calls"},
         "t": {"N": str(10**30 - 1)},
         "s_node-a": {"N": "3"},
         "s_node-b": {"N": "1"},
-        "ttl": {"N": str(END_OF_NOV_2026 + 400 * 86400)},
+        "ttl": {"N": str(END_OF_NOV_2099 + 400 * 86400)},
     }
 
 
