@@ -59,6 +59,8 @@ DEFAULT_RETRY_TIMEOUT = 30.0
 #: First pause between two attempts of a call; it doubles (with jitter) up to the maximum.
 RETRY_BACKOFF_MIN = 0.05
 RETRY_BACKOFF_MAX = 1.0
+#: The longest single wait of a subscription waiting with no end, so Ctrl-C is handled.
+SIGNAL_CHECK_S = 0.5
 #: A request id is a string of 1 .. this many UTF-8 bytes (the node's limit).
 MAX_REQUEST_ID_BYTES = MAX_ID_BYTES
 
@@ -479,12 +481,20 @@ class Client(_Ids):
 
     def _read_notes(self, sock: socket.socket, timeout: float | None) -> bool:
         """Read what the node sends for up to ``timeout`` seconds (None: until something
-        comes); False if nothing came in time."""
+        comes); False if nothing came in time.
+
+        A wait with no end is made of waits of at most :data:`SIGNAL_CHECK_S`: a signal
+        (Ctrl-C) that arrives just before a blocking ``recv`` is only handled once Python code
+        runs again, and compiled code in between never checks for one (``meter watch``)."""
         try:
-            sock.settimeout(timeout)
-            data = sock.recv(1 << 18)
-        except TimeoutError:
-            return False
+            while True:
+                sock.settimeout(SIGNAL_CHECK_S if timeout is None else timeout)
+                try:
+                    data = sock.recv(1 << 18)
+                    break
+                except TimeoutError:
+                    if timeout is not None:
+                        return False
         except OSError as exc:
             raise self._broken(str(exc) or type(exc).__name__) from None
         finally:

@@ -26,3 +26,34 @@ def reach(
         ),
     )
     return dict(seen)
+
+
+def reach_alone(module: str, machine: str, examples: int, steps: int) -> dict[str, Any]:
+    """:func:`reach` of ``module.machine`` (its counters in ``machine.seen``) in a fresh
+    interpreter: what earlier tests left behind in this process (hypothesis' caches, the
+    event loop policy) cannot steer the derandomized runs, so the counts are the same
+    whichever tests ran before."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = (
+        "import json, importlib\n"
+        "from tests.machine_reach import reach\n"
+        f"m = getattr(importlib.import_module({module!r}), {machine!r})\n"
+        f"print(json.dumps(reach(m, m.seen, {examples}, {steps})))\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    counts: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+    return counts

@@ -43,7 +43,7 @@ from meter.seeder import MAX_TRIES, Seeder
 from meter.table import CounterTable
 from storage.base import EMPTY, BadItems, Delta, Key, Snapshot, StorageUnavailable
 from storage.memory import MemoryStorage
-from tests.machine_reach import reach
+from tests.machine_reach import reach_alone
 
 NODE = "n1"
 PEER = "n2"
@@ -537,7 +537,7 @@ def test_the_machine_reaches_refusals_give_ups_and_failures() -> None:
     """The machine must reach what it claims to check: reads overtaken by an eviction pass or
     a claim of the node id (refused, read again, given up after MAX_TRIES), failed reads,
     other seeding paths."""
-    seen = reach(SeederMachine, SeederMachine.seen, examples=100, steps=50)
+    seen = reach_alone("tests.test_seeder", "SeederMachine", examples=100, steps=50)
     print(f"\nthe seeder machine: {seen}")
     assert seen.get("refused", 0) >= 20 and seen.get("gave up", 0) >= 1, seen
     assert seen.get("eviction under a read", 0) >= 20, seen
