@@ -622,8 +622,11 @@ class Service:
             self._check_log()
             try:
                 return self._count_checked(keys, qty, idem, detail)
-            except _Short as short:
-                await self._make_room(short)
+            except _Short as exc:
+                short = exc
+            # Not awaited inside the except block: compiled, the caught exception would stay
+            # the thread's current one, and every later exception would chain onto it.
+            await self._make_room(short)
         raise Unavailable(f"{keys[0][0]}/{keys[0][1]}: the strict share kept running out; retry")
 
     def _count_checked(
@@ -1192,8 +1195,9 @@ class Service:
             self._check_log()
             try:
                 return self._reserve_now(key, qty, limit, ttl_ms, idem)
-            except _Short as short:
-                await self._make_room(short)
+            except _Short as exc:
+                short = exc
+            await self._make_room(short)  # (not in the except block: see _track_checked_cold)
         raise Unavailable(f"{key[0]}/{key[1]}: the strict share kept running out; retry")
 
     def _reserve_now(

@@ -346,3 +346,27 @@ def test_every_error_class_keeps_the_code_its_source_declares() -> None:
                     assert cls.code == item.value.value, f"{module}.{node.name}"
                     checked += 1
     assert checked >= 12  # errors.py's classes and the log's
+
+
+def test_no_compiled_coroutine_awaits_inside_an_except_block() -> None:
+    """Compiled by mypyc, a coroutine suspended inside an ``except`` block leaves the caught
+    exception as the thread's current one: every later exception on that thread chains onto
+    it (test_credits.py::test_making_room_leaves_no_exception_behind). Await after it."""
+    import ast
+
+    found = []
+    for module in HOT:
+        path = compiled.source_path(module, ROOT)
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                handlers = [node.body] if isinstance(node, ast.ExceptHandler) else []
+                if isinstance(node, ast.Try) and node.finalbody:
+                    handlers.append(node.finalbody)
+                for body in handlers:
+                    for stmt in body:
+                        for sub in ast.walk(stmt):
+                            if isinstance(sub, ast.Await | ast.AsyncFor | ast.AsyncWith):
+                                found.append(f"{module}:{sub.lineno} {fn.name}")
+    assert found == []

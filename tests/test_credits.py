@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -289,3 +290,22 @@ async def test_a_node_that_loses_a_funding_race_does_not_finish_the_winners() ->
     # And a young funding of another node is not finished by it: nothing is debited.
     assert await loser._fund(key, 10, _LedgerFunder(book)) is False
     assert (await book.balance("acme"))["available"] == 10_000
+
+
+async def test_making_room_leaves_no_exception_behind(tmp: Path) -> None:
+    """A compiled coroutine that awaited inside an ``except`` block left the caught exception
+    as the thread's current one (mypyc): every exception raised later on the loop's thread
+    chained onto it, an ever longer chain kept alive. Funding a pool is such a wait."""
+    async with _nodes(tmp, 2) as (a, b):
+        await a.set_plan("pro", {"gpu": {"price": 3}})
+        await a.assign_plan("acme", "pro")
+        await _wait_price(b, "acme", "gpu", 3)
+        await a.grant("acme", 300, ref="g1")
+        # Both nodes fund their shares of the pool while calls wait for room.
+        spent = await asyncio.gather(*(_spend(c, "acme", "gpu") for c in (a, b, a, b)))
+        assert 0 < sum(spent) <= 100  # (room stranded on the other node may refuse a few)
+    assert sys.exc_info() == (None, None, None)
+    try:
+        raise RuntimeError("a fresh error")
+    except RuntimeError as exc:
+        assert exc.__context__ is None, repr(exc.__context__)
