@@ -409,6 +409,9 @@ def test_meter_watch_prints_a_line_per_notification(node: NodeProcess) -> None:
         [sys.executable, "-m", "meter", "watch", "--socket", str(node.socket), "--json",
          "acme", "api"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # Ctrl-C as at a terminal: a suite started in the background by a shell (`&`) has
+        # SIGINT ignored, and the child would inherit that and never stop.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         assert proc.stdout is not None
