@@ -58,7 +58,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.nodes import NodeProcess, short_tmpdir, wait_for
 from tests.test_build import HAS_CC
 from tests.test_fuzz import MAX_FRAME, SEED, TENANTS, Gen, exchange, pack
 
@@ -538,6 +538,12 @@ def test_compiled_and_pure_nodes_enforce_limits_and_keep_the_ledger_alike(
                 assert _unclocked(ours.call(method, tenant)) == _unclocked(
                     pure.call(method, tenant)
                 ), (method, tenant)
+        # An alert counts as fired once its claim is stored: wait for both nodes' claims.
+        wait_for(
+            lambda: all(n.call("status")["alerts"]["pending"] == 0 for n in (ours, pure)),
+            30,
+            "every alert claim stored",
+        )
         st_ours, st_pure = ours.call("status"), pure.call("status")
         assert st_ours["server"]["internal_errors"] == st_pure["server"]["internal_errors"] == 0
         for path in SAME_STATUS:
