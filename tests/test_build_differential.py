@@ -44,6 +44,7 @@ calls of the second stream (default 3,000), ``METER_FUZZ_SEED`` the seed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -107,6 +108,39 @@ def _stored(node: NodeProcess) -> tuple[list[tuple[str, ...]], list[tuple[str, .
     finally:
         db.close()
     return counters, days
+
+
+def _same_status(
+    ours: dict[str, Any], pure: dict[str, Any], paths: tuple[tuple[str, ...], ...]
+) -> None:
+    """Each field at ``paths`` of two ``status`` maps is the same."""
+    for path in paths:
+        a, b = ours, pure
+        for part in path:
+            a, b = a[part], b[part]
+        assert a == b, (path, a, b)
+
+
+@contextlib.contextmanager
+def _two_nodes(workdir: Path, **env: str) -> Iterator[tuple[NodeProcess, NodeProcess]]:
+    """A node on the installed (compiled) build and one on pure Python, same settings; no
+    lease ends during a run (each node's expiry timer would end it at its own time)."""
+    env = {
+        "METER_FLUSH_INTERVAL_MS": "200",
+        "METER_DURABILITY": "fsync",
+        "METER_LOG_LEVEL": "WARNING",
+        "METER_RESERVATION_TTL_MS": str(86_400_000),
+        **env,
+    }
+    with (
+        NodeProcess(workdir, "compiled", **env) as ours,
+        NodeProcess(workdir, "pure", METER_PURE_PYTHON="1", **env) as pure,
+    ):
+        if not HAS_CC:
+            pytest.skip("no C compiler, so no compiled build to compare (test_build.py covers it)")
+        assert ours.call("status")["build"]["compiled"] is True
+        assert pure.call("status")["build"]["compiled"] is False
+        yield ours, pure
 
 
 def _month_start(period: str) -> float:
@@ -176,23 +210,7 @@ def _normal(answers: list[Any], methods: dict[int, set[str]]) -> list[bytes]:
 
 
 def test_compiled_and_pure_nodes_answer_a_random_stream_alike(workdir: Path) -> None:
-    env = {
-        "METER_MAX_FRAME_BYTES": str(MAX_FRAME),
-        "METER_FLUSH_INTERVAL_MS": "200",
-        "METER_DURABILITY": "fsync",
-        "METER_LOG_LEVEL": "WARNING",
-        # No lease ends during the run: each node's expiry timer would end it at its own time.
-        "METER_RESERVATION_TTL_MS": str(86_400_000),
-    }
-    with (
-        NodeProcess(workdir, "compiled", **env) as ours,
-        NodeProcess(workdir, "pure", METER_PURE_PYTHON="1", **env) as pure,
-    ):
-        build = ours.call("status")["build"]
-        if not HAS_CC:
-            pytest.skip("no C compiler, so no compiled build to compare (test_build.py covers it)")
-        assert build["compiled"] is True, build
-        assert pure.call("status")["build"]["compiled"] is False
+    with _two_nodes(workdir, METER_MAX_FRAME_BYTES=str(MAX_FRAME)) as (ours, pure):
         ours_prefix, pure_prefix = _prefix(ours), _prefix(pure)
         gen = _Gen(random.Random(SEED + 7))
         frames = sessions = compared = 0
@@ -230,11 +248,7 @@ def test_compiled_and_pure_nodes_answer_a_random_stream_alike(workdir: Path) -> 
             assert a == b, ("before the stop", tenant)
         assert ours.call("ping") == pure.call("ping") == "pong"
         st_ours, st_pure = ours.call("status"), pure.call("status")
-        for path in SAME_STATUS:
-            a, b = st_ours, st_pure
-            for part in path:
-                a, b = a[part], b[part]
-            assert a == b, (path, a, b)
+        _same_status(st_ours, st_pure, SAME_STATUS)
         assert st_ours["server"]["internal_errors"] == st_pure["server"]["internal_errors"] == 0
         # Drained, both stored the same counters and day buckets, every tenant and period.
         assert ours.stop() == 0 and pure.stop() == 0
@@ -487,21 +501,7 @@ def _unclocked_field(name: Any, value: Any) -> Any:
 def test_compiled_and_pure_nodes_enforce_limits_and_keep_the_ledger_alike(
     workdir: Path,
 ) -> None:
-    env = {
-        "METER_FLUSH_INTERVAL_MS": "200",
-        "METER_DURABILITY": "fsync",
-        "METER_LOG_LEVEL": "WARNING",
-        "METER_TENANT_HIERARCHY": "true",
-        "METER_RESERVATION_TTL_MS": str(86_400_000),
-    }
-    with (
-        NodeProcess(workdir, "compiled", **env) as ours,
-        NodeProcess(workdir, "pure", METER_PURE_PYTHON="1", **env) as pure,
-    ):
-        if not HAS_CC:
-            pytest.skip("no C compiler, so no compiled build to compare (test_build.py covers it)")
-        assert ours.call("status")["build"]["compiled"] is True
-        assert pure.call("status")["build"]["compiled"] is False
+    with _two_nodes(workdir, METER_TENANT_HIERARCHY="true") as (ours, pure):
         ours_prefix, pure_prefix = _prefix(ours), _prefix(pure)
         gen = _LimitsGen(random.Random(SEED + 11), time.time())
 
@@ -546,19 +546,11 @@ def test_compiled_and_pure_nodes_enforce_limits_and_keep_the_ledger_alike(
         )
         st_ours, st_pure = ours.call("status"), pure.call("status")
         assert st_ours["server"]["internal_errors"] == st_pure["server"]["internal_errors"] == 0
-        for path in SAME_STATUS:
-            a, b = st_ours, st_pure
-            for part in path:
-                a, b = a[part], b[part]
-            assert a == b, (path, a, b)
+        _same_status(st_ours, st_pure, SAME_STATUS)
         # Strict limits were enforced from shares written to storage, and refused.
         # What the limit checks decided beyond the answers (not the share writes: when a
         # share is given back idle and taken again is each node's own timing).
-        for path in LIMIT_STATUS:
-            a, b = st_ours, st_pure
-            for part in path:
-                a, b = a[part], b[part]
-            assert a == b, (path, a, b)
+        _same_status(st_ours, st_pure, LIMIT_STATUS)
         strict = st_ours["limits"]["strict"]
         print(
             f"\n{LIMIT_FRAMES} limit and ledger calls answered alike; by code {codes}; "
