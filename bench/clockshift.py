@@ -38,7 +38,7 @@ def main() -> int:
         return 2
     install(float(sys.argv[1]))
     sys.argv = ["meter", *sys.argv[2:]]
-    from meter.cli import main as meter_main
+    from meter.cli.main import main as meter_main
 
     return meter_main()
 

@@ -31,9 +31,9 @@ from collections.abc import Callable
 import msgpack
 import uvloop
 
-from meter.keys import period_start
-from meter.service import Service
-from meter.table import CounterTable
+from meter.core.keys import period_start
+from meter.core.service import Service
+from meter.core.table import CounterTable
 from storage.base import EMPTY
 from storage.memory import MemoryStorage
 
@@ -75,7 +75,7 @@ def _fill_table(n: int) -> Callable[[], object]:
 def _fill_wire(n: int) -> Callable[[], object]:
     """The ``wire`` path, ready to run: the request bytes are built before measuring."""
     from bench.micro import _NullTransport
-    from meter.server import RpcServer, _Connection
+    from meter.core.server import RpcServer, _Connection
 
     tenants, features = _names(n)
     reads: list[bytes] = []
@@ -103,7 +103,7 @@ def _fill_wire(n: int) -> Callable[[], object]:
                 while srv.in_flight:  # the cold keys' seeding tasks
                     await asyncio.sleep(0)
 
-        uvloop.run(serve())  # the node serves on uvloop (meter.cli)
+        uvloop.run(serve())  # the node serves on uvloop (meter.cli.main)
         assert len(table) == n and table.stats().unseeded == 0 and srv.internal_errors == 0
         return (svc, srv, conn)
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import msgpack
 
-from meter.metric_counts import RequestStats
-from meter.protocol import Decoder, Encoder, Request
-from meter.service import Service
-from meter.table import CounterTable
+from meter.core.counts import RequestStats
+from meter.core.protocol import Decoder, Encoder, Request
+from meter.core.service import Service
+from meter.core.table import CounterTable
 from storage.base import EMPTY
 from storage.memory import MemoryStorage
 
@@ -130,7 +130,7 @@ def _server_feed(
 ) -> Callable[[], None]:
     """``data_received`` of a server connection fed ``frames``, without a socket;
     ``stats``: metrics on (requests counted and timed)."""
-    from meter.server import RpcServer, _Connection
+    from meter.core.server import RpcServer, _Connection
 
     srv = RpcServer("/nonexistent", svc, max_frame=1 << 20, high_water=1 << 20, low_water=1 << 18)
     srv.request_stats = stats

@@ -56,7 +56,7 @@ from bench.scenarios import (
     _ratios,
 )
 from bench.services import Services
-from meter.keys import Key, period_start
+from meter.core.keys import Key, period_start
 from tests.nodes import NodeProcess
 
 SCALE = "8 scale (cold keys)"

@@ -591,9 +591,9 @@ def vs_dynamodb(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
 
 
 async def _flush_round(endpoint: str, table: str, n: int, tag: str) -> tuple[float, int]:
-    from meter.flusher import Flusher
-    from meter.keys import period_start
-    from meter.table import CounterTable
+    from meter.core.keys import period_start
+    from meter.core.table import CounterTable
+    from meter.persist.flusher import Flusher
     from storage.base import EMPTY
     from storage.dynamodb import DynamoDBStorage
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from meter.cli import main
+from meter.cli.main import main
 
 sys.exit(main())

@@ -28,12 +28,12 @@ from typing import Any
 PURE_ENV = "METER_PURE_PYTHON"
 #: The request path, socket to table and log, chosen by profile (docs/performance.md).
 HOT = (
-    "meter.protocol",
-    "meter.server",
-    "meter.service",
-    "meter.table",
-    "meter.keys",
-    "meter.idempotency",
+    "meter.core.protocol",
+    "meter.core.server",
+    "meter.core.service",
+    "meter.core.table",
+    "meter.core.keys",
+    "meter.core.idempotency",
     "meter.wal.log",
     "meter.wal.records",
 )

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from meter.compiled import PURE_ENV
+from meter.core.keys import FEATURE_RE, PeriodKind
+from meter.core.watch import MAX_WATCHED_TENANTS
 from meter.errors import ConfigError
-from meter.keys import FEATURE_RE, PeriodKind
-from meter.watch import MAX_WATCHED_TENANTS
 
 STORAGE_KINDS = ("sqlite", "memory", "dynamodb")
 NODE_ID_RE = re.compile(r"[A-Za-z0-9_\-]{1,64}")

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from meter.alerts import Alert, Alerts, alert_id, crossed, threshold_units
 from meter.client import AsyncClient, Client
+from meter.core.keys import period_start
 from meter.errors import InvalidArgument
-from meter.keys import period_start
-from meter.limits import LimitBook, parse_limit, plan_record, plans_from_toml
+from meter.quotas.alerts import Alert, Alerts, alert_id, crossed, threshold_units
+from meter.quotas.limits import LimitBook, parse_limit, plan_record, plans_from_toml
 from storage.memory import MemoryStorage
 from tests.nodes import ROOT, NodeProcess, short_tmpdir, wait_for
 
@@ -183,7 +183,7 @@ def test_an_alert_is_delivered_once_per_id() -> None:
 
 
 def test_alerts_waiting_on_a_connection_are_bounded_and_go_with_it() -> None:
-    from meter.watch import MAX_PENDING_ALERTS, Subscriber, Watch
+    from meter.core.watch import MAX_PENDING_ALERTS, Subscriber, Watch
 
     watch, sub, other = Watch(), Subscriber(), Subscriber()
     assert watch.subscribe_alerts(sub) is True
@@ -404,7 +404,7 @@ def test_a_peers_alert_frame_is_delivered_only_if_its_sender_could_fire_it_now()
     started took a year-old captured frame for news)."""
     import time
 
-    from meter.alerts import from_peer_ok, make_alert
+    from meter.quotas.alerts import from_peer_ok, make_alert
 
     now = time.time()
     month = time.strftime("%Y-%m", time.gmtime(now))

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import redis
 
-from meter.alerts import alert_id
 from meter.client import Client
-from meter.keys import period_start
+from meter.core.keys import period_start
+from meter.quotas.alerts import alert_id
 from tests.cluster_harness import KEY_TENANT, node_env, wait_until
 from tests.dynamodb_proxy import DynamoDBProxy
 from tests.nodes import NodeProcess

@@ -11,9 +11,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from meter.server import RpcServer, start_server
-from meter.service import Service
-from meter.table import CounterTable
+from meter.core.server import RpcServer, start_server
+from meter.core.service import Service
+from meter.core.table import CounterTable
 from storage.memory import MemoryStorage
 from tests.nodes import short_tmpdir
 

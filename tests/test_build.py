@@ -65,7 +65,8 @@ def test_this_install_runs_the_hot_modules_compiled() -> None:
 
 def test_meter_pure_python_imports_every_compiled_module_from_source() -> None:
     code = (
-        "import meter, meter.cli, meter.node, meter.service, meter.table, meter.wal.log\n"
+        "import meter, meter.cli.main, meter.node.lifecycle, meter.core.service, meter.core.table\n"
+        "import meter.wal.log\n"
         "from meter import compiled\n"
         "b = compiled.running(meter.BUILD)\n"
         "print(b.compiled, b.reason)\n"
@@ -134,32 +135,32 @@ def test_a_source_changed_since_the_build_runs_pure_python_and_says_why(tmp_path
         assert not HAS_CC, meter.BUILD.reason
         return
     tree = _copy_tree(tmp_path)
-    code = "import meter, meter.service as s; print(meter.BUILD.compiled, s.__file__[-3:])"
+    code = "import meter, meter.core.service as s; print(meter.BUILD.compiled, s.__file__[-3:])"
     res = _python(code, cwd=tree, PYTHONPATH=str(tree))
     assert res.stdout.split() == ["True", ".so"], res.stderr  # the copy runs compiled
-    table = tree / "meter" / "table.py"
+    table = tree / "meter" / "core" / "table.py"
     table.write_text(table.read_text() + "\n# changed\n")
     res = _python(code, cwd=tree, PYTHONPATH=str(tree))
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["False", ".py"]  # every module, not only the changed one
     assert res.stderr.strip() == (
-        "meter: running pure Python: source changed since the build: meter/table.py; "
+        "meter: running pure Python: source changed since the build: meter/core/table.py; "
         "pip install -e . compiles it again"
     )
     # A module the compiled code calls but which is not compiled counts too: the compiled
     # code assumes what its types were at the build.
     table.write_text(table.read_text().removesuffix("\n# changed\n"))
     assert _python(code, cwd=tree, PYTHONPATH=str(tree)).stdout.split() == ["True", ".so"]
-    limits = tree / "meter" / "limits.py"
+    limits = tree / "meter" / "quotas" / "limits.py"
     limits.write_text(limits.read_text() + "\n# changed\n")
     res = _python(code, cwd=tree, PYTHONPATH=str(tree))
     assert res.stdout.split() == ["False", ".py"]
-    assert "source changed since the build: meter/limits.py" in res.stderr
+    assert "source changed since the build: meter/quotas/limits.py" in res.stderr
 
 
 def _pure_run(tree: Path) -> tuple[list[str], str]:
     code = (
-        "import meter, meter.service as s, meter.keys as k\n"
+        "import meter, meter.core.service as s, meter.core.keys as k\n"
         "print(meter.BUILD.compiled, s.__file__[-3:], k.__file__[-3:])\n"
         "print(meter.BUILD.reason)"
     )
@@ -175,12 +176,12 @@ def test_a_missing_compiled_module_or_library_runs_every_module_from_source(
     if not meter.BUILD.compiled:
         assert not HAS_CC, meter.BUILD.reason
         return
-    for gone in ("keys", "_hot__mypyc"):
-        tree = _copy_tree(tmp_path / gone)
+    for gone in ("core/keys", "_hot__mypyc"):
+        tree = _copy_tree(tmp_path / gone.replace("/", "-"))
         for built in (tree / "meter").glob(f"{gone}.*.so"):
             built.unlink()
         out, err = _pure_run(tree)
-        name = "meter._hot__mypyc" if gone.startswith("_") else f"meter.{gone}"
+        name = "meter._hot__mypyc" if gone.startswith("_") else f"meter.{gone.replace('/', '.')}"
         assert out == ["False", ".py", ".py", f"compiled modules missing: {name}"]
         assert err.strip() == f"meter: running pure Python: compiled modules missing: {name}"
 
@@ -258,7 +259,7 @@ def test_meter_pure_python_at_build_time_removes_an_earlier_compiled_build(
 ) -> None:
     src = _source_copy(tmp_path)
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    stale = [src / "meter" / f"table{suffix}", src / "meter" / "_compiled.json"]
+    stale = [src / "meter" / "core" / f"table{suffix}", src / "meter" / "_compiled.json"]
     for path in stale:
         path.write_text("an earlier build")
     res = _setup(src, "build_ext", "--inplace", METER_PURE_PYTHON="1")
@@ -316,8 +317,10 @@ def test_pip_install_of_a_wheel_runs_compiled(tmp_path: Path) -> None:
         timeout=300,
     )
     assert installed.returncode == 0, installed.stderr[-3000:]
-    assert (target / "meter" / "_compiled.json").exists() and (target / "meter/table.py").exists()
-    code = "import meter, meter.service as s; print(meter.BUILD.describe(), s.__file__[-3:])"
+    assert (target / "meter" / "_compiled.json").exists() and (
+        target / "meter/core/table.py"
+    ).exists()
+    code = "import meter, meter.core.service as s; print(meter.BUILD.describe(), s.__file__[-3:])"
     res = _python(code, cwd=tmp_path, PYTHONPATH=str(target))
     assert res.returncode == 0 and res.stderr == "", res.stderr
     assert res.stdout.split() == [*meter.BUILD.describe().split(), ".so"]

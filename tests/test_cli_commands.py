@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from meter.cli import main
+from meter.cli.main import main
+from meter.core.server import RpcServer, start_server
 from meter.errors import InvalidArgument, LimitExceeded, NotFound
-from meter.server import RpcServer, start_server
 from tests.nodes import short_tmpdir
 from tests.test_client import ANY_ID
 

@@ -18,6 +18,7 @@ import msgpack
 import pytest
 
 from meter.client import AsyncClient, Client, Usage
+from meter.core.server import RpcServer, start_server
 from meter.errors import (
     BY_CODE,
     Conflict,
@@ -27,7 +28,6 @@ from meter.errors import (
     NotFound,
     Unavailable,
 )
-from meter.server import RpcServer, start_server
 from tests.nodes import short_tmpdir
 
 T = TypeVar("T")

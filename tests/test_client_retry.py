@@ -23,9 +23,9 @@ import pytest
 
 from meter.client import AsyncClient, Client, _ClientProtocol
 from meter.config import FlushConfig, NodeConfig, ServerConfig
+from meter.core.server import start_server
 from meter.errors import BY_CODE, Unavailable
-from meter.node import Node
-from meter.server import start_server
+from meter.node.lifecycle import Node
 from storage.memory import MemoryStorage
 from tests.nodes import short_tmpdir
 

@@ -19,9 +19,9 @@ from cluster.bus import channel_name
 from cluster.codec import Codec, Header
 from cluster.gossip import Gossip, GossipSettings
 from cluster.local_bus import LocalHub
-from meter.flusher import Flusher
-from meter.node import resync_from
-from meter.table import CounterTable
+from meter.core.table import CounterTable
+from meter.node.lifecycle import resync_from
+from meter.persist.flusher import Flusher
 from storage.base import EMPTY, Snapshot
 from storage.memory import MemoryStorage
 

@@ -18,7 +18,7 @@ import redis
 
 from cluster.bus import channel_name
 from cluster.codec import Codec, Header
-from meter.keys import period_start
+from meter.core.keys import period_start
 from storage.dynamodb import DynamoDBStorage
 from tests.cluster_harness import (
     KEY_TENANT,

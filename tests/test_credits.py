@@ -21,9 +21,9 @@ import pytest
 
 from meter.client import AsyncClient
 from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig, StorageConfig
+from meter.core.service import pool_key
 from meter.errors import InsufficientBalance, InvalidArgument
-from meter.escrow import Budget
-from meter.service import pool_key
+from meter.quotas.escrow import Budget
 from storage.sqlite import SQLiteStorage
 
 
@@ -46,7 +46,7 @@ def _config(tmp: Path, name: str) -> NodeConfig:
 
 @contextlib.asynccontextmanager
 async def _nodes(tmp: Path, n: int) -> AsyncIterator[list[AsyncClient]]:
-    from meter.node import Node
+    from meter.node.lifecycle import Node
 
     async with contextlib.AsyncExitStack() as stack:
         clients = []
@@ -158,8 +158,8 @@ def test_a_balance_going_below_an_amount_alerts_once_per_crossing() -> None:
     fundings count too, and nothing fires while the balance stays above."""
     import shutil
 
-    from meter.alerts import BALANCE, alert_id
     from meter.client import Client
+    from meter.quotas.alerts import BALANCE, alert_id
     from tests.nodes import NodeProcess, short_tmpdir
 
     workdir = short_tmpdir("mb-")
@@ -261,16 +261,16 @@ async def test_a_node_that_loses_a_funding_race_does_not_finish_the_winners() ->
     """Only the process that began a funding finishes it at once (others wait two leases):
     a lost race to begin one leaves nothing behind (found by review: the loser kept the
     funding as its own and could send its ref while the winner was still deciding)."""
-    from meter import escrow as esc
-    from meter.escrow_sync import Shares
-    from meter.ledger_book import LedgerBook
-    from meter.service import _LedgerFunder
+    from meter.core.service import _LedgerFunder
+    from meter.ledger.store import LedgerBook
+    from meter.quotas import escrow as esc
+    from meter.quotas.shares import Shares
     from storage.memory import MemoryStorage
 
     storage = MemoryStorage()
     key = pool_key("acme")
     book = LedgerBook(storage)
-    from meter import ledger
+    from meter.ledger import model as ledger
 
     await book.apply("acme", ledger.credit(10_000, "g1"))
     loser = Shares(storage, "l")

@@ -18,7 +18,7 @@ import promql_parser
 import pytest
 import yaml
 
-from meter.cli import _parser
+from meter.cli.main import _parser
 from meter.config import NodeConfig, env_name, load
 from meter.errors import ConfigError
 
@@ -223,14 +223,14 @@ def metric_names(expr: str) -> set[str]:
 
 
 def family(series: str) -> str:
-    from meter.metrics import METRIC_NAMES
+    from meter.ops.metrics import METRIC_NAMES
 
     if series in METRIC_NAMES:
         return series
     for suffix in HISTOGRAM_SERIES:
         if series.endswith(suffix) and series[: -len(suffix)] in METRIC_NAMES:
             return series[: -len(suffix)]
-    pytest.fail(f"{series} is no metric of meter.metrics.METRIC_NAMES")
+    pytest.fail(f"{series} is no metric of meter.ops.metrics.METRIC_NAMES")
 
 
 def dashboard_exprs() -> list[str]:

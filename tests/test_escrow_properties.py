@@ -1,4 +1,4 @@
-"""Escrow never admits more than the limit (meter/escrow.py, ADR 0009, Q12).
+"""Escrow never admits more than the limit (meter/quotas/escrow.py, ADR 0009, Q12).
 
 A hypothesis state machine drives four nodes against one stored budget record with the same
 compare-and-swap storage gives: grants and cap raises begun, raced and finished, units
@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from meter import escrow
-from meter.escrow import Budget, Local, NoBudget
+from meter.quotas import escrow
+from meter.quotas.escrow import Budget, Local, NoBudget
 
 #: Processes and the node id each runs under: p0 and p1 share n0 (a second process under one
 #: id, as an explicit ``METER_NODE_ID`` on two hosts makes while its claim is unknown).

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from meter.client import Client
-from meter.keys import period_start
+from meter.core.keys import period_start
 from storage.base import Delta, ExportRow, Key
 from storage.sqlite import SQLiteStorage
 from tests.nodes import ROOT, NodeProcess, raw_call, wait_for

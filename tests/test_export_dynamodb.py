@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from meter.client import Client
-from meter.keys import period_start
+from meter.core.keys import period_start
 from tests.nodes import NodeProcess, wait_for
 from tests.test_export import on_a_terminal, stored_everything
 from tests.test_node_dynamodb import dynamo_env

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from meter.flusher import Flusher
-from meter.table import CounterTable
+from meter.core.table import CounterTable
+from meter.persist.flusher import Flusher
 from storage.base import Applied, Delta, Snapshot, StorageError, StoragePermanentError
 from storage.memory import MemoryStorage
 

@@ -16,7 +16,7 @@ import pytest
 from meter.client import AsyncClient
 from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig
 from meter.errors import InvalidArgument, LimitExceeded
-from meter.node import Node
+from meter.node.lifecycle import Node
 from tests.nodes import NodeProcess, short_tmpdir
 
 USERS = ["acme/alice", "acme/bob", "acme/carol"]

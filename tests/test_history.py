@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from meter.cli import main
+from meter.cli.main import main
 from meter.client import AsyncClient
 from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig
+from meter.core.table import CounterTable
 from meter.errors import InvalidArgument
-from meter.flusher import Flusher
-from meter.history import MAX_DAYS, MAX_MONTHS, flush_day, history_args, parse_range, render
-from meter.node import Node
-from meter.table import CounterTable
+from meter.history.days import MAX_DAYS, MAX_MONTHS, flush_day, history_args, parse_range, render
+from meter.node.lifecycle import Node
+from meter.persist.flusher import Flusher
 from storage.base import Applied, Delta, Snapshot, StorageError
 from storage.dynamodb import DynamoDBStorage
 from storage.memory import MemoryStorage

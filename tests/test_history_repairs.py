@@ -7,8 +7,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from meter.flusher import Flusher
-from meter.table import CounterTable
+from meter.core.table import CounterTable
+from meter.persist.flusher import Flusher
 from storage.base import Snapshot
 from storage.memory import MemoryStorage
 

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from meter import ledger
-from meter.cli import main as cli_main
+from meter.cli.main import main as cli_main
 from meter.client import AsyncClient, Client
 from meter.config import FlushConfig, NodeConfig, ServerConfig
 from meter.errors import Conflict, InsufficientBalance, InvalidArgument, Unavailable
-from meter.ledger_book import LedgerBook
-from meter.node import Node
+from meter.ledger import model as ledger
+from meter.ledger.store import LedgerBook
+from meter.node.lifecycle import Node
 from storage.memory import MemoryStorage
 
 

@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from meter import ledger
 from meter.errors import Conflict, InsufficientBalance, InvalidArgument, Unavailable
-from meter.ledger_book import LedgerBook
+from meter.ledger import model as ledger
+from meter.ledger.store import LedgerBook
 from storage.memory import MemoryStorage
 
 T = TypeVar("T")

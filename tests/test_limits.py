@@ -1,6 +1,6 @@
 """Plans, overrides and their enforcement on one node (docs/quotas.md).
 
-The pure book (meter/limits.py) directly; everything else through a real node on SQLite and
+The pure book (meter/quotas/limits.py) directly; everything else through a real node on SQLite and
 its socket, with the Python clients, as users call it.
 """
 
@@ -26,7 +26,8 @@ from meter.errors import (
     NotFound,
     Unavailable,
 )
-from meter.limits import (
+from meter.node.lifecycle import Node
+from meter.quotas.limits import (
     SOFT_STRICT,
     Effective,
     LimitBook,
@@ -36,7 +37,6 @@ from meter.limits import (
     parse_limit,
     plan_record,
 )
-from meter.node import Node
 from storage.memory import MemoryStorage
 from tests.stores import DownStorage, SlowStorage
 
@@ -599,8 +599,8 @@ async def test_a_conflicting_id_in_a_limited_cold_batch_is_counted_as_refused(
 
 
 def test_peer_holds_replace_what_was_known_of_a_peer() -> None:
-    from meter.holds import PeerHolds, local_holds
-    from meter.reservations import Lease
+    from meter.core.leases import Lease
+    from meter.quotas.holds import PeerHolds, local_holds
 
     holds = PeerHolds()
     k1, k2 = ("acme", "gpu", "2026-11"), ("acme", "api", "2026-11")
@@ -620,8 +620,8 @@ def test_a_holds_frame_is_bounded_in_bytes_and_fits_the_gossip_frame() -> None:
     """10,000 counters with the longest names: the most held that fit go, the rest are
     counted as left out, and the encoded frame is under the 1 MiB every peer accepts."""
     from cluster.codec import MAX_FRAME_BYTES, Codec, Header
-    from meter.holds import MAX_HOLD_KEYS, local_holds
-    from meter.reservations import Lease
+    from meter.core.leases import Lease
+    from meter.quotas.holds import MAX_HOLD_KEYS, local_holds
 
     tenant, feature = "t" * 500, "f" * 250
     leases = [
@@ -640,7 +640,7 @@ def test_a_holds_frame_is_bounded_in_bytes_and_fits_the_gossip_frame() -> None:
 def test_a_peers_holds_not_refreshed_within_max_age_are_dropped() -> None:
     """Holders resend every heartbeat: holds heard longer ago (this node's bus down, or the
     holder's) stop counting instead of counting for the whole outage."""
-    from meter.holds import PeerHolds
+    from meter.quotas.holds import PeerHolds
 
     now = [100.0]
     holds = PeerHolds(max_age=3.0, clock=lambda: now[0])
@@ -663,7 +663,7 @@ async def test_limits_are_read_within_a_poll_of_storage_answering_again() -> Non
     """A node that could not read its limits (started with storage down, or a ``limits``
     frame heard during a blip) reads them within a poll of storage answering again, bus up
     or not, and says it reads them again (``last_error`` cleared)."""
-    from meter.limits_sync import LimitsSync
+    from meter.quotas.store import LimitsSync
 
     store = DownStorage()
     version = await store.write_limit(*override_record("acme", "api", parse_limit({"limit": 100})))

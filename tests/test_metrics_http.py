@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meter.config import load
 from meter.errors import BY_CODE, ConfigError
-from meter.metrics import METRIC_NAMES
+from meter.ops.metrics import METRIC_NAMES
 from tests.conftest_dynamodb import create_table
 from tests.dynamodb_local import DynamoDBLocal
 from tests.nodes import ROOT, NodeProcess, raw_call, short_tmpdir, wait_for
@@ -137,7 +137,7 @@ def test_counters_move_with_calls_and_labels_stay_bounded(workdir: Path) -> None
             "the units to be stored",
         )
 
-        # Every family of meter.metrics but the cluster's is there (a node alone, SQLite).
+        # Every family of meter.ops.metrics but the cluster's is there (a node alone, SQLite).
         families = {n for n, _ in after}
         for name in METRIC_NAMES:
             if not name.startswith("meter_gossip_"):

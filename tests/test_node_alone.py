@@ -10,7 +10,7 @@ import pytest
 
 from meter.client import AsyncClient
 from meter.config import FlushConfig, NodeConfig, ServerConfig
-from meter.node import Node
+from meter.node.lifecycle import Node
 from storage.memory import MemoryStorage
 
 

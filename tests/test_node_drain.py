@@ -13,7 +13,7 @@ import pytest
 from meter.client import AsyncClient
 from meter.config import FlushConfig, NodeConfig, ServerConfig
 from meter.errors import Unavailable
-from meter.node import Node
+from meter.node.lifecycle import Node
 from storage.base import Applied, Delta, Key, Snapshot, StorageError, StoragePermanentError
 from storage.memory import MemoryStorage
 

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from meter.client import AsyncClient
+from meter.core.keys import period_start
 from meter.errors import Unavailable
-from meter.keys import period_start
 from storage.dynamodb import DynamoDBStorage
 from tests.conftest_dynamodb import create_table, new_table_name
 from tests.dynamodb_local import DynamoDBLocal

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from meter.keys import period_start
+from meter.core.keys import period_start
 from storage.sqlite import SQLiteStorage
 from tests.nodes import NodeProcess, raw_call, short_tmpdir
 

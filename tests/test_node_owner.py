@@ -17,9 +17,9 @@ import pytest
 
 from meter.client import AsyncClient
 from meter.config import ClusterConfig, FlushConfig, NodeConfig, OwnerConfig, ServerConfig
+from meter.core.keys import period_start
 from meter.errors import Unavailable
-from meter.keys import period_start
-from meter.node import Node
+from meter.node.lifecycle import Node
 from storage.base import Delta, Key, Snapshot, Storage
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage

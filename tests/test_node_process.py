@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from meter.keys import period_start
+from meter.core.keys import period_start
 from storage.sqlite import SQLiteStorage
 from tests.cluster_harness import wait_until
 from tests.dynamodb_local import free_port
@@ -329,7 +329,7 @@ def test_status_check_strict_fails_while_the_bus_is_down_and_passes_once_it_is_u
 
 
 def test_a_json_record_is_one_line_whatever_its_message_holds() -> None:
-    from meter.logs import JsonFormatter
+    from meter.ops.logs import JsonFormatter
 
     fmt = JsonFormatter()
     try:

@@ -1,11 +1,11 @@
-"""The node's hold on its id (meter/owner.py) on a real in-memory store, with a clock the test
-moves: renewals, the write margin, a lease that runs out while storage is unreachable."""
+"""The node's hold on its id (meter/persist/owner.py) on a real in-memory store, with a clock
+the test moves: renewals, the write margin, a lease that runs out while storage is unreachable."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meter.owner import Ownership, State
+from meter.persist.owner import Ownership, State
 from storage.base import Owner, StorageUnavailable
 from storage.memory import MemoryStorage
 

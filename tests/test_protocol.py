@@ -1,4 +1,4 @@
-"""Unit tests of the pure MessagePack-RPC codec (meter.protocol)."""
+"""Unit tests of the pure MessagePack-RPC codec (meter.core.protocol)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from meter.protocol import (
+from meter.core.protocol import (
     DEFAULT_MAX_FRAME,
     MAX_ARRAY_LEN,
     MAX_MAP_LEN,

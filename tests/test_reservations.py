@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import random
 
-from meter.reservations import Reservations
-from meter.service import Service
-from meter.table import CounterTable
+from meter.core.leases import Reservations
+from meter.core.service import Service
+from meter.core.table import CounterTable
 from storage.base import EMPTY, Delta
 from storage.memory import MemoryStorage
 

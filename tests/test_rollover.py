@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from bench.clockshift import next_month_start, shift_to
-from meter.keys import Key, period_start
-from meter.rollover import kinds_in_use, next_keys, period_end
-from meter.service import Service
-from meter.table import CounterTable
+from meter.core.keys import Key, period_start
+from meter.core.service import Service
+from meter.core.table import CounterTable
+from meter.persist.rollover import kinds_in_use, next_keys, period_end
 from storage.base import Snapshot
 from storage.dynamodb import DynamoDBStorage
 from storage.memory import MemoryStorage
@@ -319,7 +319,7 @@ async def test_a_read_ahead_lead_under_a_second_is_not_slept_through() -> None:
     """L02: the loop waits until the next pass's moment (at most a second), so a lead shorter
     than a second still reads ahead before the period ends. The wall clock is simulated:
     each step is made at the instant the previous one said to look again."""
-    from meter.node import Node
+    from meter.node.lifecycle import Node
 
     lead = 0.8
     with short_tmpdir_path() as tmp:
@@ -342,7 +342,7 @@ async def test_a_read_ahead_lead_under_a_second_is_not_slept_through() -> None:
 async def test_an_error_in_a_read_ahead_pass_does_not_end_the_loop() -> None:
     """A bug in one read-ahead pass is logged and the loop goes on (it used to end the loop
     silently, and Node.stop() raised it before draining)."""
-    from meter.node import Node
+    from meter.node.lifecycle import Node
 
     with short_tmpdir_path() as tmp:
         async with Node(_node_config(tmp, 60.0), storage=MemoryStorage()) as node:

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from meter.client import AsyncClient
+from meter.core.keys import period_start
 from meter.errors import Unavailable
-from meter.keys import period_start
 from storage.base import Delta, Key, Snapshot
 from storage.dynamodb import DynamoDBStorage
 from tests.dynamodb_proxy import DynamoDBProxy

@@ -21,9 +21,9 @@ import msgpack
 import pytest
 import uvloop
 
+from meter.core.keys import check_qty
+from meter.core.server import RpcServer, _Connection, start_server
 from meter.errors import LimitExceeded, NotFound, UnknownMethod
-from meter.keys import check_qty
-from meter.server import RpcServer, _Connection, start_server
 from tests.nodes import short_tmpdir
 
 # Overriding event_loop_policy is deprecated in pytest-asyncio 1.x in favour of a conftest hook

@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 
 from meter.config import CounterConfig
+from meter.core.keys import MAX_FEATURE_BYTES, MAX_TENANT_BYTES, QTY_MAX, QTY_MIN, period_start
+from meter.core.service import MAX_BATCH_ITEMS, Service
+from meter.core.table import CounterTable
 from meter.errors import (
     Conflict,
     InvalidArgument,
@@ -17,9 +20,6 @@ from meter.errors import (
     Unavailable,
     UnknownMethod,
 )
-from meter.keys import MAX_FEATURE_BYTES, MAX_TENANT_BYTES, QTY_MAX, QTY_MIN, period_start
-from meter.service import MAX_BATCH_ITEMS, Service
-from meter.table import CounterTable
 from storage.base import Delta, Snapshot
 from tests.stores import DownStorage
 
@@ -377,8 +377,8 @@ async def test_key_cache_periods_follow_the_utc_day(
 async def test_name_copies_start_over_when_full(
     svc: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("meter.service.NAME_CACHE_SIZE", 4)
-    monkeypatch.setattr("meter.service.KEY_CACHE_SIZE", 4)
+    monkeypatch.setattr("meter.core.service.NAME_CACHE_SIZE", 4)
+    monkeypatch.setattr("meter.core.service.KEY_CACHE_SIZE", 4)
     for i in range(20):
         await call(svc, "track", f"t{i}", "api", 1)
     assert len(svc._tenants) <= 4 and len(svc._keys) <= 4

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meter.client import AsyncClient
+from meter.core.server import start_server
+from meter.core.service import Service
+from meter.core.table import CounterTable
 from meter.errors import Unavailable
-from meter.flusher import Flusher
-from meter.server import start_server
-from meter.service import Service
-from meter.table import CounterTable
+from meter.persist.flusher import Flusher
 from storage.base import Delta, Key, Snapshot
 from storage.memory import MemoryStorage
 

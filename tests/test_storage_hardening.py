@@ -15,8 +15,8 @@ from typing import Any
 import aioboto3
 import pytest
 
-from meter.flusher import Flusher
-from meter.table import CounterTable
+from meter.core.table import CounterTable
+from meter.persist.flusher import Flusher
 from storage.base import BadItems, Delta, Key, Snapshot, StorageUnavailable
 from storage.dynamodb import DynamoDBStorage, _ttl
 from storage.memory import MemoryStorage

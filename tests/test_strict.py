@@ -20,9 +20,9 @@ import pytest
 from meter.client import AsyncClient
 from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig, StorageConfig
 from meter.errors import LimitExceeded
-from meter.escrow import Budget, NoBudget
-from meter.escrow_sync import Shares
-from meter.node import Node
+from meter.node.lifecycle import Node
+from meter.quotas.escrow import Budget, NoBudget
+from meter.quotas.shares import Shares
 from storage.base import StorageUnavailable
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
@@ -199,7 +199,7 @@ async def test_a_strict_limit_raised_or_lowered_takes_effect_at_the_next_admissi
 async def test_lost_answers_and_races_on_the_budget_are_never_counted_twice() -> None:
     """Shares over a memory storage that loses answers after writing: every unit of the
     limit is admitted once, by one of three nodes, and the budget agrees."""
-    from meter.escrow_sync import Shares
+    from meter.quotas.shares import Shares
     from storage.memory import MemoryStorage
 
     storage = MemoryStorage()
@@ -233,7 +233,7 @@ async def test_lost_answers_and_races_on_the_budget_are_never_counted_twice() ->
 
 
 async def test_with_storage_down_a_strict_call_without_room_is_unavailable() -> None:
-    from meter.escrow_sync import Shares
+    from meter.quotas.shares import Shares
     from storage.base import StorageUnavailable
     from storage.memory import MemoryStorage
 
@@ -255,7 +255,7 @@ async def test_with_storage_down_a_strict_call_without_room_is_unavailable() -> 
 async def test_a_process_that_does_not_own_its_node_id_writes_no_share() -> None:
     """Shares are per node id: a second process under the id (waiting, or fenced) must not
     touch the owner's share; its calls are unavailable and storage is unchanged."""
-    from meter.escrow_sync import Shares
+    from meter.quotas.shares import Shares
     from storage.base import StorageUnavailable
     from storage.memory import MemoryStorage
 

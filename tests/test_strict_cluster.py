@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from meter.escrow import Budget
+from meter.quotas.escrow import Budget
 from storage.dynamodb import DynamoDBStorage
 from tests.cluster_harness import Conn, node_env, start_nodes, wait_until
 from tests.nodes import NodeProcess

@@ -20,11 +20,11 @@ import msgpack
 import pytest
 
 from meter.client import AsyncClient, Client, TrackItem, Usage
+from meter.core.keys import MAX_FEATURE_BYTES, MAX_TENANT_BYTES, period_start
+from meter.core.protocol import Encoder
+from meter.core.server import DEFAULT_LOW_WATER, NOTIFY_MAX_BYTES
+from meter.core.watch import MAX_PENDING, MAX_SUBSCRIPTIONS
 from meter.errors import InvalidArgument, Unavailable
-from meter.keys import MAX_FEATURE_BYTES, MAX_TENANT_BYTES, period_start
-from meter.protocol import Encoder
-from meter.server import DEFAULT_LOW_WATER, NOTIFY_MAX_BYTES
-from meter.watch import MAX_PENDING, MAX_SUBSCRIPTIONS
 from tests.cluster_harness import node_env, start_nodes
 from tests.dynamodb_proxy import DynamoDBProxy
 from tests.nodes import ROOT, NodeProcess, short_tmpdir, wait_for

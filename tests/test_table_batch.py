@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from meter.core.keys import QTY_MAX
+from meter.core.table import CounterTable, PartlyRefused
 from meter.errors import InvalidArgument
-from meter.keys import QTY_MAX
-from meter.table import CounterTable, PartlyRefused
 from storage.base import EMPTY, Snapshot
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from meter.table import CounterTable
+from meter.core.table import CounterTable
 from storage.base import Snapshot
 
 KEYS = [("t", f, "2026-11") for f in ("a", "b", "c", "d")]

@@ -1,4 +1,4 @@
-"""Property tests of :class:`meter.table.CounterTable`: a Hypothesis state machine of a few
+"""Property tests of :class:`meter.core.table.CounterTable`: a Hypothesis state machine of a few
 nodes sharing one store, plus unit tests of the table's edge cases.
 
 The machine plays the flusher, the broadcaster, the seeding reads and the announcements of
@@ -35,8 +35,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+from meter.core.table import CounterTable
 from meter.errors import LimitExceeded, Unavailable
-from meter.table import CounterTable
 from meter.wal import records as R
 from meter.wal.replay import Replay
 from storage.base import Delta, Key, Snapshot, StorageUnavailable

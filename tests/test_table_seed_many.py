@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meter.keys import Key
-from meter.table import CounterTable
+from meter.core.keys import Key
+from meter.core.table import CounterTable
 from storage.base import Snapshot
 
 NODE = "n1"

@@ -15,11 +15,11 @@ import msgpack
 import pytest
 
 from meter.config import CounterConfig
-from meter.idempotency import RequestIds
-from meter.keys import QTY_MAX, QTY_MIN, period_start
-from meter.server import RpcServer, start_server
-from meter.service import Service
-from meter.table import CounterTable
+from meter.core.idempotency import RequestIds
+from meter.core.keys import QTY_MAX, QTY_MIN, period_start
+from meter.core.server import RpcServer, start_server
+from meter.core.service import Service
+from meter.core.table import CounterTable
 from meter.wal import records as R
 from meter.wal.log import WriteAheadLog, list_segments, segment_path
 from storage.base import Delta

@@ -35,8 +35,8 @@ import pytest
 
 import meter.client
 from meter.client import Client
+from meter.core.protocol import Response
 from meter.errors import MeterError, Unavailable
-from meter.protocol import Response
 from tests.conftest_dynamodb import create_table
 from tests.lossy_proxy import LossyProxy
 from tests.nodes import NodeProcess, raw_call, short_tmpdir, wait_for

@@ -18,14 +18,14 @@ import msgpack
 import pytest
 
 from meter.config import CounterConfig
+from meter.core.idempotency import RequestIds
+from meter.core.keys import period_start
+from meter.core.server import RpcServer, start_server
+from meter.core.service import Service
+from meter.core.table import CounterTable
 from meter.errors import Conflict, Unavailable
-from meter.flusher import Flusher
-from meter.idempotency import RequestIds
-from meter.keys import period_start
-from meter.recovery import recover
-from meter.server import RpcServer, start_server
-from meter.service import Service
-from meter.table import CounterTable
+from meter.persist.flusher import Flusher
+from meter.persist.recovery import recover
 from meter.wal import records as R
 from meter.wal.log import WriteAheadLog, list_segments, segment_path
 from storage.memory import MemoryStorage
@@ -274,7 +274,7 @@ class Transport:
 async def test_answers_wait_for_the_commit_of_their_pass(
     served: tuple[Service, WriteAheadLog, RpcServer, str],
 ) -> None:
-    from meter.server import _Connection
+    from meter.core.server import _Connection
 
     svc, wal, server, _ = served
     reader, writer = _Connection(server), _Connection(server)
@@ -493,14 +493,14 @@ async def test_while_the_log_is_broken_the_flusher_takes_nothing(tmp: Path) -> N
 async def test_recovery_does_not_wait_for_slow_storage_past_its_budget(
     tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import meter.recovery
+    import meter.persist.recovery
 
     svc, wal = await make(tmp)
     await call(svc, "track", "acme", "api", 3)
     await settle()
     _kill(wal)
     store = SlowStorage()  # never answers until the gate opens
-    monkeypatch.setattr(meter.recovery, "SEED_BUDGET_S", 0.2)
+    monkeypatch.setattr(meter.persist.recovery, "SEED_BUDGET_S", 0.2)
     t0 = asyncio.get_running_loop().time()
     svc, wal, flusher = await _life(tmp, store)
     assert asyncio.get_running_loop().time() - t0 < 2

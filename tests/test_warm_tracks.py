@@ -11,10 +11,10 @@ from typing import Any
 import msgpack
 import pytest
 
-from meter.keys import QTY_MAX
-from meter.server import RpcServer, start_server
-from meter.service import Service
-from meter.table import CounterTable
+from meter.core.keys import QTY_MAX
+from meter.core.server import RpcServer, start_server
+from meter.core.service import Service
+from meter.core.table import CounterTable
 from storage.base import EMPTY, Delta
 from storage.memory import MemoryStorage
 from tests.nodes import short_tmpdir

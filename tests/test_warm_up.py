@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from meter.client import Client
-from meter.keys import period_start
+from meter.core.keys import period_start
 from tests.conftest_dynamodb import create_table
 from tests.dynamodb_proxy import DynamoDBProxy
 from tests.nodes import NodeProcess, raw_call, short_tmpdir, wait_for

@@ -1,4 +1,4 @@
-"""The live usage push's bookkeeping (meter/watch.py): coalescing, caps, drop-to-latest."""
+"""The live usage push's bookkeeping (meter/core/watch.py): coalescing, caps, drop-to-latest."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meter.core.watch import MAX_FEATURES, Subscriber, View, Watch, check_features
 from meter.errors import InvalidArgument, Unavailable
-from meter.watch import MAX_FEATURES, Subscriber, View, Watch, check_features
 
 P = "2024-05"
 
@@ -238,8 +238,8 @@ def test_a_subscriber_ends_with_every_counters_latest_value_unless_it_was_refuse
 def test_a_node_nobody_watches_has_nothing_held() -> None:
     """The last subscriber gone while a change was held back: the service's tick must not
     report a due time any more (the node would set a timer for it again and again)."""
-    from meter.service import Service
-    from meter.table import CounterTable
+    from meter.core.service import Service
+    from meter.core.table import CounterTable
     from storage.memory import MemoryStorage
 
     svc = Service(CounterTable("n"), MemoryStorage())

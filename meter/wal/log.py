@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from meter.metric_counts import FSYNC_BOUNDS, Buckets
+from meter.core.counts import FSYNC_BOUNDS, Buckets
 from meter.wal import records as R
 from meter.wal.errors import LogCorrupt, LogIdMismatch, WalError  # (interpreted: ADR 0011)
 from meter.wal.replay import Replay

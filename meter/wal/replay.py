@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from meter.keys import Key
+from meter.core.keys import Key
 from meter.wal import records as R
 
 

@@ -1,4 +1,4 @@
-"""Plain counters and histogram buckets that the node's paths update, for :mod:`meter.metrics`.
+"""Plain counters and histogram buckets that the node's paths update, for :mod:`meter.ops.metrics`.
 
 Pure (no I/O, no prometheus objects): the request path adds to ints and to a bucket list
 indexed by :func:`bisect.bisect_left`, and the metrics collector turns them into Prometheus

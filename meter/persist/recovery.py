@@ -8,7 +8,7 @@ Open reservations, finished reservations and request ids come back with their or
 deadlines. It returns the keys the log names as recently active (:meth:`Replay.warm_keys`).
 
 :func:`warm_up` runs once the socket is open: it reads those keys ahead, behind every key a
-request waits on (:meth:`~meter.seeder.Seeder.prefetch`), so the first calls after a restart
+request waits on (:meth:`~meter.persist.seeder.Seeder.prefetch`), so the first calls after a restart
 find them warm instead of paying one storage read each.
 """
 
@@ -18,9 +18,9 @@ import asyncio
 import logging
 import time
 
-from meter.keys import Key
-from meter.reservations import Lease
-from meter.service import Service
+from meter.core.keys import Key
+from meter.core.leases import Lease
+from meter.core.service import Service
 from meter.wal.log import WriteAheadLog
 
 log = logging.getLogger("meter.recovery")

@@ -1,7 +1,7 @@
 """Prometheus metrics of one node: a registry of its own and a collector reading the node.
 
 The collector reads the numbers the node keeps anyway (``status``'s sources, and the plain
-counters of :mod:`meter.metric_counts`) when Prometheus scrapes, so the request path pays for
+counters of :mod:`meter.core.counts`) when Prometheus scrapes, so the request path pays for
 no prometheus object. The counts that walk the table (keys by state, the flush backlog) are
 taken at most once per :data:`TABLE_COUNTS_MAX_AGE_S`: at a million keys a walk is a pause of
 the event loop, and a flood of scrapes must not repeat it. Each node has its own
@@ -27,12 +27,12 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from meter import __version__
+from meter.core.counts import Buckets, FeatureUnits, RequestStats
+from meter.core.table import TableStats
 from meter.errors import BY_CODE
-from meter.metric_counts import Buckets, FeatureUnits, RequestStats
-from meter.table import TableStats
 
 if TYPE_CHECKING:
-    from meter.node import Node
+    from meter.node.lifecycle import Node
 
 # Every family, by its full name (counters with ``_total``), as the docs name them.
 REQUESTS = "meter_requests_total"

@@ -1,4 +1,4 @@
-"""Keeps a node's :class:`~meter.limits.LimitBook` current with storage, and makes changes.
+"""Keeps a node's :class:`~meter.quotas.limits.LimitBook` current with storage, and makes changes.
 
 A change made through this node is written to storage (one record and a version bump, in one
 atomic write), read back at once, and announced on the gossip bus (a ``limits`` frame with the
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from meter.errors import ConfigError, InvalidArgument, Unavailable
-from meter.limits import LimitBook, plan_record, plans_from_toml
+from meter.quotas.limits import LimitBook, plan_record, plans_from_toml
 from storage.base import Storage, StorageError
 
 log = logging.getLogger("meter.limits")

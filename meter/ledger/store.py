@@ -1,4 +1,4 @@
-"""Credits ledgers in storage: the writes that apply :mod:`meter.ledger`'s plans.
+"""Credits ledgers in storage: the writes that apply :mod:`meter.ledger.model`'s plans.
 
 Every change is one :meth:`~storage.base.Storage.ledger_write`: the next balance record (on
 the condition of the version it was planned from), its entries and the change's ref record
@@ -13,7 +13,7 @@ is planned again on the fresh state. A write is never sent twice under two refs,
 never land twice.
 
 Other modules write their own kinds of entry through :meth:`LedgerBook.apply` with an
-:class:`~meter.ledger.Op` of their own (``meter.ledger.credit(..., kind=...)``).
+:class:`~meter.ledger.model.Op` of their own (``meter.ledger.model.credit(..., kind=...)``).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from meter import ledger
 from meter.errors import Internal, InvalidArgument, MeterError, Unavailable
-from meter.ledger import Op, State
+from meter.ledger import model as ledger
+from meter.ledger.model import Op, State
 from storage.base import Storage, StorageError, StorageUnavailable
 
 log = logging.getLogger("meter.ledger")
@@ -81,7 +81,7 @@ class LedgerBook:
     async def apply(self, tenant: str, op: Op) -> dict[str, Any]:
         """Apply ``op`` to ``tenant``'s ledger exactly once; its answer (the entry written, or
         the first answer of an earlier call with the same ref and request). Raises
-        :class:`~meter.ledger.InsufficientBalance`, ``Conflict``, ``InvalidArgument`` or
+        :class:`~meter.ledger.model.InsufficientBalance`, ``Conflict``, ``InvalidArgument`` or
         ``Unavailable`` (storage unreachable: nothing changed, or a retry with the same ref
         lands once)."""
         async with self._lock(tenant):

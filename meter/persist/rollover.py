@@ -1,12 +1,11 @@
 """Period roll-over: which keys to read ahead before a period ends. Pure: no I/O, no asyncio.
 
-Every period is a new key, so at 00:00 UTC on the 1st every active counter of a node is cold
-at once. Shortly before a period ends, the node reads the next period's key of every warm key
-of the ending one (:meth:`meter.node.Node` runs the loop, :class:`meter.seeder.Seeder` reads
-them behind any request). Those reads are ordinary fresh reads of cold keys (C06), made before
-anyone counts in the new period, so the first calls of the new period find their keys seeded.
-See docs/adr/0005-read-ahead-at-period-roll-over.md.
-"""
+Every period is a new key, so at 00:00 UTC on the 1st every active counter of a node is cold at
+once. Shortly before a period ends, the node reads the next period's key of every warm key of
+the ending one (:meth:`meter.node.lifecycle.Node` runs the loop,
+:class:`meter.persist.seeder.Seeder` reads them behind any request). Those reads are ordinary
+fresh reads of cold keys (C06), made before anyone counts in the new period, so the first calls
+of the new period find their keys seeded. See docs/adr/0005-read-ahead-at-period-roll-over.md."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import calendar
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 
-from meter.keys import Key, PeriodKind, period_start
+from meter.core.keys import Key, PeriodKind, period_start
 
 
 def period_end(kind: PeriodKind, now: float) -> float:

@@ -1,6 +1,6 @@
 """The socket server: MessagePack-RPC over a Unix socket, on uvloop or the default loop.
 
-Thin by design: bytes go through :mod:`meter.protocol`, requests go to a dispatcher
+Thin by design: bytes go through :mod:`meter.core.protocol`, requests go to a dispatcher
 (``dispatch(method, params)`` returning a result or an awaitable; ``notify(method, params)``
 optional), answers go back. Every complete request in a read batch is dispatched, and the
 synchronous answers of the batch leave in one write. Asynchronous answers are written when
@@ -24,9 +24,8 @@ from collections.abc import Awaitable, Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from meter.errors import ConfigError, MeterError, Unavailable
-from meter.metric_counts import OTHER
-from meter.protocol import (
+from meter.core.counts import OTHER
+from meter.core.protocol import (
     DEFAULT_MAX_FRAME,
     RESPONSE,
     Decoder,
@@ -40,10 +39,11 @@ from meter.protocol import (
     Request,
     invalid_error,
 )
-from meter.watch import Bind, Subscriber, Watch
+from meter.core.watch import Bind, Subscriber, Watch
+from meter.errors import ConfigError, MeterError, Unavailable
 
 if TYPE_CHECKING:
-    from meter.metric_counts import RequestStats
+    from meter.core.counts import RequestStats
     from meter.wal.log import WriteAheadLog
 
 log = logging.getLogger("meter.server")
@@ -400,7 +400,7 @@ class _Connection:
 
     def _answer_later(self, msgid: int, method: str, result: Any) -> None:
         """Answer a result that is not a plain value: an awaitable (answered when done), or a
-        :class:`~meter.watch.Bind` (run with this connection's subscriber)."""
+        :class:`~meter.core.watch.Bind` (run with this connection's subscriber)."""
         srv = self._server
         if type(result) is Bind:
             code: str | None = None

@@ -13,7 +13,7 @@ Two queues: keys a caller waits on (``seed``) go before keys read ahead for nobo
 of a hundred thousand keys never delays a request.
 
 Only a fresh read seeds (C06): the table refuses a snapshot read before an eviction pass or a
-claim of the node id (:meth:`~meter.table.CounterTable.seed`, the table's ``epoch``), and such
+claim of the node id (:meth:`~meter.core.table.CounterTable.seed`, the table's ``epoch``), and such
 keys are read again, up to :data:`MAX_TRIES` times.
 """
 
@@ -26,8 +26,8 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from meter.keys import Key
-from meter.table import CounterTable
+from meter.core.keys import Key
+from meter.core.table import CounterTable
 from storage.base import BadItems, Snapshot, Storage, StorageError
 
 log = logging.getLogger("meter.seeder")

@@ -17,12 +17,12 @@ from collections.abc import Awaitable, Mapping
 from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
+from meter.core.keys import check_feature, check_tenant, period_start
 from meter.errors import InvalidArgument, Unavailable
-from meter.keys import check_feature, check_tenant, period_start
 from storage.base import StorageError
 
 if TYPE_CHECKING:
-    from meter.service import Service
+    from meter.core.service import Service
 
 Granularity = Literal["day", "month"]
 
@@ -192,7 +192,7 @@ def render(points: list[tuple[str, int]]) -> str:
 
 
 class HistoryMethod:
-    """The ``history`` method of one node's :class:`~meter.service.Service`."""
+    """The ``history`` method of one node's :class:`~meter.core.service.Service`."""
 
     def __init__(self, service: Service) -> None:
         self.service = service

@@ -20,8 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from meter.core.keys import QTY_MAX, check_feature
 from meter.errors import InvalidArgument
-from meter.keys import QTY_MAX, check_feature
 
 Kind = Literal["hard", "soft"]
 Enforcement = Literal["fast", "strict"]

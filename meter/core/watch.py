@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable
 from itertools import islice
 from typing import Any
 
+from meter.core.keys import Key, check_feature
 from meter.errors import InvalidArgument, Unavailable
-from meter.keys import Key, check_feature
 
 #: Tenants one connection may subscribe to.
 MAX_SUBSCRIPTIONS = 64

@@ -24,22 +24,22 @@ from cluster.bus import BusUnavailable
 from cluster.codec import AlertItem, DeltaItem
 from cluster.gossip import Gossip, GossipSettings
 from meter import BUILD, compiled
-from meter.alerts import Alert, from_peer_ok
 from meter.config import NodeConfig
+from meter.core.counts import FeatureUnits, RequestStats
+from meter.core.idempotency import RequestIds
+from meter.core.keys import Key, PeriodKind
+from meter.core.server import RpcServer, start_server
+from meter.core.service import Service
+from meter.core.table import CounterTable
 from meter.errors import ConfigError, Unavailable
-from meter.flusher import Flusher
-from meter.gc_policy import tune_gc
-from meter.holds import STALE_AFTER_HEARTBEATS
-from meter.http_endpoints import Endpoints, HttpEndpoints
-from meter.idempotency import RequestIds
-from meter.keys import Key, PeriodKind
-from meter.metric_counts import FeatureUnits, RequestStats
-from meter.owner import Ownership, State
-from meter.recovery import recover, warm_up
-from meter.rollover import kinds_in_use, period_end
-from meter.server import RpcServer, start_server
-from meter.service import Service
-from meter.table import CounterTable
+from meter.node.gc import tune_gc
+from meter.ops.http import Endpoints, HttpEndpoints
+from meter.persist.flusher import Flusher
+from meter.persist.owner import Ownership, State
+from meter.persist.recovery import recover, warm_up
+from meter.persist.rollover import kinds_in_use, period_end
+from meter.quotas.alerts import Alert, from_peer_ok
+from meter.quotas.holds import STALE_AFTER_HEARTBEATS
 from meter.wal.log import WriteAheadLog
 from storage.base import BadItems, Snapshot, Storage, StorageError
 
@@ -427,7 +427,7 @@ class Node:
     async def _start_metrics(self) -> RequestStats:
         """Start the HTTP listener of ``metrics_address``; return the request counters the
         socket server is to keep for it."""
-        from meter.metrics import build_registry, exposition
+        from meter.ops.metrics import build_registry, exposition
 
         cfg = self.config.metrics
         assert cfg.address is not None and self.service is not None and self.flusher is not None
@@ -851,7 +851,7 @@ class Node:
         A claim made at start comes before anything is read (``settled``). One made later
         (the holder stopped, or storage answered at last) may follow reads made while another
         process still wrote under this id: seeding reads issued before the claim are refused
-        when they land (:meth:`~meter.table.CounterTable.refuse_earlier_reads`; their keys are
+        when they land (:meth:`~meter.core.table.CounterTable.refuse_earlier_reads`; their keys are
         read again), and every warm key is re-read before the node counts, flushes or gossips
         again (:meth:`_after_claim`; the flusher re-reads before writing).
         """

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from meter.keys import Key
-from meter.reservations import Lease
+from meter.core.keys import Key
+from meter.core.leases import Lease
 
 HoldItem = tuple[str, str, str, int]
 """``(tenant, feature, period, units held)``."""

@@ -18,8 +18,8 @@ import itertools
 import secrets
 from dataclasses import dataclass
 
+from meter.core.keys import Key
 from meter.errors import NotFound
-from meter.keys import Key
 
 
 @dataclass(frozen=True, slots=True)

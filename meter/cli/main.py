@@ -14,7 +14,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from meter import BUILD, __version__, compiled, ledger_cli
+from meter import BUILD, __version__, compiled
+from meter.cli import ledger as ledger_cli
 from meter.config import NodeConfig, load
 from meter.errors import ConfigError, MeterError
 
@@ -367,8 +368,8 @@ def _run(coro: Any) -> int:
 
 
 def _serve(cfg: NodeConfig) -> int:
-    from meter.logs import setup_logging
-    from meter.node import Node
+    from meter.node.lifecycle import Node
+    from meter.ops.logs import setup_logging
 
     setup_logging(cfg.log_level, cfg.log_format)
 
@@ -381,7 +382,7 @@ def _serve(cfg: NodeConfig) -> int:
 
 
 async def _storage_init(cfg: NodeConfig) -> int:
-    from meter.node import build_storage
+    from meter.node.lifecycle import build_storage
     from storage.base import StorageError
 
     storage = build_storage(cfg)
@@ -402,9 +403,9 @@ def _export(args: argparse.Namespace, cfg: NodeConfig) -> int:
     failure exits 1 with one line, leaving no ``--out`` file behind."""
     from pathlib import Path
 
-    from meter.export import RowWriter, atomic_file, export_to
-    from meter.keys import check_period
-    from meter.node import build_storage
+    from meter.core.keys import check_period
+    from meter.node.lifecycle import build_storage
+    from meter.ops.export import RowWriter, atomic_file, export_to
     from storage.base import ExportPage, StorageError
 
     try:
@@ -529,7 +530,7 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
                 value = client.usage(args.tenant, args.feature, **opts)
                 _out(as_json, str(value), tenant=args.tenant, feature=args.feature, value=value)
         elif args.command == "history":
-            from meter.history import history_args, render
+            from meter.history.days import history_args, render
 
             first, granularity = history_args(args.days, args.months)
             points = client.history(args.tenant, args.feature, first, None, granularity)

@@ -12,25 +12,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
-from meter import BUILD, __version__, compiled, export, ledger
-from meter.alerts import Alerts
+from meter import BUILD, __version__, compiled
 from meter.config import CounterConfig
-from meter.errors import (
-    Conflict,
-    InsufficientBalance,
-    InvalidArgument,
-    LimitExceeded,
-    MeterError,
-    NotFound,
-    Unavailable,
-    UnknownMethod,
-)
-from meter.escrow import NoBudget
-from meter.escrow_sync import POOL, Shares
-from meter.history import HistoryMethod
-from meter.holds import MAX_HOLD_BYTES, MAX_HOLD_KEYS, HoldItem, PeerHolds, local_holds
-from meter.idempotency import RequestIds, check_id, fingerprint
-from meter.keys import (
+from meter.core.idempotency import RequestIds, check_id, fingerprint
+from meter.core.keys import (
     QTY_MAX,
     QTY_MIN,
     Key,
@@ -41,19 +26,36 @@ from meter.keys import (
     check_tenant,
     period_start,
 )
-from meter.ledger_book import LedgerBook
-from meter.ledger_methods import LedgerMethods
-from meter.limit_methods import LimitMethods
-from meter.limits import Effective, LimitBook, PairLimits
-from meter.limits_sync import LimitsSync
-from meter.reservations import Lease, Reservations
-from meter.rollover import next_keys, period_end
-from meter.seeder import Seeder
-from meter.table import CounterTable, PartlyRefused
+from meter.core.leases import Lease, Reservations
+from meter.core.table import CounterTable, PartlyRefused
+from meter.core.watch import Bind, Subscriber, View, Watch, check_features, views
+from meter.errors import (
+    Conflict,
+    InsufficientBalance,
+    InvalidArgument,
+    LimitExceeded,
+    MeterError,
+    NotFound,
+    Unavailable,
+    UnknownMethod,
+)
+from meter.history.days import HistoryMethod
+from meter.ledger import model as ledger
+from meter.ledger.methods import LedgerMethods
+from meter.ledger.store import LedgerBook
+from meter.ops import export
+from meter.persist.rollover import next_keys, period_end
+from meter.persist.seeder import Seeder
+from meter.quotas.alerts import Alerts
+from meter.quotas.escrow import NoBudget
+from meter.quotas.holds import MAX_HOLD_BYTES, MAX_HOLD_KEYS, HoldItem, PeerHolds, local_holds
+from meter.quotas.limits import Effective, LimitBook, PairLimits
+from meter.quotas.methods import LimitMethods
+from meter.quotas.shares import POOL, Shares
+from meter.quotas.store import LimitsSync
 from meter.wal import records as R
 from meter.wal.log import WalError, WriteAheadLog
 from meter.wal.replay import COMMITTED, RELEASED
-from meter.watch import Bind, Subscriber, View, Watch, check_features, views
 from storage.base import EMPTY, Storage, StorageError
 
 log = logging.getLogger("meter.service")
@@ -413,7 +415,7 @@ class Service:
 
     async def seed(self, key: Key) -> bool:
         """Make ``key`` seeded from storage, read in a batch with every other cold key asked
-        for meanwhile (:class:`~meter.seeder.Seeder`).
+        for meanwhile (:class:`~meter.persist.seeder.Seeder`).
 
         Returns False (and leaves the key unseeded) if storage cannot be read.
         """
@@ -423,7 +425,7 @@ class Service:
 
     def read_ahead(self, kind: PeriodKind, now: float, keys: Iterable[Key]) -> int:
         """Queue reads of the next period's key of each of ``keys`` that is in the period of
-        ``kind`` containing ``now`` (:mod:`meter.rollover`); return how many were queued."""
+        ``kind`` containing ``now`` (:mod:`meter.persist.rollover`); return how many were queued."""
         upcoming = period_start(kind, period_end(kind, now))
         _one_copy(self._period_names, upcoming)
         return self.seeder.prefetch(next_keys(keys, kind, now, self._periods, self._period_names))

@@ -1,15 +1,15 @@
 """The limits methods of the protocol: ``set_plan``, ``assign_plan``, ``set_limit``,
 ``clear_limit`` and ``limits`` (docs/protocol.md). Validation here; storage through
-:class:`~meter.limits_sync.LimitsSync`."""
+:class:`~meter.quotas.store.LimitsSync`."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from meter.core.keys import check_feature, check_tenant
 from meter.errors import InvalidArgument, NotFound, Unavailable
-from meter.keys import check_feature, check_tenant
-from meter.limits import (
+from meter.quotas.limits import (
     assign_record,
     check_plan_name,
     override_record,
@@ -17,7 +17,7 @@ from meter.limits import (
     parse_limit,
     plan_record,
 )
-from meter.limits_sync import LimitsSync
+from meter.quotas.store import LimitsSync
 from storage.base import StorageError
 
 Handler = Callable[[list[Any]], Any]

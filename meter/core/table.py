@@ -36,7 +36,7 @@ slots. Reservations, peers and sealed gossip, rare per key, live in an optional 
 their sum is kept in ``Row.extra`` so the value needs no branch. The dirty and touched sets are
 flag bits plus append-only lists compacted when read, not hash sets. The table stores the key
 tuples it is given: the strings in them are shared between keys only if the caller shares them
-(:class:`~meter.service.Service` builds keys from one copy of each name and period).
+(:class:`~meter.core.service.Service` builds keys from one copy of each name and period).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Literal
 
+from meter.core.keys import QTY_MAX, QTY_MIN, Key
 from meter.errors import InvalidArgument, LimitExceeded, Unavailable
-from meter.keys import QTY_MAX, QTY_MIN, Key
 from storage.base import Snapshot
 
 # The hot paths' range checks write QTY_MIN and QTY_MAX as literals; they must stay equal.

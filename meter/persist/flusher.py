@@ -16,11 +16,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from meter.history import clamp_day, utc_day
-from meter.keys import Key
-from meter.metric_counts import FLUSH_BOUNDS, Buckets, FeatureUnits
-from meter.owner import Ownership
-from meter.table import CounterTable
+from meter.core.counts import FLUSH_BOUNDS, Buckets, FeatureUnits
+from meter.core.keys import Key
+from meter.core.table import CounterTable
+from meter.history.days import clamp_day, utc_day
+from meter.persist.owner import Ownership
 from meter.wal.log import WalError, WriteAheadLog
 from meter.wal.records import FLUSH
 from storage.base import Applied, BadItems, Delta, Storage, StorageError

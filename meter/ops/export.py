@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from meter.core.keys import check_period
 from meter.errors import InvalidArgument, Unavailable
-from meter.keys import check_period
 from storage.base import BadCursor, ExportPage, ExportRow, Storage, StorageError
 
 #: Most rows one ``export`` call answers: 1,000 rows of the longest names (512-byte tenants,

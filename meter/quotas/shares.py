@@ -4,7 +4,7 @@ The hot path (:meth:`Shares.room`, :meth:`Shares.admit`, :meth:`Shares.free`) to
 memory. Storage is written when a share runs low (in the background, before it runs out),
 when a call needs more than the share holds (the call waits for that one write), to renew a
 share's lease, to give back an idle share, and at a clean stop. Each write is one
-compare-and-swap of the counter's budget record (:mod:`meter.escrow` decides, ADR 0009).
+compare-and-swap of the counter's budget record (:mod:`meter.quotas.escrow` decides, ADR 0009).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from meter import escrow
+from meter.core.keys import Key
 from meter.errors import InsufficientBalance
-from meter.escrow import Budget, Local, NoBudget
-from meter.keys import Key
+from meter.quotas import escrow
+from meter.quotas.escrow import Budget, Local, NoBudget
 from storage.base import Storage, StorageError, StorageUnavailable
 
 log = logging.getLogger("meter.escrow")
@@ -175,7 +175,7 @@ class Shares:
     ) -> None:
         """Make room for ``need`` units on ``key`` (under strict limit ``limit``); ``base`` is
         the counter's value, should its budget record not exist yet. Raises
-        :class:`~meter.escrow.NoBudget` when the budget cannot cover them, and
+        :class:`~meter.quotas.escrow.NoBudget` when the budget cannot cover them, and
         :class:`StorageError` when storage cannot be asked. With ``at_least``, room for that
         many will do when ``need`` is more than is left."""
         try:

@@ -37,10 +37,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, NamedTuple, cast
 
-from meter.errors import InvalidArgument, MeterError, Unavailable, from_wire
-from meter.export import row_from_wire
-from meter.idempotency import MAX_ID_BYTES
-from meter.protocol import (
+from meter.core.idempotency import MAX_ID_BYTES
+from meter.core.protocol import (
     DEFAULT_MAX_FRAME,
     MSGID_MAX,
     Decoder,
@@ -49,6 +47,8 @@ from meter.protocol import (
     ProtocolError,
     Response,
 )
+from meter.errors import InvalidArgument, MeterError, Unavailable, from_wire
+from meter.ops.export import row_from_wire
 from storage.base import ExportRow
 
 #: Default seconds the blocking client waits for an answer before raising Unavailable.

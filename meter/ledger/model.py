@@ -3,7 +3,7 @@
 State: one *balance record* per tenant - the last entry's sequence, the running balance and
 the open grants (what is left of each, its priority and its expiry) - plus an append-only list
 of *entries*. Every change is one or more entries written together with the next balance
-record (:mod:`meter.ledger_book` does the writing, by compare-and-swap on the record's
+record (:mod:`meter.ledger.store` does the writing, by compare-and-swap on the record's
 version). Kinds of entry:
 
 * ``grant`` (and any caller-chosen credit kind): ``+amount``, opens a grant;

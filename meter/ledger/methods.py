@@ -1,16 +1,16 @@
 """The credits ledger methods of the protocol: ``grant``, ``debit``, ``balance`` and
 ``ledger`` (docs/protocol.md, docs/ledger.md). Validation here; storage through
-:class:`~meter.ledger_book.LedgerBook`. Every answer follows a storage write or read."""
+:class:`~meter.ledger.store.LedgerBook`. Every answer follows a storage write or read."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from meter import ledger
+from meter.core.keys import check_tenant
 from meter.errors import InvalidArgument
-from meter.keys import check_tenant
-from meter.ledger_book import LedgerBook, check_page, new_ref
+from meter.ledger import model as ledger
+from meter.ledger.store import LedgerBook, check_page, new_ref
 
 Handler = Callable[[list[Any]], Any]
 

@@ -1,0 +1,1 @@
+"""The ``meter`` command."""

@@ -1,0 +1,1 @@
+"""History: a counter's units per UTC day or month over a range."""

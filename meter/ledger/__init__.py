@@ -1,0 +1,1 @@
+"""The credits ledger: a pure model, its storage half, and its methods."""

@@ -1,0 +1,1 @@
+"""Operating a node: metrics, the HTTP probes, logs and usage export."""

@@ -1,0 +1,2 @@
+"""Keeping the table and storage in step: flushing, seeding, recovery, roll-over, the node
+id's claim."""

@@ -1,0 +1,1 @@
+"""Limits, plans, strict budgets, reservation holds across the fleet and threshold alerts."""
