@@ -34,6 +34,7 @@ import uvloop
 from meter.core.keys import period_start
 from meter.core.service import Service
 from meter.core.table import CounterTable
+from meter.node.wiring import build_service
 from storage.base import EMPTY
 from storage.memory import MemoryStorage
 
@@ -91,7 +92,7 @@ def _fill_wire(n: int) -> Callable[[], object]:
 
     def fill() -> object:
         table = CounterTable("mem")
-        svc = Service(table, MemoryStorage())
+        svc = build_service(table, MemoryStorage())
         srv = RpcServer("/nonexistent", svc, max_frame=1 << 20, high_water=1 << 20, low_water=1)
         conn = _Connection(srv)
         transport = _NullTransport()
@@ -133,7 +134,7 @@ def measure(n: int, mode: str = "tracemalloc", path: str = "wire") -> dict[str, 
         if path == "wire":
             svc = kept[0] if isinstance(kept, tuple) else None
             assert isinstance(svc, Service)
-            out["wire_key_cache_pairs"] = len(svc._keys)
+            out["wire_key_cache_pairs"] = len(svc.keys.cache)
     else:
         out[f"{path}_bytes_per_key_rss"] = (rss1 - rss0) * 1024 / n
     del kept

@@ -17,6 +17,7 @@ from meter.core.counts import RequestStats
 from meter.core.protocol import Decoder, Encoder, Request
 from meter.core.service import Service
 from meter.core.table import CounterTable
+from meter.node.wiring import build_service
 from storage.base import EMPTY
 from storage.memory import MemoryStorage
 
@@ -58,7 +59,7 @@ def measure() -> dict[str, float]:
     out["service.track (decoded names)"] = _best_each(lambda p: svc.dispatch("track", p), decoded)
 
     def key_miss(p: list[Any]) -> None:
-        svc._keys.clear()  # a key cache miss on names already known, as after a cache restart
+        svc.keys.cache.clear()  # a key cache miss on names already known, as after a cache restart
         svc.key_for(p[0], p[1])
 
     out["service.key_for miss (known)"] = _best_each(key_miss, decoded[:2000])
@@ -88,7 +89,7 @@ def measure() -> dict[str, float]:
 def service() -> Service:
     """A service on memory storage with ``micro-t``'s features f0 .. f99 seeded."""
     table = CounterTable("micro")
-    svc = Service(table, MemoryStorage())
+    svc = build_service(table, MemoryStorage())
     for j in range(100):
         table.seed(svc.key_for("micro-t", f"f{j}"), EMPTY)
     return svc

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from cluster.api import AppliedView, GossipTable, Key, Resync
 from cluster.broadcaster import Broadcaster
@@ -35,6 +35,26 @@ S = TypeVar("S")
 #: Rejection reasons beyond the codec's: a replayed/old message, and another process using
 #: this node's id (a misconfiguration that would corrupt both nodes' flush sequences).
 EXTRA_REASONS = ("stale", "own_id")
+
+
+class Listener(Protocol):
+    """What the node does with what peers send besides deltas and announcements."""
+
+    def on_limits(self, version: int) -> None:
+        """A peer changed the limits to ``version`` (``-1``: a frame may have been missed)."""
+        ...
+
+    def on_holds(self, peer: str, holds: Sequence[HoldItem]) -> None:
+        """``peer``'s reservation holds (a ``holds`` frame; ``()`` when it is forgotten)."""
+        ...
+
+    def on_deltas(self, deltas: Sequence[DeltaItem]) -> None:
+        """A frame's deltas changed this node's views (live usage push, threshold alerts)."""
+        ...
+
+    def on_alert(self, sender: str, alert: AlertItem) -> None:
+        """A peer's ``alert`` frame (a threshold alert it fired)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +88,11 @@ class Gossip(Generic[S]):
         clock: Callable[[], float] = time.time,
         after_commit: Callable[[Callable[[], object]], None] | None = None,
         incarnation: int | None = None,
+        listener: Listener | None = None,
     ) -> None:
         self.table = table
+        #: Told of limit changes, holds, applied deltas and alerts from peers (if given).
+        self.listener = listener
         self.bus = bus
         self.node_id = node_id
         self.settings = settings or GossipSettings()
@@ -119,15 +142,6 @@ class Gossip(Generic[S]):
         self._resync_event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._warned_own_id = False
-        #: Called with the version of a ``limits`` frame from a peer (the node re-reads).
-        self.on_limits: Callable[[int], None] | None = None
-        #: Called with a peer and its holds (a ``holds`` frame; ``()`` when it is forgotten).
-        self.on_holds: Callable[[str, Sequence[HoldItem]], None] | None = None
-        #: Called with a frame's deltas after they changed this node's views (live usage
-        #: push, threshold alerts).
-        self.on_deltas: Callable[[Sequence[DeltaItem]], None] | None = None
-        #: Called with the alert of a peer's ``alert`` frame (a threshold alert it fired).
-        self.on_alert: Callable[[str, AlertItem], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -249,8 +263,8 @@ class Gossip(Generic[S]):
             applied = table.apply_remote_many(h.sender, msg.deltas)
             self.received["deltas_applied"] += applied
             self.received["deltas_skipped"] += len(msg.deltas) - applied
-            if applied and self.on_deltas is not None:
-                self.on_deltas(msg.deltas)
+            if applied and self.listener is not None:
+                self.listener.on_deltas(msg.deltas)
         elif msg.kind == "announce":
             applied = 0
             for t, f, p, total, seqs in msg.announcements:
@@ -259,12 +273,14 @@ class Gossip(Generic[S]):
                     applied += 1
             self.received["announcements_applied"] += applied
             self.received["announcements_skipped"] += len(msg.announcements) - applied
-        elif msg.kind == "limits" and self.on_limits is not None:
-            self.on_limits(msg.limits_version)
-        elif msg.kind == "holds" and self.on_holds is not None:
-            self.on_holds(h.sender, msg.holds)
-        elif msg.kind == "alert" and self.on_alert is not None and msg.alert is not None:
-            self.on_alert(h.sender, msg.alert)
+        elif self.listener is None:
+            return
+        elif msg.kind == "limits":
+            self.listener.on_limits(msg.limits_version)
+        elif msg.kind == "holds":
+            self.listener.on_holds(h.sender, msg.holds)
+        elif msg.kind == "alert" and msg.alert is not None:
+            self.listener.on_alert(h.sender, msg.alert)
 
     def on_state(self, up: bool) -> None:
         """The bus connected or lost its connection."""
@@ -279,15 +295,15 @@ class Gossip(Generic[S]):
 
     def _maybe_missed_limits(self) -> None:
         """A lost frame may have been a ``limits`` one: have the node check the version."""
-        if self.on_limits is not None:
-            self.on_limits(-1)
+        if self.listener is not None:
+            self.listener.on_limits(-1)
 
     def _forget(self, peer: str) -> None:
         # A dead (or restarted) peer will never flush what it gossiped under those sequences:
         # drop it, or views would stay above the stored truth for good.
         self.forgotten_units += self.table.forget_peer(peer)
-        if self.on_holds is not None:  # its reservations died with it
-            self.on_holds(peer, ())
+        if self.listener is not None:  # its reservations died with it
+            self.listener.on_holds(peer, ())
 
     # -- resync and housekeeping ---------------------------------------------------------------
 

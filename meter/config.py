@@ -18,7 +18,6 @@ from typing import Any
 
 from meter.compiled import PURE_ENV
 from meter.core.keys import FEATURE_RE, PeriodKind
-from meter.core.watch import MAX_WATCHED_TENANTS
 from meter.errors import ConfigError
 
 STORAGE_KINDS = ("sqlite", "memory", "dynamodb")
@@ -63,6 +62,11 @@ class StorageConfig:
     retention_days: int = 400
     #: How often expired counters are deleted (SQLite; DynamoDB expires them by TTL).
     purge_interval_s: float = 3600.0
+
+
+#: Distinct tenants one node may watch, every connection together: each tick reads each
+#: watched tenant's loaded counters (the ``max_watched_tenants`` setting's default).
+MAX_WATCHED_TENANTS = 1024
 
 
 @dataclass(frozen=True, slots=True)

@@ -311,7 +311,7 @@ class Storage(abc.ABC):
     # -- limits (docs/quotas.md) -------------------------------------------------------------
     #
     # Plans, assignments and overrides are opaque records ``(scope, name, feature, body)``
-    # (``meter.limits`` encodes them) plus one version number that every change bumps in the
+    # (``meter.quotas.limits`` encodes them) plus one version number that every change bumps in the
     # same atomic write, so a node can tell with one small read whether what it holds is
     # current.
 
@@ -329,7 +329,7 @@ class Storage(abc.ABC):
         raise StoragePermanentError(f"{self.kind}: this storage does not keep limits")
 
     # -- strict budgets (escrow, ADR 0009) ---------------------------------------------------
-    # One record per counter under a strict limit (``meter.escrow`` encodes it), replaced
+    # One record per counter under a strict limit (``meter.quotas.escrow`` encodes it), replaced
     # whole by compare-and-swap on its version, so every decision stays in one pure module.
 
     async def budget_read(self, key: Key) -> tuple[int, str | None]:
@@ -357,7 +357,7 @@ class Storage(abc.ABC):
     # -- credits ledgers (docs/ledger.md) ----------------------------------------------------
     # Per tenant: a balance record replaced by compare-and-swap on its version, an append-only
     # run of entries ordered by sequence, and one ref record per change (never replaced). All
-    # bodies are opaque strings (``meter.ledger`` encodes them, so every decision stays in
+    # bodies are opaque strings (``meter.ledger.model`` encodes them, so every decision stays in
     # that one pure module).
 
     async def ledger_read(self, tenant: str) -> tuple[int, str | None]:

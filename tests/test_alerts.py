@@ -132,9 +132,9 @@ def test_the_plans_file_takes_alerts() -> None:
 async def test_a_crossing_stays_pending_while_storage_fails_and_fires_once_it_answers() -> None:
     store = MemoryStorage()
     fired: list[Alert] = []
-    alerts = Alerts("n1", store.claim_alert, retry_s=0.01)
-    alerts.on_fired = fired.append
-    alerts.on_deliver = lambda a: None
+    alerts = Alerts(
+        "n1", store.claim_alert, retry_s=0.01, on_fired=fired.append, on_deliver=lambda a: None
+    )
     key = ("acme", "api", "2026-11")
     store.fail_next = 2
     task = asyncio.create_task(alerts.run())
@@ -157,9 +157,8 @@ async def test_a_crossing_stays_pending_while_storage_fails_and_fires_once_it_an
 
 async def test_a_lost_answer_to_the_winner_is_still_a_win() -> None:
     store = MemoryStorage()
-    alerts = Alerts("n1", store.claim_alert)
     fired: list[Alert] = []
-    alerts.on_fired = fired.append
+    alerts = Alerts("n1", store.claim_alert, on_fired=fired.append)
     alerts.detect(("acme", "api", "2026-11"), 10, (100,), 0, 10)
     store.lose_next_ack = 1  # stored, but the answer lost
     assert not await alerts.claim_pending() and alerts.status()["pending"] == 1
@@ -174,9 +173,8 @@ def test_pending_crossings_are_bounded() -> None:
 
 
 def test_an_alert_is_delivered_once_per_id() -> None:
-    alerts = Alerts("n1", MemoryStorage().claim_alert)
     got: list[Alert] = []
-    alerts.on_deliver = got.append
+    alerts = Alerts("n1", MemoryStorage().claim_alert, on_deliver=got.append)
     a = Alert("x" * 32, "acme", "api", "2026-11", 80, 8, 10, 9, "n2", 1.0)
     assert alerts.deliver(a) and not alerts.deliver(a)
     assert got == [a] and alerts.delivered == 1
@@ -424,9 +422,8 @@ def test_a_claim_whose_answer_was_lost_is_a_win_even_if_detected_again() -> None
 
     async def main() -> tuple[int, int]:
         store = MemoryStorage()
-        alerts = Alerts("n1", store.claim_alert, max_pending=2)
         fired: list[Alert] = []
-        alerts.on_fired = fired.append
+        alerts = Alerts("n1", store.claim_alert, max_pending=2, on_fired=fired.append)
         key = ("acme", "api", "2026-11")
         alerts.detect(key, 1000, (80,), 799, 800)
         store.lose_next_ack = 1

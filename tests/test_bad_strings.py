@@ -11,9 +11,10 @@ from typing import Any
 import msgpack
 import pytest
 
-from meter.core.server import RpcServer, start_server
+from meter.core.server import RpcServer
 from meter.core.service import Service
 from meter.core.table import CounterTable
+from meter.node.wiring import build_service, serve
 from storage.memory import MemoryStorage
 from tests.nodes import short_tmpdir
 
@@ -31,8 +32,8 @@ def packed(msgid: int, method: str, params: list[Any]) -> bytes:
 @pytest.fixture
 async def node() -> AsyncIterator[tuple[Service, RpcServer, str]]:
     path = str(short_tmpdir() / "m.sock")
-    svc = Service(CounterTable("n1"), MemoryStorage())
-    server = await start_server(path, svc)
+    svc = build_service(CounterTable("n1"), MemoryStorage())
+    server = await serve(path, svc)
     yield svc, server, path
     await server.close()
 

@@ -20,7 +20,7 @@ from cluster.codec import Codec, Header
 from cluster.gossip import Gossip, GossipSettings
 from cluster.local_bus import LocalHub
 from meter.core.table import CounterTable
-from meter.node.lifecycle import resync_from
+from meter.node.wiring import resync_from
 from meter.persist.flusher import Flusher
 from storage.base import EMPTY, Snapshot
 from storage.memory import MemoryStorage

@@ -21,7 +21,7 @@ import pytest
 
 from meter.client import AsyncClient
 from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig, StorageConfig
-from meter.core.service import pool_key
+from meter.core.gate import pool_key
 from meter.errors import InsufficientBalance, InvalidArgument
 from meter.quotas.escrow import Budget
 from storage.sqlite import SQLiteStorage
@@ -261,15 +261,15 @@ async def test_a_node_that_loses_a_funding_race_does_not_finish_the_winners() ->
     """Only the process that began a funding finishes it at once (others wait two leases):
     a lost race to begin one leaves nothing behind (found by review: the loser kept the
     funding as its own and could send its ref while the winner was still deciding)."""
-    from meter.core.service import _LedgerFunder
-    from meter.ledger.store import LedgerBook
+    from meter.ledger.funding import LedgerFunder
+    from meter.ledger.store import LedgerStore
     from meter.quotas import escrow as esc
     from meter.quotas.shares import Shares
     from storage.memory import MemoryStorage
 
     storage = MemoryStorage()
     key = pool_key("acme")
-    book = LedgerBook(storage)
+    book = LedgerStore(storage)
     from meter.ledger import model as ledger
 
     await book.apply("acme", ledger.credit(10_000, "g1"))
@@ -285,10 +285,10 @@ async def test_a_node_that_loses_a_funding_race_does_not_finish_the_winners() ->
         return await real_swap(k, version, body)
 
     storage.budget_swap = swap_after_winner  # type: ignore[method-assign, assignment]
-    assert await loser._fund(key, 10, _LedgerFunder(book)) is False
+    assert await loser._fund(key, 10, LedgerFunder(book)) is False
     assert loser._funding == set()
     # And a young funding of another node is not finished by it: nothing is debited.
-    assert await loser._fund(key, 10, _LedgerFunder(book)) is False
+    assert await loser._fund(key, 10, LedgerFunder(book)) is False
     assert (await book.balance("acme"))["available"] == 10_000
 
 

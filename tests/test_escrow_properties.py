@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from meter.core.ports import NoBudget
 from meter.quotas import escrow
-from meter.quotas.escrow import Budget, Local, NoBudget
+from meter.quotas.escrow import Budget, Local
 
 #: Processes and the node id each runs under: p0 and p1 share n0 (a second process under one
 #: id, as an explicit ``METER_NODE_ID`` on two hosts makes while its claim is unknown).

@@ -20,7 +20,7 @@ from meter.client import AsyncClient, Client
 from meter.config import FlushConfig, NodeConfig, ServerConfig
 from meter.errors import Conflict, InsufficientBalance, InvalidArgument, Unavailable
 from meter.ledger import model as ledger
-from meter.ledger.store import LedgerBook
+from meter.ledger.store import LedgerStore
 from meter.node.lifecycle import Node
 from storage.memory import MemoryStorage
 
@@ -197,7 +197,7 @@ async def test_bad_inputs_are_invalid_arguments_naming_the_field(
 
 async def test_storage_down_is_unavailable_and_the_retry_lands_once() -> None:
     store = MemoryStorage()
-    book = LedgerBook(store, backoff_cap=0)
+    book = LedgerStore(store, backoff_cap=0)
     await book.apply("acme", ledger.credit(10, "g"))
     store.ledger_down = True
     with pytest.raises(Unavailable, match="storage unreachable, nothing changed"):
@@ -310,7 +310,7 @@ async def test_through_lost_answers_every_acknowledged_change_lands_once(
         try:
 
             async def writer(w: int) -> None:
-                book = LedgerBook(stores[w], backoff_cap=0.02)
+                book = LedgerStore(stores[w], backoff_cap=0.02)
                 rng = random.Random(w)
                 for i in range(25):
                     ref = f"w{w}-{i}"

@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from meter.errors import Conflict, InsufficientBalance, InvalidArgument, Unavailable
 from meter.ledger import model as ledger
-from meter.ledger.store import LedgerBook
+from meter.ledger.store import LedgerStore
 from storage.memory import MemoryStorage
 
 T = TypeVar("T")
@@ -56,7 +56,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.store = MemoryStorage()
         self.clock = Clock()
-        self.books = [LedgerBook(self.store, clock=self.clock, backoff_cap=0) for _ in range(2)]
+        self.books = [LedgerStore(self.store, clock=self.clock, backoff_cap=0) for _ in range(2)]
         self.grants: list[MGrant] = []
         #: ref -> (fingerprint, first answer) of every change that landed.
         self.refs: dict[str, tuple[str, dict[str, Any]]] = {}

@@ -663,12 +663,12 @@ async def test_limits_are_read_within_a_poll_of_storage_answering_again() -> Non
     """A node that could not read its limits (started with storage down, or a ``limits``
     frame heard during a blip) reads them within a poll of storage answering again, bus up
     or not, and says it reads them again (``last_error`` cleared)."""
-    from meter.quotas.store import LimitsSync
+    from meter.quotas.store import LimitStore
 
     store = DownStorage()
     version = await store.write_limit(*override_record("acme", "api", parse_limit({"limit": 100})))
     store.down = True
-    sync = LimitsSync(store, lambda book: None, poll_s=0.05)
+    sync = LimitStore(store, lambda book: None, poll_s=0.05)
     task = asyncio.create_task(sync.run())
     loop = asyncio.get_running_loop()
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from meter.config import ClusterConfig, FlushConfig, NodeConfig, ServerConfig
-from meter.node.lifecycle import DataDir, Node
+from meter.node.datadir import DataDir
+from meter.node.lifecycle import Node
 from storage.memory import MemoryStorage
 from tests.redis_server import RedisServer
 

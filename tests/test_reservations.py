@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 from meter.core.leases import Reservations
-from meter.core.service import Service
 from meter.core.table import CounterTable
+from meter.node.wiring import build_service
 from storage.base import EMPTY, Delta
 from storage.memory import MemoryStorage
 
@@ -82,7 +82,7 @@ def test_an_open_lease_pins_its_row_whatever_its_quantity() -> None:
 
 async def test_a_lease_of_zero_keeps_its_counter_loaded_until_it_is_committed() -> None:
     store = MemoryStorage()
-    svc = Service(CounterTable("n1"), store)
+    svc = build_service(CounterTable("n1"), store)
     key = svc.key_for("acme", "api")
     await store.apply("other", [Delta(key, 1, 10)])
     assert await svc.seed(key)

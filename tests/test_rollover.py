@@ -19,9 +19,10 @@ import pytest
 
 from bench.clockshift import next_month_start, shift_to
 from meter.core.keys import Key, period_start
+from meter.core.periods import kinds_in_use, next_keys, period_end
 from meter.core.service import Service
 from meter.core.table import CounterTable
-from meter.persist.rollover import kinds_in_use, next_keys, period_end
+from meter.node.wiring import build_service
 from storage.base import Snapshot
 from storage.dynamodb import DynamoDBStorage
 from storage.memory import MemoryStorage
@@ -77,7 +78,7 @@ async def test_read_ahead_seeds_the_next_periods_keys_in_batches() -> None:
 
     store = Counting()
     table = CounterTable("n1")
-    svc = Service(table, store)
+    svc = build_service(table, store)
     now = time.time()
     month = period_start("month", now)
     upcoming = period_start("month", period_end("month", now))
@@ -325,6 +326,7 @@ async def test_a_read_ahead_lead_under_a_second_is_not_slept_through() -> None:
     with short_tmpdir_path() as tmp:
         async with Node(_node_config(tmp, lead), storage=MemoryStorage()) as node:
             assert node.service is not None and node.table is not None
+            assert node.read_ahead is not None
             node.table.seed(("acme", "api", period_start("month")), Snapshot(0, {}))
             seeder = node.service.seeder
             end = period_end("month", time.time())
@@ -332,7 +334,7 @@ async def test_a_read_ahead_lead_under_a_second_is_not_slept_through() -> None:
             done: dict[tuple[str, float], int] = {}
             steps = 0
             while now < end:
-                now += await node._read_ahead_step(now, lead, done)
+                now += await node.read_ahead.step(now, lead, done)
                 steps += 1
                 assert steps < 1000
             assert done.get(("month", end), 0) >= 1, f"no pass before the period end: {done}"
@@ -357,8 +359,9 @@ async def test_an_error_in_a_read_ahead_pass_does_not_end_the_loop() -> None:
                     raise RuntimeError("a bug in a read-ahead pass")
                 return 3600.0
 
-            node._read_ahead_step = failing_then_waiting  # type: ignore[method-assign]
-            task = asyncio.create_task(node._read_ahead_loop())
+            assert node.read_ahead is not None
+            node.read_ahead.step = failing_then_waiting  # type: ignore[method-assign]
+            task = asyncio.create_task(node.read_ahead.run())
             try:
                 await _until(lambda: calls >= 2, "the loop looks again after the error")
                 assert not task.done()

@@ -1,4 +1,4 @@
-"""The seeder (``meter/persist/seeder.py``) against an in-memory store whose reads land when
+"""The seeder (``meter/core/seeder.py``) against an in-memory store whose reads land when
 the test says, on an event loop the test turns one pass at a time.
 
 :class:`GatedStore` is our own :class:`~storage.memory.MemoryStorage`: a read takes its
@@ -10,7 +10,7 @@ landing. The state machine checks, over every interleaving it finds:
 - a key is seeded only by a read issued after the last eviction pass and the last claim of
   the node id (another process having stored under it meanwhile), with that read's total
   and sequences, and a read overtaken by either is refused and the key read again, until
-  :data:`~meter.persist.seeder.MAX_TRIES` reads of it in a row were refused (C06, L05); no flush
+  :data:`~meter.core.seeder.MAX_TRIES` reads of it in a row were refused (C06, L05); no flush
   reuses a stored sequence, and the store ends up with exactly the acknowledged units;
 - at most ``concurrency`` reads are out at once, none of more than ``chunk`` keys, and no key
   is in two reads at once (L01).
@@ -39,8 +39,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+from meter.core.seeder import MAX_TRIES, Seeder
 from meter.core.table import CounterTable
-from meter.persist.seeder import MAX_TRIES, Seeder
 from storage.base import EMPTY, BadItems, Delta, Key, Snapshot, StorageUnavailable
 from storage.memory import MemoryStorage
 from tests.machine_reach import reach_alone
@@ -744,8 +744,8 @@ def test_a_key_seeded_elsewhere_while_it_was_read_again_gets_its_full_tries_next
 async def test_close_wakes_callers_of_reads_cancelled_before_they_ran() -> None:
     """A read task cancelled by close() before its first step never runs its cleanup: its
     callers must still wake (a draining node answers them), with their keys unseeded."""
+    from meter.core.seeder import Seeder
     from meter.core.table import CounterTable
-    from meter.persist.seeder import Seeder
     from storage.memory import MemoryStorage
 
     table = CounterTable("n1")

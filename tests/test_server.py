@@ -162,7 +162,7 @@ def disp() -> StandIn:
 
 @pytest.fixture
 async def server(path: str, disp: StandIn) -> AsyncIterator[RpcServer]:
-    srv = await start_server(path, disp)
+    srv = await start_server(path, disp, notify=disp.notify)
     yield srv
     await srv.close(drain_timeout=1.0)
 
@@ -432,7 +432,9 @@ async def test_protocol_error_lines_are_rate_limited_and_the_rest_counted(
 ) -> None:
     """A flood of bad frames (a fuzzer, a confused client) writes at most ``lines`` warnings
     per interval, then one line with how many were not logged; status counts every one."""
-    srv = await start_server(path, disp, protocol_error_log_lines=3, protocol_error_log_interval=1)
+    srv = await start_server(
+        path, disp, notify=disp.notify, protocol_error_log_lines=3, protocol_error_log_interval=1
+    )
     n = 40
     loop = asyncio.get_running_loop()
     try:
@@ -470,7 +472,7 @@ async def test_good_requests_before_garbage_are_answered(raw: Raw) -> None:
 
 
 async def test_oversized_frame_closes_only_that_connection(path: str, disp: StandIn) -> None:
-    srv = await start_server(path, disp, max_frame=4096)
+    srv = await start_server(path, disp, notify=disp.notify, max_frame=4096)
     good, bad = Raw(path), Raw(path)
     try:
         await bad.request(1, "echo", "x" * 5000)
@@ -486,7 +488,7 @@ async def test_oversized_frame_closes_only_that_connection(path: str, disp: Stan
 async def test_pipelined_batch_beyond_max_frame_is_served(path: str, disp: StandIn) -> None:
     # A read larger than max_frame makes the decoder check every frame's size (its other
     # path, which hands over decoded Requests): every request is still answered.
-    srv = await start_server(path, disp, max_frame=256)
+    srv = await start_server(path, disp, notify=disp.notify, max_frame=256)
     raw = Raw(path)
     try:
         await raw.send(b"".join(msgpack.packb([0, i, "echo", [i]]) for i in range(200)))
@@ -500,7 +502,7 @@ async def test_pipelined_batch_beyond_max_frame_is_served(path: str, disp: Stand
 
 
 async def test_oversized_frame_refused_before_it_is_complete(path: str, disp: StandIn) -> None:
-    srv = await start_server(path, disp, max_frame=4096)
+    srv = await start_server(path, disp, notify=disp.notify, max_frame=4096)
     bad = Raw(path)
     try:
         # A header promising a large str, then only part of it: closed without waiting.
@@ -521,7 +523,7 @@ async def test_socket_mode_0600(server: RpcServer, path: str) -> None:
 
 
 async def test_group_access(path: str, disp: StandIn) -> None:
-    srv = await start_server(path, disp, group=os.getgid())
+    srv = await start_server(path, disp, notify=disp.notify, group=os.getgid())
     try:
         st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o660
@@ -535,7 +537,7 @@ async def test_stale_socket_is_replaced(path: str, disp: StandIn) -> None:
     dead.bind(path)  # bound, never listening: what a killed process leaves behind
     dead.close()
     assert os.path.exists(path)
-    srv = await start_server(path, disp)
+    srv = await start_server(path, disp, notify=disp.notify)
     raw = Raw(path)
     try:
         assert await raw.call(1, "ping") == [1, 1, None, "pong"]
@@ -546,7 +548,7 @@ async def test_stale_socket_is_replaced(path: str, disp: StandIn) -> None:
 
 async def test_live_socket_is_refused(server: RpcServer, path: str, disp: StandIn) -> None:
     with pytest.raises(OSError) as info:
-        await start_server(path, disp)
+        await start_server(path, disp, notify=disp.notify)
     assert info.value.errno == errno.EADDRINUSE
     raw = Raw(path)  # the first server is untouched
     try:
@@ -559,23 +561,23 @@ async def test_regular_file_is_never_replaced(path: str, disp: StandIn) -> None:
     with open(path, "w") as f:
         f.write("precious")
     with pytest.raises(FileExistsError):
-        await start_server(path, disp)
+        await start_server(path, disp, notify=disp.notify)
     with open(path) as f:
         assert f.read() == "precious"
 
 
 async def test_close_removes_socket_file(path: str, disp: StandIn) -> None:
-    srv = await start_server(path, disp)
+    srv = await start_server(path, disp, notify=disp.notify)
     await srv.close()
     assert not os.path.exists(path)
     await srv.close()  # idempotent
 
 
 async def test_close_leaves_a_newer_servers_socket(path: str, disp: StandIn) -> None:
-    old = await start_server(path, disp)
+    old = await start_server(path, disp, notify=disp.notify)
     old.stop_accepting()
     os.unlink(path)
-    new = await start_server(path, disp)
+    new = await start_server(path, disp, notify=disp.notify)
     await old.close()
     assert os.path.exists(path)
     await new.close()
@@ -618,7 +620,7 @@ async def test_stop_accepting_keeps_open_connections(server: RpcServer, path: st
 
 
 async def test_close_drains_in_flight_requests(path: str, disp: StandIn) -> None:
-    srv = await start_server(path, disp)
+    srv = await start_server(path, disp, notify=disp.notify)
     raw = Raw(path)
     try:
         await raw.request(1, "later", "slow", "done")
@@ -640,7 +642,7 @@ async def test_close_drains_in_flight_requests(path: str, disp: StandIn) -> None
 
 
 async def test_close_gives_up_on_stuck_requests(path: str, disp: StandIn) -> None:
-    srv = await start_server(path, disp)
+    srv = await start_server(path, disp, notify=disp.notify)
     raw = Raw(path)
     try:
         await raw.request(1, "later", "never", None)
@@ -669,7 +671,7 @@ async def test_half_closed_client_still_gets_async_answers(raw: Raw, disp: Stand
 async def test_backpressure_does_not_deadlock_a_client_that_writes_first(
     path: str, disp: StandIn
 ) -> None:
-    srv = await start_server(path, disp, high_water=16 << 10, low_water=4 << 10)
+    srv = await start_server(path, disp, notify=disp.notify, high_water=16 << 10, low_water=4 << 10)
     n = 100_000
     payload = "p" * 40
     data = b"".join(msgpack.packb([0, i, "echo", [payload]]) for i in range(n))

@@ -10,8 +10,9 @@ import pytest
 
 from meter.config import CounterConfig
 from meter.core.keys import MAX_FEATURE_BYTES, MAX_TENANT_BYTES, QTY_MAX, QTY_MIN, period_start
-from meter.core.service import MAX_BATCH_ITEMS, Service
+from meter.core.service import Service
 from meter.core.table import CounterTable
+from meter.core.tracking import MAX_BATCH_ITEMS
 from meter.errors import (
     Conflict,
     InvalidArgument,
@@ -20,6 +21,7 @@ from meter.errors import (
     Unavailable,
     UnknownMethod,
 )
+from meter.node.wiring import build_service
 from storage.base import Delta, Snapshot
 from tests.stores import DownStorage
 
@@ -38,7 +40,7 @@ def store() -> DownStorage:
 
 @pytest.fixture
 def svc(store: DownStorage) -> Service:
-    return Service(CounterTable("n1"), store, CounterConfig(feature_periods={"daily": "day"}))
+    return build_service(CounterTable("n1"), store, CounterConfig(feature_periods={"daily": "day"}))
 
 
 async def test_track_counts_and_returns_new_value(svc: Service) -> None:
@@ -279,7 +281,7 @@ async def test_seeding_is_shared_by_concurrent_callers(store: DownStorage) -> No
             loads += 1
             return await super().load(keys)
 
-    svc = Service(CounterTable("n1"), Counting())
+    svc = build_service(CounterTable("n1"), Counting())
     pending = [svc.dispatch("track", ["acme", "api", 1]) for _ in range(50)]
     results = [await p for p in pending]
     assert sorted(results) == list(range(1, 51))
@@ -291,7 +293,7 @@ async def test_storage_snapshot_with_own_sequence_is_respected(store: DownStorag
     key = ("acme", "api", period_start("month"))
     await store.apply("n1", [Delta(key, 7, 10)])
     table = CounterTable("n1")
-    svc = Service(table, store)
+    svc = build_service(table, store)
     assert await call(svc, "track", "acme", "api", 1) == 11
     taken = table.take_flush(key)
     assert taken == (8, 1)
@@ -301,8 +303,8 @@ async def test_storage_snapshot_with_own_sequence_is_respected(store: DownStorag
 async def test_track_many_fast_and_general_paths_agree(store: DownStorage) -> None:
     """A batch of plain items on known names (the fast path) and the same batch with one odd
     item (the general path) count alike."""
-    fast = Service(CounterTable("n1"), DownStorage())
-    slow = Service(CounterTable("n1"), DownStorage())
+    fast = build_service(CounterTable("n1"), DownStorage())
+    slow = build_service(CounterTable("n1"), DownStorage())
     for svc in (fast, slow):
         await call(svc, "track", "acme", "api", 1)
         await call(svc, "track", "acme", "seats", 1)
@@ -377,10 +379,10 @@ async def test_key_cache_periods_follow_the_utc_day(
 async def test_name_copies_start_over_when_full(
     svc: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("meter.core.service.NAME_CACHE_SIZE", 4)
-    monkeypatch.setattr("meter.core.service.KEY_CACHE_SIZE", 4)
+    monkeypatch.setattr("meter.core.keycache.NAME_CACHE_SIZE", 4)
+    monkeypatch.setattr("meter.core.keycache.KEY_CACHE_SIZE", 4)
     for i in range(20):
         await call(svc, "track", f"t{i}", "api", 1)
-    assert len(svc._tenants) <= 4 and len(svc._keys) <= 4
+    assert len(svc.keys.tenants) <= 4 and len(svc.keys.cache) <= 4
     assert await call(svc, "usage", "t0", "api") == 1
     assert await call(svc, "track", "t19", "api", 1) == 2

@@ -8,10 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meter.client import AsyncClient
-from meter.core.server import start_server
-from meter.core.service import Service
 from meter.core.table import CounterTable
 from meter.errors import Unavailable
+from meter.node.wiring import build_service, serve
 from meter.persist.flusher import Flusher
 from storage.base import Delta, Key, Snapshot
 from storage.memory import MemoryStorage
@@ -39,12 +38,12 @@ async def test_track_many_cut_short_by_shutdown_counts_nothing() -> None:
     the batch and the warm items would be counted twice."""
     store = GatedStorage()
     table = CounterTable("n1")
-    svc = Service(table, store)
+    svc = build_service(table, store)
     warm = svc.key_for("acme", "warm")
     table.seed(warm, Snapshot(0, {}))
     with tempfile.TemporaryDirectory() as d:
         path = str(Path(d) / "m.sock")
-        server = await start_server(path, svc)
+        server = await serve(path, svc)
         client = await AsyncClient.connect(path)
         store.gate.clear()  # the cold item's seed read hangs
         call = asyncio.ensure_future(
@@ -84,7 +83,7 @@ class BrokenReadStorage(MemoryStorage):
 async def test_a_failed_seed_does_not_leave_other_callers_waiting_forever() -> None:
     store = BrokenReadStorage()
     table = CounterTable("n1")
-    svc = Service(table, store)
+    svc = build_service(table, store)
     first = asyncio.ensure_future(svc.dispatch("track", ["acme", "api", 1]))
     await asyncio.sleep(0)
     second = asyncio.ensure_future(svc.dispatch("track", ["acme", "api", 2]))
@@ -107,7 +106,7 @@ async def test_a_seed_read_that_outlives_an_eviction_does_not_reuse_a_stored_seq
     sequence, is refused as a duplicate, and its units are lost."""
     store = GatedStorage()
     table = CounterTable("n1")
-    svc = Service(table, store)
+    svc = build_service(table, store)
     key = svc.key_for("acme", "api")
     await store.apply("n2", [Delta(key, 1, 10)])  # a peer's units
     flusher = Flusher(table, store)

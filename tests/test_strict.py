@@ -19,9 +19,10 @@ import pytest
 
 from meter.client import AsyncClient
 from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig, StorageConfig
+from meter.core.ports import NoBudget
 from meter.errors import LimitExceeded
 from meter.node.lifecycle import Node
-from meter.quotas.escrow import Budget, NoBudget
+from meter.quotas.escrow import Budget
 from meter.quotas.shares import Shares
 from storage.base import StorageUnavailable
 from storage.memory import MemoryStorage
@@ -261,8 +262,7 @@ async def test_a_process_that_does_not_own_its_node_id_writes_no_share() -> None
 
     storage = MemoryStorage()
     key = ("acme", "api", "2026-11")
-    s = Shares(storage, "n0")
-    s.fenced = lambda: "node id 'n0' is owned by another process"
+    s = Shares(storage, "n0", fenced=lambda: "node id 'n0' is owned by another process")
     with pytest.raises(StorageUnavailable, match="owned by another process"):
         await s.ensure(key, 1, 100, 0)
     await s.drain()

@@ -17,9 +17,10 @@ import pytest
 from meter.config import CounterConfig
 from meter.core.idempotency import RequestIds
 from meter.core.keys import QTY_MAX, QTY_MIN, period_start
-from meter.core.server import RpcServer, start_server
+from meter.core.server import RpcServer
 from meter.core.service import Service
 from meter.core.table import CounterTable
+from meter.node.wiring import build_service, serve
 from meter.wal import records as R
 from meter.wal.log import WriteAheadLog, list_segments, segment_path
 from storage.base import Delta
@@ -79,11 +80,13 @@ def tmp() -> Iterator[Path]:
 async def node(tmp: Path) -> AsyncIterator[Served]:
     store = DownStorage()
     wal = WriteAheadLog(tmp / "wal", node_id="n1", mode="fsync")
-    svc = Service(CounterTable("n1"), store, CounterConfig(), wal=wal, ids=RequestIds(3600, 1000))
+    svc = build_service(
+        CounterTable("n1"), store, CounterConfig(), wal=wal, ids=RequestIds(3600, 1000)
+    )
     wal.recover()
     wal.open(svc.undo, svc.checkpoint)
     path = str(tmp / "s.sock")
-    server = await start_server(path, svc)
+    server = await serve(path, svc)
     yield Served(svc, wal, server, path, store)
     await server.close()
     await wal.close()

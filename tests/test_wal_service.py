@@ -20,10 +20,11 @@ import pytest
 from meter.config import CounterConfig
 from meter.core.idempotency import RequestIds
 from meter.core.keys import period_start
-from meter.core.server import RpcServer, start_server
+from meter.core.server import RpcServer
 from meter.core.service import Service
 from meter.core.table import CounterTable
 from meter.errors import Conflict, Unavailable
+from meter.node.wiring import build_service, serve
 from meter.persist.flusher import Flusher
 from meter.persist.recovery import recover
 from meter.wal import records as R
@@ -59,7 +60,7 @@ async def make(
     wal = WriteAheadLog(tmp / "wal", node_id="n1", mode="fsync")
     table = CounterTable("n1", gossip=gossip)
     store = storage or MemoryStorage()
-    svc = Service(table, store, CounterConfig(), wal=wal, ids=RequestIds(3600, 1000))
+    svc = build_service(table, store, CounterConfig(), wal=wal, ids=RequestIds(3600, 1000))
     wal.recover()
     wal.open(svc.undo, svc.checkpoint)
     return svc, wal
@@ -217,7 +218,7 @@ async def test_two_calls_with_one_id_waiting_on_a_cold_key_count_once(tmp: Path)
 async def served(tmp: Path) -> AsyncIterator[tuple[Service, WriteAheadLog, RpcServer, str]]:
     svc, wal = await make(tmp)
     path = str(tmp / "s.sock")
-    server = await start_server(path, svc)
+    server = await serve(path, svc)
     yield svc, wal, server, path
     await server.close()
     await wal.close()
@@ -347,7 +348,7 @@ async def test_a_failed_write_answers_every_held_call_unavailable(
 
 async def test_interval_mode_syncs_on_its_interval_or_when_asked_not_per_write(tmp: Path) -> None:
     wal = WriteAheadLog(tmp / "wal", node_id="n1", mode="interval", fsync_interval=60)
-    svc = Service(CounterTable("n1"), MemoryStorage(), CounterConfig(), wal=wal)
+    svc = build_service(CounterTable("n1"), MemoryStorage(), CounterConfig(), wal=wal)
     wal.recover()
     wal.open(svc.undo, svc.checkpoint)
     for _ in range(100):  # the opening checkpoint is synced once
@@ -373,7 +374,7 @@ async def test_interval_mode_syncs_on_its_interval_or_when_asked_not_per_write(t
 async def _life(d: Path, store: MemoryStorage) -> tuple[Service, WriteAheadLog, Flusher]:
     wal = WriteAheadLog(d / "wal", node_id="n1")
     table = CounterTable("n1", gossip=False)
-    svc = Service(table, store, CounterConfig(), wal=wal, ids=RequestIds(3600, 1000))
+    svc = build_service(table, store, CounterConfig(), wal=wal, ids=RequestIds(3600, 1000))
     await recover(wal, svc)
     return svc, wal, Flusher(table, store, wal=wal)
 
@@ -460,7 +461,7 @@ async def test_a_retry_that_crosses_midnight_answers_as_the_first_call(tmp: Path
     from unittest import mock
 
     svc, wal = await make(tmp)
-    svc._periods = {"api": "day"}
+    svc.keys.periods = {"api": "day"}
     before, after = 1764547199.9, 1764547200.1  # 23:59:59.9 and 00:00:00.1 UTC
     with mock.patch("time.time", return_value=before):
         assert await call(svc, "track", "acme", "api", 1, {"id": "late"}) == 1
@@ -517,7 +518,7 @@ async def test_checkpoints_list_the_warm_keys_of_current_periods_used_first_with
 ) -> None:
     wal = WriteAheadLog(tmp / "wal", node_id="n1")
     table = CounterTable("n1", gossip=False)
-    svc = Service(table, MemoryStorage(), CounterConfig(warm_up_max_keys=4), wal=wal)
+    svc = build_service(table, MemoryStorage(), CounterConfig(warm_up_max_keys=4), wal=wal)
     await recover(wal, svc)
     for tenant in "abcd":
         await call(svc, "usage", tenant, "api")
@@ -525,14 +526,14 @@ async def test_checkpoints_list_the_warm_keys_of_current_periods_used_first_with
     table.evict_idle()  # a pass: nothing is idle long enough to go, nothing counts as used
     await call(svc, "usage", "c", "api")  # used since
     month = period_start("month")
-    svc.warming = [("z", "api", month)]  # a warm-up still reading it
+    svc.journal.warm_up_started([("z", "api", month)])  # a warm-up still reading it
     warm = [tuple(item) for rec in svc.checkpoint() if rec[0] == R.WARM for item in rec[1]]
     # The warm-up's keys, the used ones, then the others, in the table's order; at most 4.
     assert warm == [(t, "api", month) for t in "zcab"]
     # The last checkpoint, written on a clean close, lists them for the next start.
     await wal.close()
     wal = WriteAheadLog(tmp / "wal", node_id="n1")
-    svc = Service(CounterTable("n1", gossip=False), MemoryStorage(), CounterConfig(), wal=wal)
+    svc = build_service(CounterTable("n1", gossip=False), MemoryStorage(), CounterConfig(), wal=wal)
     # (With the key its STATE restates first: the warm-up passes over its ended period.)
     expected = [("old", "api", "1970-01"), *((t, "api", month) for t in "zcab")]
     assert await recover(wal, svc) == expected

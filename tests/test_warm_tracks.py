@@ -12,9 +12,10 @@ import msgpack
 import pytest
 
 from meter.core.keys import QTY_MAX
-from meter.core.server import RpcServer, start_server
+from meter.core.server import RpcServer
 from meter.core.service import Service
 from meter.core.table import CounterTable
+from meter.node.wiring import build_service, serve
 from storage.base import EMPTY, Delta
 from storage.memory import MemoryStorage
 from tests.nodes import short_tmpdir
@@ -47,8 +48,8 @@ class CountingService:
 @pytest.fixture
 async def node() -> AsyncIterator[tuple[CountingService, Path]]:
     path = short_tmpdir() / "m.sock"
-    svc = Service(CounterTable("n1"), MemoryStorage())
-    server: RpcServer = await start_server(path, svc)
+    svc = build_service(CounterTable("n1"), MemoryStorage())
+    server: RpcServer = await serve(path, svc)
     counting = CountingService(svc)
     counting.count(server)
     try:
@@ -163,7 +164,7 @@ async def test_bad_and_cold_requests_inside_a_run_are_answered_like_dispatch(
 
 
 def test_warm_tracks_counts_only_the_leading_run() -> None:
-    svc = Service(CounterTable("n1"), MemoryStorage())
+    svc = build_service(CounterTable("n1"), MemoryStorage())
     warm = svc.key_for("acme", "api")
     svc.table.seed(warm, EMPTY)
     reqs: list[Any] = [

@@ -238,11 +238,11 @@ def test_a_subscriber_ends_with_every_counters_latest_value_unless_it_was_refuse
 def test_a_node_nobody_watches_has_nothing_held() -> None:
     """The last subscriber gone while a change was held back: the service's tick must not
     report a due time any more (the node would set a timer for it again and again)."""
-    from meter.core.service import Service
     from meter.core.table import CounterTable
+    from meter.node.wiring import build_service
     from storage.memory import MemoryStorage
 
-    svc = Service(CounterTable("n"), MemoryStorage())
+    svc = build_service(CounterTable("n"), MemoryStorage())
     sub = Subscriber()
     svc.watch.subscribe(sub, "acme", None, {("api", P): 1})
     svc.watch.tick(lambda t: {("api", P): 2}, now=1.0, spacing=0.1)

@@ -382,7 +382,7 @@ def _serve(cfg: NodeConfig) -> int:
 
 
 async def _storage_init(cfg: NodeConfig) -> int:
-    from meter.node.lifecycle import build_storage
+    from meter.node.wiring import build_storage
     from storage.base import StorageError
 
     storage = build_storage(cfg)
@@ -404,7 +404,7 @@ def _export(args: argparse.Namespace, cfg: NodeConfig) -> int:
     from pathlib import Path
 
     from meter.core.keys import check_period
-    from meter.node.lifecycle import build_storage
+    from meter.node.wiring import build_storage
     from meter.ops.export import RowWriter, atomic_file, export_to
     from storage.base import ExportPage, StorageError
 

@@ -1,10 +1,13 @@
 """The socket server: MessagePack-RPC over a Unix socket, on uvloop or the default loop.
 
 Thin by design: bytes go through :mod:`meter.core.protocol`, requests go to a dispatcher
-(``dispatch(method, params)`` returning a result or an awaitable; ``notify(method, params)``
-optional), answers go back. Every complete request in a read batch is dispatched, and the
-synchronous answers of the batch leave in one write. Asynchronous answers are written when
-they are ready, so responses may arrive out of order; clients match them by msgid.
+(``dispatch(method, params)`` returning a result or an awaitable), answers go back. What else
+the server may use is handed to it, each optional: ``notify(method, params)`` for notifications,
+``warm_tracks(requests)`` for a batch's leading plain tracks, the write-ahead log whose commits
+answers wait for, the live usage subscriptions, the request counters. Every complete request in
+a read batch is dispatched, and the synchronous answers of the batch leave in one write.
+Asynchronous answers are written when they are ready, so responses may arrive out of order;
+clients match them by msgid.
 """
 
 from __future__ import annotations
@@ -68,8 +71,7 @@ _PLAIN = frozenset({int, str, dict, list, type(None), bool, float, bytes})
 
 
 class Dispatcher(Protocol):
-    """What the server calls. ``notify(method, params)`` is optional, and so is
-    ``warm_tracks(requests) -> list`` (answers to a leading run of a batch, see Service)."""
+    """What the server calls for every request."""
 
     def dispatch(self, method: str, params: list[Any]) -> Any:
         """Return the result, or an awaitable of it; raise MeterError for bad requests."""
@@ -536,6 +538,11 @@ class RpcServer:
         low_water: int,
         protocol_error_log_lines: int = PROTOCOL_ERROR_LOG_LINES,
         protocol_error_log_interval: float = PROTOCOL_ERROR_LOG_INTERVAL_S,
+        notify: Callable[[str, list[Any]], Any] | None = None,
+        warm_tracks: Callable[[list[Any]], list[int]] | None = None,
+        wal: WriteAheadLog | None = None,
+        watch: Watch | None = None,
+        request_stats: RequestStats | None = None,
     ) -> None:
         self.path = path
         self.dispatcher = dispatcher
@@ -543,14 +550,13 @@ class RpcServer:
         self.high_water = high_water
         self.low_water = low_water
         self._dispatch = dispatcher.dispatch
-        self._warm_tracks: Callable[[list[Any]], list[int]] | None = getattr(
-            dispatcher, "warm_tracks", None
-        )
-        self._notify = getattr(dispatcher, "notify", None)
-        #: The dispatcher's write-ahead log, if any: answers wait for its commits.
-        self.wal: WriteAheadLog | None = getattr(dispatcher, "wal", None)
-        #: The dispatcher's live usage subscriptions, if any (``subscribe``).
-        self.watch: Watch | None = getattr(dispatcher, "watch", None)
+        #: Answers a leading run of plain warm tracks of a batch at once (see Service).
+        self._warm_tracks = warm_tracks
+        self._notify = notify
+        #: The write-ahead log, if any: answers wait for its commits.
+        self.wal = wal
+        #: The live usage subscriptions, if any (``subscribe``).
+        self.watch = watch
         self._encoder = Encoder()
         self._conns: set[_Connection] = set()
         self._inflight: set[asyncio.Task[None]] = set()
@@ -575,7 +581,7 @@ class RpcServer:
         #: The most unsent bytes a connection had right after notifications were written.
         self.notify_buffer_max = 0
         #: Requests by method and result, and their latency (``None``: metrics off).
-        self.request_stats: RequestStats | None = None
+        self.request_stats = request_stats
 
     @property
     def connections(self) -> int:
@@ -767,6 +773,10 @@ async def start_server(
     backlog: int = DEFAULT_BACKLOG,
     protocol_error_log_lines: int = PROTOCOL_ERROR_LOG_LINES,
     protocol_error_log_interval: float = PROTOCOL_ERROR_LOG_INTERVAL_S,
+    notify: Callable[[str, list[Any]], Any] | None = None,
+    warm_tracks: Callable[[list[Any]], list[int]] | None = None,
+    wal: WriteAheadLog | None = None,
+    watch: Watch | None = None,
     request_stats: RequestStats | None = None,
 ) -> RpcServer:
     """Listen on the Unix socket ``path`` and serve ``dispatcher`` until closed.
@@ -776,7 +786,8 @@ async def start_server(
     ``OSError(EADDRINUSE)``, any other file raises ``FileExistsError``. Connections closed
     for a protocol error are logged at most ``protocol_error_log_lines`` times per
     ``protocol_error_log_interval`` seconds (then one line says how many more).
-    ``request_stats`` (metrics on) counts requests by method and result and times them.
+    ``notify``, ``warm_tracks``, ``wal``, ``watch`` and ``request_stats`` (metrics on: counts
+    requests by method and result, and times them) are what :class:`RpcServer` takes.
     """
     spath = os.fspath(path)
     if mode is None:
@@ -791,8 +802,12 @@ async def start_server(
         low_water=low_water,
         protocol_error_log_lines=protocol_error_log_lines,
         protocol_error_log_interval=protocol_error_log_interval,
+        notify=notify,
+        warm_tracks=warm_tracks,
+        wal=wal,
+        watch=watch,
+        request_stats=request_stats,
     )
-    server.request_stats = request_stats
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     bound = False
     try:

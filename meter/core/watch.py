@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from itertools import islice
 from typing import Any
 
+from meter.config import MAX_WATCHED_TENANTS
 from meter.core.keys import Key, check_feature
 from meter.errors import InvalidArgument, Unavailable
 
@@ -33,9 +34,6 @@ MAX_PENDING = 10_000
 #: Threshold alerts that may wait unsent on one connection (``subscribe_alerts``); past this
 #: the oldest unsent one is dropped (counted).
 MAX_PENDING_ALERTS = 1000
-#: Distinct tenants one node may watch, every connection together: each tick reads each
-#: watched tenant's loaded counters (the ``max_watched_tenants`` setting's default).
-MAX_WATCHED_TENANTS = 1024
 
 #: A tenant's counters as ``(feature, period) -> value``.
 View = dict[tuple[str, str], int]

@@ -3,9 +3,9 @@
 Every month counter is also kept per UTC day in storage (its *day buckets*), written by the
 flush that writes the counter, under the same ``(node, seq)``: the flusher picks the day here
 (:func:`flush_day`) and storage applies it exactly once per bucket. The ``history`` method
-(:class:`HistoryMethod`) reads the stored buckets of a range in one storage read and adds
-what usage knows that storage does not have yet to the current period's bucket, so the
-current day's (or month's) bucket agrees with ``usage``.
+(:mod:`meter.history.methods`) reads the stored buckets of a range in one storage read and
+adds what usage knows that storage does not have yet to the current period's bucket, so the
+current day's (or month's) bucket agrees with ``usage``. Pure: dates and ranges, no I/O.
 """
 
 from __future__ import annotations
@@ -13,16 +13,12 @@ from __future__ import annotations
 import calendar
 import re
 import time
-from collections.abc import Awaitable, Mapping
 from datetime import UTC, date, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Literal
 
-from meter.core.keys import check_feature, check_tenant, period_start
-from meter.errors import InvalidArgument, Unavailable
-from storage.base import StorageError
-
-if TYPE_CHECKING:
-    from meter.core.service import Service
+from meter.core.keys import period_start
+from meter.core.params import opts as check_opts
+from meter.errors import InvalidArgument
 
 Granularity = Literal["day", "month"]
 
@@ -111,14 +107,7 @@ def _parse(field: str, value: object, granularity: Granularity) -> str:
 
 def parse_range(opts: object, now: float) -> tuple[Granularity, str, str]:
     """The granularity and the first and last bucket of a ``history`` call's options."""
-    if opts is None:
-        opts = {}
-    if not isinstance(opts, Mapping):
-        raise InvalidArgument(f"history: opts must be a map, got {type(opts).__name__}")
-    for name in opts:
-        if name not in _OPTS:
-            names = ", ".join(sorted(_OPTS))
-            raise InvalidArgument(f"history: unknown option {str(name)[:32]!r} (allowed: {names})")
+    opts = check_opts("history", opts, _OPTS)
     granularity = opts.get("granularity", "day")
     if granularity not in ("day", "month"):
         raise InvalidArgument(
@@ -189,96 +178,3 @@ def render(points: list[tuple[str, int]]) -> str:
     total = sum(v for _, v in points)
     lines.append(f"{'total':<{len(points[0][0])}}  {total:>{width}}")
     return "\n".join(lines)
-
-
-class HistoryMethod:
-    """The ``history`` method of one node's :class:`~meter.core.service.Service`."""
-
-    def __init__(self, service: Service) -> None:
-        self.service = service
-
-    def handlers(self) -> dict[str, Any]:
-        return {"history": self.history}
-
-    def history(self, params: list[Any]) -> Awaitable[list[list[Any]]]:
-        n = len(params)
-        if not 2 <= n <= 3:
-            raise InvalidArgument(f"history takes 2 to 3 params, got {n}")
-        tenant = check_tenant(params[0])
-        feature = check_feature(params[1])
-        now = time.time()
-        granularity, first, last = parse_range(params[2] if n == 3 else None, now)
-        return self._history(tenant, feature, granularity, first, last, now)
-
-    async def _history(
-        self, tenant: str, feature: str, granularity: Granularity, first: str, last: str, now: float
-    ) -> list[list[Any]]:
-        kind = self.service.config.feature_periods.get(feature, "month")
-        if granularity == "day":
-            buckets = days_between(first, last)
-            months = months_between(first[:7], last[:7])
-        else:
-            buckets = months_between(first, last)
-            months = buckets
-        # Whole months are read: what a month's stored days do not hold of its live value
-        # goes to the day its next flush will write (today in the current month).
-        low, high = months[0] + "-01", last_day(months[-1])
-        storage = self.service.storage
-        try:
-            if kind == "month" and granularity == "month":
-                stored = await storage.counters_between(tenant, feature, first, last)
-            elif kind == "month":
-                stored = await storage.day_buckets(tenant, feature, low, high)
-            else:
-                stored = await storage.counters_between(tenant, feature, low, high)
-        except StorageError as exc:
-            raise Unavailable(f"storage is unreachable: {exc}") from None
-        if kind == "month":
-            for month in months:
-                live = await self._live(tenant, feature, month, now)
-                if live is None:
-                    continue
-                if granularity == "month":
-                    stored[month] = live
-                    continue
-                day = flush_day(month, now)
-                assert day is not None
-                before = sum(v for d, v in stored.items() if d.startswith(month) and d != day)
-                stored[day] = live - before
-        else:
-            for day in days_between(low, high):
-                live = await self._live(tenant, feature, day, now)
-                if live is not None:
-                    stored[day] = live
-            if granularity == "month":
-                sums: dict[str, int] = {}
-                for day, units in stored.items():
-                    sums[day[:7]] = sums.get(day[:7], 0) + units
-                stored = sums
-        return [[b, stored.get(b, 0)] for b in buckets]
-
-    async def _live(self, tenant: str, feature: str, period: str, now: float) -> int | None:
-        """What ``usage`` says of the counter of ``period``: for the current period (read from
-        storage if cold), or for any other one this node holds (``None`` if it does not: then
-        it has no units of it that storage lacks)."""
-        service = self.service
-        key = (tenant, feature, period)
-        if period in (period_start("day", now), period_start("month", now)):
-            return await self._usage(tenant, feature, now)
-        if not service.table.is_seeded(key):
-            return None
-        return service.table.value(key)
-
-    async def _usage(self, tenant: str, feature: str, now: float) -> int:
-        """What ``usage`` answers for the counter of the current period."""
-        service = self.service
-        key = service.key_for(tenant, feature, now)
-        value = service.table.value(key)
-        if value is not None:
-            return value
-        if not await service.seed(key):
-            raise Unavailable("storage is unreachable and this counter's total is not known")
-        value = service.table.value(key)
-        if value is None:  # evicted between seeding and reading: practically never
-            raise Unavailable("counter was evicted while being read; retry")
-        return value

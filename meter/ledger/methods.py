@@ -1,29 +1,25 @@
 """The credits ledger methods of the protocol: ``grant``, ``debit``, ``balance`` and
-``ledger`` (docs/protocol.md, docs/ledger.md). Validation here; storage through
-:class:`~meter.ledger.store.LedgerBook`. Every answer follows a storage write or read."""
+``ledger`` (docs/protocol.md, docs/ledger.md). Validation here, through the one parameter
+checker (:mod:`meter.core.params`); storage through :class:`~meter.ledger.store.LedgerStore`.
+Every answer follows a storage write or read."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 from meter.core.keys import check_tenant
+from meter.core.params import args as check_args
+from meter.core.ports import Handler
 from meter.errors import InvalidArgument
 from meter.ledger import model as ledger
-from meter.ledger.store import LedgerBook, check_page, new_ref
-
-Handler = Callable[[list[Any]], Any]
+from meter.ledger.store import DEFAULT_PAGE, MAX_PAGE, LedgerStore
 
 
-def _arity(method: str, params: list[Any], least: int, most: int) -> list[Any]:
-    n = len(params)
-    if not least <= n <= most:
-        want = str(least) if least == most else f"{least} to {most}"
-        raise InvalidArgument(f"{method} takes {want} params, got {n}")
-    return [*params, *([None] * (most - n))]
-
-
-def _opts(method: str, opts: object, allowed: frozenset[str]) -> dict[str, Any]:
+def check_opts(
+    method: str, opts: object, allowed: frozenset[str], *, nil_is_absent: bool = True
+) -> dict[str, Any]:
     if opts is None:
         return {}
     if not isinstance(opts, dict):
@@ -38,12 +34,16 @@ _GRANT_OPTS = frozenset({"ref", "expires_at", "priority"})
 _DEBIT_OPTS = frozenset({"ref"})
 _PAGE_OPTS = frozenset({"after", "limit"})
 
+#: Refs the node writes itself (credit pools' fundings, docs/ledger.md): refused from clients,
+#: so no client call can take or jam a funding's ref.
+RESERVED_REF_PREFIX = "pool:"
+
 
 class LedgerMethods:
-    """The handlers, over one node's :class:`LedgerBook`."""
+    """The handlers, over one node's :class:`LedgerStore`."""
 
-    def __init__(self, book: LedgerBook) -> None:
-        self.book = book
+    def __init__(self, store: LedgerStore) -> None:
+        self.store = store
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -54,38 +54,48 @@ class LedgerMethods:
         }
 
     def grant(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
-        tenant, amount, opts = _arity("grant", params, 2, 3)
+        tenant, amount, opts = check_args("grant", params, 2, 3)
         tenant = check_tenant(tenant)
-        o = _opts("grant", opts, _GRANT_OPTS)
+        o = check_opts("grant", opts, _GRANT_OPTS, nil_is_absent=True)
         op = ledger.credit(
             amount,
             _client_ref(o.get("ref", new_ref())),
             priority=o.get("priority", 0),
             expires_at=o.get("expires_at"),
         )
-        return self.book.apply(tenant, op)
+        return self.store.apply(tenant, op)
 
     def debit(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
-        tenant, amount, opts = _arity("debit", params, 2, 3)
+        tenant, amount, opts = check_args("debit", params, 2, 3)
         tenant = check_tenant(tenant)
-        o = _opts("debit", opts, _DEBIT_OPTS)
-        return self.book.apply(tenant, ledger.debit(amount, _client_ref(o.get("ref", new_ref()))))
+        o = check_opts("debit", opts, _DEBIT_OPTS, nil_is_absent=True)
+        return self.store.apply(tenant, ledger.debit(amount, _client_ref(o.get("ref", new_ref()))))
 
     def balance(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
-        (tenant,) = _arity("balance", params, 1, 1)
-        return self.book.balance(check_tenant(tenant))
+        (tenant,) = check_args("balance", params, 1, 1)
+        return self.store.balance(check_tenant(tenant))
 
     def ledger(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
-        tenant, opts = _arity("ledger", params, 1, 2)
+        tenant, opts = check_args("ledger", params, 1, 2)
         tenant = check_tenant(tenant)
-        o = _opts("ledger", opts, _PAGE_OPTS)
+        o = check_opts("ledger", opts, _PAGE_OPTS, nil_is_absent=True)
         after, limit = check_page(o.get("after"), o.get("limit"))
-        return self.book.page(tenant, after, limit)
+        return self.store.page(tenant, after, limit)
 
 
-#: Refs the node writes itself (credit pools' fundings, docs/ledger.md): refused from clients,
-#: so no client call can take or jam a funding's ref.
-RESERVED_REF_PREFIX = "pool:"
+def new_ref() -> str:
+    """A ref for a change whose caller gave none (clients always send one)."""
+    return "~" + uuid.uuid4().hex
+
+
+def check_page(after: object, limit: object) -> tuple[int, int]:
+    """``after`` (>= 0) and ``limit`` (1..MAX_PAGE) of a ``ledger`` page, checked."""
+    a = 0 if after is None else ledger.check_int(after, "after", least=0)
+    if limit is None:
+        return a, DEFAULT_PAGE
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
+        raise InvalidArgument(f"limit must be an integer in 1..{MAX_PAGE}, got {limit!r}")
+    return a, limit
 
 
 def _client_ref(ref: object) -> object:

@@ -12,7 +12,7 @@ or :class:`~meter.errors.Conflict` if the ref was used for another request - els
 is planned again on the fresh state. A write is never sent twice under two refs, so it can
 never land twice.
 
-Other modules write their own kinds of entry through :meth:`LedgerBook.apply` with an
+Other modules write their own kinds of entry through :meth:`LedgerStore.apply` with an
 :class:`~meter.ledger.model.Op` of their own (``meter.ledger.model.credit(..., kind=...)``).
 """
 
@@ -22,11 +22,10 @@ import asyncio
 import logging
 import random
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from meter.errors import Internal, InvalidArgument, MeterError, Unavailable
+from meter.errors import Internal, MeterError, Unavailable
 from meter.ledger import model as ledger
 from meter.ledger.model import Op, State
 from storage.base import Storage, StorageError, StorageUnavailable
@@ -42,13 +41,11 @@ DEFAULT_PAGE = 100
 CACHE_SIZE = 10_000
 
 
-def new_ref() -> str:
-    """A ref for a change whose caller gave none (clients always send one)."""
-    return "~" + uuid.uuid4().hex
-
-
-class LedgerBook:
-    """The ledgers of every tenant, over one storage. ``clock`` gives epoch seconds."""
+class LedgerStore:
+    """The ledgers of every tenant, over one storage (the storage half of
+    :mod:`meter.ledger.model`). ``clock`` gives epoch seconds; ``on_entries(tenant, entries)``
+    is called with the entries of each write of a ledger this node made and saw land (balance
+    alerts watch them)."""
 
     def __init__(
         self,
@@ -58,17 +55,16 @@ class LedgerBook:
         attempts: int = MAX_ATTEMPTS,
         backoff_base: float = 0.005,
         backoff_cap: float = 0.25,
+        on_entries: Callable[[str, Sequence[ledger.Entry]], None] | None = None,
     ) -> None:
         self.storage = storage
         self.clock = clock
         self.attempts = attempts
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
+        self.on_entries = on_entries
         # Tenant -> (version, state) last read or written here: the compare-and-swap base of
         # the next write (a stale one only costs a refused write and a read).
-        #: Called with a tenant and the entries of each write of its ledger this node made
-        #: and saw land (balance alerts watch them).
-        self.on_entries: Callable[[str, Sequence[ledger.Entry]], None] | None = None
         self._known: dict[str, tuple[int, State]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiting: dict[str, int] = {}
@@ -222,7 +218,7 @@ class LedgerBook:
 class _TenantLock:
     """One writer per tenant in this process (others are serialised by the version)."""
 
-    def __init__(self, book: LedgerBook, tenant: str) -> None:
+    def __init__(self, book: LedgerStore, tenant: str) -> None:
         self.book = book
         self.tenant = tenant
 
@@ -256,13 +252,3 @@ def _unavailable(tenant: str, exc: StorageError) -> MeterError:
     if not exc.retryable:
         return Internal(f"ledger of {tenant!r}: {exc}")
     return Unavailable(f"ledger of {tenant!r}: storage unreachable, nothing changed: {exc}")
-
-
-def check_page(after: object, limit: object) -> tuple[int, int]:
-    """``after`` (>= 0) and ``limit`` (1..MAX_PAGE) of a ``ledger`` page, checked."""
-    a = 0 if after is None else ledger.check_int(after, "after", least=0)
-    if limit is None:
-        return a, DEFAULT_PAGE
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
-        raise InvalidArgument(f"limit must be an integer in 1..{MAX_PAGE}, got {limit!r}")
-    return a, limit

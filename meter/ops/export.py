@@ -11,11 +11,14 @@ import contextlib
 import csv
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 from meter.core.keys import check_period
+from meter.core.params import args as check_args
+from meter.core.params import opts as check_opts
+from meter.core.ports import Handler
 from meter.errors import InvalidArgument, Unavailable
 from storage.base import BadCursor, ExportPage, ExportRow, Storage, StorageError
 
@@ -34,19 +37,9 @@ COLUMNS = ("tenant", "feature", "period", "total")
 
 def parse_params(params: list[Any]) -> tuple[str, str | None, int]:
     """``[period, opts={cursor, limit}]`` as ``(period, cursor, limit)``; InvalidArgument."""
-    if not 1 <= len(params) <= 2:
-        raise InvalidArgument(f"export takes 1 to 2 params, got {len(params)}")
-    period = check_period(params[0])
-    opts = params[1] if len(params) == 2 else None
-    if opts is None:
-        opts = {}
-    if not isinstance(opts, dict):
-        raise InvalidArgument(f"export: opts must be a map, got {type(opts).__name__}")
-    for name in opts:
-        if name not in _OPTS:
-            raise InvalidArgument(
-                f"export: unknown option {str(name)[:32]!r} (allowed: cursor, limit)"
-            )
+    period, opts = check_args("export", params, 1, 2)
+    period = check_period(period)
+    opts = check_opts("export", opts, _OPTS)
     cursor = opts.get("cursor")
     if cursor is not None and (not isinstance(cursor, str) or not cursor):
         raise InvalidArgument("export: cursor must be a string from a previous page, or nil")
@@ -58,6 +51,21 @@ def parse_params(params: list[Any]) -> tuple[str, str | None, int]:
     if not 1 <= limit <= MAX_EXPORT_LIMIT:
         raise InvalidArgument(f"export: limit must be in 1..{MAX_EXPORT_LIMIT}, got {limit}")
     return period, cursor, limit
+
+
+class ExportMethod:
+    """The ``export`` method over one node's storage: a read of storage only, so units not
+    flushed yet are not in it (docs/operations.md)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"export": self.export}
+
+    def export(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
+        period, cursor, limit = parse_params(params)
+        return rpc_page(self.storage, period, cursor, limit)
 
 
 async def rpc_page(storage: Storage, period: str, cursor: str | None, limit: int) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -30,9 +29,7 @@ from meter import __version__
 from meter.core.counts import Buckets, FeatureUnits, RequestStats
 from meter.core.table import TableStats
 from meter.errors import BY_CODE
-
-if TYPE_CHECKING:
-    from meter.node.lifecycle import Node
+from meter.ops.health import NodeView, can_count, health_checks
 
 # Every family, by its full name (counters with ``_total``), as the docs name them.
 REQUESTS = "meter_requests_total"
@@ -124,7 +121,7 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 class NodeCollector(Collector):
     """Reads one node at scrape time."""
 
-    def __init__(self, node: Node, requests: RequestStats, units: FeatureUnits) -> None:
+    def __init__(self, node: NodeView, requests: RequestStats, units: FeatureUnits) -> None:
         self.node = node
         self.requests = requests
         self.units = units
@@ -180,7 +177,8 @@ class NodeCollector(Collector):
             failed = _counter(SEEDING_FAILED_READS, "Seeding reads that failed.")
             failed.add_metric([], seeding.failed_reads)
             yield failed
-            shares = svc.shares
+        shares = node.shares
+        if shares is not None:
             yield _gauge(STRICT_SHARES, "Strict budgets this node holds a share of.",
                          len(shares.local))  # fmt: skip
             writes = _counter(
@@ -193,7 +191,8 @@ class NodeCollector(Collector):
             writes.add_metric(["conflict"], shares.conflicts)
             writes.add_metric(["failed"], shares.errors)
             yield writes
-            al = svc.alerts
+        al = node.alerts
+        if al is not None:
             alerts = _counter(
                 ALERTS,
                 "Threshold alerts: fired (claims this node won), delivered (to this node's "
@@ -210,8 +209,8 @@ class NodeCollector(Collector):
             yield from self._wal()
         if node.gossip is not None:
             yield from self._gossip()
-        checks = node.health_checks()
-        yield _gauge(READY, "1 if the node can take counting calls.", int(node.can_count(checks)))
+        checks = health_checks(node)
+        yield _gauge(READY, "1 if the node can take counting calls.", int(can_count(checks)))
         yield _gauge(
             DEGRADED,
             "1 if storage or the bus is not answering (the node still counts).",
@@ -355,7 +354,9 @@ class NodeCollector(Collector):
         yield gaps
 
 
-def build_registry(node: Node, requests: RequestStats, units: FeatureUnits) -> CollectorRegistry:
+def build_registry(
+    node: NodeView, requests: RequestStats, units: FeatureUnits
+) -> CollectorRegistry:
     """A registry of its own holding ``node``'s collector."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(NodeCollector(node, requests, units))

@@ -8,7 +8,7 @@ Open reservations, finished reservations and request ids come back with their or
 deadlines. It returns the keys the log names as recently active (:meth:`Replay.warm_keys`).
 
 :func:`warm_up` runs once the socket is open: it reads those keys ahead, behind every key a
-request waits on (:meth:`~meter.persist.seeder.Seeder.prefetch`), so the first calls after a restart
+request waits on (:meth:`~meter.core.seeder.Seeder.prefetch`), so the first calls after a restart
 find them warm instead of paying one storage read each.
 """
 
@@ -35,7 +35,7 @@ WARM_SLICE = 2000
 async def recover(wal: WriteAheadLog, service: Service) -> list[Key]:
     """Replay ``wal`` into ``service`` (its table, reservations and ids), then open the log
     for writing with a checkpoint of the recovered state. Returns the keys to warm up (the
-    recently active ones, most recent first), also kept in ``service.warming`` so that
+    recently active ones, most recent first), also kept in the service's journal so that
     checkpoints list them until :func:`warm_up` has read them."""
     started = time.monotonic()
     replay = wal.recover()
@@ -61,7 +61,7 @@ async def recover(wal: WriteAheadLog, service: Service) -> list[Key]:
         for rid, (fp, answer, expires) in sorted(entries.items(), key=lambda kv: kv[1][2]):
             registry.put(rid, fp, answer, expires, now)
     warm = replay.warm_keys() if service.config.warm_up_max_keys > 0 else []
-    service.warming = warm
+    service.journal.warm_up_started(warm)
     seeded = await _seed(service, [*unstored, *(ls.key for ls in replay.leases.values())])
     wal.open(service.undo, service.checkpoint)
     if replay.records:
@@ -142,8 +142,7 @@ async def _warm_up(service: Service, keys: list[Key]) -> None:
     for part in slices:  # in the order they were queued: mostly one wait each
         await seeder.settle(part)
     # Cancelled before this (a stop), the keys stay listed: the last checkpoint keeps them.
-    if service.warming is keys:
-        service.warming = []
+    service.journal.warm_up_done(keys)
     wanted = sum(len(part) for part in slices)
     warm = sum(1 for part in slices for k in part if table.is_seeded(k))
     reads_failed = seeder.stats.failed_reads - failed

@@ -1,56 +1,90 @@
-"""Period roll-over: which keys to read ahead before a period ends. Pure: no I/O, no asyncio.
+"""Period roll-over: before each period ends, read the next period's keys of the warm keys of
+the ending one (ADR 0005), so the first calls of the new period find them seeded.
 
 Every period is a new key, so at 00:00 UTC on the 1st every active counter of a node is cold at
-once. Shortly before a period ends, the node reads the next period's key of every warm key of
-the ending one (:meth:`meter.node.lifecycle.Node` runs the loop,
-:class:`meter.persist.seeder.Seeder` reads them behind any request). Those reads are ordinary
-fresh reads of cold keys (C06), made before anyone counts in the new period, so the first calls
-of the new period find their keys seeded. See docs/adr/0005-read-ahead-at-period-roll-over.md."""
+once. The keys to read are chosen by :mod:`meter.core.periods` (pure); the reads are ordinary
+fresh reads of cold keys (C06) queued behind any request (:class:`meter.core.seeder.Seeder`).
+"""
 
 from __future__ import annotations
 
-import calendar
-from collections.abc import Iterable, Mapping
-from datetime import UTC, datetime
+import asyncio
+import logging
+import time
 
-from meter.core.keys import Key, PeriodKind, period_start
+from meter.config import CounterConfig
+from meter.core.keys import PeriodKind
+from meter.core.periods import kinds_in_use, period_end
+from meter.core.service import Service
 
+log = logging.getLogger("meter.node")
 
-def period_end(kind: PeriodKind, now: float) -> float:
-    """The first instant (epoch seconds) after the period of ``kind`` containing ``now``."""
-    moment = datetime.fromtimestamp(now, tz=UTC)
-    if kind == "day":
-        day = datetime(moment.year, moment.month, moment.day, tzinfo=UTC)
-        return day.timestamp() + 86400
-    year, month = (moment.year + 1, 1) if moment.month == 12 else (moment.year, moment.month + 1)
-    return float(calendar.timegm((year, month, 1, 0, 0, 0)))
-
-
-def kinds_in_use(feature_periods: Mapping[str, PeriodKind]) -> list[PeriodKind]:
-    """The period kinds counters can have: ``month`` (the default) and any configured."""
-    kinds: list[PeriodKind] = ["month"]
-    if "day" in feature_periods.values():
-        kinds.append("day")
-    return kinds
+#: Warm keys mapped to the next period per event-loop pass when reading ahead.
+READ_AHEAD_SLICE = 5000
+#: Read-ahead passes per period end (at 1, 3/4, 1/2 and 1/4 of the lead before it).
+READ_AHEAD_PASSES = 4
 
 
-def next_keys(
-    keys: Iterable[Key],
-    kind: PeriodKind,
-    now: float,
-    feature_periods: Mapping[str, PeriodKind],
-    one_copy: Mapping[str, str] | None = None,
-) -> list[Key]:
-    """The next period's key of each key in ``keys`` that is in the current period of
-    ``kind`` (as of ``now``). Keys of other periods (older ones, named with ``at``) and of
-    features of another kind are skipped. ``one_copy`` maps a period name to the string to
-    use for it (so the new keys share one copy of it with the keys made later)."""
-    current = period_start(kind, now)
-    upcoming = period_start(kind, period_end(kind, now))
-    if one_copy is not None:
-        upcoming = one_copy.get(upcoming, upcoming)
-    out: list[Key] = []
-    for tenant, feature, period in keys:
-        if period == current and feature_periods.get(feature, "month") == kind:
-            out.append((tenant, feature, upcoming))
-    return out
+class ReadAhead:
+    """The read-ahead loop of one node's service."""
+
+    def __init__(self, service: Service, config: CounterConfig) -> None:
+        self.service = service
+        self.config = config
+
+    async def run(self) -> None:
+        """Four passes per period end, ``lead``, 3/4, 1/2 and 1/4 of it before, each for the
+        keys first used since the one before (keys queued or seeded already are skipped).
+        An error in one pass is logged and the loop goes on."""
+        c = self.config
+        # A row read ahead must outlive the wait for the boundary: eviction keeps an idle row
+        # at least evict_after_s.
+        lead = min(c.rollover_read_ahead_s, c.evict_after_s)
+        if lead <= 0:
+            return
+        done: dict[tuple[str, float], int] = {}  # (kind, period end) -> passes made
+        while True:
+            try:
+                wait = await self.step(time.time(), lead, done)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not end the read-ahead for good (nor the drain)
+                log.exception("rollover read-ahead failed unexpectedly (retried)")
+                wait = 1.0
+            await asyncio.sleep(wait)
+
+    async def step(self, now: float, lead: float, done: dict[tuple[str, float], int]) -> float:
+        """Make the read-ahead passes whose moment has come at ``now``; return how long to
+        wait before the next look: until the next pass's moment, at most a second (the wall
+        clock may jump, NTP), so a lead shorter than a second is not slept through."""
+        wait = 1.0
+        for kind in kinds_in_use(self.config.feature_periods):
+            end = period_end(kind, now)
+            passes = done.get((kind, end), 0)
+            if passes < READ_AHEAD_PASSES and now >= end - lead * (1 - passes / 4):
+                for k in [k for k in done if k[0] == kind and k[1] < end]:
+                    del done[k]
+                # Passes whose moment has come already are one.
+                while passes < READ_AHEAD_PASSES and now >= end - lead * (1 - passes / 4):
+                    passes += 1
+                done[(kind, end)] = passes
+                queued = await self.read_ahead(kind, now)
+                log.info(
+                    "%s ends in %.0f s: reading %d keys of the next one ahead",
+                    kind,
+                    end - now,
+                    queued,
+                )
+            if passes < READ_AHEAD_PASSES:
+                wait = min(wait, end - lead * (1 - passes / 4) - now)
+        return max(wait, 0.001)
+
+    async def read_ahead(self, kind: PeriodKind, now: float) -> int:
+        """Queue the next period's keys of every warm key, a slice per loop pass (a million
+        keys mapped in one go would hold the loop for a good part of a second)."""
+        keys = list(self.service.table.keys())
+        queued = 0
+        for start in range(0, len(keys), READ_AHEAD_SLICE):
+            queued += self.service.read_ahead(kind, now, keys[start : start + READ_AHEAD_SLICE])
+            await asyncio.sleep(0)
+        return queued

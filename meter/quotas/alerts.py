@@ -181,6 +181,8 @@ class Alerts:
         max_pending: int = MAX_PENDING,
         max_known: int = MAX_KNOWN,
         retry_s: float = RETRY_S,
+        on_fired: Callable[[Alert], None] | None = None,
+        on_deliver: Callable[[Alert], None] | None = None,
     ) -> None:
         self.node = node
         #: This process (claims name it: see _claim_body).
@@ -189,8 +191,8 @@ class Alerts:
         self.max_pending = max_pending
         self.max_known = max_known
         self.retry_s = retry_s
-        self.on_fired: Callable[[Alert], None] | None = None
-        self.on_deliver: Callable[[Alert], None] | None = None
+        self.on_fired = on_fired
+        self.on_deliver = on_deliver
         #: Crossings detected, not claimed yet (oldest first).
         self.pending: OrderedDict[str, Alert] = OrderedDict()
         self._known: OrderedDict[str, None] = OrderedDict()

@@ -28,6 +28,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from meter.core.ports import NoBudget
+
 
 @dataclass(frozen=True, slots=True)
 class Share:
@@ -134,10 +136,6 @@ class Local:
     @property
     def room(self) -> int:
         return self.c - self.a
-
-
-class NoBudget(Exception):
-    """The budget cannot cover the units asked for (the strict limit is reached)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,14 +1,16 @@
 """The limits methods of the protocol: ``set_plan``, ``assign_plan``, ``set_limit``,
-``clear_limit`` and ``limits`` (docs/protocol.md). Validation here; storage through
-:class:`~meter.quotas.store.LimitsSync`."""
+``clear_limit`` and ``limits`` (docs/protocol.md). Validation here, through the one parameter
+checker (:mod:`meter.core.params`); storage through :class:`~meter.quotas.store.LimitStore`."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 from meter.core.keys import check_feature, check_tenant
-from meter.errors import InvalidArgument, NotFound, Unavailable
+from meter.core.params import args as check_args
+from meter.core.ports import Handler
+from meter.errors import NotFound, Unavailable
 from meter.quotas.limits import (
     assign_record,
     check_plan_name,
@@ -17,25 +19,15 @@ from meter.quotas.limits import (
     parse_limit,
     plan_record,
 )
-from meter.quotas.store import LimitsSync
+from meter.quotas.store import LimitStore
 from storage.base import StorageError
-
-Handler = Callable[[list[Any]], Any]
-
-
-def _arity(method: str, params: list[Any], least: int, most: int) -> list[Any]:
-    n = len(params)
-    if not least <= n <= most:
-        want = str(least) if least == most else f"{least} to {most}"
-        raise InvalidArgument(f"{method} takes {want} params, got {n}")
-    return [*params, *([None] * (most - n))]
 
 
 class LimitMethods:
-    """The handlers, over one node's :class:`LimitsSync`."""
+    """The handlers, over one node's :class:`LimitStore`."""
 
-    def __init__(self, sync: LimitsSync) -> None:
-        self.sync = sync
+    def __init__(self, store: LimitStore) -> None:
+        self.store = store
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -47,40 +39,40 @@ class LimitMethods:
         }
 
     def set_plan(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
-        name, features = _arity("set_plan", params, 2, 2)
+        name, features = check_args("set_plan", params, 2, 2)
         name = check_plan_name(name)
         limits = parse_features(features)
         return self._changed(plan_record(name, limits))
 
     def assign_plan(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
-        tenant, plan = _arity("assign_plan", params, 2, 2)
+        tenant, plan = check_args("assign_plan", params, 2, 2)
         tenant = check_tenant(tenant)
         plan = None if plan is None else check_plan_name(plan)
         return self._assign(tenant, plan)
 
     async def _assign(self, tenant: str, plan: str | None) -> dict[str, Any]:
-        if plan is not None and plan not in self.sync.book.plans:
+        if plan is not None and plan not in self.store.book.plans:
             await self._fresh()  # the plan may be newer than this node's book
-            if plan not in self.sync.book.plans:
+            if plan not in self.store.book.plans:
                 raise NotFound(f"plan {plan!r} does not exist (set_plan it first)")
         return await self._changed(assign_record(tenant, plan))
 
     def set_limit(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
-        tenant, feature, spec = _arity("set_limit", params, 3, 3)
+        tenant, feature, spec = check_args("set_limit", params, 3, 3)
         tenant = check_tenant(tenant)
         feature = check_feature(feature)
         return self._changed(override_record(tenant, feature, parse_limit(spec)))
 
     def clear_limit(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
-        tenant, feature = _arity("clear_limit", params, 2, 2)
+        tenant, feature = check_args("clear_limit", params, 2, 2)
         tenant = check_tenant(tenant)
         feature = check_feature(feature)
         return self._changed(override_record(tenant, feature, None))
 
     def limits(self, params: list[Any]) -> dict[str, Any]:
-        (tenant,) = _arity("limits", params, 1, 1)
+        (tenant,) = check_args("limits", params, 1, 1)
         tenant = check_tenant(tenant)
-        book = self.sync.book
+        book = self.store.book
         return {
             "tenant": tenant,
             "plan": book.assigned.get(tenant),
@@ -89,10 +81,10 @@ class LimitMethods:
         }
 
     async def _changed(self, record: tuple[str, str, str, str | None]) -> dict[str, Any]:
-        return {"version": await self.sync.change(record)}
+        return {"version": await self.store.change(record)}
 
     async def _fresh(self) -> None:
         try:
-            await self.sync.refresh()
+            await self.store.refresh()
         except StorageError as exc:
             raise Unavailable(f"limits could not be read: {exc}") from None

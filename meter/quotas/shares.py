@@ -15,37 +15,23 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from meter.core.keys import Key
+from meter.core.ports import POOL, Funder, NoBudget
 from meter.errors import InsufficientBalance
 from meter.quotas import escrow
-from meter.quotas.escrow import Budget, Local, NoBudget
+from meter.quotas.escrow import Budget, Local
 from storage.base import Storage, StorageError, StorageUnavailable
 
 log = logging.getLogger("meter.escrow")
 
 #: Compare-and-swap attempts per write before giving up (contention from other nodes).
 MAX_ATTEMPTS = 32
-#: The ``limit`` a credit pool's shares are kept under: a pool's limit is in its record.
-POOL = -1
 #: Largest funding size a pool grows to (then ``available`` bounds it anyway).
 QTY_CAP = 2**62
 #: Longest a call waits for a pool funding (another node's in flight) before ``unavailable``.
 FUND_WAIT_S = 5.0
-
-
-class Funder(Protocol):
-    """Where a credit pool's credits come from: the tenant's ledger (docs/ledger.md)."""
-
-    async def available(self, tenant: str) -> int:
-        """Credits the tenant's ledger has now."""
-        ...
-
-    async def take(self, tenant: str, amount: int, ref: str) -> bool:
-        """Debit ``amount`` under ``ref`` exactly once (a repeated ref answers as its first
-        call did): True if it is debited, False if the ledger cannot cover it."""
-        ...
 
 
 class Shares:
@@ -65,6 +51,7 @@ class Shares:
         lease_ms: int = 10_000,
         share_max: int = 10_000,
         nodes: Callable[[], int] = lambda: 1,
+        fenced: Callable[[], str | None] = lambda: None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.storage = storage
@@ -76,7 +63,7 @@ class Shares:
         self.clock = clock
         #: Why this process may not write shares now (another process owns its node id, whose
         #: shares these are), or None.
-        self.fenced: Callable[[], str | None] = lambda: None
+        self.fenced = fenced
         #: Counter -> this node's share of its budget (the hot path's one lookup).
         self.local: dict[Key, Local] = {}
         self._locks: dict[Key, asyncio.Lock] = {}

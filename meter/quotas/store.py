@@ -28,8 +28,13 @@ log = logging.getLogger("meter.limits")
 WARN_EVERY_S = 60.0
 
 
-class LimitsSync:
-    """The limits a node enforces, and the loop that keeps them current."""
+class LimitStore:
+    """The limits a node enforces, and the loop that keeps them current (the storage half
+    of :mod:`meter.quotas.limits`: the only part of it that awaits storage).
+
+    ``on_book(book)`` is called with every new book read; ``publish(version)`` tells peers
+    of a change made through this node (the gossip layer's ``limits_changed``), if clustered.
+    """
 
     def __init__(
         self,
@@ -37,13 +42,13 @@ class LimitsSync:
         on_book: Callable[[LimitBook], None],
         *,
         poll_s: float = 0.5,
+        publish: Callable[[int], None] | None = None,
     ) -> None:
         self.storage = storage
         self.on_book = on_book
         self.poll_s = poll_s
         self.book = LimitBook()
-        #: Tell peers of a change (the gossip layer's ``limits_changed``), if clustered.
-        self.publish: Callable[[int], None] | None = None
+        self.publish = publish
         self.reads = 0
         self.loaded_at: float | None = None
         self.last_error: str | None = None

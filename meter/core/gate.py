@@ -1,0 +1,422 @@
+"""The gate: hard and soft limits, strict budgets and credit prices, checked before counting.
+
+Every counting part (tracking, reservations) asks the gate whether a call may count, and lets
+it count on every level of a tenant at once. Strict limits and credit pools admit from this
+node's share of their budget (ADR 0009, ADR 0010); a share without room makes the call wait
+for one storage write (:meth:`Gate.make_room`). The ``check`` method lives here too: it asks
+the gate what a track would do, changing nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from meter.config import CounterConfig
+from meter.core.keycache import NAME_CACHE_SIZE, KeyCache
+from meter.core.keys import QTY_MAX, Key, check_at, check_qty
+from meter.core.params import args as check_args
+from meter.core.params import opts as check_opts
+from meter.core.ports import (
+    POOL,
+    AlertSink,
+    Budgets,
+    Funder,
+    Limit,
+    Limits,
+    NoBudget,
+    PeerHeld,
+)
+from meter.core.seeder import Seeder
+from meter.core.table import CounterTable
+from meter.errors import InsufficientBalance, InvalidArgument, LimitExceeded, Unavailable
+from storage.base import StorageError
+
+log = logging.getLogger("meter.service")
+
+_CHECK_OPTS = frozenset({"at"})
+
+#: The feature name of a tenant's credit pool (``#`` never appears in a feature).
+CREDITS = "#credits"
+
+
+def pool_key(tenant: str) -> Key:
+    """The key of ``tenant``'s credit pool (a budget record with no period)."""
+    return (tenant, CREDITS, "")
+
+
+class Gate:
+    """The limits this node enforces, and what checking them takes (see the module doc)."""
+
+    def __init__(
+        self,
+        table: CounterTable,
+        keys: KeyCache,
+        seeder: Seeder,
+        config: CounterConfig,
+        *,
+        shares: Budgets,
+        funder: Funder,
+        alerts: AlertSink,
+        peer_holds: PeerHeld,
+    ) -> None:
+        self.table = table
+        self.keys = keys
+        self.seeder = seeder
+        self.config = config
+        #: This node's shares of strict budgets (ADR 0009): strict limits admit from these.
+        self.shares = shares
+        #: Credit-metered features spend from pools funded by the ledgers (docs/ledger.md).
+        self.funder = funder
+        #: Threshold alerts (docs/quotas.md): detected here, claimed by the node's loop.
+        self.alerts = alerts
+        #: Units peers hold in open reservations (their ``holds`` frames): against limits.
+        self.peer_holds = peer_holds
+        #: The limits per (tenant, feature); None while no pair has one (the fast test).
+        self.limited: Limits | None = None
+        #: ``acme/alice`` also counts on ``acme`` (ADR 0008).
+        self.hier = config.tenant_hierarchy
+        #: Whether any call may need more than a plain count (a limit exists, or the tenant
+        #: hierarchy is on): the hot paths look at this one flag.
+        self.gated = self.hier
+        #: Whether any limit has alert thresholds (the one test the counting paths make).
+        self.alerting = False
+        #: (tenant, feature) -> how the batched warm path checks it (see warm_check).
+        self.warm_checks: dict[tuple[str, str], Any] = {}
+        #: Calls refused by a hard limit, and soft limits crossed, since start.
+        self.limit_refusals = 0
+        self.soft_crossings = 0
+
+    def new_limits(self, limited: Limits, alerting: bool) -> None:
+        """Enforce ``limited`` from now on (``alerting``: some limit has alert thresholds)."""
+        self.warm_checks = {}  # decided again under the new limits
+        self.limited = limited if limited else None
+        self.gated = bool(limited) or self.hier
+        self.alerting = alerting
+
+    def effective(self, key: Key) -> Limit | None:
+        """The limit on ``key``'s (tenant, feature), if any."""
+        limited = self.limited
+        return limited.get((key[0], key[1])) if limited else None
+
+    def held_elsewhere(self, key: Key) -> int:
+        """Units peers hold on ``key`` in open reservations."""
+        total = self.peer_holds.total
+        return total.get(key, 0) if total else 0
+
+    def needs_check(self, key: Key) -> bool:
+        """Whether a count on ``key`` is checked against a limit or spread over levels."""
+        limited = self.limited
+        return bool(limited and (key[0], key[1]) in limited) or (self.hier and "/" in key[0])
+
+    def warm_check(self, key: Key) -> Any:
+        """How a plain warm track on ``key``'s pair is checked, remembered until the limits
+        change: ``None`` (nothing to check), ``(pool, price)`` (its price only: the batched
+        path charges the pool) or ``False`` (dispatch checks it)."""
+        if not self.needs_check(key):
+            how: Any = None
+        else:
+            credits = self.priced_only(key, 1)
+            how = False if credits is None else (pool_key(key[0]), credits)
+        checks = self.warm_checks
+        if len(checks) >= NAME_CACHE_SIZE:
+            checks.clear()
+        checks[(key[0], key[1])] = how
+        return how
+
+    def priced_only(self, key: Key, qty: int) -> int | None:
+        """The credits a plain track of ``qty`` on ``key`` costs if its price is the only
+        thing to check (no unit limit, alerts or levels), else ``None``."""
+        eff = self.effective(key)
+        if (
+            eff is None
+            or not eff.price
+            or qty <= 0
+            or eff.limit != QTY_MAX
+            or eff.alerts
+            or eff.enforcement != "fast"
+            or (self.hier and "/" in key[0])
+        ):
+            return None
+        credits = eff.price * qty
+        return credits if credits <= QTY_MAX else None  # (dispatch refuses it, clearly)
+
+    def gate(self, key: Key, qty: int, eff: Limit | None) -> None:
+        """Refuse (raise, nothing counted) ``qty`` more units on a seeded-or-not ``key`` that
+        would take its view past a hard limit. Units taken away are never refused."""
+        if eff is None or qty <= 0:
+            return
+        if eff.price and not self.shares.ready(pool_key(key[0]), credits_for(eff, qty), POOL):
+            raise Short(pool_key(key[0]), eff.price * qty, eff, credits=True)
+        if eff.kind != "hard":
+            return
+        if eff.enforcement == "strict":
+            if not self.shares.ready(key, qty, eff.limit):
+                raise Short(key, qty, eff)
+            return
+        value = self.table.value(key)
+        if value is None:
+            raise Unavailable(
+                f"{key[0]}/{key[1]}: the stored total is unknown (storage unreachable), so its "
+                "hard limit cannot be checked; nothing counted"
+            )
+        elsewhere = self.held_elsewhere(key)
+        if value + elsewhere + qty > eff.limit:
+            self.limit_refusals += 1
+            held = f" + {elsewhere} held by peers" if elsewhere else ""
+            raise LimitExceeded(
+                f"{key[0]}/{key[1]}: {value}{held} + {qty} would pass the hard limit "
+                f"{eff.limit} ({eff.source}); nothing counted"
+            )
+
+    def detail(self, key: Key, value: int | None, qty: int) -> dict[str, Any]:
+        """The ``check`` map of ``key`` at ``value`` for ``qty`` more units (0: as it is)."""
+        eff = self.effective(key)
+        if eff is None:
+            return {"allowed": True, "value": value, "limit": None, "remaining": None,
+                    "kind": None, "source": None, "over": False, "tenant": key[0]}  # fmt: skip
+        elsewhere = self.held_elsewhere(key)
+        if eff.enforcement == "strict" and eff.kind == "hard":
+            # Strict: this node's share decides (checked before the answer, see check).
+            over = qty > 0 and not self.shares.ready(key, qty, eff.limit)
+        else:
+            over = value is not None and value + elsewhere + qty > eff.limit
+        allowed = not over or qty <= 0 or eff.kind == "soft"
+        if value is None and eff.kind == "hard" and qty > 0:
+            allowed = False  # the total is unknown: a track would be refused
+        out = {
+            "allowed": allowed,
+            "value": value,
+            "limit": eff.limit,
+            "remaining": None if value is None else max(0, eff.limit - value - elsewhere),
+            "kind": eff.kind,
+            "source": eff.source,
+            "over": over,
+            "tenant": key[0],
+        }
+        if eff.price:  # credit-metered: the credits it costs, and whether they are there
+            credits = credits_for(eff, max(0, qty))
+            out["credits"] = credits
+            if credits and not self.shares.ready(pool_key(key[0]), credits, POOL):
+                out["allowed"] = False
+        return out
+
+    def count_levels(self, keys: list[Key], qty: int) -> tuple[list[int | None], list[list[Any]]]:
+        """Gate then count ``qty`` on each of ``keys``; the new values and the log items of
+        the levels above the first. Raises (nothing counted anywhere) if a level refuses."""
+        limited = self.limited
+        effs = [limited.get((k[0], k[1])) if limited else None for k in keys]
+        for k, eff in zip(keys, effs, strict=True):
+            self.gate(k, qty, eff)
+        values: list[int | None] = []
+        try:
+            for k in keys:
+                values.append(self.table.incr(k, qty))
+        except InvalidArgument:  # past the 64-bit range at some level: take back the others
+            for k in keys[: len(values)]:
+                self.table.incr(k, -qty, check=False)
+            raise
+        for k, eff, v in zip(keys, effs, values, strict=True):
+            if eff is not None and eff.price and qty > 0:  # credit-metered: spend its credits
+                self.shares.admit(pool_key(k[0]), eff.price * qty)
+            if eff is not None and eff.enforcement == "strict" and qty > 0 and eff.kind == "hard":
+                self.shares.admit(k, qty)
+            elif soft_crossing(eff, v, qty):
+                self.crossed(k, eff, v)
+        if self.alerting and qty > 0:
+            for k, eff, v in zip(keys, effs, values, strict=True):
+                if eff is not None and eff.alerts and v is not None:
+                    self.alerts.detect(k, eff.limit, eff.alerts, v - qty, v)
+        return values, [[*k, qty] for k in keys[1:]]
+
+    def crossed(self, key: Key, eff: Limit | None, value: int | None) -> None:
+        """A count took ``key`` past its soft limit: counted and logged."""
+        self.soft_crossings += 1
+        if eff is not None:
+            log.info("soft limit crossed: %s/%s at %s > %d (%s)",
+                     key[0], key[1], value, eff.limit, eff.source)  # fmt: skip
+
+    def check(self, params: list[Any]) -> Any:
+        """The ``check`` method: what a track of ``qty`` would do now, changing nothing."""
+        tenant, feature, qty, opts = check_args("check", params, 2, 4, (1, {}))
+        at = check_opts("check", opts, _CHECK_OPTS).get("at")
+        key = self.keys.key_for(tenant, feature, None if at is None else check_at(at))
+        qty = check_qty(qty)
+        keys = self.keys.levels(key)
+        if all(self.table.is_seeded(k) for k in keys) and not self.strict_short(keys, qty):
+            return self.check_levels(keys, qty)
+        return self._check_cold(keys, qty)
+
+    async def _check_cold(self, keys: list[Key], qty: int) -> dict[str, Any]:
+        await self.seeder.seed_many(keys)
+        if not all(self.table.is_seeded(k) for k in keys):
+            raise Unavailable("storage is unreachable and this counter's total is not known")
+        for short in self.strict_short(keys, qty):
+            # Would a track be admitted? Only a share with room says yes: take one.
+            with contextlib.suppress(LimitExceeded, InsufficientBalance):
+                await self.make_room(short)
+        return self.check_levels(keys, qty)
+
+    def strict_short(self, keys: list[Key], qty: int) -> list[Short]:
+        """The strict levels of ``keys`` whose share has no room for ``qty`` now."""
+        limited = self.limited
+        if not limited or qty <= 0:
+            return []
+        out = []
+        for k in keys:
+            eff = limited.get((k[0], k[1]))
+            if eff is None:
+                continue
+            if eff.price and not self.shares.ready(pool_key(k[0]), credits_for(eff, qty), POOL):
+                out.append(Short(pool_key(k[0]), eff.price * qty, eff, credits=True))
+            if (
+                eff.enforcement == "strict"
+                and eff.kind == "hard"
+                and not self.shares.ready(k, qty, eff.limit)
+            ):
+                out.append(Short(k, qty, eff))
+        return out
+
+    async def make_room(self, short: Short, at_least: int | None = None) -> None:
+        """Make room for what ``short`` asked for: in the tenant's credit pool, or in this
+        node's share of a strict budget."""
+        if short.credits:
+            try:
+                await self.shares.ensure_pool(short.key, short.qty, self.funder)
+            except StorageError as exc:
+                raise Unavailable(
+                    f"{short.key[0]}: the credit pool cannot be read or written ({exc}); "
+                    "nothing counted"
+                ) from None
+            return
+        await self._make_strict_room(short, at_least)
+
+    async def _make_strict_room(self, short: Short, at_least: int | None = None) -> None:
+        """One write (or a few, under contention) giving this node's share room for the
+        units ``short`` asked for; ``limit_exceeded`` if the strict budget cannot cover them."""
+        key, eff = short.key, short.eff
+        value = self.table.value(key)
+        if value is None:
+            raise Unavailable(
+                f"{key[0]}/{key[1]}: the stored total is unknown (storage unreachable), so its "
+                "strict limit cannot be checked; nothing counted"
+            )
+        try:
+            await self.shares.ensure(key, short.qty, eff.limit, max(0, value), at_least)
+        except NoBudget as exc:
+            self.limit_refusals += 1
+            raise LimitExceeded(
+                f"{key[0]}/{key[1]}: {short.qty} more would pass the strict limit {eff.limit} "
+                f"({eff.source}): {exc}; nothing counted"
+            ) from None
+        except StorageError as failed:
+            raise Unavailable(
+                f"{key[0]}/{key[1]}: the strict budget cannot be read or written ({failed}); "
+                "nothing counted"
+            ) from None
+
+    def check_levels(self, keys: list[Key], qty: int) -> dict[str, Any]:
+        """The leaf's map, or (with the hierarchy) that of the first level that would refuse."""
+        details = [self.detail(k, self.table.value(k), qty) for k in keys]
+        return next((d for d in details if not d["allowed"]), details[0])
+
+    def batch_short(self, good: list[tuple[Key, int]]) -> list[tuple[Short, int]]:
+        """Per strict level whose share cannot take every item of a batch (``good``, its
+        items to count) on it: what it needs (the items' sum) and the smallest item."""
+        if not self.limited:
+            return []
+        sums: dict[Key, list[int]] = {}
+        for key, qty in good:
+            if qty > 0:
+                for k in self.keys.levels_or_leaf(key):
+                    acc = sums.get(k)
+                    if acc is None:
+                        sums[k] = [qty, qty]
+                    else:
+                        acc[0] += qty
+                        acc[1] = min(acc[1], qty)
+        out: list[tuple[Short, int]] = []
+        pools: dict[Key, list[Any]] = {}  # every priced feature of a tenant: one pool
+        limited = self.limited
+        for k, (total, smallest) in sums.items():
+            for short in self.strict_short([k], total):
+                if not short.credits:
+                    out.append((short, smallest))
+            eff = limited.get((k[0], k[1]))
+            if eff is not None and eff.price:
+                # (its own name: mypyc would check its items as ``sums``' ints)
+                entry: list[Any] = pools.setdefault(pool_key(k[0]), [0, None, eff])
+                entry[0] = min(entry[0] + eff.price * total, QTY_MAX)  # (past it: fail alone)
+                cost = min(eff.price * smallest, QTY_MAX)
+                entry[1] = cost if entry[1] is None else min(entry[1], cost)
+        for pool, (need, smallest, eff) in pools.items():
+            if not self.shares.ready(pool, need, POOL):
+                out.append((Short(pool, need, eff, credits=True), smallest))
+        return out
+
+    def refusal(self, short: Short, qty: int) -> InsufficientBalance | LimitExceeded:
+        """The error of one item of a batch that ``short`` found no room for."""
+        if short.credits:
+            return InsufficientBalance(
+                f"{short.key[0]}: {short.qty} credits needed, not available; nothing counted"
+            )
+        self.limit_refusals += 1
+        return LimitExceeded(
+            f"{short.key[0]}/{short.key[1]}: {qty} more would pass the strict limit "
+            f"{short.eff.limit} ({short.eff.source}); nothing counted"
+        )
+
+    def peer_deltas(self, deltas: Iterable[tuple[str, str, str, int, int]]) -> None:
+        """A peer's gossip deltas ``(tenant, feature, period, seq, delta)`` were applied:
+        detect the threshold crossings they caused (the view before a frame is taken as the
+        view after it less the frame's units)."""
+        limited = self.limited
+        if not self.alerting or limited is None:
+            return
+        sums: dict[Key, int] = {}
+        for t, f, p, _, delta in deltas:
+            eff = limited.get((t, f))
+            if eff is not None and eff.alerts and delta > 0:
+                key = (t, f, p)
+                sums[key] = sums.get(key, 0) + delta
+        for key, units in sums.items():
+            eff = limited.get((key[0], key[1]))
+            value = self.table.value(key)
+            if eff is not None and value is not None:
+                self.alerts.detect(key, eff.limit, eff.alerts, value - units, value)
+
+
+class Short(Exception):
+    """Internal: ``key``'s strict share (``credits``: ``key`` is a tenant's credit pool and
+    ``qty`` credits) has no room for ``qty`` now (nothing counted); the call waits for
+    :meth:`Gate.make_room` and tries again."""
+
+    def __init__(self, key: Key, qty: int, eff: Limit, *, credits: bool = False) -> None:
+        super().__init__(key, qty)
+        self.key = key
+        self.qty = qty
+        self.eff = eff
+        self.credits = credits
+
+
+def credits_for(eff: Limit, qty: int) -> int:
+    """What ``qty`` units of a priced feature cost; ``invalid_argument`` past 2^63 - 1."""
+    credits = eff.price * qty
+    if credits > QTY_MAX:
+        raise InvalidArgument(
+            f"{qty} units at {eff.price} credits a unit cost more than {QTY_MAX} credits"
+        )
+    return credits
+
+
+def soft_crossing(eff: Limit | None, value: int | None, qty: int) -> bool:
+    """Whether counting ``qty`` units (now at ``value``) took a counter past a soft limit."""
+    return (
+        eff is not None
+        and eff.kind == "soft"
+        and value is not None
+        and qty > 0
+        and value - qty <= eff.limit < value
+    )

@@ -1,0 +1,186 @@
+"""Validated names and the keys of the current UTC day: one copy of each, checked once.
+
+The request path asks :meth:`KeyCache.key_for` for the key of every call. Validation and
+period building then happen once per (tenant, feature) per day instead of once per call, and
+every row of a pair shares one key tuple. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+
+from meter.core.keys import Key, PeriodKind, check_feature, check_tenant, period_start
+from meter.core.periods import next_keys, period_end
+from meter.errors import InvalidArgument
+
+#: Most levels of a tenant name with the tenant hierarchy on (``a/b/c/d``).
+MAX_LEVELS = 4
+#: Most (tenant, feature) pairs whose current key is cached; the cache starts over when full.
+#: (65,536 made track_many leave its fast path past that many active pairs: 2.5x per item.)
+KEY_CACHE_SIZE = 262_144
+#: Most names kept in one copy, per kind (tenants, features, periods); each starts over when full.
+NAME_CACHE_SIZE = 262_144
+
+
+class KeyCache:
+    """The keys and names one node has validated (see the module docstring)."""
+
+    def __init__(self, periods: Mapping[str, PeriodKind], hierarchy: bool) -> None:
+        #: Feature -> its period kind (features not listed count per month).
+        self.periods = periods
+        #: ``acme/alice`` also counts on ``acme`` (ADR 0008): :meth:`levels` spreads keys.
+        self.hierarchy = hierarchy
+        # (tenant, feature) -> its validated key in the current period. Valid only within
+        # [day_start, day_end): the current UTC day, inside which neither a day nor a month
+        # period changes.
+        self.cache: dict[tuple[str, str], Key] = {}
+        self.day_start = 0.0
+        self.day_end = 0.0
+        #: The current day's period of each kind, made once a day (see new_day).
+        self.day_periods: dict[PeriodKind, str] = {}
+        # Names already validated, each the one copy every key made since shares: a name
+        # decoded from a request is a new string each time, and a key keeps the strings of the
+        # request that made it, so without these a million keys would hold a million copies
+        # of a hundred feature names (and of each tenant's, and of the period). Bounded dicts,
+        # not sys.intern: names come from clients, and interned strings are never freed on
+        # 3.12 releases before the gh-113993 backport (August 2024) nor on free-threaded
+        # builds. Not tied to the day: a name's validity never changes.
+        self.tenants: dict[str, str] = {}
+        self.features: dict[str, str] = {}
+        self.period_names: dict[str, str] = {}
+
+    def valid_now(self, now: float) -> bool:
+        """Whether the cached keys are those of the day containing ``now``."""
+        return self.day_start <= now < self.day_end
+
+    def key_for(self, tenant: object, feature: object, at: float | None = None) -> Key:
+        """Validate names and build the key of the period containing ``at`` (default now)."""
+        if at is None and type(tenant) is str and type(feature) is str:
+            now = time.time()
+            if self.day_start <= now < self.day_end:
+                key = self.cache.get((tenant, feature))
+                if key is not None:
+                    return key
+            else:
+                self.new_day(now)
+            t = self.tenants.get(tenant)
+            if t is None:
+                t = one_copy(self.tenants, check_tenant(tenant))
+            f = self.features.get(feature)
+            if f is None:
+                f = one_copy(self.features, check_feature(feature))
+            key = (t, f, self.day_periods[self.periods.get(f, "month")])
+            if len(self.cache) >= KEY_CACHE_SIZE:
+                self.cache.clear()
+            self.cache[(t, f)] = key
+            return key
+        t = self.tenant(tenant)
+        f = one_copy(self.features, check_feature(feature))
+        period = period_start(self.periods.get(f, "month"), at)
+        return (t, f, one_copy(self.period_names, period))
+
+    def tenant(self, tenant: object) -> str:
+        """``tenant`` validated, as this node's one copy of the name."""
+        if type(tenant) is str:
+            t = self.tenants.get(tenant)
+            if t is not None:
+                return t
+        return one_copy(self.tenants, check_tenant(tenant))
+
+    def feature(self, feature: str) -> str:
+        """This node's one copy of the (validated) feature name ``feature``."""
+        return one_copy(self.features, feature)
+
+    def period(self, period: str) -> str:
+        """This node's one copy of the period name ``period``."""
+        return one_copy(self.period_names, period)
+
+    def kinds(self) -> set[PeriodKind]:
+        """The period kinds counters have: ``month`` and any configured."""
+        return {"month", *self.periods.values()}
+
+    def kind_of(self, feature: str) -> PeriodKind:
+        """The period kind of ``feature``."""
+        return self.periods.get(feature, "month")
+
+    def current_keys(self, keys: Iterable[Key], limit: int) -> tuple[list[Key], int]:
+        """The first ``limit`` keys of ``keys`` whose period is the current one for their
+        feature, each made of this node's one copy of its names, and how many keys were passed
+        over for a period that is not current (recovery's warm-up: names from the log were
+        validated when their calls were accepted)."""
+        now = time.time()
+        if not self.day_start <= now < self.day_end:
+            self.new_day(now)
+        current = self.day_periods
+        periods = self.periods
+        tenants, features = self.tenants, self.features
+        out: list[Key] = []
+        skipped = 0
+        for t, f, p in keys:
+            if len(out) >= limit:
+                break
+            period = current[periods.get(f, "month")]
+            if p != period:
+                skipped += 1
+                continue
+            out.append(
+                (tenants.get(t) or one_copy(tenants, t), features.get(f) or one_copy(features, f),
+                 period)
+            )  # fmt: skip
+        return out, skipped
+
+    def new_day(self, now: float) -> None:
+        """Start the key cache over for the UTC day containing ``now``."""
+        self.cache.clear()
+        self.day_start = now - now % 86400
+        self.day_end = self.day_start + 86400
+        names = self.period_names
+        self.day_periods = {
+            "month": one_copy(names, period_start("month", now)),
+            "day": one_copy(names, period_start("day", now)),
+        }
+
+    def next_keys(self, kind: PeriodKind, now: float, keys: Iterable[Key]) -> list[Key]:
+        """The next period's key of each of ``keys`` in the period of ``kind`` containing
+        ``now`` (:mod:`meter.core.periods`), sharing this node's copy of the period name."""
+        upcoming = period_start(kind, period_end(kind, now))
+        one_copy(self.period_names, upcoming)
+        return next_keys(keys, kind, now, self.periods, self.period_names)
+
+    def levels(self, key: Key) -> list[Key]:
+        """``key`` and, with the tenant hierarchy on, the same counter of every ancestor of
+        its tenant, leaf first: ``acme/alice`` -> ``[acme/alice, acme]``."""
+        tenant = key[0]
+        if not self.hierarchy or "/" not in tenant:
+            return [key]
+        parts = tenant.split("/")
+        if len(parts) > MAX_LEVELS:
+            raise InvalidArgument(
+                f"tenant {tenant[:64]!r} has {len(parts)} levels; at most {MAX_LEVELS}"
+            )
+        if "" in parts:
+            raise InvalidArgument(f"tenant {tenant[:64]!r} has an empty level")
+        names = self.tenants
+        return [key] + [
+            (one_copy(names, "/".join(parts[:n])), key[1], key[2])
+            for n in range(len(parts) - 1, 0, -1)
+        ]
+
+    def levels_or_leaf(self, key: Key) -> list[Key]:
+        """:meth:`levels`, or just ``key`` if its name has too many or empty levels (then it
+        is refused when counted)."""
+        try:
+            return self.levels(key)
+        except InvalidArgument:
+            return [key]
+
+
+def one_copy(names: dict[str, str], name: str) -> str:
+    """The copy of ``name`` kept in ``names`` (``name`` itself, kept, if none yet)."""
+    kept = names.get(name)
+    if kept is None:
+        if len(names) >= NAME_CACHE_SIZE:
+            names.clear()
+        names[name] = kept = name
+    return kept

@@ -1,0 +1,56 @@
+"""Period roll-over: which keys to read ahead before a period ends. Pure: no I/O, no asyncio.
+
+Every period is a new key, so at 00:00 UTC on the 1st every active counter of a node is cold at
+once. Shortly before a period ends, the node reads the next period's key of every warm key of
+the ending one (:meth:`meter.node.lifecycle.Node` runs the loop,
+:class:`meter.core.seeder.Seeder` reads them behind any request). Those reads are ordinary
+fresh reads of cold keys (C06), made before anyone counts in the new period, so the first calls
+of the new period find their keys seeded. See docs/adr/0005-read-ahead-at-period-roll-over.md."""
+
+from __future__ import annotations
+
+import calendar
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+
+from meter.core.keys import Key, PeriodKind, period_start
+
+
+def period_end(kind: PeriodKind, now: float) -> float:
+    """The first instant (epoch seconds) after the period of ``kind`` containing ``now``."""
+    moment = datetime.fromtimestamp(now, tz=UTC)
+    if kind == "day":
+        day = datetime(moment.year, moment.month, moment.day, tzinfo=UTC)
+        return day.timestamp() + 86400
+    year, month = (moment.year + 1, 1) if moment.month == 12 else (moment.year, moment.month + 1)
+    return float(calendar.timegm((year, month, 1, 0, 0, 0)))
+
+
+def kinds_in_use(feature_periods: Mapping[str, PeriodKind]) -> list[PeriodKind]:
+    """The period kinds counters can have: ``month`` (the default) and any configured."""
+    kinds: list[PeriodKind] = ["month"]
+    if "day" in feature_periods.values():
+        kinds.append("day")
+    return kinds
+
+
+def next_keys(
+    keys: Iterable[Key],
+    kind: PeriodKind,
+    now: float,
+    feature_periods: Mapping[str, PeriodKind],
+    one_copy: Mapping[str, str] | None = None,
+) -> list[Key]:
+    """The next period's key of each key in ``keys`` that is in the current period of
+    ``kind`` (as of ``now``). Keys of other periods (older ones, named with ``at``) and of
+    features of another kind are skipped. ``one_copy`` maps a period name to the string to
+    use for it (so the new keys share one copy of it with the keys made later)."""
+    current = period_start(kind, now)
+    upcoming = period_start(kind, period_end(kind, now))
+    if one_copy is not None:
+        upcoming = one_copy.get(upcoming, upcoming)
+    out: list[Key] = []
+    for tenant, feature, period in keys:
+        if period == current and feature_periods.get(feature, "month") == kind:
+            out.append((tenant, feature, upcoming))
+    return out

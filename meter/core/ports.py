@@ -1,0 +1,141 @@
+"""What the request path needs from the features, as Protocols (the features implement them).
+
+:mod:`meter.core` imports no feature: the node's wiring (:mod:`meter.node.wiring`) hands each
+core part the feature objects it needs, typed by these. Interpreted (ADR 0011): Protocols
+and an exception class, nothing the compiled code calls natively.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from meter.core.keys import Key
+
+#: A wire method: params in, the result (or an awaitable of it) out.
+Handler = Callable[[list[Any]], Any]
+
+#: The ``limit`` a credit pool's shares are kept under: a pool's limit is in its record.
+POOL = -1
+
+
+class NoBudget(Exception):
+    """The budget cannot cover the units asked for (the strict limit is reached)."""
+
+
+class Limit(Protocol):
+    """The limit that applies to one (tenant, feature) (:class:`meter.quotas.limits.Effective`)."""
+
+    @property
+    def limit(self) -> int: ...
+    @property
+    def kind(self) -> str:
+        """``hard`` or ``soft``."""
+        ...
+
+    @property
+    def enforcement(self) -> str:
+        """``fast`` or ``strict``."""
+        ...
+
+    @property
+    def source(self) -> str:
+        """``override`` or ``plan:<name>``."""
+        ...
+
+    @property
+    def alerts(self) -> tuple[int, ...]:
+        """Alert thresholds in percent of ``limit``."""
+        ...
+
+    @property
+    def price(self) -> int:
+        """Credits one unit costs (0: not credit-metered)."""
+        ...
+
+
+class Limits(Protocol):
+    """``(tenant, feature)`` -> its limit (:class:`meter.quotas.limits.PairLimits`); falsy
+    when no pair has one."""
+
+    def get(self, pair: tuple[str, str]) -> Limit | None: ...
+    def __contains__(self, pair: object) -> bool: ...
+    def __bool__(self) -> bool: ...
+
+
+class Funder(Protocol):
+    """Where a credit pool's credits come from: the tenant's ledger (docs/ledger.md)."""
+
+    async def available(self, tenant: str) -> int:
+        """Credits the tenant's ledger has now."""
+        ...
+
+    async def take(self, tenant: str, amount: int, ref: str) -> bool:
+        """Debit ``amount`` under ``ref`` exactly once (a repeated ref answers as its first
+        call did): True if it is debited, False if the ledger cannot cover it."""
+        ...
+
+
+class Budgets(Protocol):
+    """This node's shares of strict budgets and credit pools (:class:`meter.quotas.shares.Shares`,
+    ADR 0009): admitted from memory, refilled by writes."""
+
+    def ready(self, key: Key, qty: int, limit: int) -> bool:
+        """Whether ``qty`` units can be admitted on ``key`` from this node's share now."""
+        ...
+
+    def admit(self, key: Key, qty: int) -> None:
+        """Count ``qty`` units as admitted (the caller checked :meth:`ready`)."""
+        ...
+
+    def hold(self, key: Key, qty: int) -> None:
+        """Admit ``qty`` units a reservation holds."""
+        ...
+
+    def settle(self, key: Key, held: int, unused: int) -> None:
+        """A reservation of ``held`` units ended with ``unused`` of them not used."""
+        ...
+
+    def readmit(self, key: Key, qty: int, held: int) -> bool:
+        """Units given back are spoken for again (a finish whose log write failed)."""
+        ...
+
+    async def ensure(
+        self, key: Key, need: int, limit: int, base: int, at_least: int | None = None
+    ) -> None:
+        """Make room for ``need`` units on ``key``; :class:`NoBudget` if the budget cannot
+        cover them, ``StorageError`` if storage cannot be asked."""
+        ...
+
+    async def ensure_pool(self, key: Key, need: int, funder: Funder) -> None:
+        """Make room for ``need`` credits in a tenant's credit pool, funded by ``funder``."""
+        ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class AlertSink(Protocol):
+    """Threshold alerts (:class:`meter.quotas.alerts.Alerts`): crossings detected here."""
+
+    def detect(
+        self, key: Key, limit: int, alerts: tuple[int, ...], before: int, after: int
+    ) -> None:
+        """The view of ``key`` went from ``before`` to ``after``."""
+        ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class PeerHeld(Protocol):
+    """Units peers hold in open reservations (:class:`meter.quotas.holds.PeerHolds`)."""
+
+    @property
+    def total(self) -> Mapping[Key, int]:
+        """Per counter, every live peer's held units."""
+        ...
+
+
+class Reporting(Protocol):
+    """A part whose counters ``status`` shows."""
+
+    def status(self) -> dict[str, Any]: ...

@@ -1,0 +1,119 @@
+"""The ``history`` method (docs/history.md): stored day or month buckets of a range, with
+what ``usage`` knows that storage does not have yet added to the current period's bucket."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+from meter.core.keycache import KeyCache
+from meter.core.keys import check_feature, check_tenant, period_start
+from meter.core.params import args as check_args
+from meter.core.ports import Handler
+from meter.core.seeder import Seeder
+from meter.core.table import CounterTable
+from meter.errors import Unavailable
+from meter.history.days import (
+    Granularity,
+    days_between,
+    flush_day,
+    last_day,
+    months_between,
+    parse_range,
+)
+from storage.base import Storage, StorageError
+
+
+class HistoryMethods:
+    """The handler, over one node's table, key cache, seeder and storage."""
+
+    def __init__(
+        self, table: CounterTable, keys: KeyCache, seeder: Seeder, storage: Storage
+    ) -> None:
+        self.table = table
+        self.keys = keys
+        self.seeder = seeder
+        self.storage = storage
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"history": self.history}
+
+    def history(self, params: list[Any]) -> Awaitable[list[list[Any]]]:
+        tenant, feature, opts = check_args("history", params, 2, 3)
+        tenant = check_tenant(tenant)
+        feature = check_feature(feature)
+        now = time.time()
+        granularity, first, last = parse_range(opts, now)
+        return self._history(tenant, feature, granularity, first, last, now)
+
+    async def _history(
+        self, tenant: str, feature: str, granularity: Granularity, first: str, last: str, now: float
+    ) -> list[list[Any]]:
+        kind = self.keys.kind_of(feature)
+        if granularity == "day":
+            buckets = days_between(first, last)
+            months = months_between(first[:7], last[:7])
+        else:
+            buckets = months_between(first, last)
+            months = buckets
+        # Whole months are read: what a month's stored days do not hold of its live value
+        # goes to the day its next flush will write (today in the current month).
+        low, high = months[0] + "-01", last_day(months[-1])
+        storage = self.storage
+        try:
+            if kind == "month" and granularity == "month":
+                stored = await storage.counters_between(tenant, feature, first, last)
+            elif kind == "month":
+                stored = await storage.day_buckets(tenant, feature, low, high)
+            else:
+                stored = await storage.counters_between(tenant, feature, low, high)
+        except StorageError as exc:
+            raise Unavailable(f"storage is unreachable: {exc}") from None
+        if kind == "month":
+            for month in months:
+                live = await self._live(tenant, feature, month, now)
+                if live is None:
+                    continue
+                if granularity == "month":
+                    stored[month] = live
+                    continue
+                day = flush_day(month, now)
+                assert day is not None
+                before = sum(v for d, v in stored.items() if d.startswith(month) and d != day)
+                stored[day] = live - before
+        else:
+            for day in days_between(low, high):
+                live = await self._live(tenant, feature, day, now)
+                if live is not None:
+                    stored[day] = live
+            if granularity == "month":
+                sums: dict[str, int] = {}
+                for day, units in stored.items():
+                    sums[day[:7]] = sums.get(day[:7], 0) + units
+                stored = sums
+        return [[b, stored.get(b, 0)] for b in buckets]
+
+    async def _live(self, tenant: str, feature: str, period: str, now: float) -> int | None:
+        """What ``usage`` says of the counter of ``period``: for the current period (read from
+        storage if cold), or for any other one this node holds (``None`` if it does not: then
+        it has no units of it that storage lacks)."""
+        key = (tenant, feature, period)
+        if period in (period_start("day", now), period_start("month", now)):
+            return await self._usage(tenant, feature, now)
+        if not self.table.is_seeded(key):
+            return None
+        return self.table.value(key)
+
+    async def _usage(self, tenant: str, feature: str, now: float) -> int:
+        """What ``usage`` answers for the counter of the current period."""
+        key = self.keys.key_for(tenant, feature, now)
+        value = self.table.value(key)
+        if value is not None:
+            return value
+        if not self.table.is_seeded(key) and not await self.seeder.seed(key):
+            raise Unavailable("storage is unreachable and this counter's total is not known")
+        value = self.table.value(key)
+        if value is None:  # evicted between seeding and reading: practically never
+            raise Unavailable("counter was evicted while being read; retry")
+        return value

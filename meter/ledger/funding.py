@@ -1,0 +1,31 @@
+"""Credit pools are funded by metered debits of the tenant's ledger (docs/ledger.md, ADR 0010).
+
+:class:`LedgerFunder` is the :class:`~meter.core.ports.Funder` the gate hands to the strict
+shares when a tenant's credit pool needs more credits.
+"""
+
+from __future__ import annotations
+
+from meter.errors import InsufficientBalance
+from meter.ledger import model as ledger
+from meter.ledger.store import LedgerStore
+
+
+class LedgerFunder:
+    """Moves credits from a tenant's ledger into its credit pool."""
+
+    def __init__(self, store: LedgerStore) -> None:
+        self.store = store
+
+    async def available(self, tenant: str) -> int:
+        """Credits the tenant's ledger has now."""
+        return int((await self.store.balance(tenant))["available"])
+
+    async def take(self, tenant: str, amount: int, ref: str) -> bool:
+        """Debit ``amount`` under ``ref`` (a ``metered`` entry) exactly once; False if the
+        ledger cannot cover it."""
+        try:
+            await self.store.apply(tenant, ledger.debit(amount, ref, kind="metered"))
+        except InsufficientBalance:
+            return False
+        return True

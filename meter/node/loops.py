@@ -1,0 +1,137 @@
+"""A node's background loops beside the flusher, gossip and the limits: each a thin loop over
+the parts it keeps up (reservation expiry, eviction, retention purge, strict shares, holds).
+
+Each loop runs until cancelled (the node's stop); one that must not end on a bug logs it and
+goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from cluster.gossip import Gossip
+from meter.core.leases import Reservations
+from meter.core.service import Service
+from meter.core.table import CounterTable
+from meter.quotas.holds import MAX_HOLD_BYTES, MAX_HOLD_KEYS, PeerHolds, local_holds
+from meter.quotas.shares import Shares
+from storage.base import Snapshot, Storage, StorageError
+
+log = logging.getLogger("meter.node")
+#: (the holds' warning has always been the service's)
+holds_log = logging.getLogger("meter.service")
+
+#: How often open reservations are checked for their deadline.
+EXPIRY_TICK_S = 0.05
+#: Request ids are expired every this many expiry ticks.
+IDS_EVERY_TICKS = 20
+#: At most one warning per this many seconds while holds are left out of the frame.
+WARN_HOLDS_EVERY_S = 60.0
+
+
+async def expire_reservations(service: Service) -> None:
+    """Release reservations past their deadline; forget request ids past their window."""
+    ticks = 0
+    while True:
+        await asyncio.sleep(EXPIRY_TICK_S)
+        service.expire_reservations()
+        ticks += 1
+        if ticks % IDS_EVERY_TICKS == 0:
+            now = time.time()
+            service.ids.expire(now)
+            service.done.expire(now)
+
+
+async def evict_idle(table: CounterTable, every_s: float) -> None:
+    """Drop idle keys from memory every ``every_s`` seconds."""
+    while True:
+        await asyncio.sleep(every_s)
+        dropped = table.evict_idle()
+        if dropped:
+            log.debug("evicted %d idle keys", dropped)
+
+
+async def purge_expired(storage: Storage, every_s: float) -> None:
+    """Delete stored counters past their retention (SQLite; DynamoDB's TTL does it)."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            n = await storage.purge_expired()
+        except StorageError as exc:
+            log.warning("retention purge failed (retried next interval): %s", exc)
+            continue
+        if n:
+            log.info("retention purge: deleted %d expired counters", n)
+
+
+async def keep_shares(shares: Shares) -> None:
+    """Renew this node's strict shares and give back idle ones (ADR 0009)."""
+    while True:
+        await asyncio.sleep(shares.lease_ms / 3000)
+        try:
+            await shares.step()
+        except Exception:  # a bug must not end renewals (and then the drain) for good
+            log.exception("strict shares: upkeep failed")
+
+
+class HoldsAnnouncer:
+    """This node's ``holds`` frame: the units its open reservations hold, per counter,
+    bounded in counters and bytes; what is left out is logged (once a minute at most)."""
+
+    def __init__(
+        self,
+        reservations: Reservations,
+        peer_holds: PeerHolds,
+        gossip: Gossip[Snapshot],
+        tick_s: float,
+        heartbeat_s: float,
+    ) -> None:
+        self.reservations = reservations
+        self.peer_holds = peer_holds
+        self.gossip = gossip
+        self.tick_s = tick_s
+        self.heartbeat_s = heartbeat_s
+        #: Counters this node holds units on that its last frame left out.
+        self.left_out = 0
+        self._warned_at = -WARN_HOLDS_EVERY_S
+
+    def items(self) -> list[Any]:
+        """The frame's items now (the most held first)."""
+        items, left_out = local_holds(self.reservations.held())
+        self.left_out = left_out
+        if left_out:
+            now = time.monotonic()
+            if now - self._warned_at >= WARN_HOLDS_EVERY_S:
+                self._warned_at = now
+                holds_log.warning(
+                    "holds: %d counters held on are not announced to peers (one frame carries "
+                    "at most %d counters, %d bytes; the most held go first)",
+                    left_out,
+                    MAX_HOLD_KEYS,
+                    MAX_HOLD_BYTES,
+                )
+        return items
+
+    async def run(self) -> None:
+        """Gossip this node's reservation holds each tick they changed, and every heartbeat
+        while it holds any (or held any lately: a lost frame must not leave peers with holds
+        that are gone); peers count them against hard limits (docs/quotas.md)."""
+        tick, beat = self.tick_s, self.heartbeat_s
+        peer_holds = self.peer_holds
+        sent: list[Any] = []
+        sent_at = last_held = 0.0
+        while True:
+            await asyncio.sleep(tick)
+            for peer in peer_holds.expire():  # holders resend every beat: this one is silent
+                log.warning("holds of peer %s not refreshed for %.1f s: no longer counted",
+                            peer, peer_holds.max_age)  # fmt: skip
+            items = self.items()
+            now = time.monotonic()
+            if items:
+                last_held = now
+            due = now - sent_at >= beat and now - last_held <= 10 * beat
+            if (items != sent or due) and self.gossip.holds_changed(items):
+                sent, sent_at = items, now

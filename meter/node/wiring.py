@@ -1,0 +1,287 @@
+"""The one place a node's parts are built and wired together, through their constructors.
+
+Nothing assigns collaborators onto a part after it is built: a part that needs another gets
+it as a constructor argument, typed by what it uses of it (a Protocol where the part sits
+below it, :mod:`meter.core.ports`). Where two parts need each other (gossip tells the limits
+of a change; the limits tell gossip of theirs), one of them is handed a bound method of the
+:class:`~meter.node.lifecycle.Node`, which holds both. :func:`build_service` is also what
+tests use to get a service over a table and a store without a node around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.bus import channel_name
+from cluster.gossip import Gossip, GossipSettings, Listener
+from cluster.redis_bus import RedisBus
+from meter.config import CounterConfig, NodeConfig
+from meter.core.fence import Fence
+from meter.core.gate import Gate
+from meter.core.idempotency import RequestIds
+from meter.core.journal import Journal
+from meter.core.keycache import KeyCache
+from meter.core.keys import Key
+from meter.core.reserving import Reserving
+from meter.core.seeder import Seeder
+from meter.core.server import RpcServer, start_server
+from meter.core.service import Service
+from meter.core.table import CounterTable
+from meter.core.tracking import Tracking
+from meter.core.watch import Watch
+from meter.errors import ConfigError
+from meter.history.methods import HistoryMethods
+from meter.ledger import model as ledger
+from meter.ledger.funding import LedgerFunder
+from meter.ledger.methods import LedgerMethods
+from meter.ledger.store import LedgerStore
+from meter.ops.export import ExportMethod
+from meter.quotas.alerts import Alert, Alerts
+from meter.quotas.holds import PeerHolds
+from meter.quotas.limits import LimitBook
+from meter.quotas.methods import LimitMethods
+from meter.quotas.shares import Shares
+from meter.quotas.store import LimitStore
+from meter.wal.log import WriteAheadLog
+from storage.base import BadItems, Snapshot, Storage
+
+
+def build_storage(cfg: NodeConfig) -> Storage:
+    """The storage backend the configuration names (not opened yet)."""
+    s = cfg.storage
+    if s.kind == "memory":
+        from storage.memory import MemoryStorage
+
+        return MemoryStorage()
+    if s.kind == "sqlite":
+        from storage.sqlite import SQLiteStorage
+
+        return SQLiteStorage(cfg.data_dir / s.sqlite_file, retention_days=s.retention_days)
+    if s.kind == "dynamodb":
+        from storage.dynamodb import DynamoDBStorage
+
+        return DynamoDBStorage(
+            s.dynamodb_table,
+            endpoint_url=s.dynamodb_endpoint,
+            region=s.dynamodb_region,
+            max_pool_connections=s.dynamodb_max_pool_connections,
+            connect_timeout=s.dynamodb_connect_timeout_s,
+            read_timeout=s.dynamodb_read_timeout_s,
+            concurrency=s.dynamodb_concurrency,
+            retention_days=s.retention_days,
+        )
+    raise ConfigError("storage", f"unknown storage kind {s.kind!r}")
+
+
+def resync_from(
+    storage: Storage, table: CounterTable, chunk: int = 100
+) -> Callable[[list[Key] | None], Awaitable[int]]:
+    """The gossip layer's resync callback: re-read keys (``None``: every warm, seeded key) from
+    storage in chunks and re-base on them. Storage errors propagate (gossip retries later)."""
+
+    async def resync(keys: list[Key] | None) -> int:
+        wanted = [k for k in (table.keys() if keys is None else keys) if table.is_seeded(k)]
+        rebased = 0
+        for start in range(0, len(wanted), chunk):
+            try:
+                snaps = await storage.load(wanted[start : start + chunk])
+            except BadItems as exc:  # re-base what can be read; the flusher reports the rest
+                snaps = exc.good
+            for key, snap in snaps.items():
+                rebased += table.rebase(key, snap, "read")
+        return rebased
+
+    return resync
+
+
+def build_bus(cfg: NodeConfig) -> RedisBus:
+    """The Redis pub/sub bus of the configured cluster (also the alerts' stream)."""
+    c = cfg.cluster
+    assert c.redis_url is not None
+    return RedisBus(c.redis_url, channel_name(c.cluster_name))
+
+
+def build_gossip(
+    cfg: NodeConfig,
+    table: CounterTable,
+    storage: Storage,
+    bus: RedisBus,
+    incarnation: int,
+    *,
+    listener: Listener,
+    after_commit: Callable[[Callable[[], object]], None] | None = None,
+) -> Gossip[Snapshot]:
+    """The gossip layer over ``bus`` (not started yet); ``incarnation`` comes from
+    :meth:`~meter.node.datadir.DataDir.incarnation`, ``listener`` hears what peers send
+    beside deltas, and ``after_commit`` delays each gossip take until the write-ahead log
+    holds every state change made so far (:meth:`meter.wal.log.WriteAheadLog.at_commit`)."""
+    c = cfg.cluster
+    return Gossip(
+        table,
+        bus,
+        node_id=table.node,
+        cluster=c.cluster_name,
+        make_snapshot=Snapshot,
+        resync=resync_from(storage, table),
+        secret=c.secret,
+        incarnation=incarnation,
+        settings=GossipSettings(
+            interval=c.gossip_interval_ms / 1000,
+            heartbeat=c.heartbeat_ms / 1000,
+            peer_timeout=c.peer_timeout_ms / 1000,
+            reconcile=c.reconcile_s,
+        ),
+        after_commit=after_commit,
+        listener=listener,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """What :func:`assemble` builds: the service and the feature parts the node runs."""
+
+    service: Service
+    fence: Fence
+    limits: LimitStore
+    shares: Shares
+    alerts: Alerts
+    ledger: LedgerStore
+    peer_holds: PeerHolds
+
+
+def assemble(
+    table: CounterTable,
+    storage: Storage,
+    config: CounterConfig | None = None,
+    *,
+    wal: WriteAheadLog | None = None,
+    ids: RequestIds | None = None,
+    limits_poll_s: float = 0.5,
+    status_extra: Callable[[], Mapping[str, Any]] | None = None,
+    owned: Callable[[], bool] | None = None,
+    nodes: Callable[[], int] = lambda: 1,
+    publish_limits: Callable[[int], None] | None = None,
+    on_alert_fired: Callable[[Alert], None] | None = None,
+    on_alert_deliver: Callable[[Alert], None] | None = None,
+    peer_holds_max_age: float = 3.0,
+) -> Parts:
+    """Every part of a node's request path and the features it serves, wired.
+
+    ``owned()`` says whether this process owns its node id (``None``: not checked): strict
+    shares are written only while it does. ``nodes()`` is how many nodes share the budgets;
+    ``publish_limits`` tells peers of a limit change; the alert callbacks are those of
+    :class:`~meter.quotas.alerts.Alerts`.
+    """
+    config = config or CounterConfig()
+    ids = ids if ids is not None else RequestIds()
+    fence = Fence(wal)
+    keys = KeyCache(config.feature_periods, config.tenant_hierarchy)
+    seeder = Seeder(table, storage, chunk=storage.load_chunk, concurrency=storage.load_concurrency)
+
+    def fenced() -> str | None:
+        # Shares are the node id's: written only while this process owns the id (not while
+        # its claim is unknown, storage unreachable at start, nor once lost).
+        if fence.reason is not None or owned is None or owned():
+            return fence.reason
+        return "this process does not own its node id (yet)"
+
+    shares = Shares(
+        storage,
+        table.node,
+        lease_ms=config.strict_lease_ms,
+        share_max=config.strict_share_max,
+        nodes=nodes,
+        fenced=fenced,
+    )
+    alerts = Alerts(
+        table.node, storage.claim_alert, on_fired=on_alert_fired, on_deliver=on_alert_deliver
+    )
+    amounts = config.balance_alerts
+    ledger_store = LedgerStore(
+        storage, on_entries=_balance_alerts(alerts, amounts) if amounts else None
+    )
+    peer_holds = PeerHolds(peer_holds_max_age)
+    gate = Gate(
+        table,
+        keys,
+        seeder,
+        config,
+        shares=shares,
+        funder=LedgerFunder(ledger_store),
+        alerts=alerts,
+        peer_holds=peer_holds,
+    )
+
+    def new_book(book: LimitBook) -> None:
+        gate.new_limits(book.by_pair, book.alerting)
+
+    limits = LimitStore(storage, new_book, poll_s=limits_poll_s, publish=publish_limits)
+    tracking = Tracking(table, keys, gate, fence, ids, seeder)
+    reserving = Reserving(table, keys, gate, fence, ids, seeder, config)
+    journal = Journal(table, keys, ids, reserving, config)
+    features = {
+        **LimitMethods(limits).handlers(),
+        **LedgerMethods(ledger_store).handlers(),
+        **HistoryMethods(table, keys, seeder, storage).handlers(),
+        **ExportMethod(storage).handlers(),
+    }
+    service = Service(
+        table,
+        storage,
+        config,
+        keys=keys,
+        fence=fence,
+        seeder=seeder,
+        gate=gate,
+        tracking=tracking,
+        reserving=reserving,
+        journal=journal,
+        watch=Watch(max_tenants=config.max_watched_tenants),
+        limits=limits,
+        features=features,
+        status_extra=status_extra,
+    )
+    return Parts(service, fence, limits, shares, alerts, ledger_store, peer_holds)
+
+
+def build_service(
+    table: CounterTable,
+    storage: Storage,
+    config: CounterConfig | None = None,
+    *,
+    wal: WriteAheadLog | None = None,
+    ids: RequestIds | None = None,
+    limits_poll_s: float = 0.5,
+) -> Service:
+    """A service over ``table`` and ``storage``, alone (no node, no gossip)."""
+    return assemble(table, storage, config, wal=wal, ids=ids, limits_poll_s=limits_poll_s).service
+
+
+def _balance_alerts(
+    alerts: Alerts, amounts: tuple[int, ...]
+) -> Callable[[str, Sequence[ledger.Entry]], None]:
+    """Alert the balances a ledger write took a tenant below (``balance_alerts``)."""
+
+    def entries(tenant: str, written: Sequence[ledger.Entry]) -> None:
+        for e in written:
+            alerts.balance_entry(
+                tenant, e.seq, e.balance_after - e.amount, e.balance_after, amounts
+            )
+
+    return entries
+
+
+async def serve(path: Any, service: Service, **options: Any) -> RpcServer:
+    """:func:`~meter.core.server.start_server` for ``service``: its notifications, its fast
+    path for pipelined tracks, its write-ahead log and its subscriptions."""
+    return await start_server(
+        path,
+        service,
+        notify=service.notify,
+        warm_tracks=service.warm_tracks,
+        wal=service.wal,
+        watch=service.watch,
+        **options,
+    )
