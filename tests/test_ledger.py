@@ -176,7 +176,7 @@ async def test_the_blocking_client_too(tmp: Path) -> None:
         ("grant", ["acme", 5, {"expires_at": -1}], "expires_at"),
         ("grant", ["acme", 5, {"expires_at": 1.5}], "expires_at"),
         ("grant", ["acme", 5, {"colour": 1}], "grant: unknown option"),
-        ("grant", ["acme", 5, [1]], "grant: options must be a map"),
+        ("grant", ["acme", 5, [1]], "grant: opts must be a map"),
         ("grant", ["acme"], "grant takes 2 to 3 params"),
         ("debit", ["acme", 0], "amount"),
         ("debit", ["acme", 5, {"priority": 1}], "debit: unknown option"),

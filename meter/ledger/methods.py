@@ -11,24 +11,11 @@ from typing import Any
 
 from meter.core.keys import check_tenant
 from meter.core.params import args as check_args
+from meter.core.params import opts as check_opts
 from meter.core.ports import Handler
 from meter.errors import InvalidArgument
 from meter.ledger import model as ledger
 from meter.ledger.store import DEFAULT_PAGE, MAX_PAGE, LedgerStore
-
-
-def check_opts(
-    method: str, opts: object, allowed: frozenset[str], *, nil_is_absent: bool = True
-) -> dict[str, Any]:
-    if opts is None:
-        return {}
-    if not isinstance(opts, dict):
-        raise InvalidArgument(f"{method}: options must be a map, got {type(opts).__name__}")
-    unknown = sorted(str(k)[:32] for k in opts if k not in allowed)
-    if unknown:
-        raise InvalidArgument(f"{method}: unknown option {unknown[0]!r} (known: {sorted(allowed)})")
-    return {k: v for k, v in opts.items() if v is not None}
-
 
 _GRANT_OPTS = frozenset({"ref", "expires_at", "priority"})
 _DEBIT_OPTS = frozenset({"ref"})
