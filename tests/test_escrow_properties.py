@@ -36,7 +36,7 @@ class Pending:
     """A write begun (its compare-and-swap not made yet)."""
 
     version: int
-    plan: escrow.Plan
+    swap: escrow.Swap
     op: str
     kind: str  # take, give_back, renew
 
@@ -82,14 +82,14 @@ class Escrow(RuleBasedStateMachine):
             return
         op = self._op(p)
         try:
-            plan = escrow.take(
+            swap = escrow.take(
                 self.budget, PROCS[p], self.local[p], run=self.runs[p], need=need, want=want,
                 step=step, limit=LIMIT, base=BASE, now_ms=self.now_ms, lease_ms=LEASE_MS,
                 grace_ms=GRACE_MS, op=op, owed=self.owed[p] if self.local[p] is None else 0,
             )  # fmt: skip
         except NoBudget:
             return
-        self.pending[p] = Pending(self.version, plan, op, "take")
+        self.pending[p] = Pending(self.version, swap, op, "take")
 
     @rule(p=st.sampled_from(NODES))
     def begin_give_back(self, p: str) -> None:
@@ -101,9 +101,9 @@ class Escrow(RuleBasedStateMachine):
         kept = loc.c = loc.a
         frozen = Local(loc.e, loc.g, loc.c, kept, loc.limit)
         op = self._op(p)
-        plan = escrow.give_back(self.budget, PROCS[p], frozen, op, self.runs[p])
-        if plan is not None:
-            self.pending[p] = Pending(self.version, plan, op, "give_back")
+        swap = escrow.give_back(self.budget, PROCS[p], frozen, op, self.runs[p])
+        if swap is not None:
+            self.pending[p] = Pending(self.version, swap, op, "give_back")
 
     @rule(p=st.sampled_from(NODES))
     def renew(self, p: str) -> None:
@@ -111,9 +111,9 @@ class Escrow(RuleBasedStateMachine):
         if self._busy(p) or loc is None or self.budget is None:
             return
         op = self._op(p)
-        plan = escrow.renew(self.budget, PROCS[p], loc, self.now_ms, LEASE_MS, op, self.runs[p])
-        if plan is not None:
-            self.pending[p] = Pending(self.version, plan, op, "renew")
+        swap = escrow.renew(self.budget, PROCS[p], loc, self.now_ms, LEASE_MS, op, self.runs[p])
+        if swap is not None:
+            self.pending[p] = Pending(self.version, swap, op, "renew")
 
     @rule(p=st.sampled_from(NODES), lose_answer=st.booleans())
     def finish(self, p: str, lose_answer: bool) -> None:
@@ -123,13 +123,13 @@ class Escrow(RuleBasedStateMachine):
         self.pending[p] = None
         if w.version != self.version:  # lost the race: nothing written (a cap stays lowered)
             return
-        self.budget, self.version = w.plan.budget, self.version + 1
+        self.budget, self.version = w.swap.budget, self.version + 1
         if lose_answer:
             self.lost[p] = w.op  # the process learns of it by reading again, or never
-            self.lost_floor[p] = w.plan.floor
-            self.lost_owed[p] = w.plan.owed
+            self.lost_floor[p] = w.swap.floor
+            self.lost_owed[p] = w.swap.owed
             return
-        self._keep(p, w.plan.budget, w.plan.floor, w.plan.owed)
+        self._keep(p, w.swap.budget, w.swap.floor, w.swap.owed)
 
     @rule(p=st.sampled_from(NODES), read_fails=st.booleans())
     def read_after_a_lost_answer(self, p: str, read_fails: bool) -> None:
@@ -207,7 +207,7 @@ class Escrow(RuleBasedStateMachine):
         no other write came first)."""
         w = self.orphans.pop(data.draw(st.integers(0, len(self.orphans) - 1)))
         if w.version == self.version:
-            self.budget, self.version = w.plan.budget, self.version + 1
+            self.budget, self.version = w.swap.budget, self.version + 1
 
     @rule(ms=st.integers(1, 2000))
     def time_passes(self, ms: int) -> None:

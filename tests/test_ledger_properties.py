@@ -222,7 +222,7 @@ class LedgerMachine(RuleBasedStateMachine):
         assert all(len(e.alloc) == 1 for e in entries if e.kind == ledger.EXPIRE)
         # What storage holds, with the expiries due, is what the model holds.
         self._expire()
-        after = ledger.plan_expiry(state, self.clock.now, limit=10**6)
+        after = ledger.expiry_write(state, self.clock.now, limit=10**6)
         live = state if after is None else after.state
         assert live.balance == self._available()
         assert {g.seq: g.remaining for g in live.grants} == {
@@ -257,11 +257,11 @@ def test_spending_order_is_priority_then_expiry_then_age() -> None:
 def test_an_expiry_touches_only_the_expired_grant() -> None:
     state = ledger.State(3, 30, (ledger.Grant(1, 10), ledger.Grant(2, 10, 0, 100),
                                  ledger.Grant(3, 10, 5, 200)))  # fmt: skip
-    step = ledger.plan_expiry(state, 100)
+    step = ledger.expiry_write(state, 100)
     assert step is not None
     assert [(e.kind, e.amount, e.alloc) for e in step.entries] == [("expire", -10, ((2, 10),))]
     assert step.state == ledger.State(4, 20, (ledger.Grant(1, 10), ledger.Grant(3, 10, 5, 200)))
-    assert ledger.plan_expiry(state, 99.999) is None
+    assert ledger.expiry_write(state, 99.999) is None
 
 
 def test_many_expiries_are_written_over_several_writes_first() -> None:
@@ -269,9 +269,9 @@ def test_many_expiries_are_written_over_several_writes_first() -> None:
     grants = (*(ledger.Grant(i, 1, 0, 10) for i in range(1, n + 1)), ledger.Grant(n + 1, 7))
     state = ledger.State(n + 1, n + 7, grants)
     op = ledger.debit(3, "d")
-    first = ledger.plan(state, op, 10)
+    first = ledger.next_write(state, op, 10)
     assert not first.done and len(first.entries) == ledger.MAX_EXPIRE_PER_WRITE
-    second = ledger.plan(first.state, op, 10)
+    second = ledger.next_write(first.state, op, 10)
     assert second.done and [e.kind for e in second.entries] == ["expire"] * 5 + ["debit"]
     assert second.state.balance == 4
 
@@ -279,14 +279,14 @@ def test_many_expiries_are_written_over_several_writes_first() -> None:
 def test_a_debit_past_the_balance_changes_nothing() -> None:
     state = ledger.State(1, 10, (ledger.Grant(1, 10),))
     with pytest.raises(InsufficientBalance, match="11 exceeds the available balance of 10"):
-        ledger.plan(state, ledger.debit(11, "d"), 0)
-    assert ledger.plan(state, ledger.debit(10, "d"), 0).state == ledger.State(2, 0, ())
+        ledger.next_write(state, ledger.debit(11, "d"), 0)
+    assert ledger.next_write(state, ledger.debit(10, "d"), 0).state == ledger.State(2, 0, ())
 
 
 def test_the_balance_never_passes_the_largest_amount() -> None:
     state = ledger.State(1, ledger.MAX_AMOUNT, (ledger.Grant(1, ledger.MAX_AMOUNT),))
     with pytest.raises(InvalidArgument, match="amount: the balance would exceed"):
-        ledger.plan(state, ledger.credit(1, "g"), 0)
+        ledger.next_write(state, ledger.credit(1, "g"), 0)
 
 
 @pytest.mark.parametrize(
@@ -318,8 +318,8 @@ def test_bad_inputs_name_the_field(make: Any, field: str) -> None:
 def test_caller_kinds_and_refs_are_reusable_from_another_module() -> None:
     """Another module (e.g. a credit-metered track) writes its own kinds under its own refs."""
     state = ledger.State()
-    g = ledger.plan(state, ledger.credit(10, "topup-1", kind="topup"), 0)
-    d = ledger.plan(g.state, ledger.debit(4, "track:n1:7", kind="usage"), 0)
+    g = ledger.next_write(state, ledger.credit(10, "topup-1", kind="topup"), 0)
+    d = ledger.next_write(g.state, ledger.debit(4, "track:n1:7", kind="usage"), 0)
     assert [e.kind for e in (*g.entries, *d.entries)] == ["topup", "usage"]
     assert d.state.balance == 6 and d.ref == "track:n1:7"
     assert ledger.repeated(ledger.debit(4, "track:n1:7", kind="usage"), d.ref_body or "")

@@ -8,6 +8,10 @@ answers wait for, the live usage subscriptions, the request counters. Every comp
 a read batch is dispatched, and the synchronous answers of the batch leave in one write.
 Asynchronous answers are written when they are ready, so responses may arrive out of order;
 clients match them by msgid.
+
+Why one module: the connection (the hot read loop, held answers, back-pressure) and the server
+(accepting, the log's commit hold, the drain) call each other on every request; mypyc
+compiles them as one, and their calls stay native.
 """
 
 from __future__ import annotations

@@ -36,7 +36,11 @@ slots. Reservations, peers and sealed gossip, rare per key, live in an optional 
 their sum is kept in ``Row.extra`` so the value needs no branch. The dirty and touched sets are
 flag bits plus append-only lists compacted when read, not hash sets. The table stores the key
 tuples it is given: the strings in them are shared between keys only if the caller shares them
-(:class:`~meter.core.service.Service` builds keys from one copy of each name and period).
+(:class:`~meter.core.keycache.KeyCache` builds keys from one copy of each name and period).
+
+Why one module: every operation on a row (count, take for flushing, re-base, apply gossip,
+reserve, evict, restore) must hold the same lock and keep the same column invariant; split
+across modules, a row's arithmetic would be written in several places that must agree.
 """
 
 from __future__ import annotations
@@ -173,6 +177,10 @@ class CounterTable:
 
     ``node`` is this node's stable id: the name its flush sequences are stored under. With
     ``gossip=False`` (a node alone) no gossip column is kept: nobody would take it.
+
+    Why one class: its methods are the only writers of one dict of rows under one lock, each
+    a step of the same state machine (docs/correctness.md, C and G ids); the property tests
+    drive them together, and a second class would need the same lock and rows.
     """
 
     def __init__(self, node: str, *, gossip: bool = True) -> None:

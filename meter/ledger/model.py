@@ -134,7 +134,7 @@ class Op:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class Write:
     """What one write stores: the next state, its new entries and, when the write carries
     the op, the op's ref record (``ref``, ``ref_body``) and its answer."""
 
@@ -237,7 +237,7 @@ def expired(state: State, now: float) -> list[Grant]:
     return [g for g in state.grants if g.expires_at is not None and now >= g.expires_at]
 
 
-def plan_expiry(state: State, now: float, limit: int = MAX_EXPIRE_PER_WRITE) -> Plan | None:
+def expiry_write(state: State, now: float, limit: int = MAX_EXPIRE_PER_WRITE) -> Write | None:
     """Expiry entries for (up to ``limit`` of) the grants past their expiry; ``None`` if none
     is."""
     gone = expired(state, now)[:limit]
@@ -252,20 +252,20 @@ def plan_expiry(state: State, now: float, limit: int = MAX_EXPIRE_PER_WRITE) -> 
         entries.append(Entry(seq, t, EXPIRE, -g.remaining, balance, None, ((g.seq, g.remaining),)))
     ids = {g.seq for g in gone}
     grants = tuple(g for g in state.grants if g.seq not in ids)
-    return Plan(State(seq, balance, grants), tuple(entries), done=False)
+    return Write(State(seq, balance, grants), tuple(entries), done=False)
 
 
-def plan(state: State, op: Op, now: float) -> Plan:
+def next_write(state: State, op: Op, now: float) -> Write:
     """The write that applies ``op`` to ``state`` at ``now``.
 
-    If grants have expired, the plan is first their expiry entries - with the op's own entry
-    after them when they are few enough for one write, else alone (``done=False``: plan again
+    If grants have expired, the write holds first their expiry entries - with the op's own entry
+    after them when they are few enough for one write, else alone (``done=False``: decide again
     on the state after it). Raises :class:`InsufficientBalance` when a debit does not fit in
     what is left after the expiries, and ``InvalidArgument`` when a credit would take the
     balance past :data:`MAX_AMOUNT` or open too many grants."""
-    pre = plan_expiry(state, now, MAX_EXPIRE_PER_WRITE + 1)
+    pre = expiry_write(state, now, MAX_EXPIRE_PER_WRITE + 1)
     if pre is not None and len(pre.entries) > MAX_EXPIRE_PER_WRITE:
-        return plan_expiry(state, now) or pre  # (the first is never None here)
+        return expiry_write(state, now) or pre  # (the first is never None here)
     base = state if pre is None else pre.state
     before = () if pre is None else pre.entries
     t = _ms(now)
@@ -306,7 +306,7 @@ def plan(state: State, op: Op, now: float) -> Plan:
         )
     answer = entry.to_wire()
     ref_body = json.dumps({"f": op.fingerprint(), "a": answer}, separators=(",", ":"))
-    return Plan(State(seq, balance, grants), (*before, entry), op.ref, ref_body, answer, done=True)
+    return Write(State(seq, balance, grants), (*before, entry), op.ref, ref_body, answer, done=True)
 
 
 def repeated(op: Op, ref_body: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Credits ledgers in storage: the writes that apply :mod:`meter.ledger.model`'s plans.
+"""Credits ledgers in storage: the writes that :mod:`meter.ledger.model` decides.
 
 Every change is one :meth:`~storage.base.Storage.ledger_write`: the next balance record (on
 the condition of the version it was planned from), its entries and the change's ref record
@@ -88,7 +88,7 @@ class LedgerStore:
         async with self._lock(tenant):
             version, state = await self._read(tenant)
             for attempt in range(self.attempts):
-                step = ledger.plan_expiry(state, self.clock())
+                step = ledger.expiry_write(state, self.clock())
                 if step is None:
                     return version, state
                 if await self._write(tenant, version, step) == "ok":
@@ -129,7 +129,7 @@ class LedgerStore:
         version, state = known if known is not None else await self._read(tenant)
         for attempt in range(self.attempts):
             try:
-                step = ledger.plan(state, op, self.clock())
+                step = ledger.next_write(state, op, self.clock())
             except MeterError:
                 if not fresh:  # refused on a cached state: decide on the stored one
                     version, state = await self._read(tenant)
@@ -158,7 +158,7 @@ class LedgerStore:
             fresh = True
         raise Unavailable(f"ledger of {tenant!r}: the balance kept changing; retry")
 
-    async def _write(self, tenant: str, version: int, step: ledger.Plan) -> str:
+    async def _write(self, tenant: str, version: int, step: ledger.Write) -> str:
         """Write ``step`` on ``version``: ``ok``, ``refused`` (nothing written) or ``lost``
         (it may have landed: read again to tell)."""
         entries = [(e.seq, ledger.encode_entry(e)) for e in step.entries]

@@ -139,7 +139,7 @@ class Local:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class Swap:
     """A write to make: the new record, and the node's share as it will be once written."""
 
     budget: Budget
@@ -191,7 +191,7 @@ def take(
     op: str,
     at_least: int | None = None,
     owed: int = 0,
-) -> Plan:
+) -> Swap:
     """The write that gives ``node`` room for ``need`` more units: its cap raised to
     ``need + step`` past what it admitted, and its grant to ``want`` past it if that fits
     (at least to the cap, or to ``need`` near the limit). Its share of an earlier process is
@@ -235,10 +235,10 @@ def take(
     c = max(cur.c, min(g, cur.a + need + step))
     shares[node] = Share(g, c, cur.e, now_ms + lease_ms, op)
     b = replace(budget, shares=shares)
-    return Plan(b, adopt(node, b, cur, limit), floor, used_owed)
+    return Swap(b, adopt(node, b, cur, limit), floor, used_owed)
 
 
-def give_back(budget: Budget, node: str, local: Local, op: str, run: str) -> Plan | None:
+def give_back(budget: Budget, node: str, local: Local, op: str, run: str) -> Swap | None:
     """The write that returns every unit of ``node``'s share it has not admitted (``g`` and
     ``c`` down to ``a``); ``None`` if there is nothing to return or the share is not the one
     ``local`` knows (its epoch moved: it was taken back already; or another process wrote it)."""
@@ -248,12 +248,12 @@ def give_back(budget: Budget, node: str, local: Local, op: str, run: str) -> Pla
     shares = dict(budget.shares)
     shares[node] = Share(local.a, local.a, s.e, s.t, op)
     b = replace(budget, shares=shares)
-    return Plan(b, Local(s.e, local.a, local.a, local.a, local.limit, local.used_at, local.low))
+    return Swap(b, Local(s.e, local.a, local.a, local.a, local.limit, local.used_at, local.low))
 
 
 def renew(
     budget: Budget, node: str, local: Local, now_ms: int, lease_ms: int, op: str, run: str
-) -> Plan | None:
+) -> Swap | None:
     """The write that extends ``node``'s lease (``None``: its share is gone or not its own)."""
     s = budget.shares.get(node)
     if s is None or s.e != local.e or not ours(s, run):
@@ -261,7 +261,7 @@ def renew(
     shares = dict(budget.shares)
     shares[node] = replace(s, t=now_ms + lease_ms, op=op)
     b = replace(budget, shares=shares)
-    return Plan(b, adopt(node, b, local, local.limit))
+    return Swap(b, adopt(node, b, local, local.limit))
 
 
 def applied(budget: Budget | None, node: str, op: str) -> bool:

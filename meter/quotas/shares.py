@@ -193,7 +193,7 @@ class Shares:
         limit: int,
         base: int,
         at_least: int | None = None,
-    ) -> escrow.Plan:
+    ) -> escrow.Swap:
         if limit == POOL:  # a credit pool: its limit is what was moved into it
             if budget is None or budget.funded is None:
                 raise NoBudget("the credit pool is empty")
@@ -206,7 +206,7 @@ class Shares:
         # the budget spent elsewhere, steps sized by what is left would be a write a unit).
         held = 0 if cur is None else max(0, cur.g - cur.a)
         step = max(1, want // 4, held // 4)
-        plan = escrow.take(
+        swap = escrow.take(
             budget,
             self.node,
             cur,
@@ -223,19 +223,19 @@ class Shares:
             at_least=at_least,
             owed=self._owed.get(key, 0) if cur is None else 0,
         )
-        plan.local.limit = limit
-        plan.local.low = max(1, step // 2)
+        swap.local.limit = limit
+        swap.local.low = max(1, step // 2)
         if budget is not None:
             before = {n: s.e for n, s in budget.shares.items() if n != self.node}
             self.taken_back += sum(
-                1 for n, s in plan.budget.shares.items() if n in before and s.e != before[n]
+                1 for n, s in swap.budget.shares.items() if n in before and s.e != before[n]
             )
-        return plan
+        return swap
 
     async def _write(
         self,
         key: Key,
-        make: Callable[[Budget | None, Local | None, str], escrow.Plan | None],
+        make: Callable[[Budget | None, Local | None, str], escrow.Swap | None],
     ) -> bool:
         """Read, decide, compare-and-swap, until a write lands (True) or there is nothing to
         write (False). A write whose answer was lost is recognised by its op id on the next
@@ -246,11 +246,11 @@ class Shares:
         version, budget = await self._read(key)
         for _ in range(MAX_ATTEMPTS):
             op = f"{self.run}.{next(self._ops)}"
-            plan = make(budget, self.local.get(key), op)
-            if plan is None:
+            swap = make(budget, self.local.get(key), op)
+            if swap is None:
                 return False
             try:
-                done = await self.storage.budget_swap(key, version, plan.budget.to_json())
+                done = await self.storage.budget_swap(key, version, swap.budget.to_json())
             except StorageUnavailable:
                 done = False  # it may have landed: the next read tells
             except StorageError as exc:
@@ -263,29 +263,29 @@ class Shares:
                     self.conflicts += 1
                     continue
                 assert budget is not None
-                plan = escrow.Plan(budget, plan.local, plan.floor, plan.owed)
-            self._keep(key, plan)
+                swap = escrow.Swap(budget, swap.local, swap.floor, swap.owed)
+            self._keep(key, swap)
             return True
         raise StorageUnavailable(f"escrow: the budget of {key!r} kept changing; retry")
 
-    def _keep(self, key: Key, plan: escrow.Plan) -> None:
+    def _keep(self, key: Key, swap: escrow.Swap) -> None:
         """Take the written share as this node's, keeping what was admitted meanwhile (the
         hot path admitted only within the old cap, which the new one is not below)."""
-        new = escrow.adopt(self.node, plan.budget, self.local.get(key), plan.local.limit)
+        new = escrow.adopt(self.node, swap.budget, self.local.get(key), swap.local.limit)
         loc = self.local.get(key)
         if loc is None:
             now = time.monotonic()
-            a = plan.local.a  # (units owed were taken off it by the take: settled now)
-            left = self._owed.get(key, 0) - plan.owed
+            a = swap.local.a  # (units owed were taken off it by the take: settled now)
+            left = self._owed.get(key, 0) - swap.owed
             if left > 0:
                 self._owed[key] = left
             else:
                 self._owed.pop(key, None)
-            self.local[key] = Local(new.e, new.g, new.c, a, plan.local.limit, now, plan.local.low)
+            self.local[key] = Local(new.e, new.g, new.c, a, swap.local.limit, now, swap.local.low)
         else:
             loc.e, loc.g, loc.c = new.e, new.g, new.c
-            loc.a = max(loc.a, plan.floor)  # a share of another process closed: all spent
-            loc.limit, loc.low = plan.local.limit, plan.local.low or loc.low
+            loc.a = max(loc.a, swap.floor)  # a share of another process closed: all spent
+            loc.limit, loc.low = swap.local.limit, swap.local.low or loc.low
         self.last_error = None
 
     async def _read(self, key: Key) -> tuple[int, Budget | None]:
@@ -315,7 +315,7 @@ class Shares:
         # fails (it may have landed, answer lost): the next take reads it from storage.
         kept = loc.c = loc.a
 
-        def back(b: Budget | None, cur: Local | None, op: str) -> escrow.Plan | None:
+        def back(b: Budget | None, cur: Local | None, op: str) -> escrow.Swap | None:
             if b is None or cur is None:
                 return None
             frozen = Local(cur.e, cur.g, cur.c, kept, cur.limit, cur.used_at, cur.low)
@@ -457,14 +457,14 @@ class Shares:
                 log.warning("escrow: upkeep of %r failed: %s", key, exc)
             self._forget_lock(key)
 
-    def _renew(self, budget: Budget | None, cur: Local | None, op: str) -> escrow.Plan | None:
+    def _renew(self, budget: Budget | None, cur: Local | None, op: str) -> escrow.Swap | None:
         if budget is None or cur is None:
             return None
         now_ms = int(self.clock() * 1000)
-        plan = escrow.renew(budget, self.node, cur, now_ms, self.lease_ms, op, self.run)
-        if plan is not None:
-            plan.local.limit, plan.local.low = cur.limit, cur.low
-        return plan
+        swap = escrow.renew(budget, self.node, cur, now_ms, self.lease_ms, op, self.run)
+        if swap is not None:
+            swap.local.limit, swap.local.low = cur.limit, cur.low
+        return swap
 
     def _forget_lock(self, key: Key) -> None:
         lock = self._locks.get(key)

@@ -15,6 +15,10 @@ Compaction: when a segment grows past ``segment_bytes`` (or is a minute old and 
 a new one is started with a checkpoint of the node's unstored state, emitted a chunk per loop
 pass; once the checkpoint is durable the older segments are deleted. So the log holds the
 unstored backlog, the open reservations and the remembered request ids, plus one segment.
+
+Why one module: appending, the group commit, the held answers, failure and probing, and
+compaction all share the open segment and the one batch; the pure parts (framing, replay) are
+their own modules already.
 """
 
 from __future__ import annotations
