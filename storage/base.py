@@ -9,6 +9,11 @@ refused ("duplicate") and answered with the item as it is: never counted twice.
 That holds only while one process writes under a node id. Each id therefore has an *owner* in
 storage: a token (one per data dir) with a lease. A node claims its id at start, renews the
 lease while it runs and writes only while it holds it (``docs/adr/0004-one-owner-per-node-id.md``).
+
+One Protocol per concern (:class:`Counters`, :class:`Owners`, :class:`LimitRecords`,
+:class:`BudgetRecords`, :class:`AlertClaims`, :class:`LedgerRecords`, :class:`DayBuckets`), so
+each part of the node depends on the store it uses; :class:`Storage`, the base every backend
+derives from, is all of them at once.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import json
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 Key = tuple[str, str, str]
 """``(tenant, feature, period)``; ``period`` is ``YYYY-MM`` or ``YYYY-MM-DD``."""
@@ -213,8 +218,96 @@ def check_day_of(day: str, period: str) -> None:
 MAX_EXPORT_PAGE = 10_000
 
 
+# -- the concerns, one Protocol each (a backend implements them all: Storage) -----------------
+
+
+class Counters(Protocol):
+    """Counters: flushed to, seeded from, listed and exported."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def load_chunk(self) -> int: ...
+    @property
+    def load_concurrency(self) -> int: ...
+
+    async def apply(
+        self, node: str, deltas: Sequence[Delta]
+    ) -> dict[Key, Applied | StorageError]: ...
+    async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]: ...
+    async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]: ...
+    async def export_page(self, period: str, cursor: str | None, limit: int) -> ExportPage: ...
+    def export(self, period: str, page_size: int = ...) -> AsyncIterator[ExportPage]: ...
+    async def purge_expired(self, now: float | None = None) -> int: ...
+
+
+class Owners(Protocol):
+    """Who owns each node id (ADR 0004)."""
+
+    async def claim_owner(
+        self, node: str, token: str, *, lease_s: float, now: float, accept: Sequence[str] = ()
+    ) -> Owner: ...
+    async def renew_owner(
+        self, node: str, token: str, *, lease_s: float, now: float
+    ) -> Owner | None: ...
+    async def owner(self, node: str) -> Owner | None: ...
+
+
+class LimitRecords(Protocol):
+    """Plans, assignments and overrides, with one version (docs/quotas.md)."""
+
+    async def limits_version(self) -> int: ...
+    async def read_limits(self) -> tuple[int, list[tuple[str, str, str, str]]]: ...
+    async def write_limit(self, scope: str, name: str, feature: str, body: str | None) -> int: ...
+
+
+class BudgetRecords(Protocol):
+    """Strict budgets, one record per counter (ADR 0009)."""
+
+    async def budget_read(self, key: Key) -> tuple[int, str | None]: ...
+    async def budget_swap(self, key: Key, version: int, body: str) -> bool: ...
+
+
+class AlertClaims(Protocol):
+    """Threshold alerts, claimed once each (docs/quotas.md)."""
+
+    async def claim_alert(self, alert_id: str, body: str) -> bool: ...
+
+
+class LedgerRecords(Protocol):
+    """Credits ledgers (docs/ledger.md)."""
+
+    async def ledger_read(self, tenant: str) -> tuple[int, str | None]: ...
+    async def ledger_write(
+        self,
+        tenant: str,
+        version: int,
+        body: str,
+        entries: Sequence[tuple[int, str]],
+        refs: Sequence[tuple[str, str]] = (),
+    ) -> bool: ...
+    async def ledger_ref(self, tenant: str, ref: str) -> str | None: ...
+    async def ledger_entries(
+        self, tenant: str, after: int, limit: int
+    ) -> list[tuple[int, str]]: ...
+
+
+class DayBuckets(Protocol):
+    """Day buckets of month counters, and range reads of counters (docs/history.md)."""
+
+    async def apply_days(self, node: str, deltas: Sequence[Delta]) -> list[StorageError | None]: ...
+    async def day_buckets(
+        self, tenant: str, feature: str, first: str, last: str
+    ) -> dict[str, int]: ...
+    async def counters_between(
+        self, tenant: str, feature: str, first: str, last: str
+    ) -> dict[str, int]: ...
+
+
 class Storage(abc.ABC):
-    """A place counters are flushed to and seeded from. Implementations are async-safe."""
+    """A place counters are flushed to and seeded from. Implementations are async-safe.
+
+    Every backend derives from this: it is each of the concern Protocols above at once."""
 
     #: Short name shown in ``status`` (``sqlite``, ``memory``, ``dynamodb``).
     kind: str = "abstract"

@@ -630,3 +630,33 @@ async def test_apply_days_writes_buckets_alone_once(storage: Storage) -> None:
         "2026-11-30": 3,
     }
     assert (await storage.load([key]))[key].total == 5, "the counter is not touched"
+
+
+def test_every_backend_is_every_concern() -> None:
+    """The per-concern Protocols are what ``Storage`` is: mypy checks these assignments (a
+    method missing or differently shaped in ``Storage`` fails ``mypy --strict``), and each
+    backend is a ``Storage``."""
+    from storage.base import (
+        AlertClaims,
+        BudgetRecords,
+        Counters,
+        DayBuckets,
+        LedgerRecords,
+        LimitRecords,
+        Owners,
+    )
+    from storage.dynamodb import DynamoDBStorage
+
+    def concerns(s: Storage) -> tuple[object, ...]:
+        c: Counters = s
+        o: Owners = s
+        lim: LimitRecords = s
+        b: BudgetRecords = s
+        a: AlertClaims = s
+        led: LedgerRecords = s
+        d: DayBuckets = s
+        return (c, o, lim, b, a, led, d)
+
+    for backend in (MemoryStorage, SQLiteStorage, DynamoDBStorage):
+        assert issubclass(backend, Storage)
+    assert len(concerns(MemoryStorage())) == 7

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from meter.core.keys import Key
 from meter.core.table import CounterTable
-from storage.base import BadItems, Snapshot, Storage, StorageError
+from storage.base import BadItems, Counters, Snapshot, StorageError
 
 log = logging.getLogger("meter.seeder")
 
@@ -74,7 +74,7 @@ class Seeder:
     ``concurrency`` reads out at once."""
 
     def __init__(
-        self, table: CounterTable, storage: Storage, *, chunk: int, concurrency: int
+        self, table: CounterTable, storage: Counters, *, chunk: int, concurrency: int
     ) -> None:
         if chunk < 1 or concurrency < 1:
             raise ValueError("chunk and concurrency must be >= 1")

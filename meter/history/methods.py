@@ -22,14 +22,14 @@ from meter.history.days import (
     months_between,
     parse_range,
 )
-from storage.base import Storage, StorageError
+from storage.base import DayBuckets, StorageError
 
 
 class HistoryMethods:
     """The handler, over one node's table, key cache, seeder and storage."""
 
     def __init__(
-        self, table: CounterTable, keys: KeyCache, seeder: Seeder, storage: Storage
+        self, table: CounterTable, keys: KeyCache, seeder: Seeder, storage: DayBuckets
     ) -> None:
         self.table = table
         self.keys = keys

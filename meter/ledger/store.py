@@ -28,7 +28,7 @@ from typing import Any
 from meter.errors import Internal, MeterError, Unavailable
 from meter.ledger import model as ledger
 from meter.ledger.model import Op, State
-from storage.base import Storage, StorageError, StorageUnavailable
+from storage.base import LedgerRecords, StorageError, StorageUnavailable
 
 log = logging.getLogger("meter.ledger")
 
@@ -49,7 +49,7 @@ class LedgerStore:
 
     def __init__(
         self,
-        storage: Storage,
+        storage: LedgerRecords,
         *,
         clock: Callable[[], float] = time.time,
         attempts: int = MAX_ATTEMPTS,

@@ -20,7 +20,7 @@ from meter.core.params import args as check_args
 from meter.core.params import opts as check_opts
 from meter.core.ports import Handler
 from meter.errors import InvalidArgument, Unavailable
-from storage.base import BadCursor, ExportPage, ExportRow, Storage, StorageError
+from storage.base import BadCursor, Counters, ExportPage, ExportRow, StorageError
 
 #: Most rows one ``export`` call answers: 1,000 rows of the longest names (512-byte tenants,
 #: 256-byte features) stay inside the protocol's 1 MiB frame.
@@ -57,7 +57,7 @@ class ExportMethod:
     """The ``export`` method over one node's storage: a read of storage only, so units not
     flushed yet are not in it (docs/operations.md)."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Counters) -> None:
         self.storage = storage
 
     def handlers(self) -> dict[str, Handler]:
@@ -68,7 +68,9 @@ class ExportMethod:
         return rpc_page(self.storage, period, cursor, limit)
 
 
-async def rpc_page(storage: Storage, period: str, cursor: str | None, limit: int) -> dict[str, Any]:
+async def rpc_page(
+    storage: Counters, period: str, cursor: str | None, limit: int
+) -> dict[str, Any]:
     """One page of the ``export`` method (its params checked by :func:`parse_params`):
     ``{"rows": [[tenant, feature, period, total], ...], "cursor": str | None}``."""
     try:
@@ -125,7 +127,7 @@ class RowWriter:
 
 
 async def export_to(
-    storage: Storage,
+    storage: Counters,
     period: str,
     writer: RowWriter,
     progress: Callable[[int, ExportPage], None] | None = None,

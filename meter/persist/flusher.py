@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from meter.core.counts import FLUSH_BOUNDS, Buckets, FeatureUnits
 from meter.core.keys import Key
@@ -23,7 +24,7 @@ from meter.history.days import clamp_day, utc_day
 from meter.persist.owner import Ownership
 from meter.wal.log import WalError, WriteAheadLog
 from meter.wal.records import FLUSH
-from storage.base import Applied, BadItems, Delta, Storage, StorageError
+from storage.base import Applied, BadItems, Counters, DayBuckets, Delta, StorageError
 
 log = logging.getLogger("meter.flusher")
 
@@ -56,13 +57,17 @@ class FlushStats:
     round_seconds: Buckets = field(default_factory=lambda: Buckets(FLUSH_BOUNDS))
 
 
+class FlushTarget(Counters, DayBuckets, Protocol):
+    """What the flusher writes to: the counters and their day buckets."""
+
+
 class Flusher:
     """Writes dirty keys every ``interval`` seconds, with backoff while writes fail."""
 
     def __init__(
         self,
         table: CounterTable,
-        storage: Storage,
+        storage: FlushTarget,
         *,
         interval: float = 1.0,
         batch_keys: int = 10_000,

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from storage.base import Owner, Storage, StorageError
+from storage.base import Owner, Owners, StorageError
 
 log = logging.getLogger("meter.owner")
 
@@ -43,7 +43,7 @@ class Ownership:
 
     def __init__(
         self,
-        storage: Storage,
+        storage: Owners,
         node: str,
         token: str,
         accept: Sequence[str] = (),

@@ -22,7 +22,7 @@ from meter.core.ports import POOL, Funder, NoBudget
 from meter.errors import InsufficientBalance
 from meter.quotas import escrow
 from meter.quotas.escrow import Budget, Local
-from storage.base import Storage, StorageError, StorageUnavailable
+from storage.base import BudgetRecords, StorageError, StorageUnavailable
 
 log = logging.getLogger("meter.escrow")
 
@@ -45,7 +45,7 @@ class Shares:
 
     def __init__(
         self,
-        storage: Storage,
+        storage: BudgetRecords,
         node: str,
         *,
         lease_ms: int = 10_000,

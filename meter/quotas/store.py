@@ -20,7 +20,7 @@ from typing import Any
 
 from meter.errors import ConfigError, InvalidArgument, Unavailable
 from meter.quotas.limits import LimitBook, plan_record, plans_from_toml
-from storage.base import Storage, StorageError
+from storage.base import LimitRecords, StorageError
 
 log = logging.getLogger("meter.limits")
 
@@ -38,7 +38,7 @@ class LimitStore:
 
     def __init__(
         self,
-        storage: Storage,
+        storage: LimitRecords,
         on_book: Callable[[LimitBook], None],
         *,
         poll_s: float = 0.5,
