@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meter.cli.main import _fmt
+from meter.cli.status import fmt as _fmt
 
 
 def test_summary_of_a_clustered_node_with_trouble() -> None:

@@ -128,7 +128,7 @@ async def test_alert_thresholds_from_the_shell(
 
 
 def test_meter_alerts_prints_one_line_per_alert() -> None:
-    from meter.cli.main import _alert_line
+    from meter.cli.counting import _alert_line
 
     line = _alert_line({"id": "ab", "tenant": "acme", "feature": "api", "period": "2026-11",
                         "threshold": 80, "threshold_units": 800, "limit": 1000, "value": 801,

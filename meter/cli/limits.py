@@ -1,0 +1,172 @@
+"""``meter plan set|assign|unassign``, ``meter limit set|clear``, ``meter limits`` and
+``meter check`` (docs/quotas.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+from meter.cli.common import Common, client_parser, out
+
+if TYPE_CHECKING:
+    from meter.client import Client
+
+COMMANDS = ("plan", "limit", "limits", "check")
+
+
+def add_parsers(sub: Any, common: Common) -> None:
+    """``meter plan set|assign|unassign``, ``meter limit set|clear``, ``meter limits`` and
+    ``meter check`` (docs/quotas.md)."""
+
+    def client(parent: Any, name: str, text: str) -> argparse.ArgumentParser:
+        return client_parser(parent, name, text, common)
+
+    plan = sub.add_parser("plan", help="plans: set one, put a tenant on one")
+    psub = plan.add_subparsers(dest="plan_command", required=True, metavar="ACTION")
+    pset = client(psub, "set", "create or replace a plan")
+    pset.add_argument("name")
+    pset.add_argument(
+        "limits",
+        nargs="+",
+        metavar="FEATURE=LIMIT[:soft|:strict][@PCT,...]",
+        help="e.g. api_calls=100000@80,100 gpu=60:soft credits=500:strict (@: alerts, percent)",
+    )
+    assign = client(psub, "assign", "put a tenant on a plan")
+    assign.add_argument("tenant")
+    assign.add_argument("plan")
+    unassign = client(psub, "unassign", "take a tenant off its plan")
+    unassign.add_argument("tenant")
+
+    limit = sub.add_parser("limit", help="per-tenant overrides of a plan's limits")
+    lsub = limit.add_subparsers(dest="limit_command", required=True, metavar="ACTION")
+    lset = client(lsub, "set", "set a tenant's limit on a feature")
+    lset.add_argument("tenant")
+    lset.add_argument("feature")
+    lset.add_argument("limit", type=int)
+    lset.add_argument("--soft", action="store_true", help="count past it and report (no refusal)")
+    lset.add_argument("--strict", action="store_true", help="zero overshoot, fleet-wide")
+    lset.add_argument(
+        "--alert",
+        type=int,
+        action="append",
+        metavar="PCT",
+        help="alert when usage reaches PCT percent of the limit (repeat for several)",
+    )
+    lclear = client(lsub, "clear", "remove a tenant's override (its plan's limit applies again)")
+    lclear.add_argument("tenant")
+    lclear.add_argument("feature")
+
+    limits = client(sub, "limits", "show a tenant's effective limits and where each comes from")
+    limits.add_argument("tenant")
+
+    check = client(sub, "check", "would QTY more units be counted? (exit 1 if not)")
+    check.add_argument("tenant")
+    check.add_argument("feature")
+    check.add_argument("qty", nargs="?", type=int, default=1)
+
+
+def _parse_plan_limits(words: list[str]) -> dict[str, dict[str, Any]]:
+    """``FEATURE=LIMIT[:soft|:hard|:strict][@PCT,PCT...]`` words as a plan's features
+    (``strict``: a hard limit enforced strictly); ValueError names a bad one (the node checks
+    the percentages' range)."""
+    out: dict[str, dict[str, Any]] = {}
+    for word in words:
+        feature, eq, rest = word.partition("=")
+        rest, at, pcts = rest.partition("@")
+        number, _, kind = rest.partition(":")
+        if not eq or not feature or kind not in ("", "soft", "hard", "strict"):
+            raise ValueError(
+                f"{word!r}: expected FEATURE=LIMIT, FEATURE=LIMIT:soft, :hard or :strict, "
+                "optionally followed by @PCT,PCT (alert thresholds)"
+            )
+        try:
+            n = int(number)
+        except ValueError:
+            raise ValueError(f"{word!r}: LIMIT must be an integer") from None
+        if feature in out:
+            raise ValueError(f"{word!r}: feature {feature!r} given twice")
+        if kind == "strict":
+            out[feature] = {"limit": n, "kind": "hard", "enforcement": "strict"}
+        else:
+            out[feature] = {"limit": n, "kind": kind or "hard"}
+        if at:
+            try:
+                out[feature]["alerts"] = [int(p) for p in pcts.split(",")]
+            except ValueError:
+                raise ValueError(
+                    f"{word!r}: alerts after @ must be integer percentages, e.g. @80,100"
+                ) from None
+    return out
+
+
+def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
+    """Run one limits command; the exit code."""
+    if args.command == "plan":
+        if args.plan_command == "set":
+            try:
+                features = _parse_plan_limits(args.limits)
+            except ValueError as exc:
+                print(f"meter: plan set: {exc}", file=sys.stderr)
+                return 2
+            version = client.set_plan(args.name, features)
+            out(as_json, f"plan {args.name} set (limits version {version})",
+                 plan=args.name, version=version)  # fmt: skip
+        else:
+            plan = args.plan if args.plan_command == "assign" else None
+            version = client.assign_plan(args.tenant, plan)
+            text = f"{args.tenant} on plan {plan}" if plan else f"{args.tenant} on no plan"
+            out(as_json, f"{text} (limits version {version})",
+                 tenant=args.tenant, plan=plan, version=version)  # fmt: skip
+    elif args.command == "limit":
+        if args.limit_command == "set":
+            kind = "soft" if args.soft else "hard"
+            enforcement = "strict" if args.strict else "fast"
+            alerts = args.alert or None
+            version = client.set_limit(
+                args.tenant, args.feature, args.limit, kind, enforcement, alerts
+            )
+            out(as_json, f"{args.tenant} {args.feature}: {kind} limit {args.limit} "
+                 f"(limits version {version})", tenant=args.tenant, feature=args.feature,
+                 limit=args.limit, kind=kind, enforcement=enforcement, alerts=alerts or [],
+                 version=version)  # fmt: skip
+        else:
+            version = client.clear_limit(args.tenant, args.feature)
+            out(as_json, f"{args.tenant} {args.feature}: override cleared "
+                 f"(limits version {version})", tenant=args.tenant, feature=args.feature,
+                 version=version)  # fmt: skip
+    elif args.command == "limits":
+        got = client.limits(args.tenant)
+        print(json.dumps(got, sort_keys=True) if as_json else _limits_table(got))
+    else:  # check
+        got = client.check(args.tenant, args.feature, args.qty)
+        print(json.dumps(got, sort_keys=True) if as_json else _check_text(got, args.qty))
+        return 0 if got.get("allowed") else 1
+    return 0
+
+
+def _limits_table(got: dict[str, Any]) -> str:
+    head = f"tenant {got.get('tenant')}, plan {got.get('plan') or '(none)'}, "
+    head += f"limits version {got.get('version')}"
+    limits: dict[str, dict[str, Any]] = got.get("limits") or {}
+    if not limits:
+        return head + "\n(no limits)"
+    width = max(len("FEATURE"), *(len(f) for f in limits))
+    rows = [head, f"{'FEATURE':<{width}}  {'LIMIT':>20}  KIND  SOURCE"]
+    rows += [
+        f"{f:<{width}}  {lim.get('limit'):>20}  {lim.get('kind'):<4}  {lim.get('source')}"
+        + (f"  alerts at {','.join(map(str, lim['alerts']))} %" if lim.get("alerts") else "")
+        for f, lim in sorted(limits.items())
+    ]
+    return "\n".join(rows)
+
+
+def _check_text(got: dict[str, Any], qty: int) -> str:
+    verdict = "allowed" if got.get("allowed") else "REFUSED"
+    if got.get("limit") is None:
+        return f"{verdict}: {got.get('value')} now, no limit"
+    return (
+        f"{verdict}: {got.get('value')} + {qty} of {got.get('kind')} limit {got.get('limit')} "
+        f"({got.get('remaining')} remaining, from {got.get('source')})"
+    )
