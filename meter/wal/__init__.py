@@ -4,6 +4,6 @@
 - :mod:`meter.wal.replay`: what a sequence of records leaves to recover. Pure.
 - :mod:`meter.wal.log`: segments on disk, group commit, fsync policy, compaction.
 
-May import :mod:`meter.core.keys` and :mod:`meter.errors`; nothing here knows the table or the
-server. See docs/durability.md and docs/adr/0003-write-ahead-log.md.
+May import :mod:`meter.errors`, :mod:`meter.core.keys` and :mod:`meter.core.counts` (the plain
+fsync histogram); nothing here knows the table or the server (``tests/test_layers.py`` checks). See docs/durability.md and docs/adr/0003-write-ahead-log.md.
 """
