@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.scenarios import FULL, QUICK, ROOT, SCENARIOS, SMOKE, Row, Sizes
-from bench.services import Services
+from bench.harness import FULL, QUICK, ROOT, SMOKE, Row, Services, Sizes
+from bench.scenarios import SCENARIOS
 
 
 def run(

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.scenarios import Row
+from bench.harness import Row
 
 
 def machine() -> dict[str, Any]:

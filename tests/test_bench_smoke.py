@@ -19,11 +19,12 @@ import pytest
 import meter
 from bench import report
 from bench.cli import run
+from bench.harness import SMOKE, Row, in_turn
 from bench.loadgen import Load, meter_frames, redis_frames
 from bench.metrics_cost import METRICS
 from bench.quotas import QUOTAS
 from bench.scale import SCALE, read_ahead_modes
-from bench.scenarios import BATCH, RPC, SMOKE, Row, _in_turn
+from bench.scenarios import BATCH, RPC
 
 pytestmark = pytest.mark.redis
 
@@ -162,11 +163,11 @@ def test_sides_take_turns_going_first() -> None:
         return run
 
     for r in range(3):
-        assert _in_turn(r, side("a"), side("b")) == ["A", "B"]
+        assert in_turn(r, side("a"), side("b")) == ["A", "B"]
     assert ran == ["a", "b", "b", "a", "a", "b"]
     ran.clear()
     for r in range(3):
-        assert _in_turn(r, side("a"), side("b"), side("c")) == ["A", "B", "C"]
+        assert in_turn(r, side("a"), side("b"), side("c")) == ["A", "B", "C"]
     assert ran == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
 
 
