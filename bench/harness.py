@@ -10,8 +10,10 @@
   never a running instance), without persistence unless an append-only file is asked for;
   nodes are ``python -m meter serve`` processes (:class:`tests.nodes.NodeProcess`); DynamoDB
   Local comes from :mod:`tests.dynamodb_local` (:func:`create_table` makes a table on it).
-- **Node builds side by side**: :func:`two_builds` starts a node on the installed build and
-  one forced to pure Python; :func:`node_status` reads a node's ``status``.
+- **Node builds side by side**: :func:`builds` starts a node on the installed build, one
+  forced to pure Python and, with ``--beside REV``, one of that commit's tree
+  (:class:`TreeNode`, built by :mod:`bench.beside`); :func:`load_rounds` runs their loads and
+  the reference's in the same rounds; :func:`node_status` reads a node's ``status``.
 - :class:`NullTransport`: a transport for in-process measurements without a socket.
 """
 
@@ -25,11 +27,14 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench.beside import Tree, clean_env
+from bench.loadgen import Load, LoadResult, run_load
 from tests.dynamodb_local import DynamoDBLocal, ensure_installed
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 Progress = Callable[[str], None]
@@ -168,6 +173,22 @@ class Row:
     #: the same rounds, and its ratio to the reference; ``ours`` is then the compiled node.
     pure: float | None = None
     pure_ratio: float | None = None
+    #: With ``--beside REV``: the same figure on that commit's node, measured in the same
+    #: rounds, its ratio to the reference, and ours against it (the median of the per-round
+    #: ratios ours / beside).
+    beside: float | None = None
+    beside_ratio: float | None = None
+    vs_beside: float | None = None
+
+    def sides(self, got: dict[str, list[float]], ref: str = "redis") -> Row:
+        """Fill the pure (and beside) columns from each side's per-round figures, keyed
+        ``ours``, ``pure``, ``beside`` (when run) and ``ref``; returns the row."""
+        self.pure, self.pure_ratio = median(got["pure"]), ratios(got["pure"], got[ref])
+        if "beside" in got:
+            self.beside = median(got["beside"])
+            self.beside_ratio = ratios(got["beside"], got[ref])
+            self.vs_beside = ratios(got["ours"], got["beside"])
+        return self
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,7 +214,6 @@ def in_turn(r: int, *sides: Callable[[], Any]) -> list[Any]:
 
 #: The order of the sides, as recorded in the rows' ``detail``.
 ALTERNATING = "alternating: ours first in rounds 1, 3, ..., the reference first in 2, 4, ..."
-ROTATING = "rotating: compiled, pure, reference; then pure, reference, compiled; ..."
 #: What scenarios 1 and 2 run the node on (see ``Services.node``).
 NODE_MEMORY = {"node_storage": "memory", "node_durability": "off"}
 
@@ -303,11 +323,17 @@ class RedisServer:
                 proc.wait()
 
 
+#: Every node's settings unless told otherwise.
+NODE_DEFAULTS = {"METER_STORAGE": "memory", "METER_LOG_LEVEL": "WARNING"}
+
+
 class Services:
     """Everything started for one run; :meth:`close` stops it all (also on errors)."""
 
-    def __init__(self) -> None:
+    def __init__(self, beside: Tree | None = None) -> None:
         self.workdir = short_tmpdir("mbench-")
+        #: ``--beside``: the other commit's tree, whose nodes :func:`builds` adds.
+        self.beside = beside
         self._redis: RedisServer | None = None
         self._aof: list[RedisServer] = []
         self._nodes: list[NodeProcess] = []
@@ -340,9 +366,14 @@ class Services:
 
         ``clock_shift``: seconds its wall clock is moved by (:mod:`bench.clockshift`).
         """
-        settings = {"METER_STORAGE": "memory", "METER_LOG_LEVEL": "WARNING", **env}
-        node = NodeProcess(self.workdir, name, **settings)
+        node = NodeProcess(self.workdir, name, **{**NODE_DEFAULTS, **env})
         node.clock_shift = clock_shift
+        self._nodes.append(node)
+        return node.start()
+
+    def tree_node(self, name: str, tree: Tree, **env: str) -> NodeProcess:
+        """Start a node of ``tree`` (:class:`TreeNode`) with the settings :meth:`node` gives."""
+        node = TreeNode(self.workdir, name, tree, **{**NODE_DEFAULTS, **env})
         self._nodes.append(node)
         return node.start()
 
@@ -390,23 +421,119 @@ def node_status(node: Any) -> dict[str, Any]:
     return status
 
 
-def two_builds(svc: Services, name: str, **env: str) -> tuple[Any, Any, bool]:
-    """A node on the installed build and one forced to pure Python, with the same settings;
-    and whether the first really runs compiled (its ``status`` says)."""
-    node = svc.node(name, clock_shift=None, **env)
-    pure = svc.node(f"{name}-pure", clock_shift=None, **{**env, "METER_PURE_PYTHON": "1"})
-    build = node_status(node).get("build") or {}
-    assert not (node_status(pure).get("build") or {}).get("compiled"), "pure node compiled"
-    return node, pure, bool(build.get("compiled"))
+class TreeNode(NodeProcess):
+    """A node of another tree (``--beside``): ``<venv>/bin/python -m meter serve`` with the
+    settings and environment :class:`NodeProcess` gives, less ``PYTHONPATH`` (which would
+    import this tree's ``meter``). No clock shift."""
+
+    def __init__(self, workdir: Path, name: str, tree: Tree, **env: str) -> None:
+        super().__init__(workdir, name, **env)
+        self.tree = tree
+
+    def start(self, timeout: float = 20.0) -> TreeNode:
+        if self.clock_shift is not None:
+            raise ValueError("a node of another tree runs with the real clock")
+        env = clean_env()
+        env.update(self.env)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [str(self.tree.python), "-m", "meter", "serve"],
+                env=env,
+                cwd=self.workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            wait_for(self.answers, timeout, f"node {self.name} ({self.tree.label}) to answer")
+        except (AssertionError, RuntimeError) as exc:
+            self.kill()
+            raise RuntimeError(f"{exc}:\n{self.log()}") from exc
+        return self
+
+    def answers(self) -> bool:
+        """Whether it answers ``ping`` (raises once the process has exited)."""
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"node {self.name} exited {self.proc.returncode}")
+        try:
+            return bool(raw_call(self.socket, "ping", timeout=1) == (None, "pong"))
+        except OSError:
+            return False
 
 
-def three_way(rounds: int) -> int:
-    """Rounds for three sides in rotation: a multiple of 3, so each goes first as often."""
-    return -(-rounds // 3) * 3
+@dataclass
+class Builds:
+    """The nodes one scenario measures side by side, all with the same settings, by side:
+    ``ours`` (the installed build), ``pure`` (forced to pure Python) and, with ``--beside``,
+    ``beside`` (that commit's node); and whether ours and the beside one run compiled."""
+
+    nodes: dict[str, NodeProcess]
+    compiled: bool
+    beside: Tree | None = None
+    beside_compiled: bool = True
+
+    def label(self, label: str) -> str:
+        """``label``, saying which node is not compiled, if one is not."""
+        if not self.compiled:
+            label += " (node NOT compiled)"
+        if self.beside is not None and not self.beside_compiled:
+            label += f" ({self.beside.label} node NOT compiled)"
+        return label
+
+    def rounds(self, rounds: int) -> int:
+        """Rounds for these sides and the reference in rotation: a multiple of their number,
+        so each goes first as often."""
+        sides = len(self.nodes) + 1
+        return -(-rounds // sides) * sides
+
+    def order(self) -> str:
+        """The order of the sides, as recorded in the rows' ``detail``."""
+        names = ["compiled", "pure", *([self.beside.label] if self.beside else []), "reference"]
+        return f"rotating: {', '.join(names)}; then {', '.join([*names[1:], names[0]])}; ..."
+
+    def stop(self, svc: Services) -> None:
+        for node in self.nodes.values():
+            svc.stop_node(node)
 
 
-def compiled_label(label: str, compiled: bool) -> str:
-    return label if compiled else f"{label} (node NOT compiled)"
+def builds(svc: Services, name: str, **env: str) -> Builds:
+    """Start the nodes of :class:`Builds` with these settings (``--beside``: ``svc.beside``)."""
+    nodes = {
+        "ours": svc.node(name, clock_shift=None, **env),
+        "pure": svc.node(f"{name}-pure", clock_shift=None, **{**env, "METER_PURE_PYTHON": "1"}),
+    }
+    if svc.beside is not None:
+        nodes["beside"] = svc.tree_node(f"{name}-beside", svc.beside, **env)
+
+    def compiled(who: str) -> bool:
+        return bool((node_status(nodes[who]).get("build") or {}).get("compiled"))
+
+    assert not compiled("pure"), "pure node compiled"
+    beside = compiled("beside") if svc.beside is not None else True
+    return Builds(nodes, compiled("ours"), svc.beside, beside)
+
+
+def load_rounds(
+    rounds: int, loads: dict[str, Load], progress: Progress, what: str
+) -> dict[str, list[LoadResult]]:
+    """Each side's results, ``rounds`` rounds of ``loads`` (by side) taking turns going
+    first (:func:`in_turn`); ``what`` names the step in the progress lines."""
+    got: dict[str, list[LoadResult]] = {who: [] for who in loads}
+    for r in range(rounds):
+        progress(f"{what}, round {r + 1}/{rounds}")
+        results = in_turn(r, *(partial(run_load, load) for load in loads.values()))
+        for who, res in zip(loads, results, strict=True):
+            got[who].append(res)
+    return got
+
+
+def latencies(got: dict[str, list[LoadResult]]) -> dict[str, float]:
+    """``<side>_p50_us`` and ``<side>_p99_us``: each side's median over its rounds."""
+    return {
+        f"{who}_p{q}_us": median([x.percentile_us(q) for x in results])
+        for who, results in got.items()
+        for q in (50, 99)
+    }
 
 
 async def create_table(endpoint: str, name: str) -> None:

@@ -27,19 +27,18 @@ from bench.harness import (
     ALTERNATING,
     NODE_MEMORY,
     ROOT,
-    ROTATING,
     Progress,
     Row,
     Services,
     Sizes,
-    compiled_label,
+    builds,
     create_table,
     in_turn,
+    latencies,
+    load_rounds,
     median,
     node_status,
     ratios,
-    three_way,
-    two_builds,
 )
 from bench.loadgen import Load, LoadResult, run_load
 
@@ -56,44 +55,29 @@ RPC_DEPTH_TARGETS = {16: 0.7}
 def rpc_vs_redis(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     """``track`` on a node with memory storage and no log against ``INCR``, one hot key per
     connection on both sides."""
-    node, pure_node, compiled = two_builds(svc, "rpc")
+    b = builds(svc, "rpc")
     redis = svc.redis()
     rows: list[Row] = []
     for conns, depth in sizes.rpc_configs:
-        ours: list[LoadResult] = []
-        pure: list[LoadResult] = []
-        ref: list[LoadResult] = []
-        mine = Load("meter", str(node.socket), "track", conns, depth, duration=sizes.duration)
-        mine_pure = Load(
-            "meter", str(pure_node.socket), "track", conns, depth, duration=sizes.duration
+        loads = {
+            who: Load("meter", str(n.socket), "track", conns, depth, duration=sizes.duration)
+            for who, n in b.nodes.items()
+        }
+        loads["redis"] = Load(
+            "redis", str(redis.socket), "incr", conns, depth, duration=sizes.duration
         )
-        theirs = Load("redis", str(redis.socket), "incr", conns, depth, duration=sizes.duration)
-        rounds = three_way(sizes.rounds)
-        for r in range(rounds):
-            progress(f"track vs INCR: {conns} conn, depth {depth}, round {r + 1}/{rounds}")
-            a, p, b = in_turn(
-                r, partial(run_load, mine), partial(run_load, mine_pure), partial(run_load, theirs)
-            )
-            ours.append(a)
-            pure.append(p)
-            ref.append(b)
-        errors = sum(x.errors for x in ours + pure + ref)
-        o_ops = [x.ops_per_s for x in ours]
-        p_ops = [x.ops_per_s for x in pure]
-        r_ops = [x.ops_per_s for x in ref]
-        ratio = ratios(o_ops, r_ops)
+        got = load_rounds(
+            b.rounds(sizes.rounds), loads, progress, f"track vs INCR: {conns} conn, depth {depth}"
+        )
+        errors = sum(x.errors for results in got.values() for x in results)
+        ops = {who: [x.ops_per_s for x in results] for who, results in got.items()}
+        p99 = {who: [x.percentile_us(99) for x in results] for who, results in got.items()}
+        ratio = ratios(ops["ours"], ops["redis"])
         need = RPC_TARGETS.get((conns, depth), RPC_DEPTH_TARGETS.get(depth, 0.0))
         target = f">= {need}x Redis" if need else "(context)"
         label = f"track vs INCR, {conns} conn" + (f", pipelined {depth}" if depth > 1 else "")
-        label = compiled_label(label, compiled)
-        lat = {
-            "ours_p50_us": median([x.percentile_us(50) for x in ours]),
-            "ours_p99_us": median([x.percentile_us(99) for x in ours]),
-            "pure_p50_us": median([x.percentile_us(50) for x in pure]),
-            "pure_p99_us": median([x.percentile_us(99) for x in pure]),
-            "redis_p50_us": median([x.percentile_us(50) for x in ref]),
-            "redis_p99_us": median([x.percentile_us(99) for x in ref]),
-        }
+        label = b.label(label)
+        lat = latencies(got)
         detail = {
             "connections": conns,
             "depth": depth,
@@ -101,27 +85,23 @@ def rpc_vs_redis(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             **NODE_MEMORY,
             "keys_per_connection": 1,
             **lat,
-            "rounds_ours_ops": o_ops,
-            "rounds_pure_ops": p_ops,
-            "rounds_redis_ops": r_ops,
-            "order": ROTATING,
+            **{f"rounds_{who}_ops": x for who, x in ops.items()},
+            "order": b.order(),
         }
         rows.append(
             Row(
                 RPC,
                 label,
                 "ops/s",
-                median(o_ops),
-                median(r_ops),
+                median(ops["ours"]),
+                median(ops["redis"]),
                 ratio,
                 target,
-                (ratio >= need and errors == 0 and compiled) if need else None,
+                (ratio >= need and errors == 0 and b.compiled) if need else None,
                 detail,
-                pure=median(p_ops),
-                pure_ratio=ratios(p_ops, r_ops),
-            )
+            ).sides(ops)
         )
-        p99_ratio = ratios([x.percentile_us(99) for x in ours], [x.percentile_us(99) for x in ref])
+        p99_ratio = ratios(p99["ours"], p99["redis"])
         p99_need = 1.5 if depth <= 16 else 0.0
         rows.append(
             Row(
@@ -132,7 +112,7 @@ def rpc_vs_redis(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 lat["redis_p99_us"],
                 p99_ratio,
                 "<= 1.5x Redis' p99" if p99_need else "(context)",
-                (p99_ratio <= p99_need and compiled) if p99_need else None,
+                (p99_ratio <= p99_need and b.compiled) if p99_need else None,
                 {
                     "connections": conns,
                     "depth": depth,
@@ -140,14 +120,9 @@ def rpc_vs_redis(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                     **NODE_MEMORY,
                     **lat,
                 },
-                pure=lat["pure_p99_us"],
-                pure_ratio=ratios(
-                    [x.percentile_us(99) for x in pure], [x.percentile_us(99) for x in ref]
-                ),
-            )
+            ).sides(p99)
         )
-    svc.stop_node(node)
-    svc.stop_node(pure_node)
+    b.stop(svc)
     return rows
 
 
@@ -164,13 +139,10 @@ def batch(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     """``track_many`` of 100 items against 100 pipelined ``INCR``s, on the same keys: per
     connection, tenant ``bench-<i>`` with features ``f0`` .. ``f99`` for the node, and keys
     ``bench-<i>:f0`` .. ``bench-<i>:f99`` for Redis."""
-    node, pure_node, compiled = two_builds(svc, "batch")
+    b = builds(svc, "batch")
     redis = svc.redis()
-    ours: list[LoadResult] = []
-    pure: list[LoadResult] = []
-    ref: list[LoadResult] = []
-    mine, mine_pure = (
-        Load(
+    loads = {
+        who: Load(
             "meter",
             str(n.socket),
             "track_many",
@@ -179,9 +151,9 @@ def batch(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             items=BATCH_ITEMS,
             duration=sizes.duration,
         )
-        for n in (node, pure_node)
-    )
-    theirs = Load(
+        for who, n in b.nodes.items()
+    }
+    loads["redis"] = Load(
         "redis",
         str(redis.socket),
         "incr",
@@ -190,31 +162,23 @@ def batch(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
         keys=BATCH_ITEMS,
         duration=sizes.duration,
     )
-    for r in range(three_way(sizes.rounds)):
-        progress(f"track_many x100 vs INCR pipelined 100, round {r + 1}/{three_way(sizes.rounds)}")
-        a, p, b = in_turn(
-            r, partial(run_load, mine), partial(run_load, mine_pure), partial(run_load, theirs)
-        )
-        ours.append(a)
-        pure.append(p)
-        ref.append(b)
-    svc.stop_node(node)
-    svc.stop_node(pure_node)
-    o = [x.increments_per_s for x in ours]
-    p_inc = [x.increments_per_s for x in pure]
-    b = [x.increments_per_s for x in ref]
-    errors = sum(x.errors for x in ours + pure + ref)
-    value = median(o)
+    got = load_rounds(
+        b.rounds(sizes.rounds), loads, progress, "track_many x100 vs INCR pipelined 100"
+    )
+    b.stop(svc)
+    inc = {who: [x.increments_per_s for x in results] for who, results in got.items()}
+    errors = sum(x.errors for results in got.values() for x in results)
+    value = median(inc["ours"])
     return [
         Row(
             BATCH,
-            compiled_label("track_many, 100 items/call (ref: INCR pipelined, same keys)", compiled),
+            b.label("track_many, 100 items/call (ref: INCR pipelined, same keys)"),
             "incr/s",
             value,
-            median(b),
-            ratios(o, b),
+            median(inc["redis"]),
+            ratios(inc["ours"], inc["redis"]),
             ">= 1,500,000 incr/s",
-            value >= 1.5e6 and errors == 0 and compiled,
+            value >= 1.5e6 and errors == 0 and b.compiled,
             {
                 "connections": BATCH_CONNS,
                 "calls_in_flight_per_conn": BATCH_CALLS,
@@ -223,17 +187,13 @@ def batch(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 "distinct_keys_per_conn": BATCH_ITEMS,
                 "keys": "node bench-<i> / f0..f99, redis bench-<i>:f0..f99",
                 **NODE_MEMORY,
-                "order": ROTATING,
+                "order": b.order(),
                 "errors": errors,
-                "ours_p50_us": median([x.percentile_us(50) for x in ours]),
-                "ours_p99_us": median([x.percentile_us(99) for x in ours]),
-                "rounds_ours": o,
-                "rounds_pure": p_inc,
-                "rounds_redis": b,
+                "ours_p50_us": median([x.percentile_us(50) for x in got["ours"]]),
+                "ours_p99_us": median([x.percentile_us(99) for x in got["ours"]]),
+                **{f"rounds_{who}": x for who, x in inc.items()},
             },
-            pure=median(p_inc),
-            pure_ratio=ratios(p_inc, b),
-        )
+        ).sides(inc)
     ]
 
 
@@ -756,7 +716,7 @@ def durable(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     rows: list[Row] = []
     for mode, appendfsync in DURABLE_PAIRS:
         progress(f"durable: node {mode} vs redis appendfsync {appendfsync}: starting both")
-        node, pure_node, compiled = two_builds(
+        b = builds(
             svc,
             f"wal-{mode}",
             METER_DURABILITY=mode,
@@ -768,111 +728,107 @@ def durable(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             "node_durability": mode,
             "node_wal_fsync_interval_ms": WAL_FSYNC_INTERVAL_MS if mode == "interval" else None,
             "node_storage": "memory",
-            "node_data_dir_fs": _fs_type(node.data_dir.parent),
+            "node_data_dir_fs": _fs_type(b.nodes["ours"].data_dir.parent),
             "redis_appendonly": redis_persistence.get("aof_enabled") == "1",
             "redis_appendfsync": redis.config_get("appendfsync"),
             "redis_dir_fs": _fs_type(redis.workdir),
         }
         side: dict[str, tuple[str, str, str, Any, int | None]] = {
-            "node": ("meter", str(node.socket), "track", node, _pid(node.proc)),
-            "pure": ("meter", str(pure_node.socket), "track", pure_node, _pid(pure_node.proc)),
-            "redis": ("redis", str(redis.socket), "incr", redis, _pid(redis.proc)),
+            who: ("meter", str(n.socket), "track", n, _pid(n.proc)) for who, n in b.nodes.items()
         }
-        reported: str | None = None
+        side["redis"] = ("redis", str(redis.socket), "incr", redis, _pid(redis.proc))
+        reported: dict[str, str | None] = dict.fromkeys(b.nodes)
         for conns, depth in sizes.durable_configs:
-            ours: list[LoadResult] = []
-            pure: list[LoadResult] = []
-            ref: list[LoadResult] = []
-            # What each side's loads did besides answering: the node's data dir growth (its
+            got: dict[str, list[LoadResult]] = {who: [] for who in side}
+            # What each side's loads did besides answering: each node's data dir growth (its
             # log; only a node id and a lock without one), the bytes each process had the
-            # kernel write to disk, the requests it served, and the node's log counters.
-            grown = 0
-            summed = {
-                "node": dict.fromkeys(("disk", "requests", *WAL_COUNTERS), 0),
-                "pure": dict.fromkeys(("disk", "requests", *WAL_COUNTERS), 0),
-                "redis": dict.fromkeys(("disk", "requests"), 0),
-            }
-            for r in range(three_way(sizes.rounds)):
+            # kernel write to disk, the requests it served, and the nodes' log counters.
+            grown = dict.fromkeys(b.nodes, 0)
+            summed = {who: dict.fromkeys(("disk", "requests", *WAL_COUNTERS), 0) for who in b.nodes}
+            summed["redis"] = dict.fromkeys(("disk", "requests"), 0)
+            rounds = b.rounds(sizes.rounds)
+            order = list(side)
+            for r in range(rounds):
                 progress(
                     f"durable {mode} vs AOF {appendfsync}: {conns} conn, depth {depth}, "
-                    f"round {r + 1}/{three_way(sizes.rounds)}"
+                    f"round {r + 1}/{rounds}"
                 )
-                sides = ("node", "pure", "redis")
-                for who in sides[r % 3 :] + sides[: r % 3]:
+                k = r % len(order)
+                for who in order[k:] + order[:k]:
                     proto, path, method, server, pid = side[who]
-                    size0 = _tree_bytes(node.data_dir)
-                    before = _counters("redis" if who == "redis" else "node", server, pid)
+                    kind = "redis" if who == "redis" else "node"
+                    size0 = 0 if kind == "redis" else _tree_bytes(server.data_dir)
+                    before = _counters(kind, server, pid)
                     res = run_load(Load(proto, path, method, conns, depth, duration=sizes.duration))
-                    after = _counters("redis" if who == "redis" else "node", server, pid)
-                    for k, total in summed[who].items():
-                        if before.get(k) is not None and after.get(k) is not None:
-                            summed[who][k] = total + after[k] - before[k]
-                    if who == "node":
-                        ours.append(res)
-                        grown = max(grown, _tree_bytes(node.data_dir) - size0)
-                        reported = after.get("mode")
-                    elif who == "pure":
-                        pure.append(res)
-                    else:
-                        ref.append(res)
-            errors = sum(x.errors for x in ours + pure + ref)
-            o_ops = [x.ops_per_s for x in ours]
-            p_ops = [x.ops_per_s for x in pure]
-            r_ops = [x.ops_per_s for x in ref]
-            ratio = ratios(o_ops, r_ops)
+                    after = _counters(kind, server, pid)
+                    for key, total in summed[who].items():
+                        if before.get(key) is not None and after.get(key) is not None:
+                            summed[who][key] = total + after[key] - before[key]
+                    got[who].append(res)
+                    if kind == "node":
+                        grown[who] = max(grown[who], _tree_bytes(server.data_dir) - size0)
+                        reported[who] = after.get("mode")
+            errors = sum(x.errors for results in got.values() for x in results)
+            ops = {who: [x.ops_per_s for x in results] for who, results in got.items()}
+            p99 = {who: [x.percentile_us(99) for x in results] for who, results in got.items()}
+            ratio = ratios(ops["ours"], ops["redis"])
             label = f"track ({mode}) vs INCR (AOF {appendfsync}), {conns} conn" + (
                 f", pipelined {depth}" if depth > 1 else ""
             )
-            label = compiled_label(label, compiled)
+            label = b.label(label)
             # Until the node had a log, METER_DURABILITY was accepted and ignored: say so
             # in the row rather than pass a no-log figure off as a durable one. The node's
             # own counters decide when it reports them; else whether its data dir grew.
-            n, rd = summed["node"], summed["redis"]
-            logged = (reported == mode and n["records"] > 0) if reported is not None else grown > 0
-            if not logged:
-                label += " (node wrote no log)"
-            lat = {
-                "ours_p50_us": median([x.percentile_us(50) for x in ours]),
-                "ours_p99_us": median([x.percentile_us(99) for x in ours]),
-                "pure_p50_us": median([x.percentile_us(50) for x in pure]),
-                "pure_p99_us": median([x.percentile_us(99) for x in pure]),
-                "redis_p50_us": median([x.percentile_us(50) for x in ref]),
-                "redis_p99_us": median([x.percentile_us(99) for x in ref]),
+            logged = {
+                who: (reported[who] == mode and summed[who]["records"] > 0)
+                if reported[who] is not None
+                else grown[who] > 0
+                for who in b.nodes
             }
+            if not logged["ours"]:
+                label += " (node wrote no log)"
+            if b.beside is not None and not logged["beside"]:
+                label += f" ({b.beside.label} node wrote no log)"
+            lat = latencies(got)
+            n, rd = summed["ours"], summed["redis"]
             need = DURABLE_TARGETS[mode]
             detail = {
                 "connections": conns,
                 "depth": depth,
                 "errors": errors,
                 **setup,
-                "node_reported_durability": reported,
+                "node_reported_durability": reported["ours"],
                 "node_wal": {k: n[k] for k in WAL_COUNTERS},
                 "node_requests": n["requests"],
                 "node_wal_fsyncs_per_1k_requests": 1000 * n["fsyncs"] / max(1, n["requests"]),
-                "node_data_dir_growth_bytes": grown,
+                "node_data_dir_growth_bytes": grown["ours"],
                 "node_disk_bytes_per_request": n["disk"] / max(1, n["requests"]),
+                **(
+                    {
+                        "beside_reported_durability": reported["beside"],
+                        "beside_wal": {k: summed["beside"][k] for k in WAL_COUNTERS},
+                    }
+                    if b.beside is not None
+                    else {}
+                ),
                 "redis_requests": rd["requests"],
                 "redis_disk_bytes_per_request": rd["disk"] / max(1, rd["requests"]),
                 **lat,
-                "rounds_ours_ops": o_ops,
-                "rounds_pure_ops": p_ops,
-                "rounds_redis_ops": r_ops,
-                "order": ROTATING,
+                **{f"rounds_{who}_ops": x for who, x in ops.items()},
+                "order": b.order(),
             }
             rows.append(
                 Row(
                     "7 durable vs Redis AOF",
                     label,
                     "ops/s",
-                    median(o_ops),
-                    median(r_ops),
+                    median(ops["ours"]),
+                    median(ops["redis"]),
                     ratio,
                     f">= {need}x Redis",
-                    (ratio >= need and errors == 0 and compiled) if logged else None,
+                    (ratio >= need and errors == 0 and b.compiled) if logged["ours"] else None,
                     detail,
-                    pure=median(p_ops),
-                    pure_ratio=ratios(p_ops, r_ops),
-                )
+                ).sides(ops)
             )
             rows.append(
                 Row(
@@ -881,22 +837,19 @@ def durable(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                     "us",
                     lat["ours_p99_us"],
                     lat["redis_p99_us"],
-                    ratios([x.percentile_us(99) for x in ours], [x.percentile_us(99) for x in ref]),
+                    ratios(p99["ours"], p99["redis"]),
                     "(context)",
                     None,
                     {"connections": conns, "depth": depth, "latency": "batch round trip", **lat},
-                    pure=lat["pure_p99_us"],
-                    pure_ratio=ratios(
-                        [x.percentile_us(99) for x in pure], [x.percentile_us(99) for x in ref]
-                    ),
-                )
+                ).sides(p99)
             )
-        svc.stop_node(node)
-        svc.stop_node(pure_node)
+        b.stop(svc)
         svc.stop_redis(redis)
     return rows
 
 
+#: The scenarios that run ``--beside``'s node (beside the compiled and pure ones).
+BESIDE_SCENARIOS = ("rpc", "batch", "durable")
 SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "rpc": rpc_vs_redis,
     "batch": batch,

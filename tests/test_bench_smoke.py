@@ -58,7 +58,11 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
             "detail",
             "pure",
             "pure_ratio",
+            "beside",
+            "beside_ratio",
+            "vs_beside",
         }
+        assert r["beside"] is None and r["beside_ratio"] is None and r["vs_beside"] is None
         assert r["ours"] is not None and r["ours"] > 0
         assert r["reference"] is not None and r["reference"] > 0
         assert r["met"] in (True, False, None)
@@ -110,6 +114,7 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
     assert "300.0 (target)" in text
     assert "| scenario" in text and "track vs INCR" in text and "memory" in text
     assert "[" in text.splitlines()[0]  # progress lines come first, with elapsed time
+    assert "beside" not in doc and "ours/" not in text  # no --beside: no columns for it
 
 
 def test_table_and_chart_render(tmp_path: Path) -> None:
