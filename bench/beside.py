@@ -100,8 +100,9 @@ def resolve(rev: str, repo: Path) -> str:
     """The full hash of the commit ``rev`` names in ``repo``."""
     if shutil.which("git") is None:
         raise BesideError("--beside needs git")
+    verify = ["rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}"]
     got = subprocess.run(
-        ["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+        ["git", "-C", str(repo), *verify],
         capture_output=True,
         text=True,
         timeout=60,
@@ -175,15 +176,12 @@ def prepare(
     commit = resolve(rev, repo)
     home = (cache or cache_dir()) / commit
     venv = home / "venv"
-    found = _cached(rev, commit, venv)
-    if found is not None:
-        say(f"beside {rev}: {commit[:12]}, built before: {venv}")
-        return found
     home.mkdir(parents=True, exist_ok=True)
     with open(home.parent / f"{commit}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another run may be building it right now
         found = _cached(rev, commit, venv)
         if found is not None:
+            say(f"beside {rev}: {commit[:12]}, built before: {venv}")
             return found
         shutil.rmtree(venv, ignore_errors=True)  # a build cut short
         (home / INSTALL_LOG).unlink(missing_ok=True)

@@ -1,7 +1,7 @@
 """The benchmark scenarios. Each returns result rows; every ratio is measured side by side.
 
 Each round runs both sides (A and B), alternating which goes first: A B, then B A, and so on
-(with three sides, the order rotates), so neither side always runs on a machine the other has
+(with more sides, the order rotates), so neither side always runs on a machine the other has
 just warmed or loaded. A row holds the median of each side and the median of the per-round
 ratios, so a burst of noise on this shared machine moves one round, not the figure. A row
 whose reference is a fixed number (a target, not a measurement) says so in

@@ -117,6 +117,8 @@ def test_checkout_is_of_the_commit_built_once_and_cached(tmp_path: Path) -> None
     with pytest.raises(BesideError, match="names no commit"):
         prepare("no-such-rev", repo=repo, cache=cache, install=install, say=said.append)
     with pytest.raises(BesideError, match="names no commit"):
+        resolve("--all", repo)  # not taken for an option
+    with pytest.raises(BesideError, match="names no commit"):
         resolve("HEAD", tmp_path)  # not a repository
 
 
