@@ -16,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+from bench.harness import RedisServer
 from bench.loadgen import Load, run_load
-from bench.services import RedisServer
 from tests.nodes import NodeProcess, short_tmpdir
 
 
-def _trivial_server(path: str) -> None:
+def trivial_server(path: str) -> None:
     """Answer every request ``[0, msgid, ...]`` with ``[1, msgid, nil, 1]``."""
     import msgpack
     import uvloop
@@ -51,7 +51,7 @@ def main(conns: int = 4, depth: int = 1, rounds: int = 3, duration: float = 1.5)
         [
             sys.executable,
             "-c",
-            f"from bench.ceiling import _trivial_server; _trivial_server({trivial_path!r})",
+            f"from bench.ceiling import trivial_server; trivial_server({trivial_path!r})",
         ],
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
     )

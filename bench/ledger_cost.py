@@ -18,8 +18,17 @@ import time
 import uuid
 from typing import Any
 
-from bench.scenarios import ALTERNATING, Progress, Row, Sizes, _in_turn, _median, _ratios
-from bench.services import Services
+from bench.harness import (
+    ALTERNATING,
+    Progress,
+    Row,
+    Services,
+    Sizes,
+    create_table,
+    in_turn,
+    median,
+    ratios,
+)
 
 #: (Not numbered: the chart takes scenarios starting with "1" for scenario 1.)
 LEDGER = "ledger debits (DynamoDB Local)"
@@ -127,12 +136,10 @@ async def _bare_side(endpoint: str, table: str, tag: str, seconds: float) -> tup
 
 
 def ledger(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
-    from bench.scenarios import _create_table
-
     progress("starting DynamoDB Local")
     endpoint = svc.dynamodb()
     table = f"meter_bench_{uuid.uuid4().hex[:8]}"
-    asyncio.run(_create_table(endpoint, table))
+    asyncio.run(create_table(endpoint, table))
     node = svc.node(
         "ledger",
         METER_STORAGE="dynamodb",
@@ -163,16 +170,16 @@ def ledger(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     rounds = max(sizes.rounds, sizes.ddb_rounds)
     for r in range(rounds):
         progress(f"ledger debits: node vs bare TransactWriteItems, round {r + 1}/{rounds}")
-        _in_turn(r, node_side, bare_side)
+        in_turn(r, node_side, bare_side)
     svc.stop_node(node)
-    ratio = _ratios(ours, ref)
+    ratio = ratios(ours, ref)
     return [
         Row(
             LEDGER,
             f"debits/s: node vs bare TransactWriteItems loop, {LANES} in flight",
             "ops/s",
-            _median(ours),
-            _median(ref),
+            median(ours),
+            median(ref),
             ratio,
             f">= {TARGET}x",
             ratio >= TARGET and errors == 0 and ref_errors == 0,

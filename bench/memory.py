@@ -75,7 +75,7 @@ def _fill_table(n: int) -> Callable[[], object]:
 
 def _fill_wire(n: int) -> Callable[[], object]:
     """The ``wire`` path, ready to run: the request bytes are built before measuring."""
-    from bench.micro import _NullTransport
+    from bench.harness import NullTransport
     from meter.core.server import RpcServer, _Connection
 
     tenants, features = _names(n)
@@ -95,7 +95,7 @@ def _fill_wire(n: int) -> Callable[[], object]:
         svc = build_service(table, MemoryStorage())
         srv = RpcServer("/nonexistent", svc, max_frame=1 << 20, high_water=1 << 20, low_water=1)
         conn = _Connection(srv)
-        transport = _NullTransport()
+        transport = NullTransport()
 
         async def serve() -> None:
             conn.connection_made(transport)  # type: ignore[arg-type]

@@ -23,11 +23,19 @@ import urllib.request
 from dataclasses import dataclass
 from functools import partial
 
+from bench.harness import (
+    ALTERNATING,
+    NODE_MEMORY,
+    Progress,
+    Row,
+    Services,
+    Sizes,
+    in_turn,
+    median,
+    ratios,
+)
 from bench.loadgen import Load, LoadResult, run_load
 from bench.micro import metrics_pair, service
-from bench.scenarios import ALTERNATING, NODE_MEMORY, Progress, Row, Sizes, _in_turn, _median
-from bench.scenarios import _ratios as ratios
-from bench.services import Services
 from tests.nodes import NodeProcess
 
 METRICS = "9 metrics cost (memory storage)"
@@ -117,7 +125,7 @@ def metrics_cost(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
         ref: list[_Round] = []
         for r in range(sizes.rounds):
             progress(f"metrics on vs off: {conns} conn, depth {depth}, round {r + 1}")
-            a, b = _in_turn(
+            a, b = in_turn(
                 r, partial(_measured, on, mine, scraper), partial(_measured, off, theirs, None)
             )
             ours.append(a)
@@ -134,7 +142,7 @@ def metrics_cost(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
         }
         o_cpu = [x.cpu_us_per_request for x in ours]
         r_cpu = [x.cpu_us_per_request for x in ref]
-        node_us = _median(r_cpu)
+        node_us = median(r_cpu)
         off_ns, on_ns = metrics_pair(service(), depth)
         added_us = max(0.0, on_ns - off_ns) / 1000
         share = 1 + added_us / node_us if node_us else float("inf")
@@ -162,7 +170,7 @@ def metrics_cost(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 METRICS,
                 f"node CPU per track end to end, metrics on vs off, {shape}",
                 "us",
-                _median(o_cpu),
+                median(o_cpu),
                 node_us,
                 ratios(o_cpu, r_cpu),
                 "(context: noisy)",
@@ -177,8 +185,8 @@ def metrics_cost(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 METRICS,
                 f"track, metrics on vs off, {shape}",
                 "ops/s",
-                _median(o_ops),
-                _median(r_ops),
+                median(o_ops),
+                median(r_ops),
                 ratios(o_ops, r_ops),
                 "(context: noisy)",
                 True,

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 
+from bench.harness import NullTransport
 from meter.core.counts import RequestStats
 from meter.core.protocol import Decoder, Encoder, Request
 from meter.core.service import Service
@@ -110,22 +111,6 @@ def metrics_pair(svc: Service, depth: int, rounds: int = 21) -> tuple[float, flo
     return min(got[0]), min(got[1])
 
 
-class _NullTransport:
-    """Just enough of a transport for ``data_received``: writes are counted and dropped."""
-
-    def __init__(self) -> None:
-        self.written = 0
-
-    def write(self, data: bytes) -> None:
-        self.written += len(data)
-
-    def is_closing(self) -> bool:
-        return False
-
-    def set_write_buffer_limits(self, high: int, low: int) -> None:
-        pass
-
-
 def _server_feed(
     svc: Service, frames: bytes, stats: RequestStats | None = None
 ) -> Callable[[], None]:
@@ -136,7 +121,7 @@ def _server_feed(
     srv = RpcServer("/nonexistent", svc, max_frame=1 << 20, high_water=1 << 20, low_water=1 << 18)
     srv.request_stats = stats
     conn = _Connection(srv)
-    conn.connection_made(_NullTransport())  # type: ignore[arg-type]
+    conn.connection_made(NullTransport())  # type: ignore[arg-type]
     return lambda: conn.data_received(frames)
 
 

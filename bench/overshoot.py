@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Any
 
-from bench.scale import cluster_env, start_cluster, status
-from bench.services import Services
+from bench.harness import Services, node_status
+from bench.scale import cluster_env, start_cluster
 from tests.cluster_harness import Conn
 from tests.nodes import NodeProcess
 
@@ -93,7 +93,7 @@ def _burst(
         if time.monotonic() > deadline:
             raise RuntimeError("the limit did not reach every node")
         time.sleep(0.01)
-    strict0 = [status(p)["limits"]["strict"] for p in nodes]
+    strict0 = [node_status(p)["limits"]["strict"] for p in nodes]
     go = threading.Event()
     acked = [0] * (n_nodes * clients)
     retried = [0] * (n_nodes * clients)
@@ -116,7 +116,7 @@ def _burst(
         if time.monotonic() > deadline:
             raise RuntimeError("views did not converge on the acknowledged total")
         time.sleep(0.01)
-    statuses = [status(p) for p in nodes]
+    statuses = [node_status(p) for p in nodes]
     lags = [
         peer.get("lag_p99_ms") or 0.0
         for st in statuses

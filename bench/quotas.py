@@ -30,20 +30,21 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from bench.loadgen import Load, LoadResult, run_load
-from bench.overshoot import measure
-from bench.scale import cluster_env, start_cluster, status
-from bench.scenarios import (
+from bench.harness import (
     ALTERNATING,
     Progress,
     QuotaSizes,
     Row,
+    Services,
     Sizes,
-    _in_turn,
-    _median,
-    _ratios,
+    in_turn,
+    median,
+    node_status,
+    ratios,
 )
-from bench.services import Services
+from bench.loadgen import Load, LoadResult, run_load
+from bench.overshoot import measure
+from bench.scale import cluster_env, start_cluster
 from tests.nodes import NodeProcess
 
 QUOTAS = "10 quotas (DynamoDB Local, 1 or 3 nodes)"
@@ -94,7 +95,7 @@ def _strict(nodes: list[NodeProcess]) -> dict[str, int]:
     """``status.limits.strict`` counters summed over the nodes."""
     out = dict.fromkeys(("writes", "conflicts", "refused", "errors"), 0)
     for p in nodes:
-        st = status(p)["limits"]["strict"]
+        st = node_status(p)["limits"]["strict"]
         for k in out:
             out[k] += int(st[k])
     return out
@@ -148,7 +149,7 @@ def _rounds(
             f"quotas: {what}, {len(nodes)} node(s), {conns} conn, depth {depth}, "
             f"round {r + 1}/{sizes.rounds}"
         )
-        a, b = _in_turn(r, partial(run_load, ours_side), partial(run_load, ref_side))
+        a, b = in_turn(r, partial(run_load, ours_side), partial(run_load, ref_side))
         ours.append(a)
         ref.append(b)
     return ours, ref
@@ -177,7 +178,7 @@ def _throughput(
         errors = sum(x.errors for x in ours + ref)
         o_ops = [x.ops_per_s for x in ours]
         r_ops = [x.ops_per_s for x in ref]
-        ratio = _ratios(o_ops, r_ops)
+        ratio = ratios(o_ops, r_ops)
         shape = f"{n} node{'s' if n > 1 else ''}, {conns} conn" + (
             f", pipelined {depth}" if depth > 1 else ""
         )
@@ -188,10 +189,10 @@ def _throughput(
             "errors": errors,
             "limit": FAR,
             "counters": "one per side, shared by every connection of every node",
-            "ours_p50_us": _median([x.percentile_us(50) for x in ours]),
-            "ours_p99_us": _median([x.percentile_us(99) for x in ours]),
-            "fast_p50_us": _median([x.percentile_us(50) for x in ref]),
-            "fast_p99_us": _median([x.percentile_us(99) for x in ref]),
+            "ours_p50_us": median([x.percentile_us(50) for x in ours]),
+            "ours_p99_us": median([x.percentile_us(99) for x in ours]),
+            "fast_p50_us": median([x.percentile_us(50) for x in ref]),
+            "fast_p99_us": median([x.percentile_us(99) for x in ref]),
             "rounds_strict_ops": o_ops,
             "rounds_fast_ops": r_ops,
             "order": ALTERNATING,
@@ -201,8 +202,8 @@ def _throughput(
                 QUOTAS,
                 f"track, strict vs fast limit far from it, {shape}",
                 "ops/s",
-                _median(o_ops),
-                _median(r_ops),
+                median(o_ops),
+                median(r_ops),
                 ratio,
                 f">= {THROUGHPUT_TARGET}x fast",
                 ratio >= THROUGHPUT_TARGET and errors == 0,
@@ -345,7 +346,7 @@ def _credits(
         errors = sum(x.errors for x in ours + ref)
         o_ops = [x.ops_per_s for x in ours]
         r_ops = [x.ops_per_s for x in ref]
-        ratio = _ratios(o_ops, r_ops)
+        ratio = ratios(o_ops, r_ops)
         shape = f"{n} node{'s' if n > 1 else ''}, {conns} conn" + (
             f", pipelined {depth}" if depth > 1 else ""
         )
@@ -354,8 +355,8 @@ def _credits(
                 QUOTAS,
                 f"track, credit-metered (1 credit a unit, far from zero) vs plain, {shape}",
                 "ops/s",
-                _median(o_ops),
-                _median(r_ops),
+                median(o_ops),
+                median(r_ops),
                 ratio,
                 f">= {CREDIT_TARGET}x plain",
                 ratio >= CREDIT_TARGET and errors == 0,
@@ -365,10 +366,10 @@ def _credits(
                     "depth": depth,
                     "errors": errors,
                     "credits_granted": FAR,
-                    "ours_p50_us": _median([x.percentile_us(50) for x in ours]),
-                    "ours_p99_us": _median([x.percentile_us(99) for x in ours]),
-                    "plain_p50_us": _median([x.percentile_us(50) for x in ref]),
-                    "plain_p99_us": _median([x.percentile_us(99) for x in ref]),
+                    "ours_p50_us": median([x.percentile_us(50) for x in ours]),
+                    "ours_p99_us": median([x.percentile_us(99) for x in ours]),
+                    "plain_p50_us": median([x.percentile_us(50) for x in ref]),
+                    "plain_p99_us": median([x.percentile_us(99) for x in ref]),
                     "rounds_credit_ops": o_ops,
                     "rounds_plain_ops": r_ops,
                     "order": ALTERNATING,

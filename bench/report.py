@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.scenarios import Row
+from bench.harness import Row
 
 
 def machine() -> dict[str, Any]:
@@ -39,9 +39,11 @@ def _num(x: float | None, unit: str = "") -> str:
     return f"{x:,.0f}"
 
 
-def table(rows: list[Row]) -> str:
+def table(rows: list[Row], beside: str = "beside") -> str:
     """A plain-text table (also valid Markdown). A reference that is a fixed target rather
-    than a measurement reads ``(target)``."""
+    than a measurement reads ``(target)``. Rows measured beside another commit's node
+    (``--beside``, named ``beside``) add its figure, its ratio and ours against it."""
+    with_beside = any(r.beside is not None for r in rows)
     head = [
         "scenario",
         "metric",
@@ -52,6 +54,7 @@ def table(rows: list[Row]) -> str:
         "met?",
         "pure",
         "pure ratio",
+        *((beside, f"{beside} ratio", f"ours/{beside}") if with_beside else ()),
     ]
     lines = [head]
     for r in rows:
@@ -69,6 +72,15 @@ def table(rows: list[Row]) -> str:
                 met,
                 "-" if r.pure is None else _num(r.pure, r.unit),
                 "-" if r.pure_ratio is None else f"{r.pure_ratio:.3g}x",
+                *(
+                    (
+                        "-" if r.beside is None else _num(r.beside, r.unit),
+                        "-" if r.beside_ratio is None else f"{r.beside_ratio:.3g}x",
+                        "-" if r.vs_beside is None else f"{r.vs_beside:.3g}x",
+                    )
+                    if with_beside
+                    else ()
+                ),
             ]
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]

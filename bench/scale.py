@@ -45,17 +45,19 @@ from typing import Any
 import msgpack
 
 from bench.clockshift import next_month_start, shift_to
-from bench.scenarios import (
+from bench.harness import (
     ALTERNATING,
     Progress,
     Row,
+    Services,
     Sizes,
-    _create_table,
-    _in_turn,
-    _median,
-    _ratios,
+    create_table,
+    in_turn,
+    median,
+    node_status,
+    percentile,
+    ratios,
 )
-from bench.services import Services
 from meter.core.keys import Key, period_start
 from tests.nodes import NodeProcess
 
@@ -104,7 +106,7 @@ def cluster_env(svc: Services, name: str) -> tuple[str, dict[str, str], str]:
     how the flush is set."""
     tag = uuid.uuid4().hex[:6]
     table = f"meter_{name}_{tag}"
-    asyncio.run(_create_table(svc.dynamodb(), table))
+    asyncio.run(create_table(svc.dynamodb(), table))
     flush_env, flush_how = ddb_flush()
     env = {
         "METER_STORAGE": "dynamodb",
@@ -126,7 +128,9 @@ def start_cluster(
         nodes = list(pool.map(lambda name: svc.node(name, clock_shift=shift, **env), names))
     try:
         deadline = time.monotonic() + 30
-        while not all(len(status(p)["cluster"]["live_peers"]) == len(names) - 1 for p in nodes):
+        while not all(
+            len(node_status(p)["cluster"]["live_peers"]) == len(names) - 1 for p in nodes
+        ):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the {len(names)} nodes did not see each other within 30 s")
             time.sleep(0.05)
@@ -165,14 +169,7 @@ class Pass:
         return self.items / self.seconds if self.seconds else 0.0
 
     def ms(self, q: float) -> float:
-        return _pct(self.latencies_ns, q) / 1e6
-
-
-def _pct(values: list[int] | list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return float(s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))])
+        return percentile(self.latencies_ns, q) / 1e6
 
 
 def keyset(tag: str, n: int) -> list[tuple[str, str]]:
@@ -285,11 +282,6 @@ async def drive(path: str | Path, lanes: list[list[bytes]], expect: int | None) 
     )
 
 
-def status(node: NodeProcess) -> dict[str, Any]:
-    got: dict[str, Any] = node.call("status")
-    return got
-
-
 def finish(svc: Services, node: NodeProcess, store: bool) -> float:
     """Stop ``node``: drained (everything it counted stored) if ``store``, else killed (what
     it counted is in its log, not stored). The seconds it took."""
@@ -384,7 +376,7 @@ def ddb_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     progress("scale: starting DynamoDB Local")
     endpoint = svc.dynamodb()
     table = f"meter_scale_{uuid.uuid4().hex[:8]}"
-    asyncio.run(_create_table(endpoint, table))
+    asyncio.run(create_table(endpoint, table))
     load0 = os.getloadavg()
     flush_env, flush_how = ddb_flush()
     node = svc.node(
@@ -412,9 +404,9 @@ def ddb_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     def node_side(r: int, tag: str) -> None:
         pairs = keyset(f"c{tag}", n)
         lanes = frames(calls_of(pairs, r), CONNS)
-        before = status(node)
+        before = node_status(node)
         got = asyncio.run(drive(node.socket, lanes, 1))
-        after = status(node)
+        after = node_status(node)
         ours.append(got)
         seeded.append(_seeding(before, after))
         flushed_in_window.append(after["flush"]["keys_written"] - before["flush"]["keys_written"])
@@ -432,7 +424,7 @@ def ddb_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             f"round {r + 1}/{sz.ddb_rounds}"
         )
         tag = uuid.uuid4().hex[:6]
-        _in_turn(r, lambda: node_side(r, tag), lambda: bare_side(tag))  # noqa: B023
+        in_turn(r, lambda: node_side(r, tag), lambda: bare_side(tag))  # noqa: B023
     load1 = os.getloadavg()
     stored: list[int] | None = None
     if sz.store_check:
@@ -442,7 +434,7 @@ def ddb_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
         progress(f"scale: reading back the {len(tracked):,} keys the node stored")
         stored = _stored_ddb(endpoint, table, tracked)
     o = [p.rate for p in ours]
-    ratio = _ratios(o, ref)
+    ratio = ratios(o, ref)
     bad = sum(p.errors + p.nil + p.wrong for p in ours)
     exact = None if stored is None else (sum(stored) == len(tracked) and set(stored) == {1})
     all_seeded = all(s["on_demand"] == n for s in seeded)
@@ -452,8 +444,8 @@ def ddb_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             f"DynamoDB: {n:,} cold keys seeded through the node (track_many x{ITEMS}) "
             f"vs bare BatchGetItem x{BARE_CHUNK}, {BARE_CONCURRENCY} in flight",
             "keys/s",
-            _median(o),
-            _median(ref),
+            median(o),
+            median(ref),
             ratio,
             ">= 0.8x bare",
             ratio >= 0.8 and bad == 0 and exact is not False and all_seeded,
@@ -477,8 +469,8 @@ def ddb_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 "node_keys_flushed_during_window": flushed_in_window,
                 "node_stop_seconds": round(drain_s, 2),
                 "loadavg_start_end": [load0, load1],
-                "call_p50_ms": _median([p.ms(50) for p in ours]),
-                "call_p99_ms": _median([p.ms(99) for p in ours]),
+                "call_p50_ms": median([p.ms(50) for p in ours]),
+                "call_p99_ms": median([p.ms(99) for p in ours]),
                 "call_max_ms": max(p.ms(100) for p in ours),
                 "errors": sum(p.errors for p in ours),
                 "nil_answers": sum(p.nil for p in ours),
@@ -555,10 +547,10 @@ def sqlite_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             **env,
         )
         lanes = frames(calls_of(pairs, 1000 + r), CONNS)
-        before = status(node)
+        before = node_status(node)
         got = asyncio.run(drive(node.socket, lanes, SQLITE_BASE + passes + 1))
         passes += 1
-        after = status(node)
+        after = node_status(node)
         seeded.append(_seeding(before, after))
         if default:
             cold.append(got)
@@ -574,7 +566,7 @@ def sqlite_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             f"scale: fresh SQLite nodes meet {n:,} stored keys cold (default node: then warm; "
             f"other node: flush deferred), round {r + 1}/{sz.sqlite_rounds}"
         )
-        _in_turn(r, partial(side, r, True), partial(side, r, False))
+        in_turn(r, partial(side, r, True), partial(side, r, False))
     load1 = os.getloadavg()
     progress(f"scale: reading back the {n:,} keys")
     stored = asyncio.run(_stored(SQLiteStorage(path), keys))
@@ -586,7 +578,7 @@ def sqlite_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     every = cold + warm + deferred
     bad = sum(p.errors + p.nil + p.wrong for p in every)
     all_seeded = all(s["on_demand"] == n for s in seeded)
-    cold_rate = _median(c)
+    cold_rate = median(c)
     common = {
         "keys": n,
         "key_shape": f"{FEATURES} features x {n // FEATURES:,} tenants, all in the file",
@@ -606,11 +598,11 @@ def sqlite_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
         "rounds_cold_keys_per_s": c,
         "rounds_warm_items_per_s": w,
         "rounds_deferred_flush_cold_keys_per_s": d,
-        "cold_call_p50_ms": _median([p.ms(50) for p in cold]),
-        "cold_call_p99_ms": _median([p.ms(99) for p in cold]),
-        "warm_call_p50_ms": _median([p.ms(50) for p in warm]),
-        "warm_call_p99_ms": _median([p.ms(99) for p in warm]),
-        "deferred_flush_cold_call_p99_ms": _median([p.ms(99) for p in deferred]),
+        "cold_call_p50_ms": median([p.ms(50) for p in cold]),
+        "cold_call_p99_ms": median([p.ms(99) for p in cold]),
+        "warm_call_p50_ms": median([p.ms(50) for p in warm]),
+        "warm_call_p99_ms": median([p.ms(99) for p in warm]),
+        "deferred_flush_cold_call_p99_ms": median([p.ms(99) for p in deferred]),
         "seeding_per_side": seeded,
         "all_keys_seeded_on_demand": all_seeded,
         "errors": sum(p.errors for p in every),
@@ -639,8 +631,8 @@ def sqlite_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             "SQLite: the same keys cold vs warm, same node, same run",
             "keys/s",
             cold_rate,
-            _median(w),
-            _ratios(c, w),
+            median(w),
+            ratios(c, w),
             "(context)",
             None,
             common,
@@ -650,8 +642,8 @@ def sqlite_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             "SQLite: cold, default node vs a node whose flush waits (same rounds)",
             "keys/s",
             cold_rate,
-            _median(d),
-            _ratios(c, d),
+            median(d),
+            ratios(c, d),
             "(context)",
             None,
             common,
@@ -700,7 +692,7 @@ class _Call:
     ok: bool = False
 
 
-async def _open_loop(
+async def open_loop(
     nodes: list[NodeProcess],
     pairs: list[list[tuple[str, str]]],
     items: int,
@@ -780,8 +772,8 @@ def _lat(calls: list[_Call]) -> dict[str, float]:
     ms = [c.lat_ns / 1e6 for c in calls if c.lat_ns >= 0]
     return {
         "calls": len(calls),
-        "p50_ms": _pct(ms, 50),
-        "p99_ms": _pct(ms, 99),
+        "p50_ms": percentile(ms, 50),
+        "p99_ms": percentile(ms, 99),
         "max_ms": max(ms, default=0.0),
     }
 
@@ -871,11 +863,11 @@ def _first_of_month(
         snaps: dict[str, list[dict[str, Any]]] = {}
 
         def snap(name: str) -> Any:
-            return lambda: snaps.__setitem__(name, [status(p) for p in nodes])
+            return lambda: snaps.__setitem__(name, [node_status(p) for p in nodes])
 
         snap("start")()
         calls, tally, lag = asyncio.run(
-            _open_loop(
+            open_loop(
                 nodes,
                 pairs,
                 items,
@@ -980,12 +972,12 @@ def first_of_month(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]
 
     # With two modes, the order turns each round: off, on; then on, off; ...
     for r in range(sizes.scale.rollover_rounds):
-        _in_turn(r, *(partial(run, label, env) for label, env in modes))
+        in_turn(r, *(partial(run, label, env) for label, env in modes))
     n = sizes.scale.rollover_keys
     for label, _ in modes:
         got = runs[label]
-        p99w = _median([g["window"]["p99_ms"] for g in got])
-        p99o = _median([g["overall"]["p99_ms"] for g in got])
+        p99w = median([g["window"]["p99_ms"] for g in got])
+        p99o = median([g["overall"]["p99_ms"] for g in got])
         sound = all(
             g["stored_exact"] is not False
             and g["errors"] == 0
@@ -1010,7 +1002,7 @@ def first_of_month(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]
                 p99w <= ROLLOVER_P99_MS and sound,
                 {
                     **detail,
-                    "p50_ms": _median([g["window"]["p50_ms"] for g in got]),
+                    "p50_ms": median([g["window"]["p50_ms"] for g in got]),
                     "max_ms": max(g["window"]["max_ms"] for g in got),
                 },
                 "target",
@@ -1027,9 +1019,9 @@ def first_of_month(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]
                 f"<= {ROLLOVER_P99_MS:.0f} ms",
                 p99o <= ROLLOVER_P99_MS and sound,
                 {
-                    "p50_ms": _median([g["overall"]["p50_ms"] for g in got]),
+                    "p50_ms": median([g["overall"]["p50_ms"] for g in got]),
                     "max_ms": max(g["overall"]["max_ms"] for g in got),
-                    "before_boundary_p99_ms": _median([g["before"]["p99_ms"] for g in got]),
+                    "before_boundary_p99_ms": median([g["before"]["p99_ms"] for g in got]),
                 },
                 "target",
             )

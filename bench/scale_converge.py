@@ -28,23 +28,20 @@ from typing import Any
 
 import msgpack
 
+from bench.harness import Progress, Row, Services, Sizes, median, node_status, percentile
 from bench.scale import (
     CONNS,
     SCALE,
     Pass,
-    _open_loop,
-    _pct,
     calls_of,
     cluster_env,
     drive,
     finish,
     frames,
     keyset,
+    open_loop,
     start_cluster,
-    status,
 )
-from bench.scenarios import Progress, Row, Sizes, _median
-from bench.services import Services
 from tests.nodes import NodeProcess
 
 #: Items per ``track_many`` call of the load.
@@ -298,7 +295,7 @@ def scale_convergence(
         def snap(name: str) -> Any:
             def take() -> None:
                 cpus[name] = [_cpu_s(p.proc.pid if p.proc else None) for p in nodes]
-                snaps[name] = [status(p) for p in nodes]
+                snaps[name] = [node_status(p) for p in nodes]
 
             return take
 
@@ -308,7 +305,7 @@ def scale_convergence(
             sockets = [str(p.socket) for p in nodes]
             probed = probing.submit(probe_in_process, sockets, t_probe, t_end, tick_ms / 1000)
             calls, tally, lag = asyncio.run(
-                _open_loop(
+                open_loop(
                     nodes,
                     pairs,
                     ITEMS,
@@ -342,8 +339,8 @@ def scale_convergence(
         "items_per_s_per_node": rate,
         "tick_ms": tick_ms,
         "samples": len(lat),
-        "p50_ms": _pct(lat, 50),
-        "p99_ms": _pct(lat, 99),
+        "p50_ms": percentile(lat, 50),
+        "p99_ms": percentile(lat, 99),
         "max_ms": max(lat, default=0.0),
         "anomalies": anomalies,
         "unseen_within_30s": unseen,
@@ -353,7 +350,7 @@ def scale_convergence(
         "load_errors": tally.errors + tally.nil,
         "load_items_per_s_delivered": tally.items / max(1e-9, t_end - t_start) / 3,
         "views_agree_after_load": agree,
-        "load_call_p99_ms": _pct(call_ms, 99),
+        "load_call_p99_ms": percentile(call_ms, 99),
         "client_max_send_lag_ms": lag * 1000,
         "warmup_wrong_answers": sum(p.wrong + p.nil + p.errors for p in warmed),
         "per_node": per_node,
@@ -389,7 +386,7 @@ def convergence_rows(svc: Services, sizes: Sizes, progress: Progress) -> list[Ro
             runs.append(run)
         if not runs:
             continue
-        p99 = _median([r["p99_ms"] for r in runs])
+        p99 = median([r["p99_ms"] for r in runs])
         tick = runs[0]["tick_ms"]
         bound = tick + SLACK_MS
         sound = all(
@@ -411,12 +408,12 @@ def convergence_rows(svc: Services, sizes: Sizes, progress: Progress) -> list[Ro
         nodes = [n for r in runs for n in r["per_node"]]
         detail: dict[str, Any] = {
             "runs": runs,
-            "gossip_bytes_per_s_per_node": _median([n["bytes_per_s"] for n in nodes]),
-            "gossip_messages_per_s_per_node": _median([n["messages_per_s"] for n in nodes]),
-            "encode_cpu_share": _median(
+            "gossip_bytes_per_s_per_node": median([n["bytes_per_s"] for n in nodes]),
+            "gossip_messages_per_s_per_node": median([n["messages_per_s"] for n in nodes]),
+            "encode_cpu_share": median(
                 [n["encode_cpu_share"] for n in nodes if n["encode_cpu_share"] is not None]
             ),
-            "apply_cpu_share": _median(
+            "apply_cpu_share": median(
                 [n["apply_cpu_share"] for n in nodes if n["apply_cpu_share"] is not None]
             ),
         }

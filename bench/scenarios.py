@@ -1,7 +1,7 @@
 """The benchmark scenarios. Each returns result rows; every ratio is measured side by side.
 
 Each round runs both sides (A and B), alternating which goes first: A B, then B A, and so on
-(with three sides, the order rotates), so neither side always runs on a machine the other has
+(with more sides, the order rotates), so neither side always runs on a machine the other has
 just warmed or loaded. A row holds the median of each side and the median of the per-round
 ratios, so a burst of noise on this shared machine moves one round, not the figure. A row
 whose reference is a fixed number (a target, not a measurement) says so in
@@ -13,205 +13,34 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
-import statistics
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench import ledger_cost, metrics_cost, quotas, scale
+from bench.harness import (
+    ALTERNATING,
+    NODE_MEMORY,
+    ROOT,
+    Progress,
+    Row,
+    Services,
+    Sizes,
+    builds,
+    create_table,
+    in_turn,
+    latencies,
+    load_rounds,
+    median,
+    node_status,
+    ratios,
+)
 from bench.loadgen import Load, LoadResult, run_load
-from bench.services import Services
-
-ROOT = Path(__file__).resolve().parent.parent
-Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class ScaleSizes:
-    """Scenario 8 (``scale``, :mod:`bench.scale`)."""
-
-    ddb_keys: int  # cold keys per side per round, DynamoDB
-    ddb_rounds: int
-    sqlite_keys: int  # keys in the SQLite file, all met cold by a fresh node each round
-    sqlite_rounds: int
-    rollover_keys: int  # active keys per node, first of the month (3 nodes)
-    rollover_sweep_s: float  # the load touches every key of a node once in this long
-    rollover_setup_s: float  # seconds allowed to start the nodes and warm their keys
-    rollover_before_s: float  # seconds of load before the month ends
-    rollover_after_s: float  # and after
-    rollover_window_s: float  # the window after the boundary whose latency is judged
-    rollover_rounds: int  # runs per read-ahead mode (off / on)
-    #: Parts 1 and 3: drain the nodes and check every stored total (else kill them).
-    store_check: bool
-    #: Part 4, convergence under load: active keys per node (judged), keys per node of the
-    #: reported run, items/s per node, seconds probed, runs per size.
-    conv_keys: int = 10_000
-    conv_keys_report: int = 100_000
-    conv_rate: float = 20_000.0
-    conv_seconds: float = 20.0
-    conv_rounds: int = 1
-
-
-@dataclass(frozen=True)
-class QuotaSizes:
-    """Scenario 10 (``quotas``, :mod:`bench.quotas`)."""
-
-    #: (connections, depth) of part 1 on 1 node and on 3 nodes (spread over them).
-    one_node: tuple[tuple[int, int], ...]
-    three_nodes: tuple[tuple[int, int], ...]
-    burst_limit: int  # part 2's small strict limit
-    burst_clients: int  # client threads per node of that burst
-    overshoot_limit: int  # part 3's limit
-    overshoot_clients: int  # client threads per node
-    overshoot_ticks: tuple[int, ...]  # gossip ticks measured, ms
-    strict_tick: int  # the tick of part 3's strict burst
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """How long and how big: ``full``, ``quick`` (about a minute) or ``smoke`` (seconds)."""
-
-    name: str
-    duration: float  # seconds per load step
-    rounds: int  # A/B rounds per comparison
-    rpc_configs: tuple[tuple[int, int], ...]  # (connections, depth)
-    ddb_seconds: float
-    ddb_rounds: int
-    flush_sizes: tuple[int, ...]
-    flush_rounds: int
-    memory_keys: int
-    conv_samples: int
-    conv_ticks: tuple[int, ...]
-    durable_configs: tuple[tuple[int, int], ...]  # (connections, depth) for ``durable``
-    scale: ScaleSizes
-    quotas: QuotaSizes
-
-
-FULL = Sizes(
-    "full",
-    2.0,
-    5,
-    ((1, 1), (4, 1), (16, 1), (4, 16), (4, 128)),
-    4.0,
-    3,
-    (1_000, 10_000, 100_000),
-    3,
-    1_000_000,
-    200,
-    (50, 100),
-    ((1, 1), (4, 1), (16, 1), (4, 16)),
-    ScaleSizes(
-        10_000, 5, 100_000, 3, 10_000, 2.0, 30.0, 25.0, 10.0, 5.0, 1, True, conv_seconds=30.0
-    ),
-    QuotaSizes(((4, 1), (4, 16)), ((6, 1), (6, 16)), 10_000, 4, 20_000, 2, (25, 100, 1000), 100),
-)
-QUICK = Sizes(
-    "quick",
-    0.8,
-    3,
-    ((1, 1), (4, 1), (16, 1), (4, 16), (4, 128)),
-    1.5,
-    2,
-    (1_000,),
-    2,
-    100_000,
-    30,
-    (100,),
-    ((1, 1), (4, 1), (16, 1), (4, 16)),
-    ScaleSizes(5_000, 3, 20_000, 3, 3_000, 2.0, 25.0, 12.0, 7.0, 5.0, 1, False, conv_seconds=10.0),
-    QuotaSizes(((4, 1), (4, 16)), ((6, 1),), 10_000, 4, 5_000, 2, (25, 1000), 100),
-)
-SMOKE = Sizes(
-    "smoke",
-    0.15,
-    1,
-    ((1, 1), (2, 16)),
-    0.3,
-    1,
-    (50,),
-    1,
-    2_000,
-    5,
-    (100,),
-    ((2, 4),),
-    ScaleSizes(400, 1, 1_000, 1, 200, 1.0, 6.0, 4.0, 2.0, 2.0, 1, True, 200, 400, 2_000.0, 2.0),
-    QuotaSizes(((2, 1),), ((3, 1),), 1_000, 2, 1_000, 2, (100,), 100),
-)
-
-
-@dataclass
-class Row:
-    """One line of the table."""
-
-    scenario: str
-    metric: str
-    unit: str
-    ours: float | None
-    reference: float | None
-    ratio: float | None
-    target: str
-    met: bool | None
-    detail: dict[str, Any] = field(default_factory=dict)
-    #: ``measured`` (the reference side, measured in the same run) or ``target`` (a fixed
-    #: number: the target itself; the ratio is then ours against the target).
-    reference_kind: str = "measured"
-    #: The same figure on a node running pure Python (``METER_PURE_PYTHON=1``), measured in
-    #: the same rounds, and its ratio to the reference; ``ours`` is then the compiled node.
-    pure: float | None = None
-    pure_ratio: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _median(xs: list[float]) -> float:
-    return float(statistics.median(xs)) if xs else 0.0
-
-
-def _ratios(a: list[float], b: list[float]) -> float:
-    return _median([x / y for x, y in zip(a, b, strict=True) if y])
-
-
-def _in_turn(r: int, *sides: Callable[[], Any]) -> list[Any]:
-    """Run round ``r``'s sides, starting with side ``r`` modulo their number: A B, B A, ...
-    (A B C, B C A, C A B, ... for three). Returns their results in the sides' order."""
-    k = r % len(sides)
-    got: dict[int, Any] = {}
-    for i in [*range(k, len(sides)), *range(k)]:
-        got[i] = sides[i]()
-    return [got[i] for i in range(len(sides))]
-
-
-#: The order of the sides, as recorded in the rows' ``detail``.
-ALTERNATING = "alternating: ours first in rounds 1, 3, ..., the reference first in 2, 4, ..."
-ROTATING = "rotating: compiled, pure, reference; then pure, reference, compiled; ..."
-#: What scenarios 1 and 2 run the node on (see ``Services.node``).
-NODE_MEMORY = {"node_storage": "memory", "node_durability": "off"}
-
-
-def _two_builds(svc: Services, name: str, **env: str) -> tuple[Any, Any, bool]:
-    """A node on the installed build and one forced to pure Python, with the same settings;
-    and whether the first really runs compiled (its ``status`` says)."""
-    node = svc.node(name, clock_shift=None, **env)
-    pure = svc.node(f"{name}-pure", clock_shift=None, **{**env, "METER_PURE_PYTHON": "1"})
-    build = _node_status(node).get("build") or {}
-    assert not (_node_status(pure).get("build") or {}).get("compiled"), "pure node compiled"
-    return node, pure, bool(build.get("compiled"))
-
-
-def _three_way(rounds: int) -> int:
-    """Rounds for three sides in rotation: a multiple of 3, so each goes first as often."""
-    return -(-rounds // 3) * 3
-
-
-def _compiled_label(label: str, compiled: bool) -> str:
-    return label if compiled else f"{label} (node NOT compiled)"
-
 
 # -- 1. track vs Redis INCR ------------------------------------------------------------------
 
@@ -226,44 +55,29 @@ RPC_DEPTH_TARGETS = {16: 0.7}
 def rpc_vs_redis(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     """``track`` on a node with memory storage and no log against ``INCR``, one hot key per
     connection on both sides."""
-    node, pure_node, compiled = _two_builds(svc, "rpc")
+    b = builds(svc, "rpc")
     redis = svc.redis()
     rows: list[Row] = []
     for conns, depth in sizes.rpc_configs:
-        ours: list[LoadResult] = []
-        pure: list[LoadResult] = []
-        ref: list[LoadResult] = []
-        mine = Load("meter", str(node.socket), "track", conns, depth, duration=sizes.duration)
-        mine_pure = Load(
-            "meter", str(pure_node.socket), "track", conns, depth, duration=sizes.duration
+        loads = {
+            who: Load("meter", str(n.socket), "track", conns, depth, duration=sizes.duration)
+            for who, n in b.nodes.items()
+        }
+        loads["redis"] = Load(
+            "redis", str(redis.socket), "incr", conns, depth, duration=sizes.duration
         )
-        theirs = Load("redis", str(redis.socket), "incr", conns, depth, duration=sizes.duration)
-        rounds = _three_way(sizes.rounds)
-        for r in range(rounds):
-            progress(f"track vs INCR: {conns} conn, depth {depth}, round {r + 1}/{rounds}")
-            a, p, b = _in_turn(
-                r, partial(run_load, mine), partial(run_load, mine_pure), partial(run_load, theirs)
-            )
-            ours.append(a)
-            pure.append(p)
-            ref.append(b)
-        errors = sum(x.errors for x in ours + pure + ref)
-        o_ops = [x.ops_per_s for x in ours]
-        p_ops = [x.ops_per_s for x in pure]
-        r_ops = [x.ops_per_s for x in ref]
-        ratio = _ratios(o_ops, r_ops)
+        got = load_rounds(
+            b.rounds(sizes.rounds), loads, progress, f"track vs INCR: {conns} conn, depth {depth}"
+        )
+        errors = sum(x.errors for results in got.values() for x in results)
+        ops = {who: [x.ops_per_s for x in results] for who, results in got.items()}
+        p99 = {who: [x.percentile_us(99) for x in results] for who, results in got.items()}
+        ratio = ratios(ops["ours"], ops["redis"])
         need = RPC_TARGETS.get((conns, depth), RPC_DEPTH_TARGETS.get(depth, 0.0))
         target = f">= {need}x Redis" if need else "(context)"
         label = f"track vs INCR, {conns} conn" + (f", pipelined {depth}" if depth > 1 else "")
-        label = _compiled_label(label, compiled)
-        lat = {
-            "ours_p50_us": _median([x.percentile_us(50) for x in ours]),
-            "ours_p99_us": _median([x.percentile_us(99) for x in ours]),
-            "pure_p50_us": _median([x.percentile_us(50) for x in pure]),
-            "pure_p99_us": _median([x.percentile_us(99) for x in pure]),
-            "redis_p50_us": _median([x.percentile_us(50) for x in ref]),
-            "redis_p99_us": _median([x.percentile_us(99) for x in ref]),
-        }
+        label = b.label(label)
+        lat = latencies(got)
         detail = {
             "connections": conns,
             "depth": depth,
@@ -271,27 +85,23 @@ def rpc_vs_redis(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             **NODE_MEMORY,
             "keys_per_connection": 1,
             **lat,
-            "rounds_ours_ops": o_ops,
-            "rounds_pure_ops": p_ops,
-            "rounds_redis_ops": r_ops,
-            "order": ROTATING,
+            **{f"rounds_{who}_ops": x for who, x in ops.items()},
+            "order": b.order(),
         }
         rows.append(
             Row(
                 RPC,
                 label,
                 "ops/s",
-                _median(o_ops),
-                _median(r_ops),
+                median(ops["ours"]),
+                median(ops["redis"]),
                 ratio,
                 target,
-                (ratio >= need and errors == 0 and compiled) if need else None,
+                (ratio >= need and errors == 0 and b.compiled) if need else None,
                 detail,
-                pure=_median(p_ops),
-                pure_ratio=_ratios(p_ops, r_ops),
-            )
+            ).sides(ops)
         )
-        p99_ratio = _ratios([x.percentile_us(99) for x in ours], [x.percentile_us(99) for x in ref])
+        p99_ratio = ratios(p99["ours"], p99["redis"])
         p99_need = 1.5 if depth <= 16 else 0.0
         rows.append(
             Row(
@@ -302,7 +112,7 @@ def rpc_vs_redis(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 lat["redis_p99_us"],
                 p99_ratio,
                 "<= 1.5x Redis' p99" if p99_need else "(context)",
-                (p99_ratio <= p99_need and compiled) if p99_need else None,
+                (p99_ratio <= p99_need and b.compiled) if p99_need else None,
                 {
                     "connections": conns,
                     "depth": depth,
@@ -310,14 +120,9 @@ def rpc_vs_redis(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                     **NODE_MEMORY,
                     **lat,
                 },
-                pure=lat["pure_p99_us"],
-                pure_ratio=_ratios(
-                    [x.percentile_us(99) for x in pure], [x.percentile_us(99) for x in ref]
-                ),
-            )
+            ).sides(p99)
         )
-    svc.stop_node(node)
-    svc.stop_node(pure_node)
+    b.stop(svc)
     return rows
 
 
@@ -334,13 +139,10 @@ def batch(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     """``track_many`` of 100 items against 100 pipelined ``INCR``s, on the same keys: per
     connection, tenant ``bench-<i>`` with features ``f0`` .. ``f99`` for the node, and keys
     ``bench-<i>:f0`` .. ``bench-<i>:f99`` for Redis."""
-    node, pure_node, compiled = _two_builds(svc, "batch")
+    b = builds(svc, "batch")
     redis = svc.redis()
-    ours: list[LoadResult] = []
-    pure: list[LoadResult] = []
-    ref: list[LoadResult] = []
-    mine, mine_pure = (
-        Load(
+    loads = {
+        who: Load(
             "meter",
             str(n.socket),
             "track_many",
@@ -349,9 +151,9 @@ def batch(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             items=BATCH_ITEMS,
             duration=sizes.duration,
         )
-        for n in (node, pure_node)
-    )
-    theirs = Load(
+        for who, n in b.nodes.items()
+    }
+    loads["redis"] = Load(
         "redis",
         str(redis.socket),
         "incr",
@@ -360,33 +162,23 @@ def batch(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
         keys=BATCH_ITEMS,
         duration=sizes.duration,
     )
-    for r in range(_three_way(sizes.rounds)):
-        progress(f"track_many x100 vs INCR pipelined 100, round {r + 1}/{_three_way(sizes.rounds)}")
-        a, p, b = _in_turn(
-            r, partial(run_load, mine), partial(run_load, mine_pure), partial(run_load, theirs)
-        )
-        ours.append(a)
-        pure.append(p)
-        ref.append(b)
-    svc.stop_node(node)
-    svc.stop_node(pure_node)
-    o = [x.increments_per_s for x in ours]
-    p_inc = [x.increments_per_s for x in pure]
-    b = [x.increments_per_s for x in ref]
-    errors = sum(x.errors for x in ours + pure + ref)
-    value = _median(o)
+    got = load_rounds(
+        b.rounds(sizes.rounds), loads, progress, "track_many x100 vs INCR pipelined 100"
+    )
+    b.stop(svc)
+    inc = {who: [x.increments_per_s for x in results] for who, results in got.items()}
+    errors = sum(x.errors for results in got.values() for x in results)
+    value = median(inc["ours"])
     return [
         Row(
             BATCH,
-            _compiled_label(
-                "track_many, 100 items/call (ref: INCR pipelined, same keys)", compiled
-            ),
+            b.label("track_many, 100 items/call (ref: INCR pipelined, same keys)"),
             "incr/s",
             value,
-            _median(b),
-            _ratios(o, b),
+            median(inc["redis"]),
+            ratios(inc["ours"], inc["redis"]),
             ">= 1,500,000 incr/s",
-            value >= 1.5e6 and errors == 0 and compiled,
+            value >= 1.5e6 and errors == 0 and b.compiled,
             {
                 "connections": BATCH_CONNS,
                 "calls_in_flight_per_conn": BATCH_CALLS,
@@ -395,32 +187,17 @@ def batch(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 "distinct_keys_per_conn": BATCH_ITEMS,
                 "keys": "node bench-<i> / f0..f99, redis bench-<i>:f0..f99",
                 **NODE_MEMORY,
-                "order": ROTATING,
+                "order": b.order(),
                 "errors": errors,
-                "ours_p50_us": _median([x.percentile_us(50) for x in ours]),
-                "ours_p99_us": _median([x.percentile_us(99) for x in ours]),
-                "rounds_ours": o,
-                "rounds_pure": p_inc,
-                "rounds_redis": b,
+                "ours_p50_us": median([x.percentile_us(50) for x in got["ours"]]),
+                "ours_p99_us": median([x.percentile_us(99) for x in got["ours"]]),
+                **{f"rounds_{who}": x for who, x in inc.items()},
             },
-            pure=_median(p_inc),
-            pure_ratio=_ratios(p_inc, b),
-        )
+        ).sides(inc)
     ]
 
 
 # -- 3. vs the write-per-event path -----------------------------------------------------------
-
-
-async def _create_table(endpoint: str, name: str) -> None:
-    from storage.dynamodb import DynamoDBStorage
-
-    store = DynamoDBStorage(name, endpoint_url=endpoint)
-    await store.open()
-    try:
-        await store.init_schema()
-    finally:
-        await store.close()
 
 
 def _per_event_worker(
@@ -490,16 +267,11 @@ def _per_event(
     return done / seconds, done, errors
 
 
-def _node_status(node: Any) -> dict[str, Any]:
-    status: dict[str, Any] = node.call("status")
-    return status
-
-
 def vs_dynamodb(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     progress("starting DynamoDB Local")
     endpoint = svc.dynamodb()
     table = f"meter_bench_{uuid.uuid4().hex[:8]}"
-    asyncio.run(_create_table(endpoint, table))
+    asyncio.run(create_table(endpoint, table))
     node = svc.node(
         "ddb",
         METER_STORAGE="dynamodb",
@@ -515,7 +287,7 @@ def vs_dynamodb(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
 
     def node_side() -> None:
         nonlocal errors, events_total, writes_total
-        before = _node_status(node)["flush"]["keys_written"]
+        before = node_status(node)["flush"]["keys_written"]
         res = run_load(
             Load("meter", str(node.socket), "track", conns, 1, duration=sizes.ddb_seconds)
         )
@@ -523,11 +295,11 @@ def vs_dynamodb(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
         # Let the node store everything it counted, then count its writes.
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            st = _node_status(node)
+            st = node_status(node)
             if st["keys"]["dirty"] == 0 and st["keys"]["inflight"] == 0:
                 break
             time.sleep(0.1)
-        writes = _node_status(node)["flush"]["keys_written"] - before
+        writes = node_status(node)["flush"]["keys_written"] - before
         events = res.ops  # acknowledged in the measured window (warm-up excluded)
         ours.append(res.ops_per_s)
         per1k.append(1000 * writes / max(1, events))
@@ -547,17 +319,17 @@ def vs_dynamodb(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     _per_event(endpoint, table, procs, concurrency, warm)
     for r in range(sizes.ddb_rounds):
         progress(f"node+DynamoDB vs UpdateItem per event, round {r + 1}/{sizes.ddb_rounds}")
-        _in_turn(r, node_side, per_event_side)
+        in_turn(r, node_side, per_event_side)
     svc.stop_node(node)
-    ratio = _ratios(ours, ref)
-    w = _median(per1k)
+    ratio = ratios(ours, ref)
+    w = median(per1k)
     return [
         Row(
             "3 vs write-per-event",
             "events/s: node (DynamoDB storage) vs UpdateItem per event",
             "events/s",
-            _median(ours),
-            _median(ref),
+            median(ours),
+            median(ref),
             ratio,
             ">= 100x",
             ratio >= 100,
@@ -669,7 +441,7 @@ def flush(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     progress("starting DynamoDB Local")
     endpoint = svc.dynamodb()
     table = f"meter_flush_{uuid.uuid4().hex[:8]}"
-    asyncio.run(_create_table(endpoint, table))
+    asyncio.run(create_table(endpoint, table))
     rows: list[Row] = []
     # A fresh DynamoDB Local (a JVM) is several times slower for its first thousand writes:
     # warm it up, unmeasured, so the first side measured does not pay for it.
@@ -693,21 +465,21 @@ def flush(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 sides.append(partial(_bare_side, endpoint, table, n, f"cond{tag}", True))
             # The order turns each round: flusher, bare (, conditional); then bare (,
             # conditional), flusher; ...
-            got = _in_turn(r, *sides)
+            got = in_turn(r, *sides)
             rate, w = got[0]
             ours.append(rate)
             writes.append(w)
             ref.append(got[1])
             if with_cond:
                 cond.append(got[2])
-        ratio = _ratios(ours, ref)
+        ratio = ratios(ours, ref)
         rows.append(
             Row(
                 "4 flush overhead",
                 f"flush {n:,} dirty keys vs bare UpdateItem loop",
                 "keys/s",
-                _median(ours),
-                _median(ref),
+                median(ours),
+                median(ref),
                 ratio,
                 ">= 0.9x bare",
                 ratio >= 0.9,
@@ -726,9 +498,9 @@ def flush(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                     "4 flush overhead",
                     f"flush {n:,} dirty keys vs bare conditional UpdateItem loop",
                     "keys/s",
-                    _median(ours),
-                    _median(cond),
-                    _ratios(ours, cond),
+                    median(ours),
+                    median(cond),
+                    ratios(ours, cond),
                     "(context)",
                     None,
                     {"keys": n, "concurrency": 64, "rounds": rounds},
@@ -903,7 +675,7 @@ def _counters(who: str, server: Any, pid: int | None) -> dict[str, Any]:
     if who == "redis":
         out["requests"] = int(server.info("stats").get("total_commands_processed", 0))
         return out
-    st = _node_status(server)
+    st = node_status(server)
     out["requests"] = int(st["server"]["requests"])
     dur = st.get("durability")
     if isinstance(dur, dict):
@@ -944,7 +716,7 @@ def durable(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     rows: list[Row] = []
     for mode, appendfsync in DURABLE_PAIRS:
         progress(f"durable: node {mode} vs redis appendfsync {appendfsync}: starting both")
-        node, pure_node, compiled = _two_builds(
+        b = builds(
             svc,
             f"wal-{mode}",
             METER_DURABILITY=mode,
@@ -956,111 +728,107 @@ def durable(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             "node_durability": mode,
             "node_wal_fsync_interval_ms": WAL_FSYNC_INTERVAL_MS if mode == "interval" else None,
             "node_storage": "memory",
-            "node_data_dir_fs": _fs_type(node.data_dir.parent),
+            "node_data_dir_fs": _fs_type(b.nodes["ours"].data_dir.parent),
             "redis_appendonly": redis_persistence.get("aof_enabled") == "1",
             "redis_appendfsync": redis.config_get("appendfsync"),
             "redis_dir_fs": _fs_type(redis.workdir),
         }
         side: dict[str, tuple[str, str, str, Any, int | None]] = {
-            "node": ("meter", str(node.socket), "track", node, _pid(node.proc)),
-            "pure": ("meter", str(pure_node.socket), "track", pure_node, _pid(pure_node.proc)),
-            "redis": ("redis", str(redis.socket), "incr", redis, _pid(redis.proc)),
+            who: ("meter", str(n.socket), "track", n, _pid(n.proc)) for who, n in b.nodes.items()
         }
-        reported: str | None = None
+        side["redis"] = ("redis", str(redis.socket), "incr", redis, _pid(redis.proc))
+        reported: dict[str, str | None] = dict.fromkeys(b.nodes)
         for conns, depth in sizes.durable_configs:
-            ours: list[LoadResult] = []
-            pure: list[LoadResult] = []
-            ref: list[LoadResult] = []
-            # What each side's loads did besides answering: the node's data dir growth (its
+            got: dict[str, list[LoadResult]] = {who: [] for who in side}
+            # What each side's loads did besides answering: each node's data dir growth (its
             # log; only a node id and a lock without one), the bytes each process had the
-            # kernel write to disk, the requests it served, and the node's log counters.
-            grown = 0
-            summed = {
-                "node": dict.fromkeys(("disk", "requests", *WAL_COUNTERS), 0),
-                "pure": dict.fromkeys(("disk", "requests", *WAL_COUNTERS), 0),
-                "redis": dict.fromkeys(("disk", "requests"), 0),
-            }
-            for r in range(_three_way(sizes.rounds)):
+            # kernel write to disk, the requests it served, and the nodes' log counters.
+            grown = dict.fromkeys(b.nodes, 0)
+            summed = {who: dict.fromkeys(("disk", "requests", *WAL_COUNTERS), 0) for who in b.nodes}
+            summed["redis"] = dict.fromkeys(("disk", "requests"), 0)
+            rounds = b.rounds(sizes.rounds)
+            order = list(side)
+            for r in range(rounds):
                 progress(
                     f"durable {mode} vs AOF {appendfsync}: {conns} conn, depth {depth}, "
-                    f"round {r + 1}/{_three_way(sizes.rounds)}"
+                    f"round {r + 1}/{rounds}"
                 )
-                sides = ("node", "pure", "redis")
-                for who in sides[r % 3 :] + sides[: r % 3]:
+                k = r % len(order)
+                for who in order[k:] + order[:k]:
                     proto, path, method, server, pid = side[who]
-                    size0 = _tree_bytes(node.data_dir)
-                    before = _counters("redis" if who == "redis" else "node", server, pid)
+                    kind = "redis" if who == "redis" else "node"
+                    size0 = 0 if kind == "redis" else _tree_bytes(server.data_dir)
+                    before = _counters(kind, server, pid)
                     res = run_load(Load(proto, path, method, conns, depth, duration=sizes.duration))
-                    after = _counters("redis" if who == "redis" else "node", server, pid)
-                    for k, total in summed[who].items():
-                        if before.get(k) is not None and after.get(k) is not None:
-                            summed[who][k] = total + after[k] - before[k]
-                    if who == "node":
-                        ours.append(res)
-                        grown = max(grown, _tree_bytes(node.data_dir) - size0)
-                        reported = after.get("mode")
-                    elif who == "pure":
-                        pure.append(res)
-                    else:
-                        ref.append(res)
-            errors = sum(x.errors for x in ours + pure + ref)
-            o_ops = [x.ops_per_s for x in ours]
-            p_ops = [x.ops_per_s for x in pure]
-            r_ops = [x.ops_per_s for x in ref]
-            ratio = _ratios(o_ops, r_ops)
+                    after = _counters(kind, server, pid)
+                    for key, total in summed[who].items():
+                        if before.get(key) is not None and after.get(key) is not None:
+                            summed[who][key] = total + after[key] - before[key]
+                    got[who].append(res)
+                    if kind == "node":
+                        grown[who] = max(grown[who], _tree_bytes(server.data_dir) - size0)
+                        reported[who] = after.get("mode")
+            errors = sum(x.errors for results in got.values() for x in results)
+            ops = {who: [x.ops_per_s for x in results] for who, results in got.items()}
+            p99 = {who: [x.percentile_us(99) for x in results] for who, results in got.items()}
+            ratio = ratios(ops["ours"], ops["redis"])
             label = f"track ({mode}) vs INCR (AOF {appendfsync}), {conns} conn" + (
                 f", pipelined {depth}" if depth > 1 else ""
             )
-            label = _compiled_label(label, compiled)
+            label = b.label(label)
             # Until the node had a log, METER_DURABILITY was accepted and ignored: say so
             # in the row rather than pass a no-log figure off as a durable one. The node's
             # own counters decide when it reports them; else whether its data dir grew.
-            n, rd = summed["node"], summed["redis"]
-            logged = (reported == mode and n["records"] > 0) if reported is not None else grown > 0
-            if not logged:
-                label += " (node wrote no log)"
-            lat = {
-                "ours_p50_us": _median([x.percentile_us(50) for x in ours]),
-                "ours_p99_us": _median([x.percentile_us(99) for x in ours]),
-                "pure_p50_us": _median([x.percentile_us(50) for x in pure]),
-                "pure_p99_us": _median([x.percentile_us(99) for x in pure]),
-                "redis_p50_us": _median([x.percentile_us(50) for x in ref]),
-                "redis_p99_us": _median([x.percentile_us(99) for x in ref]),
+            logged = {
+                who: (reported[who] == mode and summed[who]["records"] > 0)
+                if reported[who] is not None
+                else grown[who] > 0
+                for who in b.nodes
             }
+            if not logged["ours"]:
+                label += " (node wrote no log)"
+            if b.beside is not None and not logged["beside"]:
+                label += f" ({b.beside.label} node wrote no log)"
+            lat = latencies(got)
+            n, rd = summed["ours"], summed["redis"]
             need = DURABLE_TARGETS[mode]
             detail = {
                 "connections": conns,
                 "depth": depth,
                 "errors": errors,
                 **setup,
-                "node_reported_durability": reported,
+                "node_reported_durability": reported["ours"],
                 "node_wal": {k: n[k] for k in WAL_COUNTERS},
                 "node_requests": n["requests"],
                 "node_wal_fsyncs_per_1k_requests": 1000 * n["fsyncs"] / max(1, n["requests"]),
-                "node_data_dir_growth_bytes": grown,
+                "node_data_dir_growth_bytes": grown["ours"],
                 "node_disk_bytes_per_request": n["disk"] / max(1, n["requests"]),
+                **(
+                    {
+                        "beside_reported_durability": reported["beside"],
+                        "beside_wal": {k: summed["beside"][k] for k in WAL_COUNTERS},
+                    }
+                    if b.beside is not None
+                    else {}
+                ),
                 "redis_requests": rd["requests"],
                 "redis_disk_bytes_per_request": rd["disk"] / max(1, rd["requests"]),
                 **lat,
-                "rounds_ours_ops": o_ops,
-                "rounds_pure_ops": p_ops,
-                "rounds_redis_ops": r_ops,
-                "order": ROTATING,
+                **{f"rounds_{who}_ops": x for who, x in ops.items()},
+                "order": b.order(),
             }
             rows.append(
                 Row(
                     "7 durable vs Redis AOF",
                     label,
                     "ops/s",
-                    _median(o_ops),
-                    _median(r_ops),
+                    median(ops["ours"]),
+                    median(ops["redis"]),
                     ratio,
                     f">= {need}x Redis",
-                    (ratio >= need and errors == 0 and compiled) if logged else None,
+                    (ratio >= need and errors == 0 and b.compiled) if logged["ours"] else None,
                     detail,
-                    pure=_median(p_ops),
-                    pure_ratio=_ratios(p_ops, r_ops),
-                )
+                ).sides(ops)
             )
             rows.append(
                 Row(
@@ -1069,55 +837,19 @@ def durable(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                     "us",
                     lat["ours_p99_us"],
                     lat["redis_p99_us"],
-                    _ratios(
-                        [x.percentile_us(99) for x in ours], [x.percentile_us(99) for x in ref]
-                    ),
+                    ratios(p99["ours"], p99["redis"]),
                     "(context)",
                     None,
                     {"connections": conns, "depth": depth, "latency": "batch round trip", **lat},
-                    pure=lat["pure_p99_us"],
-                    pure_ratio=_ratios(
-                        [x.percentile_us(99) for x in pure], [x.percentile_us(99) for x in ref]
-                    ),
-                )
+                ).sides(p99)
             )
-        svc.stop_node(node)
-        svc.stop_node(pure_node)
+        b.stop(svc)
         svc.stop_redis(redis)
     return rows
 
 
-# -- 8. cold keys: seeding, and the first of the month ----------------------------------------
-
-
-def scale(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
-    """Scenario 8: see :mod:`bench.scale` (imported here: it builds on this module)."""
-    from bench.scale import scale as run
-
-    return run(svc, sizes, progress)
-
-
-def metrics(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
-    """Scenario 9: see :mod:`bench.metrics_cost` (imported here: it builds on this module)."""
-    from bench.metrics_cost import metrics_cost
-
-    return metrics_cost(svc, sizes, progress)
-
-
-def quotas(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
-    """Scenario 10: see :mod:`bench.quotas` (imported here: it builds on this module)."""
-    from bench.quotas import quotas as run
-
-    return run(svc, sizes, progress)
-
-
-def ledger(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
-    """Scenario ``ledger``: see :mod:`bench.ledger_cost` (imported here: it builds on this)."""
-    from bench.ledger_cost import ledger as ledger_cost
-
-    return ledger_cost(svc, sizes, progress)
-
-
+#: The scenarios that run ``--beside``'s node (beside the compiled and pure ones).
+BESIDE_SCENARIOS = ("rpc", "batch", "durable")
 SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "rpc": rpc_vs_redis,
     "batch": batch,
@@ -1126,8 +858,8 @@ SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "convergence": convergence,
     "memory": memory,
     "durable": durable,
-    "scale": scale,
-    "metrics": metrics,
-    "quotas": quotas,
-    "ledger": ledger,
+    "scale": scale.scale,
+    "metrics": metrics_cost.metrics_cost,
+    "quotas": quotas.quotas,
+    "ledger": ledger_cost.ledger,
 }

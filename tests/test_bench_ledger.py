@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench.cli import run
+from bench.harness import SMOKE
 from bench.ledger_cost import LEDGER
-from bench.scenarios import SMOKE
 
 pytestmark = [pytest.mark.dynamodb, pytest.mark.slow]
 

@@ -19,11 +19,12 @@ import pytest
 import meter
 from bench import report
 from bench.cli import run
+from bench.harness import SMOKE, Row, in_turn
 from bench.loadgen import Load, meter_frames, redis_frames
 from bench.metrics_cost import METRICS
 from bench.quotas import QUOTAS
 from bench.scale import SCALE, read_ahead_modes
-from bench.scenarios import BATCH, RPC, SMOKE, Row, _in_turn
+from bench.scenarios import BATCH, RPC
 
 pytestmark = pytest.mark.redis
 
@@ -57,7 +58,11 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
             "detail",
             "pure",
             "pure_ratio",
+            "beside",
+            "beside_ratio",
+            "vs_beside",
         }
+        assert r["beside"] is None and r["beside_ratio"] is None and r["vs_beside"] is None
         assert r["ours"] is not None and r["ours"] > 0
         assert r["reference"] is not None and r["reference"] > 0
         assert r["met"] in (True, False, None)
@@ -109,6 +114,7 @@ def test_smoke_run_writes_table_and_json(tmp_path: Path) -> None:
     assert "300.0 (target)" in text
     assert "| scenario" in text and "track vs INCR" in text and "memory" in text
     assert "[" in text.splitlines()[0]  # progress lines come first, with elapsed time
+    assert "beside" not in doc and "ours/" not in text  # no --beside: no columns for it
 
 
 def test_table_and_chart_render(tmp_path: Path) -> None:
@@ -162,11 +168,11 @@ def test_sides_take_turns_going_first() -> None:
         return run
 
     for r in range(3):
-        assert _in_turn(r, side("a"), side("b")) == ["A", "B"]
+        assert in_turn(r, side("a"), side("b")) == ["A", "B"]
     assert ran == ["a", "b", "b", "a", "a", "b"]
     ran.clear()
     for r in range(3):
-        assert _in_turn(r, side("a"), side("b"), side("c")) == ["A", "B", "C"]
+        assert in_turn(r, side("a"), side("b"), side("c")) == ["A", "B", "C"]
     assert ran == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
 
 
