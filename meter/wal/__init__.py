@@ -5,5 +5,6 @@
 - :mod:`meter.wal.log`: segments on disk, group commit, fsync policy, compaction.
 
 May import :mod:`meter.errors`, :mod:`meter.core.keys` and :mod:`meter.core.counts` (the plain
-fsync histogram); nothing here knows the table or the server (``tests/test_layers.py`` checks). See docs/durability.md and docs/adr/0003-write-ahead-log.md.
+fsync histogram); nothing here knows the table or the server (``tests/test_layers.py``
+checks). See docs/durability.md and docs/adr/0003-write-ahead-log.md.
 """
