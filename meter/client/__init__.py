@@ -794,6 +794,14 @@ class Client(_Ids):
 
     # -- limits (docs/quotas.md) ------------------------------------------------------------
 
+    def track_detail(
+        self, tenant: str, feature: str, qty: int = 1, *, id: str | None = None, **opts: Any
+    ) -> dict[str, Any]:
+        """Add ``qty`` as :meth:`track` does and answer the :meth:`check` map after counting
+        (``{allowed, value, limit, remaining, kind, source, over}``)."""
+        params, has_id = self._track(tenant, feature, qty, id, {**opts, "detail": True})
+        return cast(dict[str, Any], self._invoke("track", params, has_id))
+
     def check(self, tenant: str, feature: str, qty: int = 1, **opts: Any) -> dict[str, Any]:
         """Whether ``qty`` more units would be counted, without counting them:
         ``{allowed, value, limit, remaining, kind, source, over}``."""
