@@ -9,7 +9,8 @@ from typing import Any, cast
 
 import pytest
 
-from meter.client import AsyncClient, Client, _ClientProtocol
+from meter.client import AsyncClient, Client, ExportRow, _ClientProtocol
+from storage.base import ExportRow as StoredRow
 
 #: What a recording client answers every call with.
 ANSWER = {"allowed": True, "value": 13}
@@ -58,3 +59,15 @@ async def test_track_detail_is_on_both_clients_and_sends_the_same(
     assert blocking.sent == aio.sent == [sent]
     assert blocking.track_detail("acme", "api") == ANSWER  # no id: not sent again unanswered
     assert blocking.sent[-1] == ("track", ["acme", "api", 1, {"detail": True}], False)
+
+
+def test_export_rows_are_equal_to_the_storage_rows_they_were_before() -> None:
+    """The client decodes ``export`` rows into its own :class:`ExportRow` (it imports no
+    storage code); they compare and hash as the storage rows it used to return."""
+    row, stored = ExportRow("t0", "old", "2020-01", 9), StoredRow("t0", "old", "2020-01", 9)
+    assert row == stored and stored == row
+    assert [row] == [stored]  # as tests/test_export.py compares a page
+    assert hash(row) == hash(stored) and len({row, stored}) == 1
+    assert repr(row) == repr(stored)
+    assert row != StoredRow("t0", "old", "2020-01", 8)
+    assert row != ("t0", "old", "2020-01", 9)  # no more a tuple than a storage row is

@@ -34,6 +34,7 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NamedTuple, cast
 
@@ -48,8 +49,6 @@ from meter.core.protocol import (
     Response,
 )
 from meter.errors import InvalidArgument, MeterError, Unavailable, from_wire
-from meter.ops.export import row_from_wire
-from storage.base import ExportRow
 
 #: Default seconds the blocking client waits for an answer before raising Unavailable.
 DEFAULT_TIMEOUT = 30.0
@@ -128,6 +127,44 @@ def _release(reservation_id: str, rid: str | None) -> list[Any]:
 def _export_params(period: str, cursor: str | None, limit: int | None) -> list[Any]:
     opts = {k: v for k, v in (("cursor", cursor), ("limit", limit)) if v is not None}
     return [period, opts] if opts else [period]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExportRow:
+    """One stored counter as ``export`` answers it: whose, what, when, and its stored total.
+
+    The client's copy of :class:`storage.base.ExportRow`, which it returned before it stopped
+    importing the storage layer: the same fields, and equal to (and hashed as) a storage row
+    with the same values, so rows read through a node and rows read from storage compare."""
+
+    tenant: str
+    feature: str
+    period: str
+    total: int
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ExportRow) or _is_storage_row(other):
+            return _row_values(self) == _row_values(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(_row_values(self))  # as a frozen dataclass's: its fields' tuple
+
+
+def _is_storage_row(value: object) -> bool:
+    """Whether ``value`` is a :class:`storage.base.ExportRow` (named: not imported here)."""
+    cls = type(value)
+    return cls.__module__ == "storage.base" and cls.__qualname__ == "ExportRow"
+
+
+def _row_values(row: Any) -> tuple[str, str, str, int]:
+    return (row.tenant, row.feature, row.period, row.total)
+
+
+def row_from_wire(value: Any) -> ExportRow:
+    """An ``export`` answer's row as an :class:`ExportRow` (a str total back to an int)."""
+    tenant, feature, period, total = value
+    return ExportRow(str(tenant), str(feature), str(period), int(total))
 
 
 def _export_answer(result: Any) -> tuple[list[ExportRow], str | None]:
