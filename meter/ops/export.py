@@ -89,12 +89,6 @@ def _wire_row(row: ExportRow) -> list[Any]:
     return [row.tenant, row.feature, row.period, total]
 
 
-def row_from_wire(value: Any) -> ExportRow:
-    """An ``export`` answer's row as an :class:`ExportRow` (a str total back to an int)."""
-    tenant, feature, period, total = value
-    return ExportRow(str(tenant), str(feature), str(period), int(total))
-
-
 # -- the ``meter export`` writer ----------------------------------------------------------------
 
 

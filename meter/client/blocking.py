@@ -1,0 +1,556 @@
+"""The blocking client: :class:`Client`, one Unix socket read and written in the caller's
+thread. Its typed methods are the table's (:mod:`meter.client.calls`); this module holds the
+transport, the retry loop that sends them, and the subscriptions' waits."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar, cast
+
+from meter.client import calls
+from meter.client.calls import Call, ExportRow, Method, Prepared, TrackItem
+from meter.client.inbox import Inbox, Usage
+from meter.client.retry import (
+    DEFAULT_RETRY_TIMEOUT,
+    Backoff,
+    Retrying,
+    result,
+    results,
+    unavailable,
+)
+from meter.core.protocol import (
+    DEFAULT_MAX_FRAME,
+    MSGID_MAX,
+    Decoder,
+    Encoder,
+    Notification,
+    ProtocolError,
+    Response,
+)
+from meter.errors import MeterError, Unavailable, from_wire
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: Default seconds the blocking client waits for an answer before raising Unavailable.
+DEFAULT_TIMEOUT = 30.0
+#: The longest single wait of a subscription waiting with no end, so Ctrl-C is handled.
+SIGNAL_CHECK_S = 0.5
+
+
+def _connect(path: str, timeout: float | None) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        raise Unavailable(f"cannot connect to {path}: {exc}") from None
+    return sock
+
+
+class Client(Retrying):
+    """A blocking client over one connection (re-opened after a failure when the client
+    knows its socket path, as one made by :meth:`connect` does). Not thread-safe: one per
+    thread."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        auto_ids: bool = True,
+        retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
+        path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """``path`` is where to reconnect after a failure; without it (a bare socket) a
+        failed connection stays failed and nothing is retried."""
+        self._sock: socket.socket | None = sock
+        sock.settimeout(timeout)
+        self._timeout = timeout
+        self._max_frame = max_frame
+        self._path = os.fspath(path) if path is not None else None
+        self._closed = False
+        self._encoder = Encoder()
+        self._decoder = Decoder(side="client", max_frame=max_frame)
+        self._next = 0
+        self._inbox = Inbox()
+        self.auto_ids = auto_ids
+        self.retry_timeout = retry_timeout
+
+    @property
+    def dropped_notifications(self) -> int:
+        """Notifications dropped because they were not read (more than MAX_BUFFERED)."""
+        return self._inbox.dropped
+
+    @classmethod
+    def connect(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        auto_ids: bool = True,
+        retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
+    ) -> Client:
+        """Connect to the node listening on ``path``; raises Unavailable if it cannot (this
+        first connection is not retried). ``timeout`` bounds each attempt's wait for an
+        answer; ``retry_timeout`` and ``auto_ids``: see :mod:`meter.client`."""
+        sock = _connect(os.fspath(path), timeout)
+        return cls(
+            sock,
+            timeout=timeout,
+            max_frame=max_frame,
+            auto_ids=auto_ids,
+            retry_timeout=retry_timeout,
+            path=path,
+        )
+
+    def close(self) -> None:
+        """Close the connection (idempotent); the client cannot be used afterwards."""
+        self._closed = True
+        self._drop()
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _msgid(self) -> int:
+        msgid = self._next
+        self._next = (msgid + 1) & MSGID_MAX
+        return msgid
+
+    def _broken(self, why: str) -> Unavailable:
+        self._drop()
+        return Unavailable(f"connection to the node failed: {why}")
+
+    def _ensure(self) -> socket.socket:
+        """The open connection, reconnecting to the socket path if the last one failed."""
+        if self._sock is not None:
+            return self._sock
+        if self._closed:
+            raise Unavailable("the client is closed")
+        if self._path is None:
+            raise Unavailable("the connection to the node was lost (no socket path to reconnect)")
+        sock = self._sock = _connect(self._path, self._timeout)
+        # A fresh stream: bytes of a half-read answer on the old one must not be kept.
+        self._decoder = Decoder(side="client", max_frame=self._max_frame)
+        # Subscriptions die with a connection: make them again on the new one.
+        inbox = self._inbox
+        for tenant, params in list(inbox.subs.items()):
+            with inbox.subscribing_to(tenant, again=True):
+                resp = self._exchange(sock, calls.SUBSCRIBE.wire, params)
+                if resp.error is not None:
+                    self._drop()
+                    raise from_wire(resp.error)
+            inbox.subscribed(tenant, params, resp.result)
+        if inbox.alerts_on:
+            resp = self._exchange(sock, calls.SUBSCRIBE_ALERTS.wire, [])
+            if resp.error is not None:
+                self._drop()
+                raise from_wire(resp.error)
+        return sock
+
+    def _send(self, sock: socket.socket, data: bytes) -> None:
+        try:
+            sock.sendall(data)
+        except OSError as exc:
+            raise self._broken(str(exc)) from None
+
+    def _collect(self, sock: socket.socket, wanted: set[int]) -> dict[int, Response]:
+        """Read until every msgid in ``wanted`` is answered. A failure (timeouts included)
+        closes the connection, so a late answer can never be taken for a later call's."""
+        got: dict[int, Response] = {}
+        while wanted:
+            try:
+                data = sock.recv(1 << 18)
+            except OSError as exc:
+                raise self._broken(str(exc) or type(exc).__name__) from None
+            for resp in self._responses(data):
+                if resp.msgid in wanted:
+                    got[resp.msgid] = resp
+                    wanted.discard(resp.msgid)
+        return got
+
+    def _responses(self, data: bytes) -> list[Response]:
+        """Decode what the node sent: notifications go to the inbox, responses are returned."""
+        if not data:
+            raise self._broken("the node closed the connection")
+        try:
+            messages = self._decoder.feed(data)
+        except ProtocolError as exc:
+            raise self._broken(f"bad data from the node: {exc}") from None
+        out: list[Response] = []
+        for msg in messages:
+            if type(msg) is Notification:
+                self._inbox.add(msg.params, msg.method)
+            else:
+                out.append(cast(Response, msg))
+        return out
+
+    def _read_notes(self, sock: socket.socket, timeout: float | None) -> bool:
+        """Read what the node sends for up to ``timeout`` seconds (None: until something
+        comes); False if nothing came in time.
+
+        A wait with no end is made of waits of at most :data:`SIGNAL_CHECK_S`: a signal
+        (Ctrl-C) that arrives just before a blocking ``recv`` is only handled once Python code
+        runs again, and compiled code in between never checks for one (``meter watch``)."""
+        try:
+            while True:
+                sock.settimeout(SIGNAL_CHECK_S if timeout is None else timeout)
+                try:
+                    data = sock.recv(1 << 18)
+                    break
+                except TimeoutError:
+                    if timeout is not None:
+                        return False
+        except OSError as exc:
+            raise self._broken(str(exc) or type(exc).__name__) from None
+        finally:
+            if self._sock is sock:
+                sock.settimeout(self._timeout)
+        # (A response now answers a call that timed out: its connection was dropped.)
+        self._responses(data)
+        return True
+
+    def _exchange(self, sock: socket.socket, method: str, params: list[Any]) -> Response:
+        msgid = self._msgid()
+        self._send(sock, self._encoder.request(msgid, method, params))
+        return self._collect(sock, {msgid})[msgid]
+
+    def call(self, method: str, *params: Any) -> Any:
+        """Call ``method`` with positional ``params``; return its result or raise.
+
+        One attempt, sent as given (no request id is added, nothing is retried)."""
+        return result(self._exchange(self._ensure(), method, list(params)))
+
+    def _invoke(self, method: str, params: list[Any], retry_unanswered: bool) -> Any:
+        """Call with retries. ``retry_unanswered``: the call may be sent again after it got
+        no answer (it is a read, idempotent, or carries request ids)."""
+        start = time.monotonic()
+        backoff: Backoff | None = None
+        while True:
+            try:
+                sock = self._ensure()
+            except Unavailable as exc:  # not sent: always safe to try again
+                err = exc
+            else:
+                try:
+                    resp = self._exchange(sock, method, params)
+                except Unavailable as exc:  # sent, no answer
+                    if not retry_unanswered:
+                        raise
+                    err = exc
+                else:
+                    if resp.error is None:
+                        return resp.result
+                    err = unavailable(resp.error)  # the node counted nothing
+            backoff = self._again(err, backoff, start)
+            time.sleep(backoff.pause(err))
+
+    def _run(self, method: Method[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Call a typed method of the table with these arguments, with retries."""
+        return self._run_prepared(method.prepare(self.auto_ids, *args, **kwargs))
+
+    def _run_prepared(self, call: Prepared[T]) -> T:
+        return call.answer(self._invoke(call.method, call.params, call.resend))
+
+    def pipeline(self, calls: Iterable[Call], *, return_exceptions: bool = False) -> list[Any]:
+        """Send every ``(method, params)`` in one write, then collect all the answers.
+
+        Results come back in call order. An error raises the first failing call's exception
+        (after all answers are read, so the connection stays usable), or with
+        ``return_exceptions=True`` is returned in its place. One attempt, sent as given: no
+        request ids are added and nothing is retried.
+        """
+        batch = [(self._msgid(), method, list(params)) for method, params in calls]
+        if not batch:
+            return []
+        sock = self._ensure()
+        self._send(sock, self._encoder.requests(batch))
+        got = self._collect(sock, {msgid for msgid, _, _ in batch})
+        return results((got[msgid] for msgid, _, _ in batch), return_exceptions)
+
+    # -- methods (the table's: meter/client/calls.py) --------------------------------------
+
+    def track(
+        self, tenant: str, feature: str, qty: int = 1, *, id: str | None = None, **opts: Any
+    ) -> int | None:
+        """Add ``qty``; the new total, or None if counted but the total is not known yet.
+
+        ``id``: the request id (default: a fresh one, unless ``auto_ids`` is off)."""
+        return self._run(calls.TRACK, tenant, feature, qty, id, opts)
+
+    def track_many(self, items: Iterable[TrackItem]) -> list[int | MeterError | None]:
+        """Count every ``(tenant, feature, qty)`` or ``(tenant, feature, qty, id)`` item in
+        one call (current period; at most 10 000 items).
+
+        Returns one entry per item, in order: the new total, None (counted, total not known
+        yet), or the item's error as an exception object (e.g. InvalidArgument, Conflict),
+        which is returned, not raised; the other items are still counted. An error of the
+        whole call (e.g. a malformed item) is raised. Items without an id get a fresh one
+        unless ``auto_ids`` is off."""
+        return self._run(calls.TRACK_MANY, items)
+
+    def usage(self, tenant: str, feature: str, **opts: Any) -> int:
+        """The counter's value in the current period (or the one containing ``at=``)."""
+        return self._run(calls.USAGE, tenant, feature, opts)
+
+    def usage_all(self, tenant: str, **opts: Any) -> dict[str, int]:
+        """Every feature's value for ``tenant`` in the period."""
+        return self._run(calls.USAGE_ALL, tenant, opts)
+
+    def history(
+        self,
+        tenant: str,
+        feature: str,
+        first: str | None = None,
+        last: str | None = None,
+        granularity: str = "day",
+    ) -> list[tuple[str, int]]:
+        """The counter's units per UTC day (``YYYY-MM-DD``) or month (``YYYY-MM``) from
+        ``first`` to ``last``, oldest first, zero-filled; the current period's bucket agrees
+        with :meth:`usage` (docs/history.md). Defaults: the last 30 days / 12 months."""
+        return self._run(calls.HISTORY, tenant, feature, first, last, granularity)
+
+    def reserve(
+        self,
+        tenant: str,
+        feature: str,
+        qty: int,
+        limit: int | None = None,
+        ttl_ms: int | None = None,
+        *,
+        at: float | None = None,
+        id: str | None = None,
+    ) -> str:
+        """Hold ``qty`` against ``limit``; returns a reservation id (LimitExceeded if over).
+
+        ``id``: the request id (default: a fresh one, unless ``auto_ids`` is off)."""
+        return self._run(calls.RESERVE, tenant, feature, qty, limit, ttl_ms, at, id)
+
+    def commit(
+        self, reservation_id: str, actual_qty: int | None = None, *, id: str | None = None
+    ) -> int:
+        """Turn a reservation into usage (optionally a different quantity); the new total."""
+        return self._run(calls.COMMIT, reservation_id, actual_qty, id)
+
+    def release(self, reservation_id: str, *, id: str | None = None) -> None:
+        """Drop a reservation without counting it."""
+        self._run(calls.RELEASE, reservation_id, id)
+
+    def ping(self) -> str:
+        """``"pong"``."""
+        return self._run(calls.PING)
+
+    def status(self) -> dict[str, Any]:
+        """The node's status map."""
+        return self._run(calls.STATUS)
+
+    def subscribe(
+        self, tenant: str, features: Iterable[str] | None = None, *, timeout: float | None = None
+    ) -> Iterator[Usage]:
+        """Watch ``tenant``'s counters (``features``, default all): an iterator of
+        :class:`Usage`, first each watched counter's value now, then one item per change
+        (at most one per counter per node tick, the latest value). Each step waits up to
+        ``timeout`` seconds (None: for ever); the iteration ends when one waited in vain.
+        The client re-subscribes after a reconnect (the values then are delivered again)."""
+        call = calls.SUBSCRIBE.prepare(self.auto_ids, tenant, features)
+        with self._inbox.subscribing_to(tenant):
+            items = self._run_prepared(call)
+        self._inbox.subscribed(tenant, call.params, items)
+        return self._follow(lambda: self.next_usage(tenant, timeout))
+
+    def next_usage(self, tenant: str, timeout: float | None = None) -> Usage | None:
+        """The next notification of a subscribed ``tenant``, waiting up to ``timeout`` seconds
+        (None: for ever); None if none came in time or the tenant is not subscribed. A lost
+        connection is reopened (and the subscriptions made again) within ``retry_timeout``."""
+        inbox = self._inbox
+        return self._wait_for(
+            lambda: inbox.take(tenant),
+            lambda: tenant in inbox.subs,
+            # (a reconnection delivers the values then: take them)
+            lambda: tenant in inbox.subs and bool(inbox.notes.get(tenant)),
+            timeout,
+        )
+
+    def unsubscribe(self, tenant: str) -> bool:
+        """Stop watching ``tenant``; whether it was watched (by this connection)."""
+        self._inbox.unsubscribed(tenant)
+        return self._run(calls.UNSUBSCRIBE, tenant)
+
+    def subscribe_alerts(self, *, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """Get every threshold alert the node delivers from now on (docs/quotas.md): an
+        iterator of alert maps ``{id, tenant, feature, period, threshold, threshold_units,
+        limit, value, node, at}``. Each step waits up to ``timeout`` seconds (None: for
+        ever); the iteration ends when one waited in vain. Made again after a reconnect
+        (alerts delivered while the client was away are not sent)."""
+        with self._inbox.subscribing_alerts():
+            self._run(calls.SUBSCRIBE_ALERTS)
+        return self._follow(lambda: self.next_alert(timeout))
+
+    def next_alert(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The next alert (after :meth:`subscribe_alerts`), waiting up to ``timeout``
+        seconds (None: for ever); None if none came in time or alerts are not subscribed."""
+        inbox = self._inbox
+        return self._wait_for(
+            inbox.take_alert, lambda: inbox.alerts_on, lambda: bool(inbox.alerts), timeout
+        )
+
+    def _follow(self, step: Callable[[], T | None]) -> Iterator[T]:
+        while True:
+            item = step()
+            if item is None:
+                return
+            yield item
+
+    def _wait_for(
+        self,
+        take: Callable[[], T | None],
+        active: Callable[[], bool],
+        ready: Callable[[], bool],
+        timeout: float | None,
+    ) -> T | None:
+        """What ``take`` finds in the inbox, reading what the node sends for up to
+        ``timeout`` seconds while ``active``; ``ready``: something to take came with a
+        reconnection. A lost connection is reopened within ``retry_timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        backoff: Backoff | None = None
+        while True:
+            item = take()
+            if item is not None or not active():
+                return item
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            try:
+                sock = self._ensure()
+                if ready():
+                    continue
+                if not self._read_notes(sock, left):
+                    return None
+                backoff = None
+            except Unavailable as exc:
+                backoff = self._again(exc, backoff)
+                pause = backoff.pause(exc)
+                time.sleep(pause if left is None else min(pause, left))
+
+    def unsubscribe_alerts(self) -> bool:
+        """Stop getting alerts (those unread are dropped); whether they were subscribed."""
+        self._inbox.unsubscribed_alerts()
+        return self._run(calls.UNSUBSCRIBE_ALERTS)
+
+    def export_page(
+        self, period: str, cursor: str | None = None, limit: int | None = None
+    ) -> tuple[list[ExportRow], str | None]:
+        """One page of ``period``'s stored counters (every tenant) and the cursor of the next
+        (``None`` after the last). A page may be short, even empty, before the last."""
+        return self._run(calls.EXPORT_PAGE, period, cursor, limit)
+
+    def export(self, period: str, limit: int | None = None) -> Iterator[ExportRow]:
+        """Every stored counter of ``period``, a page (``limit`` rows) at a time."""
+        cursor: str | None = None
+        while True:
+            rows, cursor = self.export_page(period, cursor, limit)
+            yield from rows
+            if cursor is None:
+                return
+
+    # -- limits (docs/quotas.md) ------------------------------------------------------------
+
+    def track_detail(
+        self, tenant: str, feature: str, qty: int = 1, *, id: str | None = None, **opts: Any
+    ) -> dict[str, Any]:
+        """Add ``qty`` as :meth:`track` does and answer the :meth:`check` map after counting
+        (``{allowed, value, limit, remaining, kind, source, over}``)."""
+        return self._run(calls.TRACK_DETAIL, tenant, feature, qty, id, opts)
+
+    def check(self, tenant: str, feature: str, qty: int = 1, **opts: Any) -> dict[str, Any]:
+        """Whether ``qty`` more units would be counted, without counting them:
+        ``{allowed, value, limit, remaining, kind, source, over}``."""
+        return self._run(calls.CHECK, tenant, feature, qty, opts)
+
+    def set_plan(self, name: str, features: Mapping[str, Mapping[str, Any]]) -> int:
+        """Create or replace plan ``name``: ``{feature: {limit, kind, enforcement}}``;
+        returns the limits' new version."""
+        return self._run(calls.SET_PLAN, name, features)
+
+    def assign_plan(self, tenant: str, plan: str | None) -> int:
+        """Put ``tenant`` on ``plan`` (``None``: on none); the limits' new version."""
+        return self._run(calls.ASSIGN_PLAN, tenant, plan)
+
+    def set_limit(
+        self,
+        tenant: str,
+        feature: str,
+        limit: int,
+        kind: str = "hard",
+        enforcement: str = "fast",
+        alerts: Sequence[int] | None = None,
+    ) -> int:
+        """Override ``tenant``'s limit on ``feature`` (``alerts``: threshold percentages);
+        the limits' new version."""
+        return self._run(calls.SET_LIMIT, tenant, feature, limit, kind, enforcement, alerts)
+
+    def clear_limit(self, tenant: str, feature: str) -> int:
+        """Remove ``tenant``'s override on ``feature``; the limits' new version."""
+        return self._run(calls.CLEAR_LIMIT, tenant, feature)
+
+    def limits(self, tenant: str) -> dict[str, Any]:
+        """``{tenant, plan, version, limits: {feature: {limit, kind, enforcement, source}}}``."""
+        return self._run(calls.LIMITS, tenant)
+
+    # -- credits ledgers (docs/ledger.md) ---------------------------------------------------
+
+    def grant(
+        self,
+        tenant: str,
+        amount: int,
+        *,
+        ref: str | None = None,
+        expires_at: int | None = None,
+        priority: int | None = None,
+    ) -> dict[str, Any]:
+        """Credit ``amount`` to ``tenant``'s ledger; the entry written (or, for a ref seen
+        before with the same request, its first answer). Without ``ref`` one is made up, so
+        the client's own retries land once."""
+        return self._run(calls.GRANT, tenant, amount, ref, expires_at, priority)
+
+    def debit(self, tenant: str, amount: int, *, ref: str | None = None) -> dict[str, Any]:
+        """Spend ``amount`` from ``tenant``'s ledger (``InsufficientBalance`` if it does not
+        fit: nothing changed); the entry written."""
+        return self._run(calls.DEBIT, tenant, amount, ref)
+
+    def balance(self, tenant: str) -> dict[str, Any]:
+        """``{tenant, available, seq, grants: [{seq, remaining, priority, expires_at}]}``."""
+        return self._run(calls.BALANCE, tenant)
+
+    def ledger_page(
+        self, tenant: str, after: int | None = None, limit: int | None = None
+    ) -> dict[str, Any]:
+        """One page of entries after sequence ``after``: ``{tenant, entries, cursor}``."""
+        return self._run(calls.LEDGER_PAGE, tenant, after, limit)
+
+    def ledger_entries(self, tenant: str, page_size: int = 100) -> Iterator[dict[str, Any]]:
+        """Every entry of ``tenant``'s ledger, page by page."""
+        after: int | None = None
+        while True:
+            page = self.ledger_page(tenant, after, page_size)
+            yield from page["entries"]
+            after = page["cursor"]
+            if after is None:
+                return
