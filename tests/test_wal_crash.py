@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 
 import meter.client
+import meter.client.retry
 from meter.client import Client
 from meter.core.protocol import Response
 from meter.errors import MeterError, Unavailable
@@ -66,7 +67,7 @@ Key = tuple[str, str]
 
 @pytest.fixture
 def workdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    monkeypatch.setattr(meter.client, "RETRY_BACKOFF_MAX", BACKOFF_MAX)
+    monkeypatch.setattr(meter.client.retry, "RETRY_BACKOFF_MAX", BACKOFF_MAX)
     path = short_tmpdir("crash-")
     yield path
     shutil.rmtree(path, ignore_errors=True)

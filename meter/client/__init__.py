@@ -33,22 +33,18 @@ ones.
 
 from __future__ import annotations
 
-import sys
-import types
-
-from meter.client import blocking, calls, inbox, retry
 from meter.client.aio import AsyncClient, _ClientProtocol
 from meter.client.blocking import DEFAULT_TIMEOUT, SIGNAL_CHECK_S, Client
 from meter.client.calls import (
     MAX_REQUEST_ID_BYTES,
     Call,
-    ExportRow,
     TrackItem,
     check_request_id,
     new_request_id,
 )
 from meter.client.inbox import MAX_BUFFERED, Usage
 from meter.client.retry import DEFAULT_RETRY_TIMEOUT, RETRY_BACKOFF_MAX, RETRY_BACKOFF_MIN
+from storage.base import ExportRow
 
 __all__ = [
     "DEFAULT_RETRY_TIMEOUT",
@@ -68,27 +64,3 @@ __all__ = [
     "check_request_id",
     "new_request_id",
 ]
-
-#: The constants the client reads at run time, by the module that reads them: before the
-#: split they were this module's, and setting one here (a test shortens the backoff with
-#: ``monkeypatch.setattr(meter.client, "RETRY_BACKOFF_MAX", ...)``) must still take effect.
-_READ_AT_RUN_TIME: dict[str, types.ModuleType] = {
-    "RETRY_BACKOFF_MIN": retry,
-    "RETRY_BACKOFF_MAX": retry,
-    "SIGNAL_CHECK_S": blocking,
-    "MAX_BUFFERED": inbox,
-    "MAX_REQUEST_ID_BYTES": calls,
-}
-
-
-class _PublicFace(types.ModuleType):
-    """This module, passing a run-time constant set on it to the module that reads it."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        home = _READ_AT_RUN_TIME.get(name)
-        if home is not None:
-            setattr(home, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _PublicFace

@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
 
 from meter.client import calls
-from meter.client.calls import Call, ExportRow, Method, Prepared, TrackItem
+from meter.client.calls import Call, Method, TrackItem
 from meter.client.inbox import Inbox, Usage
 from meter.client.retry import (
     DEFAULT_RETRY_TIMEOUT,
@@ -33,6 +33,7 @@ from meter.core.protocol import (
     Response,
 )
 from meter.errors import MeterError, Unavailable
+from storage.base import ExportRow
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -122,7 +123,12 @@ async def _connect_async(
 class AsyncClient(Retrying):
     """An asyncio client over one connection (re-opened after a failure when the client
     knows its socket path, as one made by :meth:`connect` does); any number of calls may
-    run concurrently."""
+    run concurrently.
+
+    Why one class: it is the node's method list as one object a caller holds (one typed
+    wrapper per wire method, each a line that calls the shared table in
+    :mod:`meter.client.calls`) over one connection's transport; splitting the wrappers off
+    would give callers two objects for one connection."""
 
     def __init__(
         self,
@@ -309,9 +315,7 @@ class AsyncClient(Retrying):
 
     async def _run(self, method: Method[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Call a typed method of the table with these arguments, with retries."""
-        return await self._run_prepared(method.prepare(self.auto_ids, *args, **kwargs))
-
-    async def _run_prepared(self, call: Prepared[T]) -> T:
+        call = method.prepare(self.auto_ids, *args, **kwargs)
         return call.answer(await self._invoke(call.method, call.params, call.resend))
 
     async def pipeline(
@@ -432,7 +436,7 @@ class AsyncClient(Retrying):
         call = calls.SUBSCRIBE.prepare(self.auto_ids, tenant, features)
         inbox = self._protocol.inbox  # (a reconnection keeps it)
         with inbox.subscribing_to(tenant):
-            items = await self._run_prepared(call)
+            items = call.answer(await self._invoke(call.method, call.params, call.resend))
         _watched(inbox)
         inbox.subscribed(tenant, call.params, items)
         return self._drain_inbox(inbox, lambda: inbox.take(tenant), lambda: tenant in inbox.subs)

@@ -12,7 +12,7 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
 
 from meter.client import calls
-from meter.client.calls import Call, ExportRow, Method, Prepared, TrackItem
+from meter.client.calls import Call, Method, TrackItem
 from meter.client.inbox import Inbox, Usage
 from meter.client.retry import (
     DEFAULT_RETRY_TIMEOUT,
@@ -32,6 +32,7 @@ from meter.core.protocol import (
     Response,
 )
 from meter.errors import MeterError, Unavailable, from_wire
+from storage.base import ExportRow
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -56,7 +57,12 @@ def _connect(path: str, timeout: float | None) -> socket.socket:
 class Client(Retrying):
     """A blocking client over one connection (re-opened after a failure when the client
     knows its socket path, as one made by :meth:`connect` does). Not thread-safe: one per
-    thread."""
+    thread.
+
+    Why one class: it is the node's method list as one object a caller holds (one typed
+    wrapper per wire method, each a line that calls the shared table in
+    :mod:`meter.client.calls`) over one connection's transport; splitting the wrappers off
+    would give callers two objects for one connection."""
 
     def __init__(
         self,
@@ -264,9 +270,7 @@ class Client(Retrying):
 
     def _run(self, method: Method[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Call a typed method of the table with these arguments, with retries."""
-        return self._run_prepared(method.prepare(self.auto_ids, *args, **kwargs))
-
-    def _run_prepared(self, call: Prepared[T]) -> T:
+        call = method.prepare(self.auto_ids, *args, **kwargs)
         return call.answer(self._invoke(call.method, call.params, call.resend))
 
     def pipeline(self, calls: Iterable[Call], *, return_exceptions: bool = False) -> list[Any]:
@@ -371,9 +375,9 @@ class Client(Retrying):
         The client re-subscribes after a reconnect (the values then are delivered again)."""
         call = calls.SUBSCRIBE.prepare(self.auto_ids, tenant, features)
         with self._inbox.subscribing_to(tenant):
-            items = self._run_prepared(call)
+            items = call.answer(self._invoke(call.method, call.params, call.resend))
         self._inbox.subscribed(tenant, call.params, items)
-        return self._follow(lambda: self.next_usage(tenant, timeout))
+        return _until_none(lambda: self.next_usage(tenant, timeout))
 
     def next_usage(self, tenant: str, timeout: float | None = None) -> Usage | None:
         """The next notification of a subscribed ``tenant``, waiting up to ``timeout`` seconds
@@ -401,7 +405,7 @@ class Client(Retrying):
         (alerts delivered while the client was away are not sent)."""
         with self._inbox.subscribing_alerts():
             self._run(calls.SUBSCRIBE_ALERTS)
-        return self._follow(lambda: self.next_alert(timeout))
+        return _until_none(lambda: self.next_alert(timeout))
 
     def next_alert(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The next alert (after :meth:`subscribe_alerts`), waiting up to ``timeout``
@@ -410,13 +414,6 @@ class Client(Retrying):
         return self._wait_for(
             inbox.take_alert, lambda: inbox.alerts_on, lambda: bool(inbox.alerts), timeout
         )
-
-    def _follow(self, step: Callable[[], T | None]) -> Iterator[T]:
-        while True:
-            item = step()
-            if item is None:
-                return
-            yield item
 
     def _wait_for(
         self,
@@ -554,3 +551,12 @@ class Client(Retrying):
             after = page["cursor"]
             if after is None:
                 return
+
+
+def _until_none(step: Callable[[], T | None]) -> Iterator[T]:
+    """What ``step`` gives, until it gives ``None``."""
+    while True:
+        item = step()
+        if item is None:
+            return
+        yield item

@@ -23,11 +23,11 @@ from __future__ import annotations
 import enum
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, NamedTuple, ParamSpec, TypeVar, cast
 
 from meter.core.idempotency import MAX_ID_BYTES
 from meter.errors import InvalidArgument, MeterError, from_wire
+from storage.base import ExportRow
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -375,38 +375,6 @@ def _history_answer(answer: Any) -> list[tuple[str, int]]:
 def _version(answer: Any) -> int:
     """The ``version`` of a limits change's answer."""
     return int(answer["version"])
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class ExportRow:
-    """One stored counter as ``export`` answers it: whose, what, when, and its stored total.
-
-    The client's copy of :class:`storage.base.ExportRow`, which it returned before it stopped
-    importing the storage layer: the same fields, and equal to (and hashed as) a storage row
-    with the same values, so rows read through a node and rows read from storage compare."""
-
-    tenant: str
-    feature: str
-    period: str
-    total: int
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, ExportRow) or _is_storage_row(other):
-            return _row_values(self) == _row_values(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(_row_values(self))  # as a frozen dataclass's: its fields' tuple
-
-
-def _is_storage_row(value: object) -> bool:
-    """Whether ``value`` is a :class:`storage.base.ExportRow` (named: not imported here)."""
-    cls = type(value)
-    return cls.__module__ == "storage.base" and cls.__qualname__ == "ExportRow"
-
-
-def _row_values(row: Any) -> tuple[str, str, str, int]:
-    return (row.tenant, row.feature, row.period, row.total)
 
 
 def row_from_wire(value: Any) -> ExportRow:
