@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.loadgen import Load, run_load
 from bench.services import RedisServer
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.support.nodes import NodeProcess, short_tmpdir
 
 
 def _trivial_server(path: str) -> None:

@@ -28,7 +28,7 @@ from bench.micro import metrics_pair, service
 from bench.scenarios import ALTERNATING, NODE_MEMORY, Progress, Row, Sizes, _in_turn, _median
 from bench.scenarios import _ratios as ratios
 from bench.services import Services
-from tests.nodes import NodeProcess
+from tests.support.nodes import NodeProcess
 
 METRICS = "9 metrics cost (memory storage)"
 #: (connections, depth) per mode: unpipelined calls pay the per-request counting once per

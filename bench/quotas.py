@@ -44,7 +44,7 @@ from bench.scenarios import (
     _ratios,
 )
 from bench.services import Services
-from tests.nodes import NodeProcess
+from tests.support.nodes import NodeProcess
 
 QUOTAS = "10 quotas (DynamoDB Local, 1 or 3 nodes)"
 #: A limit the bench never nears: strict shares are granted at ``strict_share_max``.

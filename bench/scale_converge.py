@@ -45,7 +45,7 @@ from bench.scale import (
 )
 from bench.scenarios import Progress, Row, Sizes, _median
 from bench.services import Services
-from tests.nodes import NodeProcess
+from tests.support.nodes import NodeProcess
 
 #: Items per ``track_many`` call of the load.
 ITEMS = 200

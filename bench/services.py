@@ -2,8 +2,8 @@
 
 redis-server listens on a Unix socket in a temp dir (never a TCP port, never a running
 instance), without persistence unless an append-only file is asked for; nodes are
-``python -m meter serve`` processes (:class:`tests.nodes.NodeProcess`); DynamoDB Local comes
-from :mod:`tests.dynamodb_local`.
+``python -m meter serve`` processes (:class:`tests.support.nodes.NodeProcess`); DynamoDB Local comes
+from :mod:`tests.support.dynamodb_local`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.dynamodb_local import DynamoDBLocal, ensure_installed
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.support.dynamodb_local import DynamoDBLocal, ensure_installed
+from tests.support.nodes import NodeProcess, short_tmpdir
 
 #: redis-server's ``appendfsync`` policies.
 APPENDFSYNC = ("always", "everysec", "no")

@@ -1,6 +1,6 @@
-pytest_plugins = ["tests.conftest_dynamodb"]
-pytest_plugins += ["tests.conftest_redis"]
-pytest_plugins += ["tests.conftest_nodes"]
+pytest_plugins = ["tests.support.fixtures_dynamodb"]
+pytest_plugins += ["tests.support.fixtures_redis"]
+pytest_plugins += ["tests.support.fixtures_nodes"]
 
 
 def pytest_report_header() -> str:

@@ -18,10 +18,10 @@ import redis
 from meter.client import Client
 from meter.core.keys import period_start
 from meter.quotas.alerts import alert_id
-from tests.cluster_harness import KEY_TENANT, node_env, wait_until
-from tests.dynamodb_proxy import DynamoDBProxy
-from tests.nodes import NodeProcess
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import KEY_TENANT, node_env, wait_until
+from tests.support.dynamodb_proxy import DynamoDBProxy
+from tests.support.nodes import NodeProcess
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 

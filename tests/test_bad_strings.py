@@ -15,7 +15,7 @@ from meter.core.server import RpcServer, start_server
 from meter.core.service import Service
 from meter.core.table import CounterTable
 from storage.memory import MemoryStorage
-from tests.nodes import short_tmpdir
+from tests.support.nodes import short_tmpdir
 
 #: Stands for a string; replaced by the same-length str whose bytes are not UTF-8.
 MARK = "\x01\x02"

@@ -17,7 +17,7 @@ from pathlib import Path
 import meter
 from meter import compiled
 from meter.client import Client
-from tests.nodes import ROOT, NodeProcess
+from tests.support.nodes import ROOT, NodeProcess
 
 HOT = compiled.HOT
 HAS_CC = shutil.which(os.environ.get("CC", "gcc")) is not None or shutil.which("cc") is not None

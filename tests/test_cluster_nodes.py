@@ -20,7 +20,7 @@ from cluster.bus import channel_name
 from cluster.codec import Codec, Header
 from meter.core.keys import period_start
 from storage.dynamodb import DynamoDBStorage
-from tests.cluster_harness import (
+from tests.support.cluster_harness import (
     KEY_TENANT,
     Load,
     measure_visibility,
@@ -29,8 +29,8 @@ from tests.cluster_harness import (
     usages,
     wait_until,
 )
-from tests.nodes import NodeProcess, short_tmpdir
-from tests.redis_server import RedisServer
+from tests.support.nodes import NodeProcess, short_tmpdir
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 

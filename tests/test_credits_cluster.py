@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster_harness import Conn, node_env, start_nodes, wait_until
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import Conn, node_env, start_nodes, wait_until
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 

@@ -23,9 +23,9 @@ from botocore.config import Config
 
 from storage.base import Applied, Delta, Key, StorageError, StoragePermanentError
 from storage.dynamodb import DynamoDBStorage
-from tests.conftest_dynamodb import create_table
-from tests.dynamodb_local import DynamoDBLocal
-from tests.lossy_proxy import LossyProxy
+from tests.support.dynamodb_local import DynamoDBLocal
+from tests.support.fixtures_dynamodb import create_table
+from tests.support.lossy_proxy import LossyProxy
 
 pytestmark = [pytest.mark.dynamodb, pytest.mark.slow]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from storage.dynamodb import DynamoDBStorage
-from tests.cluster_harness import KEY_TENANT, node_env, start_nodes, wait_until
-from tests.nodes import NodeProcess
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import KEY_TENANT, node_env, start_nodes, wait_until
+from tests.support.nodes import NodeProcess
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.cluster_harness import Conn, node_env, start_nodes
-from tests.nodes import NodeProcess
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import Conn, node_env, start_nodes
+from tests.support.nodes import NodeProcess
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 

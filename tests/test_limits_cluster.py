@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster_harness import KEY_TENANT, node_env, start_nodes, wait_until
-from tests.nodes import NodeProcess, raw_call
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import KEY_TENANT, node_env, start_nodes, wait_until
+from tests.support.nodes import NodeProcess, raw_call
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 

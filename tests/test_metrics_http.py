@@ -25,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from meter.config import load
 from meter.errors import BY_CODE, ConfigError
 from meter.ops.metrics import METRIC_NAMES
-from tests.conftest_dynamodb import create_table
-from tests.dynamodb_local import DynamoDBLocal
-from tests.nodes import ROOT, NodeProcess, raw_call, short_tmpdir, wait_for
-from tests.redis_server import RedisServer
+from tests.support.dynamodb_local import DynamoDBLocal
+from tests.support.fixtures_dynamodb import create_table
+from tests.support.nodes import ROOT, NodeProcess, raw_call, short_tmpdir, wait_for
+from tests.support.redis_server import RedisServer
 
 #: Samples of one scrape: (sample name, labels as a sorted tuple) -> value.
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

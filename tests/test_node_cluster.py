@@ -14,7 +14,7 @@ import pytest
 from meter.config import ClusterConfig, FlushConfig, NodeConfig, ServerConfig
 from meter.node.lifecycle import DataDir, Node
 from storage.memory import MemoryStorage
-from tests.redis_server import RedisServer
+from tests.support.redis_server import RedisServer
 
 HOUR_NS = 3600 * 10**9
 

@@ -22,10 +22,10 @@ from meter.client import AsyncClient
 from meter.core.keys import period_start
 from meter.errors import Unavailable
 from storage.dynamodb import DynamoDBStorage
-from tests.conftest_dynamodb import create_table, new_table_name
-from tests.dynamodb_local import DynamoDBLocal
-from tests.lossy_proxy import LossyProxy
-from tests.nodes import ROOT, NodeProcess, short_tmpdir
+from tests.support.dynamodb_local import DynamoDBLocal
+from tests.support.fixtures_dynamodb import create_table, new_table_name
+from tests.support.lossy_proxy import LossyProxy
+from tests.support.nodes import ROOT, NodeProcess, short_tmpdir
 
 pytestmark = [pytest.mark.dynamodb, pytest.mark.slow]
 

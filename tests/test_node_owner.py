@@ -23,10 +23,10 @@ from meter.node.lifecycle import Node
 from storage.base import Delta, Key, Snapshot, Storage
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
-from tests.conftest_dynamodb import create_table
-from tests.dynamodb_local import DynamoDBLocal
-from tests.nodes import NodeProcess, raw_call, short_tmpdir
-from tests.redis_server import RedisServer
+from tests.support.dynamodb_local import DynamoDBLocal
+from tests.support.fixtures_dynamodb import create_table
+from tests.support.nodes import NodeProcess, raw_call, short_tmpdir
+from tests.support.redis_server import RedisServer
 
 KEY = ("acme", "api", period_start("month"))
 

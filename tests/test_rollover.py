@@ -26,9 +26,9 @@ from storage.base import Snapshot
 from storage.dynamodb import DynamoDBStorage
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
-from tests.cluster_harness import Conn, node_env, start_nodes, wait_until
-from tests.nodes import NodeProcess, short_tmpdir, wait_for
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import Conn, node_env, start_nodes, wait_until
+from tests.support.nodes import NodeProcess, short_tmpdir, wait_for
+from tests.support.redis_server import RedisServer
 
 
 def ts(year: int, month: int, day: int, hour: int = 0, minute: int = 0, sec: int = 0) -> float:

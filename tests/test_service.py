@@ -21,7 +21,7 @@ from meter.errors import (
     UnknownMethod,
 )
 from storage.base import Delta, Snapshot
-from tests.stores import DownStorage
+from tests.support.stores import DownStorage
 
 
 async def call(svc: Service, method: str, *params: Any) -> Any:

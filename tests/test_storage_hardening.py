@@ -21,8 +21,8 @@ from storage.base import BadItems, Delta, Key, Snapshot, StorageUnavailable
 from storage.dynamodb import DynamoDBStorage, _ttl
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
-from tests.dynamodb_local import free_port
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.support.dynamodb_local import free_port
+from tests.support.nodes import NodeProcess, short_tmpdir
 
 A: Key = ("acme", "a", "2026-11")
 B: Key = ("acme", "b", "2026-11")

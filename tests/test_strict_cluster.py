@@ -20,9 +20,9 @@ import pytest
 
 from meter.quotas.escrow import Budget
 from storage.dynamodb import DynamoDBStorage
-from tests.cluster_harness import Conn, node_env, start_nodes, wait_until
-from tests.nodes import NodeProcess
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import Conn, node_env, start_nodes, wait_until
+from tests.support.nodes import NodeProcess
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 

@@ -25,10 +25,10 @@ from meter.core.protocol import Encoder
 from meter.core.server import DEFAULT_LOW_WATER, NOTIFY_MAX_BYTES
 from meter.core.watch import MAX_PENDING, MAX_SUBSCRIPTIONS
 from meter.errors import InvalidArgument, Unavailable
-from tests.cluster_harness import node_env, start_nodes
-from tests.dynamodb_proxy import DynamoDBProxy
-from tests.nodes import ROOT, NodeProcess, short_tmpdir, wait_for
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import node_env, start_nodes
+from tests.support.dynamodb_proxy import DynamoDBProxy
+from tests.support.nodes import ROOT, NodeProcess, short_tmpdir, wait_for
+from tests.support.redis_server import RedisServer
 from tests.test_warm_up import until
 
 TICK_MS = 100

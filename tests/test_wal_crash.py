@@ -37,9 +37,9 @@ import meter.client
 from meter.client import Client
 from meter.core.protocol import Response
 from meter.errors import MeterError, Unavailable
-from tests.conftest_dynamodb import create_table
-from tests.lossy_proxy import LossyProxy
-from tests.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
+from tests.support.fixtures_dynamodb import create_table
+from tests.support.lossy_proxy import LossyProxy
+from tests.support.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
 
 pytestmark = pytest.mark.slow
 

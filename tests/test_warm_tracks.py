@@ -17,7 +17,7 @@ from meter.core.service import Service
 from meter.core.table import CounterTable
 from storage.base import EMPTY, Delta
 from storage.memory import MemoryStorage
-from tests.nodes import short_tmpdir
+from tests.support.nodes import short_tmpdir
 
 
 class CountingService:

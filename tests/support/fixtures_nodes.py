@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.support.nodes import NodeProcess, short_tmpdir
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from storage.dynamodb import DynamoDBStorage
-from tests.dynamodb_local import DynamoDBLocal, DynamoDBLocalUnavailable, ensure_installed
+from tests.support.dynamodb_local import DynamoDBLocal, DynamoDBLocalUnavailable, ensure_installed
 
 
 @pytest.fixture(scope="session")

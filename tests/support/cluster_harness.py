@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from tests.nodes import NodeProcess
+from tests.support.nodes import NodeProcess
 
 KEY_TENANT = "acme"
 
