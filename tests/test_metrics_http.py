@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from meter.config import load
 from meter.errors import BY_CODE, ConfigError
 from meter.ops.metrics import METRIC_NAMES
-from tests.support.dynamodb_local import DynamoDBLocal
+from tests.support.dynamodb_local import TEST_JAVA_OPTIONS, DynamoDBLocal
 from tests.support.fixtures_dynamodb import create_table
 from tests.support.nodes import ROOT, NodeProcess, raw_call, short_tmpdir, wait_for
 from tests.support.redis_server import RedisServer
@@ -388,7 +388,9 @@ async def test_readyz_fails_while_dynamodb_is_stopped_and_recovers(
 ) -> None:
     """With DynamoDB Local stopped, /readyz answers 503 naming storage (while the node still
     counts: /readyz?counting stays 200), and 200 again once it is back."""
-    server = DynamoDBLocal(dynamodb_local_home, db_path=workdir / "ddb")
+    server = DynamoDBLocal(
+        dynamodb_local_home, db_path=workdir / "ddb", java_options=TEST_JAVA_OPTIONS
+    )
     await asyncio.to_thread(server.start)
     try:
         table = await create_table(server.endpoint)
