@@ -63,6 +63,7 @@ def grew(now: list[int], before: list[int], by: int) -> bool:
     return len(now) == len(before) and all(a >= b + by for a, b in zip(now, before, strict=True))
 
 
+@pytest.mark.quiet
 async def test_a_unit_is_visible_on_every_node_within_about_a_tick(fleet: Fleet) -> None:
     """docs/cluster.md claims a p99 of at most one tick + 20 ms from a track on one node to
     the unit showing on every other; this shared 2-core machine gets a margin of 60 ms (p99

@@ -16,7 +16,7 @@ from tests.support.cluster_harness import KEY_TENANT, Fleet, wait_until
 from tests.support.nodes import NodeProcess, raw_call
 from tests.support.redis_server import RedisServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
+pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis, pytest.mark.quiet]
 
 #: The bound docs/quotas.md claims.
 PROPAGATION_S = 1.0

@@ -220,6 +220,7 @@ def test_table_counts_are_walked_at_most_once_a_second(workdir: Path) -> None:
         )
 
 
+@pytest.mark.quiet
 def test_health_endpoints_and_bad_http_requests(workdir: Path) -> None:
     """/healthz and /readyz answer; a bad request gets its status (404, 405, 400, 431, 408 for
     a client that sends nothing) and the listener keeps serving others meanwhile."""
@@ -252,6 +253,7 @@ def test_health_endpoints_and_bad_http_requests(workdir: Path) -> None:
             socket.create_connection((host, int(port)), timeout=2).close()
 
 
+@pytest.mark.quiet
 def test_idle_connections_cannot_keep_a_probe_out(workdir: Path) -> None:
     """More idle or trickling clients than the listener serves at once (64) do not keep
     /healthz out: it is answered at once, each new connection closing the oldest one still

@@ -151,6 +151,7 @@ def test_redact_hides_passwords() -> None:
     )
 
 
+@pytest.mark.quiet
 async def test_outage_fails_fast_and_reconnects(
     redis_factory: Callable[..., RedisServer], cluster_name: str
 ) -> None:

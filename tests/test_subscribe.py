@@ -428,6 +428,7 @@ def test_meter_watch_prints_a_line_per_notification(node: NodeProcess) -> None:
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.dynamodb
+@pytest.mark.quiet
 def test_a_subscriber_on_one_node_sees_a_unit_tracked_on_another_within_a_tick(
     fleet: Fleet,
 ) -> None:
