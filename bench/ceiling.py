@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.harness import RedisServer
 from bench.loadgen import Load, run_load
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.support.nodes import NodeProcess, short_tmpdir
 
 
 def trivial_server(path: str) -> None:

@@ -8,8 +8,8 @@
 - **Servers**: everything a run starts, each on its own and stopped at the end
   (:class:`Services`). redis-server listens on a Unix socket in a temp dir (never a TCP port,
   never a running instance), without persistence unless an append-only file is asked for;
-  nodes are ``python -m meter serve`` processes (:class:`tests.nodes.NodeProcess`); DynamoDB
-  Local comes from :mod:`tests.dynamodb_local` (:func:`create_table` makes a table on it).
+  nodes are ``python -m meter serve`` processes (:class:`tests.support.nodes.NodeProcess`); DynamoDB
+  Local comes from :mod:`tests.support.dynamodb_local` (:func:`create_table` makes a table on it).
 - **Node builds side by side**: :func:`builds` starts a node on the installed build, one
   forced to pure Python and, with ``--beside REV``, one of that commit's tree
   (:class:`TreeNode`, built by :mod:`bench.beside`); :func:`load_rounds` runs their loads and
@@ -33,8 +33,8 @@ from typing import Any
 
 from bench.beside import Tree, clean_env
 from bench.loadgen import Load, LoadResult, run_load
-from tests.dynamodb_local import DynamoDBLocal, ensure_installed
-from tests.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
+from tests.support.dynamodb_local import DynamoDBLocal, ensure_installed
+from tests.support.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 Progress = Callable[[str], None]

@@ -36,7 +36,7 @@ from bench.harness import (
 )
 from bench.loadgen import Load, LoadResult, run_load
 from bench.micro import metrics_pair, service
-from tests.nodes import NodeProcess
+from tests.support.nodes import NodeProcess
 
 METRICS = "9 metrics cost (memory storage)"
 #: (connections, depth) per mode: unpipelined calls pay the per-request counting once per

@@ -21,8 +21,8 @@ from typing import Any
 
 from bench.harness import Services, node_status
 from bench.scale import cluster_env, start_cluster
-from tests.cluster_harness import Conn
-from tests.nodes import NodeProcess
+from tests.support.cluster_harness import Conn
+from tests.support.nodes import NodeProcess
 
 TENANT, FEATURE = "acme", "api"
 #: ``unavailable`` answers a client retries before it gives up (see :func:`_drive`).

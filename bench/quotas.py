@@ -45,7 +45,7 @@ from bench.harness import (
 from bench.loadgen import Load, LoadResult, run_load
 from bench.overshoot import measure
 from bench.scale import cluster_env, start_cluster
-from tests.nodes import NodeProcess
+from tests.support.nodes import NodeProcess
 
 QUOTAS = "10 quotas (DynamoDB Local, 1 or 3 nodes)"
 #: A limit the bench never nears: strict shares are granted at ``strict_share_max``.

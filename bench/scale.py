@@ -59,7 +59,7 @@ from bench.harness import (
     ratios,
 )
 from meter.core.keys import Key, period_start
-from tests.nodes import NodeProcess
+from tests.support.nodes import NodeProcess
 
 SCALE = "8 scale (cold keys)"
 #: Features per tenant in every key set of this scenario (10 features x N/10 tenants).

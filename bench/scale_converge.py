@@ -42,7 +42,7 @@ from bench.scale import (
     open_loop,
     start_cluster,
 )
-from tests.nodes import NodeProcess
+from tests.support.nodes import NodeProcess
 
 #: Items per ``track_many`` call of the load.
 ITEMS = 200

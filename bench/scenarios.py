@@ -514,7 +514,7 @@ def flush(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
 
 def convergence(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     try:
-        from tests.measure_convergence import measure
+        from tests.support.measure_convergence import measure
     except ImportError:
         return [
             Row(

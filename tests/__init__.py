@@ -1,1 +1,1 @@
-"""The test suite (a package so helpers like ``tests.dynamodb_local`` can be imported)."""
+"""The test suite (a package so its harness, ``tests.support``, can be imported)."""

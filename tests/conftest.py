@@ -1,6 +1,7 @@
-pytest_plugins = ["tests.conftest_dynamodb"]
-pytest_plugins += ["tests.conftest_redis"]
-pytest_plugins += ["tests.conftest_nodes"]
+pytest_plugins = ["tests.support.fixtures_dynamodb"]
+pytest_plugins += ["tests.support.fixtures_redis"]
+pytest_plugins += ["tests.support.fixtures_nodes"]
+pytest_plugins += ["tests.support.fixtures_xdist"]
 
 
 def pytest_report_header() -> str:

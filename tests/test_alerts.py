@@ -21,7 +21,7 @@ from meter.errors import InvalidArgument
 from meter.quotas.alerts import Alert, Alerts, alert_id, crossed, threshold_units
 from meter.quotas.limits import LimitBook, parse_limit, plan_record, plans_from_toml
 from storage.memory import MemoryStorage
-from tests.nodes import ROOT, NodeProcess, short_tmpdir, wait_for
+from tests.support.nodes import ROOT, NodeProcess, short_tmpdir, wait_for
 
 MONTH = period_start("month")
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,10 +16,10 @@ import redis
 from meter.client import Client
 from meter.core.keys import period_start
 from meter.quotas.alerts import alert_id
-from tests.cluster_harness import KEY_TENANT, node_env, wait_until
-from tests.dynamodb_proxy import DynamoDBProxy
-from tests.nodes import NodeProcess
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import KEY_TENANT, Fleet, wait_until
+from tests.support.dynamodb_proxy import DynamoDBProxy
+from tests.support.nodes import NodeProcess
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 
@@ -46,37 +44,17 @@ def proxy(dynamodb_local: str) -> Iterator[DynamoDBProxy]:
 
 
 def test_each_threshold_fires_once_across_four_nodes(
-    workdir: Path,
+    fleet: Fleet,
     redis_server: RedisServer,
-    dynamodb_local: str,
-    dynamodb_table: str,
     cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
     proxy: DynamoDBProxy,
 ) -> None:
     stream = f"{cluster_name}:alerts"
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-        METER_ALERTS_STREAM=stream,
-    )
     # n0 reaches DynamoDB through the proxy (which can refuse its claims, below).
-    nodes = [NodeProcess(workdir, f"n{i}", **{**env, "METER_NODE_ID": f"n{i}"}) for i in range(4)]
-    nodes[0].env["METER_DYNAMODB_ENDPOINT"] = proxy.endpoint
-    nodes_cleanup.extend(nodes)
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda p: p.start(timeout=60), nodes))
-    ids = {p.name for p in nodes}
-    wait_until(
-        lambda: all(
-            set(p.call("status")["cluster"]["live_peers"]) == ids - {p.name} for p in nodes
-        ),
-        20,
-        "every node sees every peer",
-        nodes,
+    nodes = fleet(
+        4, each={0: {"METER_DYNAMODB_ENDPOINT": proxy.endpoint}}, METER_ALERTS_STREAM=stream
     )
+    ids = {p.name for p in nodes}
     feature = "api"
     with Client.connect(nodes[0].socket, timeout=10) as c:
         version = c.set_limit(KEY_TENANT, feature, LIMIT, "soft", alerts=[80, 100])

@@ -16,7 +16,7 @@ from meter.core.service import Service
 from meter.core.table import CounterTable
 from meter.node.wiring import build_service, serve
 from storage.memory import MemoryStorage
-from tests.nodes import short_tmpdir
+from tests.support.nodes import short_tmpdir
 
 #: Stands for a string; replaced by the same-length str whose bytes are not UTF-8.
 MARK = "\x01\x02"

@@ -17,7 +17,7 @@ from pathlib import Path
 import meter
 from meter import compiled
 from meter.client import Client
-from tests.nodes import ROOT, NodeProcess
+from tests.support.nodes import ROOT, NodeProcess
 
 HOT = compiled.HOT
 HAS_CC = shutil.which(os.environ.get("CC", "gcc")) is not None or shutil.which("cc") is not None
@@ -278,7 +278,8 @@ def test_pure_subset() -> None:
     """The quick subset of the suite, on pure Python: the code must stay correct without
     the compiler, not only with it."""
     res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *PURE_SUBSET],
+        # -n 0: in one process, as before the suite ran on xdist workers (it runs in one).
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", *PURE_SUBSET],
         cwd=ROOT,
         env=_env(METER_PURE_PYTHON="1"),
         capture_output=True,

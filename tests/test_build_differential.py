@@ -59,7 +59,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from tests.nodes import NodeProcess, short_tmpdir, wait_for
+from tests.support.nodes import NodeProcess, short_tmpdir, wait_for
 from tests.test_build import HAS_CC
 from tests.test_fuzz import MAX_FRAME, SEED, TENANTS, Gen, exchange, pack
 

@@ -20,7 +20,7 @@ import pytest
 from meter.cli.main import main
 from meter.core.server import RpcServer, start_server
 from meter.errors import InvalidArgument, LimitExceeded, NotFound
-from tests.nodes import short_tmpdir
+from tests.support.nodes import short_tmpdir
 from tests.test_client import ANY_ID
 
 

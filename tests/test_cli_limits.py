@@ -20,7 +20,7 @@ from meter.client import AsyncClient
 from meter.config import NodeConfig, ServerConfig
 from meter.errors import LimitExceeded
 from meter.node.lifecycle import Node
-from tests.nodes import short_tmpdir
+from tests.support.nodes import short_tmpdir
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from meter.errors import (
     NotFound,
     Unavailable,
 )
-from tests.nodes import short_tmpdir
+from tests.support.nodes import short_tmpdir
 
 T = TypeVar("T")
 WAIT = 20.0  # bounds waits so a bug fails instead of hanging; not a timing check

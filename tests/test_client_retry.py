@@ -27,7 +27,7 @@ from meter.core.server import start_server
 from meter.errors import BY_CODE, Unavailable
 from meter.node.lifecycle import Node
 from storage.memory import MemoryStorage
-from tests.nodes import short_tmpdir
+from tests.support.nodes import short_tmpdir
 
 T = TypeVar("T")
 WAIT = 20.0  # bounds waits so a bug fails instead of hanging; not a timing check

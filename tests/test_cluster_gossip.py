@@ -401,6 +401,7 @@ async def test_random_interleavings_agree_exactly_after_a_quiet_tick(seed: int) 
         await c.close()
 
 
+@pytest.mark.quiet
 async def test_periodic_reconciliation_repairs_silent_loss(cluster: Cluster) -> None:
     timed = GossipSettings(interval=3600, heartbeat=3600, peer_timeout=3600, reconcile=0.2)
     a = await cluster.add("a")

@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -20,59 +19,20 @@ from cluster.bus import channel_name
 from cluster.codec import Codec, Header
 from meter.core.keys import period_start
 from storage.dynamodb import DynamoDBStorage
-from tests.cluster_harness import (
+from tests.support.cluster_harness import (
     KEY_TENANT,
+    Fleet,
     Load,
     measure_visibility,
-    node_env,
-    start_nodes,
     usages,
     wait_until,
 )
-from tests.nodes import NodeProcess, short_tmpdir
-from tests.redis_server import RedisServer
+from tests.support.nodes import NodeProcess
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 
 FEATURES = ["api", "seats", "tokens"]
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = short_tmpdir("mc-")
-    yield d
-    import shutil
-
-    shutil.rmtree(d, ignore_errors=True)
-
-
-StartCluster = Callable[..., list[NodeProcess]]
-
-
-@pytest.fixture
-def start_cluster(
-    workdir: Path,
-    redis_server: RedisServer,
-    dynamodb_local: str,
-    dynamodb_table: str,
-    cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
-) -> StartCluster:
-    """``start_cluster(n, **METER_env)``: n real nodes on this test's Redis and table."""
-
-    def start(n: int, **extra: str) -> list[NodeProcess]:
-        env = node_env(
-            redis_url=redis_server.url,
-            dynamodb_endpoint=dynamodb_local,
-            table=dynamodb_table,
-            cluster=cluster_name,
-            **extra,
-        )
-        nodes = start_nodes(workdir, n, env)
-        nodes_cleanup.extend(nodes)
-        return nodes
-
-    return start
 
 
 async def stored(endpoint: str, table: str, feature: str) -> int:
@@ -103,13 +63,12 @@ def grew(now: list[int], before: list[int], by: int) -> bool:
     return len(now) == len(before) and all(a >= b + by for a, b in zip(now, before, strict=True))
 
 
-async def test_a_unit_is_visible_on_every_node_within_about_a_tick(
-    start_cluster: StartCluster,
-) -> None:
+@pytest.mark.quiet
+async def test_a_unit_is_visible_on_every_node_within_about_a_tick(fleet: Fleet) -> None:
     """docs/cluster.md claims a p99 of at most one tick + 20 ms from a track on one node to
     the unit showing on every other; this shared 2-core machine gets a margin of 60 ms (p99
     measured 97-112 ms here with two CPU hogs running beside the nodes)."""
-    nodes = start_cluster(3)
+    nodes = fleet(3)
     tick_ms = 100
     r = measure_visibility(nodes, "api", samples=100, tick_s=tick_ms / 1000)
     print(f"\nconvergence, 3 nodes, tick {tick_ms} ms: {r}")
@@ -122,11 +81,11 @@ async def test_a_unit_is_visible_on_every_node_within_about_a_tick(
 
 
 async def test_concurrent_load_on_three_nodes_agrees_exactly_with_the_database(
-    start_cluster: StartCluster,
+    fleet: Fleet,
     dynamodb_local: str,
     dynamodb_table: str,
 ) -> None:
-    nodes = start_cluster(3)
+    nodes = fleet(3)
     load = Load(nodes, FEATURES).start()
     # Load until every node has acknowledged a few thousand units and flushed under load.
     rounds0 = flush_stat(nodes, "rounds")
@@ -165,22 +124,13 @@ async def test_concurrent_load_on_three_nodes_agrees_exactly_with_the_database(
 
 
 async def test_redis_killed_mid_load_and_restarted_loses_nothing(
-    workdir: Path,
+    fleet: Fleet,
     redis_factory: Callable[..., RedisServer],
     dynamodb_local: str,
     dynamodb_table: str,
-    cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
 ) -> None:
     server = redis_factory()
-    env = node_env(
-        redis_url=server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-    )
-    nodes = start_nodes(workdir, 3, env)
-    nodes_cleanup.extend(nodes)
+    nodes = fleet(3, redis=server)
     load = Load(nodes, FEATURES).start()
     wait_until(lambda: min(load.acked) >= 2000, 20, "load on every node", nodes)
     server.stop()
@@ -231,11 +181,11 @@ async def test_redis_killed_mid_load_and_restarted_loses_nothing(
 
 
 async def test_a_sigkilled_node_loses_only_what_it_had_not_flushed(
-    start_cluster: StartCluster,
+    fleet: Fleet,
     dynamodb_local: str,
     dynamodb_table: str,
 ) -> None:
-    nodes = start_cluster(3, METER_FLUSH_INTERVAL_MS="1000")
+    nodes = fleet(3, METER_FLUSH_INTERVAL_MS="1000")
     victim, survivors = nodes[2], nodes[:2]
     load = Load(nodes, FEATURES).start()
     # Kill n2 once it has flushed under load (some of its units are stored, and it always
@@ -301,11 +251,11 @@ async def test_a_sigkilled_node_loses_only_what_it_had_not_flushed(
 
 
 async def test_forged_and_garbage_messages_are_rejected_and_counted(
-    start_cluster: StartCluster,
+    fleet: Fleet,
     redis_server: RedisServer,
     cluster_name: str,
 ) -> None:
-    nodes = start_cluster(2, METER_CLUSTER_SECRET="correct horse")
+    nodes = fleet(2, METER_CLUSTER_SECRET="correct horse")
     nodes[0].call("track", KEY_TENANT, "api", 5)
     wait_until(lambda: usages(nodes, "api") == [5, 5], 5, "gossip works", nodes)
     key = (KEY_TENANT, "api", period_start("month", None))
@@ -339,9 +289,9 @@ async def test_forged_and_garbage_messages_are_rejected_and_counted(
 
 
 async def test_sigterm_drain_announces_the_final_flush(
-    start_cluster: StartCluster, dynamodb_local: str, dynamodb_table: str
+    fleet: Fleet, dynamodb_local: str, dynamodb_table: str
 ) -> None:
-    nodes = start_cluster(
+    nodes = fleet(
         2,
         METER_FLUSH_INTERVAL_MS="60000",  # only the drain flushes
         METER_GOSSIP_INTERVAL_MS="60000",  # only the drain gossips

@@ -160,7 +160,7 @@ def test_a_balance_going_below_an_amount_alerts_once_per_crossing() -> None:
 
     from meter.client import Client
     from meter.quotas.alerts import BALANCE, alert_id
-    from tests.nodes import NodeProcess, short_tmpdir
+    from tests.support.nodes import NodeProcess, short_tmpdir
 
     workdir = short_tmpdir("mb-")
     try:

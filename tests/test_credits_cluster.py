@@ -5,30 +5,16 @@ the nodes' pool took from the ledger is exactly what the ledger lost (docs/ledge
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 
-from tests.cluster_harness import Conn, node_env, start_nodes, wait_until
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import Conn, Fleet, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 
 
-def test_metered_tracks_from_three_nodes_never_overdraw(
-    workdir: Path,
-    redis_server: RedisServer,
-    dynamodb_local: str,
-    dynamodb_table: str,
-    cluster_name: str,
-) -> None:
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-    )
-    nodes = start_nodes(workdir, 3, env)
+def test_metered_tracks_from_three_nodes_never_overdraw(fleet: Fleet) -> None:
+    nodes = fleet(3)
     try:
         version = nodes[0].call("set_plan", "metered", {"gpu": {"price": 2}})["version"]
         nodes[0].call("assign_plan", "acme", "metered")

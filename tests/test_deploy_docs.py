@@ -349,7 +349,7 @@ def test_the_labels_the_dashboard_and_alerts_use_are_on_a_real_nodes_metrics(
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tests.nodes import NodeProcess, raw_call, short_tmpdir
+    from tests.support.nodes import NodeProcess, raw_call, short_tmpdir
     from tests.test_metrics_http import http
 
     dash = json.loads((DEPLOY / "grafana-dashboard.json").read_text())

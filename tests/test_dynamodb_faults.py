@@ -23,9 +23,9 @@ from botocore.config import Config
 
 from storage.base import Applied, Delta, Key, StorageError, StoragePermanentError
 from storage.dynamodb import DynamoDBStorage
-from tests.conftest_dynamodb import create_table
-from tests.dynamodb_local import DynamoDBLocal
-from tests.lossy_proxy import LossyProxy
+from tests.support.dynamodb_local import TEST_JAVA_OPTIONS, DynamoDBLocal
+from tests.support.fixtures_dynamodb import create_table
+from tests.support.lossy_proxy import LossyProxy
 
 pytestmark = [pytest.mark.dynamodb, pytest.mark.slow]
 
@@ -154,7 +154,9 @@ async def test_lossy_proxy_plain_add_over_counts(dynamodb_local: str, dynamodb_t
 async def test_outage_and_restart_keeps_totals_exact(
     dynamodb_local_home: Path, tmp_path: Path
 ) -> None:
-    server = DynamoDBLocal(dynamodb_local_home, db_path=tmp_path / "ddb")
+    server = DynamoDBLocal(
+        dynamodb_local_home, db_path=tmp_path / "ddb", java_options=TEST_JAVA_OPTIONS
+    )
     await asyncio.to_thread(server.start)
     try:
         table = await create_table(server.endpoint)

@@ -15,8 +15,8 @@ import pytest
 
 from storage.base import Applied, Delta, Key, Snapshot, StoragePermanentError, StorageUnavailable
 from storage.dynamodb import DynamoDBStorage
-from tests.dynamodb_local import free_port
-from tests.dynamodb_proxy import DynamoDBProxy
+from tests.support.dynamodb_local import free_port
+from tests.support.dynamodb_proxy import DynamoDBProxy
 
 pytestmark = pytest.mark.dynamodb
 

@@ -24,7 +24,7 @@ from meter.client import Client
 from meter.core.keys import period_start
 from storage.base import Delta, ExportRow, Key
 from storage.sqlite import SQLiteStorage
-from tests.nodes import ROOT, NodeProcess, raw_call, wait_for
+from tests.support.nodes import ROOT, NodeProcess, raw_call, wait_for
 from tests.test_node_process import cli, workdir  # noqa: F401 (workdir: a fixture)
 
 #: 2020-01-15T00:00:00Z: an instant in a month other than the current one.

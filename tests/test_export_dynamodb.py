@@ -16,7 +16,7 @@ import pytest
 
 from meter.client import Client
 from meter.core.keys import period_start
-from tests.nodes import NodeProcess, wait_for
+from tests.support.nodes import NodeProcess, wait_for
 from tests.test_export import on_a_terminal, stored_everything
 from tests.test_node_dynamodb import dynamo_env
 from tests.test_node_process import workdir  # noqa: F401 (a fixture)

@@ -36,7 +36,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.support.nodes import NodeProcess, short_tmpdir
 
 FRAMES = int(os.environ.get("METER_FUZZ_FRAMES", "10000"))
 SEED = int(os.environ.get("METER_FUZZ_SEED", "20261130"))

@@ -17,7 +17,7 @@ from meter.client import AsyncClient
 from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig
 from meter.errors import InvalidArgument, LimitExceeded
 from meter.node.lifecycle import Node
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.support.nodes import NodeProcess, short_tmpdir
 
 USERS = ["acme/alice", "acme/bob", "acme/carol"]
 

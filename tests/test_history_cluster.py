@@ -7,14 +7,12 @@ from __future__ import annotations
 import asyncio
 import threading
 from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
 
 from storage.dynamodb import DynamoDBStorage
-from tests.cluster_harness import KEY_TENANT, node_env, start_nodes, wait_until
-from tests.nodes import NodeProcess
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import KEY_TENANT, Fleet, wait_until
+from tests.support.nodes import NodeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 
@@ -26,21 +24,11 @@ def _today(p: NodeProcess) -> list[int]:
 
 
 def test_history_on_three_nodes_agrees_with_usage_and_storage(
-    workdir: Path,
-    redis_server: RedisServer,
+    fleet: Fleet,
     dynamodb_local: str,
     dynamodb_table: str,
-    cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
 ) -> None:
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-    )
-    nodes = start_nodes(workdir, 3, env)
-    nodes_cleanup.extend(nodes)
+    nodes = fleet(3)
     acked = [0]
     stop = threading.Event()
 

@@ -292,8 +292,8 @@ async def test_through_lost_answers_every_acknowledged_change_lands_once(
     from urllib.parse import urlsplit
 
     from storage.dynamodb import DynamoDBStorage
-    from tests.conftest_dynamodb import create_table
-    from tests.lossy_proxy import LossyProxy
+    from tests.support.fixtures_dynamodb import create_table
+    from tests.support.lossy_proxy import LossyProxy
 
     table = await create_table(dynamodb_local)
     port = urlsplit(dynamodb_local).port

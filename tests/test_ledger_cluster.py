@@ -7,38 +7,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.cluster_harness import Conn, node_env, start_nodes
-from tests.nodes import NodeProcess
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import Conn, Fleet
+from tests.support.nodes import NodeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 
 
-@pytest.fixture
-def nodes(
-    workdir: Path,
-    redis_server: RedisServer,
-    dynamodb_local: str,
-    dynamodb_table: str,
-    cluster_name: str,
-) -> Iterator[list[NodeProcess]]:
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-    )
-    started = start_nodes(workdir, 3, env)
-    yield started
-    for p in started:
-        if p.proc is not None and p.proc.poll() is None:
-            p.kill()
+@pytest.fixture(scope="module")
+def nodes(module_fleet: Fleet) -> list[NodeProcess]:
+    """One fleet for the module's tests: each uses tenants of its own (acme, t1)."""
+    return module_fleet(3)
 
 
 def _entries(node: NodeProcess, tenant: str) -> list[dict[str, Any]]:

@@ -38,7 +38,7 @@ from meter.quotas.limits import (
     plan_record,
 )
 from storage.memory import MemoryStorage
-from tests.stores import DownStorage, SlowStorage
+from tests.support.stores import DownStorage, SlowStorage
 
 # -- the book ---------------------------------------------------------------------------------
 

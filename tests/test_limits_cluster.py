@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
-from tests.cluster_harness import KEY_TENANT, node_env, start_nodes, wait_until
-from tests.nodes import NodeProcess, raw_call
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import KEY_TENANT, Fleet, wait_until
+from tests.support.nodes import NodeProcess, raw_call
+from tests.support.redis_server import RedisServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
+pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis, pytest.mark.quiet]
 
 #: The bound docs/quotas.md claims.
 PROPAGATION_S = 1.0
@@ -71,21 +70,9 @@ def _propagation(nodes: list[NodeProcess], feature: str) -> float:
 
 
 def test_a_limit_set_through_one_node_refuses_on_the_others_within_a_second(
-    workdir: Path,
-    redis_server: RedisServer,
-    dynamodb_local: str,
-    dynamodb_table: str,
-    cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
+    fleet: Fleet,
 ) -> None:
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-    )
-    nodes = start_nodes(workdir, 3, env)
-    nodes_cleanup.extend(nodes)
+    nodes = fleet(3)
     took = [_propagation(nodes, f"api{i}") for i in range(3)]
     print(f"\nlimit propagation, bus up: {[round(t * 1000) for t in took]} ms")
     assert max(took) <= PROPAGATION_S, took
@@ -95,22 +82,11 @@ def test_a_limit_set_through_one_node_refuses_on_the_others_within_a_second(
 
 
 def test_with_the_bus_down_a_limit_still_refuses_everywhere_within_a_second(
-    workdir: Path,
+    fleet: Fleet,
     redis_factory: Callable[..., RedisServer],
-    dynamodb_local: str,
-    dynamodb_table: str,
-    cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
 ) -> None:
     server = redis_factory()
-    env = node_env(
-        redis_url=server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-    )
-    nodes = start_nodes(workdir, 3, env)
-    nodes_cleanup.extend(nodes)
+    nodes = fleet(3, redis=server)
     server.stop()
     wait_until(
         lambda: not any(p.call("status")["cluster"]["bus"]["connected"] for p in nodes),
@@ -152,29 +128,14 @@ def test_with_the_bus_down_a_limit_still_refuses_everywhere_within_a_second(
 
 
 def test_a_limit_set_through_a_node_whose_bus_is_down_reaches_peers_within_a_second(
-    workdir: Path,
-    redis_server: RedisServer,
+    fleet: Fleet,
     redis_factory: Callable[..., RedisServer],
-    dynamodb_local: str,
-    dynamodb_table: str,
-    cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
 ) -> None:
     """Its ``limits`` frame is never sent; the peers, whose bus is up, find the change by
     polling the stored version."""
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-    )
-    peers = start_nodes(workdir, 2, env)
-    nodes_cleanup.extend(peers)
+    peers = fleet(2)
     lonely_redis = redis_factory()
-    lonely = NodeProcess(
-        workdir, "lonely", METER_NODE_ID="lonely", **{**env, "METER_REDIS_URL": lonely_redis.url}
-    ).start(timeout=60)
-    nodes_cleanup.append(lonely)
+    lonely = fleet.node("lonely", redis=lonely_redis)
     everyone = [lonely, *peers]
     lonely_redis.stop()
     wait_until(
@@ -202,23 +163,11 @@ def test_a_limit_set_through_a_node_whose_bus_is_down_reaches_peers_within_a_sec
 
 
 def test_holds_on_one_node_count_against_a_hard_limit_on_the_others(
-    workdir: Path,
-    redis_server: RedisServer,
-    dynamodb_local: str,
-    dynamodb_table: str,
-    cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
+    fleet: Fleet,
 ) -> None:
     """A reservation holds its units against the limit on every node (a ``holds`` frame),
     released holds and the holds of a node that died are let go."""
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-    )
-    nodes = start_nodes(workdir, 3, env)
-    nodes_cleanup.extend(nodes)
+    nodes = fleet(3)
     a, b, c = nodes
     a.call("set_limit", KEY_TENANT, "gpu", {"limit": 100})
     for p in nodes:
@@ -249,24 +198,13 @@ def test_holds_on_one_node_count_against_a_hard_limit_on_the_others(
 
 
 def test_a_peers_holds_stop_counting_when_not_refreshed_while_the_bus_is_down(
-    workdir: Path,
+    fleet: Fleet,
     redis_factory: Callable[..., RedisServer],
-    dynamodb_local: str,
-    dynamodb_table: str,
-    cluster_name: str,
-    nodes_cleanup: list[NodeProcess],
 ) -> None:
     """Heard before an outage, a peer's holds count for 3 heartbeats (here 300 ms each), not
     for the whole outage (the peer is not declared dead while the bus is down)."""
     server = redis_factory()
-    env = node_env(
-        redis_url=server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-    )
-    nodes = start_nodes(workdir, 2, env)
-    nodes_cleanup.extend(nodes)
+    nodes = fleet(2, redis=server)
     a, b = nodes
     a.call("set_limit", KEY_TENANT, "gpu", {"limit": 100})
     for p in nodes:

@@ -25,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from meter.config import load
 from meter.errors import BY_CODE, ConfigError
 from meter.ops.metrics import METRIC_NAMES
-from tests.conftest_dynamodb import create_table
-from tests.dynamodb_local import DynamoDBLocal
-from tests.nodes import ROOT, NodeProcess, raw_call, short_tmpdir, wait_for
-from tests.redis_server import RedisServer
+from tests.support.dynamodb_local import TEST_JAVA_OPTIONS, DynamoDBLocal
+from tests.support.fixtures_dynamodb import create_table
+from tests.support.nodes import ROOT, NodeProcess, raw_call, short_tmpdir, wait_for
+from tests.support.redis_server import RedisServer
 
 #: Samples of one scrape: (sample name, labels as a sorted tuple) -> value.
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -220,6 +220,7 @@ def test_table_counts_are_walked_at_most_once_a_second(workdir: Path) -> None:
         )
 
 
+@pytest.mark.quiet
 def test_health_endpoints_and_bad_http_requests(workdir: Path) -> None:
     """/healthz and /readyz answer; a bad request gets its status (404, 405, 400, 431, 408 for
     a client that sends nothing) and the listener keeps serving others meanwhile."""
@@ -252,6 +253,7 @@ def test_health_endpoints_and_bad_http_requests(workdir: Path) -> None:
             socket.create_connection((host, int(port)), timeout=2).close()
 
 
+@pytest.mark.quiet
 def test_idle_connections_cannot_keep_a_probe_out(workdir: Path) -> None:
     """More idle or trickling clients than the listener serves at once (64) do not keep
     /healthz out: it is answered at once, each new connection closing the oldest one still
@@ -388,7 +390,9 @@ async def test_readyz_fails_while_dynamodb_is_stopped_and_recovers(
 ) -> None:
     """With DynamoDB Local stopped, /readyz answers 503 naming storage (while the node still
     counts: /readyz?counting stays 200), and 200 again once it is back."""
-    server = DynamoDBLocal(dynamodb_local_home, db_path=workdir / "ddb")
+    server = DynamoDBLocal(
+        dynamodb_local_home, db_path=workdir / "ddb", java_options=TEST_JAVA_OPTIONS
+    )
     await asyncio.to_thread(server.start)
     try:
         table = await create_table(server.endpoint)

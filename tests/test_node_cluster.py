@@ -15,7 +15,7 @@ from meter.config import ClusterConfig, FlushConfig, NodeConfig, ServerConfig
 from meter.node.datadir import DataDir
 from meter.node.lifecycle import Node
 from storage.memory import MemoryStorage
-from tests.redis_server import RedisServer
+from tests.support.redis_server import RedisServer
 
 HOUR_NS = 3600 * 10**9
 

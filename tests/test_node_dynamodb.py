@@ -22,10 +22,10 @@ from meter.client import AsyncClient
 from meter.core.keys import period_start
 from meter.errors import Unavailable
 from storage.dynamodb import DynamoDBStorage
-from tests.conftest_dynamodb import create_table, new_table_name
-from tests.dynamodb_local import DynamoDBLocal
-from tests.lossy_proxy import LossyProxy
-from tests.nodes import ROOT, NodeProcess, short_tmpdir
+from tests.support.dynamodb_local import TEST_JAVA_OPTIONS, DynamoDBLocal
+from tests.support.fixtures_dynamodb import create_table, new_table_name
+from tests.support.lossy_proxy import LossyProxy
+from tests.support.nodes import ROOT, NodeProcess, short_tmpdir
 
 pytestmark = [pytest.mark.dynamodb, pytest.mark.slow]
 
@@ -157,7 +157,9 @@ async def test_lossy_connection_to_dynamodb_counts_exactly_once(
 async def test_dynamodb_outage_under_load_loses_nothing(
     workdir: Path, dynamodb_local_home: Path
 ) -> None:
-    server = DynamoDBLocal(dynamodb_local_home, db_path=workdir / "ddb")
+    server = DynamoDBLocal(
+        dynamodb_local_home, db_path=workdir / "ddb", java_options=TEST_JAVA_OPTIONS
+    )
     await asyncio.to_thread(server.start)
     try:
         table = await create_table(server.endpoint)

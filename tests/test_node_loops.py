@@ -18,7 +18,7 @@ import pytest
 
 from meter.core.keys import period_start
 from storage.sqlite import SQLiteStorage
-from tests.nodes import NodeProcess, raw_call, short_tmpdir
+from tests.support.nodes import NodeProcess, raw_call, short_tmpdir
 
 pytestmark = pytest.mark.slow
 

@@ -23,10 +23,10 @@ from meter.node.lifecycle import Node
 from storage.base import Delta, Key, Snapshot, Storage
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
-from tests.conftest_dynamodb import create_table
-from tests.dynamodb_local import DynamoDBLocal
-from tests.nodes import NodeProcess, raw_call, short_tmpdir
-from tests.redis_server import RedisServer
+from tests.support.dynamodb_local import TEST_JAVA_OPTIONS, DynamoDBLocal
+from tests.support.fixtures_dynamodb import create_table
+from tests.support.nodes import NodeProcess, raw_call, short_tmpdir
+from tests.support.redis_server import RedisServer
 
 KEY = ("acme", "api", period_start("month"))
 
@@ -195,7 +195,9 @@ def test_a_node_started_while_storage_is_down_counts_and_claims_its_id_when_it_r
 ) -> None:
     """Storage cannot be asked at start: the node counts (C10) without flushing, claims its id
     once storage answers, re-reads and writes."""
-    server = DynamoDBLocal(dynamodb_local_home, db_path=workdir / "ddb")
+    server = DynamoDBLocal(
+        dynamodb_local_home, db_path=workdir / "ddb", java_options=TEST_JAVA_OPTIONS
+    )
     server.start()
     try:
         table = asyncio.run(create_table(server.endpoint))

@@ -23,10 +23,10 @@ import pytest
 
 from meter.core.keys import period_start
 from storage.sqlite import SQLiteStorage
-from tests.cluster_harness import wait_until
-from tests.dynamodb_local import free_port
-from tests.nodes import ROOT, NodeProcess, raw_call, short_tmpdir
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import wait_until
+from tests.support.dynamodb_local import free_port
+from tests.support.nodes import ROOT, NodeProcess, raw_call, short_tmpdir
+from tests.support.redis_server import RedisServer
 
 
 @pytest.fixture

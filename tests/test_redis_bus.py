@@ -11,7 +11,7 @@ import pytest
 
 from cluster.bus import BusUnavailable, channel_name
 from cluster.redis_bus import RedisBus, redact
-from tests.redis_server import RedisServer, make_tls_files
+from tests.support.redis_server import RedisServer, make_tls_files
 
 pytestmark = pytest.mark.redis
 
@@ -151,6 +151,7 @@ def test_redact_hides_passwords() -> None:
     )
 
 
+@pytest.mark.quiet
 async def test_outage_fails_fast_and_reconnects(
     redis_factory: Callable[..., RedisServer], cluster_name: str
 ) -> None:

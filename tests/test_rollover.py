@@ -27,9 +27,8 @@ from storage.base import Snapshot
 from storage.dynamodb import DynamoDBStorage
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
-from tests.cluster_harness import Conn, node_env, start_nodes, wait_until
-from tests.nodes import NodeProcess, short_tmpdir, wait_for
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import Conn, Fleet, wait_until
+from tests.support.nodes import NodeProcess, short_tmpdir, wait_for
 
 
 def ts(year: int, month: int, day: int, hour: int = 0, minute: int = 0, sec: int = 0) -> float:
@@ -163,21 +162,14 @@ def test_a_new_month_finds_its_keys_read_ahead_sqlite(workdir: Path) -> None:
 @pytest.mark.dynamodb
 @pytest.mark.redis
 def test_a_month_rolls_over_under_load_on_two_nodes(
-    workdir: Path, redis_server: RedisServer, dynamodb_local: str, dynamodb_table: str
+    fleet: Fleet, dynamodb_local: str, dynamodb_table: str
 ) -> None:
     """Two nodes on DynamoDB Local and Redis, clients tracking through the month's end: no
     call of the new month waits for a read, every acknowledged unit is stored once (in one
     period or the other), and both nodes' views of the new month equal the store."""
     boundary = next_month_start()
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=f"ro-{time.monotonic_ns()}",
-        METER_ROLLOVER_READ_AHEAD_S=str(LEAD),
-    )
     shift = shift_to(boundary, TO_BOUNDARY + 16)  # a cluster takes longer to start
-    nodes = start_nodes(workdir, 2, env, clock_shift=shift)
+    nodes = fleet(2, clock_shift=shift, METER_ROLLOVER_READ_AHEAD_S=str(LEAD))
     try:
         acked: Counter[tuple[str, str]] = Counter()
         lock = threading.Lock()

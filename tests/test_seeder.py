@@ -43,7 +43,7 @@ from meter.core.seeder import MAX_TRIES, Seeder
 from meter.core.table import CounterTable
 from storage.base import EMPTY, BadItems, Delta, Key, Snapshot, StorageUnavailable
 from storage.memory import MemoryStorage
-from tests.machine_reach import reach_alone
+from tests.support.machine_reach import reach_alone
 
 NODE = "n1"
 PEER = "n2"

@@ -26,8 +26,8 @@ from meter.core.keys import period_start
 from meter.errors import Unavailable
 from storage.base import Delta, Key, Snapshot
 from storage.dynamodb import DynamoDBStorage
-from tests.dynamodb_proxy import DynamoDBProxy
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.support.dynamodb_proxy import DynamoDBProxy
+from tests.support.nodes import NodeProcess, short_tmpdir
 
 pytestmark = [pytest.mark.dynamodb, pytest.mark.slow]
 

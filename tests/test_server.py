@@ -24,7 +24,7 @@ import uvloop
 from meter.core.keys import check_qty
 from meter.core.server import RpcServer, _Connection, start_server
 from meter.errors import LimitExceeded, NotFound, UnknownMethod
-from tests.nodes import short_tmpdir
+from tests.support.nodes import short_tmpdir
 
 # Overriding event_loop_policy is deprecated in pytest-asyncio 1.x in favour of a conftest hook
 # (pytest_asyncio_loop_factories); this module keeps the override to stay self-contained.

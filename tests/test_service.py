@@ -23,7 +23,7 @@ from meter.errors import (
 )
 from meter.node.wiring import build_service
 from storage.base import Delta, Snapshot
-from tests.stores import DownStorage
+from tests.support.stores import DownStorage
 
 
 async def call(svc: Service, method: str, *params: Any) -> Any:

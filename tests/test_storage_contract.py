@@ -45,7 +45,7 @@ def _make(backend: str, request: pytest.FixtureRequest) -> Storage:
         return SQLiteStorage(tmp_path / "meter.db")
     if backend == "dynamodb":
         from storage.dynamodb import DynamoDBStorage
-        from tests.conftest_dynamodb import new_table_name
+        from tests.support.fixtures_dynamodb import new_table_name
 
         # A fresh table per test in the session's DynamoDB Local; the fixture creates it.
         endpoint: str = request.getfixturevalue("dynamodb_local")

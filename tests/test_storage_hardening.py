@@ -21,8 +21,8 @@ from storage.base import BadItems, Delta, Key, Snapshot, StorageUnavailable
 from storage.dynamodb import DynamoDBStorage, _ttl
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
-from tests.dynamodb_local import free_port
-from tests.nodes import NodeProcess, short_tmpdir
+from tests.support.dynamodb_local import free_port
+from tests.support.nodes import NodeProcess, short_tmpdir, wait_for
 
 A: Key = ("acme", "a", "2026-11")
 B: Key = ("acme", "b", "2026-11")
@@ -169,6 +169,8 @@ def test_the_node_purges_expired_counters_on_its_own(tmp: Path) -> None:
                 break
             assert time.monotonic() < deadline, f"not purged: {left}"
             time.sleep(0.05)
+        # The node logs the purge once its delete has committed, which the test can see first.
+        wait_for(lambda: "retention purge:" in node.log(), 10, "the purge is logged")
         assert "retention purge: deleted 1 expired counters" in node.log()
 
 

@@ -25,10 +25,9 @@ from meter.core.protocol import Encoder
 from meter.core.server import DEFAULT_LOW_WATER, NOTIFY_MAX_BYTES
 from meter.core.watch import MAX_PENDING, MAX_SUBSCRIPTIONS
 from meter.errors import InvalidArgument, Unavailable
-from tests.cluster_harness import node_env, start_nodes
-from tests.dynamodb_proxy import DynamoDBProxy
-from tests.nodes import ROOT, NodeProcess, short_tmpdir, wait_for
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import Fleet
+from tests.support.dynamodb_proxy import DynamoDBProxy
+from tests.support.nodes import ROOT, NodeProcess, short_tmpdir, wait_for
 from tests.test_warm_up import until
 
 TICK_MS = 100
@@ -429,25 +428,15 @@ def test_meter_watch_prints_a_line_per_notification(node: NodeProcess) -> None:
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.dynamodb
+@pytest.mark.quiet
 def test_a_subscriber_on_one_node_sees_a_unit_tracked_on_another_within_a_tick(
-    workdir: Path,
-    redis_server: RedisServer,
-    dynamodb_local: str,
-    dynamodb_table: str,
-    cluster_name: str,
+    fleet: Fleet,
 ) -> None:
     """Two real nodes on one Redis and one DynamoDB table. A unit tracked on B is gossiped at
     B's next tick (at most one interval) and pushed by A when the frame arrives:
     docs/protocol.md claims one interval plus delivery; measured from before the track is sent
     to the notification's arrival, every sample, with the slack of this shared machine."""
-    env = node_env(
-        redis_url=redis_server.url,
-        dynamodb_endpoint=dynamodb_local,
-        table=dynamodb_table,
-        cluster=cluster_name,
-        METER_GOSSIP_INTERVAL_MS=str(TICK_MS),
-    )
-    a, b = start_nodes(workdir, 2, env)
+    a, b = fleet(2, METER_GOSSIP_INTERVAL_MS=str(TICK_MS))
     try:
         with Client.connect(a.socket) as w, Client.connect(b.socket, timeout=5) as c:
             it = w.subscribe("acme", ["api"], timeout=5)  # loads the counter on A

@@ -41,7 +41,7 @@ from meter.wal import records as R
 from meter.wal.replay import Replay
 from storage.base import Delta, Key, Snapshot, StorageUnavailable
 from storage.memory import MemoryStorage
-from tests.machine_reach import reach
+from tests.support.machine_reach import reach
 
 T = TypeVar("T")
 

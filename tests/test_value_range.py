@@ -24,8 +24,8 @@ from meter.node.wiring import build_service, serve
 from meter.wal import records as R
 from meter.wal.log import WriteAheadLog, list_segments, segment_path
 from storage.base import Delta
-from tests.nodes import short_tmpdir
-from tests.stores import DownStorage
+from tests.support.nodes import short_tmpdir
+from tests.support.stores import DownStorage
 
 MAX, MIN = QTY_MAX, QTY_MIN
 

@@ -38,9 +38,9 @@ import meter.client.retry
 from meter.client import Client
 from meter.core.protocol import Response
 from meter.errors import MeterError, Unavailable
-from tests.conftest_dynamodb import create_table
-from tests.lossy_proxy import LossyProxy
-from tests.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
+from tests.support.fixtures_dynamodb import create_table
+from tests.support.lossy_proxy import LossyProxy
+from tests.support.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,9 @@ RETRY_TIMEOUT = 30.0
 #: The storm stops after this many seconds even if it has not killed KILLS times yet (a cap
 #: on the test's time, not a figure: a restart reads the limits before its socket opens, and
 #: through the lossy link a lost answer waits for its read timeout, so on a loaded 2-core box
-#: 20 restarts took over 50 s once).
-STORM_BUDGET_S = 80.0
+#: 20 restarts took over 50 s once; beside the suite's other xdist workers a restart took
+#: 6-7 s, and 80 s saw only 11 kills).
+STORM_BUDGET_S = 240.0
 #: The clients' longest pause between two attempts (1 s by default): the workers are back
 #: within a quarter second of a restart, so kills come faster and always land under load.
 BACKOFF_MAX = 0.25

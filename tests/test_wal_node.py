@@ -15,7 +15,7 @@ import pytest
 
 from meter.wal import records as R
 from meter.wal.log import list_segments, segment_path
-from tests.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
+from tests.support.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
 from tests.test_metrics_http import metrics_address, scrape, value
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,7 @@ from meter.persist.recovery import recover
 from meter.wal import records as R
 from meter.wal.log import WriteAheadLog, list_segments, segment_path
 from storage.memory import MemoryStorage
-from tests.nodes import short_tmpdir
+from tests.support.nodes import short_tmpdir
 
 KEY = ("acme", "api")
 

@@ -18,7 +18,7 @@ from meter.core.table import CounterTable
 from meter.node.wiring import build_service, serve
 from storage.base import EMPTY, Delta
 from storage.memory import MemoryStorage
-from tests.nodes import short_tmpdir
+from tests.support.nodes import short_tmpdir
 
 
 class CountingService:

@@ -17,9 +17,9 @@ import pytest
 
 from meter.client import Client
 from meter.core.keys import period_start
-from tests.conftest_dynamodb import create_table
-from tests.dynamodb_proxy import DynamoDBProxy
-from tests.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
+from tests.support.dynamodb_proxy import DynamoDBProxy
+from tests.support.fixtures_dynamodb import create_table
+from tests.support.nodes import NodeProcess, raw_call, short_tmpdir, wait_for
 
 pytestmark = pytest.mark.slow
 

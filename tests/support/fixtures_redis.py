@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.redis_server import RedisServer, RedisUnavailable
+from tests.support.redis_server import RedisServer, RedisUnavailable
 
 
 def _start(password: str | None = None, tls: bool = False) -> RedisServer:

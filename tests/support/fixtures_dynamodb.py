@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 
 from storage.dynamodb import DynamoDBStorage
-from tests.dynamodb_local import DynamoDBLocal, DynamoDBLocalUnavailable, ensure_installed
+from tests.support.dynamodb_local import (
+    TEST_JAVA_OPTIONS,
+    DynamoDBLocal,
+    DynamoDBLocalUnavailable,
+    ensure_installed,
+)
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +36,7 @@ def dynamodb_local_home() -> Path:
 @pytest.fixture(scope="session")
 def dynamodb_local_server(dynamodb_local_home: Path) -> Iterator[str]:
     """The endpoint URL of a session-wide, in-memory DynamoDB Local."""
-    server = DynamoDBLocal(dynamodb_local_home)
+    server = DynamoDBLocal(dynamodb_local_home, java_options=TEST_JAVA_OPTIONS)
     try:
         server.start()
     except DynamoDBLocalUnavailable as exc:

@@ -39,10 +39,10 @@ def reach_alone(module: str, machine: str, examples: int, steps: int) -> dict[st
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     code = (
         "import json, importlib\n"
-        "from tests.machine_reach import reach\n"
+        "from tests.support.machine_reach import reach\n"
         f"m = getattr(importlib.import_module({module!r}), {machine!r})\n"
         f"print(json.dumps(reach(m, m.seen, {examples}, {steps})))\n"
     )

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from tests.dynamodb_local import free_port
+from tests.support.dynamodb_local import free_port
 
 
 class RedisUnavailable(RuntimeError):

@@ -8,14 +8,15 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from tests.nodes import NodeProcess
+from tests.support.nodes import NodeProcess
+from tests.support.redis_server import RedisServer
 
 KEY_TENANT = "acme"
 
@@ -76,17 +77,31 @@ def node_env(
     }
 
 
-def start_nodes(
-    workdir: Path, n: int, env: dict[str, str], clock_shift: float | None = None
+def fleet_nodes(
+    workdir: Path,
+    n: int,
+    env: dict[str, str],
+    clock_shift: float | None = None,
+    each: Mapping[int, Mapping[str, str]] | None = None,
 ) -> list[NodeProcess]:
-    """Start ``n`` nodes (ids n0, n1, ...) in parallel and wait until all see each other;
-    ``clock_shift`` moves their wall clocks (``bench.clockshift``)."""
-    nodes = [NodeProcess(workdir, f"n{i}", METER_NODE_ID=f"n{i}", **env) for i in range(n)]
+    """``n`` nodes (ids n0, n1, ...), not started yet, on ``env`` (with ``each[i]`` on top
+    for node ``i``); ``clock_shift`` moves their wall clocks (``bench.clockshift``)."""
+    nodes = [
+        NodeProcess(
+            workdir, f"n{i}", **{**env, "METER_NODE_ID": f"n{i}", **(each or {}).get(i, {})}
+        )
+        for i in range(n)
+    ]
     for node in nodes:
         node.clock_shift = clock_shift
-    with ThreadPoolExecutor(n) as pool:
+    return nodes
+
+
+def start_together(nodes: list[NodeProcess]) -> list[NodeProcess]:
+    """Start ``nodes`` in parallel and wait until every one sees every other as a peer."""
+    with ThreadPoolExecutor(len(nodes)) as pool:
         list(pool.map(lambda p: p.start(timeout=60), nodes))
-    ids = {f"n{i}" for i in range(n)}
+    ids = {p.name for p in nodes}
     wait_until(
         lambda: all(
             set(p.call("status")["cluster"]["live_peers"]) == ids - {p.name} for p in nodes
@@ -96,6 +111,72 @@ def start_nodes(
         nodes=nodes,
     )
     return nodes
+
+
+def start_nodes(
+    workdir: Path, n: int, env: dict[str, str], clock_shift: float | None = None
+) -> list[NodeProcess]:
+    """Start ``n`` nodes (ids n0, n1, ...) in parallel and wait until all see each other;
+    ``clock_shift`` moves their wall clocks (``bench.clockshift``)."""
+    return start_together(fleet_nodes(workdir, n, env, clock_shift))
+
+
+class Fleet:
+    """Real clustered nodes on one redis-server, one DynamoDB Local table and one cluster
+    name: what the ``fleet`` fixture (one test's) and ``module_fleet`` (one module's) give.
+
+    ``fleet(n, **METER_env)`` starts nodes n0..n{n-1} on :meth:`env` (``redis=`` another
+    server, ``clock_shift=`` their clocks moved, ``each={i: env}`` one node's settings on
+    top) and waits until every one sees every other; :meth:`node` starts one more node by
+    name. Every node it started is killed (SIGKILL) by :meth:`close`, whatever the test did.
+    """
+
+    def __init__(
+        self, workdir: Path, *, redis_url: str, dynamodb_endpoint: str, table: str, cluster: str
+    ) -> None:
+        self.workdir = workdir
+        self.redis_url = redis_url
+        self.dynamodb_endpoint = dynamodb_endpoint
+        self.table = table
+        self.cluster = cluster
+        #: Every node started through this fleet, in order.
+        self.started: list[NodeProcess] = []
+
+    def env(self, *, redis: RedisServer | None = None, **extra: str) -> dict[str, str]:
+        """A clustered node's environment on this fleet's services (:func:`node_env`)."""
+        return node_env(
+            redis_url=self.redis_url if redis is None else redis.url,
+            dynamodb_endpoint=self.dynamodb_endpoint,
+            table=self.table,
+            cluster=self.cluster,
+            **extra,
+        )
+
+    def __call__(
+        self,
+        n: int,
+        *,
+        redis: RedisServer | None = None,
+        clock_shift: float | None = None,
+        each: Mapping[int, Mapping[str, str]] | None = None,
+        **extra: str,
+    ) -> list[NodeProcess]:
+        assert not any(p.name == "n0" for p in self.started), "one fleet(n) per fleet"
+        nodes = fleet_nodes(self.workdir, n, self.env(redis=redis, **extra), clock_shift, each)
+        self.started.extend(nodes)  # killed by close() even if a start fails
+        return start_together(nodes)
+
+    def node(self, name: str, *, redis: RedisServer | None = None, **extra: str) -> NodeProcess:
+        """One more node, ``name`` (also its id), on this fleet's services, started."""
+        node = NodeProcess(self.workdir, name, METER_NODE_ID=name, **self.env(redis=redis, **extra))
+        self.started.append(node)
+        return node.start(timeout=60)
+
+    def close(self) -> None:
+        """Kill every node still running."""
+        for p in self.started:
+            if p.proc is not None and p.proc.poll() is None:
+                p.kill()
 
 
 def wait_until(

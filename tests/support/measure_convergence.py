@@ -5,7 +5,7 @@ loopback ports, creates a table, starts ``n_nodes`` real ``meter serve`` process
 interval of ``ticks`` ms, and times how long a tracked unit takes to be visible on every other
 node. Returns ``{"p50_ms", "p99_ms", "max_ms", "samples", "tick_ms", "nodes", "anomalies"}``.
 
-    .venv/bin/python -m tests.measure_convergence [n_nodes] [tick_ms] [samples]
+    .venv/bin/python -m tests.support.measure_convergence [n_nodes] [tick_ms] [samples]
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import uuid
 from typing import Any
 
 from storage.dynamodb import DynamoDBStorage
-from tests.cluster_harness import measure_visibility, node_env, start_nodes
-from tests.dynamodb_local import DynamoDBLocal, ensure_installed
-from tests.nodes import NodeProcess, short_tmpdir
-from tests.redis_server import RedisServer
+from tests.support.cluster_harness import measure_visibility, node_env, start_nodes
+from tests.support.dynamodb_local import DynamoDBLocal, ensure_installed
+from tests.support.nodes import NodeProcess, short_tmpdir
+from tests.support.redis_server import RedisServer
 
 
 async def _create_table(endpoint: str, name: str) -> None:

@@ -35,7 +35,7 @@ import zlib
 from collections import Counter
 from typing import Any
 
-from tests.lossy_proxy import LoopbackProxy
+from tests.support.lossy_proxy import LoopbackProxy
 
 TARGET_PREFIX = "DynamoDB_20120810."
 
