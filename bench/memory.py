@@ -93,7 +93,17 @@ def _fill_wire(n: int) -> Callable[[], object]:
     def fill() -> object:
         table = CounterTable("mem")
         svc = build_service(table, MemoryStorage())
-        srv = RpcServer("/nonexistent", svc, max_frame=1 << 20, high_water=1 << 20, low_water=1)
+        srv = RpcServer(
+            "/nonexistent",
+            svc,
+            max_frame=1 << 20,
+            high_water=1 << 20,
+            low_water=1,
+            notify=svc.notify,
+            warm_tracks=svc.warm_tracks,
+            wal=svc.wal,
+            watch=svc.watch,
+        )
         conn = _Connection(srv)
         transport = NullTransport()
 

@@ -118,8 +118,18 @@ def _server_feed(
     ``stats``: metrics on (requests counted and timed)."""
     from meter.core.server import RpcServer, _Connection
 
-    srv = RpcServer("/nonexistent", svc, max_frame=1 << 20, high_water=1 << 20, low_water=1 << 18)
-    srv.request_stats = stats
+    srv = RpcServer(
+        "/nonexistent",
+        svc,
+        max_frame=1 << 20,
+        high_water=1 << 20,
+        low_water=1 << 18,
+        notify=svc.notify,
+        warm_tracks=svc.warm_tracks,
+        wal=svc.wal,
+        watch=svc.watch,
+        request_stats=stats,
+    )
     conn = _Connection(srv)
     conn.connection_made(NullTransport())  # type: ignore[arg-type]
     return lambda: conn.data_received(frames)

@@ -371,3 +371,25 @@ def test_a_planted_large_module_without_its_reason_fails(tmp_path: Path) -> None
         "meter/core/big.py: 602 lines",
         "meter/core/cls.py: class K, 31 methods",
     ]
+
+
+def test_the_package_faces_name_their_public_parts() -> None:
+    """``meter.cli``, ``meter.node`` and ``python -m meter.cli`` keep the names the flat
+    modules had (``from meter.node import Node`` and so on)."""
+    import subprocess
+    import sys
+
+    from meter.cli import main
+    from meter.cli.main import main as cli_main
+    from meter.node import Node, build_storage
+    from meter.node.lifecycle import Node as LifecycleNode
+    from meter.node.wiring import build_storage as wiring_build_storage
+
+    assert main is cli_main
+    assert Node is LifecycleNode
+    assert build_storage is wiring_build_storage
+    out = subprocess.run(
+        [sys.executable, "-m", "meter.cli", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("meter ")

@@ -1,1 +1,5 @@
-"""The ``meter`` command."""
+"""The ``meter`` command: :func:`main`."""
+
+from meter.cli.main import main
+
+__all__ = ["main"]
