@@ -103,6 +103,7 @@ def _fill_wire(n: int) -> Callable[[], object]:
             warm_tracks=svc.warm_tracks,
             wal=svc.wal,
             watch=svc.watch,
+            reads=svc.reads,
         )
         conn = _Connection(srv)
         transport = NullTransport()

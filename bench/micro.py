@@ -128,6 +128,7 @@ def _server_feed(
         warm_tracks=svc.warm_tracks,
         wal=svc.wal,
         watch=svc.watch,
+        reads=svc.reads,
         request_stats=stats,
     )
     conn = _Connection(srv)

@@ -712,3 +712,110 @@ async def test_backpressure_does_not_deadlock_a_client_that_writes_first(
         sock.close()
         writer.join(WAIT)
         await srv.close()
+
+
+# -- read-your-writes -------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def ordered(path: str, disp: StandIn) -> AsyncIterator[tuple[RpcServer, Raw]]:
+    """A server whose ``usage`` and ``ping`` are reads, and a raw client of it."""
+    srv = await start_server(path, disp, notify=disp.notify, reads=frozenset({"usage", "ping"}))
+    client = Raw(path)
+    yield srv, client
+    client.close()
+    await srv.close(drain_timeout=1.0)
+
+
+async def test_a_read_waits_for_the_requests_before_it_and_the_later_ones_wait_behind_it(
+    ordered: tuple[RpcServer, Raw], disp: StandIn
+) -> None:
+    srv, raw = ordered
+    await raw.send(
+        msgpack.packb([0, 1, "later", ["w", "W"]])  # a write still at work (a cold counter)
+        + msgpack.packb([0, 2, "usage", ["t", "f"]])
+        + msgpack.packb([0, 3, "track", ["t", "f", 5]])  # sent after the read: not in it
+        + msgpack.packb([0, 4, "echo", ["e"]])
+    )
+    while srv.in_flight < 2:  # the write's task and the queue's
+        await asyncio.sleep(0.001)
+    assert disp.counts == {}  # the track behind the waiting read has not run
+    disp.gate("w").set()
+    got = await raw.recv_n(4)
+    assert got[1] == [1, 1, None, "W"]
+    assert got[2] == [1, 2, None, 0]
+    assert got[3] == [1, 3, None, 5]
+    assert got[4] == [1, 4, None, ["e"]]
+    # Served as usual again: the next read with nothing at work is answered at once.
+    assert await raw.call(5, "usage", "t", "f") == [1, 5, None, 5]
+
+
+async def test_a_read_with_nothing_at_work_and_a_write_after_a_waiting_one_are_not_held(
+    ordered: tuple[RpcServer, Raw], disp: StandIn
+) -> None:
+    _, raw = ordered
+    await raw.send(
+        msgpack.packb([0, 1, "later", ["w", "W"]]) + msgpack.packb([0, 2, "track", ["t", "f", 1]])
+    )
+    assert await raw.recv() == [1, 2, None, 1]  # writes do not wait for writes
+    assert await raw.call(3, "echo", "x") == [1, 3, None, ["x"]]
+    disp.gate("w").set()
+    assert await raw.recv() == [1, 1, None, "W"]
+
+
+async def test_errors_in_the_queue_are_answered_and_do_not_stop_it(
+    ordered: tuple[RpcServer, Raw], disp: StandIn
+) -> None:
+    _, raw = ordered
+    await raw.send(
+        msgpack.packb([0, 1, "later", ["w", "W"]])
+        + msgpack.packb([0, 2, "ping", []])
+        + msgpack.packb([0, 3, "limit", []])
+        + msgpack.packb([0, 4, "boom", []])
+        + msgpack.packb([0, 5, "later_fail", []])
+        + msgpack.packb([0, 6, "usage", ["t", "f"]])
+    )
+    disp.gate("w").set()
+    got = await raw.recv_n(6)
+    assert got[2] == [1, 2, None, "pong"]
+    assert got[3][2]["code"] == "limit_exceeded"
+    assert got[4][2]["code"] == "internal"
+    assert got[5][2]["code"] == "not_found"
+    assert got[6] == [1, 6, None, 0]
+
+
+async def test_close_answers_the_queued_requests_unavailable(path: str, disp: StandIn) -> None:
+    srv = await start_server(path, disp, notify=disp.notify, reads=frozenset({"usage"}))
+    raw = Raw(path)
+    try:
+        await raw.send(
+            msgpack.packb([0, 1, "later", ["never", None]])
+            + msgpack.packb([0, 2, "usage", ["t", "f"]])
+            + msgpack.packb([0, 3, "track", ["t", "f", 1]])
+        )
+        while srv.in_flight < 2:
+            await asyncio.sleep(0.001)
+        await asyncio.wait_for(srv.close(drain_timeout=0.05), WAIT)
+        got: dict[int, Any] = {}
+        while (msg := await raw.recv()) is not None:
+            got[msg[1]] = msg
+        assert {m: got[m][2]["code"] for m in got} == dict.fromkeys((1, 2, 3), "unavailable")
+        assert disp.counts == {}  # nothing behind the read ran
+    finally:
+        raw.close()
+
+
+async def test_a_protocol_error_behind_a_waiting_read_closes_once_it_is_answered(
+    ordered: tuple[RpcServer, Raw], disp: StandIn
+) -> None:
+    srv, raw = ordered
+    await raw.send(
+        msgpack.packb([0, 1, "later", ["w", "W"]]) + msgpack.packb([0, 2, "usage", ["t", "f"]])
+    )
+    await raw.send(b"\xc1")
+    while srv.protocol_errors == 0:
+        await asyncio.sleep(0.001)
+    disp.gate("w").set()
+    got = await raw.recv_n(2)
+    assert got[2] == [1, 2, None, 0]
+    assert await raw.closed_by_peer()

@@ -7,7 +7,10 @@ the server may use is handed to it, each optional: ``notify(method, params)`` fo
 answers wait for, the live usage subscriptions, the request counters. Every complete request in
 a read batch is dispatched, and the synchronous answers of the batch leave in one write.
 Asynchronous answers are written when they are ready, so responses may arrive out of order;
-clients match them by msgid.
+clients match them by msgid. A read (``reads``) never overtakes a request sent before it on the
+same connection: one that arrives while earlier requests of its connection are still at work
+waits for them, and the connection's later requests wait behind it (docs/protocol.md,
+"Pipelining").
 
 Why one module: the connection (the hot read loop, held answers, back-pressure) and the server
 (accepting, the log's commit hold, the drain) call each other on every request; mypyc
@@ -27,6 +30,7 @@ import socket
 import stat
 import time
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Awaitable, Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -137,9 +141,11 @@ class _Connection:
         "_decoder",
         "_eof",
         "_paused",
+        "_queue",
         "_server",
         "_shut",
         "_tally",
+        "_working",
         "pending",
         "sub",
         "transport",
@@ -154,8 +160,13 @@ class _Connection:
         self._eof = False
         #: Closing after a protocol error: read no more, close once no answer is pending.
         self._shut = False
-        #: Asynchronous answers not sent yet.
+        #: Asynchronous answers not sent yet (requests waiting in ``_queue`` included).
         self.pending = 0
+        #: The tasks of this connection's asynchronous requests not finished yet.
+        self._working: set[asyncio.Task[None]] = set()
+        #: While a read waits for the requests before it: it and every request received after
+        #: it, in order, as ``(request, when received)``; ``None`` otherwise.
+        self._queue: deque[tuple[RawRequest | Request, float]] | None = None
         #: Metrics on: the answers of the pass being served that are not counted in its own
         #: ``tracks`` and ``answered`` (errors, and whatever ``_other`` answers), by
         #: ``(method label, code or None for ok)``; counted when the pass's answers leave.
@@ -256,7 +267,8 @@ class _Connection:
             srv.requests += len(messages)
             start = 0
             fast = srv._warm_tracks
-            if fast is not None:
+            reads = srv.reads
+            if fast is not None and self._queue is None:
                 # The dispatcher answers a leading run of plain warm tracks in one go; each
                 # request list becomes its response array in place.
                 for value in fast(messages):
@@ -275,6 +287,9 @@ class _Connection:
                     self._other(msg, False)
                     continue
                 _, msgid, method, params = msg
+                if self._queue is not None or (self._working and method in reads):
+                    self._wait_turn(msg)  # (read-your-writes: behind the requests before it)
+                    continue
                 try:
                     result = dispatch(method, params)
                 except MeterError as err:
@@ -368,6 +383,9 @@ class _Connection:
                 return
             # Only a Request with a method name sent as raw/bin gets here.
             req = cast(Request, msg)
+            if self._queue is not None or (self._working and req.method in srv.reads):
+                self._wait_turn(req)
+                return
             code: str | None = None
             try:
                 result = srv._dispatch(req.method, req.params)
@@ -434,10 +452,82 @@ class _Connection:
         else:
             srv._spawn(self, msgid, method, result)
 
+    def _wait_turn(self, req: RawRequest | Request) -> None:
+        """Queue ``req`` behind the requests before it; start serving the queue if it is new."""
+        srv = self._server
+        self.pending += 1
+        if self._queue is not None:
+            self._queue.append((req, perf_counter()))
+            return
+        self._queue = deque([(req, perf_counter())])
+        task = asyncio.get_running_loop().create_task(self._serve_queue())
+        srv._inflight.add(task)
+        task.add_done_callback(srv._inflight.discard)
+
+    async def _serve_queue(self) -> None:
+        """Dispatch the queued requests in order, each read once every request before it has
+        finished; then serve as usual again."""
+        queue = self._queue
+        assert queue is not None
+        srv = self._server
+        try:
+            while queue:
+                req, received = queue[0]
+                msgid, method, params = (
+                    (req[1], req[2], req[3]) if type(req) is list else (req[0], req[1], req[2])
+                )
+                while self._working and method in srv.reads:
+                    await asyncio.wait(set(self._working))
+                queue.popleft()
+                self._dispatch_one(msgid, method, params, received)
+                self.finished_one()
+        except asyncio.CancelledError:  # the server's drain gave up: those left are not run
+            for req, _ in queue:
+                msgid = req[1] if type(req) is list else req[0]
+                self.send(msgid, _DRAINING, None)
+                self.finished_one()
+            queue.clear()
+            raise
+        finally:
+            self._queue = None
+
+    def _dispatch_one(self, msgid: int, method: str, params: Any, received: float) -> None:
+        """Run one request outside a read pass and answer it (now, or when it is done)."""
+        srv = self._server
+        stats = srv.request_stats
+
+        def count(code: str | None) -> tuple[str, str | None, float] | None:
+            return None if stats is None else (stats.label(method), code, received)
+
+        if srv._draining:
+            self.send(msgid, _DRAINING, None, count("unavailable"))
+            return
+        try:
+            result = srv._dispatch(method, params)
+            if type(result) is Bind:
+                result = result.run(self.subscriber())
+        except MeterError as exc:
+            self.send(msgid, exc.to_wire(), None, count(exc.code))
+            return
+        except Exception:
+            log.exception("internal error in %.64r", method)
+            srv.internal_errors += 1
+            self.send(msgid, _INTERNAL, None, count("internal"))
+            return
+        if type(result) in _PLAIN or not inspect.isawaitable(result):
+            self.send(msgid, None, result, count(None))
+        else:
+            srv._spawn(self, msgid, method, result)
+
     def eof_received(self) -> bool:
         # A peer that half-closes after writing still gets its pending async answers.
         self._eof = True
         return self.pending > 0
+
+    def finished_task(self, task: asyncio.Task[None]) -> None:
+        """A task of :meth:`RpcServer._spawn` of this connection is done."""
+        self._server._inflight.discard(task)
+        self._working.discard(task)
 
     def finished_one(self) -> None:
         self.pending -= 1
@@ -547,6 +637,7 @@ class RpcServer:
         wal: WriteAheadLog | None = None,
         watch: Watch | None = None,
         request_stats: RequestStats | None = None,
+        reads: frozenset[str] = frozenset(),
     ) -> None:
         self.path = path
         self.dispatcher = dispatcher
@@ -561,6 +652,8 @@ class RpcServer:
         self.wal = wal
         #: The live usage subscriptions, if any (``subscribe``).
         self.watch = watch
+        #: The methods that read what the requests before them did (read-your-writes).
+        self.reads = reads
         self._encoder = Encoder()
         self._conns: set[_Connection] = set()
         self._inflight: set[asyncio.Task[None]] = set()
@@ -623,7 +716,8 @@ class RpcServer:
         task = asyncio.get_running_loop().create_task(self._finish(conn, msgid, method, aw, start))
         conn.pending += 1
         self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
+        conn._working.add(task)
+        task.add_done_callback(conn.finished_task)
 
     async def _finish(
         self, conn: _Connection, msgid: int, method: str, aw: Awaitable[Any], start: float
@@ -782,6 +876,7 @@ async def start_server(
     wal: WriteAheadLog | None = None,
     watch: Watch | None = None,
     request_stats: RequestStats | None = None,
+    reads: frozenset[str] = frozenset(),
 ) -> RpcServer:
     """Listen on the Unix socket ``path`` and serve ``dispatcher`` until closed.
 
@@ -790,8 +885,9 @@ async def start_server(
     ``OSError(EADDRINUSE)``, any other file raises ``FileExistsError``. Connections closed
     for a protocol error are logged at most ``protocol_error_log_lines`` times per
     ``protocol_error_log_interval`` seconds (then one line says how many more).
-    ``notify``, ``warm_tracks``, ``wal``, ``watch`` and ``request_stats`` (metrics on: counts
-    requests by method and result, and times them) are what :class:`RpcServer` takes.
+    ``notify``, ``warm_tracks``, ``wal``, ``watch``, ``request_stats`` (metrics on: counts
+    requests by method and result, and times them) and ``reads`` (the methods that must see
+    the requests before them on their connection) are what :class:`RpcServer` takes.
     """
     spath = os.fspath(path)
     if mode is None:
@@ -811,6 +907,7 @@ async def start_server(
         wal=wal,
         watch=watch,
         request_stats=request_stats,
+        reads=reads,
     )
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     bound = False

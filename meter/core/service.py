@@ -36,6 +36,25 @@ from meter.wal.log import WalError, WriteAheadLog
 from storage.base import EMPTY, Storage, StorageError
 
 _USAGE_OPTS = frozenset({"at"})
+#: The methods that change nothing but read what the requests before them did: the server
+#: runs one only once every request sent before it on its connection has finished
+#: (read-your-writes, docs/protocol.md). ``subscribe`` changes only its connection's watch
+#: and answers the values as they are.
+READS = frozenset(
+    {
+        "usage",
+        "usage_all",
+        "check",
+        "ping",
+        "status",
+        "subscribe",
+        "history",
+        "export",
+        "limits",
+        "balance",
+        "ledger",
+    }
+)
 
 
 class Service:
@@ -89,6 +108,8 @@ class Service:
         self.calls = 0
         #: ``track_many`` items refused (the call itself answered), by error code.
         self.item_refusals: dict[str, int] = tracking.item_refusals
+        #: The methods served only after the requests before them on their connection.
+        self.reads = READS
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
             **features,
             "check": gate.check,

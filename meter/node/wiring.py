@@ -275,7 +275,7 @@ def _balance_alerts(
 
 async def serve(path: Any, service: Service, **options: Any) -> RpcServer:
     """:func:`~meter.core.server.start_server` for ``service``: its notifications, its fast
-    path for pipelined tracks, its write-ahead log and its subscriptions."""
+    path for pipelined tracks, its write-ahead log, its subscriptions and its reads."""
     return await start_server(
         path,
         service,
@@ -283,5 +283,6 @@ async def serve(path: Any, service: Service, **options: Any) -> RpcServer:
         warm_tracks=service.warm_tracks,
         wal=service.wal,
         watch=service.watch,
+        reads=service.reads,
         **options,
     )
