@@ -362,3 +362,130 @@ def test_durability_off_writes_no_log(workdir: Path) -> None:
     assert node.call("status")["durability"] == {"mode": "off", "wal": None}
     node.kill()
     assert not (node.data_dir / "wal").exists()
+
+
+def _fill(disk: Path) -> Path:
+    filler = disk / "filler"
+    with filler.open("wb", buffering=0) as fh, contextlib.suppress(OSError):
+        while True:
+            fh.write(b"\0" * 512)
+    return filler
+
+
+def _long_id(prefix: str, i: int) -> str:
+    """A request id padded to the longest one may be (fewer records fit in the last page)."""
+    return f"{prefix}-{i}-".ljust(128, "x")
+
+
+def _spend_until_refused(
+    node: NodeProcess, feature: str, prefix: str, ids: bool = True
+) -> tuple[int, str]:
+    """Track 1 unit at a time until refused: (units counted, code). With ``ids`` each call
+    has its own request id; without, the calls are plain (the node's pipelined fast path)."""
+    for i in range(100_000):
+        params: list[Any] = ["acme", feature, 1]
+        if ids:
+            params.append({"id": _long_id(prefix, i)})
+        error, _ = call(node, "track", *params)
+        if error is not None:
+            return i, error["code"]
+    raise AssertionError("never refused")
+
+
+def _until_written(node: NodeProcess) -> None:
+    wait_for(
+        lambda: call(node, "track", "acme", "free", 1)[0] is None,
+        what="the log to write again",
+    )
+
+
+def test_a_failed_log_write_gives_back_the_credits_and_strict_room_it_took(
+    workdir: Path, small_fs: Path
+) -> None:
+    """1,000 credits at price 1 and strict limits of 1,000: a call the log cannot write (a
+    plain priced track, a strict track under a request id, a strict reservation, a commit
+    above its reservation) gives back what it took, so once the disk has room again exactly
+    1,000 units of each are counted, the retried calls included (docs/correctness.md, D05)."""
+    gpu = "gpu-".ljust(200, "x")  # (a long name: fewer plain records fit in the last page)
+    node = NodeProcess(
+        workdir,
+        METER_DATA_DIR=str(small_fs / "data"),
+        METER_SQLITE_FILE=str(workdir / "counters.sqlite3"),  # storage stays on the real disk
+        METER_WAL_SEGMENT_BYTES="65536",
+        **NO_FLUSH,
+    ).start()
+    try:
+        node.call("set_plan", "pro", {gpu: {"price": 1}})
+        node.call("assign_plan", "acme", "pro")
+        node.call("grant", "acme", 1000)
+        for feature in ("api", "job"):
+            node.call("set_limit", "acme", feature, {"limit": 1000, "enforcement": "strict"})
+        wait_for(
+            lambda: {gpu, "api", "job"} <= set(node.call("limits", "acme")["limits"]),
+            what="the plan and the limits",
+        )
+        counted = {gpu: 0, "api": 0, "job": 0}
+        # Tracks: the first refusal is the call whose write failed (the log's last page
+        # takes a few records more): it took its credit or its room, then was undone.
+        for feature, ids in ((gpu, False), ("api", True)):
+            assert call(node, "track", "acme", feature, 1)[0] is None
+            counted[feature] += 1
+            filler = _fill(small_fs)
+            n, code = _spend_until_refused(node, feature, f"{feature[:3]}-full", ids)
+            assert code == "unavailable"
+            counted[feature] += n
+            filler.unlink()
+            _until_written(node)
+            if ids:  # the client's retry of the failed call, under its id: counted once
+                for _ in range(2):
+                    again = call(
+                        node,
+                        "track",
+                        "acme",
+                        feature,
+                        1,
+                        {"id": _long_id(f"{feature[:3]}-full", n)},
+                    )
+                    assert again[0] is None
+                counted[feature] += 1
+        # A reservation the log cannot write gives back the room it held.
+        filler = _fill(small_fs)
+        leases = []
+        for i in range(100_000):
+            error, lease = call(node, "reserve", "acme", "job", 1, {"id": _long_id("r", i)})
+            if error is not None:
+                assert error["code"] == "unavailable"
+                break
+            leases.append(lease)
+        else:
+            raise AssertionError("the disk never filled")
+        filler.unlink()
+        _until_written(node)
+        for lease in leases:
+            node.call("commit", lease, 1)
+        counted["job"] += len(leases)
+        # A commit above its reservation the log cannot write gives back the extra unit and
+        # keeps the reservation (committed again once the disk has room).
+        leases = [node.call("reserve", "acme", "job", 1) for _ in range(200)]
+        filler = _fill(small_fs)
+        failed = None
+        for i, lease in enumerate(leases):
+            error, _ = call(node, "commit", lease, 2, {"id": _long_id("c", i)})
+            if error is not None:
+                assert error["code"] == "unavailable"
+                failed = i
+                break
+        assert failed is not None, "the disk never filled"
+        filler.unlink()
+        _until_written(node)
+        for i, lease in enumerate(leases[failed:], failed):
+            assert call(node, "commit", lease, 2, {"id": _long_id("c", i)})[0] is None
+        counted["job"] += 2 * len(leases)
+        refusals = {gpu: "insufficient_balance", "api": "limit_exceeded", "job": "limit_exceeded"}
+        for feature, refusal in refusals.items():
+            n, code = _spend_until_refused(node, feature, f"{feature[:3]}-after")
+            assert code == refusal, (feature, code)
+            assert counted[feature] + n == 1000, (feature, counted[feature], n)
+            assert node.call("usage", "acme", feature) == 1000
+    finally:
+        node.kill()

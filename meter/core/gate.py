@@ -32,6 +32,7 @@ from meter.core.ports import (
 from meter.core.seeder import Seeder
 from meter.core.table import CounterTable
 from meter.errors import InsufficientBalance, InvalidArgument, LimitExceeded, Unavailable
+from meter.wal.log import WriteAheadLog
 from storage.base import StorageError
 
 log = logging.getLogger("meter.service")
@@ -61,6 +62,7 @@ class Gate:
         funder: Funder,
         alerts: AlertSink,
         peer_holds: PeerHeld,
+        wal: WriteAheadLog | None = None,
     ) -> None:
         self.table = table
         self.keys = keys
@@ -88,6 +90,36 @@ class Gate:
         #: Calls refused by a hard limit, and soft limits crossed, since start.
         self.limit_refusals = 0
         self.soft_crossings = 0
+        #: The write-ahead log, if any: what a call took from a share is given back if the
+        #: log cannot write the call (:meth:`take`, :meth:`give_back`).
+        self.wal = wal
+        #: What the calls of the log's open batch took from shares, as (key, units), and the
+        #: batch's number (older batches are committed or undone: forgotten).
+        self._taken: list[tuple[Key, int]] = []
+        self._taken_batch = 0
+
+    def take(self, key: Key, qty: int) -> None:
+        """Admit ``qty`` units of ``key`` from this node's share (a strict budget's units or
+        a pool's credits; the caller checked they are there), to be given back by
+        :meth:`give_back` if the log cannot write the call: every admit of a counting call
+        goes through here, so its undo is the mirror of what it took."""
+        self.shares.admit(key, qty)
+        wal = self.wal
+        if wal is not None:
+            batch = wal.batch
+            if self._taken_batch != batch:
+                self._taken.clear()
+                self._taken_batch = batch
+            self._taken.append((key, qty))
+
+    def give_back(self) -> None:
+        """The log could not write the batch it is committing: give back what that batch's
+        calls took from shares (an undo, :meth:`meter.core.journal.Journal.undo`)."""
+        wal = self.wal
+        if wal is not None and self._taken_batch == wal.committing:
+            for key, qty in reversed(self._taken):
+                self.shares.free(key, qty)
+        self._taken.clear()
 
     def new_limits(self, limited: Limits, alerting: bool) -> None:
         """Enforce ``limited`` from now on (``alerting``: some limit has alert thresholds)."""
@@ -220,9 +252,9 @@ class Gate:
             raise
         for k, eff, v in zip(keys, effs, values, strict=True):
             if eff is not None and eff.price and qty > 0:  # credit-metered: spend its credits
-                self.shares.admit(pool_key(k[0]), eff.price * qty)
+                self.take(pool_key(k[0]), eff.price * qty)
             if eff is not None and eff.enforcement == "strict" and qty > 0 and eff.kind == "hard":
-                self.shares.admit(k, qty)
+                self.take(k, qty)
             elif soft_crossing(eff, v, qty):
                 self.crossed(k, eff, v)
         if self.alerting and qty > 0:

@@ -55,7 +55,8 @@ class Journal:
             self.warming = []
 
     def undo(self, records: list[list[Any]]) -> None:
-        """Take back the effects of records whose log write failed (newest first)."""
+        """Take back the effects of records whose log write failed (newest first): units,
+        leases, ids, and what the calls took from strict shares and credit pools."""
         res = self.reserving
         shares = res.gate.shares
         for rec in records[::-1]:
@@ -70,9 +71,9 @@ class Journal:
                 if res.reservations.get(lease_id) is not None:
                     res.reservations.close(lease_id)
                     self.table.release((t, f, p), qty)
-                    if lease_id in res.escrowed:  # its share's units stay spoken for
+                    if lease_id in res.escrowed:  # its share's units go back, unused
                         res.escrowed.discard(lease_id)
-                        shares.settle((t, f, p), qty, 0)
+                        shares.settle((t, f, p), qty, qty)
                 if rec[7] is not None:
                     self.ids.forget(rec[7])
             elif kind == R.COMMIT or kind == R.RELEASE:
@@ -90,6 +91,9 @@ class Journal:
                 rid = rec[10] if kind == R.COMMIT else rec[8]
                 if rid is not None:
                     self.ids.forget(rid)
+        # What the calls took from strict shares and credit pools (tracks, commits above their
+        # reservation), given back after the readmits above.
+        res.gate.give_back()
 
     def _undo_track(self, rec: list[Any], at: int) -> None:
         t, f, p, qty = rec[at : at + 4]

@@ -96,6 +96,10 @@ class Budgets(Protocol):
         """A reservation of ``held`` units ended with ``unused`` of them not used."""
         ...
 
+    def free(self, key: Key, qty: int) -> None:
+        """Give ``qty`` admitted units back to this node's share (never used)."""
+        ...
+
     def readmit(self, key: Key, qty: int, held: int) -> bool:
         """Units given back are spoken for again (a finish whose log write failed)."""
         ...

@@ -243,9 +243,9 @@ class Reserving:
         if actual is not None and actual > lease.qty and gate.limited:
             eff = gate.effective(key)
             if eff is not None and eff.price:  # (checked by _gate_commit, as the strict share)
-                gate.shares.admit(pool_key(key[0]), eff.price * (actual - lease.qty))
+                gate.take(pool_key(key[0]), eff.price * (actual - lease.qty))
             if eff is not None and eff.kind == "hard" and eff.enforcement == "strict":
-                gate.shares.admit(key, actual - lease.qty)
+                gate.take(key, actual - lease.qty)
 
     def _gate_commit(self, lease: Lease, actual: int) -> None:
         """Refuse a commit above its reservation whose extra units would pass a hard limit;

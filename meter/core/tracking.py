@@ -130,7 +130,7 @@ class Tracking:
                     if n < len(values):
                         needs[pool] = needs.get(pool, 0) + credits
             for pool, need in needs.items():
-                shares.admit(pool, need)
+                gate.take(pool, need)
         if wal is not None and values:
             counted = items if len(values) == len(items) else items[: len(values)]
             wal.append([R.TRACK_MANY, [[*k, q] for k, q in counted]])

@@ -212,6 +212,7 @@ def assemble(
         funder=LedgerFunder(ledger_store),
         alerts=alerts,
         peer_holds=peer_holds,
+        wal=fence.wal,
     )
 
     def new_book(book: LimitBook) -> None:

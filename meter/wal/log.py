@@ -165,6 +165,9 @@ class WriteAheadLog:
         self._created: dict[int, float] = {}
         # Batches are numbered; a batch is committed (written) and then synced (on disk).
         self._gen = 1
+        #: The number of the batch being committed, or of the last one (an ``undo`` callback
+        #: runs for this one).
+        self.committing = 0
         self._written = 0
         self._synced = 0
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -276,6 +279,11 @@ class WriteAheadLog:
     # -- the hot path -------------------------------------------------------------------------
 
     @property
+    def batch(self) -> int:
+        """The open batch's number: what is appended now is committed, or undone, with it."""
+        return self._gen
+
+    @property
     def dirty(self) -> bool:
         """Whether records are appended and not committed yet."""
         return bool(self._batch)
@@ -326,7 +334,7 @@ class WriteAheadLog:
         self._scheduled = False
         batch, self._batch = self._batch, []
         held, self._held = self._held, []
-        gen = self._gen
+        gen = self.committing = self._gen
         self._gen += 1
         try:
             self._commit_batch(batch, held, gen)
