@@ -489,3 +489,35 @@ def test_a_failed_log_write_gives_back_the_credits_and_strict_room_it_took(
             assert node.call("usage", "acme", feature) == 1000
     finally:
         node.kill()
+
+
+@pytest.mark.parametrize("mode", ["fsync", "interval"])
+def test_an_expired_lease_never_comes_back_after_a_kill_and_a_wall_clock_step_back(
+    workdir: Path, mode: str
+) -> None:
+    """The node expires a lease by its monotonic clock and logs it: after a kill -9 and a
+    restart whose wall clock reads 30 s earlier (the lease's deadline in its future again),
+    the lease stays expired, its late commit is not_found, and the strict limit holds."""
+    node = NodeProcess(workdir, METER_DURABILITY=mode, **NO_FLUSH).start()
+    try:
+        node.call("set_limit", "acme", "job", {"limit": 60, "enforcement": "strict"})
+        wait_for(lambda: "job" in node.call("limits", "acme")["limits"], what="the limit")
+        lease = node.call("reserve", "acme", "job", 50, {"ttl_ms": 300})
+        wait_for(lambda: node.call("usage", "acme", "job") == 0, what="the lease to expire")
+        assert node.call("track", "acme", "job", 60) == 60  # its units were admitted again
+        error, _ = call(node, "commit", lease)
+        assert error["code"] == "not_found"
+    finally:
+        node.kill()
+    again = NodeProcess(workdir, METER_DURABILITY=mode, **NO_FLUSH)
+    again.clock_shift = -30.0
+    again.start()
+    try:
+        error, _ = call(again, "commit", lease)
+        assert error is not None and error["code"] == "not_found", error
+        assert again.call("usage", "acme", "job") == 60
+        assert again.call("status")["reservations"]["open"] == 0
+        error, _ = call(again, "track", "acme", "job", 1)
+        assert error is not None and error["code"] == "limit_exceeded"
+    finally:
+        again.kill()

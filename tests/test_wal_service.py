@@ -10,6 +10,7 @@ import inspect
 import os
 import shutil
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from meter.core.keys import period_start
 from meter.core.server import RpcServer
 from meter.core.service import Service
 from meter.core.table import CounterTable
-from meter.errors import Conflict, Unavailable
+from meter.errors import Conflict, NotFound, Unavailable
 from meter.node.wiring import build_service, serve
 from meter.persist.flusher import Flusher
 from meter.persist.recovery import recover
@@ -552,6 +553,7 @@ _OP = st.one_of(
     st.tuples(st.just("reserve"), st.integers(1, 5)),
     st.tuples(st.just("commit"), st.integers(0, 2), st.integers(0, 3)),
     st.tuples(st.just("release"), st.integers(0, 2)),
+    st.tuples(st.just("expire")),
 )
 
 
@@ -585,6 +587,9 @@ async def _failed_batch_leaves_the_node_as_it_was(ops: list[tuple[Any, ...]]) ->
         with disk_full(wal):
             for n, op in enumerate(ops):  # one loop pass: one batch, which the log cannot write
                 kind = op[0]
+                if kind == "expire":  # every lease past its deadline, logged
+                    svc.expire_reservations(time.monotonic() + 10**6)
+                    continue
                 if kind == "warm":
                     svc.warm_tracks(
                         [[0, i, "track", ["acme", "gpu", q]] for i, q in enumerate(op[1])]
@@ -603,7 +608,7 @@ async def _failed_batch_leaves_the_node_as_it_was(ops: list[tuple[Any, ...]]) ->
                     params = [leases[op[1]], 5 + op[2], {"id": f"c{n}"}]
                 else:
                     params = [leases[op[1]]]
-                with contextlib.suppress(Conflict, Unavailable):
+                with contextlib.suppress(Conflict, NotFound, Unavailable):
                     result = svc.dispatch(kind, params)
                     if inspect.isawaitable(result):
                         waiting.append(result)
@@ -624,7 +629,29 @@ def test_a_batch_the_log_cannot_write_leaves_units_shares_leases_and_ids_as_they
     ops: list[tuple[Any, ...]],
 ) -> None:
     """Whatever mix of priced and strict tracks (plain, under ids, the pipelined fast path,
-    batches), strict reservations, commits above their reservation and releases a failed
-    write undoes: the table, the strict shares' and credit pool's admitted units, the held
+    batches), strict reservations, commits above their reservation, releases and expiries a
+    failed write undoes: the table, the strict shares' and credit pool's admitted units, the held
     units, the open leases and the ids are exactly as before it."""
     asyncio.run(_failed_batch_leaves_the_node_as_it_was(ops))
+
+
+async def test_while_the_log_is_broken_leases_wait_to_expire(tmp: Path) -> None:
+    svc, wal = await make(tmp)
+    lease = await call(svc, "reserve", *KEY, 5, {"ttl_ms": 1})
+    await settle()
+    with disk_full(wal):
+        await call(svc, "track", *KEY, 1)
+        await settle()
+    assert broken(wal) is not None
+    assert svc.expire_reservations(time.monotonic() + 60) == 0  # not logged: not expired
+    assert svc.reservations.get(lease) is not None
+    for _ in range(100):
+        if broken(wal) is None:
+            break
+        await asyncio.sleep(0.05)
+    assert broken(wal) is None
+    assert svc.expire_reservations(time.monotonic() + 60) == 1
+    await settle()
+    assert svc.reservations.get(lease) is None
+    assert [r[:2] for r in logged(wal) if r[0] == R.EXPIRE] == [[R.EXPIRE, lease]]
+    await wal.close()

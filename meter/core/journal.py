@@ -76,6 +76,13 @@ class Journal:
                         shares.settle((t, f, p), qty, qty)
                 if rec[7] is not None:
                     self.ids.forget(rec[7])
+            elif kind == R.EXPIRE:  # open again; the next expiry tick that can log it ends it
+                lease_id, t, f, p, qty, deadline = rec[1:7]
+                key = (t, f, p)
+                if shares.readmit(key, qty, qty):
+                    res.escrowed.add(lease_id)
+                self.table.reserve(key, qty, None, check=False)
+                res.reservations.open_again(Lease(lease_id, key, qty, mono(deadline)))
             elif kind == R.COMMIT or kind == R.RELEASE:
                 lease_id, t, f, p, qty, deadline = rec[1:7]
                 key = (t, f, p)

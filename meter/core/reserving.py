@@ -312,11 +312,18 @@ class Reserving:
         return idem[0], idem[1], self.ids.remember(idem[0], idem[1], value, now)
 
     def expire(self, now: float | None = None) -> int:
-        """Release every reservation past its deadline; return how many."""
+        """Release every reservation past its deadline (by the monotonic clock); return how
+        many. Each expiry is logged, so a restart never brings the lease back, whatever the
+        wall clock did; while the log cannot write, leases wait for it (held, not expired)."""
+        wal = self.wal
+        if wal is not None and wal.broken is not None:
+            return 0
         leases = self.reservations.expire(time.monotonic() if now is None else now)
         for lease in leases:
             self.table.release(lease.key, lease.qty)
             self.settle_escrow(lease, None)
+            if wal is not None:
+                wal.append([R.EXPIRE, lease.id, *lease.key, lease.qty, wall(lease.deadline)])
         return len(leases)
 
 

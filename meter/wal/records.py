@@ -59,6 +59,9 @@ BATCH: Final = 14
 #: ``[WARM, [[t, f, p], ...]]``: keys the node had in memory when a checkpoint was written,
 #: most recently used first: what a restart reads ahead. A hint, not state.
 WARM: Final = 15
+#: ``[EXPIRE, lease, t, f, p, qty, deadline]``: the node released a reservation at its
+#: deadline (by its monotonic clock): it never comes back, whatever the wall clock says.
+EXPIRE: Final = 16
 
 FORMAT: Final = 1
 

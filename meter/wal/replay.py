@@ -117,6 +117,10 @@ class Replay:
             self.done[lease] = (RELEASED, None, done_exp)
             if rid is not None:
                 self.ids[rid] = (fp, None, expires)
+        elif kind == R.EXPIRE:
+            lease, t, f, p = rec[1:5]
+            self.leases.pop(lease, None)
+            self._row((t, f, p))
         elif kind == R.IDS:
             for rid, fp, answer, expires in rec[1]:
                 self.ids[rid] = (fp, answer, expires)
