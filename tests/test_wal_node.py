@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -521,3 +522,104 @@ def test_an_expired_lease_never_comes_back_after_a_kill_and_a_wall_clock_step_ba
         assert error is not None and error["code"] == "limit_exceeded"
     finally:
         again.kill()
+
+
+def _forged_frame() -> bytes:
+    """A whole, valid frame as format 1 framed it (CRCs unsalted: the length, the CRCs and a
+    payload of 10 ASCII bytes) whose every byte is ASCII, so a client can send it as a request
+    id: found by trying payloads (about 1 in 256 has ASCII CRCs)."""
+    for n in range(100_000):
+        payload = f"{n:010d}".encode()
+        head = R.HEADER.pack(len(payload), zlib.crc32(payload), 0)[:8]
+        data = head + zlib.crc32(head).to_bytes(4, "little") + payload
+        if data.isascii():
+            return data
+    raise AssertionError("no ASCII frame found")
+
+
+def _frame_starts(data: bytes, end: int) -> list[int]:
+    """The offsets of the frames before ``end`` (walking the headers' lengths)."""
+    starts, pos = [], 0
+    while pos < end:
+        starts.append(pos)
+        pos += R.HEADER.size + R.HEADER.unpack_from(data, pos)[0]
+    return starts
+
+
+def test_a_request_id_that_holds_a_whole_frame_cannot_turn_a_torn_write_into_an_outage(
+    workdir: Path,
+) -> None:
+    """A client's id carries the bytes of a whole (format 1) frame; the commit holding it is
+    torn (its first page never written). The salted CRCs of the segment tell the forged frame
+    from a real one: the tail is cut as torn and the node starts."""
+    forged = _forged_frame()
+    assert len(forged) <= 128
+    node = NodeProcess(workdir, **NO_FLUSH).start()
+    for _ in range(5):
+        node.call("track", "acme", "api", 1)
+    error, _ = call(node, "track", "acme", "api", 1, {"id": forged.decode()})
+    assert error is None
+    node.kill()
+    seg = _last_segment(node)
+    data = bytearray(seg.read_bytes())
+    found = R.scan(bytes(data))
+    assert found.damage is None
+    last = _frame_starts(bytes(data), found.end)[-1]
+    assert bytes(forged) in bytes(data[last : found.end])  # the client's bytes, verbatim
+    data[last : last + R.HEADER.size] = bytes(R.HEADER.size)  # the commit's head never landed
+    seg.write_bytes(bytes(data))
+    again = NodeProcess(workdir, **NO_FLUSH).start()
+    try:
+        assert again.call("usage", "acme", "api") == 5  # the torn call (never answered) is cut
+        assert "cut a torn tail" in again.log()
+    finally:
+        again.stop()
+
+
+def test_a_log_written_in_fsync_mode_is_read_as_such_after_a_switch_to_interval(
+    workdir: Path,
+) -> None:
+    """The mode a segment was written in is in its first record: damage in the middle of a
+    segment written in fsync mode stops a restart in interval mode too (it is not cut)."""
+    node = NodeProcess(workdir, METER_DURABILITY="fsync", **NO_FLUSH).start()
+    for _ in range(10):
+        node.call("track", "acme", "api", 1)
+    node.kill()
+    seg = _last_segment(node)
+    data = bytearray(seg.read_bytes())
+    second = _frame_starts(bytes(data), R.scan(bytes(data)).end)[1]
+    data[second + R.HEADER.size + 2] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError) as info:
+        NodeProcess(workdir, METER_DURABILITY="interval", **NO_FLUSH).start(timeout=10)
+    assert f"{seg} is damaged at byte {second}" in str(info.value)
+
+
+def test_interval_mode_cuts_only_past_what_the_log_says_was_synced(workdir: Path) -> None:
+    """In interval mode damage past the last synced offset is cut (a power loss can leave
+    holes there); damage before an offset a SYNCED record vouches for is corruption."""
+    env = {"METER_DURABILITY": "interval", "METER_WAL_FSYNC_INTERVAL_MS": "50", **NO_FLUSH}
+    node = NodeProcess(workdir, **env).start()
+    for _ in range(5):
+        node.call("track", "acme", "api", 1)
+
+    def fsyncs() -> int:
+        return int(node.call("status")["durability"]["wal"]["fsyncs"])
+
+    synced_before = fsyncs()
+    wait_for(lambda: fsyncs() > synced_before, what="an interval sync")
+    node.call("track", "acme", "api", 1)  # its commit carries the SYNCED record
+    node.kill()
+    seg = _last_segment(node)
+    data = bytearray(seg.read_bytes())
+    found = R.scan(bytes(data))
+    starts = _frame_starts(bytes(data), found.end)
+    assert found.synced > starts[2], "the first records are vouched for"
+    before = starts[2]
+    damaged = bytearray(data)
+    damaged[before + R.HEADER.size + 1] ^= 0xFF
+    seg.write_bytes(bytes(damaged))
+    with pytest.raises(RuntimeError) as info:
+        NodeProcess(workdir, **env).start(timeout=10)
+    assert f"{seg} is damaged at byte {before}" in str(info.value)
+    assert "were synced" in str(info.value)

@@ -198,3 +198,52 @@ def test_a_log_without_warm_records_names_the_keys_of_its_records(tmp_path: Path
     row = replay.unstored()[tuple(k)]  # type: ignore[index]
     assert (row.seq, row.inflight, row.pending) == (1, 5, 0)
     assert replay.warm_keys() == [tuple(k)]
+
+
+# -- format 2: salted frames and SYNCED marks --------------------------------------------------
+
+
+def _segment(salt: int, mode: str, recs: list[list[Any]]) -> bytes:
+    """A format 2 segment: its SEGMENT record unsalted, then one frame per commit, salted."""
+    head = R.frame([R.SEGMENT, "n1", R.FORMAT, 1, 1.5, salt, mode])
+    return head + b"".join(R.frame(r, salt) for r in recs)
+
+
+def test_a_salted_segment_round_trips_and_says_its_mode() -> None:
+    data = _segment(0xDEADBEEF, "fsync", RECS[1:])
+    found = R.scan(data)
+    assert found.damage is None and found.records[1:] == RECS[1:] and found.mode == "fsync"
+    # Read without its salt (a frame of another segment spliced in) nothing after the head is
+    # whole.
+    other = R.scan(_segment(1, "fsync", []) + data[len(_segment(0xDEADBEEF, "fsync", [])) :])
+    assert other.damage is not None and other.records == [other.records[0]]
+
+
+def test_a_forged_frame_inside_a_salted_commit_leaves_it_torn() -> None:
+    """An unsalted frame (what a client can forge) inside the last commit, whose head is gone:
+    a torn tail, not damage in the middle."""
+    forged = R.frame([R.TRACK, "x", "y", "z", 1])  # salt 0: format 1 framing
+    plain = R.scan(R.frame(RECS[1]) + bytes(12) + forged)
+    assert plain.damage is not None and not plain.damage.torn  # (format 1 was fooled)
+    salt = 0x1234567
+    good = _segment(salt, "fsync", RECS[1:2])
+    torn = bytearray(R.frame([R.TRACK_ID, "acme", "api", "2026-11", 1, forged, 1, 1, 1.0], salt))
+    assert forged in bytes(torn)  # (as bytes: verbatim in the payload)
+    torn[: R.HEADER.size] = bytes(R.HEADER.size)  # its first bytes never written
+    found = R.scan(good + bytes(torn))
+    assert found.damage is not None and found.damage.torn, found.damage
+    assert found.end == len(good)
+
+
+def test_synced_marks_past_the_damage_count() -> None:
+    """In an interval segment the furthest SYNCED offset counts, also one in a whole frame past
+    the damage; a fsync segment's marks are not looked for past it."""
+    salt = 77
+    body = [RECS[1], RECS[1], [R.BATCH, [RECS[1], [R.SYNCED, 60]]], RECS[1]]
+    data = bytearray(_segment(salt, "interval", body))
+    assert R.scan(bytes(data)).synced == 60
+    second = len(_segment(salt, "interval", body[:1]))
+    data[second + R.HEADER.size + 1] ^= 0xFF
+    found = R.scan(bytes(data))
+    assert found.damage is not None and found.damage.offset == second
+    assert found.synced == 60 and found.mode == "interval"

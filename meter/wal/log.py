@@ -79,10 +79,12 @@ def read_log(
 ) -> Replay:
     """Replay the log in ``directory`` from its newest complete checkpoint.
 
-    A torn tail of the newest segment is cut off (with ``lenient``, as in ``interval`` mode
-    where a power loss can leave holes anywhere in what was not synced yet, any damage in the
-    newest segment is). Raises :class:`LogCorrupt` for damage anywhere else, and for a log
-    written by another node id than ``node_id``.
+    A torn tail of the newest segment is cut off. A segment written in ``interval`` mode (as
+    its ``SEGMENT`` record says), where a power loss can leave holes anywhere in what was not
+    synced yet, is also cut at damage past the last offset its ``SYNCED`` records vouch for.
+    Format 1 segments say neither: there ``lenient`` (the configured mode is ``interval``)
+    cuts any damage in the newest segment. Raises :class:`LogCorrupt` for damage anywhere
+    else, and for a log written by another node id than ``node_id``.
     """
     numbers = list_segments(directory)
     scans: list[tuple[Path, bytes, R.Scan]] = []
@@ -108,8 +110,15 @@ def read_log(
         if damage is None:
             continue
         newest = i == len(numbers) - 1
-        if not newest or not (damage.torn or lenient):
-            raise LogCorrupt(path, damage.offset, damage.reason)
+        if found.mode is None:
+            loose = lenient  # format 1: the segment does not say how it was written
+        else:
+            loose = found.mode == "interval" and damage.offset >= found.synced
+        if not newest or not (damage.torn or loose):
+            reason = damage.reason
+            if found.mode == "interval" and damage.offset < found.synced:
+                reason += f"; bytes before {found.synced} were synced"
+            raise LogCorrupt(path, damage.offset, reason)
         log.warning(
             "write-ahead log %s: cut a torn tail at byte %d (%d bytes: %s)",
             path,
@@ -130,7 +139,11 @@ def read_log(
 
 
 class WriteAheadLog:
-    """The log of one node, in ``directory``. See the module docstring."""
+    """The log of one node, in ``directory``. See the module docstring.
+
+    Why one class: appending, committing, syncing, the SYNCED marks, rotation and checkpoints
+    all move the same offsets and batch numbers of the open segment; apart, each would need
+    every field of the others."""
 
     def __init__(
         self,
@@ -170,6 +183,13 @@ class WriteAheadLog:
         self.committing = 0
         self._written = 0
         self._synced = 0
+        #: This segment's CRC salt (format 2, records.py), in its SEGMENT record.
+        self._salt = 0
+        #: ``interval`` mode: the offset the last sync made durable, and the furthest one a
+        #: SYNCED record in the segment vouches for (written with the next commit, or at once
+        #: when a sync woke someone waiting on it: the flusher, before it sends).
+        self._synced_end = 0
+        self._marked = 0
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._sync_task: asyncio.Task[None] | None = None
         self._timer: asyncio.Task[None] | None = None
@@ -355,7 +375,8 @@ class WriteAheadLog:
         if error is None and self._closed:
             error = "the log is closed"
         if error is None:
-            data = R.frames(batch)
+            marker = self._synced_end if self._synced_end > self._marked else 0
+            data = R.frames([*batch, [R.SYNCED, marker]] if marker else batch, self._salt)
             try:
                 self._write(data)
                 if self.mode == "fsync":
@@ -367,6 +388,8 @@ class WriteAheadLog:
                 error = self._failed(exc, "writing")
             else:
                 self._end += len(data)
+                if marker:
+                    self._marked = marker
                 self._written = gen
                 if self.mode == "fsync":
                     self._synced = gen
@@ -462,6 +485,7 @@ class WriteAheadLog:
             first = False
             target = self._written
             fd = self._fd
+            end_at = self._end
             began = time.perf_counter()
             try:
                 await self._loop.run_in_executor(None, os.fdatasync, fd)
@@ -483,7 +507,24 @@ class WriteAheadLog:
             self.fsyncs += 1
             if fd == self._fd:
                 self._synced = max(self._synced, target)
+                self._synced_end = max(self._synced_end, end_at)
+            waiting = len(self._waiters)
             self._wake_waiters()
+            if len(self._waiters) < waiting:
+                self._write_marker()  # before whoever waited acts on it (the flusher sends)
+
+    def _write_marker(self) -> None:
+        """Write a :data:`~meter.wal.records.SYNCED` record now, without a sync of its own
+        (best effort: else the next commit carries it)."""
+        if self.broken is not None or self._synced_end <= self._marked:
+            return
+        data = R.frame([R.SYNCED, self._synced_end], self._salt)
+        try:
+            self._write(data)
+        except OSError:
+            return
+        self._end += len(data)
+        self._marked = self._synced_end
 
     def _sync_now(self) -> None:
         began = time.perf_counter()
@@ -511,7 +552,7 @@ class WriteAheadLog:
         """While broken: try a small write and sync; success makes the log usable again."""
         if self._batch:
             return  # a commit is due anyway
-        data = R.frame([R.NOOP])
+        data = R.frame([R.NOOP], self._salt)
         try:
             os.ftruncate(self._fd, self._end)
             self._write(data)
@@ -543,7 +584,9 @@ class WriteAheadLog:
         now = time.time()
         path = segment_path(self.directory, number)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        head = R.frame([R.SEGMENT, self.node_id, R.FORMAT, number, now])
+        salt = int.from_bytes(os.urandom(4), "little")
+        # (the SEGMENT record itself is framed unsalted: a reader learns the salt from it)
+        head = R.frame([R.SEGMENT, self.node_id, R.FORMAT, number, now, salt, self.mode])
         try:
             os.ftruncate(fd, 0)
             self._preallocate(fd)
@@ -561,6 +604,8 @@ class WriteAheadLog:
         self._number = number
         self._fd = fd
         self._end = len(head)
+        self._salt = salt
+        self._synced_end = self._marked = len(head)  # (synced above)
         self._opened_at = time.monotonic()
         self._created[number] = now
 

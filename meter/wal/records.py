@@ -6,6 +6,11 @@ A frame is a 12-byte header and a MessagePack payload::
 
 The header has its own CRC so a corrupted length is told apart from a record cut short. A
 payload is an array whose first element is the record type (below).
+
+Format 2 salts every CRC but the first frame's with the segment's own random ``salt`` (kept in
+its ``SEGMENT`` record, which is framed unsalted): bytes a client chose (a request id, a
+tenant name) can never look like a whole frame, so a torn tail is told from damage in the
+middle by the log's structure alone (ADR 0013). Format 1 segments (no salt) still read.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ MAX_RECORD: Final = 256 << 20
 # Record types: the first element of every payload. Key fields are (tenant, feature, period).
 #: ``[NOOP]``: written when probing a failed disk.
 NOOP: Final = 0
-#: ``[SEGMENT, node_id, format, number]``: first record of every segment.
+#: ``[SEGMENT, node_id, format, number, created, salt, mode]``: first record of every segment
+#: (format 1: no ``salt`` and ``mode``; ``mode`` is the durability mode it was written in).
 SEGMENT: Final = 1
 #: ``[TRACK, t, f, p, qty]``
 TRACK: Final = 2
@@ -62,23 +68,26 @@ WARM: Final = 15
 #: ``[EXPIRE, lease, t, f, p, qty, deadline]``: the node released a reservation at its
 #: deadline (by its monotonic clock): it never comes back, whatever the wall clock says.
 EXPIRE: Final = 16
+#: ``[SYNCED, offset]``: the segment's bytes before ``offset`` were on disk (synced) when this
+#: record was written (``interval`` mode): damage before it is corruption, never a torn tail.
+SYNCED: Final = 17
 
-FORMAT: Final = 1
+FORMAT: Final = 2
 
 _crc = zlib.crc32
 _packb = msgpack.Packer(use_bin_type=True).pack
 
 
-def frame(record: list[Any]) -> bytes:
-    """One record as framed bytes."""
+def frame(record: list[Any], salt: int = 0) -> bytes:
+    """One record as framed bytes (its CRCs salted with the segment's ``salt``)."""
     payload: bytes = _packb(record)
-    head = _LEN_CRC.pack(len(payload), _crc(payload))
-    return head + struct.pack("<I", _crc(head)) + payload
+    head = _LEN_CRC.pack(len(payload), _crc(payload, salt))
+    return head + struct.pack("<I", _crc(head, salt)) + payload
 
 
-def frames(records: list[list[Any]]) -> bytes:
+def frames(records: list[list[Any]], salt: int = 0) -> bytes:
     """The records of one commit as one :data:`BATCH` frame (one write)."""
-    return frame([BATCH, records]) if len(records) > 1 else frame(records[0])
+    return frame([BATCH, records], salt) if len(records) > 1 else frame(records[0], salt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,21 +101,26 @@ class Damage:
 
 @dataclass(frozen=True, slots=True)
 class Scan:
-    """The records of one segment up to ``end``, and what stopped the scan, if anything."""
+    """The records of one segment up to ``end``, and what stopped the scan, if anything;
+    the durability ``mode`` the segment says it was written in (None: format 1, unsaid) and
+    ``synced``, the furthest offset a :data:`SYNCED` record of the segment vouches for (in
+    ``interval`` mode, also one in a whole frame past the damage)."""
 
     records: list[list[Any]]
     end: int
     damage: Damage | None
+    mode: str | None = None
+    synced: int = 0
 
 
-def _valid_frame_at(view: memoryview, pos: int, size: int) -> bool:
+def _valid_frame_at(view: memoryview, pos: int, size: int, salt: int) -> bool:
     if size - pos < HEADER.size:
         return False
     length, pcrc, hcrc = HEADER.unpack_from(view, pos)
-    if _crc(view[pos : pos + 8]) != hcrc or length > MAX_RECORD:
+    if _crc(view[pos : pos + 8], salt) != hcrc or length > MAX_RECORD:
         return False
     end = pos + HEADER.size + length
-    return end <= size and bool(_crc(view[pos + HEADER.size : end]) == pcrc)
+    return end <= size and bool(_crc(view[pos + HEADER.size : end], salt) == pcrc)
 
 
 #: How far past a damaged frame :func:`scan` looks for a whole one (to tell a torn tail from
@@ -114,13 +128,45 @@ def _valid_frame_at(view: memoryview, pos: int, size: int) -> bool:
 SEARCH_LIMIT: Final = 4 << 20
 
 
-def _whole_frame_after(view: memoryview, start: int, size: int) -> int | None:
+def _whole_frame_after(view: memoryview, start: int, size: int, salt: int) -> int | None:
     """The offset of the first whole, valid frame after ``start`` (within SEARCH_LIMIT)."""
     stop = min(size, start + SEARCH_LIMIT)
     for pos in range(start + 1, stop):
-        if _valid_frame_at(view, pos, size):
+        if _valid_frame_at(view, pos, size, salt):
             return pos
     return None
+
+
+def _markers(record: Any) -> int:
+    """The furthest offset the SYNCED records in ``record`` (a batch or one) vouch for."""
+    if not isinstance(record, list) or not record:
+        return 0
+    recs = record[1] if record[0] == BATCH and len(record) == 2 else [record]
+    best = 0
+    for rec in recs if isinstance(recs, list) else ():
+        if isinstance(rec, list) and len(rec) > 1 and rec[0] == SYNCED and isinstance(rec[1], int):
+            best = max(best, rec[1])
+    return best
+
+
+def _synced_past(view: memoryview, start: int, size: int, salt: int) -> int:
+    """The furthest offset vouched for by SYNCED records in the whole frames from ``start``
+    on (past a damaged one: with salted CRCs a whole frame there is one the log wrote)."""
+    best = 0
+    pos: int | None = start
+    while pos is not None and pos < size:
+        if not _valid_frame_at(view, pos, size, salt):
+            pos = _whole_frame_after(view, pos, size, salt)
+            continue
+        length = HEADER.unpack_from(view, pos)[0]
+        end = pos + HEADER.size + length
+        try:
+            record = msgpack.unpackb(view[pos + HEADER.size : end], raw=False)
+        except Exception:
+            record = None
+        best = max(best, _markers(record))
+        pos = end
+    return best
 
 
 def _zero_tail(data: bytes, start: int) -> bool:
@@ -134,44 +180,64 @@ def scan(data: bytes) -> Scan:
     Zero bytes after the last frame are the unwritten rest of a preallocated segment. A damaged
     frame after which no whole frame follows is a *torn tail*: what a crash leaves of the last
     commit (cut short, or with a page never written, even in its middle). The scan ends before
-    it. A damaged frame followed by a whole one is corruption.
+    it. A damaged frame followed by a whole one is corruption. (In a format 2 segment no
+    client bytes can pass for a whole frame: its CRCs are salted, see the module doc.)
     """
     records: list[list[Any]] = []
     view = memoryview(data)
     size = len(data)
     pos = 0
+    salt = 0
+    mode: str | None = None
+    synced = 0
+
+    def stop(at: int, damage: Damage | None) -> Scan:
+        return Scan(records, at, damage, mode, synced)
+
     while pos < size:
         if data[pos] == 0 and _zero_tail(data, pos):
-            return Scan(records, pos, None)  # the rest of a preallocated segment
+            return stop(pos, None)  # the rest of a preallocated segment
         if size - pos < HEADER.size:
-            return Scan(records, pos, Damage(pos, True, "header cut short"))
+            return stop(pos, Damage(pos, True, "header cut short"))
         length, pcrc, hcrc = HEADER.unpack_from(view, pos)
         reason = ""
-        if _crc(view[pos : pos + 8]) != hcrc or length > MAX_RECORD:
+        if _crc(view[pos : pos + 8], salt) != hcrc or length > MAX_RECORD:
             reason = "bad record header"
         else:
             start = pos + HEADER.size
             end = start + length
             if end > size:
                 reason = "record cut short"
-            elif _crc(view[start:end]) != pcrc:
+            elif _crc(view[start:end], salt) != pcrc:
                 reason = "record checksum mismatch"
         if reason:
-            after = _whole_frame_after(view, pos, size)
+            after = _whole_frame_after(view, pos, size, salt)
             if after is not None:
                 reason += f"; a whole record follows at byte {after}"
-            return Scan(records, pos, Damage(pos, after is None, reason))
+                if mode == "interval":  # what the log says was synced, past the damage too
+                    synced = max(synced, _synced_past(view, after, size, salt))
+            return stop(pos, Damage(pos, after is None, reason))
         try:
             record = msgpack.unpackb(view[start:end], raw=False, strict_map_key=False)
         except Exception as exc:  # the CRC matched: this is a bug or deliberate damage
-            return Scan(records, pos, Damage(pos, False, f"undecodable record: {exc}"))
+            return stop(pos, Damage(pos, False, f"undecodable record: {exc}"))
         if not isinstance(record, list) or not record or not isinstance(record[0], int):
-            return Scan(records, pos, Damage(pos, False, "record is not a typed array"))
+            return stop(pos, Damage(pos, False, "record is not a typed array"))
         if record[0] == BATCH:
             if len(record) != 2 or not isinstance(record[1], list):
-                return Scan(records, pos, Damage(pos, False, "malformed batch"))
+                return stop(pos, Damage(pos, False, "malformed batch"))
             records.extend(record[1])
         else:
             records.append(record)
+        synced = max(synced, _markers(record))
+        if (
+            pos == 0
+            and record[0] == SEGMENT
+            and len(record) > 6
+            and isinstance(record[5], int)
+            and isinstance(record[6], str)
+        ):
+            salt, mode = record[5], record[6]
+            synced = end  # (written and synced before any other record)
         pos = end
-    return Scan(records, pos, None)
+    return stop(pos, None)

@@ -140,7 +140,7 @@ class Replay:
             self.checkpoint = rec[1]
         elif kind == R.SEGMENT:
             self._segment = rec[3]
-        elif kind != R.NOOP:
+        elif kind != R.NOOP and kind != R.SYNCED:
             raise ValueError(f"unknown record type {kind!r}")
 
     def _row(self, key: Key) -> RowState:
