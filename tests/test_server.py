@@ -819,3 +819,24 @@ async def test_a_protocol_error_behind_a_waiting_read_closes_once_it_is_answered
     got = await raw.recv_n(2)
     assert got[2] == [1, 2, None, 0]
     assert await raw.closed_by_peer()
+
+
+async def test_a_read_does_not_wait_for_an_earlier_read(path: str, disp: StandIn) -> None:
+    """Reads wait for the writes before them, not for other reads: a read behind a read that
+    waits (for storage) is answered at once, and so are the writes after it."""
+    reads = frozenset({"usage", "later"})  # "later" as a read that waits for storage
+    srv = await start_server(path, disp, notify=disp.notify, reads=reads)
+    raw = Raw(path)
+    try:
+        await raw.send(
+            msgpack.packb([0, 1, "later", ["r", "R"]])
+            + msgpack.packb([0, 2, "usage", ["t", "f"]])
+            + msgpack.packb([0, 3, "track", ["t", "f", 1]])
+        )
+        got = await raw.recv_n(2)
+        assert got[2] == [1, 2, None, 0] and got[3] == [1, 3, None, 1]
+        disp.gate("r").set()
+        assert await raw.recv() == [1, 1, None, "R"]
+    finally:
+        raw.close()
+        await srv.close(drain_timeout=1.0)

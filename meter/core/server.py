@@ -10,7 +10,7 @@ Asynchronous answers are written when they are ready, so responses may arrive ou
 clients match them by msgid. A read (``reads``) never overtakes a request sent before it on the
 same connection: one that arrives while earlier requests of its connection are still at work
 waits for them, and the connection's later requests wait behind it (docs/protocol.md,
-"Pipelining").
+"Transport").
 
 Why one module: the connection (the hot read loop, held answers, back-pressure) and the server
 (accepting, the log's commit hold, the drain) call each other on every request; mypyc
@@ -162,7 +162,8 @@ class _Connection:
         self._shut = False
         #: Asynchronous answers not sent yet (requests waiting in ``_queue`` included).
         self.pending = 0
-        #: The tasks of this connection's asynchronous requests not finished yet.
+        #: The tasks of this connection's asynchronous requests not finished yet, reads
+        #: left out (what a read waits for).
         self._working: set[asyncio.Task[None]] = set()
         #: While a read waits for the requests before it: it and every request received after
         #: it, in order, as ``(request, when received)``; ``None`` otherwise.
@@ -482,9 +483,11 @@ class _Connection:
                 self._dispatch_one(msgid, method, params, received)
                 self.finished_one()
         except asyncio.CancelledError:  # the server's drain gave up: those left are not run
-            for req, _ in queue:
-                msgid = req[1] if type(req) is list else req[0]
-                self.send(msgid, _DRAINING, None)
+            stats = srv.request_stats
+            for req, received in queue:
+                msgid, method = (req[1], req[2]) if type(req) is list else (req[0], req[1])
+                count = None if stats is None else (stats.label(method), "unavailable", received)
+                self.send(msgid, _DRAINING, None, count)
                 self.finished_one()
             queue.clear()
             raise
@@ -517,7 +520,7 @@ class _Connection:
         if type(result) in _PLAIN or not inspect.isawaitable(result):
             self.send(msgid, None, result, count(None))
         else:
-            srv._spawn(self, msgid, method, result)
+            srv._spawn(self, msgid, method, result, received)
 
     def eof_received(self) -> bool:
         # A peer that half-closes after writing still gets its pending async answers.
@@ -711,12 +714,24 @@ class RpcServer:
             if sub is not None and sub.has_pending:
                 conn.push()
 
-    def _spawn(self, conn: _Connection, msgid: int, method: str, aw: Awaitable[Any]) -> None:
-        start = perf_counter() if self.request_stats is not None else 0.0
+    def _spawn(
+        self,
+        conn: _Connection,
+        msgid: int,
+        method: str,
+        aw: Awaitable[Any],
+        received: float | None = None,
+    ) -> None:
+        """Answer ``aw`` when it is done; timed from ``received`` (a queued request's arrival)
+        or now."""
+        start = 0.0
+        if self.request_stats is not None:
+            start = perf_counter() if received is None else received
         task = asyncio.get_running_loop().create_task(self._finish(conn, msgid, method, aw, start))
         conn.pending += 1
         self._inflight.add(task)
-        conn._working.add(task)
+        if method not in self.reads:  # (a read need not wait for an earlier read)
+            conn._working.add(task)
         task.add_done_callback(conn.finished_task)
 
     async def _finish(
