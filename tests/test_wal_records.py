@@ -247,3 +247,18 @@ def test_synced_marks_past_the_damage_count() -> None:
     found = R.scan(bytes(data))
     assert found.damage is not None and found.damage.offset == second
     assert found.synced == 60 and found.mode == "interval"
+
+
+def test_damage_in_a_segments_first_record_with_records_after_it_is_corruption() -> None:
+    """The SEGMENT record is written and synced alone first: damaged with bytes after it, it
+    is not a torn tail (cutting there would drop the whole segment); with zeros after it
+    (what a crash while making the segment leaves), it is."""
+    data = bytearray(_segment(99, "fsync", [RECS[1]] * 200))
+    data[5] ^= 0xFF
+    found = R.scan(bytes(data))
+    assert found.damage is not None and not found.damage.torn
+    assert "bytes follow the segment's head" in found.damage.reason
+    head = bytearray(_segment(99, "fsync", []))
+    head[5] ^= 0xFF
+    alone = R.scan(bytes(head) + bytes(8192))
+    assert alone.damage is not None and alone.damage.torn

@@ -284,7 +284,7 @@ class WriteAheadLog:
         if self._sync_task is not None:
             with contextlib.suppress(Exception):
                 await self._sync_task
-        if self.broken is None and self._written > self._synced:
+        if self.broken is None and self._unsynced():
             with contextlib.suppress(OSError):
                 self._sync_now()
         for _, fut in self._waiters:
@@ -375,7 +375,11 @@ class WriteAheadLog:
         if error is None and self._closed:
             error = "the log is closed"
         if error is None:
-            marker = self._synced_end if self._synced_end > self._marked else 0
+            marker = (
+                self._synced_end
+                if self.mode == "interval" and self._synced_end > self._marked
+                else 0
+            )
             data = R.frames([*batch, [R.SYNCED, marker]] if marker else batch, self._salt)
             try:
                 self._write(data)
@@ -485,12 +489,13 @@ class WriteAheadLog:
             first = False
             target = self._written
             fd = self._fd
+            number = self._number
             end_at = self._end
             began = time.perf_counter()
             try:
                 await self._loop.run_in_executor(None, os.fdatasync, fd)
             except OSError as exc:
-                if fd != self._fd:
+                if number != self._number:
                     continue  # rotated meanwhile: the old segment was synced when closed
                 # Written records may have been answered already (interval mode): do not cut
                 # them; stop accepting until the disk works again.
@@ -505,7 +510,7 @@ class WriteAheadLog:
                 return
             self.fsync_seconds.add(time.perf_counter() - began)
             self.fsyncs += 1
-            if fd == self._fd:
+            if number == self._number:  # (not the fd: its number can be reused)
                 self._synced = max(self._synced, target)
                 self._synced_end = max(self._synced_end, end_at)
             waiting = len(self._waiters)
@@ -526,12 +531,21 @@ class WriteAheadLog:
         self._end += len(data)
         self._marked = self._synced_end
 
+    def _unsynced(self) -> bool:
+        """Whether bytes are written and not synced: commits, or a SYNCED record (which has
+        no commit of its own)."""
+        return self._written > self._synced or (
+            self.mode == "interval" and self._end > self._synced_end
+        )
+
     def _sync_now(self) -> None:
         began = time.perf_counter()
+        end = self._end
         os.fdatasync(self._fd)
         self.fsync_seconds.add(time.perf_counter() - began)
         self.fsyncs += 1
         self._synced = self._written
+        self._synced_end = max(self._synced_end, end)
         self._wake_waiters()
 
     async def _timer_loop(self) -> None:
@@ -576,7 +590,7 @@ class WriteAheadLog:
 
         Raises ``OSError`` (the open segment stays in use) if the new one cannot be made.
         """
-        if self._fd >= 0 and self._written > self._synced:
+        if self._fd >= 0 and self._unsynced():
             # The old segment is whole on disk before a newer one exists: only the newest
             # segment can ever end torn.
             self._sync_now()

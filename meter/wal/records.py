@@ -65,7 +65,7 @@ BATCH: Final = 14
 #: ``[WARM, [[t, f, p], ...]]``: keys the node had in memory when a checkpoint was written,
 #: most recently used first: what a restart reads ahead. A hint, not state.
 WARM: Final = 15
-#: ``[EXPIRE, lease, t, f, p, qty, deadline]``: the node released a reservation at its
+#: ``[EXPIRE, lease, t, f, p, qty, deadline, escrowed]``: the node released a reservation at its
 #: deadline (by its monotonic clock): it never comes back, whatever the wall clock says.
 EXPIRE: Final = 16
 #: ``[SYNCED, offset]``: the segment's bytes before ``offset`` were on disk (synced) when this
@@ -123,6 +123,8 @@ def _valid_frame_at(view: memoryview, pos: int, size: int, salt: int) -> bool:
     return end <= size and bool(_crc(view[pos + HEADER.size : end], salt) == pcrc)
 
 
+#: A segment's first record (its SEGMENT record) is shorter than this.
+HEAD_MAX: Final = 4096
 #: How far past a damaged frame :func:`scan` looks for a whole one (to tell a torn tail from
 #: damage in the middle). A crash tears at most the last commit; a commit is far smaller.
 SEARCH_LIMIT: Final = 4 << 20
@@ -161,7 +163,7 @@ def _synced_past(view: memoryview, start: int, size: int, salt: int) -> int:
         length = HEADER.unpack_from(view, pos)[0]
         end = pos + HEADER.size + length
         try:
-            record = msgpack.unpackb(view[pos + HEADER.size : end], raw=False)
+            record = msgpack.unpackb(view[pos + HEADER.size : end], raw=False, strict_map_key=False)
         except Exception:
             record = None
         best = max(best, _markers(record))
@@ -210,6 +212,11 @@ def scan(data: bytes) -> Scan:
                 reason = "record cut short"
             elif _crc(view[start:end], salt) != pcrc:
                 reason = "record checksum mismatch"
+        if reason and pos == 0 and data.count(0, HEAD_MAX) != size - min(size, HEAD_MAX):
+            # The first record is written and synced alone before any other: damage in it
+            # with bytes written past it is not a crash's doing (and without its salt no
+            # later frame can be read to tell).
+            return stop(pos, Damage(pos, False, reason + "; bytes follow the segment's head"))
         if reason:
             after = _whole_frame_after(view, pos, size, salt)
             if after is not None:
