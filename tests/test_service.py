@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from typing import Any
@@ -253,6 +254,25 @@ async def test_expired_reservation_is_released(svc: Service) -> None:
     assert await call(svc, "usage", "acme", "api") == 0
     with pytest.raises(NotFound):
         await call(svc, "commit", rid)
+
+
+async def test_a_lease_past_its_deadline_is_expired_for_its_callers_before_the_tick(
+    svc: Service,
+) -> None:
+    """A commit or release after the deadline is not_found even if no expiry tick has run
+    yet (it may be late, or wait for a log that cannot write); the tick then releases it."""
+    leases = [await call(svc, "reserve", "acme", "api", 5, {"ttl_ms": 1}) for _ in range(2)]
+    deadline = time.monotonic() + 0.05
+    while svc.reservations.get(leases[0]).deadline > time.monotonic():  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.001)
+    with pytest.raises(NotFound):
+        await call(svc, "commit", leases[0])
+    with pytest.raises(NotFound):
+        await call(svc, "release", leases[1])
+    assert await call(svc, "usage", "acme", "api") == 10  # still held, until the tick
+    assert svc.expire_reservations() == 2
+    assert await call(svc, "usage", "acme", "api") == 0
 
 
 async def test_storage_down_cold_track_is_counted_but_total_unknown(

@@ -77,9 +77,9 @@ class Journal:
                 if rec[7] is not None:
                     self.ids.forget(rec[7])
             elif kind == R.EXPIRE:  # open again; the next expiry tick that can log it ends it
-                lease_id, t, f, p, qty, deadline = rec[1:7]
+                lease_id, t, f, p, qty, deadline, escrowed = rec[1:8]
                 key = (t, f, p)
-                if shares.readmit(key, qty, qty):
+                if escrowed and shares.readmit(key, qty, qty):
                     res.escrowed.add(lease_id)
                 self.table.reserve(key, qty, None, check=False)
                 res.reservations.open_again(Lease(lease_id, key, qty, mono(deadline)))

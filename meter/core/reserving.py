@@ -180,7 +180,7 @@ class Reserving:
         idem = self._finish_id("commit", opts, lease_id, actual, now)
         if isinstance(idem, _Answer):
             return idem.value
-        lease = self.reservations.get(lease_id)
+        lease = self._open_lease(lease_id)
         if lease is None:
             done = self.done.get(lease_id)
             if done is not None and done[2] > now:
@@ -269,7 +269,7 @@ class Reserving:
         idem = self._finish_id("release", opts, lease_id, None, now)
         if isinstance(idem, _Answer):
             return None
-        lease = self.reservations.get(lease_id)
+        lease = self._open_lease(lease_id)
         if lease is None:
             done = self.done.get(lease_id)
             if done is not None and done[2] > now:
@@ -289,6 +289,15 @@ class Reserving:
                  rid, fp, expires]
             )  # fmt: skip
         return None
+
+    def _open_lease(self, lease_id: str) -> Lease | None:
+        """The open lease ``lease_id``, if its deadline has not passed: one past it is expired
+        for its callers, also before the expiry tick (or a log that cannot write yet) has
+        released it."""
+        lease = self.reservations.get(lease_id)
+        if lease is None or lease.deadline <= time.monotonic():
+            return None
+        return lease
 
     def _finish_id(
         self, method: str, opts: Any, lease_id: str, actual: int | None, now: float
@@ -320,10 +329,13 @@ class Reserving:
             return 0
         leases = self.reservations.expire(time.monotonic() if now is None else now)
         for lease in leases:
+            escrowed = lease.id in self.escrowed
             self.table.release(lease.key, lease.qty)
             self.settle_escrow(lease, None)
             if wal is not None:
-                wal.append([R.EXPIRE, lease.id, *lease.key, lease.qty, wall(lease.deadline)])
+                wal.append(
+                    [R.EXPIRE, lease.id, *lease.key, lease.qty, wall(lease.deadline), escrowed]
+                )
         return len(leases)
 
 
