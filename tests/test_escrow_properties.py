@@ -12,8 +12,9 @@ admitted by every process of every node, plus the base, never pass the limit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -63,6 +64,9 @@ class Escrow(RuleBasedStateMachine):
         self.owed = dict.fromkeys(NODES, 0)
         #: The run of each process (a crash starts a new one).
         self.runs = {p: f"{p}r0" for p in NODES}
+        #: (node id, run) -> what that process had admitted under its share when it crashed,
+        #: as its write-ahead log says (Shares.recovered): its successor closes it at that.
+        self.logged: dict[tuple[str, str], int] = {}
         self.now_ms = 10_000
         self.ops = 0
 
@@ -81,11 +85,16 @@ class Escrow(RuleBasedStateMachine):
         if self._busy(p):
             return
         op = self._op(p)
+        mine = None if self.budget is None else self.budget.shares.get(PROCS[p])
+        spent = None
+        if mine is not None and self.local[p] is None:
+            spent = self.logged.get((PROCS[p], mine.op.partition(".")[0]))
         try:
             swap = escrow.take(
                 self.budget, PROCS[p], self.local[p], run=self.runs[p], need=need, want=want,
                 step=step, limit=LIMIT, base=BASE, now_ms=self.now_ms, lease_ms=LEASE_MS,
                 grace_ms=GRACE_MS, op=op, owed=self.owed[p] if self.local[p] is None else 0,
+                spent=spent,
             )  # fmt: skip
         except NoBudget:
             return
@@ -193,6 +202,9 @@ class Escrow(RuleBasedStateMachine):
         w = self.pending[p]
         if w is not None:
             self.orphans.append(w)  # a write in flight may still land: see land_after_crash
+        loc = self.local[p]
+        if loc is not None and self.owed[p] == 0:  # (the log's last SHARES record of it)
+            self.logged[(PROCS[p], self.runs[p])] = loc.a
         self.local[p] = None
         self.pending[p] = None
         self.lost[p] = None
@@ -268,3 +280,57 @@ def test_a_crashed_nodes_unpromised_units_come_back_after_its_lease() -> None:
         raise AssertionError("took a's promised units")
     except NoBudget:
         pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    first=st.integers(1, 40),
+    step=st.integers(1, 10),
+    admitted=st.integers(0, 40),
+    others=st.lists(st.integers(1, 12), max_size=4),
+)
+def test_a_successor_closes_its_predecessors_share_at_what_the_log_says(
+    first: int, step: int, admitted: int, others: list[int]
+) -> None:
+    """A process takes a share, admits some of it and crashes; its successor (same node id,
+    a new run) closes the share at what the log says it admitted, not at its cap: then the
+    fleet can admit exactly the rest of the limit, and never more."""
+    kw: dict[str, Any] = {"limit": LIMIT, "base": BASE, "lease_ms": LEASE_MS, "grace_ms": GRACE_MS}
+    swap = escrow.take(None, "n0", None, run="r0", need=first, want=first, step=step,
+                       now_ms=0, op="r0.1", **kw)  # fmt: skip
+    dead = swap.local
+    dead.a = min(admitted, dead.c)  # what it admitted, as its log's last SHARES record says
+    budget = swap.budget
+    # The successor's first take closes the share at exactly that.
+    after = escrow.take(budget, "n0", None, run="r1", need=1, want=1, step=1, now_ms=1,
+                        op="r1.1", spent=dead.a, **kw)  # fmt: skip
+    assert after.floor == dead.a
+    total = dead.a
+    budget, loc = after.budget, after.local
+    # Every node (the successor and others) admits until the budget is gone.
+    nodes = [("n0", "r1", loc)] + [(f"m{i}", f"q{i}", None) for i in range(len(others))]
+    ops = 10
+    progress = True
+    while progress:
+        progress = False
+        for i, (node, run, cur) in enumerate(nodes):
+            want = others[i - 1] if i else 3
+            if cur is not None and cur.a < cur.c:
+                total += cur.c - cur.a
+                cur.a = cur.c
+                progress = True
+            ops += 1
+            try:
+                s = escrow.take(budget, node, cur, run=run, need=1, want=want, step=want,
+                                now_ms=2, op=f"{run}.{ops}", **kw)  # fmt: skip
+            except NoBudget:
+                continue
+            budget = s.budget
+            nodes[i] = (
+                node,
+                run,
+                s.local if cur is None else escrow.adopt(node, budget, cur, LIMIT),
+            )
+            progress = True
+        assert BASE + total <= LIMIT
+    assert BASE + total == LIMIT, (total, budget)

@@ -623,3 +623,47 @@ def test_interval_mode_cuts_only_past_what_the_log_says_was_synced(workdir: Path
         NodeProcess(workdir, **env).start(timeout=10)
     assert f"{seg} is damaged at byte {before}" in str(info.value)
     assert "were synced" in str(info.value)
+
+
+def _spend_all(node: NodeProcess, feature: str) -> tuple[int, str]:
+    """Track 100 units at a time until refused, then 1 at a time: (units counted, the code
+    that refused the last 1)."""
+    counted = 0
+    for qty in (100, 1):
+        while True:
+            error, _ = call(node, "track", "acme", feature, qty)
+            if error is not None:
+                code = error["code"]
+                break
+            counted += qty
+    return counted, code
+
+
+@pytest.mark.parametrize("kind", ["priced", "strict"])
+def test_a_kill_9_strands_no_credits_and_no_strict_room(workdir: Path, kind: str) -> None:
+    """10,000 credits at price 1 (or a strict limit of 10,000), 100 units spent, kill -9: the
+    restarted process (same data dir, fsync) closes its predecessor's share at what the log
+    shows admitted, so exactly 9,900 more units are counted and the next is refused."""
+    feature = "gpu" if kind == "priced" else "api"
+    env = {"METER_DURABILITY": "fsync", **NO_FLUSH}
+    node = NodeProcess(workdir, **env).start()
+    try:
+        if kind == "priced":
+            node.call("set_plan", "pro", {"gpu": {"price": 1}})
+            node.call("assign_plan", "acme", "pro")
+            node.call("grant", "acme", 10_000)
+        else:
+            node.call("set_limit", "acme", "api", {"limit": 10_000, "enforcement": "strict"})
+        wait_for(lambda: feature in node.call("limits", "acme")["limits"], what="the limit")
+        for _ in range(100):
+            node.call("track", "acme", feature, 1)
+    finally:
+        node.kill()
+    again = NodeProcess(workdir, **env).start()
+    try:
+        counted, code = _spend_all(again, feature)
+        assert code == ("insufficient_balance" if kind == "priced" else "limit_exceeded")
+        assert counted == 9_900
+        assert again.call("usage", "acme", feature) == 10_000
+    finally:
+        again.kill()

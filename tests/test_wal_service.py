@@ -66,7 +66,7 @@ async def make(
     store = storage or MemoryStorage()
     svc = build_service(table, store, CounterConfig(), wal=wal, ids=RequestIds(3600, 1000))
     wal.recover()
-    wal.open(svc.undo, svc.checkpoint)
+    wal.open(svc.undo, svc.checkpoint, svc.journal.closing)
     return svc, wal
 
 
@@ -354,7 +354,7 @@ async def test_interval_mode_syncs_on_its_interval_or_when_asked_not_per_write(t
     wal = WriteAheadLog(tmp / "wal", node_id="n1", mode="interval", fsync_interval=60)
     svc = build_service(CounterTable("n1"), MemoryStorage(), CounterConfig(), wal=wal)
     wal.recover()
-    wal.open(svc.undo, svc.checkpoint)
+    wal.open(svc.undo, svc.checkpoint, svc.journal.closing)
     for _ in range(100):  # the opening checkpoint is synced once
         if wal.checkpoints:
             break

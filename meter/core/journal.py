@@ -76,6 +76,8 @@ class Journal:
                         shares.settle((t, f, p), qty, qty)
                 if rec[7] is not None:
                     self.ids.forget(rec[7])
+            elif kind == R.SHARES:  # written again with the next commit
+                shares.relog([(t, f, p) for t, f, p, _, _ in rec[1]])
             elif kind == R.EXPIRE:  # open again; the next expiry tick that can log it ends it
                 lease_id, t, f, p, qty, deadline, escrowed = rec[1:8]
                 key = (t, f, p)
@@ -101,6 +103,12 @@ class Journal:
         # What the calls took from strict shares and credit pools (tracks, commits above their
         # reservation), given back after the readmits above.
         res.gate.give_back()
+
+    def closing(self) -> list[list[Any]]:
+        """Records that end each commit of the log: the shares' admitted counts the commit's
+        calls changed (``SHARES``), so a successor closes them at that, not at their cap."""
+        changes = self.reserving.gate.shares.admitted_changes()
+        return [[R.SHARES, changes]] if changes else []
 
     def _undo_track(self, rec: list[Any], at: int) -> None:
         t, f, p, qty = rec[at : at + 4]
@@ -144,6 +152,9 @@ class Journal:
                     items.append([lease.id, *lease.key, lease.qty, wall(lease.deadline)])
             if items:
                 yield [R.LEASES, items]
+        shares = res.gate.shares.admitted_all()
+        for start in range(0, len(shares), CHECKPOINT_ITEMS):
+            yield [R.SHARES, shares[start : start + CHECKPOINT_ITEMS]]
         for kind, registry, listed in ((R.IDS, self.ids, ids[0]), (R.DONE, res.done, ids[1])):
             for start in range(0, len(listed), CHECKPOINT_ITEMS):
                 now = time.time()

@@ -100,6 +100,22 @@ class Budgets(Protocol):
         """Give ``qty`` admitted units back to this node's share (never used)."""
         ...
 
+    def admitted_changes(self) -> list[list[Any]]:
+        """The shares whose admitted count changed since the last call, for the log."""
+        ...
+
+    def admitted_all(self) -> list[list[Any]]:
+        """Every share's admitted count (this process's and earlier ones'), for a checkpoint."""
+        ...
+
+    def relog(self, keys: list[Key]) -> None:
+        """The log could not write these shares' counts: give them again."""
+        ...
+
+    def recovered(self, admitted: dict[tuple[Key, str], int]) -> None:
+        """What earlier processes admitted under their shares, from the log."""
+        ...
+
     def readmit(self, key: Key, qty: int, held: int) -> bool:
         """Units given back are spoken for again (a finish whose log write failed)."""
         ...

@@ -63,7 +63,8 @@ async def recover(wal: WriteAheadLog, service: Service) -> list[Key]:
     warm = replay.warm_keys() if service.config.warm_up_max_keys > 0 else []
     service.journal.warm_up_started(warm)
     seeded = await _seed(service, [*unstored, *(ls.key for ls in replay.leases.values())])
-    wal.open(service.undo, service.checkpoint)
+    service.gate.shares.recovered(replay.shares)
+    wal.open(service.undo, service.checkpoint, service.journal.closing)
     if replay.records:
         log.info(
             "recovered from the write-ahead log in %.3f s: %d records, %d keys (%d units) not "

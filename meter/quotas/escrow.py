@@ -191,6 +191,7 @@ def take(
     op: str,
     at_least: int | None = None,
     owed: int = 0,
+    spent: int | None = None,
 ) -> Swap:
     """The write that gives ``node`` room for ``need`` more units: its cap raised to
     ``need + step`` past what it admitted, and its grant to ``want`` past it if that fits
@@ -201,7 +202,8 @@ def take(
     ``at_least``, if given: then as much as is left, up to ``need``). ``run`` names this
     process: a share under ``node`` that another process wrote is closed first. ``owed``: units
     this process gave back (never used) while it had no local share, which its closed share
-    counted as admitted."""
+    counted as admitted. ``spent``: what the earlier process is known to have admitted under
+    that share (its write-ahead log says), closed at that instead of its cap."""
     if budget is None:
         budget = Budget(base, {})
     shares = dict(budget.shares)
@@ -209,14 +211,15 @@ def take(
     if mine is not None and (local is None or not ours(mine, run)):
         # A share this process did not write (an earlier process's, one forgotten when it was
         # given back, or another process's under the same node id): what was admitted under
-        # it is at most its cap, all spent; the rest goes back.
-        closed = Share(mine.c, mine.c, mine.e + 1, mine.t, op)
+        # it is at most its cap (or what its log says, if known), all spent; the rest goes back.
+        used = mine.c if spent is None or local is not None else min(mine.c, max(0, spent))
+        closed = Share(used, used, mine.e + 1, mine.t, op)
         shares[node] = closed
-        a = max(0, mine.c - owed) if local is None else max(local.a, mine.c)
-        used_owed = min(owed, mine.c) if local is None else 0
+        a = max(0, used - owed) if local is None else max(local.a, used)
+        used_owed = min(owed, used) if local is None else 0
         used_at, low = (0.0, 0) if local is None else (local.used_at, local.low)
         cur = Local(closed.e, closed.g, closed.c, a, limit, used_at, low)
-        floor = mine.c
+        floor = used
     else:
         cur = adopt(node, replace(budget, shares=shares), local, limit)
         floor = used_owed = 0

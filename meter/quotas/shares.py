@@ -78,6 +78,11 @@ class Shares:
         #: Units given back while the counter had no local share (its share had gone back
         #: with them counted as admitted): taken off the next share's admitted count.
         self._owed: dict[Key, int] = {}
+        #: Counters whose admitted count changed since :meth:`admitted_changes` last ran.
+        self._changed: set[Key] = set()
+        #: ``(key, run)`` -> what an earlier process of this node had admitted under its share
+        #: of ``key``, as its write-ahead log says: its share is closed at that, not its cap.
+        self._earlier: dict[tuple[Key, str], int] = {}
         self.writes = 0
         self.conflicts = 0
         self.refused = 0
@@ -107,6 +112,7 @@ class Shares:
         in the background when the share runs low."""
         loc = self.local[key]
         loc.a += qty
+        self._changed.add(key)
         loc.used_at = time.monotonic()
         if loc.c - loc.a < loc.low and key not in self._filling:
             self._refill(key, loc.limit)
@@ -133,6 +139,7 @@ class Shares:
         loc = self.local.get(key)
         if loc is not None:
             loc.a = max(0, loc.a - qty)
+            self._changed.add(key)
         else:  # the share went back with them counted: off the next one's count
             self._owed[key] = self._owed.get(key, 0) + qty
 
@@ -144,6 +151,7 @@ class Shares:
         if loc is None:
             return False
         loc.a += max(0, qty)
+        self._changed.add(key)
         if held > 0:
             self.held[key] = self.held.get(key, 0) + held
         return True
@@ -222,6 +230,7 @@ class Shares:
             op=op,
             at_least=at_least,
             owed=self._owed.get(key, 0) if cur is None else 0,
+            spent=self._spent_before(key, budget) if cur is None else None,
         )
         swap.local.limit = limit
         swap.local.low = max(1, step // 2)
@@ -231,6 +240,43 @@ class Shares:
                 1 for n, s in swap.budget.shares.items() if n in before and s.e != before[n]
             )
         return swap
+
+    def _spent_before(self, key: Key, budget: Budget | None) -> int | None:
+        """What the earlier process that last wrote this node's share of ``key`` admitted
+        under it, if its log said (None: not known, the share closes at its cap)."""
+        mine = None if budget is None else budget.shares.get(self.node)
+        if mine is None or not self._earlier:
+            return None
+        return self._earlier.get((key, mine.op.partition(".")[0]))
+
+    # -- what the write-ahead log keeps (nothing stranded by a crash) --------------------------
+
+    def admitted_changes(self) -> list[list[Any]]:
+        """``[t, f, p, run, admitted]`` of each share whose admitted count changed since the
+        last call (the log writes them with the calls that changed them)."""
+        out = []
+        for key in self._changed:
+            loc = self.local.get(key)
+            if loc is not None:
+                out.append([*key, self.run, loc.a])
+        self._changed.clear()
+        return out
+
+    def admitted_all(self) -> list[list[Any]]:
+        """``[t, f, p, run, admitted]`` of every share this process holds, and of the earlier
+        processes' shares not closed yet (a checkpoint restates them)."""
+        out = [[*key, self.run, loc.a] for key, loc in self.local.items()]
+        out.extend([*key, run, a] for (key, run), a in self._earlier.items())
+        return out
+
+    def relog(self, keys: list[Key]) -> None:
+        """The log could not write these shares' counts: give them with the next commit."""
+        self._changed.update(keys)
+
+    def recovered(self, admitted: dict[tuple[Key, str], int]) -> None:
+        """What earlier processes of this node had admitted under their shares, as the log
+        replayed them: their shares are closed at that (:meth:`_take`)."""
+        self._earlier.update({k: a for k, a in admitted.items() if k[1] != self.run})
 
     async def _write(
         self,
@@ -286,6 +332,10 @@ class Shares:
             loc.e, loc.g, loc.c = new.e, new.g, new.c
             loc.a = max(loc.a, swap.floor)  # a share of another process closed: all spent
             loc.limit, loc.low = swap.local.limit, swap.local.low or loc.low
+        self._changed.add(key)
+        if self._earlier:  # the share is this process's now: earlier ones are closed
+            for k in [k for k in self._earlier if k[0] == key]:
+                del self._earlier[k]
         self.last_error = None
 
     async def _read(self, key: Key) -> tuple[int, Budget | None]:

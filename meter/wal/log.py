@@ -165,6 +165,7 @@ class WriteAheadLog:
         self.broken: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._undo: Callable[[list[list[Any]]], None] = lambda records: None
+        self._closing_records: Callable[[], list[list[Any]]] = list
         self._checkpoint: Callable[[], Iterator[list[Any]]] = lambda: iter(())
         self._batch: list[list[Any]] = []
         self._held: list[Held] = []
@@ -235,16 +236,20 @@ class WriteAheadLog:
         self,
         undo: Callable[[list[list[Any]]], None],
         checkpoint: Callable[[], Iterator[list[Any]]],
+        closing: Callable[[], list[list[Any]]] | None = None,
     ) -> None:
         """Start writing: a new segment, opened with a checkpoint of the recovered state.
 
         ``undo(records)`` must reverse the effects of records whose write failed (newest
         first); ``checkpoint()`` yields records restating everything unstored, read when
-        yielded. Needs a running event loop.
+        yielded; ``closing()``, if given, records that end each commit (appended to its batch
+        when it is written, and undone with it). Needs a running event loop.
         """
         self._loop = asyncio.get_running_loop()
         self._undo = undo
         self._checkpoint = checkpoint
+        if closing is not None:
+            self._closing_records = closing
         self._new_segment()
         self._start_checkpoint()
         self._timer = self._loop.create_task(self._timer_loop(), name="wal-timer")
@@ -371,6 +376,7 @@ class WriteAheadLog:
             for send, answers in held:
                 send(answers, None)
             return
+        batch.extend(self._closing_records())
         error: str | None = self.broken
         if error is None and self._closed:
             error = "the log is closed"

@@ -71,6 +71,10 @@ EXPIRE: Final = 16
 #: ``[SYNCED, offset]``: the segment's bytes before ``offset`` were on disk (synced) when this
 #: record was written (``interval`` mode): damage before it is corruption, never a torn tail.
 SYNCED: Final = 17
+#: ``[SHARES, [[t, f, p, run, admitted], ...]]``: what the process ``run`` had admitted under
+#: its share of each counter's strict budget or credit pool (absolute): a successor closes
+#: that share at this, not at its cap (nothing stranded by a crash).
+SHARES: Final = 18
 
 FORMAT: Final = 2
 

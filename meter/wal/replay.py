@@ -67,6 +67,8 @@ class Replay:
     checkpoint: int = 0
     #: The keys ``WARM`` records listed, one run per segment, each most recently used first.
     listed: list[list[Key]] = field(default_factory=list)
+    #: ``(key, process run)`` -> the units that process had admitted under its share.
+    shares: dict[tuple[Key, str], int] = field(default_factory=dict)
     _segment: int = 0
     _listed_in: int = -1
 
@@ -121,6 +123,9 @@ class Replay:
             lease, t, f, p = rec[1:5]
             self.leases.pop(lease, None)
             self._row((t, f, p))
+        elif kind == R.SHARES:
+            for t, f, p, run, admitted in rec[1]:
+                self.shares[((t, f, p), run)] = admitted
         elif kind == R.IDS:
             for rid, fp, answer, expires in rec[1]:
                 self.ids[rid] = (fp, answer, expires)
