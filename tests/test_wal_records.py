@@ -262,3 +262,16 @@ def test_damage_in_a_segments_first_record_with_records_after_it_is_corruption()
     head[5] ^= 0xFF
     alone = R.scan(bytes(head) + bytes(8192))
     assert alone.damage is not None and alone.damage.torn
+
+
+def test_shares_counts_are_taken_from_fsync_segments_only() -> None:
+    """An interval segment may have lost answered calls with their counts (a power loss):
+    its SHARES records are not trusted to close a share below its cap."""
+    shares = [R.SHARES, [["acme", "#credits", "", "r0", 7]]]
+    for mode, want in (("fsync", {(("acme", "#credits", ""), "r0"): 7}), ("interval", {})):
+        replay = Replay()
+        replay.apply_all([[R.SEGMENT, "n1", R.FORMAT, 1, 1.5, 3, mode], shares])
+        assert replay.shares == want, mode
+    old = Replay()  # format 1: no mode, not trusted either
+    old.apply_all([RECS[0], shares])
+    assert old.shares == {}

@@ -30,7 +30,9 @@ from meter.errors import Conflict, NotFound, Unavailable
 from meter.node.wiring import build_service, serve
 from meter.persist.flusher import Flusher
 from meter.persist.recovery import recover
+from meter.quotas.escrow import Local
 from meter.quotas.shares import Shares
+from meter.wal.replay import Replay
 from meter.wal import records as R
 from meter.wal.log import WriteAheadLog, list_segments, segment_path
 from storage.memory import MemoryStorage
@@ -654,4 +656,32 @@ async def test_while_the_log_is_broken_leases_wait_to_expire(tmp: Path) -> None:
     await settle()
     assert svc.reservations.get(lease) is None
     assert [r[:2] for r in logged(wal) if r[0] == R.EXPIRE] == [[R.EXPIRE, lease]]
+    await wal.close()
+
+
+async def test_a_checkpoints_shares_read_earlier_are_followed_by_the_counts_now(tmp: Path) -> None:
+    """A checkpoint reads every share's admitted count when it reaches them and writes them a
+    chunk at a time; a count that changes meanwhile is written after its chunk (each commit
+    ends with the counts changed: Journal.closing), so replay takes the count as it is now."""
+    svc, wal = await make(tmp)
+    shares = svc.gate.shares
+    assert isinstance(shares, Shares)
+    keys = [("acme", f"f{i}", "2026-12") for i in range(2500)]  # three chunks
+    for k in keys:
+        shares.local[k] = Local(0, 100, 100, 1, 100)
+    replay = Replay()
+    replay.apply([R.SEGMENT, "n1", R.FORMAT, 1, 0.0, 0, "fsync"])  # (as a segment's head)
+    admitted = 0
+    for rec in svc.checkpoint():
+        replay.apply(rec)
+        if rec[0] == R.SHARES:
+            # Calls admit between the chunks, on keys of every chunk; the chunk's commit
+            # ends with what changed (as WriteAheadLog._commit_batch does).
+            for k in (keys[admitted], keys[1200 + admitted], keys[2400 + admitted]):
+                shares.admit(k, 1)
+            admitted += 1
+            for closing in svc.journal.closing():
+                replay.apply(closing)
+    got = {k: a for (k, run), a in replay.shares.items() if run == shares.run}
+    assert got == {k: shares.local[k].a for k in keys}
     await wal.close()

@@ -154,7 +154,11 @@ class Journal:
                 yield [R.LEASES, items]
         shares = res.gate.shares.admitted_all()
         for start in range(0, len(shares), CHECKPOINT_ITEMS):
-            yield [R.SHARES, shares[start : start + CHECKPOINT_ITEMS]]
+            chunk = shares[start : start + CHECKPOINT_ITEMS]
+            # Read now, written in a later pass: the batch that writes it ends with the
+            # counts changed since (closing), which the replay takes last.
+            res.gate.shares.relog([(t, f, p) for t, f, p, _, _ in chunk])
+            yield [R.SHARES, chunk]
         for kind, registry, listed in ((R.IDS, self.ids, ids[0]), (R.DONE, res.done, ids[1])):
             for start in range(0, len(listed), CHECKPOINT_ITEMS):
                 now = time.time()

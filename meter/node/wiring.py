@@ -194,6 +194,8 @@ def assemble(
         share_max=config.strict_share_max,
         nodes=nodes,
         fenced=fenced,
+        # (only the fsync mode's log holds every answered call's count: docs/quotas.md)
+        logged=wal is not None and wal.mode == "fsync",
     )
     alerts = Alerts(
         table.node, storage.claim_alert, on_fired=on_alert_fired, on_deliver=on_alert_deliver

@@ -53,6 +53,7 @@ class Shares:
         nodes: Callable[[], int] = lambda: 1,
         fenced: Callable[[], str | None] = lambda: None,
         clock: Callable[[], float] = time.time,
+        logged: bool = False,
     ) -> None:
         self.storage = storage
         self.node = node
@@ -78,8 +79,13 @@ class Shares:
         #: Units given back while the counter had no local share (its share had gone back
         #: with them counted as admitted): taken off the next share's admitted count.
         self._owed: dict[Key, int] = {}
-        #: Counters whose admitted count changed since :meth:`admitted_changes` last ran.
+        #: Whether a write-ahead log (``fsync``) keeps the admitted counts: only then are
+        #: changes noted (:meth:`admitted_changes`).
+        self.logged = logged
+        #: Counters whose admitted count changed since :meth:`admitted_changes` last ran, and
+        #: the last count of shares dropped meanwhile (given back in full).
         self._changed: set[Key] = set()
+        self._gone: dict[Key, int] = {}
         #: ``(key, run)`` -> what an earlier process of this node had admitted under its share
         #: of ``key``, as its write-ahead log says: its share is closed at that, not its cap.
         self._earlier: dict[tuple[Key, str], int] = {}
@@ -112,7 +118,8 @@ class Shares:
         in the background when the share runs low."""
         loc = self.local[key]
         loc.a += qty
-        self._changed.add(key)
+        if self.logged:
+            self._changed.add(key)
         loc.used_at = time.monotonic()
         if loc.c - loc.a < loc.low and key not in self._filling:
             self._refill(key, loc.limit)
@@ -139,7 +146,8 @@ class Shares:
         loc = self.local.get(key)
         if loc is not None:
             loc.a = max(0, loc.a - qty)
-            self._changed.add(key)
+            if self.logged:
+                self._changed.add(key)
         else:  # the share went back with them counted: off the next one's count
             self._owed[key] = self._owed.get(key, 0) + qty
 
@@ -151,7 +159,8 @@ class Shares:
         if loc is None:
             return False
         loc.a += max(0, qty)
-        self._changed.add(key)
+        if self.logged:
+            self._changed.add(key)
         if held > 0:
             self.held[key] = self.held.get(key, 0) + held
         return True
@@ -259,7 +268,10 @@ class Shares:
             loc = self.local.get(key)
             if loc is not None:
                 out.append([*key, self.run, loc.a])
+            elif key in self._gone:
+                out.append([*key, self.run, self._gone[key]])
         self._changed.clear()
+        self._gone.clear()
         return out
 
     def admitted_all(self) -> list[list[Any]]:
@@ -270,8 +282,10 @@ class Shares:
         return out
 
     def relog(self, keys: list[Key]) -> None:
-        """The log could not write these shares' counts: give them with the next commit."""
-        self._changed.update(keys)
+        """Give these shares' counts with the next commit again (the log could not write
+        them, or a checkpoint restated them from an earlier reading)."""
+        if self.logged:
+            self._changed.update(k for k in keys if k in self.local)
 
     def recovered(self, admitted: dict[tuple[Key, str], int]) -> None:
         """What earlier processes of this node had admitted under their shares, as the log
@@ -332,7 +346,8 @@ class Shares:
             loc.e, loc.g, loc.c = new.e, new.g, new.c
             loc.a = max(loc.a, swap.floor)  # a share of another process closed: all spent
             loc.limit, loc.low = swap.local.limit, swap.local.low or loc.low
-        self._changed.add(key)
+        if self.logged:
+            self._changed.add(key)
         if self._earlier:  # the share is this process's now: earlier ones are closed
             for k in [k for k in self._earlier if k[0] == key]:
                 del self._earlier[k]
@@ -374,6 +389,8 @@ class Shares:
         if await self._write(key, back):
             self.given_back += 1
         if loc.g == loc.c == loc.a and not self.held.get(key):
+            if self.logged:
+                self._gone[key] = loc.a  # (its last count may not be in the log yet)
             self.local.pop(key, None)
 
     def _lock(self, key: Key) -> asyncio.Lock:

@@ -71,6 +71,7 @@ class Replay:
     shares: dict[tuple[Key, str], int] = field(default_factory=dict)
     _segment: int = 0
     _listed_in: int = -1
+    _mode: str | None = None
 
     def apply_all(self, records: Iterable[list[Any]]) -> None:
         """Apply records in order."""
@@ -124,8 +125,9 @@ class Replay:
             self.leases.pop(lease, None)
             self._row((t, f, p))
         elif kind == R.SHARES:
-            for t, f, p, run, admitted in rec[1]:
-                self.shares[((t, f, p), run)] = admitted
+            if self._mode == "fsync":  # (an interval segment may have lost answered ones)
+                for t, f, p, run, admitted in rec[1]:
+                    self.shares[((t, f, p), run)] = admitted
         elif kind == R.IDS:
             for rid, fp, answer, expires in rec[1]:
                 self.ids[rid] = (fp, answer, expires)
@@ -145,6 +147,7 @@ class Replay:
             self.checkpoint = rec[1]
         elif kind == R.SEGMENT:
             self._segment = rec[3]
+            self._mode = rec[6] if len(rec) > 6 else None
         elif kind != R.NOOP and kind != R.SYNCED:
             raise ValueError(f"unknown record type {kind!r}")
 
