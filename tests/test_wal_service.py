@@ -32,9 +32,9 @@ from meter.persist.flusher import Flusher
 from meter.persist.recovery import recover
 from meter.quotas.escrow import Local
 from meter.quotas.shares import Shares
-from meter.wal.replay import Replay
 from meter.wal import records as R
 from meter.wal.log import WriteAheadLog, list_segments, segment_path
+from meter.wal.replay import Replay
 from storage.memory import MemoryStorage
 from tests.support.nodes import short_tmpdir
 
