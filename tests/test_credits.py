@@ -109,7 +109,11 @@ async def test_a_priced_feature_spends_credits_and_stops_at_zero(tmp: Path) -> N
         page = await a.ledger_page("acme")
         metered = [e for e in page["entries"] if e["kind"] == "metered"]
         assert sum(-e["amount"] if e["amount"] < 0 else e["amount"] for e in metered) == 130
-        assert (await a.balance("acme"))["available"] == 0
+        # The ledger gave everything to the pool; the pool holds the 1 credit left unspent.
+        balance = await a.balance("acme")
+        assert balance["ledger_available"] == 0
+        assert balance["pool"] == {"funded": 130, "unspent": 1, "held_elsewhere": 0}
+        assert balance["available"] == 1
         # A reservation on a priced feature is refused, clearly.
         with pytest.raises(InvalidArgument, match="credit-metered"):
             await a.reserve("acme", "gpu", 1)
@@ -134,7 +138,7 @@ async def test_nodes_sharing_credits_never_overdraw(tmp: Path) -> None:
     pool = await _pool(tmp, "acme")
     assert pool is not None and pool.funded is not None
     # What the pool holds came from the ledger, which never went below zero.
-    assert balance["available"] + pool.funded == 1001 and balance["available"] >= 0
+    assert balance["ledger_available"] + pool.funded == 1001 and balance["ledger_available"] >= 0
 
 
 async def test_bad_prices_are_refused_with_a_clear_error(tmp: Path) -> None:

@@ -69,6 +69,11 @@ def _entry_text(e: dict[str, Any]) -> str:
 
 def _balance_text(b: dict[str, Any]) -> str:
     lines = [f"{b['tenant']}: {b['available']} available"]
+    pool = b.get("pool") or {}
+    if pool.get("funded"):
+        lines[0] += (
+            f" ({b['ledger_available']} in the ledger, {pool['unspent']} unspent in the pool)"
+        )
     grants = b.get("grants") or []
     if grants:
         lines.append(f"{'GRANT':>8}  {'REMAINING':>20}  {'PRIORITY':>8}  EXPIRES_AT")

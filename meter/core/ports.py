@@ -63,6 +63,14 @@ class Limits(Protocol):
     def __bool__(self) -> bool: ...
 
 
+class PoolView(Protocol):
+    """What a tenant's credit pool holds unspent (:class:`meter.quotas.shares.Shares`)."""
+
+    async def pool(self, tenant: str) -> dict[str, Any]:
+        """``{funded, unspent, held_elsewhere}`` of ``tenant``'s pool, read from storage."""
+        ...
+
+
 class Funder(Protocol):
     """Where a credit pool's credits come from: the tenant's ledger (docs/ledger.md)."""
 

@@ -12,10 +12,11 @@ from typing import Any
 from meter.core.keys import check_tenant
 from meter.core.params import args as check_args
 from meter.core.params import opts as check_opts
-from meter.core.ports import Handler
-from meter.errors import InvalidArgument
+from meter.core.ports import Handler, PoolView
+from meter.errors import InvalidArgument, Unavailable
 from meter.ledger import model as ledger
 from meter.ledger.store import DEFAULT_PAGE, MAX_PAGE, LedgerStore
+from storage.base import StorageError
 
 _GRANT_OPTS = frozenset({"ref", "expires_at", "priority"})
 _DEBIT_OPTS = frozenset({"ref"})
@@ -29,8 +30,10 @@ RESERVED_REF_PREFIX = "pool:"
 class LedgerMethods:
     """The handlers, over one node's :class:`LedgerStore`."""
 
-    def __init__(self, store: LedgerStore) -> None:
+    def __init__(self, store: LedgerStore, pool: PoolView) -> None:
         self.store = store
+        #: The tenant's credit pool: its unspent credits are the tenant's to spend too.
+        self.pool = pool
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -60,7 +63,22 @@ class LedgerMethods:
 
     def balance(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
         (tenant,) = check_args("balance", params, 1, 1)
-        return self.store.balance(check_tenant(tenant))
+        return self._balance(check_tenant(tenant))
+
+    async def _balance(self, tenant: str) -> dict[str, Any]:
+        """The ledger's balance, and what the credit pool holds unspent: ``available`` is
+        their sum (what the tenant can spend), ``ledger_available`` the ledger's alone."""
+        out = await self.store.balance(tenant)
+        try:
+            pool = await self.pool.pool(tenant)
+        except StorageError as exc:
+            raise Unavailable(
+                f"balance of {tenant!r}: the credit pool cannot be read: {exc}"
+            ) from None
+        out["ledger_available"] = out["available"]
+        out["available"] = out["available"] + pool["unspent"]
+        out["pool"] = pool
+        return out
 
     def ledger(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
         tenant, opts = check_args("ledger", params, 1, 2)

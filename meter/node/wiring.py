@@ -226,7 +226,7 @@ def assemble(
     journal = Journal(table, keys, ids, reserving, config)
     features = {
         **LimitMethods(limits).handlers(),
-        **LedgerMethods(ledger_store).handlers(),
+        **LedgerMethods(ledger_store, shares).handlers(),
         **HistoryMethods(table, keys, seeder, storage).handlers(),
         **ExportMethod(storage).handlers(),
     }

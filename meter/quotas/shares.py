@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from meter.core.gate import pool_key
 from meter.core.keys import Key
 from meter.core.ports import POOL, Funder, NoBudget
 from meter.errors import InsufficientBalance
@@ -257,6 +258,34 @@ class Shares:
         if mine is None or not self._earlier:
             return None
         return self._earlier.get((key, mine.op.partition(".")[0]))
+
+    async def pool(self, tenant: str) -> dict[str, Any]:
+        """What ``tenant``'s credit pool holds unspent, as its record and this node's share
+        say now: ``funded`` (moved in from the ledger), ``unspent`` (funded less what is
+        spent, counting other nodes' shares as spent up to their caps) and
+        ``held_elsewhere`` (those caps: exact on one node, else ``unspent`` is low by at most
+        the part of it those nodes have not used yet)."""
+        key = pool_key(tenant)
+        _, budget = await self._read(key)
+        if budget is None or budget.funded is None:
+            return {"funded": 0, "unspent": 0, "held_elsewhere": 0}
+        loc = self.local.get(key)
+        spent = budget.base
+        elsewhere = 0
+        for node, s in budget.shares.items():
+            if node != self.node:
+                spent += s.c
+                elsewhere += s.c
+            elif loc is not None and escrow.ours(s, self.run):
+                spent += loc.a  # (admitted: spent; a cap not used yet is not)
+            else:  # an earlier process's share, closed at its logged count or its cap
+                before = self._spent_before(key, budget)
+                spent += s.c if before is None else min(s.c, before)
+        return {
+            "funded": budget.funded,
+            "unspent": max(0, budget.funded - spent),
+            "held_elsewhere": elsewhere,
+        }
 
     # -- what the write-ahead log keeps (nothing stranded by a crash) --------------------------
 

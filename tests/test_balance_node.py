@@ -1,0 +1,29 @@
+"""``balance`` tells what the tenant can spend, through a real node process: the credits a
+pool funding moved out of the ledger still count, less what was spent (docs/ledger.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.nodes import NodeProcess, raw_call, wait_for
+
+
+def test_balance_counts_the_pools_unspent_credits(workdir: Path) -> None:
+    with NodeProcess(workdir) as node:
+        node.call("set_plan", "pro", {"gpu": {"price": 1}})
+        node.call("assign_plan", "acme", "pro")
+        node.call("grant", "acme", 10_000)
+        wait_for(lambda: "gpu" in node.call("limits", "acme")["limits"], what="the plan")
+        for _ in range(100):
+            node.call("track", "acme", "gpu", 1)
+        balance = node.call("balance", "acme")
+        assert balance["available"] == 9_900
+        funded = balance["pool"]["funded"]
+        assert balance["pool"] == {"funded": funded, "unspent": funded - 100, "held_elsewhere": 0}
+        assert balance["ledger_available"] + funded == 10_000
+        # What it says can be spent, can: 9,900 more units, then insufficient_balance.
+        for qty in (1000, 100, 1):
+            while raw_call(node.socket, "track", "acme", "gpu", qty)[0] is None:
+                pass
+        assert node.call("usage", "acme", "gpu") == 10_000
+        assert node.call("balance", "acme")["available"] == 0
