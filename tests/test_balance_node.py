@@ -3,9 +3,12 @@ pool funding moved out of the ledger still count, less what was spent (docs/ledg
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.support.nodes import NodeProcess, raw_call, wait_for
+from tests.support.nodes import ROOT, NodeProcess, raw_call, wait_for
 
 
 def test_balance_counts_the_pools_unspent_credits(workdir: Path) -> None:
@@ -21,6 +24,16 @@ def test_balance_counts_the_pools_unspent_credits(workdir: Path) -> None:
         funded = balance["pool"]["funded"]
         assert balance["pool"] == {"funded": funded, "unspent": funded - 100, "held_elsewhere": 0}
         assert balance["ledger_available"] + funded == 10_000
+        # meter balance says where the credits are.
+        env = {**os.environ, "METER_SOCKET": str(node.socket), "PYTHONPATH": str(ROOT)}
+        out = subprocess.run(
+            [sys.executable, "-m", "meter", "balance", "acme"],
+            env=env, capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        ledger = balance["ledger_available"]
+        assert out.startswith(
+            f"acme: 9900 available ({ledger} in the ledger, {funded - 100} unspent in the pool)"
+        ), out
         # What it says can be spent, can: 9,900 more units, then insufficient_balance.
         for qty in (1000, 100, 1):
             while raw_call(node.socket, "track", "acme", "gpu", qty)[0] is None:
