@@ -33,6 +33,10 @@ MAX_ATTEMPTS = 32
 QTY_CAP = 2**62
 #: Longest a call waits for a pool funding (another node's in flight) before ``unavailable``.
 FUND_WAIT_S = 5.0
+#: A pool funding moves about this many seconds of the pool's recent spend (its last funding
+#: over the time it lasted), at least ``fund_chunk``: the rest stays in the ledger, where
+#: ``balance`` lists it under its grants and their expiry applies.
+FUND_HORIZON_S = 10.0
 
 
 class Shares:
@@ -98,12 +102,12 @@ class Shares:
         self.errors = 0
         self.last_error: str | None = None
         #: Credits moved from a ledger to a pool at a time, at least (or what a call needs,
-        #: or two grants of a share, if more): fewer fundings, fewer ledger writes.
+        #: or the recent spend of ``FUND_HORIZON_S``, if more).
         self.fund_chunk = 1_000
         #: Pool fundings this process began (it finishes its own at once).
         self._funding: set[tuple[Key, int]] = set()
-        #: Per pool: (the size of this process's last funding, when it began): a pool funded
-        #: again within a second gets twice as much (fewer fundings under a fast spend).
+        #: Per pool: (the size of this process's last funding, when it began): what sizes the
+        #: next one by the recent spend rate.
         self._fund_size: dict[Key, tuple[int, float]] = {}
         self.fundings = 0
 
@@ -495,11 +499,13 @@ class Shares:
                     raise InsufficientBalance(
                         f"{tenant}: {need} credits needed, {available} available; nothing counted"
                     )
-                size = max(self.fund_chunk, 2 * self.share_max * max(1, self.nodes()))
+                size = self.fund_chunk
                 last = self._fund_size.get(key)
-                if last is not None and time.monotonic() - last[1] < 1.0:
-                    size = max(size, min(2 * last[0], QTY_CAP))
-                self._fund_size[key] = (size, time.monotonic())
+                now = time.monotonic()
+                if last is not None:  # the last funding lasted (now - began): its rate
+                    lasted = max(now - last[1], 1e-3)
+                    size = max(size, min(int(last[0] * FUND_HORIZON_S / lasted), QTY_CAP))
+                self._fund_size[key] = (size, now)
                 amount = min(available, max(short, size))
                 new = escrow.begin_fund(budget, amount, now_ms, os.urandom(6).hex())
                 assert new.fund is not None
