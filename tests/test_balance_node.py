@@ -24,7 +24,9 @@ def test_balance_counts_the_pools_unspent_credits(workdir: Path) -> None:
         assert balance["available"] == 9_900
         # The first funding moved a chunk (1,000), not the whole balance.
         funded = balance["pool"]["funded"]
-        assert balance["pool"] == {"funded": 1_000, "unspent": 900, "held_elsewhere": 0}
+        assert balance["pool"] == {
+            "funded": 1_000, "unspent": 900, "held_elsewhere": 0, "in_flight": 0
+        }  # fmt: skip
         assert balance["ledger_available"] == 9_000
         # meter balance says where the credits are.
         env = {**os.environ, "METER_SOCKET": str(node.socket), "PYTHONPATH": str(ROOT)}

@@ -22,8 +22,14 @@ import pytest
 from meter.client import AsyncClient
 from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig, StorageConfig
 from meter.core.gate import pool_key
+from meter.core.ports import POOL, NoBudget
 from meter.errors import InsufficientBalance, InvalidArgument
+from meter.ledger import model as ledger_model
+from meter.ledger.funding import LedgerFunder
+from meter.ledger.store import LedgerStore
 from meter.quotas.escrow import Budget
+from meter.quotas.shares import Shares
+from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
 
 
@@ -112,7 +118,7 @@ async def test_a_priced_feature_spends_credits_and_stops_at_zero(tmp: Path) -> N
         # The ledger gave everything to the pool; the pool holds the 1 credit left unspent.
         balance = await a.balance("acme")
         assert balance["ledger_available"] == 0
-        assert balance["pool"] == {"funded": 130, "unspent": 1, "held_elsewhere": 0}
+        assert balance["pool"] == {"funded": 130, "unspent": 1, "held_elsewhere": 0, "in_flight": 0}
         assert balance["available"] == 1
         # A reservation on a priced feature is refused, clearly.
         with pytest.raises(InvalidArgument, match="credit-metered"):
@@ -313,3 +319,44 @@ async def test_making_room_leaves_no_exception_behind(tmp: Path) -> None:
         raise RuntimeError("a fresh error")
     except RuntimeError as exc:
         assert exc.__context__ is None, repr(exc.__context__)
+
+
+async def test_a_pool_funding_is_sized_by_the_recent_spend_and_grows_at_most_four_times() -> None:
+    """The first funding moves fund_chunk (or a few calls' worth); a pool spent again at once
+    gets at most four times its last funding (not the whole ledger), and one spent slowly
+    stays at fund_chunk."""
+    storage = MemoryStorage()
+    await storage.open()
+    store = LedgerStore(storage)
+    await store.apply("acme", ledger_model.credit(10**9, "g1"))
+    funder = LedgerFunder(store)
+    shares = Shares(storage, "n1")
+    pool = ("acme", "#credits", "")
+
+    async def funded() -> int:
+        _, body = await storage.budget_read(pool)
+        assert body is not None
+        f = Budget.from_json(body).funded
+        assert f is not None
+        return f
+
+    async def spend_all() -> None:  # what the share and the pool hold, admitted at once
+        while True:
+            try:
+                await shares.ensure(pool, 1, POOL, 0)
+            except NoBudget:
+                return
+            loc = shares.local[pool]
+            shares.admit(pool, loc.c - loc.a)
+
+    sizes: list[int] = []
+    for _ in range(4):
+        before = await funded() if sizes else 0
+        await shares.ensure_pool(pool, 1, funder)
+        sizes.append(await funded() - before)
+        await spend_all()
+    assert sizes == [1_000, 4_000, 16_000, 64_000]  # spent within a second: x4, no more
+    # A call that needs more than the chunk funds a few calls' worth.
+    await shares.ensure_pool(pool, 5_000, funder)
+    assert await funded() - sum(sizes) >= 5_000
+    assert (await store.balance("acme"))["available"] == 10**9 - await funded()

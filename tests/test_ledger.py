@@ -77,7 +77,7 @@ async def test_grants_debits_and_the_balance_round_trip(client: AsyncClient) -> 
         "tenant": "acme",
         "available": 90,
         "ledger_available": 90,
-        "pool": {"funded": 0, "unspent": 0, "held_elsewhere": 0},
+        "pool": {"funded": 0, "unspent": 0, "held_elsewhere": 0, "in_flight": 0},
         "seq": 3,
         "grants": [{"seq": 1, "remaining": 90, "priority": 0, "expires_at": None}],
     }

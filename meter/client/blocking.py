@@ -533,7 +533,9 @@ class Client(Retrying):
         return self._run(calls.DEBIT, tenant, amount, ref)
 
     def balance(self, tenant: str) -> dict[str, Any]:
-        """``{tenant, available, seq, grants: [{seq, remaining, priority, expires_at}]}``."""
+        """``{tenant, available, ledger_available, pool, seq, grants}``: ``available`` is the
+        ledger's ``ledger_available`` (what :meth:`debit` can take) plus the credit pool's
+        unspent credits (docs/protocol.md)."""
         return self._run(calls.BALANCE, tenant)
 
     def ledger_page(

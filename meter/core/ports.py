@@ -67,7 +67,7 @@ class PoolView(Protocol):
     """What a tenant's credit pool holds unspent (:class:`meter.quotas.shares.Shares`)."""
 
     async def pool(self, tenant: str) -> dict[str, Any]:
-        """``{funded, unspent, held_elsewhere}`` of ``tenant``'s pool, read from storage."""
+        """``{funded, unspent, held_elsewhere, in_flight}`` of ``tenant``'s pool, from storage."""
         ...
 
 

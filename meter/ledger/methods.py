@@ -68,13 +68,15 @@ class LedgerMethods:
     async def _balance(self, tenant: str) -> dict[str, Any]:
         """The ledger's balance, and what the credit pool holds unspent: ``available`` is
         their sum (what the tenant can spend), ``ledger_available`` the ledger's alone."""
-        out = await self.store.balance(tenant)
+        # The pool first: a funding that finishes between the two reads then shows in neither
+        # (low, for a moment), never in both.
         try:
             pool = await self.pool.pool(tenant)
         except StorageError as exc:
             raise Unavailable(
                 f"balance of {tenant!r}: the credit pool cannot be read: {exc}"
             ) from None
+        out = await self.store.balance(tenant)
         out["ledger_available"] = out["available"]
         out["available"] = out["available"] + pool["unspent"]
         out["pool"] = pool

@@ -5,6 +5,11 @@ memory. Storage is written when a share runs low (in the background, before it r
 when a call needs more than the share holds (the call waits for that one write), to renew a
 share's lease, to give back an idle share, and at a clean stop. Each write is one
 compare-and-swap of the counter's budget record (:mod:`meter.quotas.escrow` decides, ADR 0009).
+
+Why one module: admitting, the writes that refill, renew and give back shares, pool fundings,
+the balance's view of a pool and the counts the write-ahead log keeps all read and move the
+same per-counter shares under the same per-counter locks; apart, each would reach into the
+others' state.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ FUND_WAIT_S = 5.0
 #: over the time it lasted), at least ``fund_chunk``: the rest stays in the ledger, where
 #: ``balance`` lists it under its grants and their expiry applies.
 FUND_HORIZON_S = 10.0
+#: ...but at most this many times the last funding, and at least this many calls' worth.
+FUND_GROWTH = 4
+FUND_CALLS = 4
 
 
 class Shares:
@@ -268,11 +276,12 @@ class Shares:
         say now: ``funded`` (moved in from the ledger), ``unspent`` (funded less what is
         spent, counting other nodes' shares as spent up to their caps) and
         ``held_elsewhere`` (those caps: exact on one node, else ``unspent`` is low by at most
-        the part of it those nodes have not used yet)."""
+        the part of it those nodes have not used yet) and ``in_flight`` (a funding begun and
+        not finished, in neither the ledger nor ``funded``)."""
         key = pool_key(tenant)
         _, budget = await self._read(key)
         if budget is None or budget.funded is None:
-            return {"funded": 0, "unspent": 0, "held_elsewhere": 0}
+            return {"funded": 0, "unspent": 0, "held_elsewhere": 0, "in_flight": 0}
         loc = self.local.get(key)
         spent = budget.base
         elsewhere = 0
@@ -289,6 +298,8 @@ class Shares:
             "funded": budget.funded,
             "unspent": max(0, budget.funded - spent),
             "held_elsewhere": elsewhere,
+            # A funding begun and not finished: it may have left the ledger already.
+            "in_flight": 0 if budget.fund is None else budget.fund[1],
         }
 
     # -- what the write-ahead log keeps (nothing stranded by a crash) --------------------------
@@ -478,6 +489,7 @@ class Shares:
         The funding is in the pool's record before the ledger is debited under its ref, so
         any node can finish it, and the ledger's ref makes it count once."""
         tenant = key[0]
+        began: float | None = None  # (when this process began the funding, if it did)
         async with self._lock(key):
             version, budget = await self._read(key)
             now_ms = int(self.clock() * 1000)
@@ -499,13 +511,17 @@ class Shares:
                     raise InsufficientBalance(
                         f"{tenant}: {need} credits needed, {available} available; nothing counted"
                     )
-                size = self.fund_chunk
+                # At least fund_chunk, or a few calls' worth; more for a fast recent spend:
+                # the last funding over how long it lasted (at least a second), times the
+                # horizon, growing at most FUND_GROWTH times a funding (a burst moves a few
+                # chunks, not the whole ledger).
+                size = max(self.fund_chunk, FUND_CALLS * need)
                 last = self._fund_size.get(key)
-                now = time.monotonic()
-                if last is not None:  # the last funding lasted (now - began): its rate
-                    lasted = max(now - last[1], 1e-3)
-                    size = max(size, min(int(last[0] * FUND_HORIZON_S / lasted), QTY_CAP))
-                self._fund_size[key] = (size, now)
+                began = time.monotonic()
+                if last is not None:
+                    lasted = max(began - last[1], 1.0)
+                    rate_size = int(last[0] * FUND_HORIZON_S / lasted)
+                    size = max(size, min(rate_size, FUND_GROWTH * last[0], QTY_CAP))
                 amount = min(available, max(short, size))
                 new = escrow.begin_fund(budget, amount, now_ms, os.urandom(6).hex())
                 assert new.fund is not None
@@ -519,6 +535,8 @@ class Shares:
             # the same ref, which lands at most once.)
             landed = await funder.take(tenant, amount, escrow.fund_ref(budget, n))
             self.fundings += 1
+            if landed and began is not None:  # (what moved, and when: the next one's size)
+                self._fund_size[key] = (amount, began)
             for _ in range(MAX_ATTEMPTS):
                 version, stored = await self._read(key)
                 done = None if stored is None else escrow.end_fund(stored, n, landed)
