@@ -8,7 +8,7 @@ answers wait for, the live usage subscriptions, the request counters. Every comp
 a read batch is dispatched, and the synchronous answers of the batch leave in one write.
 Asynchronous answers are written when they are ready, so responses may arrive out of order;
 clients match them by msgid. A read (``reads``) never overtakes a request sent before it on the
-same connection: one that arrives while earlier requests of its connection are still at work
+same connection: one that arrives while earlier writes of its connection are still at work
 waits for them, and the connection's later requests wait behind it (docs/protocol.md,
 "Transport").
 
@@ -165,7 +165,7 @@ class _Connection:
         #: The tasks of this connection's asynchronous requests not finished yet, reads
         #: left out (what a read waits for).
         self._working: set[asyncio.Task[None]] = set()
-        #: While a read waits for the requests before it: it and every request received after
+        #: While a read waits for the writes before it: it and every request received after
         #: it, in order, as ``(request, when received)``; ``None`` otherwise.
         self._queue: deque[tuple[RawRequest | Request, float]] | None = None
         #: Metrics on: the answers of the pass being served that are not counted in its own
@@ -466,7 +466,7 @@ class _Connection:
         task.add_done_callback(srv._inflight.discard)
 
     async def _serve_queue(self) -> None:
-        """Dispatch the queued requests in order, each read once every request before it has
+        """Dispatch the queued requests in order, each read once every write before it has
         finished; then serve as usual again."""
         queue = self._queue
         assert queue is not None
