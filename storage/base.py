@@ -90,6 +90,26 @@ def lease_end_ms(now: float, lease_s: float) -> int:
     return round((now + lease_s) * 1000)
 
 
+@dataclass(frozen=True, slots=True)
+class BudgetItem:
+    """A strict budget record as stored (ADR 0009, 0014).
+
+    ``version`` moves on with every write; ``body`` is the record as last written whole
+    (None: there is none); ``admitted`` holds the units nodes admitted straight onto that body
+    since (:meth:`BudgetRecords.budget_admit`), as ``(name, units, op of its last such
+    write)``. ``admits``: whether the record takes such writes (False: one written before they
+    existed, until it is written whole again)."""
+
+    version: int
+    body: str | None
+    admitted: tuple[tuple[str, int, str], ...] = ()
+    admits: bool = True
+
+    @property
+    def admitted_total(self) -> int:
+        return sum(units for _, units, _ in self.admitted)
+
+
 class StorageError(Exception):
     """Base of the storage errors. ``retryable`` says whether trying again can succeed."""
 
@@ -264,8 +284,11 @@ class LimitRecords(Protocol):
 class BudgetRecords(Protocol):
     """Strict budgets, one record per counter (ADR 0009)."""
 
-    async def budget_read(self, key: Key) -> tuple[int, str | None]: ...
+    async def budget_read(self, key: Key) -> BudgetItem: ...
     async def budget_swap(self, key: Key, version: int, body: str) -> bool: ...
+    async def budget_admit(
+        self, key: Key, body: str, name: str, units: int, most: int, op: str
+    ) -> BudgetItem | None: ...
 
 
 class AlertClaims(Protocol):
@@ -425,16 +448,29 @@ class Storage(abc.ABC):
     # One record per counter under a strict limit (``meter.quotas.escrow`` encodes it), replaced
     # whole by compare-and-swap on its version, so every decision stays in one pure module.
 
-    async def budget_read(self, key: Key) -> tuple[int, str | None]:
-        """The budget record of ``key`` and its version; ``(0, None)`` if there is none. A
+    async def budget_read(self, key: Key) -> BudgetItem:
+        """The budget record of ``key`` (``BudgetItem(0, None)`` if there is none). A
         consistent read."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep budgets")
 
     async def budget_swap(self, key: Key, version: int, body: str) -> bool:
         """Store ``body`` as version ``version + 1`` if the stored version is ``version`` (0:
-        none stored); ``False`` if it is not. A write whose answer was lost may have landed:
+        none stored), with no units admitted onto it (the caller folded those it read into
+        ``body``); ``False`` if it is not. A write whose answer was lost may have landed:
         after ``False`` or :class:`StorageUnavailable` the caller reads the record again to
         tell (its body names the write)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep budgets")
+
+    async def budget_admit(
+        self, key: Key, body: str, name: str, units: int, most: int, op: str
+    ) -> BudgetItem | None:
+        """Add ``units`` (negative: take them off) to those admitted straight onto the record
+        under ``name``, in one conditional write: only if the record's body is ``body`` (or
+        there is no record: then it is made with that body), the units admitted onto it stay
+        within ``most`` with these, and ``op`` is not ``name``'s last such write already.
+        The record after it, or None if a condition failed. Moves the version on (a swap
+        decided before it loses). A lost answer: :class:`StorageUnavailable`; the caller
+        reads the record to tell (``op`` names the write)."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep budgets")
 
     # -- threshold alerts (docs/quotas.md) ---------------------------------------------------

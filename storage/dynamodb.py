@@ -21,6 +21,7 @@ import calendar
 import collections
 import contextlib
 import functools
+import hashlib
 import logging
 import random
 import re
@@ -50,6 +51,7 @@ from storage.base import (
     Applied,
     BadCursor,
     BadItems,
+    BudgetItem,
     Delta,
     ExportPage,
     ExportRow,
@@ -795,7 +797,7 @@ class DynamoDBStorage(Storage):
 
     # -- strict budgets (ADR 0009) -----------------------------------------------------------
 
-    async def budget_read(self, key: Key) -> tuple[int, str | None]:
+    async def budget_read(self, key: Key) -> BudgetItem:
         """A consistent ``GetItem`` of the counter's budget item."""
         resp = await self._call(
             "get_item",
@@ -805,19 +807,18 @@ class DynamoDBStorage(Storage):
             ConsistentRead=True,
         )
         item = resp.get("Item")
-        if item is None:
-            return 0, None
-        try:
-            return _number(item["v"]), item["b"]["S"]
-        except (KeyError, TypeError) as exc:
-            raise StoragePermanentError(f"dynamodb: undecodable budget item {key!r}") from exc
+        return BudgetItem(0, None) if item is None else _budget_item(item, key)
 
     async def budget_swap(self, key: Key, version: int, body: str) -> bool:
-        """One ``PutItem`` on the condition that the stored version is ``version``."""
+        """One ``PutItem`` on the condition that the stored version is ``version``. The item
+        is replaced whole: the units admitted onto the old body go with it (the writer
+        folded them in)."""
         item = {
             **_budget_key(key),
             "v": {"N": str(version + 1)},
             "b": {"S": body},
+            "gv": {"S": _body_tag(body)},
+            "adt": {"N": "0"},
         }
         if key[2]:  # a record with no period (a credit pool) never expires
             item["ttl"] = {"N": str(_ttl(key[2], self.retention_days))}
@@ -832,6 +833,55 @@ class DynamoDBStorage(Storage):
         except _ConditionFailed:
             return False
         return True
+
+    async def budget_admit(
+        self, key: Key, body: str, name: str, units: int, most: int, op: str
+    ) -> BudgetItem | None:
+        """One conditional ``UpdateItem`` (``ALL_NEW``): ``adt`` (the units admitted onto
+        the body, in all) and ``u#<name>`` up by ``units``, ``o#<name>`` := ``op``, the
+        version on by one; if ``gv`` (a digest of the body) is that of ``body`` or there is
+        no item (then it is made with ``body``), ``adt <= most - units`` and ``o#<name>`` is
+        not ``op``."""
+        if units == 0:
+            return None
+        # (the item is made only if that fits in nothing admitted yet; onto one already made,
+        # ``adt`` may be below zero, units given back from a share of the body)
+        onto = "(gv = :gv AND adt <= :room)"
+        when = f"(attribute_not_exists(v) OR {onto})" if units <= most else onto
+        values: dict[str, Any] = {
+            ":q": {"N": str(units)},
+            ":zero": {"N": "0"},
+            ":one": {"N": "1"},
+            ":op": {"S": op},
+            ":body": {"S": body},
+            ":gv": {"S": _body_tag(body)},
+            ":room": {"N": str(most - units)},
+        }
+        names = {"#u": _ADMITTED_UNITS + name, "#o": _ADMITTED_OP + name}
+        made = (
+            "SET b = if_not_exists(b, :body), gv = if_not_exists(gv, :gv),"
+            " v = if_not_exists(v, :zero) + :one, adt = if_not_exists(adt, :zero) + :q,"
+            " #u = if_not_exists(#u, :zero) + :q, #o = :op"
+        )
+        if key[2]:
+            made += ", #ttl = if_not_exists(#ttl, :ttl)"
+            names["#ttl"] = "ttl"
+            values[":ttl"] = {"N": str(_ttl(key[2], self.retention_days))}
+        try:
+            resp = await self._call(
+                "update_item",
+                "budget admit",
+                TableName=self.table,
+                Key=_budget_key(key),
+                UpdateExpression=made,
+                ConditionExpression=(f"{when} AND (attribute_not_exists(#o) OR #o <> :op)"),
+                ExpressionAttributeNames=names,
+                ExpressionAttributeValues=values,
+                ReturnValues="ALL_NEW",
+            )
+        except _ConditionFailed:
+            return None
+        return _budget_item(resp["Attributes"], key)
 
     # -- threshold alerts (docs/quotas.md) --------------------------------------------------
 
@@ -1232,6 +1282,35 @@ def _period_ok(period: str) -> bool:
     except ValueError:
         pass
     return False
+
+
+#: Attribute name prefixes of the units a process admitted onto a budget item, and of its
+#: last such write's op (one attribute each per process: ADD and SET reach no deeper in an
+#: item that the same write may be making).
+_ADMITTED_UNITS, _ADMITTED_OP = "u#", "o#"
+
+
+def _body_tag(body: str) -> str:
+    """What a budget item's ``gv`` holds: a digest of its body, so an admit is decided on
+    exactly the body it names (an expression value is capped at 4 KB; a body is not)."""
+    return hashlib.blake2b(body.encode(), digest_size=16).hexdigest()
+
+
+def _budget_item(item: dict[str, Any], key: Key) -> BudgetItem:
+    """A stored budget item (no ``gv``: written before admits existed, takes none)."""
+    try:
+        admitted = tuple(
+            (
+                name[len(_ADMITTED_UNITS) :],
+                _number(value),
+                str(item.get(_ADMITTED_OP + name[len(_ADMITTED_UNITS) :], {}).get("S", "")),
+            )
+            for name, value in sorted(item.items())
+            if name.startswith(_ADMITTED_UNITS)
+        )
+        return BudgetItem(_number(item["v"]), item["b"]["S"], admitted, "gv" in item)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise StoragePermanentError(f"dynamodb: undecodable budget item {key!r}") from exc
 
 
 def _budget_key(key: Key) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from storage.base import (
     EMPTY,
     Applied,
     BadCursor,
+    BudgetItem,
     Delta,
     ExportPage,
     ExportRow,
@@ -48,7 +49,8 @@ class MemoryStorage(Storage):
         self._limits: dict[tuple[str, str, str], str] = {}
         self._limits_version = 0
         #: Budget records (escrow) by counter: (version, body).
-        self.budgets: dict[Key, tuple[int, str]] = {}
+        #: key -> (version, body, {name: (units, op)} admitted onto that body).
+        self.budgets: dict[Key, tuple[int, str, dict[str, tuple[int, str]]]] = {}
         #: Budget swaps to fail before writing, and to write and then fail (answer lost).
         self.budget_fail_next = 0
         self.budget_lose_next = 0
@@ -213,9 +215,38 @@ class MemoryStorage(Storage):
 
     # -- strict budgets ------------------------------------------------------------------------
 
-    async def budget_read(self, key: Key) -> tuple[int, str | None]:
+    async def budget_read(self, key: Key) -> BudgetItem:
+        return self._budget_item(key)
+
+    def _budget_item(self, key: Key) -> BudgetItem:
         held = self.budgets.get(key)
-        return (0, None) if held is None else held
+        if held is None:
+            return BudgetItem(0, None)
+        version, body, admitted = held
+        return BudgetItem(
+            version, body, tuple((n, u, op) for n, (u, op) in sorted(admitted.items()))
+        )
+
+    async def budget_admit(
+        self, key: Key, body: str, name: str, units: int, most: int, op: str
+    ) -> BudgetItem | None:
+        if self.budget_fail_next > 0:
+            self.budget_fail_next -= 1
+            raise StorageUnavailable("injected failure before the budget write")
+        version, stored, admitted = self.budgets.get(key, (0, body, {}))
+        mine = admitted.get(name, (0, ""))
+        if (
+            stored != body
+            or units == 0
+            or sum(u for u, _ in admitted.values()) + units > most
+            or mine[1] == op
+        ):
+            return None
+        self.budgets[key] = (version + 1, body, {**admitted, name: (mine[0] + units, op)})
+        if self.budget_lose_next > 0:
+            self.budget_lose_next -= 1
+            raise StorageUnavailable("injected loss of the answer after the budget write")
+        return self._budget_item(key)
 
     async def budget_swap(self, key: Key, version: int, body: str) -> bool:
         if self.budget_fail_next > 0:
@@ -224,7 +255,7 @@ class MemoryStorage(Storage):
         held = self.budgets.get(key)
         if (0 if held is None else held[0]) != version:
             return False
-        self.budgets[key] = (version + 1, body)
+        self.budgets[key] = (version + 1, body, {})
         if self.budget_lose_next > 0:
             self.budget_lose_next -= 1
             raise StorageUnavailable("injected loss of the answer after the budget write")

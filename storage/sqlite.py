@@ -32,6 +32,7 @@ from storage.base import (
     Applied,
     BadCursor,
     BadItems,
+    BudgetItem,
     Delta,
     ExportPage,
     ExportRow,
@@ -147,6 +148,21 @@ CREATE TABLE IF NOT EXISTS budgets (
     body       TEXT    NOT NULL,
     expires_at INTEGER NOT NULL,
     PRIMARY KEY (tenant, feature, period)
+) WITHOUT ROWID
+"""
+
+#: Units admitted straight onto a budget record since its body was written (ADR 0014), one
+#: row per admitting process. A swap of the body deletes them (the writer folded them in).
+#: Additive.
+_BUDGET_ADMITS = """
+CREATE TABLE IF NOT EXISTS budget_admits (
+    tenant  TEXT    NOT NULL,
+    feature TEXT    NOT NULL,
+    period  TEXT    NOT NULL,
+    name    TEXT    NOT NULL,
+    units   INTEGER NOT NULL,
+    op      TEXT    NOT NULL,
+    PRIMARY KEY (tenant, feature, period, name)
 ) WITHOUT ROWID
 """
 
@@ -592,30 +608,22 @@ class SQLiteStorage(Storage):
 
     # -- strict budgets (ADR 0009) -----------------------------------------------------------
 
-    async def budget_read(self, key: Key) -> tuple[int, str | None]:
-        """The record and its version, from the committed state (the writer's connection, so
-        a read after a swap sees it)."""
+    async def budget_read(self, key: Key) -> BudgetItem:
+        """The record, from the committed state (the writer's connection, so a read after a
+        write sees it)."""
 
-        def read() -> tuple[int, str | None]:
+        def read() -> BudgetItem:
             try:
-                row = (
-                    self._connection()
-                    .execute(
-                        "SELECT version, body FROM budgets "
-                        "WHERE tenant = ? AND feature = ? AND period = ?",
-                        key,
-                    )
-                    .fetchone()
-                )
+                return _budget_item(self._connection(), key)
             except sqlite3.Error as exc:
                 raise _map(exc, f"reading a budget from {self.path}") from exc
-            return (0, None) if row is None else (int(row[0]), str(row[1]))
 
         return await self._run(read)
 
     async def budget_swap(self, key: Key, version: int, body: str) -> bool:
-        """One transaction: compare the version, write the next. A record with no period (a
-        credit pool) never expires."""
+        """One transaction: compare the version, write the next (and drop the units admitted
+        onto the old body: the writer folded them in). A record with no period (a credit
+        pool) never expires."""
         expires = self._expires_at(key[2]) if key[2] else 2**62
 
         def swap(conn: sqlite3.Connection) -> bool:
@@ -633,9 +641,48 @@ class SQLiteStorage(Storage):
                     " expires_at = excluded.expires_at",
                     (*key, version + 1, body, expires),
                 )
+                conn.execute(
+                    "DELETE FROM budget_admits WHERE tenant = ? AND feature = ? AND period = ?",
+                    key,
+                )
             return done
 
         return await self._run(lambda: self._immediate(swap, f"writing a budget to {self.path}"))
+
+    async def budget_admit(
+        self, key: Key, body: str, name: str, units: int, most: int, op: str
+    ) -> BudgetItem | None:
+        """One transaction: check the conditions, add the units (making the record if there
+        is none), move the version on."""
+        expires = self._expires_at(key[2]) if key[2] else 2**62
+
+        def admit(conn: sqlite3.Connection) -> BudgetItem | None:
+            item = _budget_item(conn, key)
+            mine = next((a for a in item.admitted if a[0] == name), None)
+            if (
+                (item.body is not None and item.body != body)
+                or units == 0
+                or item.admitted_total + units > most
+                or (mine is not None and mine[2] == op)
+            ):
+                return None
+            conn.execute(
+                "INSERT INTO budget_admits (tenant, feature, period, name, units, op)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, feature, period, name)"
+                " DO UPDATE SET units = units + excluded.units, op = excluded.op",
+                (*key, name, units, op),
+            )
+            conn.execute(
+                "INSERT INTO budgets (tenant, feature, period, version, body, expires_at)"
+                " VALUES (?, ?, ?, 1, ?, ?) ON CONFLICT (tenant, feature, period)"
+                " DO UPDATE SET version = version + 1",
+                (*key, body, expires),
+            )
+            return _budget_item(conn, key)
+
+        return await self._run(
+            lambda: self._immediate(admit, f"admitting onto a budget in {self.path}")
+        )
 
     # -- credits ledgers (docs/ledger.md) ----------------------------------------------------
 
@@ -817,6 +864,7 @@ class SQLiteStorage(Storage):
             conn.execute(_LIMITS)
             conn.execute(_LIMITS_VERSION)
             conn.execute(_BUDGETS)
+            conn.execute(_BUDGET_ADMITS)
             conn.execute(_ALERTS)
             for statement in _LEDGERS:
                 conn.execute(statement)
@@ -1079,6 +1127,10 @@ class SQLiteStorage(Storage):
                 )
                 if n < limit:  # (the last batch) budgets and claimed alerts past their retention
                     conn.execute("DELETE FROM budgets WHERE expires_at < ?", (cutoff,))
+                    conn.execute(
+                        "DELETE FROM budget_admits WHERE (tenant, feature, period) NOT IN"
+                        " (SELECT tenant, feature, period FROM budgets)"
+                    )
                     conn.execute("DELETE FROM alerts WHERE expires_at < ?", (cutoff,))
                 return max(n, days.rowcount)
         except sqlite3.Error as exc:
@@ -1243,3 +1295,19 @@ def _map(exc: sqlite3.Error, doing: str) -> StorageError:
     ):
         return StoragePermanentError(message)
     return StorageUnavailable(message)
+
+
+def _budget_item(conn: sqlite3.Connection, key: Key) -> BudgetItem:
+    """A budget record and the units admitted onto it, read on ``conn`` in one statement (one
+    snapshot: another process's write cannot fall between the body and its tallies)."""
+    rows = conn.execute(
+        "SELECT b.version, b.body, a.name, a.units, a.op FROM budgets b"
+        " LEFT JOIN budget_admits a"
+        " ON a.tenant = b.tenant AND a.feature = b.feature AND a.period = b.period"
+        " WHERE b.tenant = ? AND b.feature = ? AND b.period = ? ORDER BY a.name",
+        key,
+    ).fetchall()
+    if not rows:
+        return BudgetItem(0, None)
+    admitted = tuple((str(n), int(u), str(op)) for _, _, n, u, op in rows if n is not None)
+    return BudgetItem(int(rows[0][0]), str(rows[0][1]), admitted)

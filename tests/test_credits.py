@@ -28,7 +28,7 @@ from meter.ledger import model as ledger_model
 from meter.ledger.funding import LedgerFunder
 from meter.ledger.store import LedgerStore
 from meter.quotas.escrow import Budget
-from meter.quotas.shares import Shares
+from meter.quotas.shares import Shares, decode
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
 
@@ -81,10 +81,10 @@ async def _pool(tmp: Path, tenant: str) -> Budget | None:
     storage = SQLiteStorage(tmp / "shared.db")
     await storage.open()
     try:
-        _, body = await storage.budget_read(pool_key(tenant))
+        item = await storage.budget_read(pool_key(tenant))
     finally:
         await storage.close()
-    return None if body is None else Budget.from_json(body)
+    return decode(item)
 
 
 async def _wait_price(c: AsyncClient, tenant: str, feature: str, price: int) -> None:
@@ -334,9 +334,9 @@ async def test_a_pool_funding_is_sized_by_the_recent_spend_and_grows_at_most_fou
     pool = ("acme", "#credits", "")
 
     async def funded() -> int:
-        _, body = await storage.budget_read(pool)
-        assert body is not None
-        f = Budget.from_json(body).funded
+        budget = decode(await storage.budget_read(pool))
+        assert budget is not None
+        f = budget.funded
         assert f is not None
         return f
 

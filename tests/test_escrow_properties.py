@@ -5,13 +5,16 @@ compare-and-swap storage gives: grants and cap raises begun, raced and finished,
 admitted while a write is in flight, writes whose answer is lost (and recognised later by
 their op id), give-backs, renewals, admitted units given back (reservations released),
 crashes (a process forgets its share; the next one takes over its stored share) and time
-passing, so that shares of silent nodes are taken back. Whatever the interleaving, the units
-admitted by every process of every node, plus the base, never pass the limit.
+passing, so that shares of silent nodes are taken back; and, near the limit, units admitted
+straight onto the record (ADR 0014: decided on the record as last seen, landing only on that
+body and within what is left, folded into their process's share) and given back the same
+way. Whatever the interleaving, the units admitted by every process of every node, plus the
+base, never pass the limit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -42,20 +45,36 @@ class Pending:
     kind: str  # take, give_back, renew
 
 
+@dataclass
+class Direct:
+    """A write of units onto the record begun (``Storage.budget_admit`` not made yet)."""
+
+    body: str  # the body it was decided on
+    name: str
+    units: int  # negative: given back
+    most: int
+    op: str
+
+
 class Escrow(RuleBasedStateMachine):
     """Processes ``p*`` (``Shares`` reduced to its decisions) against one budget record."""
 
     def __init__(self) -> None:
         super().__init__()
         self.version = 0
-        self.budget: Budget | None = None
+        #: The record's body as last written whole, and the units admitted onto it since
+        #: (name -> units, op), as storage holds them; ``budget`` is what a read returns.
+        self.body: Budget | None = None
+        self.entries: dict[str, tuple[int, str]] = {}
         self.local: dict[str, Local | None] = dict.fromkeys(NODES)
         self.pending: dict[str, Pending | None] = dict.fromkeys(NODES)
+        self.direct: dict[str, Direct | None] = dict.fromkeys(NODES)
+        self.lost_direct: dict[str, tuple[str, int] | None] = dict.fromkeys(NODES)
         self.lost: dict[str, str | None] = dict.fromkeys(NODES)  # op of a write heard of never
         self.lost_floor = dict.fromkeys(NODES, 0)
         self.lost_owed = dict.fromkeys(NODES, 0)
         #: Writes in flight when their process crashed: they may still land, unheard.
-        self.orphans: list[Pending] = []
+        self.orphans: list[Pending | Direct] = []
         #: Units admitted by every process of a node id, still admitted.
         self.admitted = dict.fromkeys(sorted(set(PROCS.values())), 0)
         #: Units admitted by the current process (what it may give back).
@@ -75,7 +94,21 @@ class Escrow(RuleBasedStateMachine):
         return f"{self.runs[p]}.{self.ops}"
 
     def _busy(self, p: str) -> bool:
-        return self.pending[p] is not None or self.lost[p] is not None
+        return any(
+            x is not None
+            for x in (self.pending[p], self.lost[p], self.direct[p], self.lost_direct[p])
+        )
+
+    @property
+    def budget(self) -> Budget | None:
+        """The record as a read returns it: the body, the units admitted onto it folded in."""
+        if self.body is None:
+            return None
+        rows = tuple((n, u, op) for n, (u, op) in sorted(self.entries.items()))
+        return self.body.admitted(rows, self.body.to_json())
+
+    def _write_whole(self, budget: Budget) -> None:
+        self.body, self.entries, self.version = budget, {}, self.version + 1
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -132,7 +165,7 @@ class Escrow(RuleBasedStateMachine):
         self.pending[p] = None
         if w.version != self.version:  # lost the race: nothing written (a cap stays lowered)
             return
-        self.budget, self.version = w.swap.budget, self.version + 1
+        self._write_whole(w.swap.budget)
         if lose_answer:
             self.lost[p] = w.op  # the process learns of it by reading again, or never
             self.lost_floor[p] = w.swap.floor
@@ -163,6 +196,122 @@ class Escrow(RuleBasedStateMachine):
         else:
             loc.e, loc.g, loc.c = new.e, new.g, new.c
             loc.a = max(loc.a, floor)
+
+    # -- near the limit: units admitted straight onto the record (ADR 0014) -----------------
+
+    @rule(p=st.sampled_from(NODES), want=st.integers(1, 12), least=st.integers(1, 12),
+          nodes=st.integers(1, 4), share_max=st.integers(1, 30))  # fmt: skip
+    def begin_direct(self, p: str, want: int, least: int, nodes: int, share_max: int) -> None:
+        """As Shares._admit_direct: decided on the record as it is now (it may have moved
+        on by the time the write lands); a record not made yet is made by it."""
+        if self._busy(p) or self.owed[p]:
+            return
+        budget = self.budget
+        if budget is None and self.version == 0:
+            fresh = Budget(BASE, {})
+            budget = replace(fresh, stored=fresh.to_json())
+        units = escrow.direct_units(
+            budget, PROCS[p], self.local[p], run=self.runs[p], want=want,
+            least=min(want, least), limit=LIMIT, nodes=nodes, share_max=share_max,
+        )  # fmt: skip
+        if units <= 0 or budget is None or budget.stored is None:
+            return
+        most = LIMIT - (budget.granted - budget.direct)
+        name = escrow.admit_name(PROCS[p], self.runs[p])
+        self.direct[p] = Direct(budget.stored, name, units, most, self._op(p))
+
+    @rule(p=st.sampled_from(NODES))
+    def begin_release(self, p: str) -> None:
+        """As Shares._release: cap and grant lowered first, then the units taken off."""
+        loc = self.local[p]
+        budget = self.budget
+        if self._busy(p) or loc is None or loc.c <= loc.a or budget is None:
+            return
+        if budget.stored is None:
+            return
+        room = loc.c - loc.a
+        loc.c -= room
+        loc.g -= room
+        most = LIMIT - (budget.granted - budget.direct)
+        name = escrow.admit_name(PROCS[p], self.runs[p])
+        self.direct[p] = Direct(budget.stored, name, -room, most, self._op(p))
+
+    def _land(self, w: Direct) -> bool:
+        """Storage's budget_admit: only on the body it was decided on (or making the record),
+        within what is left, never twice under one op."""
+        stored = None if self.body is None else self.body.to_json()
+        mine = self.entries.get(w.name, (0, ""))
+        total = sum(u for u, _ in self.entries.values())
+        if (stored is not None and stored != w.body) or total + w.units > w.most:
+            return False
+        if mine[1] == w.op:
+            return False
+        if self.body is None:
+            self.body = Budget.from_json(w.body)
+        self.entries[w.name] = (mine[0] + w.units, w.op)
+        self.version += 1
+        return True
+
+    @rule(p=st.sampled_from(NODES), lose_answer=st.booleans())
+    def finish_direct(self, p: str, lose_answer: bool) -> None:
+        w = self.direct[p]
+        if w is None:
+            return
+        self.direct[p] = None
+        self._finish_direct(p, w, lose_answer)
+
+    @rule(p=st.sampled_from(NODES))
+    def direct_unclear(self, p: str) -> None:
+        """An admit with no clear answer that has not landed yet: it may land any time later
+        (an orphan); the process, seeing it missing on its read, goes on (and may send
+        added units again under a new op; units taken off it never sends again)."""
+        w = self.direct[p]
+        if w is not None:
+            self.direct[p] = None
+            self.orphans.append(w)
+
+    def _finish_direct(self, p: str, w: Direct, lose_answer: bool) -> None:
+        if not self._land(w):
+            return  # a condition failed: nothing written (a released cap stays lowered)
+        if lose_answer:
+            self.lost_direct[p] = (w.op, w.units)
+            return
+        self._granted(p, w.units)
+
+    @rule(p=st.sampled_from(NODES), read_fails=st.booleans())
+    def read_after_a_lost_direct(self, p: str, read_fails: bool) -> None:
+        lost = self.lost_direct[p]
+        if lost is None:
+            return
+        self.lost_direct[p] = None
+        budget = self.budget
+        mine = None if budget is None else budget.shares.get(PROCS[p])
+        if not read_fails and mine is not None and mine.op == lost[0]:
+            self._granted(p, lost[1])
+
+    @rule(p=st.sampled_from(NODES), want=st.integers(1, 12), nodes=st.integers(1, 4))
+    def burst_onto_the_record(self, p: str, want: int, nodes: int) -> None:
+        """A pass near the limit in one step: units admitted onto the record, then all the
+        room the process has admitted (as its waiting calls do)."""
+        self.begin_direct(p, want, want, nodes, want)
+        w = self.direct[p]
+        if w is not None:
+            self.direct[p] = None
+            self._finish_direct(p, w, False)
+        loc = self.local[p]
+        if loc is not None and loc.c > loc.a:
+            self.admit(p, loc.c - loc.a)
+
+    def _granted(self, p: str, units: int) -> None:
+        """As Shares._granted_direct (a give-back lowered the local share before writing)."""
+        if units < 0:
+            return
+        loc = self.local[p]
+        if loc is None:
+            self.local[p] = Local(0, units, units, 0, LIMIT)
+        else:
+            loc.g += units
+            loc.c += units
 
     # -- the hot path ----------------------------------------------------------------------
 
@@ -202,6 +351,11 @@ class Escrow(RuleBasedStateMachine):
         w = self.pending[p]
         if w is not None:
             self.orphans.append(w)  # a write in flight may still land: see land_after_crash
+        d = self.direct[p]
+        if d is not None:
+            self.orphans.append(d)
+        self.direct[p] = None
+        self.lost_direct[p] = None
         loc = self.local[p]
         if loc is not None and self.owed[p] == 0:  # (the log's last SHARES record of it)
             self.logged[(PROCS[p], self.runs[p])] = loc.a
@@ -218,8 +372,10 @@ class Escrow(RuleBasedStateMachine):
         """A write in flight whose process crashed before the answer: it lands, unheard (if
         no other write came first)."""
         w = self.orphans.pop(data.draw(st.integers(0, len(self.orphans) - 1)))
-        if w.version == self.version:
-            self.budget, self.version = w.swap.budget, self.version + 1
+        if isinstance(w, Direct):
+            self._land(w)
+        elif w.version == self.version:
+            self._write_whole(w.swap.budget)
 
     @rule(ms=st.integers(1, 2000))
     def time_passes(self, ms: int) -> None:

@@ -17,6 +17,7 @@ from storage.base import (
     MAX_EXPORT_PAGE,
     Applied,
     BadCursor,
+    BudgetItem,
     Delta,
     ExportRow,
     Key,
@@ -465,22 +466,59 @@ async def test_export_refuses_bad_cursors_periods_and_limits(storage: Storage) -
 
 async def test_budget_swap_compares_versions(storage: Storage) -> None:
     key = ("acme", "api", "2026-11")
-    assert await storage.budget_read(key) == (0, None)
+    assert await storage.budget_read(key) == BudgetItem(0, None)
     assert not await storage.budget_swap(key, 1, "x")  # nothing is stored at version 1
     assert await storage.budget_swap(key, 0, '{"a":1}')
-    assert await storage.budget_read(key) == (1, '{"a":1}')
+    assert await storage.budget_read(key) == BudgetItem(1, '{"a":1}')
     assert not await storage.budget_swap(key, 0, "late")  # a second creation loses
     assert await storage.budget_swap(key, 1, '{"a":2}')
     assert not await storage.budget_swap(key, 1, "stale")
-    assert await storage.budget_read(key) == (2, '{"a":2}')
+    assert await storage.budget_read(key) == BudgetItem(2, '{"a":2}')
     # Budgets are per counter, and never show as counters.
     other = ("acme", "api", "2026-12")
-    assert await storage.budget_read(other) == (0, None)
+    assert await storage.budget_read(other) == BudgetItem(0, None)
     assert await storage.list_period("acme", "2026-11") == {}
     assert (await storage.export_page("2026-11", None, 10)).rows == []
 
 
-# -- credits ledgers (docs/ledger.md) ----------------------------------------------------------
+async def test_budget_admit_adds_within_most_on_the_body_it_was_decided_on(
+    storage: Storage,
+) -> None:
+    """ADR 0014: units admitted onto a record add up per name within ``most``, only on the
+    body they were decided on (the first makes the record), never twice under one op; each
+    moves the version on, so a swap decided before it loses; a swap drops them (its writer
+    folded them in); units can be taken off again."""
+    key = ("acme", "api", "2026-11")
+    got = await storage.budget_admit(key, "body", "n1.r", 3, 10, "r.1")  # makes the record
+    assert got == BudgetItem(1, "body", (("n1.r", 3, "r.1"),))
+    assert await storage.budget_admit(key, "body", "n1.r", 3, 10, "r.1") is None  # that op again
+    assert await storage.budget_admit(key, "other", "n2.s", 1, 10, "s.0") is None  # not its body
+    got = await storage.budget_admit(key, "body", "n2.s", 5, 10, "s.1")  # made already: adds
+    assert got == BudgetItem(2, "body", (("n1.r", 3, "r.1"), ("n2.s", 5, "s.1")))
+    assert await storage.budget_admit(key, "body", "n1.r", 3, 10, "r.2") is None  # 11 > 10
+    got = await storage.budget_admit(key, "body", "n1.r", 2, 10, "r.2")  # exactly 10
+    assert got == BudgetItem(3, "body", (("n1.r", 5, "r.2"), ("n2.s", 5, "s.1")))
+    assert await storage.budget_admit(key, "body", "n3.t", 1, 10, "t.1") is None  # none left
+    got = await storage.budget_admit(key, "body", "n1.r", -4, 10, "r.3")  # given back
+    assert got == BudgetItem(4, "body", (("n1.r", 1, "r.3"), ("n2.s", 5, "s.1")))
+    assert await storage.budget_read(key) == got
+    assert not await storage.budget_swap(key, 3, "stale")  # decided before the last admit
+    assert await storage.budget_swap(key, 4, "folded")
+    assert await storage.budget_read(key) == BudgetItem(5, "folded")
+    assert await storage.budget_admit(key, "body", "n1.r", 1, 10, "r.4") is None  # old body
+    got = await storage.budget_admit(key, "folded", "n1.r", 1, 1, "r.4")
+    assert got == BudgetItem(6, "folded", (("n1.r", 1, "r.4"),))
+    # Units of the body's share given back: the tallies go below zero, and what fits with
+    # them fits (5 - 4 = 1 <= 1).
+    got = await storage.budget_admit(key, "folded", "n2.s", -4, 1, "s.2")
+    assert got == BudgetItem(7, "folded", (("n1.r", 1, "r.4"), ("n2.s", -4, "s.2")))
+    got = await storage.budget_admit(key, "folded", "n3.t", 4, 1, "t.2")
+    assert got is not None and got.admitted_total == 1
+    assert await storage.budget_admit(key, "folded", "n3.t", 1, 1, "t.3") is None  # 2 > 1
+    # A record is never made by more than fits in nothing.
+    fresh = ("acme", "api", "2026-10")
+    assert await storage.budget_admit(fresh, "body", "n1.r", 5, 4, "r.9") is None
+    assert await storage.budget_read(fresh) == BudgetItem(0, None)
 
 
 async def test_ledger_write_compares_version_and_refs(storage: Storage) -> None:

@@ -23,8 +23,8 @@ from meter.core.ports import NoBudget
 from meter.errors import LimitExceeded
 from meter.node.lifecycle import Node
 from meter.quotas.escrow import Budget
-from meter.quotas.shares import Shares
-from storage.base import StorageUnavailable
+from meter.quotas.shares import Shares, decode
+from storage.base import BudgetItem, StorageUnavailable
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
 
@@ -87,10 +87,10 @@ async def _budget(tmp: Path, key: tuple[str, str, str]) -> Budget | None:
     storage = SQLiteStorage(tmp / "shared.db")
     await storage.open()
     try:
-        _, body = await storage.budget_read(key)
+        item = await storage.budget_read(key)
     finally:
         await storage.close()
-    return None if body is None else Budget.from_json(body)
+    return decode(item)
 
 
 async def test_a_strict_limit_admits_exactly_the_limit_across_nodes(tmp: Path) -> None:
@@ -223,9 +223,8 @@ async def test_lost_answers_and_races_on_the_budget_are_never_counted_twice() ->
         admitted[i] += 1
     await asyncio.gather(*(asyncio.sleep(0) for _ in range(3)))
     assert sum(admitted) == 100, admitted
-    _, body = await storage.budget_read(key)
-    assert body is not None
-    budget = Budget.from_json(body)
+    budget = decode(await storage.budget_read(key))
+    assert budget is not None
     assert budget.granted == 100
     for n, s in enumerate(nodes):
         loc = s.local[key]
@@ -276,8 +275,9 @@ L = 100
 
 
 def stored(storage: MemoryStorage) -> Budget:
-    _, body = storage.budgets[KEY]
-    return Budget.from_json(body)
+    budget = decode(storage._budget_item(KEY))
+    assert budget is not None
+    return budget
 
 
 class HookStorage(MemoryStorage):
@@ -290,7 +290,7 @@ class HookStorage(MemoryStorage):
         self.on_swap: Callable[[], None] | None = None
         self.read_fails = 0
 
-    async def budget_read(self, key: tuple[str, str, str]) -> tuple[int, str | None]:
+    async def budget_read(self, key: tuple[str, str, str]) -> BudgetItem:
         if self.read_fails > 0:
             self.read_fails -= 1
             raise StorageUnavailable("injected: read fails")

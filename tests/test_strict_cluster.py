@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from meter.quotas.escrow import Budget
+from meter.quotas.shares import decode
 from storage.dynamodb import DynamoDBStorage
 from tests.support.cluster_harness import Conn, Fleet, wait_until
 from tests.support.nodes import NodeProcess
@@ -84,10 +85,10 @@ def _budget(endpoint: str, table: str, key: tuple[str, str, str]) -> Budget | No
         storage = DynamoDBStorage(table, endpoint_url=endpoint)
         await storage.open()
         try:
-            _, body = await storage.budget_read(key)
+            item = await storage.budget_read(key)
         finally:
             await storage.close()
-        return None if body is None else Budget.from_json(body)
+        return decode(item)
 
     return asyncio.run(read())
 
@@ -136,6 +137,29 @@ def test_a_strict_limit_admits_exactly_the_limit_under_a_burst_from_four_nodes(
     assert budget is not None and budget.granted <= 1000
 
 
+def test_near_a_strict_limit_nodes_admit_onto_the_record_instead_of_racing(fleet: Fleet) -> None:
+    """Q18 through real nodes: a burst of 3 nodes x 4 clients to a strict limit of 300 (near
+    it from the start) admits exactly 300 with writes that add onto the budget record, a
+    write per several calls, and few lost races (compare-and-swap alone lost more than half
+    its writes here: 62 of 113)."""
+    nodes = fleet(3)
+    _set_strict(nodes, "acme", "near", 300)
+    before = [p.call("status")["limits"]["strict"] for p in nodes]
+    burst = Burst(nodes, 4, "acme", "near").start()
+    burst.join()
+    assert not burst.errors, burst.errors[:3]
+    assert burst.total == 300, burst.acked
+    after = [p.call("status")["limits"]["strict"] for p in nodes]
+    got = {
+        k: sum(a[k] - b[k] for a, b in zip(after, before, strict=True))
+        for k in ("writes", "direct_writes", "conflicts")
+    }
+    assert got["direct_writes"] >= 1, got
+    assert got["writes"] <= 300 // 4, got  # (a write per call would be 300)
+    assert got["conflicts"] * 4 <= got["writes"], got
+    print(f"\nstrict 300, 3 nodes x 4 clients: {burst.acked} admitted; {got}")
+
+
 def test_a_node_killed_mid_burst_never_lets_the_fleet_pass_the_limit(
     fleet: Fleet,
     dynamodb_local: str,
@@ -145,9 +169,12 @@ def test_a_node_killed_mid_burst_never_lets_the_fleet_pass_the_limit(
     # grace) on a loaded machine: the take-back checked below is then the first one. (The
     # burst took up to 8 s here with the machine loaded: 1.5 s and 5 s leases were too short.)
     lease_ms = 10_000
+    # Far enough from the limit when the node is killed that its share is a grant with a cap
+    # below it (near the limit a node admits onto the record, all promised: ADR 0014).
+    limit = 4000
     nodes = fleet(4, METER_STRICT_LEASE_MS=str(lease_ms), METER_STRICT_SHARE_MAX="100")
     key = ("acme", "api", _period())
-    _set_strict(nodes, "acme", "api", 1000)
+    _set_strict(nodes, "acme", "api", limit)
     burst = Burst(nodes, 8, "acme", "api").start()
     wait_until(lambda: burst.total >= 300, 30, "300 units admitted", nodes, step=0.01)
     victim = nodes[3]
@@ -155,7 +182,7 @@ def test_a_node_killed_mid_burst_never_lets_the_fleet_pass_the_limit(
     burst.join()
     assert not burst.errors, burst.errors[:3]
     first = burst.total
-    assert first <= 1000, burst.acked
+    assert first <= limit, burst.acked
     dead = _budget(dynamodb_local, dynamodb_table, key)
     assert dead is not None
     share = dead.shares.get("n3")
@@ -178,14 +205,16 @@ def test_a_node_killed_mid_burst_never_lets_the_fleet_pass_the_limit(
     total = first + again.total
     after = _budget(dynamodb_local, dynamodb_table, key)
     assert after is not None
-    if share is not None:
+    if share is not None and share.g > share.c:
         moved = after.shares["n3"]
         assert moved.e == share.e + 1 and moved.g == moved.c == share.c  # taken back, not more
         taken_back = sum(p.call("status")["limits"]["strict"]["taken_back"] for p in nodes[:3])
         assert taken_back >= 1
-    assert total <= 1000
+    elif share is not None:  # (admitted onto the record near the limit: all promised)
+        assert after.shares["n3"] == share
+    assert total <= limit
     # Reachable: only the dead node's promised-and-unused units (<= its cap step) are lost.
-    assert total >= 1000 - (promised - burst.acked[3]), (total, share, burst.acked)
+    assert total >= limit - (promised - burst.acked[3]), (total, share, burst.acked)
     # The killed node comes back with its log: what it acknowledged is stored, and the
     # stored total never passes the limit.
     victim.start()
@@ -197,7 +226,7 @@ def test_a_node_killed_mid_burst_never_lets_the_fleet_pass_the_limit(
         nodes,
     )  # fmt: skip
     stored = nodes[0].call("usage", "acme", "api")
-    assert total <= stored <= 1000, (total, stored)
+    assert total <= stored <= limit, (total, stored)
     print(
         f"\nkill -9 mid-burst: {first} admitted before the lease ended, {again.total} after, "
         f"{stored} stored; the dead share: {share}, acked {burst.acked[3]}"

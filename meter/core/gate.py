@@ -9,6 +9,7 @@ the gate what a track would do, changing nothing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable
@@ -310,6 +311,35 @@ class Gate:
             ):
                 out.append(Short(k, qty, eff))
         return out
+
+    async def make_rooms(self, keys: list[Key], qty: int, short: Short) -> None:
+        """Make room for ``short`` and, at the same time, on every other level of ``keys``
+        short of room for ``qty``: a call under the hierarchy waits for one round of writes,
+        not for one write per level in turn. The first refusal (or failure) is raised once
+        every write has ended."""
+        shorts = [short] + [s for s in self.strict_short(keys, qty) if s.key != short.key]
+        if len(keys) == 1:
+            await self.make_room(short)
+            return
+        # Levels with room for this call but not for the next: filled in the same round (a
+        # failure there is the next call's to meet).
+        short_keys = {s.key for s in shorts}
+        low = [s for s in self.strict_short(keys, 2 * qty) if s.key not in short_keys]
+        ended = await asyncio.gather(
+            *(self.make_room(s) for s in shorts + low), return_exceptions=True
+        )
+        failed = next((got for got in ended[: len(shorts)] if isinstance(got, BaseException)), None)
+        if failed is None:
+            return
+        if isinstance(failed, LimitExceeded):
+            # Refused at one level: room this node holds for it at the others would sit
+            # unused while calls on other nodes are refused for want of it.
+            refused = {s.key for s, got in zip(shorts, ended, strict=False) if got is not None}
+            for k in keys:
+                eff = self.limited.get((k[0], k[1])) if self.limited else None
+                if k not in refused and eff is not None and eff.enforcement == "strict":
+                    self.shares.release(k, eff.limit)
+        raise failed
 
     async def make_room(self, short: Short, at_least: int | None = None) -> None:
         """Make room for what ``short`` asked for: in the tenant's credit pool, or in this

@@ -20,7 +20,14 @@ POOL = -1
 
 
 class NoBudget(Exception):
-    """The budget cannot cover the units asked for (the strict limit is reached)."""
+    """The budget cannot cover the units asked for (the strict limit is reached); ``left``:
+    the units it could still give this node."""
+
+    def __init__(self, message: str, left: int = 0) -> None:
+        super().__init__(message)
+        self.left = left
+        #: When (monotonic) the read it was decided on began, if it was decided on one.
+        self.read_at: float | None = None
 
 
 class Limit(Protocol):
@@ -137,6 +144,11 @@ class Budgets(Protocol):
 
     async def ensure_pool(self, key: Key, need: int, funder: Funder) -> None:
         """Make room for ``need`` credits in a tenant's credit pool, funded by ``funder``."""
+        ...
+
+    def release(self, key: Key, limit: int) -> None:
+        """Near the limit, give back (in the background) the room this node holds unused
+        on ``key``: a call it was made for was refused at another level."""
         ...
 
     def status(self) -> dict[str, Any]: ...

@@ -241,7 +241,7 @@ class Tracking:
                 short = exc
             # Not awaited inside the except block: compiled, the caught exception would stay
             # the thread's current one, and every later exception would chain onto it.
-            await self.gate.make_room(short)
+            await self.gate.make_rooms(keys, qty, short)
         raise Unavailable(f"{keys[0][0]}/{keys[0][1]}: the strict share kept running out; retry")
 
     def _count_checked(

@@ -56,6 +56,28 @@ class Budget:
     fund_n: int = 0
     fund: tuple[int, int, int] | None = None
     pool: str = ""
+    #: Of the shares' units, those admitted straight onto the record since its body was
+    #: written (:func:`direct_units`), and that body as stored (None: the record takes no
+    #: such write until it is written whole again). Neither is in the body.
+    direct: int = 0
+    stored: str | None = None
+
+    def admitted(self, admitted: tuple[tuple[str, int, str], ...], stored: str | None) -> Budget:
+        """This body with the units admitted straight onto it folded into their nodes'
+        shares (grant and cap both: they were granted and promised in one write). Each is
+        named ``<node>.<process>`` (:func:`admit_name`); a share stays its process's, named by
+        its last such write, unless another process admitted onto it too: then it is no
+        process's (its op is blank), and any process taking it closes it at its cap."""
+        shares = dict(self.shares)
+        for name, units, op in admitted:
+            node, _, run = name.rpartition(".")
+            s = shares.get(node)
+            if s is None:
+                shares[node] = Share(units, units, 0, 0, op)
+            else:
+                shares[node] = Share(s.g + units, s.c + units, s.e, s.t, op if ours(s, run) else "")
+        total = sum(units for _, units, _ in admitted)
+        return replace(self, shares=shares, direct=total, stored=stored)
 
     @property
     def granted(self) -> int:
@@ -168,6 +190,12 @@ def adopt(node: str, budget: Budget | None, local: Local | None, limit: int) -> 
     return Local(s.e, s.g, s.c, local.a, limit, local.used_at, local.low)
 
 
+def admit_name(node: str, run: str) -> str:
+    """What units admitted straight onto a record by process ``run`` of ``node`` are stored
+    under (node ids hold no dot)."""
+    return f"{node}.{run}"
+
+
 def ours(share: Share, run: str) -> bool:
     """Whether ``share`` was last written by the process ``run`` (ops are ``<run>.<n>``; a
     take-back keeps the op, so a share taken back is still its process's)."""
@@ -233,12 +261,63 @@ def take(
                 shares[other] = Share(s.c, s.c, s.e + 1, s.t, s.op)
         free = limit - (budget.base + sum(s.g for s in shares.values()))
     if free < least:
-        raise NoBudget(f"{max(0, free + cur.g - cur.a)} units left, {need} asked")
+        left = max(0, free + cur.g - cur.a)
+        raise NoBudget(f"{left} units left, {need} asked", left)
     g = cur.g + max(least, min(free, wanted))
     c = max(cur.c, min(g, cur.a + need + step))
     shares[node] = Share(g, c, cur.e, now_ms + lease_ms, op)
     b = replace(budget, shares=shares)
     return Swap(b, adopt(node, b, cur, limit), floor, used_owed)
+
+
+#: A node admits calls straight onto the budget record (:func:`direct_units`) once a share would
+#: cover fewer than this many passes of its waiting calls, each counted at least
+#: ``DIRECT_PASS`` units (a pass of one call now may be a pass of many the next moment).
+DIRECT_PASSES = 32
+DIRECT_PASS = 4
+#: ...and admits more than its waiting calls ask for while there is room to spare: what is
+#: left over this many times the nodes, as a grant would be (the next calls find it in
+#: memory). Everything admitted onto a record is promised (cap = grant), so a node that dies
+#: and never comes back strands up to that much, where a share strands a quarter of it.
+DIRECT_SLIVER = 2
+
+
+def direct_units(
+    budget: Budget | None,
+    node: str,
+    local: Local | None,
+    *,
+    run: str,
+    want: int,
+    least: int,
+    limit: int,
+    nodes: int,
+    share_max: int,
+) -> int:
+    """How many units ``node`` should admit straight onto the record, in one conditional
+    write that no other node's such write can make fail (0: take a share instead).
+
+    Near the limit a share holds little, so every few calls would be a compare-and-swap
+    that the fleet's other nodes race; there, the calls waiting on a node (``want`` units, at
+    least ``least``) are admitted together onto the record itself: grant and cap up by the
+    same units, so every invariant of a share holds as if it were one. Only for a share this
+    process holds and knows (``local``'s epoch), on a record that takes such writes, with
+    ``least`` left; ``want`` is cut to what is left, and raised to a sliver of it (at most
+    ``share_max``) while there is room to spare. A node with no share on the record yet (and
+    none known) starts one this way."""
+    if budget is None or budget.stored is None or budget.funded is not None:
+        return 0
+    s = budget.shares.get(node)
+    if s is None:
+        if local is not None:
+            return 0
+    elif local is None or s.e != local.e or not ours(s, run):
+        return 0
+    free = limit - budget.granted
+    if free // (2 * max(1, nodes)) >= DIRECT_PASSES * max(want, DIRECT_PASS):
+        return 0  # far from the limit: a share serves many passes from memory
+    units = min(free, max(want, min(share_max, free // (DIRECT_SLIVER * max(1, nodes)))))
+    return units if units >= max(1, least) else 0
 
 
 def give_back(budget: Budget, node: str, local: Local, op: str, run: str) -> Swap | None:

@@ -6,10 +6,10 @@ when a call needs more than the share holds (the call waits for that one write),
 share's lease, to give back an idle share, and at a clean stop. Each write is one
 compare-and-swap of the counter's budget record (:mod:`meter.quotas.escrow` decides, ADR 0009).
 
-Why one module: admitting, the writes that refill, renew and give back shares, pool fundings,
-the balance's view of a pool and the counts the write-ahead log keeps all read and move the
-same per-counter shares under the same per-counter locks; apart, each would reach into the
-others' state.
+Why one module: admitting, the writes that refill, renew and give back shares, the admits
+onto a record near the limit (ADR 0014), pool fundings, the balance's view of a pool and the
+counts the write-ahead log keeps all read and move the same per-counter shares under the same
+per-counter locks; apart, each would reach into the others' state.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from meter.core.gate import pool_key
@@ -28,7 +29,7 @@ from meter.core.ports import POOL, Funder, NoBudget
 from meter.errors import InsufficientBalance
 from meter.quotas import escrow
 from meter.quotas.escrow import Budget, Local
-from storage.base import BudgetRecords, StorageError, StorageUnavailable
+from storage.base import BudgetItem, BudgetRecords, StorageError, StorageUnavailable
 
 log = logging.getLogger("meter.escrow")
 
@@ -47,6 +48,25 @@ FUND_GROWTH = 4
 FUND_CALLS = 4
 
 
+class _Direct(Exception):
+    """Internal: a take found the record near the limit; the calls are admitted onto it
+    instead (:meth:`Shares._admit_direct`)."""
+
+
+def fewest_of(at_least: int | None, need: int) -> int:
+    """The fewest units of ``need`` that will do (``at_least``, if given)."""
+    return need if at_least is None else min(need, at_least)
+
+
+def decode(item: BudgetItem) -> Budget | None:
+    """A stored budget record, the units admitted onto it folded into their shares (None:
+    there is none); ``ValueError`` if it is not one."""
+    if item.body is None:
+        return None
+    stored = item.body if item.admits else None
+    return Budget.from_json(item.body).admitted(item.admitted, stored)
+
+
 class Shares:
     """This node's shares of strict budgets, and the writes that take, renew and return them.
 
@@ -54,7 +74,12 @@ class Shares:
     budgets (a grant is at most the remaining budget over twice that, so no node sits on what
     the others need); ``lease_ms`` is how long a share stays this node's without a renewal,
     after which (plus ``grace_ms`` for clocks) another node may take back what it did not
-    promise (its cap)."""
+    promise (its cap).
+
+    Why one class: every method reads or moves the same per-counter state (the local shares,
+    the record as last seen, the waiting calls' demand, the locks that order the writes);
+    the takes, the admits onto a record, the give-backs and the pool fundings must see one
+    another's effects at every await, which parts holding copies could not."""
 
     def __init__(
         self,
@@ -102,7 +127,18 @@ class Shares:
         #: ``(key, run)`` -> what an earlier process of this node had admitted under its share
         #: of ``key``, as its write-ahead log says: its share is closed at that, not its cap.
         self._earlier: dict[tuple[Key, str], int] = {}
+        #: Units asked for by the calls waiting on a counter (one write serves them all).
+        self._demand: dict[Key, int] = {}
+        #: The record as this process last wrote or read it, per counter: the next write's
+        #: first try decides on it, without a read (a compare-and-swap tells if it is old).
+        #: With when (monotonic) it was seen so: the read's start, or the write's send.
+        self._known: dict[Key, tuple[int, Budget | None, float]] = {}
+        #: The last refusal decided on a read of a counter's record: ``(limit, when the read
+        #: began, units it left this node)``.
+        self._verdicts: dict[Key, tuple[int, float, int]] = {}
         self.writes = 0
+        #: Of ``writes``, those that admitted calls straight onto a record.
+        self.direct_writes = 0
         self.conflicts = 0
         self.refused = 0
         self.given_back = 0
@@ -194,7 +230,15 @@ class Shares:
         the counter's value, should its budget record not exist yet. Raises
         :class:`~meter.quotas.escrow.NoBudget` when the budget cannot cover them, and
         :class:`StorageError` when storage cannot be asked. With ``at_least``, room for that
-        many will do when ``need`` is more than is left."""
+        many will do when ``need`` is more than is left.
+
+        Calls waiting on one counter are served together: the write takes room for every
+        call queued behind it (at least its own), and a call that arrived before a read that
+        found too little left for it is refused by that read, not by one of its own."""
+        fewest = fewest_of(at_least, need)
+        arrived = time.monotonic()
+        if not background:
+            self._demand[key] = self._demand.get(key, 0) + need
         try:
             async with self._lock(key):
                 loc = self.local.get(key)
@@ -203,15 +247,201 @@ class Shares:
                     loc = self.local.get(key)
                 if loc is not None and loc.limit == limit and loc.a + need <= loc.c:
                     return  # another call made room meanwhile
-                await self._write(
-                    key, lambda b, cur, op: self._take(key, b, cur, op, need, limit, base, at_least)
-                )
+                seen = self._verdicts.get(key) if limit != POOL else None
+                if seen is not None and seen[0] == limit and arrived <= seen[1]:
+                    # (``left`` counted this node's room then; its room now is added again,
+                    # so this refuses less than it could, never more)
+                    room = 0 if loc is None or loc.limit != limit else max(0, loc.c - loc.a)
+                    if fewest > seen[2] + room:
+                        raise NoBudget(f"{seen[2] + room} units left, {need} asked", seen[2])
+                want = max(need, self._demand.get(key, 0)) if not background else need
+                for _ in range(MAX_ATTEMPTS):
+                    if limit != POOL and await self._admit_direct(
+                        key, want, fewest, limit, base, background
+                    ):
+                        return
+                    try:
+                        await self._write(
+                            key,
+                            lambda b, cur, op: self._take(
+                                key, b, cur, op, want, limit, base, fewest
+                            ),
+                            arrived,
+                        )
+                        return
+                    except _Direct:
+                        continue  # a race moved the record near the limit: admit onto it
+                    except NoBudget as exc:
+                        # (a pool's refusal is not the call's answer: it funds the pool)
+                        if exc.read_at is not None and limit != POOL:
+                            self._verdicts[key] = (limit, exc.read_at, exc.left)
+                        raise
+                raise StorageUnavailable(f"escrow: the budget of {key!r} kept changing; retry")
         except NoBudget:
             if not background:
                 self.refused += 1
             raise
         finally:
+            if not background:
+                left = self._demand.get(key, 0) - need
+                if left > 0:
+                    self._demand[key] = left
+                else:
+                    self._demand.pop(key, None)
             self._forget_lock(key)
+
+    async def _admit_direct(
+        self, key: Key, want: int, least: int, limit: int, base: int, background: bool
+    ) -> bool:
+        """Near the limit, room for the calls waiting on ``key`` by admitting them straight
+        onto its record (:func:`~meter.quotas.escrow.direct_units`): one conditional write,
+        which only a whole write of the record in between makes fail (then it is read and
+        decided again). False: take a share instead (far from the limit, no share known, too
+        little left by the record as last seen); True with ``background``: nothing to do,
+        the next call admits onto the record."""
+        if self.fenced() is not None or key in self._owed:
+            return False  # (the take path says why, or settles what is owed)
+        if key not in self._known:
+            if any(k == key for k, _ in self._earlier):
+                # An earlier process of this node admitted on it: read, so that its share is
+                # closed at what its log says (a take), not merged with this one's.
+                version, budget, seen = await self._read_timed(key)
+                self._known[key] = (version, budget, seen)
+            else:
+                # Not seen yet: as if there were no record (if there is one, the write onto
+                # it fails and reads it; if not, it makes it, as every node would, at once).
+                self._known[key] = (0, None, 0.0)
+        version, budget, seen = self._known[key]
+        if budget is None:  # none yet: made by the first write onto it (the same for all)
+            fresh = Budget(base, {})
+            budget = replace(fresh, stored=fresh.to_json())
+            self._known[key] = (version, budget, seen)
+        units = escrow.direct_units(
+            budget, self.node, self.local.get(key), run=self.run, want=want, least=least,
+            limit=limit, nodes=self.nodes(), share_max=self.share_max,
+        )  # fmt: skip
+        if units <= 0:
+            if self._known[key][1] is budget and version == 0:
+                self._known[key] = (version, None, seen)  # (the take path makes it)
+            return False
+        if background:
+            return True  # (a share refilled near the limit would race the others)
+        if not await self._direct_write(key, units, limit, want, least):
+            return False
+        self.direct_writes += 1
+        self._granted_direct(key, units, limit)
+        return True
+
+    async def _direct_write(
+        self, key: Key, units: int, limit: int, want: int = 0, least: int = 0
+    ) -> bool:
+        """Add ``units`` (negative: take them off) to this process's units admitted onto
+        ``key``'s record, deciding on the record as last seen; a lost race reads it and
+        decides again (for a positive ``units``: still :func:`escrow.direct_units` of it, or
+        False). True once written.
+
+        Units taken off are never sent twice under two ops unless the first is known not to
+        have landed: a write with no clear answer may land late, and two would give back
+        twice what was given up (then they stay spent instead). An added unit sent twice
+        only strands what it added."""
+        for _ in range(MAX_ATTEMPTS):
+            _, budget, _ = self._known[key]
+            if budget is None or budget.stored is None:
+                return False
+            if units < 0:
+                mine = budget.shares.get(self.node)
+                if mine is None or not escrow.ours(mine, self.run):
+                    return False  # (not this process's share alone: a take settles it)
+            op = f"{self.run}.{next(self._ops)}"
+            most = limit - (budget.granted - budget.direct)
+            name = escrow.admit_name(self.node, self.run)
+            sent = time.monotonic()
+            unclear = False
+            try:
+                item = await self.storage.budget_admit(key, budget.stored, name, units, most, op)
+            except StorageUnavailable:
+                item, unclear = None, True  # it may have landed: the read tells
+            except StorageError as exc:
+                self._failed(exc)
+                raise
+            self.writes += 1
+            if item is not None:
+                self._known[key] = (item.version, self._decode(key, item), sent)
+                return True
+            version, stored, sent = await self._read_timed(key)
+            self._known[key] = (version, stored, sent)
+            mine = None if stored is None else stored.shares.get(self.node)
+            if mine is not None and mine.op == op:
+                return True
+            self.conflicts += 1
+            if units < 0 and unclear:
+                return False  # (it may still land: not sent again)
+            if units > 0:
+                again = escrow.direct_units(
+                    stored, self.node, self.local.get(key), run=self.run, want=want,
+                    least=least, limit=limit, nodes=self.nodes(), share_max=self.share_max,
+                )  # fmt: skip
+                if again < units:
+                    return False  # (less left than decided on: decide again)
+        return False
+
+    def release(self, key: Key, limit: int) -> None:
+        """Near the limit (the record as last seen is in the direct zone), give back the
+        room this node holds unused on ``key``, in the background (:meth:`_release`)."""
+        task = asyncio.get_running_loop().create_task(self._release(key, limit))
+        self._refills.add(task)
+        task.add_done_callback(self._refills.discard)
+
+    async def _release(self, key: Key, limit: int) -> None:
+        """:meth:`release`: the cap and grant lowered first, then the units taken off the
+        record in one write that only a whole write between makes fail (then read, and
+        tried again on the new record). A failed give-back leaves them spent in the record,
+        never admitted here."""
+        try:
+            async with self._lock(key):
+                await self._release_held(key, limit)
+        finally:
+            self._forget_lock(key)
+
+    async def _release_held(self, key: Key, limit: int) -> None:
+        loc = self.local.get(key)
+        known = self._known.get(key)
+        if loc is None or loc.limit != limit or loc.c <= loc.a or known is None:
+            return
+        budget = known[1]
+        if budget is None or budget.stored is None or self.fenced() is not None:
+            return
+        mine = budget.shares.get(self.node)
+        if mine is None or mine.e != loc.e or not escrow.ours(mine, self.run):
+            return
+        free = limit - budget.granted
+        if free // (2 * max(1, self.nodes())) >= escrow.DIRECT_PASSES * escrow.DIRECT_PASS:
+            return  # far from the limit: the room is this node's to use
+        room = loc.c - loc.a
+        loc.c -= room  # (never raised back, whatever the write does)
+        loc.g -= room
+        if self.logged:
+            self._changed.add(key)
+        try:
+            if await self._direct_write(key, -room, limit):
+                self.given_back += 1
+        except StorageError as exc:
+            log.warning("escrow: could not give back %d units of %r: %s", room, key, exc)
+
+    def _granted_direct(self, key: Key, units: int, limit: int) -> None:
+        """``units`` admitted onto the record for this process: its local share's grant and
+        cap up by exactly them (the stored share may hold more: another process's, all
+        spent, which a later take settles)."""
+        loc = self.local.get(key)
+        if loc is None:
+            self.local[key] = Local(0, units, units, 0, limit, time.monotonic(), 1)
+        else:
+            loc.g += units
+            loc.c += units
+            loc.limit = limit  # (a share kept under an old limit for its held units)
+        if self.logged:
+            self._changed.add(key)
+        self.last_error = None
 
     def _take(
         self,
@@ -230,6 +460,11 @@ class Shares:
             cap_limit = budget.funded
         else:
             cap_limit = limit
+            if escrow.direct_units(
+                budget, self.node, cur, run=self.run, want=need, least=fewest_of(at_least, need),
+                limit=limit, nodes=self.nodes(), share_max=self.share_max,
+            ) and key not in self._owed:  # fmt: skip
+                raise _Direct
         left = cap_limit - (budget.granted if budget is not None else base)
         want = min(self.share_max, max(need, left // (2 * max(1, self.nodes()))))
         # A quarter of a grant, or of what this node holds unpromised if that is more (with
@@ -340,21 +575,45 @@ class Shares:
         self,
         key: Key,
         make: Callable[[Budget | None, Local | None, str], escrow.Swap | None],
+        since: float | None = None,
     ) -> bool:
-        """Read, decide, compare-and-swap, until a write lands (True) or there is nothing to
-        write (False). A write whose answer was lost is recognised by its op id on the next
-        read; a write that lost a race is decided again on what won it."""
+        """Decide, compare-and-swap, until a write lands (True) or there is nothing to
+        write (False). The first try decides on the record as this node last wrote or read
+        it (one round trip when no other node wrote since); a lost race or a lost answer
+        reads it first, and so does a refusal (:class:`NoBudget` from ``make``) decided on a
+        record seen before ``since`` (None: before this write). A write whose answer was
+        lost is recognised by its op id on the read; a write that lost a race is decided
+        again on what won it."""
         why = self.fenced()
         if why is not None:
             raise StorageUnavailable(f"escrow: not writing shares: {why}")
-        version, budget = await self._read(key)
+        known = self._known.pop(key, None)
+        if known is None:
+            version, budget, seen = await self._read_timed(key)
+            since = seen if since is None else since
+        else:
+            version, budget, seen = known
         for _ in range(MAX_ATTEMPTS):
             op = f"{self.run}.{next(self._ops)}"
-            swap = make(budget, self.local.get(key), op)
-            if swap is None:
-                return False
             try:
-                done = await self.storage.budget_swap(key, version, swap.budget.to_json())
+                swap = make(budget, self.local.get(key), op)
+            except NoBudget as exc:
+                if since is not None and seen >= since:
+                    exc.read_at = seen
+                    raise  # decided on a record seen after the call came
+                version, budget, seen = await self._read_timed(key)  # kept: maybe old
+                since = seen if since is None else since
+                continue
+            except _Direct:
+                self._known[key] = (version, budget, seen)
+                raise
+            if swap is None:
+                self._known[key] = (version, budget, seen)
+                return False
+            body = swap.budget.to_json()
+            sent = time.monotonic()
+            try:
+                done = await self.storage.budget_swap(key, version, body)
             except StorageUnavailable:
                 done = False  # it may have landed: the next read tells
             except StorageError as exc:
@@ -362,12 +621,16 @@ class Shares:
                 raise
             self.writes += 1
             if not done:
-                version, budget = await self._read(key)
+                version, budget, seen = await self._read_timed(key)
                 if not escrow.applied(budget, self.node, op):
                     self.conflicts += 1
                     continue
                 assert budget is not None
                 swap = escrow.Swap(budget, swap.local, swap.floor, swap.owed)
+            else:  # (written whole: nothing admitted onto it yet)
+                version, seen = version + 1, sent
+                swap = replace(swap, budget=replace(swap.budget, direct=0, stored=body))
+            self._known[key] = (version, swap.budget, seen)
             self._keep(key, swap)
             return True
         raise StorageUnavailable(f"escrow: the budget of {key!r} kept changing; retry")
@@ -398,15 +661,24 @@ class Shares:
         self.last_error = None
 
     async def _read(self, key: Key) -> tuple[int, Budget | None]:
+        version, budget, _ = await self._read_timed(key)
+        return version, budget
+
+    async def _read_timed(self, key: Key) -> tuple[int, Budget | None, float]:
+        """The stored record, and when (monotonic) the read began: a refusal decided on it
+        answers the calls that arrived before then."""
+        self._known.pop(key, None)
+        started = time.monotonic()
         try:
-            version, body = await self.storage.budget_read(key)
+            item = await self.storage.budget_read(key)
         except StorageError as exc:
             self._failed(exc)
             raise
-        if body is None:
-            return version, None
+        return item.version, self._decode(key, item), started
+
+    def _decode(self, key: Key, item: BudgetItem) -> Budget | None:
         try:
-            return version, Budget.from_json(body)
+            return decode(item)
         except ValueError as exc:
             raise StorageUnavailable(
                 f"escrow: the budget of {key!r} cannot be read: {exc}"
@@ -548,8 +820,11 @@ class Shares:
     async def _swap(self, key: Key, version: int, new: Budget) -> bool:
         """One compare-and-swap of a whole record; a lost answer settled by reading it."""
         body = new.to_json()
+        sent = time.monotonic()
         try:
             if await self.storage.budget_swap(key, version, body):
+                # (the next write decides on it without a read)
+                self._known[key] = (version + 1, replace(new, direct=0, stored=body), sent)
                 return True
         except StorageUnavailable:
             pass
@@ -587,9 +862,13 @@ class Shares:
         return swap
 
     def _forget_lock(self, key: Key) -> None:
+        """Forget a counter this node holds no share of once no call waits on it."""
         lock = self._locks.get(key)
-        if key not in self.local and lock is not None and not lock.locked():
-            del self._locks[key]
+        if key in self.local or key in self._demand or (lock is not None and lock.locked()):
+            return
+        self._locks.pop(key, None)
+        self._known.pop(key, None)
+        self._verdicts.pop(key, None)
 
     async def drain(self) -> None:
         """Give back every share (a clean stop): what this node did not admit is the others'."""
@@ -607,6 +886,7 @@ class Shares:
             "shares": len(self.local),
             "room": sum(max(0, loc.c - loc.a) for loc in self.local.values()),
             "writes": self.writes,
+            "direct_writes": self.direct_writes,
             "conflicts": self.conflicts,
             "refused": self.refused,
             "given_back": self.given_back,
