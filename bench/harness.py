@@ -79,6 +79,12 @@ class QuotaSizes:
     overshoot_clients: int  # client threads per node
     overshoot_ticks: tuple[int, ...]  # gossip ticks measured, ms
     strict_tick: int  # the tick of part 3's strict burst
+    #: Part 4 (:mod:`bench.strict_latency`): rounds of the bursts near a strict limit (flat
+    #: ``near_flat``, an account ``near_account`` with users at 60 %), clients per node.
+    near_rounds: int = 3
+    near_flat: int = 300
+    near_account: int = 100
+    near_clients: int = 4
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,7 @@ FULL = Sizes(
     ScaleSizes(
         10_000, 5, 100_000, 3, 10_000, 2.0, 30.0, 25.0, 10.0, 5.0, 1, True, conv_seconds=30.0
     ),
-    QuotaSizes(((4, 1), (4, 16)), ((6, 1), (6, 16)), 10_000, 4, 20_000, 2, (25, 100, 1000), 100),
+    QuotaSizes(((4, 1), (4, 16)), ((6, 1), (6, 16)), 10_000, 4, 20_000, 2, (25, 100, 1000), 100, 5),
 )
 QUICK = Sizes(
     "quick",
@@ -149,7 +155,7 @@ SMOKE = Sizes(
     (100,),
     ((2, 4),),
     ScaleSizes(400, 1, 1_000, 1, 200, 1.0, 6.0, 4.0, 2.0, 2.0, 1, True, 200, 400, 2_000.0, 2.0),
-    QuotaSizes(((2, 1),), ((3, 1),), 1_000, 2, 1_000, 2, (100,), 100),
+    QuotaSizes(((2, 1),), ((3, 1),), 1_000, 2, 1_000, 2, (100,), 100, 1),
 )
 
 

@@ -21,6 +21,10 @@ a load are the strict budgets' (``status.limits.strict.writes``).
 3. **Fast overshoot**: :func:`bench.overshoot.measure` on 3 nodes at each gossip tick of
    ``overshoot_ticks``, judged against the bound of docs/quotas.md, with AuroraMeter's
    published figures beside it; and the same burst under a strict limit (overshoot 0).
+4. **Strict call latency near the limit** against the seeds' design (one conditional
+   ``UpdateItem`` per call, a ``TransactWriteItems`` for the hierarchy), flat and
+   hierarchical, side by side on the same DynamoDB Local (:mod:`bench.strict_latency`).
+   Target: p99 and max at most 1.0x the seeds' design's.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from bench.harness import (
 from bench.loadgen import Load, LoadResult, run_load
 from bench.overshoot import measure
 from bench.scale import cluster_env, start_cluster
+from bench.strict_latency import near_limit
 from tests.support.nodes import NodeProcess
 
 QUOTAS = "10 quotas (DynamoDB Local, 1 or 3 nodes)"
@@ -380,7 +385,7 @@ def _credits(
 
 
 def quotas(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
-    """Parts 1-3 (see the module doc)."""
+    """Parts 1-4 (see the module doc)."""
     q = sizes.quotas
     rows: list[Row] = []
     for n, configs in ((1, q.one_node), (3, q.three_nodes)):
@@ -393,4 +398,7 @@ def quotas(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
         finally:
             for p in nodes:
                 svc.stop_node(p)
-    return rows + _bursts(svc, q, progress)
+    rows += _bursts(svc, q, progress)
+    return rows + near_limit(
+        svc, q.near_flat, q.near_account, q.near_clients, q.near_rounds, progress
+    )

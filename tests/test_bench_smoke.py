@@ -324,3 +324,15 @@ def test_smoke_quotas_admits_exactly(tmp_path: Path) -> None:
     (strict,) = [r for r in rows if r["metric"].startswith("strict overshoot")]
     assert strict["ours"] == 0 and strict["met"] and strict["detail"]["enforcement"] == "strict"
     assert strict["detail"]["admitted"] == q.overshoot_limit
+    # Part 4: near a strict limit, against the seeds' design (each round of both sides
+    # admitted exactly the limit, or the part fails).
+    near = [r for r in rows if "near the limit" in r["metric"]]
+    assert [("hierarchical" in r["metric"], r["metric"].split(",")[1].strip()) for r in near] == [
+        (False, "p99"), (False, "max"), (True, "p99"), (True, "max")
+    ]  # fmt: skip
+    for r in near:
+        assert r["ours"] > 0 and r["reference"] > 0 and r["target"] == "<= 1.0x"
+        assert (
+            r["detail"]["ours"]["admitted"] == [r["detail"]["ours"]["admitted"][0]] * q.near_rounds
+        )
+        assert r["detail"]["ours"]["calls"] > r["detail"]["ours"]["admitted"][0]  # refusals timed
