@@ -360,3 +360,63 @@ async def test_a_pool_funding_is_sized_by_the_recent_spend_and_grows_at_most_fou
     await shares.ensure_pool(pool, 5_000, funder)
     assert await funded() - sum(sizes) >= 5_000
     assert (await store.balance("acme"))["available"] == 10**9 - await funded()
+
+
+async def test_a_pool_funding_is_sized_by_what_every_node_moved_in_since() -> None:
+    """Two nodes share a pool: a node's next funding is sized by what both moved in since its
+    last one (the pool's spend), not by its own funding alone (with three nodes that kept the
+    pool at slivers every node raced for)."""
+    storage = MemoryStorage()
+    await storage.open()
+    store = LedgerStore(storage)
+    await store.apply("acme", ledger_model.credit(10**9, "g1"))
+    funder = LedgerFunder(store)
+    a, b = Shares(storage, "a"), Shares(storage, "b")
+    pool = ("acme", "#credits", "")
+
+    async def funded() -> int:
+        budget = decode(await storage.budget_read(pool))
+        assert budget is not None and budget.funded is not None
+        return budget.funded
+
+    async def spend_all(s: Shares) -> None:
+        while True:
+            try:
+                await s.ensure(pool, 1, POOL, 0)
+            except NoBudget:
+                return
+            loc = s.local[pool]
+            s.admit(pool, loc.c - loc.a)
+
+    await a.ensure_pool(pool, 1, funder)  # a: 1,000
+    await spend_all(a)
+    await b.ensure_pool(pool, 1, funder)  # b: 1,000 (its first)
+    await spend_all(b)
+    await spend_all(a)
+    before = await funded()
+    await a.ensure_pool(pool, 1, funder)
+    # 2,000 moved in since a's last funding began, within a second: x4 of that.
+    assert await funded() - before == 8_000
+
+
+async def test_a_pool_is_funded_ahead_before_it_runs_dry() -> None:
+    storage = MemoryStorage()
+    await storage.open()
+    store = LedgerStore(storage)
+    await store.apply("acme", ledger_model.credit(10**9, "g1"))
+    funder = LedgerFunder(store)
+    s = Shares(storage, "a", share_max=100)
+    pool = ("acme", "#credits", "")
+    await s.ensure_pool(pool, 1, funder)  # 1,000 in
+    spent = 0
+    while spent < 600:  # more than half of it shared out and spent, never dry
+        await s.ensure_pool(pool, 1, funder)
+        loc = s.local[pool]
+        spent += loc.c - loc.a
+        s.admit(pool, loc.c - loc.a)
+    await asyncio.gather(*s._refills)
+    budget = decode(await storage.budget_read(pool))
+    assert budget is not None and budget.funded is not None
+    assert budget.funded > 1_000  # funded again before the pool ran dry
+    assert budget.funded - budget.granted > 0
+    assert (await store.balance("acme"))["available"] == 10**9 - budget.funded

@@ -150,9 +150,12 @@ class Shares:
         self.fund_chunk = 1_000
         #: Pool fundings this process began (it finishes its own at once).
         self._funding: set[tuple[Key, int]] = set()
-        #: Per pool: (the size of this process's last funding, when it began): what sizes the
-        #: next one by the recent spend rate.
-        self._fund_size: dict[Key, tuple[int, float]] = {}
+        #: Per pool: (what the pool had been funded with when this process's last funding
+        #: began, when that was, its amount): the next funding is sized by what every node
+        #: moved in since (that one included), over the time since (the pool's spend rate).
+        self._fund_size: dict[Key, tuple[int, float, int]] = {}
+        #: Pools being funded ahead of running dry (:meth:`_fund_ahead`).
+        self._funding_ahead: set[Key] = set()
         self.fundings = 0
 
     # -- the hot path (no I/O) ---------------------------------------------------------------
@@ -744,6 +747,7 @@ class Shares:
         while True:
             try:
                 await self.ensure(key, need, POOL, 0, background=True)
+                self._fund_ahead(key, funder)
                 return
             except NoBudget:
                 if await self._fund(key, need, funder):
@@ -754,6 +758,31 @@ class Shares:
                 )
             await asyncio.sleep(pause)  # another node's funding: wait for it to land
             pause = min(pause * 2, 0.2)
+
+    def _fund_ahead(self, key: Key, funder: Funder) -> None:
+        """Fund the pool in the background once what is left unshared in it is under half
+        this process's last funding: a pool near dry hands out slivers that every node
+        races for (and calls wait for the funding), so it is topped up before."""
+        known = self._known.get(key)
+        budget = None if known is None else known[1]
+        last = self._fund_size.get(key)
+        if budget is None or budget.funded is None or budget.fund is not None or last is None:
+            return
+        if key in self._funding_ahead or (budget.funded - budget.granted) * 2 >= last[2]:
+            return
+        self._funding_ahead.add(key)
+
+        async def fund() -> None:
+            try:
+                await self._fund(key, 1, funder)
+            except (InsufficientBalance, NoBudget, StorageError) as exc:
+                log.info("credit pool of %r: funding ahead failed: %s", key[0], exc)
+            finally:
+                self._funding_ahead.discard(key)
+
+        task = asyncio.get_running_loop().create_task(fund())
+        self._refills.add(task)
+        task.add_done_callback(self._refills.discard)
 
     async def _fund(self, key: Key, need: int, funder: Funder) -> bool:
         """One funding of ``key``'s pool from the ledger, or the finish of one in flight;
@@ -784,16 +813,18 @@ class Shares:
                         f"{tenant}: {need} credits needed, {available} available; nothing counted"
                     )
                 # At least fund_chunk, or a few calls' worth; more for a fast recent spend:
-                # the last funding over how long it lasted (at least a second), times the
-                # horizon, growing at most FUND_GROWTH times a funding (a burst moves a few
+                # what the pool was funded with since this process's last funding (by any
+                # node: spent, as the pool is dry) over the time since (at least a second),
+                # times the horizon, at most FUND_GROWTH times that (a burst moves a few
                 # chunks, not the whole ledger).
                 size = max(self.fund_chunk, FUND_CALLS * need)
                 last = self._fund_size.get(key)
                 began = time.monotonic()
-                if last is not None:
+                if last is not None and funded > last[0]:
+                    moved = funded - last[0]
                     lasted = max(began - last[1], 1.0)
-                    rate_size = int(last[0] * FUND_HORIZON_S / lasted)
-                    size = max(size, min(rate_size, FUND_GROWTH * last[0], QTY_CAP))
+                    rate_size = int(moved * FUND_HORIZON_S / lasted)
+                    size = max(size, min(rate_size, FUND_GROWTH * moved, QTY_CAP))
                 amount = min(available, max(short, size))
                 new = escrow.begin_fund(budget, amount, now_ms, os.urandom(6).hex())
                 assert new.fund is not None
@@ -807,8 +838,8 @@ class Shares:
             # the same ref, which lands at most once.)
             landed = await funder.take(tenant, amount, escrow.fund_ref(budget, n))
             self.fundings += 1
-            if landed and began is not None:  # (what moved, and when: the next one's size)
-                self._fund_size[key] = (amount, began)
+            if landed and began is not None:  # (the pool's funding then: the next one's size)
+                self._fund_size[key] = (funded, began, amount)
             for _ in range(MAX_ATTEMPTS):
                 version, stored = await self._read(key)
                 done = None if stored is None else escrow.end_fund(stored, n, landed)
