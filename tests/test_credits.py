@@ -321,6 +321,17 @@ async def test_making_room_leaves_no_exception_behind(tmp: Path) -> None:
         assert exc.__context__ is None, repr(exc.__context__)
 
 
+async def _spend_all(shares: Shares, pool: tuple[str, str, str]) -> None:
+    """What the share and the pool hold, admitted at once, until the pool is dry."""
+    while True:
+        try:
+            await shares.ensure(pool, 1, POOL, 0)
+        except NoBudget:
+            return
+        loc = shares.local[pool]
+        shares.admit(pool, loc.c - loc.a)
+
+
 async def test_a_pool_funding_is_sized_by_the_recent_spend_and_grows_at_most_four_times() -> None:
     """The first funding moves fund_chunk (or a few calls' worth); a pool spent again at once
     gets at most four times its last funding (not the whole ledger), and one spent slowly
@@ -340,21 +351,12 @@ async def test_a_pool_funding_is_sized_by_the_recent_spend_and_grows_at_most_fou
         assert f is not None
         return f
 
-    async def spend_all() -> None:  # what the share and the pool hold, admitted at once
-        while True:
-            try:
-                await shares.ensure(pool, 1, POOL, 0)
-            except NoBudget:
-                return
-            loc = shares.local[pool]
-            shares.admit(pool, loc.c - loc.a)
-
     sizes: list[int] = []
     for _ in range(4):
         before = await funded() if sizes else 0
         await shares.ensure_pool(pool, 1, funder)
         sizes.append(await funded() - before)
-        await spend_all()
+        await _spend_all(shares, pool)
     assert sizes == [1_000, 4_000, 16_000, 64_000]  # spent within a second: x4, no more
     # A call that needs more than the chunk funds a few calls' worth.
     await shares.ensure_pool(pool, 5_000, funder)
@@ -379,20 +381,11 @@ async def test_a_pool_funding_is_sized_by_what_every_node_moved_in_since() -> No
         assert budget is not None and budget.funded is not None
         return budget.funded
 
-    async def spend_all(s: Shares) -> None:
-        while True:
-            try:
-                await s.ensure(pool, 1, POOL, 0)
-            except NoBudget:
-                return
-            loc = s.local[pool]
-            s.admit(pool, loc.c - loc.a)
-
     await a.ensure_pool(pool, 1, funder)  # a: 1,000
-    await spend_all(a)
+    await _spend_all(a, pool)
     await b.ensure_pool(pool, 1, funder)  # b: 1,000 (its first)
-    await spend_all(b)
-    await spend_all(a)
+    await _spend_all(b, pool)
+    await _spend_all(a, pool)
     before = await funded()
     await a.ensure_pool(pool, 1, funder)
     # 2,000 moved in since a's last funding began, within a second: x4 of that.
@@ -414,7 +407,7 @@ async def test_a_pool_is_funded_ahead_before_it_runs_dry() -> None:
         loc = s.local[pool]
         spent += loc.c - loc.a
         s.admit(pool, loc.c - loc.a)
-    await asyncio.gather(*s._refills)
+    await asyncio.gather(*list(s._ahead.values()))
     budget = decode(await storage.budget_read(pool))
     assert budget is not None and budget.funded is not None
     assert budget.funded > 1_000  # funded again before the pool ran dry

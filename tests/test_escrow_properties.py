@@ -7,8 +7,8 @@ their op id), give-backs, renewals, admitted units given back (reservations rele
 crashes (a process forgets its share; the next one takes over its stored share) and time
 passing, so that shares of silent nodes are taken back; and, near the limit, units admitted
 straight onto the record (ADR 0014: decided on the record as last seen, landing only on that
-body and within what is left, folded into their process's share) and given back the same
-way. Whatever the interleaving, the units admitted by every process of every node, plus the
+body and within what is left, maybe late or twice, folded into their process's share).
+Whatever the interleaving, the units admitted by every process of every node, plus the
 base, never pass the limit.
 """
 
@@ -219,22 +219,6 @@ class Escrow(RuleBasedStateMachine):
         most = LIMIT - (budget.granted - budget.direct)
         name = escrow.admit_name(PROCS[p], self.runs[p])
         self.direct[p] = Direct(budget.stored, name, units, most, self._op(p))
-
-    @rule(p=st.sampled_from(NODES))
-    def begin_release(self, p: str) -> None:
-        """As Shares._release: cap and grant lowered first, then the units taken off."""
-        loc = self.local[p]
-        budget = self.budget
-        if self._busy(p) or loc is None or loc.c <= loc.a or budget is None:
-            return
-        if budget.stored is None:
-            return
-        room = loc.c - loc.a
-        loc.c -= room
-        loc.g -= room
-        most = LIMIT - (budget.granted - budget.direct)
-        name = escrow.admit_name(PROCS[p], self.runs[p])
-        self.direct[p] = Direct(budget.stored, name, -room, most, self._op(p))
 
     def _land(self, w: Direct) -> bool:
         """Storage's budget_admit: only on the body it was decided on (or making the record),

@@ -154,8 +154,11 @@ class Shares:
         #: began, when that was, its amount): the next funding is sized by what every node
         #: moved in since (that one included), over the time since (the pool's spend rate).
         self._fund_size: dict[Key, tuple[int, float, int]] = {}
-        #: Pools being funded ahead of running dry (:meth:`_fund_ahead`).
-        self._funding_ahead: set[Key] = set()
+        #: Pools being funded ahead of running dry (:meth:`_fund_ahead`), awaited by a
+        #: clean stop (a funding cut off midway would hold the pool for two leases), and when
+        #: one may be tried again after one that did not fund.
+        self._ahead: dict[Key, asyncio.Task[None]] = {}
+        self._ahead_not_before: dict[Key, float] = {}
         self.fundings = 0
 
     # -- the hot path (no I/O) ---------------------------------------------------------------
@@ -338,32 +341,24 @@ class Shares:
     async def _direct_write(
         self, key: Key, units: int, limit: int, want: int = 0, least: int = 0
     ) -> bool:
-        """Add ``units`` (negative: take them off) to this process's units admitted onto
-        ``key``'s record, deciding on the record as last seen; a lost race reads it and
-        decides again (for a positive ``units``: still :func:`escrow.direct_units` of it, or
-        False). True once written.
-
-        Units taken off are never sent twice under two ops unless the first is known not to
-        have landed: a write with no clear answer may land late, and two would give back
-        twice what was given up (then they stay spent instead). An added unit sent twice
-        only strands what it added."""
+        """Add ``units`` to this process's units admitted onto ``key``'s record, deciding on
+        the record as last seen; a lost race reads it and decides again (still
+        :func:`escrow.direct_units` of it, or False). True once written. A write with no
+        clear answer that the read does not show is decided again: should both land, the
+        second's units stay spent, never admitted (only taking units off could pass the
+        limit so, and that is done by a whole-record give-back)."""
         for _ in range(MAX_ATTEMPTS):
             _, budget, _ = self._known[key]
             if budget is None or budget.stored is None:
                 return False
-            if units < 0:
-                mine = budget.shares.get(self.node)
-                if mine is None or not escrow.ours(mine, self.run):
-                    return False  # (not this process's share alone: a take settles it)
             op = f"{self.run}.{next(self._ops)}"
             most = limit - (budget.granted - budget.direct)
             name = escrow.admit_name(self.node, self.run)
             sent = time.monotonic()
-            unclear = False
             try:
                 item = await self.storage.budget_admit(key, budget.stored, name, units, most, op)
             except StorageUnavailable:
-                item, unclear = None, True  # it may have landed: the read tells
+                item = None  # it may have landed: the read tells
             except StorageError as exc:
                 self._failed(exc)
                 raise
@@ -377,32 +372,30 @@ class Shares:
             if mine is not None and mine.op == op:
                 return True
             self.conflicts += 1
-            if units < 0 and unclear:
-                return False  # (it may still land: not sent again)
-            if units > 0:
-                again = escrow.direct_units(
-                    stored, self.node, self.local.get(key), run=self.run, want=want,
-                    least=least, limit=limit, nodes=self.nodes(), share_max=self.share_max,
-                )  # fmt: skip
-                if again < units:
-                    return False  # (less left than decided on: decide again)
+            again = escrow.direct_units(
+                stored, self.node, self.local.get(key), run=self.run, want=want,
+                least=least, limit=limit, nodes=self.nodes(), share_max=self.share_max,
+            )  # fmt: skip
+            if again < units:
+                return False  # (less left than decided on: decide again)
         return False
 
     def release(self, key: Key, limit: int) -> None:
         """Near the limit (the record as last seen is in the direct zone), give back the
-        room this node holds unused on ``key``, in the background (:meth:`_release`)."""
+        room this node holds unused on ``key``, in the background (:meth:`_release`): one
+        whole-record give-back, as an idle share's."""
         task = asyncio.get_running_loop().create_task(self._release(key, limit))
         self._refills.add(task)
         task.add_done_callback(self._refills.discard)
 
     async def _release(self, key: Key, limit: int) -> None:
-        """:meth:`release`: the cap and grant lowered first, then the units taken off the
-        record in one write that only a whole write between makes fail (then read, and
-        tried again on the new record). A failed give-back leaves them spent in the record,
-        never admitted here."""
+        """:meth:`release` (a failed give-back leaves the units spent in the record, never
+        admitted here: the local cap is lowered first and never raised back)."""
         try:
             async with self._lock(key):
                 await self._release_held(key, limit)
+        except (NoBudget, StorageError) as exc:
+            log.warning("escrow: could not give back the share of %r: %s", key, exc)
         finally:
             self._forget_lock(key)
 
@@ -420,16 +413,10 @@ class Shares:
         free = limit - budget.granted
         if free // (2 * max(1, self.nodes())) >= escrow.DIRECT_PASSES * escrow.DIRECT_PASS:
             return  # far from the limit: the room is this node's to use
-        room = loc.c - loc.a
-        loc.c -= room  # (never raised back, whatever the write does)
-        loc.g -= room
-        if self.logged:
-            self._changed.add(key)
-        try:
-            if await self._direct_write(key, -room, limit):
-                self.given_back += 1
-        except StorageError as exc:
-            log.warning("escrow: could not give back %d units of %r: %s", room, key, exc)
+        # A whole-record give-back (g and c down to what was admitted, the local cap lowered
+        # first), not a negative admit: a swap lands at most once however often storage or
+        # its client sends it again, where an add sent twice would give back twice.
+        await self._give_back(key, loc)
 
     def _granted_direct(self, key: Key, units: int, limit: int) -> None:
         """``units`` admitted onto the record for this process: its local share's grant and
@@ -762,29 +749,32 @@ class Shares:
     def _fund_ahead(self, key: Key, funder: Funder) -> None:
         """Fund the pool in the background once what is left unshared in it is under half
         this process's last funding: a pool near dry hands out slivers that every node
-        races for (and calls wait for the funding), so it is topped up before."""
+        races for (and calls wait for the funding), so it is topped up before. At most one
+        at a time per pool, none for a second after one that did not fund."""
         known = self._known.get(key)
         budget = None if known is None else known[1]
         last = self._fund_size.get(key)
         if budget is None or budget.funded is None or budget.fund is not None or last is None:
             return
-        if key in self._funding_ahead or (budget.funded - budget.granted) * 2 >= last[2]:
+        if key in self._ahead or (budget.funded - budget.granted) * 2 >= last[2]:
             return
-        self._funding_ahead.add(key)
+        if time.monotonic() < self._ahead_not_before.get(key, 0.0):
+            return
 
         async def fund() -> None:
+            funded = False
             try:
-                await self._fund(key, 1, funder)
-            except (InsufficientBalance, NoBudget, StorageError) as exc:
+                funded = await self._fund(key, 1, funder, ahead=True)
+            except Exception as exc:  # (a background task: nothing else would see it)
                 log.info("credit pool of %r: funding ahead failed: %s", key[0], exc)
             finally:
-                self._funding_ahead.discard(key)
+                del self._ahead[key]
+                if not funded:
+                    self._ahead_not_before[key] = time.monotonic() + 1.0
 
-        task = asyncio.get_running_loop().create_task(fund())
-        self._refills.add(task)
-        task.add_done_callback(self._refills.discard)
+        self._ahead[key] = asyncio.get_running_loop().create_task(fund())
 
-    async def _fund(self, key: Key, need: int, funder: Funder) -> bool:
+    async def _fund(self, key: Key, need: int, funder: Funder, *, ahead: bool = False) -> bool:
         """One funding of ``key``'s pool from the ledger, or the finish of one in flight;
         False if nothing could be done yet (another node's young funding, a lost race).
         The funding is in the pool's record before the ledger is debited under its ref, so
@@ -802,23 +792,27 @@ class Shares:
                     return False
             else:
                 funded = 0 if budget is None or budget.funded is None else budget.funded
-                free = funded - (0 if budget is None else budget.granted)
+                granted = 0 if budget is None else budget.granted
+                free = funded - granted
+                last = self._fund_size.get(key)
+                if ahead and (last is None or free * 2 >= last[2]):
+                    return False  # (another node topped it up meanwhile)
                 loc = self.local.get(key)
                 mine = 0 if loc is None else max(0, loc.g - loc.a)
                 short = max(1, need - mine - max(0, free))
                 available = await funder.available(tenant)
+                if ahead and available < short:
+                    return False  # (nothing to move ahead: the call that needs it says so)
                 if available < short:
                     self.refused += 1
                     raise InsufficientBalance(
                         f"{tenant}: {need} credits needed, {available} available; nothing counted"
                     )
                 # At least fund_chunk, or a few calls' worth; more for a fast recent spend:
-                # what the pool was funded with since this process's last funding (by any
-                # node: spent, as the pool is dry) over the time since (at least a second),
-                # times the horizon, at most FUND_GROWTH times that (a burst moves a few
-                # chunks, not the whole ledger).
+                # what every node moved into the pool since this process's last funding
+                # began, over the time since (at least a second), times the horizon, at most
+                # FUND_GROWTH times that (a burst moves a few chunks, not the whole ledger).
                 size = max(self.fund_chunk, FUND_CALLS * need)
-                last = self._fund_size.get(key)
                 began = time.monotonic()
                 if last is not None and funded > last[0]:
                     moved = funded - last[0]
@@ -905,6 +899,8 @@ class Shares:
         """Give back every share (a clean stop): what this node did not admit is the others'."""
         for task in list(self._refills):
             task.cancel()
+        if self._ahead:  # (not cancelled: a funding cut off midway holds the pool)
+            await asyncio.gather(*self._ahead.values(), return_exceptions=True)
         for key, loc in list(self.local.items()):
             try:
                 async with self._lock(key):
