@@ -464,8 +464,8 @@ class Storage(abc.ABC):
     async def budget_admit(
         self, key: Key, body: str, name: str, units: int, most: int, op: str
     ) -> BudgetItem | None:
-        """Add ``units`` (negative: take them off) to those admitted straight onto the record
-        under ``name``, in one conditional write: only if the record's body is ``body`` (or
+        """Add ``units`` (more than 0) to those admitted straight onto the record under
+        ``name``, in one conditional write: only if the record's body is ``body`` (or
         there is no record: then it is made with that body), the units admitted onto it stay
         within ``most`` with these, and ``op`` is not ``name``'s last such write already.
         The record after it, or None if a condition failed. Moves the version on (a swap

@@ -842,12 +842,8 @@ class DynamoDBStorage(Storage):
         version on by one; if ``gv`` (a digest of the body) is that of ``body`` or there is
         no item (then it is made with ``body``), ``adt <= most - units`` and ``o#<name>`` is
         not ``op``."""
-        if units == 0:
+        if units <= 0 or units > most:
             return None
-        # (the item is made only if that fits in nothing admitted yet; onto one already made,
-        # ``adt`` may be below zero, units given back from a share of the body)
-        onto = "(gv = :gv AND adt <= :room)"
-        when = f"(attribute_not_exists(v) OR {onto})" if units <= most else onto
         values: dict[str, Any] = {
             ":q": {"N": str(units)},
             ":zero": {"N": "0"},
@@ -874,7 +870,10 @@ class DynamoDBStorage(Storage):
                 TableName=self.table,
                 Key=_budget_key(key),
                 UpdateExpression=made,
-                ConditionExpression=(f"{when} AND (attribute_not_exists(#o) OR #o <> :op)"),
+                ConditionExpression=(
+                    "(attribute_not_exists(v) OR (gv = :gv AND adt <= :room))"
+                    " AND (attribute_not_exists(#o) OR #o <> :op)"
+                ),
                 ExpressionAttributeNames=names,
                 ExpressionAttributeValues=values,
                 ReturnValues="ALL_NEW",

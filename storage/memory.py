@@ -237,7 +237,7 @@ class MemoryStorage(Storage):
         mine = admitted.get(name, (0, ""))
         if (
             stored != body
-            or units == 0
+            or units <= 0
             or sum(u for u, _ in admitted.values()) + units > most
             or mine[1] == op
         ):

@@ -661,7 +661,7 @@ class SQLiteStorage(Storage):
             mine = next((a for a in item.admitted if a[0] == name), None)
             if (
                 (item.body is not None and item.body != body)
-                or units == 0
+                or units <= 0
                 or item.admitted_total + units > most
                 or (mine is not None and mine[2] == op)
             ):

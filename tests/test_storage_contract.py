@@ -487,7 +487,7 @@ async def test_budget_admit_adds_within_most_on_the_body_it_was_decided_on(
     """ADR 0014: units admitted onto a record add up per name within ``most``, only on the
     body they were decided on (the first makes the record), never twice under one op; each
     moves the version on, so a swap decided before it loses; a swap drops them (its writer
-    folded them in); units can be taken off again."""
+    folded them in); nothing is taken off by an add."""
     key = ("acme", "api", "2026-11")
     got = await storage.budget_admit(key, "body", "n1.r", 3, 10, "r.1")  # makes the record
     assert got == BudgetItem(1, "body", (("n1.r", 3, "r.1"),))
@@ -499,22 +499,15 @@ async def test_budget_admit_adds_within_most_on_the_body_it_was_decided_on(
     got = await storage.budget_admit(key, "body", "n1.r", 2, 10, "r.2")  # exactly 10
     assert got == BudgetItem(3, "body", (("n1.r", 5, "r.2"), ("n2.s", 5, "s.1")))
     assert await storage.budget_admit(key, "body", "n3.t", 1, 10, "t.1") is None  # none left
-    got = await storage.budget_admit(key, "body", "n1.r", -4, 10, "r.3")  # given back
-    assert got == BudgetItem(4, "body", (("n1.r", 1, "r.3"), ("n2.s", 5, "s.1")))
     assert await storage.budget_read(key) == got
-    assert not await storage.budget_swap(key, 3, "stale")  # decided before the last admit
-    assert await storage.budget_swap(key, 4, "folded")
-    assert await storage.budget_read(key) == BudgetItem(5, "folded")
+    assert not await storage.budget_swap(key, 2, "stale")  # decided before the last admit
+    assert await storage.budget_swap(key, 3, "folded")
+    assert await storage.budget_read(key) == BudgetItem(4, "folded")
     assert await storage.budget_admit(key, "body", "n1.r", 1, 10, "r.4") is None  # old body
     got = await storage.budget_admit(key, "folded", "n1.r", 1, 1, "r.4")
-    assert got == BudgetItem(6, "folded", (("n1.r", 1, "r.4"),))
-    # Units of the body's share given back: the tallies go below zero, and what fits with
-    # them fits (5 - 4 = 1 <= 1).
-    got = await storage.budget_admit(key, "folded", "n2.s", -4, 1, "s.2")
-    assert got == BudgetItem(7, "folded", (("n1.r", 1, "r.4"), ("n2.s", -4, "s.2")))
-    got = await storage.budget_admit(key, "folded", "n3.t", 4, 1, "t.2")
-    assert got is not None and got.admitted_total == 1
-    assert await storage.budget_admit(key, "folded", "n3.t", 1, 1, "t.3") is None  # 2 > 1
+    assert got == BudgetItem(5, "folded", (("n1.r", 1, "r.4"),))
+    assert await storage.budget_admit(key, "folded", "n1.r", -1, 1, "r.5") is None  # adds only
+    assert await storage.budget_admit(key, "folded", "n1.r", 0, 1, "r.5") is None
     # A record is never made by more than fits in nothing.
     fresh = ("acme", "api", "2026-10")
     assert await storage.budget_admit(fresh, "body", "n1.r", 5, 4, "r.9") is None
