@@ -282,6 +282,13 @@ DIRECT_PASS = 4
 DIRECT_SLIVER = 2
 
 
+def near_limit(free: int, nodes: int, want: int = 0) -> bool:
+    """Whether ``free`` units left of a budget are near its limit for ``nodes`` nodes whose
+    waiting calls ask ``want``: a grant (``free`` over twice the nodes) would last fewer than
+    ``DIRECT_PASSES`` passes of at least ``DIRECT_PASS`` units."""
+    return free // (2 * max(1, nodes)) < DIRECT_PASSES * max(want, DIRECT_PASS)
+
+
 def direct_units(
     budget: Budget | None,
     node: str,
@@ -314,7 +321,7 @@ def direct_units(
     elif local is None or s.e != local.e or not ours(s, run):
         return 0
     free = limit - budget.granted
-    if free // (2 * max(1, nodes)) >= DIRECT_PASSES * max(want, DIRECT_PASS):
+    if not near_limit(free, nodes, want):
         return 0  # far from the limit: a share serves many passes from memory
     units = min(free, max(want, min(share_max, free // (DIRECT_SLIVER * max(1, nodes)))))
     return units if units >= max(1, least) else 0

@@ -338,9 +338,7 @@ class Shares:
         self._granted_direct(key, units, limit)
         return True
 
-    async def _direct_write(
-        self, key: Key, units: int, limit: int, want: int = 0, least: int = 0
-    ) -> bool:
+    async def _direct_write(self, key: Key, units: int, limit: int, want: int, least: int) -> bool:
         """Add ``units`` to this process's units admitted onto ``key``'s record, deciding on
         the record as last seen; a lost race reads it and decides again (still
         :func:`escrow.direct_units` of it, or False). True once written. A write with no
@@ -411,7 +409,7 @@ class Shares:
         if mine is None or mine.e != loc.e or not escrow.ours(mine, self.run):
             return
         free = limit - budget.granted
-        if free // (2 * max(1, self.nodes())) >= escrow.DIRECT_PASSES * escrow.DIRECT_PASS:
+        if not escrow.near_limit(free, self.nodes()):
             return  # far from the limit: the room is this node's to use
         # A whole-record give-back (g and c down to what was admitted, the local cap lowered
         # first), not a negative admit: a swap lands at most once however often storage or
