@@ -58,6 +58,12 @@ class StorageConfig:
     dynamodb_max_pool_connections: int = 64
     dynamodb_connect_timeout_s: float = 2.0
     dynamodb_read_timeout_s: float = 5.0
+    #: How DynamoDB flushes: ``batched`` (transactions), ``single`` (one UpdateItem a key)
+    #: or ``auto`` (transactions but for keys that met a conflicting write lately; ADR 0015).
+    flush_mode: str = "auto"
+    #: Items per flush transaction (``None``: 10 on a loopback endpoint, DynamoDB Local's
+    #: limit, else 100, DynamoDB's).
+    dynamodb_transact_items: int | None = None
     #: How long stored counters live after their period ends (or their last write, if later).
     retention_days: int = 400
     #: How often expired counters are deleted (SQLite; DynamoDB expires them by TTL).
@@ -253,6 +259,17 @@ def _int(lo: int, hi: int) -> Any:
     return parse
 
 
+def _opt_int(lo: int, hi: int) -> Any:
+    parse_int = _int(lo, hi)
+
+    def parse(setting: str, raw: Any) -> int | None:
+        if raw is None or raw == "":
+            return None
+        return int(parse_int(setting, raw))
+
+    return parse
+
+
 def _float(lo: float, hi: float) -> Any:
     def parse(setting: str, raw: Any) -> float:
         if isinstance(raw, str):
@@ -280,6 +297,16 @@ def _durability(setting: str, raw: Any) -> str:
     mode = _str(setting, raw).lower()
     if mode not in DURABILITY_MODES:
         raise ConfigError(setting, f"must be one of {', '.join(DURABILITY_MODES)}, got {raw!r}")
+    return mode
+
+
+FLUSH_MODES = ("auto", "batched", "single")
+
+
+def _flush_mode(setting: str, raw: Any) -> str:
+    mode = _str(setting, raw).lower()
+    if mode not in FLUSH_MODES:
+        raise ConfigError(setting, f"must be one of {', '.join(FLUSH_MODES)}, got {raw!r}")
     return mode
 
 
@@ -402,6 +429,8 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "dynamodb_max_pool_connections": ("storage", "dynamodb_max_pool_connections", _int(1, 1024)),
     "dynamodb_connect_timeout_s": ("storage", "dynamodb_connect_timeout_s", _float(0.05, 120)),
     "dynamodb_read_timeout_s": ("storage", "dynamodb_read_timeout_s", _float(0.05, 600)),
+    "flush_mode": ("storage", "flush_mode", _flush_mode),
+    "dynamodb_transact_items": ("storage", "dynamodb_transact_items", _opt_int(2, 100)),
     "retention_days": ("storage", "retention_days", _int(1, 36500)),
     "retention_purge_interval_s": ("storage", "purge_interval_s", _float(0.1, 10**7)),
     "feature_periods": ("counters", "feature_periods", _feature_periods),

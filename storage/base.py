@@ -77,6 +77,23 @@ class Applied:
 
 
 @dataclass(frozen=True, slots=True)
+class WriteStats:
+    """What a store's flush writes cost so far (``status``, the metrics, the bench)."""
+
+    #: How it writes deltas: ``auto``, ``batched`` or ``single`` (DynamoDB), else its kind.
+    mode: str
+    #: Write requests sent (one ``UpdateItem`` or one transaction each; 0 where not counted).
+    writes: int = 0
+    #: Counter and day-bucket items written.
+    items: int = 0
+    #: Write units as DynamoDB bills them for items up to 1 KB (0 elsewhere).
+    write_units: int = 0
+    #: Transactions sent, and of those cancelled.
+    transactions: int = 0
+    cancelled: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Owner:
     """Who owns a node id: the holder's token and the end of its lease (epoch seconds, kept to
     the millisecond)."""
@@ -259,6 +276,7 @@ class Counters(Protocol):
     async def export_page(self, period: str, cursor: str | None, limit: int) -> ExportPage: ...
     def export(self, period: str, page_size: int = ...) -> AsyncIterator[ExportPage]: ...
     async def purge_expired(self, now: float | None = None) -> int: ...
+    def write_stats(self) -> WriteStats: ...
 
 
 class Owners(Protocol):
@@ -348,6 +366,10 @@ class Storage(abc.ABC):
     async def init_schema(self) -> str:
         """Create tables/indexes if missing (idempotent); return a one-line report."""
         return f"{self.kind}: nothing to create"
+
+    def write_stats(self) -> WriteStats:
+        """What this store's flush writes cost so far."""
+        return WriteStats(self.kind)
 
     @abc.abstractmethod
     async def apply(self, node: str, deltas: Sequence[Delta]) -> dict[Key, Applied | StorageError]:

@@ -1,4 +1,5 @@
-"""The DynamoDB backend (aioboto3): exactly-once delta flushes, one UpdateItem per key.
+"""The DynamoDB backend (aioboto3): exactly-once delta flushes, in transactions or one
+UpdateItem per key (ADR 0015).
 
 Table layout (see ``docs/storage.md``): partition key ``pk`` = tenant, sort key ``sk`` =
 ``<period>#<feature>``, so every counter of a tenant in a period is one ``Query`` on the prefix
@@ -12,6 +13,12 @@ absent or lower than ``:seq``. A retry of a write that already landed - ours or 
 after a lost response - fails that condition instead of adding twice, and is answered from the
 item (``Applied(..., duplicate=True)``). Callers keep at most one sequence per (node, key) in
 flight and retry the same ``(key, seq, delta)`` until it is ``Applied``.
+
+``flush_mode`` ``batched`` sends those same conditional updates in ``TransactWriteItems`` of up
+to ``transact_items`` items (a key's counter and day bucket together) and reads the stored
+totals back in ``BatchGetItem`` requests of 100 (:mod:`storage.transactions`); ``auto`` does so but
+for keys that met a conflicting write lately (hot keys several nodes flush at once), which go
+one ``UpdateItem`` each; ``single`` never batches.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import os
 import random
 import re
 import time
@@ -62,6 +70,7 @@ from storage.base import (
     StorageError,
     StoragePermanentError,
     StorageUnavailable,
+    WriteStats,
     check_day_of,
     check_export_limit,
     check_period,
@@ -70,6 +79,7 @@ from storage.base import (
     encode_cursor,
     lease_end_ms,
 )
+from storage.transactions import Part, Verdict, judge, pack, token
 
 log = logging.getLogger("meter.storage.dynamodb")
 
@@ -211,7 +221,13 @@ class DynamoDBStorage(Storage):
         backoff_base: float = 0.05,
         backoff_cap: float = 1.0,
         export_segments: int = 8,
+        flush_mode: str = "auto",
+        transact_items: int | None = None,
     ) -> None:
+        if flush_mode not in FLUSH_MODES:
+            raise ValueError(f"flush_mode must be one of {', '.join(FLUSH_MODES)}")
+        if transact_items is not None and not 2 <= transact_items <= TRANSACT_LIMIT:
+            raise ValueError(f"transact_items must be in 2..{TRANSACT_LIMIT}")
         if not table:
             raise ValueError("table must not be empty")
         if concurrency < 1 or max_pool_connections < 1 or max_attempts < 1:
@@ -261,11 +277,41 @@ class DynamoDBStorage(Storage):
         self.day_duplicates = 0
         #: Items per Query page (None: DynamoDB's own 1 MB pages); small values test paging.
         self.page_size: int | None = None
+        #: How deltas are written (module doc): ``single``, ``batched`` or ``auto``.
+        self.flush_mode = flush_mode
+        #: Items per transaction: DynamoDB takes 100, DynamoDB Local 10 (the default on a
+        #: loopback endpoint).
+        local = endpoint_url is not None and _is_loopback(endpoint_url)
+        self.transact_items = transact_items or (LOCAL_TRANSACT_LIMIT if local else TRANSACT_LIMIT)
+        #: ``auto``: keys that met a conflicting write, and until when (monotonic) they are
+        #: written alone.
+        self._hot: dict[Key, float] = {}
+        #: This process, in transactions' tokens (transactions.token).
+        self._run = os.urandom(8).hex()
+        #: Counter and day-bucket updates that landed, and the write units they cost as
+        #: DynamoDB bills them for items up to 1 KB: 1 an ``UpdateItem``, 2 an item of a
+        #: transaction (also of a cancelled one).
+        self.items_written = 0
+        self.write_units = 0
+        #: Transactions sent, and of those cancelled.
+        self.transactions = 0
+        self.cancelled = 0
 
     @property
     def writes(self) -> int:
-        """UpdateItem requests issued so far (for benchmarks: writes per flush)."""
-        return self.calls["update_item"]
+        """Write requests issued so far, ``UpdateItem`` calls and transactions (for
+        benchmarks: writes per flush)."""
+        return self.calls["update_item"] + self.calls["transact_write_items"]
+
+    def write_stats(self) -> WriteStats:
+        return WriteStats(
+            self.flush_mode,
+            self.writes,
+            self.items_written,
+            self.write_units,
+            self.transactions,
+            self.cancelled,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -403,8 +449,198 @@ class DynamoDBStorage(Storage):
             bad = StoragePermanentError(f"dynamodb: node id {node[:64]!r} is not allowed")
             return {d.key: bad for d in deltas}
         attr = SEQ_PREFIX + node
-        results = await asyncio.gather(*(self._apply_one(attr, d) for d in deltas))
-        return {d.key: r for d, r in zip(deltas, results, strict=True)}
+        alone: list[Delta] = list(deltas)
+        batched: list[Delta] = []
+        if self.flush_mode != "single":
+            now = time.monotonic()
+            hot = self._hot
+            for key, until in list(hot.items()):
+                if until <= now:
+                    del hot[key]
+            alone = [d for d in deltas if d.key in hot]
+            batched = [d for d in deltas if d.key not in hot] if alone else list(deltas)
+        singles, out = await asyncio.gather(
+            asyncio.gather(*(self._apply_one(attr, d) for d in alone)),
+            self._apply_batched(node, attr, batched),
+        )
+        for d, r in zip(alone, singles, strict=True):
+            out[d.key] = r
+        return out
+
+    async def _apply_batched(
+        self, node: str, attr: str, deltas: Sequence[Delta]
+    ) -> dict[Key, Applied | StorageError]:
+        """The deltas' updates in transactions (:mod:`storage.transactions`), sent again for
+        what a cancellation says can go again, then the stored items read back. A key whose
+        fate a transaction cannot tell is written alone (:meth:`_apply_one`)."""
+        out: dict[Key, Applied | StorageError] = {}
+        if not deltas:
+            return out
+        by_key = {d.key: d for d in deltas}
+        pending: dict[Key, list[Part]] = {}
+        for d in deltas:
+            try:
+                pending[d.key] = self._parts(attr, d)
+            except StorageError as exc:
+                out[d.key] = exc
+        landed: list[Key] = []
+        duplicates: set[Key] = set()
+        alone: set[Key] = set()
+        last = "dynamodb: transactions kept being cancelled"
+        for attempt in range(BATCH_ATTEMPTS):
+            if not pending:
+                break
+            groups = pack(list(pending.values()), self.transact_items)
+            got = await asyncio.gather(*(self._transact(node, g) for g in groups))
+            busy = False
+            for group, verdict in zip(groups, got, strict=True):
+                keys = list(dict.fromkeys(p.key for p in group))
+                if verdict is None:  # written
+                    self.items_written += len(group)
+                    for key in keys:
+                        del pending[key]
+                        landed.append(key)
+                elif isinstance(verdict, StorageError):  # fate unknown: the caller retries
+                    for key in keys:
+                        del pending[key]
+                        out[key] = verdict
+                elif isinstance(verdict, _Alone):
+                    for key in keys:
+                        del pending[key]
+                        alone.add(key)
+                else:
+                    busy = busy or verdict.busy
+                    last = f"dynamodb: a flush transaction was cancelled ({verdict.reasons})"
+                    for part, code in verdict.bad:
+                        if part.key in pending:
+                            del pending[part.key]
+                            out[part.key] = StoragePermanentError(
+                                f"dynamodb: {_describe(part.key)}"
+                                f"{'' if part.day is None else ' day bucket ' + part.day}: "
+                                f"{code} in a transaction"
+                            )
+                    for part in verdict.landed:
+                        if part.day is None:
+                            duplicates.add(part.key)
+                            self.duplicates += 1
+                        else:
+                            self.day_duplicates += 1
+                        parts = pending.get(part.key)
+                        if parts is not None:
+                            parts.remove(part)
+                            if not parts:
+                                del pending[part.key]
+                                landed.append(part.key)
+                    if self.flush_mode == "auto" and verdict.conflicted:
+                        until = time.monotonic() + HOT_S
+                        for key in verdict.conflicted:
+                            self._hot[key] = until
+                            if key in pending:
+                                del pending[key]
+                                alone.add(key)
+            if busy and pending:
+                await asyncio.sleep(self._backoff(attempt))
+        for key in pending:
+            out[key] = StorageUnavailable(last)
+        ones = [by_key[k] for k in alone]
+        read, singles = await asyncio.gather(
+            self._read_back(landed), asyncio.gather(*(self._apply_one(attr, d) for d in ones))
+        )
+        for d, r in zip(ones, singles, strict=True):
+            out[d.key] = r
+        for key, snap in read.items():
+            out[key] = snap if isinstance(snap, StorageError) else Applied(snap, key in duplicates)
+        return out
+
+    def _parts(self, attr: str, d: Delta) -> list[Part]:
+        """The conditional updates of ``d``: its counter's, and its day bucket's."""
+        pk, sk = _item_key(d.key)
+        ttl = {":ttl": {"N": str(_ttl(d.key[2], self.retention_days))}}
+        values = {":d": {"N": str(d.delta)}, ":seq": {"N": str(d.seq)}, **ttl}
+        names = {"#t": "t", "#s": attr, "#ttl": "ttl"}
+
+        def update(sort_key: str) -> dict[str, Any]:
+            return {
+                "TableName": self.table,
+                "Key": {"pk": {"S": pk}, "sk": {"S": sort_key}},
+                "UpdateExpression": _UPDATE_EXPRESSION,
+                "ConditionExpression": _CONDITION,
+                "ExpressionAttributeNames": names,
+                "ExpressionAttributeValues": values,
+            }
+
+        parts = [Part(d.key, d.seq, d.delta, None, update(sk))]
+        if d.day is not None:
+            check_day_of(d.day, d.key[2])
+            day_sk = f"{_DAY_SK}{d.key[1]}#{d.day}"
+            parts.append(Part(d.key, d.seq, d.delta, d.day, update(day_sk)))
+        return parts
+
+    async def _transact(
+        self, node: str, group: list[Part]
+    ) -> Verdict | StorageError | _Alone | None:
+        """One transaction of ``group``: ``None`` written; a :class:`Verdict` of its
+        cancellation; ``_ALONE`` when it cannot say which item failed (each key is then
+        written alone); a :class:`StorageError` when its fate is unknown."""
+        self.transactions += 1
+        self.write_units += 2 * len(group)
+        try:
+            await self._call(
+                "transact_write_items",
+                f"a flush transaction of {len(group)} items",
+                _raise=_BATCH_RAISE,
+                TransactItems=[{"Update": p.update} for p in group],
+                ClientRequestToken=token(self._run, node, self.transactions, group),
+            )
+        except StoragePermanentError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ClientError) and _code(cause) in _CANCELLED:
+                self.cancelled += 1
+                verdict = judge(group, _cancel_reasons(cause))
+                if verdict is not None:
+                    return verdict
+            # A refused request (no reason per item, a token mismatch, a transaction too
+            # large for this endpoint): nothing was written; each key alone tells its own.
+            log.warning("dynamodb: %s; writing its keys one by one", exc)
+            return _ALONE
+        except StorageError as exc:
+            return exc
+        except Exception as exc:  # a bug must fail these keys, not escape apply()
+            log.exception("dynamodb: unexpected error in a flush transaction")
+            return StoragePermanentError(f"dynamodb: a flush transaction: unexpected {exc!r}")
+        return None
+
+    async def _read_back(self, keys: list[Key]) -> dict[Key, Snapshot | StorageError]:
+        """The stored items of ``keys`` (just written), in consistent ``BatchGetItem``
+        requests of 100 (transactions answer no values)."""
+        out: dict[Key, Snapshot | StorageError] = {}
+
+        async def chunk(part: list[Key]) -> None:
+            wanted = {_item_key(k): k for k in part}
+            try:
+                items = await self._batch_get(list(wanted), read=False)
+            except StorageError as exc:
+                for key in part:
+                    out[key] = exc
+                return
+            for key in part:
+                out[key] = EMPTY  # (gone again already: expired or restored)
+            for item in items:
+                try:
+                    key = wanted[(item["pk"]["S"], item["sk"]["S"])]
+                except (KeyError, TypeError):
+                    continue
+                try:
+                    out[key] = _snapshot(item)
+                except (StorageError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                    out[key] = StoragePermanentError(
+                        f"dynamodb: undecodable item {_describe(key)}: {exc!r}"[:300]
+                    )
+
+        await asyncio.gather(
+            *(chunk(keys[i : i + BATCH_GET_LIMIT]) for i in range(0, len(keys), BATCH_GET_LIMIT))
+        )
+        return out
 
     async def _apply_one(self, attr: str, d: Delta) -> Applied | StorageError:
         """The counter's write, then (``d.day``) its day bucket's: the bucket is written only
@@ -444,6 +680,7 @@ class DynamoDBStorage(Storage):
     async def _apply_day(self, attr: str, d: Delta, day: str) -> StorageError | None:
         tenant, feature, period = d.key
         try:
+            self.write_units += 1
             await self._call(
                 "update_item",
                 f"day bucket {day} of {_describe(d.key)}",
@@ -459,6 +696,7 @@ class DynamoDBStorage(Storage):
                 },
                 ReturnValues="NONE",
             )
+            self.items_written += 1
         except _ConditionFailed:
             self.day_duplicates += 1  # landed before: a retry whose answer was lost
         except StorageError as exc:
@@ -472,6 +710,7 @@ class DynamoDBStorage(Storage):
         try:
             pk, sk = _item_key(d.key)
             ttl = _ttl(d.key[2], self.retention_days)
+            self.write_units += 1
             resp = await self._call(
                 "update_item",
                 _describe(d.key),
@@ -488,6 +727,7 @@ class DynamoDBStorage(Storage):
                 ReturnValues="ALL_NEW",
                 ReturnValuesOnConditionCheckFailure="ALL_OLD",
             )
+            self.items_written += 1
             return Applied(_snapshot(resp["Attributes"]))
         except _ConditionFailed as failed:
             # Sequences of one node for one key only grow, so a failed condition - even on our
@@ -552,7 +792,11 @@ class DynamoDBStorage(Storage):
             raise BadItems(out, bad)
         return out
 
-    async def _batch_get(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    async def _batch_get(
+        self, pairs: list[tuple[str, str]], *, read: bool = True
+    ) -> list[dict[str, Any]]:
+        """Consistent reads of ``pairs``; ``read``: under the seeding reads' permits (else
+        the writes', as a flush's read-back)."""
         request: dict[str, Any] = {
             self.table: {
                 "Keys": [{"pk": {"S": pk}, "sk": {"S": sk}} for pk, sk in pairs],
@@ -561,7 +805,7 @@ class DynamoDBStorage(Storage):
         }
         items: list[dict[str, Any]] = []
         for attempt in range(10):
-            resp = await self._call("batch_get_item", "batch get", _read=True, RequestItems=request)
+            resp = await self._call("batch_get_item", "batch get", _read=read, RequestItems=request)
             items.extend(resp.get("Responses", {}).get(self.table, []))
             request = resp.get("UnprocessedKeys") or {}
             if not request:
@@ -1156,10 +1400,25 @@ class DynamoDBStorage(Storage):
         return random.uniform(0, min(self.backoff_cap, self.backoff_base * 2**attempt))
 
 
+class _Alone:
+    """A transaction's answer that names no item's fate: its keys are written alone."""
+
+
+_ALONE = _Alone()
 _CONTENDED = frozenset({"TransactionConflictException"})
 _CANCELLED = frozenset({"TransactionCanceledException"})
-#: Most items in one TransactWriteItems.
+#: Raised at once by a flush transaction: a cancellation (read item by item) and a token
+#: sent again with other items (never meant to happen: the keys then go alone).
+_BATCH_RAISE = frozenset({"TransactionCanceledException", "IdempotentParameterMismatchException"})
+#: Most items in one TransactWriteItems: DynamoDB's, and DynamoDB Local's.
 TRANSACT_LIMIT = 100
+LOCAL_TRANSACT_LIMIT = 10
+#: How deltas are flushed (the ``flush_mode`` setting, module doc).
+FLUSH_MODES = ("single", "batched", "auto")
+#: Sends of one apply's transactions, each with what the last cancellation left.
+BATCH_ATTEMPTS = 6
+#: ``auto``: seconds a key that met a conflicting write is written alone.
+HOT_S = 30.0
 
 
 def _cancel_reasons(exc: ClientError) -> list[str] | None:

@@ -33,7 +33,13 @@ from storage.sqlite import SQLiteStorage
 
 BACKENDS = ["memory", "sqlite", "dynamodb"]
 # DynamoDB Local needs Java: its variants carry the marker, so ``-m "not dynamodb"`` skips them.
-_PARAMS = [pytest.param(b, marks=pytest.mark.dynamodb) if b == "dynamodb" else b for b in BACKENDS]
+# DynamoDB twice: flushing in transactions (the default, ``auto``) and one UpdateItem a key.
+_PARAMS = [
+    "memory",
+    "sqlite",
+    pytest.param("dynamodb", marks=pytest.mark.dynamodb),
+    pytest.param("dynamodb-single", marks=pytest.mark.dynamodb),
+]
 
 K: Key = ("acme", "api_calls", "2026-11")
 
@@ -44,13 +50,14 @@ def _make(backend: str, request: pytest.FixtureRequest) -> Storage:
     if backend == "sqlite":
         tmp_path: Path = request.getfixturevalue("tmp_path")
         return SQLiteStorage(tmp_path / "meter.db")
-    if backend == "dynamodb":
+    if backend.startswith("dynamodb"):
         from storage.dynamodb import DynamoDBStorage
         from tests.support.fixtures_dynamodb import new_table_name
 
         # A fresh table per test in the session's DynamoDB Local; the fixture creates it.
         endpoint: str = request.getfixturevalue("dynamodb_local")
-        return DynamoDBStorage(new_table_name(), endpoint_url=endpoint)
+        mode = "single" if backend == "dynamodb-single" else "auto"
+        return DynamoDBStorage(new_table_name(), endpoint_url=endpoint, flush_mode=mode)
     raise AssertionError(f"unknown backend {backend}")
 
 

@@ -71,6 +71,8 @@ def build_storage(cfg: NodeConfig) -> Storage:
             read_timeout=s.dynamodb_read_timeout_s,
             concurrency=s.dynamodb_concurrency,
             retention_days=s.retention_days,
+            flush_mode=s.flush_mode,
+            transact_items=s.dynamodb_transact_items,
         )
     raise ConfigError("storage", f"unknown storage kind {s.kind!r}")
 

@@ -7,6 +7,7 @@ this module and :mod:`meter.ops.metrics` need nothing above them.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from typing import Any, Protocol
@@ -84,6 +85,11 @@ def status_fields(node: NodeView) -> dict[str, Any]:
             "backlog_units": backlog_units,
             "backlog_age_s": None if fs.backlog_since is None else round(now - fs.backlog_since, 3),
             "poisoned": [{"key": list(k), "error": e} for k, e in list(fs.poisoned.items())[:20]],
+            "cpu_s": round(fs.cpu_seconds, 3),
+            "cpu_us_per_key": (
+                None if not fs.keys_written else round(fs.cpu_seconds / fs.keys_written * 1e6, 1)
+            ),
+            "writes": dataclasses.asdict(node.flusher.storage.write_stats()),
         },
     }
     out["gc"] = {

@@ -43,6 +43,9 @@ FLUSH_ROUNDS = "meter_flush_rounds_total"
 FLUSH_FAILURES = "meter_flush_failures_total"
 FLUSH_DURATION = "meter_flush_duration_seconds"
 FLUSH_KEYS_WRITTEN = "meter_flush_keys_written_total"
+FLUSH_WRITES = "meter_flush_writes_total"
+FLUSH_WRITE_UNITS = "meter_flush_write_units_total"
+FLUSH_CPU = "meter_flush_cpu_seconds_total"
 FLUSH_BACKLOG_KEYS = "meter_flush_backlog_keys"
 FLUSH_BACKLOG_UNITS = "meter_flush_backlog_units"
 FLUSH_BACKLOG_AGE = "meter_flush_backlog_age_seconds"
@@ -78,7 +81,8 @@ BUILD_INFO = "meter_build_info"
 #: Every metric family the node exports (full names: counters end in ``_total``).
 METRIC_NAMES: tuple[str, ...] = (
     REQUESTS, REQUEST_DURATION, REFUSALS, CONNECTIONS, CONNECTIONS_ACCEPTED, PROTOCOL_ERRORS,
-    KEYS, FLUSH_ROUNDS, FLUSH_FAILURES, FLUSH_DURATION, FLUSH_KEYS_WRITTEN, FLUSH_BACKLOG_KEYS,
+    KEYS, FLUSH_ROUNDS, FLUSH_FAILURES, FLUSH_DURATION, FLUSH_KEYS_WRITTEN, FLUSH_WRITES,
+    FLUSH_WRITE_UNITS, FLUSH_CPU, FLUSH_BACKLOG_KEYS,
     FLUSH_BACKLOG_UNITS, FLUSH_BACKLOG_AGE, FLUSH_PARKED_KEYS, UNITS_STORED, UNITS_REMOVED,
     SEEDING_READS, SEEDING_FAILED_READS, WAL_SIZE, WAL_SEGMENTS, WAL_OLDEST_AGE, WAL_COMMITS,
     WAL_FSYNCS, WAL_FSYNC_DURATION, WAL_FAILURES, WAL_WRITABLE, GOSSIP_BUS_CONNECTED,
@@ -282,6 +286,24 @@ class NodeCollector(Collector):
         ):
             fam = _counter(name, doc)
             fam.add_metric([], n)
+            yield fam
+        ws = node.flusher.storage.write_stats()
+        fam = _counter(
+            FLUSH_WRITES,
+            "Flush write requests: UpdateItem calls and transactions (DynamoDB; else 0).",
+            ["kind"],
+        )
+        fam.add_metric(["single"], ws.writes - ws.transactions)
+        fam.add_metric(["transaction"], ws.transactions)
+        yield fam
+        for name, doc, value in (
+            (FLUSH_WRITE_UNITS, "Write units the flush writes cost (DynamoDB, items <= 1 KB).",
+             ws.write_units),
+            (FLUSH_CPU, "Process CPU seconds while flush rounds ran (an upper bound of theirs).",
+             fs.cpu_seconds),
+        ):  # fmt: skip
+            fam = _counter(name, doc)
+            fam.add_metric([], value)
             yield fam
         yield _histogram(FLUSH_DURATION, "Flush round duration.", [], {"": fs.round_seconds})
         yield _gauge(FLUSH_BACKLOG_KEYS, "Keys with units storage does not have.",

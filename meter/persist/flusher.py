@@ -55,6 +55,9 @@ class FlushStats:
     poisoned: dict[Key, str] = field(default_factory=dict)
     #: How long rounds took (seconds).
     round_seconds: Buckets = field(default_factory=lambda: Buckets(FLUSH_BOUNDS))
+    #: The process's CPU time while rounds ran (requests served meanwhile count too, so
+    #: per stored key it is an upper bound of what flushing costs).
+    cpu_seconds: float = 0.0
 
 
 class FlushTarget(Counters, DayBuckets, Protocol):
@@ -168,10 +171,12 @@ class Flusher:
         """One round: seed unseeded keys, write every dirty key. True if nothing failed."""
         async with self._lock:
             began = time.monotonic()
+            cpu = time.process_time()
             try:
                 return await self._round()
             finally:
                 self.stats.round_seconds.add(time.monotonic() - began)
+                self.stats.cpu_seconds += time.process_time() - cpu
 
     async def _round(self) -> bool:
         """:meth:`flush_once` under its lock."""
