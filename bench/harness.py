@@ -105,6 +105,11 @@ class Sizes:
     durable_configs: tuple[tuple[int, int], ...]  # (connections, depth) for ``durable``
     scale: ScaleSizes
     quotas: QuotaSizes
+    #: Keys a round for the flush CPU per key (batched vs single) and for the batched flush
+    #: vs a bare TransactWriteItems loop and the track p99 during a round.
+    flush_cpu_keys: int = 2_000
+    flush_tx_keys: int = 10_000
+    flush_p99_seconds: float = 4.0
 
 
 FULL = Sizes(
@@ -156,6 +161,9 @@ SMOKE = Sizes(
     ((2, 4),),
     ScaleSizes(400, 1, 1_000, 1, 200, 1.0, 6.0, 4.0, 2.0, 2.0, 1, True, 200, 400, 2_000.0, 2.0),
     QuotaSizes(((2, 1),), ((3, 1),), 1_000, 2, 1_000, 2, (100,), 100, 1),
+    flush_cpu_keys=100,
+    flush_tx_keys=200,
+    flush_p99_seconds=0.5,
 )
 
 

@@ -15,6 +15,7 @@ import json
 import multiprocessing as mp
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -362,14 +363,22 @@ def vs_dynamodb(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
 # -- 4. flush overhead ----------------------------------------------------------------------
 
 
-async def _flush_round(endpoint: str, table: str, n: int, tag: str) -> tuple[float, int]:
+FLUSH = "4 flush overhead"
+
+
+async def _flush_round(
+    endpoint: str, table: str, n: int, tag: str, mode: str = "auto"
+) -> dict[str, float]:
+    """A flusher writing ``n`` new dirty month keys (each two items: the counter and its day
+    bucket) in one round, in flush mode ``mode``: keys/s, writes, and this process's CPU
+    and the write units per stored key."""
     from meter.core.keys import period_start
     from meter.core.table import CounterTable
     from meter.persist.flusher import Flusher
     from storage.base import EMPTY
     from storage.dynamodb import DynamoDBStorage
 
-    store = DynamoDBStorage(table, endpoint_url=endpoint, concurrency=64)
+    store = DynamoDBStorage(table, endpoint_url=endpoint, concurrency=64, flush_mode=mode)
     await store.open()
     try:
         counters = CounterTable("bench")
@@ -379,27 +388,39 @@ async def _flush_round(endpoint: str, table: str, n: int, tag: str) -> tuple[flo
             counters.seed(key, EMPTY)
             counters.incr(key, 1)
         flusher = Flusher(counters, store, batch_keys=10_000)
-        t0 = time.perf_counter()
+        cpu, t0 = time.process_time(), time.perf_counter()
         ok = await flusher.flush_once()
-        dt = time.perf_counter() - t0
-        if not ok:
+        dt, cpu = time.perf_counter() - t0, time.process_time() - cpu
+        if not ok or flusher.stats.keys_written != n:
             raise RuntimeError(f"flush failed: {flusher.stats.last_error}")
-        return n / dt, store.writes
+        ws = store.write_stats()
+        return {
+            "keys_per_s": n / dt,
+            "writes": ws.writes,
+            "cpu_us_per_key": cpu / n * 1e6,
+            "write_units_per_key": ws.write_units / n,
+            "derived": ws.derived,
+        }
     finally:
         await store.close()
 
 
-async def _bare_round(
-    endpoint: str, table: str, n: int, tag: str, *, conditional: bool = False
-) -> float:
+def _client(endpoint: str) -> Any:
     import aioboto3
     from aiobotocore.config import AioConfig
 
     session = aioboto3.Session(
         aws_access_key_id="bench", aws_secret_access_key="bench", region_name="us-east-1"
     )
-    config = AioConfig(max_pool_connections=64)
-    async with session.client("dynamodb", endpoint_url=endpoint, config=config) as client:
+    # As the node has it: botocore's validation of every request off.
+    config = AioConfig(max_pool_connections=64, parameter_validation=False)
+    return session.client("dynamodb", endpoint_url=endpoint, config=config)
+
+
+async def _bare_round(
+    endpoint: str, table: str, n: int, tag: str, *, conditional: bool = False
+) -> float:
+    async with _client(endpoint) as client:
         sem = asyncio.Semaphore(64)
 
         # The conditional form is the flusher's own request, less the flusher: the same
@@ -429,12 +450,59 @@ async def _bare_round(
         return n / (time.perf_counter() - t0)
 
 
-def _flush_side(endpoint: str, table: str, n: int, tag: str) -> tuple[float, int]:
-    return asyncio.run(_flush_round(endpoint, table, n, tag))
+async def _bare_transactions(
+    endpoint: str, table: str, n: int, tag: str, items: int, until: float | None = None
+) -> float:
+    """Keys/s of a bare loop of ``TransactWriteItems`` of ``items`` conditional updates,
+    two a key (the counter and a day bucket, as the flusher writes), 64 in flight: the
+    flusher's writes, less the flusher and the read-back. ``until``: stop sending at this
+    ``time.monotonic()`` (the keys not sent by then are not counted)."""
+    sent = 0
+    async with _client(endpoint) as client:
+        sem = asyncio.Semaphore(64)
+
+        def update(sk: str, i: int) -> dict[str, Any]:
+            return {
+                "Update": {
+                    "TableName": table,
+                    "Key": {"pk": {"S": f"{tag}-{i // 100}"}, "sk": {"S": sk}},
+                    "UpdateExpression": "ADD t :d SET #s = :seq",
+                    "ConditionExpression": "attribute_not_exists(#s) OR #s < :seq",
+                    "ExpressionAttributeNames": {"#s": "s_bench"},
+                    "ExpressionAttributeValues": {":d": {"N": "1"}, ":seq": {"N": "1"}},
+                }
+            }
+
+        per = max(1, items // 2)
+
+        async def one(start: int) -> None:
+            nonlocal sent
+            ops = []
+            for i in range(start, min(n, start + per)):
+                ops += [update(f"2026-11#f{i % 100}", i), update(f"#d#f{i % 100}#2026-11-02", i)]
+            async with sem:
+                if until is not None and time.monotonic() >= until:
+                    return
+                await client.transact_write_items(
+                    TransactItems=ops, ClientRequestToken=uuid.uuid4().hex
+                )
+                sent += len(ops) // 2
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(s) for s in range(0, n, per)))
+        return sent / (time.perf_counter() - t0)
+
+
+def _flush_side(endpoint: str, table: str, n: int, tag: str, mode: str) -> dict[str, float]:
+    return asyncio.run(_flush_round(endpoint, table, n, tag, mode))
 
 
 def _bare_side(endpoint: str, table: str, n: int, tag: str, conditional: bool) -> float:
     return asyncio.run(_bare_round(endpoint, table, n, tag, conditional=conditional))
+
+
+def _bare_tx_side(endpoint: str, table: str, n: int, tag: str, items: int) -> float:
+    return asyncio.run(_bare_transactions(endpoint, table, n, tag, items))
 
 
 def flush(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
@@ -447,35 +515,29 @@ def flush(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     # warm it up, unmeasured, so the first side measured does not pay for it.
     progress("warming up DynamoDB Local (2,000 writes, not measured)")
     asyncio.run(_bare_round(endpoint, table, 2_000, f"warm{uuid.uuid4().hex[:6]}"))
+    _bare_tx_side(endpoint, table, 1_000, f"warm{uuid.uuid4().hex[:6]}", 10)
+    rows += _flush_cost(endpoint, table, sizes, progress)
+    rows += _flush_vs_transactions(endpoint, table, sizes, progress)
     for n in sizes.flush_sizes:
         rounds = 1 if n >= 100_000 else sizes.flush_rounds
         ours: list[float] = []
         ref: list[float] = []
-        cond: list[float] = []
         writes: list[int] = []
-        with_cond = n < 100_000  # context only; a 100k round takes minutes
         for r in range(rounds):
             progress(f"flush of {n:,} dirty keys vs bare UpdateItem loop, round {r + 1}/{rounds}")
             tag = uuid.uuid4().hex[:6]
-            sides: list[Callable[[], Any]] = [
-                partial(_flush_side, endpoint, table, n, f"fl{tag}"),
+            got = in_turn(
+                r,
+                partial(_flush_side, endpoint, table, n, f"fl{tag}", "auto"),
                 partial(_bare_side, endpoint, table, n, f"bare{tag}", False),
-            ]
-            if with_cond:
-                sides.append(partial(_bare_side, endpoint, table, n, f"cond{tag}", True))
-            # The order turns each round: flusher, bare (, conditional); then bare (,
-            # conditional), flusher; ...
-            got = in_turn(r, *sides)
-            rate, w = got[0]
-            ours.append(rate)
-            writes.append(w)
+            )
+            ours.append(got[0]["keys_per_s"])
+            writes.append(int(got[0]["writes"]))
             ref.append(got[1])
-            if with_cond:
-                cond.append(got[2])
         ratio = ratios(ours, ref)
         rows.append(
             Row(
-                "4 flush overhead",
+                FLUSH,
                 f"flush {n:,} dirty keys vs bare UpdateItem loop",
                 "keys/s",
                 median(ours),
@@ -485,6 +547,7 @@ def flush(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 ratio >= 0.9,
                 {
                     "keys": n,
+                    "flush_mode": "auto",
                     "concurrency": 64,
                     "rounds": rounds,
                     "writes": writes,
@@ -492,21 +555,187 @@ def flush(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 },
             )
         )
-        if with_cond:
-            rows.append(
-                Row(
-                    "4 flush overhead",
-                    f"flush {n:,} dirty keys vs bare conditional UpdateItem loop",
-                    "keys/s",
-                    median(ours),
-                    median(cond),
-                    ratios(ours, cond),
-                    "(context)",
-                    None,
-                    {"keys": n, "concurrency": 64, "rounds": rounds},
-                )
-            )
+    rows += _track_during_flush(svc, endpoint, table, sizes, progress)
     return rows
+
+
+def _flush_cost(endpoint: str, table: str, sizes: Sizes, progress: Progress) -> list[Row]:
+    """Client CPU and write units per stored key: transactions against one UpdateItem a
+    key's item, the same keys, in turns."""
+    n = sizes.flush_cpu_keys
+    got: dict[str, list[dict[str, float]]] = {"batched": [], "single": []}
+    for r in range(sizes.flush_rounds):
+        progress(f"flush CPU per stored key, {n:,} keys, batched vs single, round {r + 1}")
+        tag = uuid.uuid4().hex[:6]
+        a, b = in_turn(
+            r,
+            partial(_flush_side, endpoint, table, n, f"cb{tag}", "batched"),
+            partial(_flush_side, endpoint, table, n, f"cs{tag}", "single"),
+        )
+        got["batched"].append(a)
+        got["single"].append(b)
+
+    def side(mode: str, what: str) -> list[float]:
+        return [g[what] for g in got[mode]]
+
+    cpu_ratio = ratios(side("batched", "cpu_us_per_key"), side("single", "cpu_us_per_key"))
+    detail = {
+        "keys": n,
+        "items_per_key": 2,
+        "transact_items": 10,
+        "rounds": sizes.flush_rounds,
+        "batched_keys_per_s": [round(x) for x in side("batched", "keys_per_s")],
+        "single_keys_per_s": [round(x) for x in side("single", "keys_per_s")],
+        "measure": "time.process_time() of the flushing process across flush_once()",
+        "batched_answered_without_read": [int(x) for x in side("batched", "derived")],
+    }
+    units = median(side("batched", "write_units_per_key"))
+    single_units = median(side("single", "write_units_per_key"))
+    return [
+        Row(
+            FLUSH,
+            f"client CPU per stored key, {n:,} keys: batched vs single UpdateItem",
+            "us/key",
+            median(side("batched", "cpu_us_per_key")),
+            median(side("single", "cpu_us_per_key")),
+            cpu_ratio,
+            "<= 0.2x single",
+            cpu_ratio <= 0.2,
+            detail,
+        ),
+        Row(
+            FLUSH,
+            "write units per stored key: batched vs single (items <= 1 KB)",
+            "WCU/key",
+            units,
+            single_units,
+            units / single_units if single_units else None,
+            "(report: 2 an item in a transaction, 1 alone)",
+            None,
+            {"items_per_key": 2},
+        ),
+    ]
+
+
+def _flush_vs_transactions(
+    endpoint: str, table: str, sizes: Sizes, progress: Progress
+) -> list[Row]:
+    n = sizes.flush_tx_keys
+    ours: list[float] = []
+    ref: list[float] = []
+    derived: list[int] = []
+    for r in range(sizes.flush_rounds):
+        progress(f"flush of {n:,} keys vs bare TransactWriteItems loop, round {r + 1}")
+        tag = uuid.uuid4().hex[:6]
+        a, b = in_turn(
+            r,
+            partial(_flush_side, endpoint, table, n, f"tf{tag}", "batched"),
+            partial(_bare_tx_side, endpoint, table, n, f"tb{tag}", 10),
+        )
+        ours.append(a["keys_per_s"])
+        derived.append(int(a["derived"]))
+        ref.append(b)
+    ratio = ratios(ours, ref)
+    return [
+        Row(
+            FLUSH,
+            f"flush {n:,} dirty keys (batched) vs bare TransactWriteItems loop",
+            "keys/s",
+            median(ours),
+            median(ref),
+            ratio,
+            ">= 0.9x bare",
+            ratio >= 0.9,
+            {
+                "keys": n,
+                "transact_items": 10,
+                "bare_in_flight": 64,
+                "rounds": sizes.flush_rounds,
+                # new keys, each its first flush: answered from what the flusher knew (a
+                # key's every 8th flush, and keys other nodes write, are read back)
+                "answered_without_read": derived,
+            },
+        )
+    ]
+
+
+def _track_during_flush(
+    svc: Services, endpoint: str, table: str, sizes: Sizes, progress: Progress
+) -> list[Row]:
+    """``track`` p99 at 4 connections on a node (DynamoDB storage) while it flushes a round
+    of ``flush_tx_keys`` new keys, against the same load while it flushes nothing but the
+    load's own few keys and a bare TransactWriteItems loop (another client, in this
+    process) keeps DynamoDB Local as busy: on this 2-core machine the JVM's writes take CPU
+    from the node either way, and what is compared is the node's own flush work."""
+    n = sizes.flush_tx_keys
+    node = svc.node(
+        "flushp99",
+        METER_STORAGE="dynamodb",
+        METER_DYNAMODB_ENDPOINT=endpoint,
+        METER_DYNAMODB_TABLE=table,
+        METER_FLUSH_INTERVAL_MS="1000",
+    )
+    seconds = sizes.flush_p99_seconds
+    quiet: list[float] = []
+    busy: list[float] = []
+    covered: list[float] = []
+    load = Load("meter", str(node.socket), "track", 4, 1, duration=seconds)
+    run_load(load)  # warm: the load's keys seeded, not measured
+
+    def quiet_side() -> None:
+        until = time.monotonic() + load.warmup + seconds + 1
+        tag = uuid.uuid4().hex[:6]
+        beside = threading.Thread(
+            target=lambda: asyncio.run(_bare_transactions(endpoint, table, n, f"q{tag}", 10, until))
+        )
+        beside.start()
+        try:
+            quiet.append(run_load(load).percentile_us(99))
+        finally:
+            beside.join()
+
+    def busy_side() -> None:
+        tag = uuid.uuid4().hex[:6]
+        before = node_status(node)["flush"]["keys_written"]
+        for start in range(0, n, 10_000):
+            items = [
+                [f"p{tag}-{i // 100}", f"f{i % 100}", 1]
+                for i in range(start, min(n, start + 10_000))
+            ]
+            node.call("track_many", items)
+        res = run_load(load)
+        written = node_status(node)["flush"]["keys_written"] - before
+        busy.append(res.percentile_us(99))
+        covered.append(min(1.0, written / n))
+        deadline = time.monotonic() + 120
+        while node_status(node)["flush"]["keys_written"] - before < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the node did not store the round within 120 s")
+            time.sleep(0.2)
+
+    for r in range(sizes.flush_rounds):
+        progress(f"track p99 while a {n:,}-key flush round runs vs none, round {r + 1}")
+        in_turn(r, busy_side, quiet_side)
+    st = node_status(node)
+    svc.stop_node(node)
+    ratio = ratios(busy, quiet)
+    return [
+        Row(
+            FLUSH,
+            f"track p99, 4 connections, during a {n:,}-key flush round vs none (same DB load)",
+            "us",
+            median(busy),
+            median(quiet),
+            ratio,
+            "<= 1.5x",
+            ratio <= 1.5,
+            {
+                "window_s": seconds,
+                "round_stored_in_window": [round(c, 2) for c in covered],
+                "flush": {k: st["flush"][k] for k in ("cpu_us_per_key", "writes")},
+            },
+        )
+    ]
 
 
 # -- 5. convergence ---------------------------------------------------------------------------

@@ -62,6 +62,11 @@ class Delta:
     seq: int
     delta: int
     day: str | None = None
+    #: The stored state the caller's view of the key rests on, holding every earlier delta
+    #: of this node (its sequence ``seq - 1``), if the caller may be answered with it plus
+    #: this delta instead of a read of the item (ADR 0015): a backend that writes without
+    #: reading back may answer so; any backend may ignore it.
+    known: Snapshot | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +74,10 @@ class Applied:
     """The outcome of one :class:`Delta`.
 
     ``duplicate`` is true when the backend refused the delta because its sequence had already
-    been applied; ``snapshot`` is then the item as it is now, which contains the delta.
+    been applied; ``snapshot`` is then the item as it is now, which contains the delta. For a
+    delta given ``known``, ``snapshot`` may be ``known`` plus the delta: no state the item was
+    in if other nodes wrote meanwhile, but one it covers node by node (every node's deltas up
+    to its sequence in it, and nothing else), as the item's state after the write does.
     """
 
     snapshot: Snapshot
@@ -91,6 +99,10 @@ class WriteStats:
     #: Transactions sent, and of those cancelled.
     transactions: int = 0
     cancelled: int = 0
+    #: Keys written alone for now, after they met a conflicting write (``auto``).
+    hot_keys: int = 0
+    #: Keys answered with what the flusher knew plus their delta, not read back (ADR 0015).
+    derived: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -79,7 +79,8 @@ from storage.base import (
     encode_cursor,
     lease_end_ms,
 )
-from storage.transactions import Part, Verdict, judge, pack, token
+from storage.dynamodb_wire import NoCredentials, Wire, WireError
+from storage.transactions import HotKeys, Part, Verdict, judge, pack, token
 
 log = logging.getLogger("meter.storage.dynamodb")
 
@@ -263,6 +264,10 @@ class DynamoDBStorage(Storage):
             # refuses a bad request (ValidationException: a permanent error, as before).
             parameter_validation=False,
         )
+        self._timeouts = (connect_timeout, read_timeout)
+        #: Tries of one request on the wire (botocore's attempts, then ours).
+        self._wire_attempts = max_attempts + retries
+        self._wire: Wire | None = None
         self._sem = asyncio.Semaphore(concurrency)
         # Batch reads (seeding) do not queue behind a flush round's writes in _sem: a cold
         # key's caller waited up to seconds behind a round of thousands of UpdateItems.
@@ -285,7 +290,7 @@ class DynamoDBStorage(Storage):
         self.transact_items = transact_items or (LOCAL_TRANSACT_LIMIT if local else TRANSACT_LIMIT)
         #: ``auto``: keys that met a conflicting write, and until when (monotonic) they are
         #: written alone.
-        self._hot: dict[Key, float] = {}
+        self._hot = HotKeys(HOT_S)
         #: This process, in transactions' tokens (transactions.token).
         self._run = os.urandom(8).hex()
         #: Counter and day-bucket updates that landed, and the write units they cost as
@@ -296,6 +301,8 @@ class DynamoDBStorage(Storage):
         #: Transactions sent, and of those cancelled.
         self.transactions = 0
         self.cancelled = 0
+        #: Keys answered with what the caller knew plus their delta, not read back.
+        self.derived = 0
 
     @property
     def writes(self) -> int:
@@ -311,6 +318,8 @@ class DynamoDBStorage(Storage):
             self.write_units,
             self.transactions,
             self.cancelled,
+            len(self._hot),
+            self.derived,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -328,11 +337,30 @@ class DynamoDBStorage(Storage):
         except BotoCoreError as exc:  # e.g. an invalid endpoint URL
             await stack.aclose()
             raise StoragePermanentError(f"dynamodb: cannot create a client: {exc}") from exc
+        # The flush's transactions and read-backs: signed JSON of their own (ADR 0015), to the
+        # endpoint botocore resolved, with the session's credentials.
+        try:
+            credentials = await session.get_credentials()
+        except BotoCoreError as exc:
+            await stack.aclose()
+            raise StoragePermanentError(f"dynamodb: bad AWS credentials setup: {exc}") from exc
+        wire = Wire(
+            self._client.meta.endpoint_url,
+            self._client.meta.region_name,
+            credentials,
+            connections=self.pool_connections,
+            connect_timeout=self._timeouts[0],
+            read_timeout=self._timeouts[1],
+            user_agent=f"meter-flush aiohttp/{aiohttp.__version__}",
+        )
+        await wire.open()
+        stack.push_async_callback(wire.close)
+        self._wire = wire
         self._stack = stack
 
     async def close(self) -> None:
         """Exit the client's context (closes its connection pool)."""
-        stack, self._stack, self._client = self._stack, None, None
+        stack, self._stack, self._client, self._wire = self._stack, None, None, None
         if stack is not None:
             await stack.aclose()
 
@@ -452,11 +480,7 @@ class DynamoDBStorage(Storage):
         alone: list[Delta] = list(deltas)
         batched: list[Delta] = []
         if self.flush_mode != "single":
-            now = time.monotonic()
-            hot = self._hot
-            for key, until in list(hot.items()):
-                if until <= now:
-                    del hot[key]
+            hot = self._hot.hot(time.monotonic()) if self._hot else frozenset()
             alone = [d for d in deltas if d.key in hot]
             batched = [d for d in deltas if d.key not in hot] if alone else list(deltas)
         singles, out = await asyncio.gather(
@@ -470,93 +494,145 @@ class DynamoDBStorage(Storage):
     async def _apply_batched(
         self, node: str, attr: str, deltas: Sequence[Delta]
     ) -> dict[Key, Applied | StorageError]:
-        """The deltas' updates in transactions (:mod:`storage.transactions`), sent again for
-        what a cancellation says can go again, then the stored items read back. A key whose
-        fate a transaction cannot tell is written alone (:meth:`_apply_one`)."""
+        """The deltas' updates in transactions (:mod:`storage.transactions`), sent by a few
+        workers, again for what a cancellation says can go again; each hundred keys landed
+        read back at once while the rest are written. A key whose fate a transaction cannot
+        tell is written alone (:meth:`_apply_one`). The loop is handed back every few hundred
+        keys of work, so a large round never holds it for long."""
         out: dict[Key, Applied | StorageError] = {}
         if not deltas:
             return out
         by_key = {d.key: d for d in deltas}
         pending: dict[Key, list[Part]] = {}
-        for d in deltas:
+        ttls: dict[str, dict[str, Any]] = {}
+        for i, d in enumerate(deltas):
+            if i % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)
             try:
-                pending[d.key] = self._parts(attr, d)
+                pending[d.key] = self._parts(attr, d, ttls)
             except StorageError as exc:
                 out[d.key] = exc
-        landed: list[Key] = []
         duplicates: set[Key] = set()
         alone: set[Key] = set()
+        ready: list[Key] = []
+        derived: dict[Key, Snapshot] = {}
+        reads: list[asyncio.Future[dict[Key, Snapshot | StorageError]]] = []
         last = "dynamodb: transactions kept being cancelled"
-        for attempt in range(BATCH_ATTEMPTS):
-            if not pending:
-                break
-            groups = pack(list(pending.values()), self.transact_items)
-            got = await asyncio.gather(*(self._transact(node, g) for g in groups))
-            busy = False
-            for group, verdict in zip(groups, got, strict=True):
-                keys = list(dict.fromkeys(p.key for p in group))
-                if verdict is None:  # written
-                    self.items_written += len(group)
-                    for key in keys:
-                        del pending[key]
-                        landed.append(key)
-                elif isinstance(verdict, StorageError):  # fate unknown: the caller retries
-                    for key in keys:
-                        del pending[key]
-                        out[key] = verdict
-                elif isinstance(verdict, _Alone):
-                    for key in keys:
+
+        def landed(key: Key) -> None:
+            pending.pop(key, None)
+            d = by_key[key]
+            known = d.known
+            if (
+                key not in duplicates
+                and known is not None
+                and known.seq_of(node) == d.seq - 1
+                and all(n == node for n in known.seqs)
+            ):
+                # Every update of the key passed its condition: the item held no sequence of
+                # ours from d.seq on; known holds all below it and no other node's: so known
+                # plus this delta is the item as this write left it, unless another node
+                # wrote it since (its units are then in the caller's view as its gossip, and
+                # the next read takes them in; ADR 0015). No read needed.
+                derived[key] = Snapshot(known.total + d.delta, {node: d.seq})
+                return
+            ready.append(key)
+            if len(ready) >= BATCH_GET_LIMIT:
+                reads.append(asyncio.ensure_future(self._read_back(ready[:])))
+                ready.clear()
+
+        def settle(group: list[Part], verdict: Verdict | StorageError | _Alone | None) -> bool:
+            """Book one transaction's answer; whether it met a busy table."""
+            nonlocal last
+            keys = list(dict.fromkeys(p.key for p in group))
+            if verdict is None:  # written
+                self.items_written += len(group)
+                for key in keys:
+                    landed(key)
+                return False
+            if isinstance(verdict, StorageError):  # fate unknown: the caller retries
+                for key in keys:
+                    del pending[key]
+                    out[key] = verdict
+                return False
+            if isinstance(verdict, _Alone):
+                for key in keys:
+                    del pending[key]
+                    alone.add(key)
+                return False
+            last = f"dynamodb: a flush transaction was cancelled ({verdict.reasons})"
+            for part, code in verdict.bad:
+                if part.key in pending:
+                    del pending[part.key]
+                    out[part.key] = StoragePermanentError(
+                        f"dynamodb: {_describe(part.key)}"
+                        f"{'' if part.day is None else ' day bucket ' + part.day}: "
+                        f"{code} in a transaction"
+                    )
+            for part in verdict.landed:
+                if part.day is None:
+                    duplicates.add(part.key)
+                    self.duplicates += 1
+                else:
+                    self.day_duplicates += 1
+                parts = pending.get(part.key)
+                if parts is not None:
+                    parts.remove(part)
+                    if not parts:
+                        landed(part.key)
+            if self.flush_mode == "auto" and verdict.conflicted:
+                self._hot.conflicted(verdict.conflicted, time.monotonic())
+                for key in verdict.conflicted:
+                    if key in pending:
                         del pending[key]
                         alone.add(key)
-                else:
-                    busy = busy or verdict.busy
-                    last = f"dynamodb: a flush transaction was cancelled ({verdict.reasons})"
-                    for part, code in verdict.bad:
-                        if part.key in pending:
-                            del pending[part.key]
-                            out[part.key] = StoragePermanentError(
-                                f"dynamodb: {_describe(part.key)}"
-                                f"{'' if part.day is None else ' day bucket ' + part.day}: "
-                                f"{code} in a transaction"
-                            )
-                    for part in verdict.landed:
-                        if part.day is None:
-                            duplicates.add(part.key)
-                            self.duplicates += 1
-                        else:
-                            self.day_duplicates += 1
-                        parts = pending.get(part.key)
-                        if parts is not None:
-                            parts.remove(part)
-                            if not parts:
-                                del pending[part.key]
-                                landed.append(part.key)
-                    if self.flush_mode == "auto" and verdict.conflicted:
-                        until = time.monotonic() + HOT_S
-                        for key in verdict.conflicted:
-                            self._hot[key] = until
-                            if key in pending:
-                                del pending[key]
-                                alone.add(key)
-            if busy and pending:
-                await asyncio.sleep(self._backoff(attempt))
-        for key in pending:
-            out[key] = StorageUnavailable(last)
-        ones = [by_key[k] for k in alone]
-        read, singles = await asyncio.gather(
-            self._read_back(landed), asyncio.gather(*(self._apply_one(attr, d) for d in ones))
-        )
-        for d, r in zip(ones, singles, strict=True):
-            out[d.key] = r
-        for key, snap in read.items():
-            out[key] = snap if isinstance(snap, StorageError) else Applied(snap, key in duplicates)
+            return verdict.busy
+
+        try:
+            for attempt in range(BATCH_ATTEMPTS):
+                if not pending:
+                    break
+                todo = iter(pack(list(pending.values()), self.transact_items))
+
+                async def worker(todo: Iterator[list[Part]]) -> bool:
+                    busy = False
+                    for group in todo:
+                        busy = settle(group, await self._transact(node, group)) or busy
+                    return busy
+
+                busy = await asyncio.gather(*(worker(todo) for _ in range(TRANSACT_WORKERS)))
+                if any(busy) and pending:
+                    await asyncio.sleep(self._backoff(attempt))
+            for key in pending:
+                out[key] = StorageUnavailable(last)
+            if ready:
+                reads.append(asyncio.ensure_future(self._read_back(ready)))
+            ones = [by_key[k] for k in alone]
+            singles = await asyncio.gather(*(self._apply_one(attr, d) for d in ones))
+            for d, r in zip(ones, singles, strict=True):
+                out[d.key] = r
+            for key, known in derived.items():
+                out[key] = Applied(known)
+            self.derived += len(derived)
+            for got in await asyncio.gather(*reads):
+                for key, snap in got.items():
+                    if isinstance(snap, StorageError):
+                        out[key] = snap
+                    else:
+                        out[key] = Applied(snap, key in duplicates)
+        finally:
+            for read in reads:  # (cancelled midway: no read left running unowned)
+                read.cancel()
         return out
 
-    def _parts(self, attr: str, d: Delta) -> list[Part]:
-        """The conditional updates of ``d``: its counter's, and its day bucket's."""
+    def _parts(self, attr: str, d: Delta, ttls: dict[str, dict[str, Any]]) -> list[Part]:
+        """The conditional updates of ``d``: its counter's, and its day bucket's. ``ttls``:
+        each period's ``:ttl`` value, computed once a batch."""
         pk, sk = _item_key(d.key)
-        ttl = {":ttl": {"N": str(_ttl(d.key[2], self.retention_days))}}
-        values = {":d": {"N": str(d.delta)}, ":seq": {"N": str(d.seq)}, **ttl}
+        ttl = ttls.get(d.key[2])
+        if ttl is None:
+            ttl = ttls[d.key[2]] = {"N": str(_ttl(d.key[2], self.retention_days))}
+        values = {":d": {"N": str(d.delta)}, ":seq": {"N": str(d.seq)}, ":ttl": ttl}
         names = {"#t": "t", "#s": attr, "#ttl": "ttl"}
 
         def update(sort_key: str) -> dict[str, Any]:
@@ -571,9 +647,10 @@ class DynamoDBStorage(Storage):
 
         parts = [Part(d.key, d.seq, d.delta, None, update(sk))]
         if d.day is not None:
-            check_day_of(d.day, d.key[2])
-            day_sk = f"{_DAY_SK}{d.key[1]}#{d.day}"
-            parts.append(Part(d.key, d.seq, d.delta, d.day, update(day_sk)))
+            if len(d.day) != 10 or not d.day.startswith(d.key[2] + "-"):
+                check_day_of(d.day, d.key[2])  # (raises: the cheap test said no)
+            check_period(d.day)
+            parts.append(Part(d.key, d.seq, d.delta, d.day, update(f"{_DAY_SK}{d.key[1]}#{d.day}")))
         return parts
 
     async def _transact(
@@ -584,22 +661,23 @@ class DynamoDBStorage(Storage):
         written alone); a :class:`StorageError` when its fate is unknown."""
         self.transactions += 1
         self.write_units += 2 * len(group)
+        params = {
+            "TransactItems": [{"Update": p.update} for p in group],
+            "ClientRequestToken": token(self._run, node, self.transactions, group),
+        }
         try:
-            await self._call(
-                "transact_write_items",
-                f"a flush transaction of {len(group)} items",
-                _raise=_BATCH_RAISE,
-                TransactItems=[{"Update": p.update} for p in group],
-                ClientRequestToken=token(self._run, node, self.transactions, group),
+            await self._wire_call(
+                "TransactWriteItems", f"a flush transaction of {len(group)} items", params
             )
+        except _Cancelled as exc:
+            self.cancelled += 1
+            verdict = judge(group, exc.reasons)
+            if verdict is not None:
+                return verdict
+            log.warning("dynamodb: %s; writing its keys one by one", exc)
+            return _ALONE
         except StoragePermanentError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, ClientError) and _code(cause) in _CANCELLED:
-                self.cancelled += 1
-                verdict = judge(group, _cancel_reasons(cause))
-                if verdict is not None:
-                    return verdict
-            # A refused request (no reason per item, a token mismatch, a transaction too
+            # A refused request (a token sent again with other items, a transaction too
             # large for this endpoint): nothing was written; each key alone tells its own.
             log.warning("dynamodb: %s; writing its keys one by one", exc)
             return _ALONE
@@ -618,7 +696,7 @@ class DynamoDBStorage(Storage):
         async def chunk(part: list[Key]) -> None:
             wanted = {_item_key(k): k for k in part}
             try:
-                items = await self._batch_get(list(wanted), read=False)
+                items = await self._read_items(list(wanted))
             except StorageError as exc:
                 for key in part:
                     out[key] = exc
@@ -792,11 +870,7 @@ class DynamoDBStorage(Storage):
             raise BadItems(out, bad)
         return out
 
-    async def _batch_get(
-        self, pairs: list[tuple[str, str]], *, read: bool = True
-    ) -> list[dict[str, Any]]:
-        """Consistent reads of ``pairs``; ``read``: under the seeding reads' permits (else
-        the writes', as a flush's read-back)."""
+    async def _batch_get(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
         request: dict[str, Any] = {
             self.table: {
                 "Keys": [{"pk": {"S": pk}, "sk": {"S": sk}} for pk, sk in pairs],
@@ -805,7 +879,7 @@ class DynamoDBStorage(Storage):
         }
         items: list[dict[str, Any]] = []
         for attempt in range(10):
-            resp = await self._call("batch_get_item", "batch get", _read=read, RequestItems=request)
+            resp = await self._call("batch_get_item", "batch get", _read=True, RequestItems=request)
             items.extend(resp.get("Responses", {}).get(self.table, []))
             request = resp.get("UnprocessedKeys") or {}
             if not request:
@@ -1342,7 +1416,66 @@ class DynamoDBStorage(Storage):
                 return _owner(failed.item)
             return await self.owner(node)  # DynamoDB Local returns no ALL_OLD
 
+    async def _read_items(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """Consistent reads of ``pairs`` (at most 100) on the wire, under the writes' permits:
+        a flush's read-back."""
+        request: dict[str, Any] = {
+            self.table: {
+                "Keys": [{"pk": {"S": pk}, "sk": {"S": sk}} for pk, sk in pairs],
+                "ConsistentRead": True,
+            }
+        }
+        items: list[dict[str, Any]] = []
+        for attempt in range(10):
+            resp = await self._wire_call(
+                "BatchGetItem", "a flush's read-back", {"RequestItems": request}
+            )
+            items.extend(resp.get("Responses", {}).get(self.table, []))
+            request = resp.get("UnprocessedKeys") or {}
+            if not request:
+                return items
+            await asyncio.sleep(self._backoff(attempt))
+        raise StorageUnavailable(f"dynamodb: {len(request[self.table]['Keys'])} keys unprocessed")
+
     # -- the boundary ------------------------------------------------------------------------
+
+    async def _wire_call(self, op: str, what: str, params: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`_call`'s twin on the wire (:mod:`storage.dynamodb_wire`): the same
+        request sent again on transient failures (a transaction with its token), every
+        failure mapped to a StorageError; a cancelled transaction raises
+        :class:`_Cancelled` with its reasons."""
+        wire = self._wire
+        if wire is None:
+            raise StorageUnavailable("dynamodb: storage is not open")
+        attempt = 0
+        while True:
+            try:
+                async with self._sem:
+                    self.calls[_WIRE_OPS.get(op, op)] += 1
+                    return await wire.call(op, params)
+            except WireError as exc:
+                text = f"dynamodb: {what}: {exc.code}: {exc.message}"[:500]
+                if exc.code in _CANCELLED:
+                    raise _Cancelled(text, exc.reasons or _reasons_in(exc.message)) from exc
+                if exc.code in RETRYABLE_CODES or exc.status >= 500:
+                    error: StorageError = StorageUnavailable(text)
+                elif exc.code in OPERATOR_CODES:
+                    raise StorageUnavailable(text) from exc
+                else:
+                    raise StoragePermanentError(text) from exc
+            except NoCredentials as exc:
+                raise StoragePermanentError(f"dynamodb: {what}: {exc}") from exc
+            except aiohttp.ClientConnectorError as exc:
+                # No connection at all: the endpoint is down. Fail fast, as _call does.
+                raise StorageUnavailable(f"dynamodb: {what}: {exc}") from exc
+            except TRANSPORT_ERRORS as exc:
+                error = StorageUnavailable(f"dynamodb: {what}: {type(exc).__name__}: {exc}")
+            except BotoCoreError as exc:  # refreshing credentials failed
+                raise StorageUnavailable(f"dynamodb: {what}: {exc}") from exc
+            attempt += 1
+            if attempt >= self._wire_attempts:
+                raise error
+            await asyncio.sleep(self._backoff(attempt - 1))
 
     async def _call(
         self,
@@ -1400,6 +1533,18 @@ class DynamoDBStorage(Storage):
         return random.uniform(0, min(self.backoff_cap, self.backoff_base * 2**attempt))
 
 
+class _Cancelled(StorageError):
+    """A cancelled transaction, with its reason code per item (``None``: not named)."""
+
+    def __init__(self, text: str, reasons: list[str] | None) -> None:
+        super().__init__(text)
+        self.reasons = reasons
+
+
+#: The wire's operations, counted under botocore's names in ``calls``.
+_WIRE_OPS = {"TransactWriteItems": "transact_write_items", "BatchGetItem": "batch_get_item"}
+
+
 class _Alone:
     """A transaction's answer that names no item's fate: its keys are written alone."""
 
@@ -1407,9 +1552,6 @@ class _Alone:
 _ALONE = _Alone()
 _CONTENDED = frozenset({"TransactionConflictException"})
 _CANCELLED = frozenset({"TransactionCanceledException"})
-#: Raised at once by a flush transaction: a cancellation (read item by item) and a token
-#: sent again with other items (never meant to happen: the keys then go alone).
-_BATCH_RAISE = frozenset({"TransactionCanceledException", "IdempotentParameterMismatchException"})
 #: Most items in one TransactWriteItems: DynamoDB's, and DynamoDB Local's.
 TRANSACT_LIMIT = 100
 LOCAL_TRANSACT_LIMIT = 10
@@ -1419,6 +1561,11 @@ FLUSH_MODES = ("single", "batched", "auto")
 BATCH_ATTEMPTS = 6
 #: ``auto``: seconds a key that met a conflicting write is written alone.
 HOT_S = 30.0
+#: Flush transactions in flight at once (each worker sends one after the other): enough to
+#: keep DynamoDB busy, few enough that their answers never crowd the loop.
+TRANSACT_WORKERS = 32
+#: Keys of work between two hand-backs of the loop in a batched apply.
+YIELD_EVERY = 500
 
 
 def _cancel_reasons(exc: ClientError) -> list[str] | None:
@@ -1426,8 +1573,12 @@ def _cancel_reasons(exc: ClientError) -> list[str] | None:
     reasons = exc.response.get("CancellationReasons")
     if isinstance(reasons, list):
         return [str(r.get("Code", "None")) if isinstance(r, dict) else "?" for r in reasons]
-    # older builds name the reasons only in the message: "... [None, ConditionalCheckFailed]"
-    text = str(exc.response.get("Error", {}).get("Message", ""))
+    return _reasons_in(str(exc.response.get("Error", {}).get("Message", "")))
+
+
+def _reasons_in(text: str) -> list[str] | None:
+    """The reason codes a cancellation's message names: older builds name them only there,
+    ``... [None, ConditionalCheckFailed]``."""
     start, end = text.rfind("["), text.rfind("]")
     if start < 0 or end < start:
         return None

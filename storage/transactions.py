@@ -122,3 +122,29 @@ def judge(parts: Sequence[Part], reasons: Sequence[str] | None) -> Verdict | Non
     return Verdict(
         tuple(landed), tuple(again), tuple(bad), busy, frozenset(conflicted), tuple(reasons)
     )
+
+
+class HotKeys:
+    """``auto``'s memory of keys that met a conflicting write (several nodes flushing them
+    at once), each written alone until ``hold_s`` after its last conflict: a transaction
+    holding such a key would be cancelled again, with every other key in it."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self._until: dict[tuple[str, str, str], float] = {}
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def conflicted(self, keys: Iterable[tuple[str, str, str]], now: float) -> None:
+        """``keys`` met a conflicting write at ``now``."""
+        for key in keys:
+            self._until[key] = now + self.hold_s
+
+    def hot(self, now: float) -> frozenset[tuple[str, str, str]]:
+        """The keys still written alone at ``now`` (the others are forgotten)."""
+        until = self._until
+        for key, end in list(until.items()):
+            if end <= now:
+                del until[key]
+        return frozenset(until)

@@ -116,7 +116,8 @@ async def test_lossy_proxy_flushes_exactly_once(
     print(
         f"\nlossy proxy: {proxy.lost} responses lost, {proxy.forwarded} forwarded; "
         f"{store.writes} writes ({store.transactions} transactions), {store.duplicates} "
-        f"duplicates answered from the item; node errors {sum((n.errors for n in nodes), Counter())}"
+        f"duplicates answered from the item; node errors "
+        f"{sum((n.errors for n in nodes), Counter())}"
     )
     assert proxy.lost > 0  # the fault path was really exercised
     if mode == "single":

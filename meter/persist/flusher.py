@@ -32,6 +32,11 @@ log = logging.getLogger("meter.flusher")
 #: up (logged, counted in ``repairs_dropped``).
 MAX_REPAIRS = 100_000
 
+#: A key's stored item is read back (not derived, ADR 0015) at least every this many of its
+#: flushes: an item that went back (expired, restored) or a peer's flush whose gossip was lost
+#: shows in its view within that many flushes of the key.
+REREAD_EVERY = 8
+
 #: Called after every successful write with the keys and snapshots just stored (gossip hook).
 OnFlushed = Callable[[list[tuple[Key, Applied]]], Awaitable[None] | None]
 
@@ -403,6 +408,7 @@ class Flusher:
         today = utc_day(self.clock())
         days = self._days
         inflight_seq = self.table.inflight_seq
+        based_on = self.table.based_on
         repair_keys = self._repair_keys
         for key in keys:
             held = days.get(key)
@@ -425,7 +431,10 @@ class Flusher:
                     day = clamp_day(key[2], today)
                     if day is not None:
                         days[key] = (seq, day, taken[1])
-                deltas.append(Delta(key, seq, taken[1], day))
+                # Every REREAD_EVERY-th delta of a key is answered by a read of the item
+                # (the others may be by what the row rests on plus the delta, ADR 0015).
+                known = based_on(key) if seq % REREAD_EVERY else None
+                deltas.append(Delta(key, seq, taken[1], day, known))
         if self.wal is not None and deltas:
             self.wal.append([FLUSH, [[*d.key, d.seq, d.delta] for d in deltas]])
         return deltas
