@@ -156,3 +156,75 @@ async def test_a_backend_bug_does_not_stop_the_round_or_lose_units() -> None:
     assert table.pending(K1) == 1, "the failed batch's units are kept, in flight"
     assert "ValueError" in (flusher.stats.last_error or "")
     assert not await flusher.drain(0.2), "drain reports it could not store everything"
+
+
+class _Slow(MemoryStorage):
+    """Memory storage whose writes take ``delay`` seconds a key (rounds that outlast a short
+    interval), recording the keys each write carries."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+        self.batches: list[set[Any]] = []
+
+    async def apply(self, node: str, deltas: Any) -> Any:
+        import asyncio
+
+        self.batches.append({d.key for d in deltas})
+        await asyncio.sleep(self.delay * len(deltas))
+        return await super().apply(node, deltas)
+
+
+async def test_a_backlog_stretches_keys_under_no_limit_and_loses_nothing() -> None:
+    """Rounds of about 20 ms against a 5 ms interval: keys under a limit are written every
+    round, the others each in its turn, their units kept in memory meanwhile; once rounds
+    fit again every key is written every round; a drain writes every key."""
+    limited = [("acme", f"lim{i}", "2026-11") for i in range(5)]
+    free = [("acme", f"free{i}", "2026-11") for i in range(40)]
+    table = seeded("n1", *limited, *free)
+    store = _Slow(0.0005)
+    flusher = Flusher(table, store, interval=0.005, limited=lambda k: k[1].startswith("lim"))
+    tracked = dict.fromkeys(limited + free, 0)
+    for _ in range(12):
+        for k in tracked:
+            table.incr(k, 1)
+            tracked[k] += 1
+        assert await flusher.flush_once()
+    assert flusher.stats.stretch > 1  # rounds of every key outlast the interval
+    late = store.batches[1:]  # once stretched
+    assert all(set(limited) <= b for b in late)
+    for k in free:
+        turns = sum(k in b for b in late)
+        assert 1 <= turns < len(late), (k, turns)  # in its turns, not every round
+    assert any(len(b) < len(tracked) / 2 for b in late) and flusher.stats.stretched > 0
+    assert {k: s.total for k, s in store.items.items() if k in limited} == {
+        k: tracked[k] for k in limited
+    }
+    assert all(store.items.get(k, Snapshot(0)).total <= tracked[k] for k in free)
+    store.delay = 0.0
+    flusher.interval = 1.0
+    for k in tracked:
+        table.incr(k, 1)
+        tracked[k] += 1
+    assert await flusher.flush_once()  # the stretched round was short: it fits now
+    assert flusher.stats.stretch == 1
+    assert await flusher.drain(5.0)
+    assert {k: s.total for k, s in store.items.items()} == tracked
+    for k in tracked:  # every delta once, its sequences in order
+        assert store.items[k].seq_of("n1") == table.based_on(k).seq_of("n1")  # type: ignore[union-attr]
+
+
+async def test_a_drain_writes_every_key_however_stretched() -> None:
+    free = [("acme", f"free{i}", "2026-11") for i in range(30)]
+    table = seeded("n1", *free)
+    store = _Slow(0.001)
+    flusher = Flusher(table, store, interval=0.001, limited=lambda k: False)
+    for k in free:
+        table.incr(k, 2)
+    assert await flusher.flush_once()
+    assert flusher.stats.stretch == 8  # 30 ms over 1 ms: the most
+    for k in free:
+        table.incr(k, 3)
+    assert await flusher.drain(5.0)
+    assert store.batches[-1] == set(free)  # one round of every key
+    assert {store.items[k].total for k in free} == {5}

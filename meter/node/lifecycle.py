@@ -171,6 +171,7 @@ class Node:
                 wal=self.wal,
                 owner=self.owner,
                 feature_units=units,
+                limited=self._limited,
             )
             owner = self.owner
             self.parts = wiring.assemble(
@@ -322,6 +323,12 @@ class Node:
                             plans_file)  # fmt: skip
 
     # -- where parts that need each other meet ---------------------------------------------
+
+    def _limited(self, key: Key) -> bool:
+        """The flusher: whether ``key`` is under a limit, a price or alerts (never stretched,
+        docs/storage.md)."""
+        parts = self.parts
+        return parts is None or parts.limits.book.effective(key[0], key[1]) is not None
 
     def _nodes(self) -> int:
         """How many nodes share the strict budgets: this one and its live peers."""

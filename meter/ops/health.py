@@ -90,6 +90,8 @@ def status_fields(node: NodeView) -> dict[str, Any]:
                 None if not fs.keys_written else round(fs.cpu_seconds / fs.keys_written * 1e6, 1)
             ),
             "writes": dataclasses.asdict(node.flusher.storage.write_stats()),
+            "stretch": fs.stretch,
+            "stretched_keys": fs.stretched,
         },
     }
     out["gc"] = {

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,6 +38,10 @@ MAX_REPAIRS = 100_000
 #: flushes: an item that went back (expired, restored) or a peer's flush whose gossip was lost
 #: shows in its view within that many flushes of the key.
 REREAD_EVERY = 8
+
+#: Longest a backlog stretches the interval of keys under no limit: they are written every
+#: this many rounds at most (docs/storage.md, "A round longer than the interval").
+MAX_STRETCH = 8
 
 #: Called after every successful write with the keys and snapshots just stored (gossip hook).
 OnFlushed = Callable[[list[tuple[Key, Applied]]], Awaitable[None] | None]
@@ -63,6 +69,11 @@ class FlushStats:
     #: The process's CPU time while rounds ran (requests served meanwhile count too, so
     #: per stored key it is an upper bound of what flushing costs).
     cpu_seconds: float = 0.0
+    #: Rounds that took longer than the interval stretch it for keys under no limit: each is
+    #: written every ``stretch`` rounds (1: every round); ``stretched`` counts the keys the
+    #: last round left for a later one.
+    stretch: int = 1
+    stretched: int = 0
 
 
 class FlushTarget(Counters, DayBuckets, Protocol):
@@ -84,8 +95,12 @@ class Flusher:
         wal: WriteAheadLog | None = None,
         owner: Ownership | None = None,
         feature_units: FeatureUnits | None = None,
+        limited: Callable[[Key], bool] | None = None,
     ) -> None:
         self.table = table
+        #: Whether a key is under a limit, a price or alerts: never stretched (``None``: every
+        #: key counts as limited, nothing is stretched).
+        self.limited = limited
         #: Units stored by feature (the ``metrics_feature_labels`` setting; ``None``: off).
         self.feature_units = feature_units
         #: Writes happen only while this node owns its id in storage (``None``: not checked).
@@ -102,6 +117,8 @@ class Flusher:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._failures_in_row = 0
+        #: Of the dirty keys, the part the round being run writes (below 1: stretched).
+        self._share = 1.0
         self._round_started = time.time()
         self._reread = False
         #: The clock that dates day buckets (tests set it).
@@ -174,17 +191,28 @@ class Flusher:
 
     async def flush_once(self) -> bool:
         """One round: seed unseeded keys, write every dirty key. True if nothing failed."""
+        return await self._flush_once(stretch=True)
+
+    async def _flush_once(self, *, stretch: bool) -> bool:
         async with self._lock:
             began = time.monotonic()
             cpu = time.process_time()
             try:
-                return await self._round()
+                return await self._round(stretch)
             finally:
-                self.stats.round_seconds.add(time.monotonic() - began)
+                took = time.monotonic() - began
+                self.stats.round_seconds.add(took)
                 self.stats.cpu_seconds += time.process_time() - cpu
+                # A round that outlasts the interval writes the keys under no limit less
+                # often until rounds fit again (their units wait in memory, in order). Judged
+                # by what a round of every dirty key would take, not by a stretched round.
+                whole = took / self._share
+                self.stats.stretch = max(1, min(MAX_STRETCH, math.ceil(whole / self.interval)))
+                self._share = 1.0
 
-    async def _round(self) -> bool:
-        """:meth:`flush_once` under its lock."""
+    async def _round(self, stretch: bool = False) -> bool:
+        """:meth:`flush_once` under its lock (``stretch``: keys under no limit may wait for
+        a later round while rounds outlast the interval)."""
         # A round against a store that is down can take seconds (timeouts, retries): a
         # failure it meets dates the backlog from the round's start, not its end.
         self._round_started = time.time()
@@ -197,6 +225,9 @@ class Flusher:
         seeded = await self._seed_unseeded()
         wrote = True
         keys = [k for k in self.table.dirty_keys() if k not in self.stats.poisoned]
+        self.stats.stretched = 0
+        if stretch and self.stats.stretch > 1 and self.limited is not None:
+            keys = self._this_turn(keys, self.stats.stretch)
         self._find_repairs()
         if keys or self._repairs:
             may = await self._may_write()
@@ -222,6 +253,23 @@ class Flusher:
         self._finish_round(wrote, seeded)
         return seeded and wrote
 
+    def _this_turn(self, keys: list[Key], stretch: int) -> list[Key]:
+        """The keys this round writes while rounds are ``stretch`` intervals long: every
+        limited key and every key with a delta in flight (a retry), and of the others those
+        whose turn it is (one in ``stretch``, each key in its own turn, so a round is about
+        ``1/stretch`` of them)."""
+        limited, inflight = self.limited, self.table.inflight_seq
+        assert limited is not None
+        turn = self.stats.rounds % stretch
+        out = [
+            k
+            for k in keys
+            if zlib.crc32("\x00".join(k).encode()) % stretch == turn or inflight(k) or limited(k)
+        ]
+        self.stats.stretched = len(keys) - len(out)
+        self._share = max(len(out), 1) / max(len(keys), 1)
+        return out
+
     async def drain(self, timeout: float) -> bool:
         """Flush until nothing is left to write or ``timeout`` passes; True if all written.
 
@@ -230,7 +278,7 @@ class Flusher:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                await self.flush_once()
+                await self._flush_once(stretch=False)  # every key, whatever the backlog
             except Exception:  # a bug must not turn a drain into a crash of Node.stop
                 log.exception("flush round failed unexpectedly while draining")
             if not self.backlog_keys() and not self._repairs:
