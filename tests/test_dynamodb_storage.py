@@ -98,15 +98,41 @@ async def test_one_query_lists_a_period_across_pages(dynamodb_storage: DynamoDBS
     assert dynamodb_storage.calls["query"] - before == 5  # 45 items, 10 a page (+1 empty)
 
 
-async def test_duplicate_answers_with_a_consistent_read(dynamodb_storage: DynamoDBStorage) -> None:
+@pytest.fixture
+async def single_storage(
+    dynamodb_local: str, dynamodb_table: str
+) -> AsyncIterator[DynamoDBStorage]:
+    """A store writing one UpdateItem a key's item (``flush_mode = single``)."""
+    store = DynamoDBStorage(dynamodb_table, endpoint_url=dynamodb_local, flush_mode="single")
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def test_duplicate_answers_with_a_consistent_read(single_storage: DynamoDBStorage) -> None:
+    await single_storage.apply("n1", [Delta(K, 1, 5)])
+    await single_storage.apply("n2", [Delta(K, 9, 7)])
+    reads = single_storage.calls["get_item"]
+    out = await single_storage.apply("n1", [Delta(K, 1, 5)])
+    assert out[K] == Applied(Snapshot(12, {"n1": 1, "n2": 9}), duplicate=True)
+    assert single_storage.duplicates == 1
+    # DynamoDB Local returns no item with the failed condition: we read it, consistently.
+    assert single_storage.calls["get_item"] - reads == 1
+
+
+async def test_a_batched_duplicate_is_read_back_in_a_batch(
+    dynamodb_storage: DynamoDBStorage,
+) -> None:
     await dynamodb_storage.apply("n1", [Delta(K, 1, 5)])
     await dynamodb_storage.apply("n2", [Delta(K, 9, 7)])
-    reads = dynamodb_storage.calls["get_item"]
+    reads = dynamodb_storage.calls["batch_get_item"]
     out = await dynamodb_storage.apply("n1", [Delta(K, 1, 5)])
     assert out[K] == Applied(Snapshot(12, {"n1": 1, "n2": 9}), duplicate=True)
     assert dynamodb_storage.duplicates == 1
-    # DynamoDB Local returns no item with the failed condition: we read it, consistently.
-    assert dynamodb_storage.calls["get_item"] - reads == 1
+    assert dynamodb_storage.calls["batch_get_item"] - reads == 1
+    assert dynamodb_storage.calls["get_item"] == 0
 
 
 async def test_load_many_keys_in_chunks(dynamodb_storage: DynamoDBStorage) -> None:
@@ -132,22 +158,46 @@ async def test_init_schema_twice(dynamodb_local: str) -> None:
     assert "\n" not in first + second
 
 
-async def test_write_counter(dynamodb_storage: DynamoDBStorage) -> None:
+async def test_write_counter(single_storage: DynamoDBStorage) -> None:
+    keys: list[Key] = [("acme", f"f{i}", "2026-11") for i in range(20)]
+    await single_storage.apply("n1", [Delta(k, 1, 1000) for k in keys])
+    assert single_storage.writes == 20  # one UpdateItem per key, whatever the delta
+    await single_storage.apply("n1", [Delta(k, 1, 1000) for k in keys[:5]])
+    assert single_storage.writes == 25 and single_storage.duplicates == 5
+    assert single_storage.write_stats().write_units == 25
+
+
+async def test_write_counter_batched(dynamodb_storage: DynamoDBStorage) -> None:
     keys: list[Key] = [("acme", f"f{i}", "2026-11") for i in range(20)]
     await dynamodb_storage.apply("n1", [Delta(k, 1, 1000) for k in keys])
-    assert dynamodb_storage.writes == 20  # one UpdateItem per key, whatever the delta
+    ws = dynamodb_storage.write_stats()
+    assert ws.writes == ws.transactions == 2  # 10 items a transaction on DynamoDB Local
+    assert ws.items == 20 and ws.write_units == 40 and ws.cancelled == 0
     await dynamodb_storage.apply("n1", [Delta(k, 1, 1000) for k in keys[:5]])
-    assert dynamodb_storage.writes == 25 and dynamodb_storage.duplicates == 5
+    ws = dynamodb_storage.write_stats()
+    assert ws.transactions == 3 and ws.cancelled == 1 and dynamodb_storage.duplicates == 5
 
 
-async def test_validation_error_is_permanent(dynamodb_storage: DynamoDBStorage) -> None:
+async def test_validation_error_is_permanent(single_storage: DynamoDBStorage) -> None:
     other: Key = ("acme", "fine", "2026-11")
     # 41 significant digits, beyond DynamoDB's 38: a ValidationException, never retried.
-    out = await dynamodb_storage.apply("n1", [Delta(K, 1, 10**40 + 1), Delta(other, 1, 1)])
+    out = await single_storage.apply("n1", [Delta(K, 1, 10**40 + 1), Delta(other, 1, 1)])
     assert isinstance(out[K], StoragePermanentError)
     assert "api_calls" in str(out[K]) and "ValidationException" in str(out[K])
     assert out[other] == Applied(Snapshot(1, {"n1": 1}))
-    assert dynamodb_storage.writes == 2
+    assert single_storage.writes == 2
+
+
+async def test_validation_error_in_a_transaction_parks_only_its_key(
+    dynamodb_storage: DynamoDBStorage,
+) -> None:
+    """The refused transaction's keys are written alone: only the bad one fails."""
+    other: Key = ("acme", "fine", "2026-11")
+    out = await dynamodb_storage.apply("n1", [Delta(K, 1, 10**40 + 1), Delta(other, 1, 1)])
+    assert isinstance(out[K], StoragePermanentError) and "ValidationException" in str(out[K])
+    assert out[other] == Applied(Snapshot(1, {"n1": 1}))
+    assert dynamodb_storage.write_stats().transactions == 1
+    assert dynamodb_storage.calls["update_item"] == 2
 
 
 async def test_bad_keys_and_node_ids_are_permanent(dynamodb_storage: DynamoDBStorage) -> None:

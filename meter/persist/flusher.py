@@ -40,7 +40,8 @@ MAX_REPAIRS = 100_000
 REREAD_EVERY = 8
 
 #: Longest a backlog stretches the interval of keys under no limit: they are written every
-#: this many rounds at most (docs/storage.md, "A round longer than the interval").
+#: this many rounds at least (docs/storage.md, "A round longer than the interval"). A power
+#: of two, as every stretch is.
 MAX_STRETCH = 8
 
 #: Called after every successful write with the keys and snapshots just stored (gossip hook).
@@ -206,8 +207,11 @@ class Flusher:
                 # A round that outlasts the interval writes the keys under no limit less
                 # often until rounds fit again (their units wait in memory, in order). Judged
                 # by what a round of every dirty key would take, not by a stretched round.
+                # A power of two: a key's turn at 8 is its turn at 4, 2 and 1 too, so however
+                # the stretch moves, every key is written at least every MAX_STRETCH rounds.
                 whole = took / self._share
-                self.stats.stretch = max(1, min(MAX_STRETCH, math.ceil(whole / self.interval)))
+                need = max(1, min(MAX_STRETCH, math.ceil(whole / self.interval)))
+                self.stats.stretch = 1 << (need - 1).bit_length()
                 self._share = 1.0
 
     async def _round(self, stretch: bool = False) -> bool:
