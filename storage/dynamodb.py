@@ -303,6 +303,8 @@ class DynamoDBStorage(Storage):
         self.cancelled = 0
         #: Keys answered with what the caller knew plus their delta, not read back.
         self.derived = 0
+        #: Flush ``UpdateItem`` calls sent (a key's item alone).
+        self.flush_updates = 0
 
     @property
     def writes(self) -> int:
@@ -313,7 +315,7 @@ class DynamoDBStorage(Storage):
     def write_stats(self) -> WriteStats:
         return WriteStats(
             self.flush_mode,
-            self.writes,
+            self.flush_updates + self.transactions,
             self.items_written,
             self.write_units,
             self.transactions,
@@ -331,32 +333,31 @@ class DynamoDBStorage(Storage):
         session = await self._session()
         stack = contextlib.AsyncExitStack()
         try:
-            self._client = await stack.enter_async_context(
+            client = await stack.enter_async_context(
                 session.client("dynamodb", endpoint_url=self.endpoint_url, config=self._config)
             )
-        except BotoCoreError as exc:  # e.g. an invalid endpoint URL
+            # The flush's transactions and read-backs: signed JSON of their own (ADR 0015), to
+            # the endpoint botocore resolved, with the session's credentials.
+            credentials = await session.get_credentials()
+            wire = Wire(
+                client.meta.endpoint_url,
+                client.meta.region_name,
+                credentials,
+                connections=self.pool_connections,
+                connect_timeout=self._timeouts[0],
+                read_timeout=self._timeouts[1],
+                user_agent=f"meter-flush aiohttp/{aiohttp.__version__}",
+            )
+            await wire.open()
+            stack.push_async_callback(wire.close)
+        except BotoCoreError as exc:  # an invalid endpoint URL, a bad credentials setup
             await stack.aclose()
             raise StoragePermanentError(f"dynamodb: cannot create a client: {exc}") from exc
-        # The flush's transactions and read-backs: signed JSON of their own (ADR 0015), to the
-        # endpoint botocore resolved, with the session's credentials.
-        try:
-            credentials = await session.get_credentials()
-        except BotoCoreError as exc:
+        except BaseException:
             await stack.aclose()
-            raise StoragePermanentError(f"dynamodb: bad AWS credentials setup: {exc}") from exc
-        wire = Wire(
-            self._client.meta.endpoint_url,
-            self._client.meta.region_name,
-            credentials,
-            connections=self.pool_connections,
-            connect_timeout=self._timeouts[0],
-            read_timeout=self._timeouts[1],
-            user_agent=f"meter-flush aiohttp/{aiohttp.__version__}",
-        )
-        await wire.open()
-        stack.push_async_callback(wire.close)
-        self._wire = wire
-        self._stack = stack
+            raise
+        # Only once everything is open: a failure above leaves nothing half open behind.
+        self._client, self._wire, self._stack = client, wire, stack
 
     async def close(self) -> None:
         """Exit the client's context (closes its connection pool)."""
@@ -593,14 +594,15 @@ class DynamoDBStorage(Storage):
                 if not pending:
                     break
                 todo = iter(pack(list(pending.values()), self.transact_items))
+                busy: list[bool] = []
 
-                async def worker(todo: Iterator[list[Part]]) -> bool:
-                    busy = False
+                async def worker(todo: Iterator[list[Part]], busy: list[bool]) -> None:
                     for group in todo:
-                        busy = settle(group, await self._transact(node, group)) or busy
-                    return busy
+                        busy.append(settle(group, await self._transact(node, group)))
 
-                busy = await asyncio.gather(*(worker(todo) for _ in range(TRANSACT_WORKERS)))
+                async with asyncio.TaskGroup() as workers:  # (none outlives a failed one)
+                    for _ in range(TRANSACT_WORKERS):
+                        workers.create_task(worker(todo, busy))
                 if any(busy) and pending:
                     await asyncio.sleep(self._backoff(attempt))
             for key in pending:
@@ -685,7 +687,9 @@ class DynamoDBStorage(Storage):
             return exc
         except Exception as exc:  # a bug must fail these keys, not escape apply()
             log.exception("dynamodb: unexpected error in a flush transaction")
-            return StoragePermanentError(f"dynamodb: a flush transaction: unexpected {exc!r}")
+            # Sent or not, nobody knows: the keys go again next round (their conditions
+            # answer a delta that landed), never parked.
+            return StorageUnavailable(f"dynamodb: a flush transaction: unexpected {exc!r}")
         return None
 
     async def _read_back(self, keys: list[Key]) -> dict[Key, Snapshot | StorageError]:
@@ -698,11 +702,14 @@ class DynamoDBStorage(Storage):
             try:
                 items = await self._read_items(list(wanted))
             except StorageError as exc:
+                # The deltas are stored: sent again, they are duplicates, answered by a read.
+                # So a failed read-back is never a reason to park a key.
+                again = StorageUnavailable(f"reading back a flush: {exc}")
                 for key in part:
-                    out[key] = exc
+                    out[key] = again
                 return
-            for key in part:
-                out[key] = EMPTY  # (gone again already: expired or restored)
+            for key in part:  # (gone again already, expired or restored: sent again)
+                out[key] = StorageUnavailable(f"dynamodb: {_describe(key)} is gone after its write")
             for item in items:
                 try:
                     key = wanted[(item["pk"]["S"], item["sk"]["S"])]
@@ -759,6 +766,7 @@ class DynamoDBStorage(Storage):
         tenant, feature, period = d.key
         try:
             self.write_units += 1
+            self.flush_updates += 1
             await self._call(
                 "update_item",
                 f"day bucket {day} of {_describe(d.key)}",
@@ -789,6 +797,7 @@ class DynamoDBStorage(Storage):
             pk, sk = _item_key(d.key)
             ttl = _ttl(d.key[2], self.retention_days)
             self.write_units += 1
+            self.flush_updates += 1
             resp = await self._call(
                 "update_item",
                 _describe(d.key),
@@ -1434,6 +1443,8 @@ class DynamoDBStorage(Storage):
             request = resp.get("UnprocessedKeys") or {}
             if not request:
                 return items
+            for part in request.values():  # a retried read is consistent too, whatever came back
+                part["ConsistentRead"] = True
             await asyncio.sleep(self._backoff(attempt))
         raise StorageUnavailable(f"dynamodb: {len(request[self.table]['Keys'])} keys unprocessed")
 
@@ -1457,7 +1468,7 @@ class DynamoDBStorage(Storage):
                 text = f"dynamodb: {what}: {exc.code}: {exc.message}"[:500]
                 if exc.code in _CANCELLED:
                     raise _Cancelled(text, exc.reasons or _reasons_in(exc.message)) from exc
-                if exc.code in RETRYABLE_CODES or exc.status >= 500:
+                if exc.code in _WIRE_RETRYABLE or exc.status >= 500 or exc.status == 429:
                     error: StorageError = StorageUnavailable(text)
                 elif exc.code in OPERATOR_CODES:
                     raise StorageUnavailable(text) from exc
@@ -1541,6 +1552,9 @@ class _Cancelled(StorageError):
         self.reasons = reasons
 
 
+#: Retried on the wire: botocore's transient codes, and a transaction still in progress (its
+#: own earlier send under the same token, not answered yet).
+_WIRE_RETRYABLE = RETRYABLE_CODES | {"TransactionInProgressException"}
 #: The wire's operations, counted under botocore's names in ``calls``.
 _WIRE_OPS = {"TransactWriteItems": "transact_write_items", "BatchGetItem": "batch_get_item"}
 

@@ -14,6 +14,8 @@ needs is here; every other call goes through botocore.
 from __future__ import annotations
 
 import json
+import os
+import ssl
 from typing import Any
 
 import aiohttp
@@ -65,10 +67,19 @@ class Wire:
         self._http: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
+        """Open the connection pool. As botocore does, it takes the proxy from
+        ``HTTPS_PROXY``/``HTTP_PROXY`` (and ``NO_PROXY``) and trusts the CA bundle of
+        ``AWS_CA_BUNDLE`` when set; a proxy or bundle named only in botocore's config file is
+        not seen here (docs/storage.md)."""
         if self._http is None:
+            bundle = os.environ.get("AWS_CA_BUNDLE")
+            tls: ssl.SSLContext | bool = (
+                ssl.create_default_context(cafile=bundle) if bundle else True
+            )
             self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._connections),
+                connector=aiohttp.TCPConnector(limit=self._connections, ssl=tls),
                 timeout=self._timeout,
+                trust_env=True,
             )
 
     async def close(self) -> None:

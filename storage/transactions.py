@@ -10,8 +10,9 @@ they land together. A cancelled transaction wrote nothing, and names a reason pe
 - ``None``: the item was fine; it goes again;
 - ``TransactionConflict`` (another write on the item was in progress) and throttling: it goes
   again, after a backoff;
-- anything else (``ValidationError``, an item too large...): the item cannot be written; its
-  key is parked alone and the others go again.
+- ``ValidationError``, ``ItemCollectionSizeLimitExceeded``: the item cannot be written; its
+  key is parked alone and the others go again;
+- a code not named here: it goes again after a backoff (a key is never parked on a guess).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ BUSY = frozenset(
 )
 #: The item already holds this update's sequence.
 LANDED = "ConditionalCheckFailed"
+#: The item cannot be written as asked.
+BAD = frozenset({"ValidationError", "ItemCollectionSizeLimitExceeded"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,13 +112,13 @@ def judge(parts: Sequence[Part], reasons: Sequence[str] | None) -> Verdict | Non
     for part, code in zip(parts, reasons, strict=True):
         if code == LANDED:
             landed.append(part)
-        elif code in AGAIN or code in BUSY:
+        elif code in BAD:
+            bad.append((part, code))
+        else:
             again.append(part)
-            busy = busy or code in BUSY
+            busy = busy or code != "None"
             if code == "TransactionConflict":
                 conflicted.add(part.key)
-        else:
-            bad.append((part, code))
     if not landed and not bad and not busy:
         # Every item "None": nothing says why it was cancelled. Not sent again as is.
         return None

@@ -124,7 +124,8 @@ async def test_lossy_proxy_flushes_exactly_once(
         assert store.duplicates > 0
     else:  # every write went in transactions, some sent again after a lost answer
         assert store.calls["update_item"] == 0 and store.transactions > 0
-        assert store.calls["transact_write_items"] + proxy.lost > store.transactions
+        # a lost answer's transaction sent again under its token (in the same apply)
+        assert store.calls["transact_write_items"] > store.transactions
     assert stored == dict(expected)
 
 

@@ -290,7 +290,7 @@ class NodeCollector(Collector):
         ws = node.flusher.storage.write_stats()
         fam = _counter(
             FLUSH_WRITES,
-            "Flush write requests: UpdateItem calls and transactions (DynamoDB; else 0).",
+            "Flush write requests sent: UpdateItem calls and transactions (DynamoDB; else 0).",
             ["kind"],
         )
         fam.add_metric(["single"], ws.writes - ws.transactions)
