@@ -118,6 +118,10 @@ async def test_concurrent_load_on_three_nodes_agrees_exactly_with_the_database(
     print(f"views agreed {took * 1000:.0f} ms after the last flush")
     print(f"acknowledged {load.acked} = {load.total}, database {total}")
     assert total == load.total
+    # Three nodes flushing the same hot keys in transactions (the default, ADR 0015).
+    writes = [p.call("status")["flush"]["writes"] for p in nodes]
+    print("flush writes:", writes)
+    assert all(w["mode"] == "auto" and w["transactions"] > 0 for w in writes)
     for p in nodes:
         c = p.call("status")["cluster"]
         assert c["rejected"] == dict.fromkeys(c["rejected"], 0)
