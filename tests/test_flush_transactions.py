@@ -378,3 +378,34 @@ async def test_once_a_row_knows_another_writer_every_answer_is_a_read(
     finally:
         for st_ in stores:
             await st_.close()
+
+
+async def test_the_wire_takes_its_proxy_from_the_environment_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from storage.dynamodb_wire import Wire
+
+    def wire() -> Wire:
+        return Wire(
+            "http://dynamodb.example:8000",
+            "us-east-1",
+            None,
+            connections=1,
+            connect_timeout=1,
+            read_timeout=1,
+            user_agent="t",
+        )
+
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.example:3128")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    through = wire()
+    await through.open()
+    assert through._proxy == "http://proxy.example:3128"
+    await through.close()
+    monkeypatch.setenv("NO_PROXY", "dynamodb.example")
+    bypass = wire()
+    await bypass.open()
+    assert bypass._proxy is None
+    await bypass.close()
