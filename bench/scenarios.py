@@ -624,7 +624,10 @@ def _flush_vs_transactions(
     ours: list[float] = []
     ref: list[float] = []
     derived: list[int] = []
-    for r in range(sizes.flush_rounds):
+    # Both sides are bound by DynamoDB Local's JVM, whose pace drifts by 10 % from round to
+    # round here: three rounds at least, so one slow round does not make the median.
+    rounds = sizes.flush_rounds if sizes.name == "smoke" else max(3, sizes.flush_rounds)
+    for r in range(rounds):
         progress(f"flush of {n:,} keys vs bare TransactWriteItems loop, round {r + 1}")
         tag = uuid.uuid4().hex[:6]
         a, b = in_turn(
@@ -650,7 +653,7 @@ def _flush_vs_transactions(
                 "keys": n,
                 "transact_items": 10,
                 "bare_in_flight": 64,
-                "rounds": sizes.flush_rounds,
+                "rounds": rounds,
                 # new keys, each its first flush: answered from what the flusher knew (a
                 # key's every 8th flush, and keys other nodes write, are read back)
                 "answered_without_read": derived,

@@ -202,6 +202,17 @@ async def test_a_backlog_stretches_keys_under_no_limit_and_loses_nothing() -> No
         k: tracked[k] for k in limited
     }
     assert all(store.items.get(k, Snapshot(0)).total <= tracked[k] for k in free)
+    # A round whose write fails: every key it took stays in flight, and is in every round
+    # after, whatever its turn, until it is stored.
+    for k in tracked:
+        table.incr(k, 1)
+        tracked[k] += 1
+    store.fail_next = 1
+    assert not await flusher.flush_once()
+    failed = store.batches[-1]
+    assert failed and flusher.stats.stretch > 1
+    assert await flusher.flush_once()
+    assert failed <= store.batches[-1]
     store.delay = 0.0
     flusher.interval = 1.0
     for k in tracked:

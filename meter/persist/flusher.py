@@ -118,8 +118,12 @@ class Flusher:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._failures_in_row = 0
-        #: Of the dirty keys, the part the round being run writes (below 1: stretched).
+        #: Of the dirty keys, the part the round being run writes (below 1: stretched), and
+        #: how long its writes took.
         self._share = 1.0
+        self._writing = 0.0
+        #: Rounds run (failed or not): whose turn it is while stretched.
+        self._turn = 0
         self._round_started = time.time()
         self._reread = False
         #: The clock that dates day buckets (tests set it).
@@ -198,18 +202,23 @@ class Flusher:
         async with self._lock:
             began = time.monotonic()
             cpu = time.process_time()
+            self.stats.stretched = 0
+            self._writing = 0.0
             try:
                 return await self._round(stretch)
             finally:
                 took = time.monotonic() - began
                 self.stats.round_seconds.add(took)
                 self.stats.cpu_seconds += time.process_time() - cpu
+                # Every round, also one that failed, moves the turns on: no turn repeats.
+                self._turn += 1
                 # A round that outlasts the interval writes the keys under no limit less
                 # often until rounds fit again (their units wait in memory, in order). Judged
-                # by what a round of every dirty key would take, not by a stretched round.
+                # by what a round of every dirty key would take: the writes scaled up from
+                # the part written, the rest of the round (reads, the owner check) as it was.
                 # A power of two: a key's turn at 8 is its turn at 4, 2 and 1 too, so however
                 # the stretch moves, every key is written at least every MAX_STRETCH rounds.
-                whole = took / self._share
+                whole = took - self._writing + self._writing / self._share
                 need = max(1, min(MAX_STRETCH, math.ceil(whole / self.interval)))
                 self.stats.stretch = 1 << (need - 1).bit_length()
                 self._share = 1.0
@@ -229,7 +238,6 @@ class Flusher:
         seeded = await self._seed_unseeded()
         wrote = True
         keys = [k for k in self.table.dirty_keys() if k not in self.stats.poisoned]
-        self.stats.stretched = 0
         if stretch and self.stats.stretch > 1 and self.limited is not None:
             keys = self._this_turn(keys, self.stats.stretch)
         self._find_repairs()
@@ -250,8 +258,10 @@ class Flusher:
             if self._repair_keys:  # a key's next delta waits for its repair
                 held = self._repair_keys
                 keys = [k for k in keys if k not in held]
+        began = time.monotonic()
         for start in range(0, len(keys), self.batch_keys):
             wrote = await self._write(keys[start : start + self.batch_keys]) and wrote
+        self._writing = time.monotonic() - began
         # Only failed writes back off: a failed seeding read is retried next round, so it
         # never delays the writes of the other keys (nor its own) by up to max_backoff.
         self._finish_round(wrote, seeded)
@@ -264,7 +274,7 @@ class Flusher:
         ``1/stretch`` of them)."""
         limited, inflight = self.limited, self.table.inflight_seq
         assert limited is not None
-        turn = self.stats.rounds % stretch
+        turn = self._turn % stretch
         out = [
             k
             for k in keys
