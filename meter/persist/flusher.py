@@ -4,6 +4,9 @@ Exactly once: a delta taken for flushing stays in flight in the table, under its
 until the store answers for that key. A failed or unknown outcome leaves it there, and the next
 round sends the same ``(key, seq, delta)`` again; the store refuses a sequence it already
 applied and answers with the item, so a retry of a write that did land counts nothing.
+
+Why one module: a round's take, write, re-base, day-bucket repairs and stretch (the turns
+of keys under no limit) all read and move the same in-flight state under one lock.
 """
 
 from __future__ import annotations
