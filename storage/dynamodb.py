@@ -1641,15 +1641,9 @@ def _contended(exc: ClientError) -> bool:
         return True
     if code != "TransactionCanceledException":
         return False
-    reasons = exc.response.get("CancellationReasons")
-    if isinstance(reasons, list):
-        codes = [str(r.get("Code", "None")) if isinstance(r, dict) else "?" for r in reasons]
-    else:  # older builds name the reasons only in the message: "... [None, ConditionalCheckFailed]"
-        text = str(exc.response.get("Error", {}).get("Message", ""))
-        start, end = text.rfind("["), text.rfind("]")
-        if start < 0 or end < start:
-            return False
-        codes = [c.strip() for c in text[start + 1 : end].split(",")]
+    codes = _cancel_reasons(exc)
+    if codes is None:
+        return False
     # [record, version]: the record's own condition-free write never fails its condition.
     if len(codes) != 2 or codes[0] not in ("None", "TransactionConflict"):
         return False
