@@ -700,7 +700,7 @@ class DynamoDBStorage(Storage):
         async def chunk(part: list[Key]) -> None:
             wanted = {_item_key(k): k for k in part}
             try:
-                items = await self._read_items(list(wanted))
+                items = await self._batch_get(list(wanted), flush=True)
             except StorageError as exc:
                 # The deltas are stored: sent again, they are duplicates, answered by a read.
                 # So a failed read-back is never a reason to park a key.
@@ -879,7 +879,12 @@ class DynamoDBStorage(Storage):
             raise BadItems(out, bad)
         return out
 
-    async def _batch_get(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    async def _batch_get(
+        self, pairs: list[tuple[str, str]], *, flush: bool = False
+    ) -> list[dict[str, Any]]:
+        """Consistent reads of ``pairs`` (at most 100), their ``UnprocessedKeys`` asked
+        again (consistent too) with backoff: a seeding read through botocore under the
+        reads' permits, or (``flush``) a flush's read-back on the wire under the writes'."""
         request: dict[str, Any] = {
             self.table: {
                 "Keys": [{"pk": {"S": pk}, "sk": {"S": sk}} for pk, sk in pairs],
@@ -888,11 +893,20 @@ class DynamoDBStorage(Storage):
         }
         items: list[dict[str, Any]] = []
         for attempt in range(10):
-            resp = await self._call("batch_get_item", "batch get", _read=True, RequestItems=request)
+            if flush:
+                resp = await self._wire_call(
+                    "BatchGetItem", "a flush's read-back", {"RequestItems": request}
+                )
+            else:
+                resp = await self._call(
+                    "batch_get_item", "batch get", _read=True, RequestItems=request
+                )
             items.extend(resp.get("Responses", {}).get(self.table, []))
             request = resp.get("UnprocessedKeys") or {}
             if not request:
                 return items
+            for part in request.values():  # a retried read is consistent too, whatever came back
+                part["ConsistentRead"] = True
             await asyncio.sleep(self._backoff(attempt))
         raise StorageUnavailable(f"dynamodb: {len(request[self.table]['Keys'])} keys unprocessed")
 
@@ -1424,29 +1438,6 @@ class DynamoDBStorage(Storage):
             if failed.item is not None and "tok" in failed.item:
                 return _owner(failed.item)
             return await self.owner(node)  # DynamoDB Local returns no ALL_OLD
-
-    async def _read_items(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
-        """Consistent reads of ``pairs`` (at most 100) on the wire, under the writes' permits:
-        a flush's read-back."""
-        request: dict[str, Any] = {
-            self.table: {
-                "Keys": [{"pk": {"S": pk}, "sk": {"S": sk}} for pk, sk in pairs],
-                "ConsistentRead": True,
-            }
-        }
-        items: list[dict[str, Any]] = []
-        for attempt in range(10):
-            resp = await self._wire_call(
-                "BatchGetItem", "a flush's read-back", {"RequestItems": request}
-            )
-            items.extend(resp.get("Responses", {}).get(self.table, []))
-            request = resp.get("UnprocessedKeys") or {}
-            if not request:
-                return items
-            for part in request.values():  # a retried read is consistent too, whatever came back
-                part["ConsistentRead"] = True
-            await asyncio.sleep(self._backoff(attempt))
-        raise StorageUnavailable(f"dynamodb: {len(request[self.table]['Keys'])} keys unprocessed")
 
     # -- the boundary ------------------------------------------------------------------------
 
