@@ -41,6 +41,10 @@ class GossipTable(GossipSource, Protocol[S_contra]):
         """Re-base on a stored snapshot if it is at least as new as the row's."""
         ...
 
+    def rebase_moved(self, key: Key, snap: S_contra, source: str = ...) -> int | None:
+        """:meth:`rebase`, answering how far the view moved (``None``: not applied)."""
+        ...
+
     def forget_peer(self, peer: str) -> int:
         """Drop every remote delta of a dead ``peer``; return the units dropped."""
         ...

@@ -49,7 +49,8 @@ class Listener(Protocol):
         ...
 
     def on_deltas(self, deltas: Sequence[DeltaItem]) -> None:
-        """A frame's deltas changed this node's views (live usage push, threshold alerts)."""
+        """A frame's deltas changed this node's views (live usage push, threshold alerts);
+        also how far an announcement or a resync moved a view (as a delta of sequence 0)."""
         ...
 
     def on_alert(self, sender: str, alert: AlertItem) -> None:
@@ -267,12 +268,19 @@ class Gossip(Generic[S]):
                 self.listener.on_deltas(msg.deltas)
         elif msg.kind == "announce":
             applied = 0
+            # A flush announced before the deltas it holds moves the view here, and those
+            # deltas are then skipped as already in: the listener hears the move instead.
+            moved: list[DeltaItem] = []
             for t, f, p, total, seqs in msg.announcements:
-                snap = self.make_snapshot(total, dict(seqs))
-                if table.rebase((t, f, p), snap, "gossip"):
+                by = table.rebase_moved((t, f, p), self.make_snapshot(total, dict(seqs)), "gossip")
+                if by is not None:
                     applied += 1
+                    if by:
+                        moved.append((t, f, p, 0, by))
             self.received["announcements_applied"] += applied
             self.received["announcements_skipped"] += len(msg.announcements) - applied
+            if moved and self.listener is not None:
+                self.listener.on_deltas(moved)
         elif self.listener is None:
             return
         elif msg.kind == "limits":

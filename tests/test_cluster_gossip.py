@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import pytest
 
 from cluster.bus import channel_name
-from cluster.codec import Codec, Header
+from cluster.codec import AlertItem, Codec, DeltaItem, Header, HoldItem
 from cluster.gossip import Gossip, GossipSettings
 from cluster.local_bus import LocalHub
 from meter.core.table import CounterTable
@@ -30,11 +30,32 @@ KEYS = [("acme", "api", "2026-11"), ("acme", "seats", "2026-11"), ("zeta", "api"
 MANUAL = GossipSettings(interval=3600, heartbeat=3600, peer_timeout=3600, reconcile=0)
 
 
+class Heard:
+    """A node's gossip listener: what it was told of moved views (deltas, announcements,
+    resyncs), in order; the other frames are not looked at here."""
+
+    def __init__(self) -> None:
+        self.deltas: list[DeltaItem] = []
+
+    def on_limits(self, version: int) -> None:
+        pass
+
+    def on_holds(self, peer: str, holds: Sequence[HoldItem]) -> None:
+        pass
+
+    def on_deltas(self, deltas: Sequence[DeltaItem]) -> None:
+        self.deltas.extend(deltas)
+
+    def on_alert(self, sender: str, alert: AlertItem) -> None:
+        pass
+
+
 @dataclass
 class N:
     table: CounterTable
     flusher: Flusher
     gossip: Gossip[Snapshot]
+    heard: Heard
 
     def tick(self) -> int:
         return self.gossip.broadcaster.gossip_now()
@@ -61,15 +82,17 @@ class Cluster:
         """A node on the hub and the store. ``replay``: units it held unflushed before a
         restart (recovered from its write-ahead log), counted again after seeding."""
         table = table_class(name)
+        heard = Heard()
         gossip: Gossip[Snapshot] = Gossip(
             table,
             self.hub.bus(channel_name("t")),
             node_id=name,
             cluster="t",
             make_snapshot=Snapshot,
-            resync=resync_from(self.store, table),
+            resync=resync_from(self.store, table, heard),
             secret=secret,
             settings=settings,
+            listener=heard,
         )
         flusher = Flusher(table, self.store, interval=3600, on_flushed=gossip.on_flushed)
         snaps = await self.store.load(KEYS)
@@ -78,7 +101,7 @@ class Cluster:
         for key, qty in (replay or {}).items():
             table.incr(key, qty)
         await gossip.start()
-        node = N(table, flusher, gossip)
+        node = N(table, flusher, gossip, heard)
         self.nodes.append(node)
         await self.settle()
         return node
@@ -240,6 +263,41 @@ async def test_lost_messages_are_detected_and_resynced(cluster: Cluster) -> None
     assert st["gaps"] == 1 and st["missed"] == 2
     assert st["resyncs"]["gap"] == 1
     assert cluster.views(k) == [9, 9]  # re-read from storage
+
+
+async def test_a_view_moved_by_an_announcement_or_a_resync_is_heard_like_deltas(
+    cluster: Cluster,
+) -> None:
+    """What moves a view besides a deltas frame (a flush announced before its units were
+    gossiped; a resync after lost frames) reaches the listener as a delta of sequence 0, so
+    threshold alerts and live pushes see it; a view it does not move is not heard."""
+    a, b = [await cluster.add(x) for x in "ab"]
+    k = KEYS[0]
+    cluster.track(a, k, 4)
+    await cluster.quiet_tick()
+    assert b.heard.deltas == [(*k, 1, 4)]  # a deltas frame: as sent
+    await a.flush()  # its announcement holds the 4 b has: the view does not move
+    await cluster.settle()
+    assert b.heard.deltas == [(*k, 1, 4)]
+    cluster.track(a, k, 6)
+    await a.flush()  # taken for flushing before any tick: only the announcement has them
+    await cluster.settle()
+    assert cluster.views(k) == [10, 10]
+    assert b.heard.deltas == [(*k, 1, 4), (*k, 0, 6)]
+    assert a.tick() == 0  # nothing left to gossip: the 6 reached b once, as a move
+    a.gossip.broadcaster.heartbeat_now()
+    await cluster.settle()
+    cluster.hub.drop = lambda frame: True
+    cluster.track(a, KEYS[2], 9)
+    a.tick()  # lost
+    await a.flush()  # its announcement: lost too
+    await cluster.settle()
+    cluster.hub.drop = None
+    a.gossip.broadcaster.heartbeat_now()  # the gap: b re-reads storage
+    await cluster.settle()
+    assert b.gossip.status()["resyncs"]["gap"] == 1
+    assert cluster.views(KEYS[2]) == [9, 9]
+    assert b.heard.deltas == [(*k, 1, 4), (*k, 0, 6), (*KEYS[2], 0, 9)]
 
 
 async def test_bus_outage_then_reconnect_converges(cluster: Cluster) -> None:

@@ -738,7 +738,8 @@ def test_a_key_seeded_elsewhere_while_it_was_read_again_gets_its_full_tries_next
         land(read, "ok")  # fresh: no eviction pass since it was issued
         rig.loop.settle()
         assert second.result() is True
-        assert rig.table.base(key) == 5
+        cols = rig.table.columns(key)
+        assert cols is not None and cols["seeded"] == 1 and cols["base"] == 5
 
 
 async def test_close_wakes_callers_of_reads_cancelled_before_they_ran() -> None:

@@ -227,12 +227,6 @@ class CounterTable:
             row = self._rows.get(key)
             return 0 if row is None else row.inflight_seq
 
-    def base(self, key: Key) -> int | None:
-        """What this node believes the store holds for ``key`` (``None`` if unknown)."""
-        with self._lock:
-            row = self._rows.get(key)
-            return row.base if row is not None and row.flags & SEEDED else None
-
     def remote_since_rebase(self, key: Key) -> int:
         """Units of ``value`` that came from peers and are not in the base yet."""
         with self._lock:
@@ -872,17 +866,23 @@ class CounterTable:
         ``False``): only :meth:`seed`, with a fresh read, may seed a row, because a stale
         snapshot could carry an old sequence of ours and the next flush would reuse it.
         """
+        return self.rebase_moved(key, snap, source) is not None
+
+    def rebase_moved(self, key: Key, snap: Snapshot, source: str = "flush") -> int | None:
+        """:meth:`rebase`, answering how far it moved the view (``None``: not applied), so
+        a peer's announcement or a resync that moves a view is heard like a delta."""
         del source  # every source is handled alike: the sequences say what the total holds
         with self._lock:
             row = self._rows.get(key)
             if row is None or not row.flags & SEEDED:
-                return False
+                return None
             if not _covers(snap, self.node, row):
-                return False
+                return None
+            before = row.base + row.inflight + row.pending_flush + row.extra
             self._rebase_row(row, snap)
             if row.pending_flush == 0 and not row.flags & (INFLIGHT | GOSSIP_OPEN):
                 row.flags &= ~DIRTY
-            return True
+            return row.base + row.inflight + row.pending_flush + row.extra - before
 
     def based_on(self, key: Key) -> Snapshot | None:
         """The stored snapshot a seeded row is based on (its base and the per-node sequences

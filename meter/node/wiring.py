@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.bus import channel_name
+from cluster.codec import DeltaItem
 from cluster.gossip import Gossip, GossipSettings, Listener
 from cluster.redis_bus import RedisBus
 from meter.config import CounterConfig, NodeConfig
@@ -78,10 +79,12 @@ def build_storage(cfg: NodeConfig) -> Storage:
 
 
 def resync_from(
-    storage: Storage, table: CounterTable, chunk: int = 100
+    storage: Storage, table: CounterTable, listener: Listener, chunk: int = 100
 ) -> Callable[[list[Key] | None], Awaitable[int]]:
     """The gossip layer's resync callback: re-read keys (``None``: every warm, seeded key) from
-    storage in chunks and re-base on them. Storage errors propagate (gossip retries later)."""
+    storage in chunks and re-base on them; ``listener`` hears the views that moved (a
+    crossing found only in storage still alerts). Storage errors propagate (gossip retries
+    later)."""
 
     async def resync(keys: list[Key] | None) -> int:
         wanted = [k for k in (table.keys() if keys is None else keys) if table.is_seeded(k)]
@@ -91,8 +94,15 @@ def resync_from(
                 snaps = await storage.load(wanted[start : start + chunk])
             except BadItems as exc:  # re-base what can be read; the flusher reports the rest
                 snaps = exc.good
+            moved: list[DeltaItem] = []
             for key, snap in snaps.items():
-                rebased += table.rebase(key, snap, "read")
+                by = table.rebase_moved(key, snap, "read")
+                if by is not None:
+                    rebased += 1
+                    if by:
+                        moved.append((*key, 0, by))
+            if moved:
+                listener.on_deltas(moved)
         return rebased
 
     return resync
@@ -126,7 +136,7 @@ def build_gossip(
         node_id=table.node,
         cluster=c.cluster_name,
         make_snapshot=Snapshot,
-        resync=resync_from(storage, table),
+        resync=resync_from(storage, table, listener),
         secret=c.secret,
         incarnation=incarnation,
         settings=GossipSettings(

@@ -129,6 +129,10 @@ class DynamoDBProxy(LoopbackProxy):
         body = {"__type": f"com.amazonaws.dynamodb.v20120810#{error}", "message": message}
         self._canned.setdefault(op, []).append(_error(400, "Bad Request", {**body, **fields}))
 
+    def forget_answers(self, op: str) -> None:
+        """Drop the answers :meth:`answer_next` queued for ``op`` and not sent yet."""
+        self._canned.pop(op, None)
+
     def hold(self) -> None:
         """From now on, hold each ``BatchGetItem`` answer until :meth:`release_held`."""
         if self._release is None:
