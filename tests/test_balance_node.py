@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.support.nodes import ROOT, NodeProcess, raw_call, wait_for
@@ -44,3 +45,74 @@ def test_balance_counts_the_pools_unspent_credits(workdir: Path) -> None:
                 pass
         assert node.call("usage", "acme", "gpu") == 10_000
         assert node.call("balance", "acme")["available"] == 0
+
+
+def test_an_idle_pool_gives_its_unspent_credits_back_to_the_grants_they_came_from(
+    workdir: Path,
+) -> None:
+    """``balance`` shows each grant's part of the pool; once the pool is idle (its shares
+    given back a lease after the last priced call) its unspent credits go back to the ledger,
+    once, onto the grants they came from, and those of a grant past its expiry expire."""
+    # (A lease of 3 s: the pool is idle 3-4 s after the last priced call, long after the
+    # reads of "before" below, which follow it at once.)
+    with NodeProcess(workdir, METER_STRICT_LEASE_MS="3000") as node:
+        node.call("set_plan", "pro", {"gpu": {"price": 1}})
+        node.call("assign_plan", "acme", "pro")
+        node.call("assign_plan", "beta", "pro")
+        node.call("grant", "acme", 10_000, {"ref": "a1"})
+        expires = int(time.time()) + 5
+        node.call("grant", "beta", 1_000, {"ref": "b1"})
+        node.call("grant", "beta", 500, {"ref": "b2", "priority": 5, "expires_at": expires})
+        wait_for(lambda: "gpu" in node.call("limits", "beta")["limits"], what="the plan")
+        for tenant in ("acme", "beta"):
+            for _ in range(100):
+                node.call("track", tenant, "gpu", 1)
+        # Before: a funding of 1,000 took beta's grant 2 (priority 5) first, then grant 1;
+        # the pool spends in that order, so its 900 unspent are grant 1's 500 and grant 2's 400.
+        got = node.call("balance", "beta")
+        assert got["available"] == 1_400 and got["pool"]["unspent"] == 900
+        assert [(g["seq"], g["remaining"], g["pooled"], g["in_pool"]) for g in got["grants"]] == [
+            (2, 0, 500, 400),
+            (1, 500, 500, 500),
+        ]
+        got = node.call("balance", "acme")
+        assert [(g["remaining"], g["pooled"], g["in_pool"]) for g in got["grants"]] == [
+            (9_000, 1_000, 900)
+        ]
+        env = {**os.environ, "METER_SOCKET": str(node.socket), "PYTHONPATH": str(ROOT)}
+        out = subprocess.run(
+            [sys.executable, "-m", "meter", "balance", "beta"],
+            env=env, capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        assert out.splitlines()[1].split() == [
+            "GRANT", "REMAINING", "IN_POOL", "PRIORITY", "EXPIRES_AT"
+        ]  # fmt: skip
+        assert out.splitlines()[2].split() == ["2", "0", "400", "5", str(expires)]
+        # Idle: the 900 go back to acme's ledger, once; the pool keeps what was spent.
+        wait_for(
+            lambda: node.call("balance", "acme")["ledger_available"] == 9_900,
+            what="acme's unspent pool credits back in the ledger",
+        )
+        got = node.call("balance", "acme")
+        assert got["available"] == 9_900 and got["pool"]["funded"] == 100
+        assert [(g["remaining"], g["pooled"], g["in_pool"]) for g in got["grants"]] == [
+            (9_900, 100, 0)
+        ]
+        entries = node.call("ledger", "acme")["entries"]
+        back = [e for e in entries if e["kind"] == "unpooled"]
+        assert [(e["amount"], e["grants"]) for e in back] == [(900, [[1, 900]])]
+        # beta's grant 2 expires with the 400 of it the pool had not spent, whether they
+        # came back before its expiry or after: 1,500 granted - 100 spent - 400 expired.
+        wait_for(lambda: time.time() >= expires + 0.1, what="grant 2's expiry")
+        wait_for(
+            lambda: node.call("balance", "beta")["pool"]["funded"] == 100,
+            what="beta's unspent pool credits back in the ledger",
+        )
+        got = node.call("balance", "beta")
+        assert got["available"] == got["ledger_available"] == 1_000
+        entries = node.call("ledger", "beta")["entries"]
+        assert -sum(e["amount"] for e in entries if e["kind"] == "expire") == 400
+        # And the credits back in the ledger are spent again through a new funding.
+        for _ in range(10):
+            node.call("track", "acme", "gpu", 1)
+        assert node.call("balance", "acme")["available"] == 9_890

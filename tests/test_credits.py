@@ -87,6 +87,17 @@ async def _pool(tmp: Path, tenant: str) -> Budget | None:
     return decode(item)
 
 
+async def _ledger(tmp: Path, tenant: str) -> ledger_model.State:
+    """The tenant's ledger balance record in the shared store (read once the nodes stopped)."""
+    storage = SQLiteStorage(tmp / "shared.db")
+    await storage.open()
+    try:
+        _, body = await storage.ledger_read(tenant)
+    finally:
+        await storage.close()
+    return ledger_model.decode_state(body)
+
+
 async def _wait_price(c: AsyncClient, tenant: str, feature: str, price: int) -> None:
     deadline = asyncio.get_running_loop().time() + 5
     while (await c.limits(tenant))["limits"].get(feature, {}).get("price") != price:
@@ -123,9 +134,12 @@ async def test_a_priced_feature_spends_credits_and_stops_at_zero(tmp: Path) -> N
         # A reservation on a priced feature is refused, clearly.
         with pytest.raises(InvalidArgument, match="credit-metered"):
             await a.reserve("acme", "gpu", 1)
+    # A clean stop gives the idle pool's unspent credit back, onto the grant it came from.
     pool = await _pool(tmp, "acme")
-    assert pool is not None and pool.funded == 130 and pool.fund is None
-    assert pool.granted <= pool.funded
+    assert pool is not None and pool.funded == 129 and pool.fund is None
+    assert pool.granted == pool.funded
+    state = await _ledger(tmp, "acme")
+    assert state.balance == 1 and sum(g.pooled for g in state.grants) == 129
 
 
 async def test_nodes_sharing_credits_never_overdraw(tmp: Path) -> None:
@@ -141,10 +155,13 @@ async def test_nodes_sharing_credits_never_overdraw(tmp: Path) -> None:
         # Never more than granted; each node strands at most one unit's price in its share.
         assert 1001 - 3 * 2 < spent <= 1001, got
         balance = await a.balance("acme")
+    assert balance["ledger_available"] >= 0
     pool = await _pool(tmp, "acme")
     assert pool is not None and pool.funded is not None
-    # What the pool holds came from the ledger, which never went below zero.
-    assert balance["ledger_available"] + pool.funded == 1001 and balance["ledger_available"] >= 0
+    # What the pool holds came from the ledger (the stop gave its unspent part back).
+    state = await _ledger(tmp, "acme")
+    assert state.balance + pool.funded == 1001 and pool.granted == pool.funded
+    assert sum(g.pooled for g in state.grants) == pool.funded
 
 
 async def test_bad_prices_are_refused_with_a_clear_error(tmp: Path) -> None:
@@ -413,3 +430,50 @@ async def test_a_pool_is_funded_ahead_before_it_runs_dry() -> None:
     assert budget.funded > 1_000  # funded again before the pool ran dry
     assert budget.funded - budget.granted > 0
     assert (await store.balance("acme"))["available"] == 10**9 - budget.funded
+
+
+@pytest.mark.parametrize("crash", ["before the ledger credit", "after the ledger credit"])
+async def test_a_return_left_in_flight_by_a_crash_lands_once(crash: str) -> None:
+    """A return is in the pool's record (off ``funded``) before the ledger is credited under
+    its ref, so a process killed between the steps loses nothing: another node waits two
+    leases for it, then sends the same ref (once in the ledger, whichever sent it first) and
+    records it; the pool never hands out the returned credits meanwhile."""
+    from meter.quotas import escrow as esc
+
+    storage = MemoryStorage()
+    key = pool_key("acme")
+    clock = [1_800_000_000.0]
+    book = LedgerStore(storage, clock=lambda: clock[0])
+    funder = LedgerFunder(book)
+    await book.apply("acme", ledger_model.credit(5_000, "g1"))
+    a = Shares(storage, "a", lease_ms=1_000, clock=lambda: clock[0], funder=funder)
+    await a.ensure_pool(key, 10, funder)
+    a.admit(key, 10)
+    await a.drain()  # (gives the share back; its own return is undone below)
+    pool = decode(await storage.budget_read(key))
+    assert pool is not None and pool.funded == 10  # the clean stop returned the 990
+    # Now the same again, killed midway: the pool funded, 10 spent, the return begun.
+    b = Shares(storage, "b", lease_ms=1_000, clock=lambda: clock[0], funder=funder)
+    await b.ensure_pool(key, 10, funder)
+    b.admit(key, 10)
+    async with b._lock(key):
+        await b._give_back(key, b.local[key])  # (given back, not returned)
+    version, pool = await b._read(key)
+    assert pool is not None and pool.funded is not None
+    free = pool.funded - pool.granted
+    begun = esc.begin_return(pool, free, int(clock[0] * 1000))
+    assert await storage.budget_swap(key, version, begun.to_json())
+    assert begun.fund is not None
+    ref = esc.fund_ref(begun, begun.fund[0])
+    if crash == "after the ledger credit":
+        assert await funder.give("acme", free, ref)
+    c = Shares(storage, "c", lease_ms=1_000, clock=lambda: clock[0], funder=funder)
+    assert await c._fund(key, 5, funder) is False  # young: its process may still send it
+    clock[0] += 2.5  # two leases later
+    assert await c._fund(key, 5, funder) is True  # finished: the same ref, once
+    entries = (await book.page("acme", 0, 100))["entries"]
+    assert [e["amount"] for e in entries if e["ref"] == ref] == [free]
+    pool = decode(await storage.budget_read(key))
+    assert pool is not None and pool.fund is None and pool.funded == 20
+    state = await book.balance("acme")
+    assert state["available"] == 5_000 - 20  # 20 spent, nothing lost, nothing twice

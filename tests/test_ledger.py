@@ -79,7 +79,16 @@ async def test_grants_debits_and_the_balance_round_trip(client: AsyncClient) -> 
         "ledger_available": 90,
         "pool": {"funded": 0, "unspent": 0, "held_elsewhere": 0, "in_flight": 0},
         "seq": 3,
-        "grants": [{"seq": 1, "remaining": 90, "priority": 0, "expires_at": None}],
+        "grants": [
+            {
+                "seq": 1,
+                "remaining": 90,
+                "priority": 0,
+                "expires_at": None,
+                "pooled": 0,
+                "in_pool": 0,
+            }
+        ],
     }
     entries = await _entries(client, "acme")
     assert [(e["seq"], e["kind"], e["amount"]) for e in entries] == [

@@ -325,3 +325,73 @@ def test_caller_kinds_and_refs_are_reusable_from_another_module() -> None:
     assert ledger.repeated(ledger.debit(4, "track:n1:7", kind="usage"), d.ref_body or "")
     with pytest.raises(Conflict):
         ledger.repeated(ledger.debit(4, "track:n1:7"), d.ref_body or "")  # another kind
+
+
+# -- credits moved into a credit pool and given back (docs/ledger.md) --------------------------
+
+
+def _write(state: ledger.State, op: ledger.Op, now: float = 0) -> ledger.Write:
+    w = ledger.next_write(state, op, now)
+    assert w.done
+    return w
+
+
+def test_a_funding_notes_on_each_grant_what_went_into_the_pool() -> None:
+    """A ``metered`` debit takes in spending order and notes it as the grants' ``pooled``;
+    a grant whose ledger part is spent stays open while credits of it are in the pool, and
+    other debits pass over it."""
+    state = ledger.State(2, 15, (ledger.Grant(1, 10), ledger.Grant(2, 5, 1, 100)))
+    w = _write(state, ledger.debit(8, "pool:p:1", kind=ledger.POOLED))
+    assert [(e.kind, e.amount, e.alloc) for e in w.entries] == [("metered", -8, ((2, 5), (1, 3)))]
+    assert w.state.grants == (ledger.Grant(1, 7, 0, None, 3), ledger.Grant(2, 0, 1, 100, 5))
+    d = _write(w.state, ledger.debit(7, "d"))
+    assert d.entries[-1].alloc == ((1, 7),)  # (grant 2 has nothing left in the ledger)
+    assert d.state.grants == (ledger.Grant(1, 0, 0, None, 3), ledger.Grant(2, 0, 1, 100, 5))
+    ledger.check(d.state, [ledger.Entry(2, 0, "grant", 15, 15), *w.entries, *d.entries])
+    # A plain debit closes a grant it spends to 0 that has nothing in the pool.
+    plain = _write(ledger.State(1, 4, (ledger.Grant(1, 4),)), ledger.debit(4, "d"))
+    assert plain.state.grants == ()
+
+
+def test_credits_given_back_go_to_the_last_grants_in_spending_order_and_expire_if_due() -> None:
+    """The pool spends its credits in spending order, so those it gives back are the last
+    grants': the never-expiring grant 1 first, then grant 2, whose restored credits expire
+    in the same write when it is past its expiry; an expiry before that took only what
+    grant 2 had left in the ledger."""
+    state = ledger.State(2, 0, (ledger.Grant(1, 0, 0, None, 3), ledger.Grant(2, 0, 1, 100, 5)))
+    assert ledger.in_pool(state.grants, 6) == {1: 3, 2: 3}
+    assert ledger.in_pool(state.grants, 2) == {1: 2}
+    w = _write(state, ledger.credit(6, "pool:p:2", kind=ledger.UNPOOLED), now=100)
+    assert [(e.kind, e.amount, e.alloc) for e in w.entries] == [
+        ("unpooled", 6, ((1, 3), (2, 3))),
+        ("expire", -3, ((2, 3),)),
+    ]
+    assert w.state.balance == 3
+    assert w.state.grants == (ledger.Grant(1, 3, 0, None, 0), ledger.Grant(2, 0, 1, 100, 2))
+    assert w.answer is not None and w.answer["grants"] == [[1, 3], [2, 3]]
+    # Before its expiry the same credits stay spendable, with grant 2's priority.
+    early = _write(state, ledger.credit(6, "pool:p:2", kind=ledger.UNPOOLED), now=99)
+    assert [e.kind for e in early.entries] == ["unpooled"]
+    assert early.state.grants == (ledger.Grant(1, 3, 0, None, 0), ledger.Grant(2, 3, 1, 100, 2))
+    # Expired in the ledger while 2 credits of it are still pooled: it stays open for them.
+    gone = ledger.expiry_write(early.state, 100)
+    assert gone is not None and gone.state.grants == (
+        ledger.Grant(1, 3, 0, None, 0),
+        ledger.Grant(2, 0, 1, 100, 2),
+    )
+
+
+def test_credits_given_back_that_no_grant_kept_count_of_open_a_grant() -> None:
+    """Credits moved into a pool before grants noted it come back as a grant of their own
+    (priority 0, no expiry): nothing is lost."""
+    state = ledger.State(1, 5, (ledger.Grant(1, 5, 0, None, 2),))
+    w = _write(state, ledger.credit(7, "pool:p:9", kind=ledger.UNPOOLED))
+    assert w.state.grants == (ledger.Grant(1, 7, 0, None, 0), ledger.Grant(2, 5))
+    assert w.state.balance == 12 and w.entries[0].alloc == ((1, 2),)
+
+
+def test_pooled_credits_survive_the_balance_record_and_older_records_still_read() -> None:
+    state = ledger.State(3, 4, (ledger.Grant(1, 4, 2, 50, 9), ledger.Grant(2, 0, 0, None, 1)))
+    assert ledger.decode_state(ledger.encode_state(state)) == state
+    old = '{"s":1,"b":5,"g":[[1,5,0,null]]}'  # (written before grants kept pooled credits)
+    assert ledger.decode_state(old) == ledger.State(1, 5, (ledger.Grant(1, 5),))

@@ -76,10 +76,15 @@ def _balance_text(b: dict[str, Any]) -> str:
         )
     grants = b.get("grants") or []
     if grants:
-        lines.append(f"{'GRANT':>8}  {'REMAINING':>20}  {'PRIORITY':>8}  EXPIRES_AT")
+        lines.append(
+            f"{'GRANT':>8}  {'REMAINING':>20}  {'IN_POOL':>20}  {'PRIORITY':>8}  EXPIRES_AT"
+        )
         for g in grants:
             exp = "-" if g["expires_at"] is None else str(g["expires_at"])
-            lines.append(f"{g['seq']:>8}  {g['remaining']:>20}  {g['priority']:>8}  {exp}")
+            lines.append(
+                f"{g['seq']:>8}  {g['remaining']:>20}  {g.get('in_pool', 0):>20}  "
+                f"{g['priority']:>8}  {exp}"
+            )
     return "\n".join(lines)
 
 

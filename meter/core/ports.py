@@ -90,6 +90,11 @@ class Funder(Protocol):
         call did): True if it is debited, False if the ledger cannot cover it."""
         ...
 
+    async def give(self, tenant: str, amount: int, ref: str) -> bool:
+        """Credit ``amount`` the pool gives back under ``ref`` exactly once: True if it is
+        credited, False if the ledger refuses it (its balance would pass the maximum)."""
+        ...
+
 
 class Budgets(Protocol):
     """This node's shares of strict budgets and credit pools (:class:`meter.quotas.shares.Shares`,

@@ -6,7 +6,7 @@ shares when a tenant's credit pool needs more credits.
 
 from __future__ import annotations
 
-from meter.errors import InsufficientBalance
+from meter.errors import InsufficientBalance, InvalidArgument
 from meter.ledger import model as ledger
 from meter.ledger.store import LedgerStore
 
@@ -25,7 +25,16 @@ class LedgerFunder:
         """Debit ``amount`` under ``ref`` (a ``metered`` entry) exactly once; False if the
         ledger cannot cover it."""
         try:
-            await self.store.apply(tenant, ledger.debit(amount, ref, kind="metered"))
+            await self.store.apply(tenant, ledger.debit(amount, ref, kind=ledger.POOLED))
         except InsufficientBalance:
+            return False
+        return True
+
+    async def give(self, tenant: str, amount: int, ref: str) -> bool:
+        """Credit ``amount`` under ``ref`` (an ``unpooled`` entry, onto the grants the credits
+        came from) exactly once; False if the ledger refuses it."""
+        try:
+            await self.store.apply(tenant, ledger.credit(amount, ref, kind=ledger.UNPOOLED))
+        except InvalidArgument:
             return False
         return True

@@ -76,7 +76,7 @@ class LedgerMethods:
             raise Unavailable(
                 f"balance of {tenant!r}: the credit pool cannot be read: {exc}"
             ) from None
-        out = await self.store.balance(tenant)
+        out = await self.store.balance(tenant, pool["unspent"])
         out["ledger_available"] = out["available"]
         out["available"] = out["available"] + pool["unspent"]
         out["pool"] = pool

@@ -12,7 +12,15 @@ version). Kinds of entry:
   ``expires_at``, a grant that never expires last, then the oldest);
 * ``expire``: ``-remaining`` of one grant whose ``expires_at`` has passed, written lazily
   before anything else the first time the ledger is read or written after it; other grants
-  are untouched.
+  are untouched;
+* ``metered`` (:data:`POOLED`): a debit into the tenant's credit pool; what it takes from
+  each grant is noted on the grant as ``pooled`` (the grant stays open while it has credits
+  in the pool, with its priority and expiry);
+* ``unpooled`` (:data:`UNPOOLED`): credits the pool gives back, onto the grants they came
+  from in the reverse of spending order (the pool spends its credits in spending order, so
+  the unspent ones are the last); any the grants cannot take (moved in before grants kept
+  count) open a grant of their own; restored credits of an expired grant expire in the same
+  write.
 
 Invariants (checked by :func:`check`): the balance is the sum of every entry's amount and the
 sum of the open grants' remainders; it is never negative (a debit that does not fit raises
@@ -50,19 +58,25 @@ MIN_INT = -(2**63)
 GRANT = "grant"
 DEBIT = "debit"
 EXPIRE = "expire"
+#: A debit into the tenant's credit pool, and credits the pool gives back (docs/ledger.md).
+POOLED = "metered"
+UNPOOLED = "unpooled"
 #: A caller-chosen kind: lower-case letters, digits and ``_``, starting with a letter.
 KIND_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """An open grant: the sequence of the entry that opened it (its id), what is left of it,
-    its priority and its expiry (epoch seconds, ``None``: never)."""
+    """An open grant: the sequence of the entry that opened it (its id), what is left of it
+    in the ledger, its priority and its expiry (epoch seconds, ``None``: never), and how many
+    of its credits are in the credit pool (moved by a funding, not given back: spent there
+    or not)."""
 
     seq: int
     remaining: int
     priority: int = 0
     expires_at: int | None = None
+    pooled: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -70,7 +84,11 @@ class Grant:
             "remaining": self.remaining,
             "priority": self.priority,
             "expires_at": self.expires_at,
+            "pooled": self.pooled,
         }
+
+    def but(self, remaining: int, pooled: int) -> Grant:
+        return Grant(self.seq, remaining, self.priority, self.expires_at, pooled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +105,9 @@ EMPTY = State()
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One ledger entry. ``amount`` is signed; ``alloc`` is, for a debit, what it took from
-    each grant (``(grant seq, amount)``) and, for a credit or an expiry, the grant's seq."""
+    """One ledger entry. ``amount`` is signed; ``alloc`` is, for a debit or an expiry, what
+    it took from each grant (``(grant seq, amount)``), for credits the pool gave back what
+    each grant took back, and empty for other credits (the entry's seq is the grant's)."""
 
     seq: int
     time: float
@@ -112,7 +131,7 @@ class Entry:
         if self.amount > 0:
             out["priority"] = self.priority
             out["expires_at"] = self.expires_at
-        else:
+        if self.amount < 0 or self.alloc:  # (credits given back: the grants they went to)
             out["grants"] = [list(a) for a in self.alloc]
         return out
 
@@ -233,8 +252,13 @@ def spending_order(grants: Iterable[Grant]) -> list[Grant]:
 
 
 def expired(state: State, now: float) -> list[Grant]:
-    """The open grants past their expiry at ``now`` (``now >= expires_at``), oldest first."""
-    return [g for g in state.grants if g.expires_at is not None and now >= g.expires_at]
+    """The open grants with credits left in the ledger past their expiry at ``now`` (``now
+    >= expires_at``), oldest first."""
+    return [
+        g
+        for g in state.grants
+        if g.remaining > 0 and g.expires_at is not None and now >= g.expires_at
+    ]
 
 
 def expiry_write(state: State, now: float, limit: int = MAX_EXPIRE_PER_WRITE) -> Write | None:
@@ -250,9 +274,18 @@ def expiry_write(state: State, now: float, limit: int = MAX_EXPIRE_PER_WRITE) ->
         seq += 1
         balance -= g.remaining
         entries.append(Entry(seq, t, EXPIRE, -g.remaining, balance, None, ((g.seq, g.remaining),)))
+    return Write(State(seq, balance, _without(state.grants, gone)), tuple(entries), done=False)
+
+
+def _without(grants: tuple[Grant, ...], gone: list[Grant]) -> tuple[Grant, ...]:
+    """``grants`` with ``gone``'s remainders expired: closed, unless credits of theirs are
+    in the pool (they expire when they come back)."""
     ids = {g.seq for g in gone}
-    grants = tuple(g for g in state.grants if g.seq not in ids)
-    return Write(State(seq, balance, grants), tuple(entries), done=False)
+    return tuple(
+        g if g.seq not in ids else g.but(0, g.pooled)
+        for g in grants
+        if g.seq not in ids or g.pooled > 0
+    )
 
 
 def next_write(state: State, op: Op, now: float) -> Write:
@@ -270,17 +303,30 @@ def next_write(state: State, op: Op, now: float) -> Write:
     before = () if pre is None else pre.entries
     t = _ms(now)
     seq = base.seq + 1
+    after_op: tuple[Entry, ...] = ()
     if op.credit:
         if base.balance + op.amount > MAX_AMOUNT:
             raise InvalidArgument(
                 f"amount: the balance would exceed {MAX_AMOUNT} ({base.balance} + {op.amount})"
             )
-        if len(base.grants) >= MAX_OPEN_GRANTS:
-            raise InvalidArgument(f"the tenant already has {MAX_OPEN_GRANTS} open grants")
         balance = base.balance + op.amount
-        grant = Grant(seq, op.amount, op.priority, op.expires_at)
-        entry = Entry(seq, t, op.kind, op.amount, balance, op.ref, (), op.priority, op.expires_at)
-        grants = (*base.grants, grant)
+        if op.kind == UNPOOLED:
+            grants, back = _unpool(base.grants, op.amount)
+            left = op.amount - sum(n for _, n in back)
+        else:
+            grants, back, left = base.grants, [], op.amount
+        if left:  # (a new grant; for credits given back, those no grant kept count of)
+            if len(grants) >= MAX_OPEN_GRANTS:
+                raise InvalidArgument(f"the tenant already has {MAX_OPEN_GRANTS} open grants")
+            grants = (*grants, Grant(seq, left, op.priority, op.expires_at))
+        entry = Entry(
+            seq, t, op.kind, op.amount, balance, op.ref, tuple(back), op.priority, op.expires_at
+        )
+        if back:  # restored credits of a grant past its expiry expire at once
+            due = expiry_write(State(seq, balance, grants), now)
+            if due is not None:
+                seq, balance, grants = due.state.seq, due.state.balance, due.state.grants
+                after_op = due.entries
     else:
         if op.amount > base.balance:
             raise InsufficientBalance(
@@ -292,21 +338,67 @@ def next_write(state: State, op: Op, now: float) -> Write:
         for g in spending_order(base.grants):
             if left == 0:
                 break
+            if g.remaining == 0:
+                continue  # (only credits in the pool are left of it)
             take = min(left, g.remaining)
             taken.append((g.seq, take))
-            after[g.seq] = g.remaining - take
+            after[g.seq] = take
             left -= take
         assert left == 0, "grants must cover the balance"
         balance = base.balance - op.amount
         entry = Entry(seq, t, op.kind, -op.amount, balance, op.ref, tuple(taken))
+        to_pool = op.kind == POOLED
         grants = tuple(
-            g if g.seq not in after else Grant(g.seq, after[g.seq], g.priority, g.expires_at)
+            g
+            if g.seq not in after
+            else g.but(g.remaining - after[g.seq], g.pooled + (after[g.seq] if to_pool else 0))
             for g in base.grants
-            if after.get(g.seq, 1) > 0
+            if g.seq not in after or g.remaining > after[g.seq] or (to_pool or g.pooled > 0)
         )
     answer = entry.to_wire()
     ref_body = json.dumps({"f": op.fingerprint(), "a": answer}, separators=(",", ":"))
-    return Write(State(seq, balance, grants), (*before, entry), op.ref, ref_body, answer, done=True)
+    return Write(
+        State(seq, balance, grants),
+        (*before, entry, *after_op),
+        op.ref,
+        ref_body,
+        answer,
+        done=True,
+    )
+
+
+def _unpool(
+    grants: tuple[Grant, ...], amount: int
+) -> tuple[tuple[Grant, ...], list[tuple[int, int]]]:
+    """``amount`` credits given back by the pool onto the grants they came from, the last in
+    spending order first (the pool spent the first); what each took back."""
+    left = amount
+    back: dict[int, int] = {}
+    for g in reversed(spending_order(g for g in grants if g.pooled > 0)):
+        if left == 0:
+            break
+        n = min(left, g.pooled)
+        back[g.seq] = n
+        left -= n
+    out = tuple(
+        g if g.seq not in back else g.but(g.remaining + back[g.seq], g.pooled - back[g.seq])
+        for g in grants
+    )
+    return out, [(g.seq, back[g.seq]) for g in grants if g.seq in back]
+
+
+def in_pool(grants: Iterable[Grant], unspent: int) -> dict[int, int]:
+    """Of ``unspent`` credits in the pool, how many are each grant's (by grant seq): the pool
+    spends in spending order, so the unspent are the last grants' (what none kept count of,
+    moved in before grants did, is nobody's here)."""
+    left = unspent
+    out: dict[int, int] = {}
+    for g in reversed(spending_order(g for g in grants if g.pooled > 0)):
+        n = min(left, g.pooled)
+        if n:
+            out[g.seq] = n
+            left -= n
+    return out
 
 
 def repeated(op: Op, ref_body: str) -> dict[str, Any]:
@@ -327,7 +419,8 @@ def check(state: State, entries: Sequence[Entry]) -> None:
     assert state.balance >= 0, state
     assert state.balance == sum(e.amount for e in entries), (state, entries)
     assert state.balance == sum(g.remaining for g in state.grants), state
-    assert all(g.remaining > 0 for g in state.grants), state
+    assert all(g.remaining >= 0 and g.pooled >= 0 for g in state.grants), state
+    assert all(g.remaining > 0 or g.pooled > 0 for g in state.grants), state
     assert state.seq == (entries[-1].seq if entries else 0)
 
 
@@ -335,7 +428,10 @@ def check(state: State, entries: Sequence[Entry]) -> None:
 
 
 def encode_state(state: State) -> str:
-    grants = [[g.seq, g.remaining, g.priority, g.expires_at] for g in state.grants]
+    grants = [
+        [g.seq, g.remaining, g.priority, g.expires_at, *([g.pooled] if g.pooled else [])]
+        for g in state.grants
+    ]
     return json.dumps({"s": state.seq, "b": state.balance, "g": grants}, separators=(",", ":"))
 
 
@@ -344,7 +440,10 @@ def decode_state(body: str | None) -> State:
         return EMPTY
     try:
         raw = json.loads(body)
-        grants = tuple(Grant(int(s), int(r), int(p), e) for s, r, p, e in raw["g"])
+        grants = tuple(
+            Grant(int(g[0]), int(g[1]), int(g[2]), g[3], int(g[4]) if len(g) == 5 else 0)
+            for g in raw["g"]
+        )
         return State(int(raw["s"]), int(raw["b"]), grants)
     except (ValueError, KeyError, TypeError) as exc:
         raise MeterError(f"undecodable ledger balance record: {exc}") from None

@@ -98,14 +98,20 @@ class LedgerStore:
                     version, state = await self._read(tenant)
             raise Unavailable(f"ledger of {tenant!r}: the balance kept changing; retry")
 
-    async def balance(self, tenant: str) -> dict[str, Any]:
-        """``{tenant, available, seq, grants}`` read from storage (expiries written first)."""
+    async def balance(self, tenant: str, in_pool: int = 0) -> dict[str, Any]:
+        """``{tenant, available, seq, grants}`` read from storage (expiries written first);
+        ``in_pool``: credits unspent in the tenant's credit pool, shown against the grants
+        they came from (each grant's ``in_pool``, :func:`meter.ledger.model.in_pool`)."""
         _, state = await self.state(tenant)
+        mine = ledger.in_pool(state.grants, in_pool)
         return {
             "tenant": tenant,
             "available": state.balance,
             "seq": state.seq,
-            "grants": [g.to_wire() for g in ledger.spending_order(state.grants)],
+            "grants": [
+                {**g.to_wire(), "in_pool": mine.get(g.seq, 0)}
+                for g in ledger.spending_order(state.grants)
+            ],
         }
 
     async def page(self, tenant: str, after: int, limit: int) -> dict[str, Any]:

@@ -199,6 +199,14 @@ def assemble(
             return fence.reason
         return "this process does not own its node id (yet)"
 
+    alerts = Alerts(
+        table.node, storage.claim_alert, on_fired=on_alert_fired, on_deliver=on_alert_deliver
+    )
+    amounts = config.balance_alerts
+    ledger_store = LedgerStore(
+        storage, on_entries=_balance_alerts(alerts, amounts) if amounts else None
+    )
+    funder = LedgerFunder(ledger_store)
     shares = Shares(
         storage,
         table.node,
@@ -208,13 +216,7 @@ def assemble(
         fenced=fenced,
         # (only the fsync mode's log holds every answered call's count: docs/quotas.md)
         logged=wal is not None and wal.mode == "fsync",
-    )
-    alerts = Alerts(
-        table.node, storage.claim_alert, on_fired=on_alert_fired, on_deliver=on_alert_deliver
-    )
-    amounts = config.balance_alerts
-    ledger_store = LedgerStore(
-        storage, on_entries=_balance_alerts(alerts, amounts) if amounts else None
+        funder=funder,
     )
     peer_holds = PeerHolds(peer_holds_max_age)
     gate = Gate(
@@ -223,7 +225,7 @@ def assemble(
         seeder,
         config,
         shares=shares,
-        funder=LedgerFunder(ledger_store),
+        funder=funder,
         alerts=alerts,
         peer_holds=peer_holds,
         wal=fence.wal,

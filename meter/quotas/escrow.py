@@ -48,7 +48,10 @@ class Budget:
 
     A pool (``funded`` not ``None``) is its own limit: ``funded`` credits moved into it from
     the tenant's ledger, one funding at a time (``fund``: ``[n, amount, started ms]`` while
-    one is in flight, written to the ledger under ref ``pool:<pool>:<n>``; docs/ledger.md)."""
+    one is in flight, written to the ledger under ref ``pool:<pool>:<n>``; docs/ledger.md).
+    A negative ``amount`` is a return: credits the pool gives back to the ledger, taken off
+    ``funded`` when it begins (so no node is granted them) and credited under the same kind
+    of ref."""
 
     base: int = 0
     shares: dict[str, Share] = field(default_factory=dict)
@@ -125,7 +128,13 @@ class Budget:
             and _count(pool[2])
             and (
                 pool[3] is None
-                or (isinstance(pool[3], list) and len(pool[3]) == 3 and all(map(_count, pool[3])))
+                or (
+                    isinstance(pool[3], list)
+                    and len(pool[3]) == 3
+                    and _count(pool[3][0])
+                    and _count(abs(pool[3][1]) if type(pool[3][1]) is int else -1)
+                    and _count(pool[3][2])
+                )
             )
         ):
             raise ValueError("budget record: bad pool")
@@ -375,12 +384,27 @@ def begin_fund(budget: Budget | None, amount: int, now_ms: int, pool: str) -> Bu
     return replace(budget, fund=(budget.fund_n + 1, amount, now_ms))
 
 
+def begin_return(budget: Budget, amount: int, now_ms: int) -> Budget:
+    """The pool with a return of ``amount`` unshared credits to the ledger begun: off
+    ``funded`` at once (no share can be granted them any more); ``ValueError`` if a funding
+    or a return is in flight, or the pool has not that many unshared."""
+    if budget.funded is None:
+        raise ValueError("not a credit pool")
+    if budget.fund is not None:
+        raise ValueError("a funding is in flight")
+    if not 0 < amount <= budget.funded - budget.granted:
+        raise ValueError(f"{amount} credits to return, {budget.funded - budget.granted} unshared")
+    return replace(budget, funded=budget.funded - amount, fund=(budget.fund_n + 1, -amount, now_ms))
+
+
 def end_fund(budget: Budget, n: int, landed: bool) -> Budget | None:
-    """The pool with funding ``n`` finished (its credits in if ``landed``); ``None`` if that
-    funding is not the one in flight (finished already)."""
+    """The pool with funding or return ``n`` finished (a funding's credits in if
+    ``landed``; a return's back in if not); ``None`` if that one is not in flight (finished
+    already)."""
     if budget.funded is None or budget.fund is None or budget.fund[0] != n:
         return None
-    funded = budget.funded + (budget.fund[1] if landed else 0)
+    amount = budget.fund[1]
+    funded = budget.funded + (max(amount, 0) if landed else max(-amount, 0))
     return replace(budget, funded=funded, fund_n=n, fund=None)
 
 

@@ -92,8 +92,11 @@ class Shares:
         fenced: Callable[[], str | None] = lambda: None,
         clock: Callable[[], float] = time.time,
         logged: bool = False,
+        funder: Funder | None = None,
     ) -> None:
         self.storage = storage
+        #: Where an idle credit pool's unshared credits go back to (None: they stay).
+        self.funder = funder
         self.node = node
         self.lease_ms = lease_ms
         self.grace_ms = max(1, lease_ms // 2)
@@ -160,6 +163,9 @@ class Shares:
         self._ahead: dict[Key, asyncio.Task[None]] = {}
         self._ahead_not_before: dict[Key, float] = {}
         self.fundings = 0
+        #: Returns of an idle pool's credits to the ledger sent, and the credits they gave.
+        self.returns = 0
+        self.returned = 0
 
     # -- the hot path (no I/O) ---------------------------------------------------------------
 
@@ -522,7 +528,7 @@ class Shares:
             "unspent": max(0, budget.funded - spent),
             "held_elsewhere": elsewhere,
             # A funding begun and not finished: it may have left the ledger already.
-            "in_flight": 0 if budget.fund is None else budget.fund[1],
+            "in_flight": 0 if budget.fund is None else abs(budget.fund[1]),
         }
 
     # -- what the write-ahead log keeps (nothing stranded by a crash) --------------------------
@@ -826,19 +832,55 @@ class Shares:
                 self._funding.add((key, n))  # ours: finished at once, by this process
                 budget = new
             assert budget is not None
-            # (Any failure from here leaves (key, n) ours: the next call finishes it, under
-            # the same ref, which lands at most once.)
-            landed = await funder.take(tenant, amount, escrow.fund_ref(budget, n))
-            self.fundings += 1
+            landed = await self._finish(key, budget, n, amount, funder)
             if landed and began is not None:  # (the pool's funding then: the next one's size)
                 self._fund_size[key] = (funded, began, amount)
-            for _ in range(MAX_ATTEMPTS):
-                version, stored = await self._read(key)
-                done = None if stored is None else escrow.end_fund(stored, n, landed)
-                if done is None or await self._swap(key, version, done):
-                    self._funding.discard((key, n))
-                    return True
-            raise StorageUnavailable(f"credit pool of {tenant!r}: the funding kept racing; retry")
+            return True
+
+    async def _finish(self, key: Key, budget: Budget, n: int, amount: int, funder: Funder) -> bool:
+        """Send funding or return ``n`` of ``budget`` (``amount`` credits; negative: a return)
+        to the ledger under its ref and record the outcome in the pool (lock held); whether
+        the ledger took it. Any failure leaves ``(key, n)`` as it was: the next call finishes
+        it under the same ref, which lands at most once."""
+        tenant = key[0]
+        ref = escrow.fund_ref(budget, n)
+        if amount < 0:
+            landed = await funder.give(tenant, -amount, ref)
+            self.returns += 1
+            self.returned += -amount if landed else 0
+        else:
+            landed = await funder.take(tenant, amount, ref)
+            self.fundings += 1
+        for _ in range(MAX_ATTEMPTS):
+            version, stored = await self._read(key)
+            done = None if stored is None else escrow.end_fund(stored, n, landed)
+            if done is None or await self._swap(key, version, done):
+                self._funding.discard((key, n))
+                return landed
+        raise StorageUnavailable(f"credit pool of {tenant!r}: the funding kept racing; retry")
+
+    async def return_idle(self, key: Key, funder: Funder) -> int:
+        """Give ``key``'s pool's unshared credits back to the ledger once no node holds a
+        share with credits promised to nobody (every share's grant is its cap: the pool is
+        idle); how many went back (0: not idle, nothing unshared, or a funding in flight).
+        The return is in the pool's record before the ledger is credited under its ref, so
+        a crash between the two is finished by the next node, once (:meth:`_fund`)."""
+        async with self._lock(key):
+            version, budget = await self._read(key)
+            if budget is None or budget.funded is None or budget.fund is not None:
+                return 0
+            if any(s.g > s.c for s in budget.shares.values()):
+                return 0  # (a share in use: its node may want more soon)
+            free = budget.funded - budget.granted
+            if free <= 0:
+                return 0
+            new = escrow.begin_return(budget, free, int(self.clock() * 1000))
+            assert new.fund is not None
+            n = new.fund[0]
+            if not await self._swap(key, version, new):
+                return 0  # (raced: the next idle pass looks again)
+            self._funding.add((key, n))
+            return free if await self._finish(key, new, n, -free, funder) else 0
 
     async def _swap(self, key: Key, version: int, new: Budget) -> bool:
         """One compare-and-swap of a whole record; a lost answer settled by reading it."""
@@ -860,6 +902,7 @@ class Shares:
         """Renew the leases of shares with units promised to nobody yet (``g > c``), and give
         back shares idle for a lease. Run every third of a lease."""
         now = time.monotonic()
+        idle: list[Key] = []
         for key, loc in list(self.local.items()):
             if self._lock(key).locked():
                 continue
@@ -869,10 +912,45 @@ class Shares:
                         continue
                     if now - loc.used_at >= self.lease_ms / 1000:
                         await self._give_back(key, loc)
+                        if key == pool_key(key[0]):
+                            idle.append(key)
                     elif loc.g > loc.c:
                         await self._write(key, lambda b, cur, op: self._renew(b, cur, op))
             except (NoBudget, StorageError) as exc:
                 log.warning("escrow: upkeep of %r failed: %s", key, exc)
+            self._forget_lock(key)
+        await self._close_earlier_pools()
+        await self._return_idle(idle)
+
+    async def _close_earlier_pools(self) -> None:
+        """Close the pool shares an earlier process of this node left (its log says what it
+        admitted under each) by taking a share anew: the rest of the old share is free again
+        at once, and the new one, idle, goes back with the pool's unspent credits a lease
+        later, instead of waiting for this process's next priced call. A pool with no room
+        left has nothing of the old share to free: forgotten."""
+        for key in {k for k, _ in self._earlier if k == pool_key(k[0]) and k not in self.local}:
+            if self._lock(key).locked():
+                continue
+            try:
+                await self.ensure(key, 1, POOL, 0, background=True)
+            except NoBudget:
+                for k in [k for k in self._earlier if k[0] == key]:
+                    del self._earlier[k]
+            except StorageError as exc:
+                log.warning("credit pool of %r: could not close an earlier share: %s", key[0], exc)
+            self._forget_lock(key)
+
+    async def _return_idle(self, keys: list[Key]) -> None:
+        """:meth:`return_idle` for each pool of ``keys`` (whose share this node gave back),
+        if this node has a funder; a failure is logged, and the next idle pass tries again."""
+        funder = self.funder
+        if funder is None:
+            return
+        for key in keys:
+            try:
+                await self.return_idle(key, funder)
+            except (InsufficientBalance, StorageError) as exc:
+                log.warning("credit pool of %r: could not give credits back: %s", key[0], exc)
             self._forget_lock(key)
 
     def _renew(self, budget: Budget | None, cur: Local | None, op: str) -> escrow.Swap | None:
@@ -899,12 +977,17 @@ class Shares:
             task.cancel()
         if self._ahead:  # (not cancelled: a funding cut off midway holds the pool)
             await asyncio.gather(*self._ahead.values(), return_exceptions=True)
+        await self._close_earlier_pools()
+        idle: list[Key] = []
         for key, loc in list(self.local.items()):
             try:
                 async with self._lock(key):
                     await self._give_back(key, loc)
+                if key == pool_key(key[0]):
+                    idle.append(key)
             except (NoBudget, StorageError) as exc:
                 log.warning("escrow: could not give back the share of %r: %s", key, exc)
+        await self._return_idle(idle)
 
     def status(self) -> dict[str, Any]:
         return {
