@@ -95,8 +95,9 @@ def test_an_idle_pool_gives_its_unspent_credits_back_to_the_grants_they_came_fro
         )
         got = node.call("balance", "acme")
         assert got["available"] == 9_900 and got["pool"]["funded"] == 100
+        # (the 100 the pool spent are let go: the grant keeps nothing in the pool)
         assert [(g["remaining"], g["pooled"], g["in_pool"]) for g in got["grants"]] == [
-            (9_900, 100, 0)
+            (9_900, 0, 0)
         ]
         entries = node.call("ledger", "acme")["entries"]
         back = [e for e in entries if e["kind"] == "unpooled"]
@@ -110,6 +111,8 @@ def test_an_idle_pool_gives_its_unspent_credits_back_to_the_grants_they_came_fro
         )
         got = node.call("balance", "beta")
         assert got["available"] == got["ledger_available"] == 1_000
+        # Grant 2 is closed: nothing of it is left in the ledger or the pool.
+        assert [(g["seq"], g["remaining"], g["pooled"]) for g in got["grants"]] == [(1, 1_000, 0)]
         entries = node.call("ledger", "beta")["entries"]
         assert -sum(e["amount"] for e in entries if e["kind"] == "expire") == 400
         # And the credits back in the ledger are spent again through a new funding.

@@ -139,7 +139,8 @@ async def test_a_priced_feature_spends_credits_and_stops_at_zero(tmp: Path) -> N
     assert pool is not None and pool.funded == 129 and pool.fund is None
     assert pool.granted == pool.funded
     state = await _ledger(tmp, "acme")
-    assert state.balance == 1 and sum(g.pooled for g in state.grants) == 129
+    # (the 129 spent are let go by the return: no grant keeps them as in the pool)
+    assert state.balance == 1 and [g.pooled for g in state.grants] == [0]
 
 
 async def test_nodes_sharing_credits_never_overdraw(tmp: Path) -> None:
@@ -161,7 +162,7 @@ async def test_nodes_sharing_credits_never_overdraw(tmp: Path) -> None:
     # What the pool holds came from the ledger (the stop gave its unspent part back).
     state = await _ledger(tmp, "acme")
     assert state.balance + pool.funded == 1001 and pool.granted == pool.funded
-    assert sum(g.pooled for g in state.grants) == pool.funded
+    assert sum(g.pooled for g in state.grants) <= pool.funded
 
 
 async def test_bad_prices_are_refused_with_a_clear_error(tmp: Path) -> None:
@@ -466,7 +467,7 @@ async def test_a_return_left_in_flight_by_a_crash_lands_once(crash: str) -> None
     assert begun.fund is not None
     ref = esc.fund_ref(begun, begun.fund[0])
     if crash == "after the ledger credit":
-        assert await funder.give("acme", free, ref)
+        assert await funder.give("acme", free, ref, 0)
     c = Shares(storage, "c", lease_ms=1_000, clock=lambda: clock[0], funder=funder)
     assert await c._fund(key, 5, funder) is False  # young: its process may still send it
     clock[0] += 2.5  # two leases later

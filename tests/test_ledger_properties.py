@@ -341,7 +341,7 @@ def test_a_funding_notes_on_each_grant_what_went_into_the_pool() -> None:
     a grant whose ledger part is spent stays open while credits of it are in the pool, and
     other debits pass over it."""
     state = ledger.State(2, 15, (ledger.Grant(1, 10), ledger.Grant(2, 5, 1, 100)))
-    w = _write(state, ledger.debit(8, "pool:p:1", kind=ledger.POOLED))
+    w = _write(state, ledger.pool_funding(8, "pool:p:1", 0))
     assert [(e.kind, e.amount, e.alloc) for e in w.entries] == [("metered", -8, ((2, 5), (1, 3)))]
     assert w.state.grants == (ledger.Grant(1, 7, 0, None, 3), ledger.Grant(2, 0, 1, 100, 5))
     d = _write(w.state, ledger.debit(7, "d"))
@@ -354,38 +354,51 @@ def test_a_funding_notes_on_each_grant_what_went_into_the_pool() -> None:
 
 
 def test_credits_given_back_go_to_the_last_grants_in_spending_order_and_expire_if_due() -> None:
-    """The pool spends its credits in spending order, so those it gives back are the last
-    grants': the never-expiring grant 1 first, then grant 2, whose restored credits expire
-    in the same write when it is past its expiry; an expiry before that took only what
-    grant 2 had left in the ledger."""
+    """The pool spends what it holds in spending order, so the credits it gives back are the
+    last grants': the never-expiring grant 1 first, then grant 2, whose restored credits
+    expire in the same write when it is past its expiry; what is still pooled past the
+    pool's unspent (0 here: the pool is idle) is spent, and let go: grant 2 closes."""
     state = ledger.State(2, 0, (ledger.Grant(1, 0, 0, None, 3), ledger.Grant(2, 0, 1, 100, 5)))
     assert ledger.in_pool(state.grants, 6) == {1: 3, 2: 3}
     assert ledger.in_pool(state.grants, 2) == {1: 2}
-    w = _write(state, ledger.credit(6, "pool:p:2", kind=ledger.UNPOOLED), now=100)
+    w = _write(state, ledger.pool_return(6, "pool:p:2", 0), now=100)
     assert [(e.kind, e.amount, e.alloc) for e in w.entries] == [
         ("unpooled", 6, ((1, 3), (2, 3))),
         ("expire", -3, ((2, 3),)),
     ]
-    assert w.state.balance == 3
-    assert w.state.grants == (ledger.Grant(1, 3, 0, None, 0), ledger.Grant(2, 0, 1, 100, 2))
+    assert w.state.balance == 3 and w.state.grants == (ledger.Grant(1, 3),)
     assert w.answer is not None and w.answer["grants"] == [[1, 3], [2, 3]]
     # Before its expiry the same credits stay spendable, with grant 2's priority.
-    early = _write(state, ledger.credit(6, "pool:p:2", kind=ledger.UNPOOLED), now=99)
+    early = _write(state, ledger.pool_return(6, "pool:p:2", 0), now=99)
     assert [e.kind for e in early.entries] == ["unpooled"]
-    assert early.state.grants == (ledger.Grant(1, 3, 0, None, 0), ledger.Grant(2, 3, 1, 100, 2))
-    # Expired in the ledger while 2 credits of it are still pooled: it stays open for them.
-    gone = ledger.expiry_write(early.state, 100)
-    assert gone is not None and gone.state.grants == (
-        ledger.Grant(1, 3, 0, None, 0),
-        ledger.Grant(2, 0, 1, 100, 2),
-    )
+    assert early.state.grants == (ledger.Grant(1, 3), ledger.Grant(2, 3, 1, 100))
+    # A grant expired in the ledger while credits of it are pooled stays open for them.
+    pooled = ledger.State(3, 4, (ledger.Grant(1, 4, 0, 50, 2),))
+    gone = ledger.expiry_write(pooled, 50)
+    assert gone is not None and gone.state.grants == (ledger.Grant(1, 0, 0, 50, 2),)
+
+
+def test_a_funding_lets_go_of_pooled_credits_the_pool_has_spent() -> None:
+    """A funding says what the pool held unspent before it: grants keep that much as in the
+    pool (the last in spending order), the rest is spent and let go, so a grant funded
+    later with a higher priority is not taken as spent for credits spent before it came."""
+    state = ledger.State(2, 500, (ledger.Grant(1, 0, 0, None, 1000), ledger.Grant(2, 500, 5, 100)))
+    w = _write(state, ledger.pool_funding(500, "pool:p:2", 100))
+    assert w.state.grants == (ledger.Grant(1, 0, 0, None, 100), ledger.Grant(2, 0, 5, 100, 500))
+    assert ledger.in_pool(w.state.grants, 600) == {1: 100, 2: 500}
+    back = _write(w.state, ledger.pool_return(600, "pool:p:3", 0), now=200)
+    assert [(e.kind, e.amount) for e in back.entries] == [("unpooled", 600), ("expire", -500)]
+    assert back.state.grants == (ledger.Grant(1, 100),)
+    # Nothing said (a funding of an earlier version finished now): everything kept.
+    keep = _write(state, ledger.Op(False, 500, "pool:p:2", ledger.POOLED))
+    assert keep.state.grants[0].pooled == 1000
 
 
 def test_credits_given_back_that_no_grant_kept_count_of_open_a_grant() -> None:
     """Credits moved into a pool before grants noted it come back as a grant of their own
     (priority 0, no expiry): nothing is lost."""
     state = ledger.State(1, 5, (ledger.Grant(1, 5, 0, None, 2),))
-    w = _write(state, ledger.credit(7, "pool:p:9", kind=ledger.UNPOOLED))
+    w = _write(state, ledger.pool_return(7, "pool:p:9", 0))
     assert w.state.grants == (ledger.Grant(1, 7, 0, None, 0), ledger.Grant(2, 5))
     assert w.state.balance == 12 and w.entries[0].alloc == ((1, 2),)
 

@@ -5,8 +5,8 @@ kill -9s (with the ``fsync`` log's counts) and restarts, and time passing over e
 
 At every step, read straight from storage (no write): the ledger's own invariants hold; the
 pool's ``funded`` is what the ledger moved into it less what it gave back (every funding and
-every return counted once) and what the grants note as pooled; nothing is spent past what
-was funded; and ``grants - debits - expired - spent = ledger balance + pool unspent``.
+every return counted once), and the grants note at most that as pooled; nothing is spent
+past what was funded; and ``grants - debits - expired - spent = ledger balance + pool unspent``.
 Once every process has stopped cleanly, the pool holds exactly what was spent: every unspent
 credit is back in the ledger, those of a killed process too.
 """
@@ -172,7 +172,9 @@ class PoolLedgerMachine(RuleBasedStateMachine):
         assert pool is None or pool.fund is None  # (every step awaits its writes)
         moved = sum(-e.amount for e in entries if e.kind == ledger.POOLED)
         back = sum(e.amount for e in entries if e.kind == ledger.UNPOOLED)
-        assert funded == moved - back == sum(g.pooled for g in state.grants)
+        assert funded == moved - back
+        # Grants keep count of the pool's credits not known to be spent, at most all of them.
+        assert sum(g.pooled for g in state.grants) <= funded
         assert self.spent <= funded  # never an overdraft
         granted = sum(e.amount for e in entries if e.kind == ledger.GRANT)
         debited = sum(-e.amount for e in entries if e.kind == ledger.DEBIT)
@@ -180,14 +182,14 @@ class PoolLedgerMachine(RuleBasedStateMachine):
         unspent = funded - self.spent
         assert granted - debited - expired - self.spent == state.balance + unspent
         shown = ledger.in_pool(state.grants, unspent)
-        assert sum(shown.values()) == unspent
+        assert sum(shown.values()) <= unspent
         pooled = {g.seq: g.pooled for g in state.grants}
         assert all(0 < n <= pooled[seq] for seq, n in shown.items())
 
 
 TestPoolLedger = PoolLedgerMachine.TestCase
 TestPoolLedger.settings = settings(
-    max_examples=60,
+    max_examples=250,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -25,6 +25,9 @@ _PAGE_OPTS = frozenset({"after", "limit"})
 #: Refs the node writes itself (credit pools' fundings, docs/ledger.md): refused from clients,
 #: so no client call can take or jam a funding's ref.
 RESERVED_REF_PREFIX = "pool:"
+#: Reads of a pool and its ledger ``balance`` makes at most while a pool's record keeps
+#: moving between them (a return could otherwise be counted in both).
+BALANCE_READS = 4
 
 
 class LedgerMethods:
@@ -69,18 +72,25 @@ class LedgerMethods:
         """The ledger's balance, and what the credit pool holds unspent: ``available`` is
         their sum (what the tenant can spend), ``ledger_available`` the ledger's alone."""
         # The pool first: a funding that finishes between the two reads then shows in neither
-        # (low, for a moment), never in both.
-        try:
-            pool = await self.pool.pool(tenant)
-        except StorageError as exc:
-            raise Unavailable(
-                f"balance of {tenant!r}: the credit pool cannot be read: {exc}"
-            ) from None
-        out = await self.store.balance(tenant, pool["unspent"])
+        # (low, for a moment), never in both. A return landing between them would show in
+        # both: the pool is read again after the ledger, and both again if it moved.
+        for _ in range(BALANCE_READS):
+            pool = await self._pool(tenant)
+            out = await self.store.balance(tenant, pool["unspent"])
+            if pool["funded"] == 0 or _moved(await self._pool(tenant)) == _moved(pool):
+                break
         out["ledger_available"] = out["available"]
         out["available"] = out["available"] + pool["unspent"]
         out["pool"] = pool
         return out
+
+    async def _pool(self, tenant: str) -> dict[str, Any]:
+        try:
+            return await self.pool.pool(tenant)
+        except StorageError as exc:
+            raise Unavailable(
+                f"balance of {tenant!r}: the credit pool cannot be read: {exc}"
+            ) from None
 
     def ledger(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
         tenant, opts = check_args("ledger", params, 1, 2)
@@ -103,6 +113,11 @@ def check_page(after: object, limit: object) -> tuple[int, int]:
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
         raise InvalidArgument(f"limit must be an integer in 1..{MAX_PAGE}, got {limit!r}")
     return a, limit
+
+
+def _moved(pool: dict[str, Any]) -> tuple[int, int]:
+    """What a funding or return finishing changes in a pool's view."""
+    return pool["funded"], pool["in_flight"]
 
 
 def _client_ref(ref: object) -> object:

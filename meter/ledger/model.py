@@ -17,10 +17,13 @@ version). Kinds of entry:
   each grant is noted on the grant as ``pooled`` (the grant stays open while it has credits
   in the pool, with its priority and expiry);
 * ``unpooled`` (:data:`UNPOOLED`): credits the pool gives back, onto the grants they came
-  from in the reverse of spending order (the pool spends its credits in spending order, so
-  the unspent ones are the last); any the grants cannot take (moved in before grants kept
-  count) open a grant of their own; restored credits of an expired grant expire in the same
-  write.
+  from in the reverse of spending order (the pool spends what it holds in spending order,
+  so the unspent ones are the last); any the grants cannot take (their origin forgotten)
+  open a grant of their own; restored credits of an expired grant expire in the same write.
+
+Both carry what the pool holds unspent besides them (``Op.pool_unspent``): the grants'
+``pooled`` past that, taken from the first in spending order, is spent, and let go, so a
+grant whose credits are all spent closes.
 
 Invariants (checked by :func:`check`): the balance is the sum of every entry's amount and the
 sum of the open grants' remainders; it is never negative (a debit that does not fit raises
@@ -147,6 +150,11 @@ class Op:
     kind: str
     priority: int = 0
     expires_at: int | None = None
+    #: For a pool's ``metered`` debit or ``unpooled`` credit: how many of the pool's credits
+    #: the node saw unspent besides this op's (before a funding, after a return); the grants'
+    #: ``pooled`` beyond that is spent, and is let go (:func:`_retire`). Advisory, not part
+    #: of the fingerprint: a lower figure only forgets where some credits came from.
+    pool_unspent: int | None = None
 
     def fingerprint(self) -> str:
         return fingerprint(self)
@@ -199,12 +207,29 @@ def check_int(value: object, what: str, *, least: int = MIN_INT) -> int:
     return value
 
 
+#: Kinds only the ledger itself and credit pools write (:func:`pool_funding`,
+#: :func:`pool_return`).
+RESERVED_KINDS = (EXPIRE, POOLED, UNPOOLED)
+
+
 def check_kind(kind: object) -> str:
-    if not isinstance(kind, str) or not KIND_RE.fullmatch(kind) or kind == EXPIRE:
+    if not isinstance(kind, str) or not KIND_RE.fullmatch(kind) or kind in RESERVED_KINDS:
         raise InvalidArgument(
-            f"kind must match {KIND_RE.pattern} and not be {EXPIRE!r}, got {kind!r}"
+            f"kind must match {KIND_RE.pattern} and not be one of {', '.join(RESERVED_KINDS)},"
+            f" got {kind!r}"
         )
     return kind
+
+
+def pool_funding(amount: int, ref: str, unspent: int) -> Op:
+    """A credit pool's funding: ``amount`` moved into the pool under ``ref``, the pool
+    holding ``unspent`` credits before it."""
+    return Op(False, check_amount(amount), check_ref(ref), POOLED, pool_unspent=unspent)
+
+
+def pool_return(amount: int, ref: str, unspent: int) -> Op:
+    """``amount`` credits an idle pool gives back under ``ref``, ``unspent`` left in it."""
+    return Op(True, check_amount(amount), check_ref(ref), UNPOOLED, pool_unspent=unspent)
 
 
 def credit(
@@ -313,6 +338,7 @@ def next_write(state: State, op: Op, now: float) -> Write:
         if op.kind == UNPOOLED:
             grants, back = _unpool(base.grants, op.amount)
             left = op.amount - sum(n for _, n in back)
+            grants = _retire(grants, op.pool_unspent)
         else:
             grants, back, left = base.grants, [], op.amount
         if left:  # (a new grant; for credits given back, those no grant kept count of)
@@ -335,7 +361,9 @@ def next_write(state: State, op: Op, now: float) -> Write:
         left = op.amount
         taken: list[tuple[int, int]] = []
         after: dict[int, int] = {}
-        for g in spending_order(base.grants):
+        to_pool = op.kind == POOLED
+        held = _retire(base.grants, op.pool_unspent) if to_pool else base.grants
+        for g in spending_order(held):
             if left == 0:
                 break
             if g.remaining == 0:
@@ -347,12 +375,11 @@ def next_write(state: State, op: Op, now: float) -> Write:
         assert left == 0, "grants must cover the balance"
         balance = base.balance - op.amount
         entry = Entry(seq, t, op.kind, -op.amount, balance, op.ref, tuple(taken))
-        to_pool = op.kind == POOLED
         grants = tuple(
             g
             if g.seq not in after
             else g.but(g.remaining - after[g.seq], g.pooled + (after[g.seq] if to_pool else 0))
-            for g in base.grants
+            for g in held
             if g.seq not in after or g.remaining > after[g.seq] or (to_pool or g.pooled > 0)
         )
     answer = entry.to_wire()
@@ -385,6 +412,20 @@ def _unpool(
         for g in grants
     )
     return out, [(g.seq, back[g.seq]) for g in grants if g.seq in back]
+
+
+def _retire(grants: tuple[Grant, ...], unspent: int | None) -> tuple[Grant, ...]:
+    """``grants`` with their ``pooled`` credits past the pool's ``unspent`` let go (spent):
+    the last in spending order keep theirs (:func:`in_pool`); a grant left with nothing in
+    the ledger or the pool closes. ``None``: nothing is known, all kept."""
+    if unspent is None:
+        return grants
+    kept = in_pool(grants, unspent)
+    return tuple(
+        g if g.pooled == kept.get(g.seq, 0) else g.but(g.remaining, kept.get(g.seq, 0))
+        for g in grants
+        if g.remaining > 0 or kept.get(g.seq, 0) > 0
+    )
 
 
 def in_pool(grants: Iterable[Grant], unspent: int) -> dict[int, int]:

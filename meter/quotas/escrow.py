@@ -338,10 +338,12 @@ def direct_units(
 
 def give_back(budget: Budget, node: str, local: Local, op: str, run: str) -> Swap | None:
     """The write that returns every unit of ``node``'s share it has not admitted (``g`` and
-    ``c`` down to ``a``); ``None`` if there is nothing to return or the share is not the one
-    ``local`` knows (its epoch moved: it was taken back already; or another process wrote it)."""
+    ``c`` down to ``a``); ``None`` if there is nothing to return or another process wrote
+    the share. A share taken back meanwhile (its epoch moved, its op kept) is still this
+    process's: what it promised and did not admit (``c - a``, kept as spent by the
+    take-back) goes back too, since this process knows it never will admit it."""
     s = budget.shares.get(node)
-    if s is None or s.e != local.e or not ours(s, run) or s.g <= local.a:
+    if s is None or (s.e != local.e and s.g != s.c) or not ours(s, run) or s.g <= local.a:
         return None
     shares = dict(budget.shares)
     shares[node] = Share(local.a, local.a, s.e, s.t, op)
@@ -395,6 +397,25 @@ def begin_return(budget: Budget, amount: int, now_ms: int) -> Budget:
     if not 0 < amount <= budget.funded - budget.granted:
         raise ValueError(f"{amount} credits to return, {budget.funded - budget.granted} unshared")
     return replace(budget, funded=budget.funded - amount, fund=(budget.fund_n + 1, -amount, now_ms))
+
+
+def idle_return(budget: Budget, now_ms: int, grace_ms: int) -> Budget | None:
+    """The write that begins an idle pool's return (:func:`begin_return`) of every credit
+    no share holds, once no share has credits promised to nobody (``g > c``) under a live
+    lease: the unpromised part of a share whose lease ended more than ``grace_ms`` ago is
+    taken back in the same write, as :func:`take` does. ``None``: a share is in use, a
+    funding or return is in flight, or nothing is unshared."""
+    if budget.funded is None or budget.fund is not None:
+        return None
+    shares = dict(budget.shares)
+    for node, s in budget.shares.items():
+        if s.g > s.c:
+            if s.t + grace_ms >= now_ms:
+                return None  # (in use: its node may want more soon, and returns it when idle)
+            shares[node] = Share(s.c, s.c, s.e + 1, s.t, s.op)
+    taken = replace(budget, shares=shares)
+    free = taken.funded - taken.granted if taken.funded is not None else 0
+    return begin_return(taken, free, now_ms) if free > 0 else None
 
 
 def end_fund(budget: Budget, n: int, landed: bool) -> Budget | None:

@@ -26,7 +26,7 @@ from typing import Any
 from meter.core.gate import pool_key
 from meter.core.keys import Key
 from meter.core.ports import POOL, Funder, NoBudget
-from meter.errors import InsufficientBalance
+from meter.errors import InsufficientBalance, MeterError
 from meter.quotas import escrow
 from meter.quotas.escrow import Budget, Local
 from storage.base import BudgetItem, BudgetRecords, StorageError, StorageUnavailable
@@ -163,9 +163,11 @@ class Shares:
         self._ahead: dict[Key, asyncio.Task[None]] = {}
         self._ahead_not_before: dict[Key, float] = {}
         self.fundings = 0
-        #: Returns of an idle pool's credits to the ledger sent, and the credits they gave.
+        #: Returns of an idle pool's credits to the ledger sent, and the credits they gave;
+        #: pools whose return is to be looked at (again), and when (monotonic).
         self.returns = 0
         self.returned = 0
+        self._returning: dict[Key, float] = {}
 
     # -- the hot path (no I/O) ---------------------------------------------------------------
 
@@ -511,6 +513,20 @@ class Shares:
         _, budget = await self._read(key)
         if budget is None or budget.funded is None:
             return {"funded": 0, "unspent": 0, "held_elsewhere": 0, "in_flight": 0}
+        unspent, elsewhere = self._unspent(key, budget)
+        return {
+            "funded": budget.funded,
+            "unspent": unspent,
+            "held_elsewhere": elsewhere,
+            # A funding begun and not finished: it may have left the ledger already.
+            "in_flight": 0 if budget.fund is None else abs(budget.fund[1]),
+        }
+
+    def _unspent(self, key: Key, budget: Budget | None) -> tuple[int, int]:
+        """What ``key``'s pool holds unspent as ``budget`` and this node's share say, and
+        the caps of other nodes' shares, counted as spent in it."""
+        if budget is None or budget.funded is None:
+            return 0, 0
         loc = self.local.get(key)
         spent = budget.base
         elsewhere = 0
@@ -523,13 +539,7 @@ class Shares:
             else:  # an earlier process's share, closed at its logged count or its cap
                 before = self._spent_before(key, budget)
                 spent += s.c if before is None else min(s.c, before)
-        return {
-            "funded": budget.funded,
-            "unspent": max(0, budget.funded - spent),
-            "held_elsewhere": elsewhere,
-            # A funding begun and not finished: it may have left the ledger already.
-            "in_flight": 0 if budget.fund is None else abs(budget.fund[1]),
-        }
+        return max(0, budget.funded - spent), elsewhere
 
     # -- what the write-ahead log keeps (nothing stranded by a crash) --------------------------
 
@@ -564,6 +574,8 @@ class Shares:
         """What earlier processes of this node had admitted under their shares, as the log
         replayed them: their shares are closed at that (:meth:`_take`)."""
         self._earlier.update({k: a for k, a in admitted.items() if k[1] != self.run})
+        # A return the earlier process may have left in flight: looked at by the upkeep.
+        self._returning.update((k, 0.0) for k, _ in admitted if k == pool_key(k[0]))
 
     async def _write(
         self,
@@ -844,12 +856,14 @@ class Shares:
         it under the same ref, which lands at most once."""
         tenant = key[0]
         ref = escrow.fund_ref(budget, n)
+        # (before a funding, after a return: ``funded`` holds neither in flight)
+        unspent, _ = self._unspent(key, budget)
         if amount < 0:
-            landed = await funder.give(tenant, -amount, ref)
+            landed = await funder.give(tenant, -amount, ref, unspent)
             self.returns += 1
             self.returned += -amount if landed else 0
         else:
-            landed = await funder.take(tenant, amount, ref)
+            landed = await funder.take(tenant, amount, ref, unspent)
             self.fundings += 1
         for _ in range(MAX_ATTEMPTS):
             version, stored = await self._read(key)
@@ -859,28 +873,37 @@ class Shares:
                 return landed
         raise StorageUnavailable(f"credit pool of {tenant!r}: the funding kept racing; retry")
 
-    async def return_idle(self, key: Key, funder: Funder) -> int:
-        """Give ``key``'s pool's unshared credits back to the ledger once no node holds a
-        share with credits promised to nobody (every share's grant is its cap: the pool is
-        idle); how many went back (0: not idle, nothing unshared, or a funding in flight).
-        The return is in the pool's record before the ledger is credited under its ref, so
-        a crash between the two is finished by the next node, once (:meth:`_fund`)."""
+    async def return_idle(self, key: Key, funder: Funder) -> bool:
+        """Give ``key``'s pool's unshared credits back to the ledger once it is idle
+        (:func:`~meter.quotas.escrow.idle_return`: no share with credits promised to nobody
+        under a live lease; the unpromised part of expired ones is taken back); first
+        finish a funding or return in flight that is this process's or two leases old.
+        True when nothing is left to do here: returned, nothing unshared, or a share in use
+        (its node returns the credits when it is idle); False to look again later (another
+        node's young funding or return, a lost race). The return is in the pool's record
+        before the ledger is credited under its ref, so a crash between the two is finished
+        by the next node, once."""
         async with self._lock(key):
             version, budget = await self._read(key)
-            if budget is None or budget.funded is None or budget.fund is not None:
-                return 0
-            if any(s.g > s.c for s in budget.shares.values()):
-                return 0  # (a share in use: its node may want more soon)
-            free = budget.funded - budget.granted
-            if free <= 0:
-                return 0
-            new = escrow.begin_return(budget, free, int(self.clock() * 1000))
+            if budget is None or budget.funded is None:
+                return True
+            now_ms = int(self.clock() * 1000)
+            if budget.fund is not None:
+                n, amount, started = budget.fund
+                if (key, n) not in self._funding and now_ms - started < 2 * self.lease_ms:
+                    return False
+                await self._finish(key, budget, n, amount, funder)
+                return False  # (then, on the next pass, the return)
+            new = escrow.idle_return(budget, now_ms, self.grace_ms)
+            if new is None:
+                return True
             assert new.fund is not None
-            n = new.fund[0]
+            n, amount, _ = new.fund
             if not await self._swap(key, version, new):
-                return 0  # (raced: the next idle pass looks again)
+                return False
             self._funding.add((key, n))
-            return free if await self._finish(key, new, n, -free, funder) else 0
+            await self._finish(key, new, n, amount, funder)
+            return True
 
     async def _swap(self, key: Key, version: int, new: Budget) -> bool:
         """One compare-and-swap of a whole record; a lost answer settled by reading it."""
@@ -941,16 +964,27 @@ class Shares:
             self._forget_lock(key)
 
     async def _return_idle(self, keys: list[Key]) -> None:
-        """:meth:`return_idle` for each pool of ``keys`` (whose share this node gave back),
-        if this node has a funder; a failure is logged, and the next idle pass tries again."""
+        """:meth:`return_idle` for the pools of ``keys`` (whose share this node just gave
+        back) and for those whose return must be looked at again (at most once a lease),
+        if this node has a funder; a failure is logged, and the pool looked at again."""
         funder = self.funder
         if funder is None:
             return
+        now = time.monotonic()
         for key in keys:
+            self._returning[key] = now
+        for key, due in list(self._returning.items()):
+            if due > now or key in self.local or self._lock(key).locked():
+                continue
             try:
-                await self.return_idle(key, funder)
-            except (InsufficientBalance, StorageError) as exc:
+                done = await self.return_idle(key, funder)
+            except (MeterError, StorageError) as exc:
                 log.warning("credit pool of %r: could not give credits back: %s", key[0], exc)
+                done = False
+            if done:
+                self._returning.pop(key, None)
+            else:
+                self._returning[key] = now + self.lease_ms / 1000
             self._forget_lock(key)
 
     def _renew(self, budget: Budget | None, cur: Local | None, op: str) -> escrow.Swap | None:
@@ -978,6 +1012,8 @@ class Shares:
         if self._ahead:  # (not cancelled: a funding cut off midway holds the pool)
             await asyncio.gather(*self._ahead.values(), return_exceptions=True)
         await self._close_earlier_pools()
+        for key in self._returning:
+            self._returning[key] = 0.0  # (a stop looks at every one now)
         idle: list[Key] = []
         for key, loc in list(self.local.items()):
             try:
