@@ -433,3 +433,37 @@ async def test_two_processes_under_one_node_id_never_share_a_share() -> None:
         if not progressed:
             break
     assert admitted <= L, f"overshoot: {admitted} admitted under {L}"
+
+
+async def test_a_stop_gives_back_the_share_a_call_in_flight_replaced() -> None:
+    """A clean stop gives back the share a call still running holds now, not the one it
+    listed before that call replaced it (found by review: the record kept the old count,
+    10 of the 13 units admitted)."""
+    key = ("acme", "api", "2026-11")
+
+    class Slow(MemoryStorage):
+        slow = False
+
+        async def budget_swap(self, k: Any, version: int, body: str) -> bool:
+            if self.slow:
+                await asyncio.sleep(0.01)
+            return await super().budget_swap(k, version, body)
+
+    store = Slow()
+    s = Shares(store, "n0", lease_ms=10_000, share_max=100)
+    await s.ensure(key, 10, 100, 0)
+    s.admit(key, 10)
+    other = Shares(store, "q", lease_ms=10_000, share_max=100)
+    await other.ensure(key, 1, 100, 0)
+    store.slow = True
+
+    async def call() -> None:  # the limit moved: the share is given back and taken anew
+        await s.ensure(key, 3, 101, 0)
+        s.admit(key, 3)
+
+    running = asyncio.create_task(call())
+    await asyncio.sleep(0)  # (it holds the counter's lock)
+    await s.drain()
+    await running
+    budget = decode(await store.budget_read(key))
+    assert budget is not None and budget.shares["n0"].c == 13

@@ -163,6 +163,8 @@ class Local:
     used_at: float = 0.0
     #: Room below which the node asks for more in the background.
     low: int = 0
+    #: The op of this process's last write of the share it saw land ("": none known).
+    op: str = ""
 
     @property
     def room(self) -> int:
@@ -339,11 +341,13 @@ def direct_units(
 def give_back(budget: Budget, node: str, local: Local, op: str, run: str) -> Swap | None:
     """The write that returns every unit of ``node``'s share it has not admitted (``g`` and
     ``c`` down to ``a``); ``None`` if there is nothing to return or another process wrote
-    the share. A share taken back meanwhile (its epoch moved, its op kept) is still this
-    process's: what it promised and did not admit (``c - a``, kept as spent by the
-    take-back) goes back too, since this process knows it never will admit it."""
+    the share. A share taken back meanwhile (its epoch moved, its op still the last write this
+    process saw land, ``local.op``) is still this process's: what it promised and did not
+    admit (``c - a``, kept as spent by the take-back) goes back too, since this process
+    knows it never will admit it."""
     s = budget.shares.get(node)
-    if s is None or (s.e != local.e and s.g != s.c) or not ours(s, run) or s.g <= local.a:
+    taken_back = s is not None and s.g == s.c and bool(local.op) and s.op == local.op
+    if s is None or (s.e != local.e and not taken_back) or not ours(s, run) or s.g <= local.a:
         return None
     shares = dict(budget.shares)
     shares[node] = Share(local.a, local.a, s.e, s.t, op)

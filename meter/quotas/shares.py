@@ -37,6 +37,11 @@ log = logging.getLogger("meter.escrow")
 MAX_ATTEMPTS = 32
 #: Largest funding size a pool grows to (then ``available`` bounds it anyway).
 QTY_CAP = 2**62
+#: Pools whose return the upkeep looks at per pass, at most, and the longest it waits
+#: between two looks at one (in leases; the wait doubles while another node keeps a share
+#: of it in use).
+POOLS_PER_PASS = 16
+RETURN_BACKOFF_MAX = 16
 #: Longest a call waits for a pool funding (another node's in flight) before ``unavailable``.
 FUND_WAIT_S = 5.0
 #: A pool funding moves about this many seconds of the pool's recent spend (its last funding
@@ -167,7 +172,7 @@ class Shares:
         #: pools whose return is to be looked at (again), and when (monotonic).
         self.returns = 0
         self.returned = 0
-        self._returning: dict[Key, float] = {}
+        self._returning: dict[Key, tuple[float, float]] = {}
 
     # -- the hot path (no I/O) ---------------------------------------------------------------
 
@@ -575,7 +580,9 @@ class Shares:
         replayed them: their shares are closed at that (:meth:`_take`)."""
         self._earlier.update({k: a for k, a in admitted.items() if k[1] != self.run})
         # A return the earlier process may have left in flight: looked at by the upkeep.
-        self._returning.update((k, 0.0) for k, _ in admitted if k == pool_key(k[0]))
+        if self.funder is not None:
+            lease = self.lease_ms / 1000
+            self._returning.update((k, (0.0, lease)) for k, _ in admitted if k == pool_key(k[0]))
 
     async def _write(
         self,
@@ -645,6 +652,8 @@ class Shares:
         """Take the written share as this node's, keeping what was admitted meanwhile (the
         hot path admitted only within the old cap, which the new one is not below)."""
         new = escrow.adopt(self.node, swap.budget, self.local.get(key), swap.local.limit)
+        mine = swap.budget.shares.get(self.node)
+        op = "" if mine is None else mine.op
         loc = self.local.get(key)
         if loc is None:
             now = time.monotonic()
@@ -654,9 +663,11 @@ class Shares:
                 self._owed[key] = left
             else:
                 self._owed.pop(key, None)
-            self.local[key] = Local(new.e, new.g, new.c, a, swap.local.limit, now, swap.local.low)
+            self.local[key] = Local(
+                new.e, new.g, new.c, a, swap.local.limit, now, swap.local.low, op
+            )
         else:
-            loc.e, loc.g, loc.c = new.e, new.g, new.c
+            loc.e, loc.g, loc.c, loc.op = new.e, new.g, new.c, op
             loc.a = max(loc.a, swap.floor)  # a share of another process closed: all spent
             loc.limit, loc.low = swap.local.limit, swap.local.low or loc.low
         if self.logged:
@@ -705,7 +716,7 @@ class Shares:
         def back(b: Budget | None, cur: Local | None, op: str) -> escrow.Swap | None:
             if b is None or cur is None:
                 return None
-            frozen = Local(cur.e, cur.g, cur.c, kept, cur.limit, cur.used_at, cur.low)
+            frozen = Local(cur.e, cur.g, cur.c, kept, cur.limit, cur.used_at, cur.low, cur.op)
             return escrow.give_back(b, self.node, frozen, op, self.run)
 
         if await self._write(key, back):
@@ -878,8 +889,8 @@ class Shares:
         (:func:`~meter.quotas.escrow.idle_return`: no share with credits promised to nobody
         under a live lease; the unpromised part of expired ones is taken back); first
         finish a funding or return in flight that is this process's or two leases old.
-        True when nothing is left to do here: returned, nothing unshared, or a share in use
-        (its node returns the credits when it is idle); False to look again later (another
+        True when nothing is left to do: returned, or nothing unshared and no share holding
+        credits promised to nobody; False to look again later (a share in use, another
         node's young funding or return, a lost race). The return is in the pool's record
         before the ledger is credited under its ref, so a crash between the two is finished
         by the next node, once."""
@@ -893,10 +904,15 @@ class Shares:
                 if (key, n) not in self._funding and now_ms - started < 2 * self.lease_ms:
                     return False
                 await self._finish(key, budget, n, amount, funder)
-                return False  # (then, on the next pass, the return)
+                version, budget = await self._read(key)
+                if budget is None or budget.fund is not None:
+                    return False
+            if budget.funded is None or budget.funded <= budget.granted:
+                if not any(s.g > s.c for s in budget.shares.values()):
+                    return True  # (nothing unshared, nothing promised to nobody)
             new = escrow.idle_return(budget, now_ms, self.grace_ms)
             if new is None:
-                return True
+                return False  # a share in use: looked at again later
             assert new.fund is not None
             n, amount, _ = new.fund
             if not await self._swap(key, version, new):
@@ -971,11 +987,16 @@ class Shares:
         if funder is None:
             return
         now = time.monotonic()
+        lease = self.lease_ms / 1000
         for key in keys:
-            self._returning[key] = now
-        for key, due in list(self._returning.items()):
+            self._returning[key] = (now, lease)
+        looked = 0
+        for key, (due, wait) in list(self._returning.items()):
+            if looked >= POOLS_PER_PASS:
+                break  # (the rest on the next pass: renewals must not wait for them all)
             if due > now or key in self.local or self._lock(key).locked():
                 continue
+            looked += 1
             try:
                 done = await self.return_idle(key, funder)
             except (MeterError, StorageError) as exc:
@@ -983,8 +1004,8 @@ class Shares:
                 done = False
             if done:
                 self._returning.pop(key, None)
-            else:
-                self._returning[key] = now + self.lease_ms / 1000
+            else:  # looked at again later, less often while another node keeps it in use
+                self._returning[key] = (now + wait, min(wait * 2, RETURN_BACKOFF_MAX * lease))
             self._forget_lock(key)
 
     def _renew(self, budget: Budget | None, cur: Local | None, op: str) -> escrow.Swap | None:
@@ -1011,19 +1032,30 @@ class Shares:
             task.cancel()
         if self._ahead:  # (not cancelled: a funding cut off midway holds the pool)
             await asyncio.gather(*self._ahead.values(), return_exceptions=True)
+        idle = await self._give_back_all(list(self.local))
+        # (then the earlier process's pool shares: closed by taking one, given back at once)
+        earlier = {k for k, _ in self._earlier}
         await self._close_earlier_pools()
+        idle += await self._give_back_all([k for k in self.local if k in earlier])
         for key in self._returning:
-            self._returning[key] = 0.0  # (a stop looks at every one now)
-        idle: list[Key] = []
-        for key, loc in list(self.local.items()):
+            self._returning[key] = (0.0, self._returning[key][1])  # (a stop looks at all now)
+        await self._return_idle(idle)
+
+    async def _give_back_all(self, keys: list[Key]) -> list[Key]:
+        """Give back this process's shares of ``keys`` (the current one of each: a call may
+        have replaced it meanwhile); the credit pools among them."""
+        pools = []
+        for key in keys:
             try:
                 async with self._lock(key):
-                    await self._give_back(key, loc)
+                    loc = self.local.get(key)
+                    if loc is not None:
+                        await self._give_back(key, loc)
                 if key == pool_key(key[0]):
-                    idle.append(key)
+                    pools.append(key)
             except (NoBudget, StorageError) as exc:
                 log.warning("escrow: could not give back the share of %r: %s", key, exc)
-        await self._return_idle(idle)
+        return pools
 
     def status(self) -> dict[str, Any]:
         return {
