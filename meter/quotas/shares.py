@@ -907,9 +907,9 @@ class Shares:
                 version, budget = await self._read(key)
                 if budget is None or budget.fund is not None:
                     return False
-            if budget.funded is None or budget.funded <= budget.granted:
-                if not any(s.g > s.c for s in budget.shares.values()):
-                    return True  # (nothing unshared, nothing promised to nobody)
+            unshared = budget.funded is not None and budget.funded > budget.granted
+            if not unshared and not any(s.g > s.c for s in budget.shares.values()):
+                return True  # (nothing unshared, nothing promised to nobody)
             new = escrow.idle_return(budget, now_ms, self.grace_ms)
             if new is None:
                 return False  # a share in use: looked at again later
