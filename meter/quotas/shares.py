@@ -961,13 +961,14 @@ class Shares:
         await self._close_earlier_pools()
         await self._return_idle(idle)
 
-    async def _close_earlier_pools(self) -> None:
+    async def _close_earlier_pools(self, most: int | None = POOLS_PER_PASS) -> None:
         """Close the pool shares an earlier process of this node left (its log says what it
         admitted under each) by taking a share anew: the rest of the old share is free again
         at once, and the new one, idle, goes back with the pool's unspent credits a lease
         later, instead of waiting for this process's next priced call. A pool with no room
         left has nothing of the old share to free: forgotten."""
-        for key in {k for k, _ in self._earlier if k == pool_key(k[0]) and k not in self.local}:
+        pools = sorted({k for k, _ in self._earlier if k == pool_key(k[0]) and k not in self.local})
+        for key in pools[:most]:  # (the upkeep: the rest on its next passes; a stop: all)
             if self._lock(key).locked():
                 continue
             try:
@@ -1035,7 +1036,7 @@ class Shares:
         idle = await self._give_back_all(list(self.local))
         # (then the earlier process's pool shares: closed by taking one, given back at once)
         earlier = {k for k, _ in self._earlier}
-        await self._close_earlier_pools()
+        await self._close_earlier_pools(None)
         idle += await self._give_back_all([k for k in self.local if k in earlier])
         for key in self._returning:
             self._returning[key] = (0.0, self._returning[key][1])  # (a stop looks at all now)
