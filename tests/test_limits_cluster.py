@@ -218,6 +218,8 @@ def test_a_peers_holds_stop_counting_when_not_refreshed_while_the_bus_is_down(
     t0 = time.monotonic()
     wait_until(lambda: b.call("check", KEY_TENANT, "gpu", 41)["allowed"], 10, "let go", nodes)
     took = time.monotonic() - t0
-    assert not b.call("status")["cluster"]["bus"]["connected"]
+    # b lost the bus (said once, when it did: by now it may have reached another test's
+    # redis-server on the port this one freed, so "connected" proves nothing either way).
+    assert "WARNING cluster.redis: redis bus " in b.log_path.read_text()
     assert took <= 3.0, took  # 3 heartbeats (0.9 s) after the last frame, + slack for a busy box
     assert "no longer counted" in b.log_path.read_text()
