@@ -980,10 +980,11 @@ class Shares:
                 log.warning("credit pool of %r: could not close an earlier share: %s", key[0], exc)
             self._forget_lock(key)
 
-    async def _return_idle(self, keys: list[Key]) -> None:
+    async def _return_idle(self, keys: list[Key], most: int | None = POOLS_PER_PASS) -> None:
         """:meth:`return_idle` for the pools of ``keys`` (whose share this node just gave
         back) and for those whose return must be looked at again (at most once a lease),
-        if this node has a funder; a failure is logged, and the pool looked at again."""
+        ``most`` of them (None: all), if this node has a funder; a failure is logged, and the
+        pool looked at again."""
         funder = self.funder
         if funder is None:
             return
@@ -993,7 +994,7 @@ class Shares:
             self._returning[key] = (now, lease)
         looked = 0
         for key, (due, wait) in list(self._returning.items()):
-            if looked >= POOLS_PER_PASS:
+            if most is not None and looked >= most:
                 break  # (the rest on the next pass: renewals must not wait for them all)
             if due > now or key in self.local or self._lock(key).locked():
                 continue
@@ -1040,7 +1041,7 @@ class Shares:
         idle += await self._give_back_all([k for k in self.local if k in earlier])
         for key in self._returning:
             self._returning[key] = (0.0, self._returning[key][1])  # (a stop looks at all now)
-        await self._return_idle(idle)
+        await self._return_idle(idle, None)
 
     async def _give_back_all(self, keys: list[Key]) -> list[Key]:
         """Give back this process's shares of ``keys`` (the current one of each: a call may
