@@ -359,7 +359,7 @@ async def test_a_pool_funding_is_sized_by_the_recent_spend_and_grows_at_most_fou
     store = LedgerStore(storage)
     await store.apply("acme", ledger_model.credit(10**9, "g1"))
     funder = LedgerFunder(store)
-    shares = Shares(storage, "n1")
+    shares = Shares(storage, "n1", funder=funder)
     pool = ("acme", "#credits", "")
 
     async def funded() -> int:
@@ -372,12 +372,12 @@ async def test_a_pool_funding_is_sized_by_the_recent_spend_and_grows_at_most_fou
     sizes: list[int] = []
     for _ in range(4):
         before = await funded() if sizes else 0
-        await shares.ensure_pool(pool, 1, funder)
+        await shares.ensure_pool(pool, 1)
         sizes.append(await funded() - before)
         await _spend_all(shares, pool)
     assert sizes == [1_000, 4_000, 16_000, 64_000]  # spent within a second: x4, no more
     # A call that needs more than the chunk funds a few calls' worth.
-    await shares.ensure_pool(pool, 5_000, funder)
+    await shares.ensure_pool(pool, 5_000)
     assert await funded() - sum(sizes) >= 5_000
     assert (await store.balance("acme"))["available"] == 10**9 - await funded()
 
@@ -391,7 +391,7 @@ async def test_a_pool_funding_is_sized_by_what_every_node_moved_in_since() -> No
     store = LedgerStore(storage)
     await store.apply("acme", ledger_model.credit(10**9, "g1"))
     funder = LedgerFunder(store)
-    a, b = Shares(storage, "a"), Shares(storage, "b")
+    a, b = Shares(storage, "a", funder=funder), Shares(storage, "b", funder=funder)
     pool = ("acme", "#credits", "")
 
     async def funded() -> int:
@@ -399,13 +399,13 @@ async def test_a_pool_funding_is_sized_by_what_every_node_moved_in_since() -> No
         assert budget is not None and budget.funded is not None
         return budget.funded
 
-    await a.ensure_pool(pool, 1, funder)  # a: 1,000
+    await a.ensure_pool(pool, 1)  # a: 1,000
     await _spend_all(a, pool)
-    await b.ensure_pool(pool, 1, funder)  # b: 1,000 (its first)
+    await b.ensure_pool(pool, 1)  # b: 1,000 (its first)
     await _spend_all(b, pool)
     await _spend_all(a, pool)
     before = await funded()
-    await a.ensure_pool(pool, 1, funder)
+    await a.ensure_pool(pool, 1)
     # 2,000 moved in since a's last funding began, within a second: x4 of that.
     assert await funded() - before == 8_000
 
@@ -416,12 +416,12 @@ async def test_a_pool_is_funded_ahead_before_it_runs_dry() -> None:
     store = LedgerStore(storage)
     await store.apply("acme", ledger_model.credit(10**9, "g1"))
     funder = LedgerFunder(store)
-    s = Shares(storage, "a", share_max=100)
+    s = Shares(storage, "a", share_max=100, funder=funder)
     pool = ("acme", "#credits", "")
-    await s.ensure_pool(pool, 1, funder)  # 1,000 in
+    await s.ensure_pool(pool, 1)  # 1,000 in
     spent = 0
     while spent < 600:  # more than half of it shared out and spent, never dry
-        await s.ensure_pool(pool, 1, funder)
+        await s.ensure_pool(pool, 1)
         loc = s.local[pool]
         spent += loc.c - loc.a
         s.admit(pool, loc.c - loc.a)
@@ -448,14 +448,14 @@ async def test_a_return_left_in_flight_by_a_crash_lands_once(crash: str) -> None
     funder = LedgerFunder(book)
     await book.apply("acme", ledger_model.credit(5_000, "g1"))
     a = Shares(storage, "a", lease_ms=1_000, clock=lambda: clock[0], funder=funder)
-    await a.ensure_pool(key, 10, funder)
+    await a.ensure_pool(key, 10)
     a.admit(key, 10)
     await a.drain()  # (gives the share back; its own return is undone below)
     pool = decode(await storage.budget_read(key))
     assert pool is not None and pool.funded == 10  # the clean stop returned the 990
     # Now the same again, killed midway: the pool funded, 10 spent, the return begun.
     b = Shares(storage, "b", lease_ms=1_000, clock=lambda: clock[0], funder=funder)
-    await b.ensure_pool(key, 10, funder)
+    await b.ensure_pool(key, 10)
     b.admit(key, 10)
     async with b._lock(key):
         await b._give_back(key, b.local[key])  # (given back, not returned)

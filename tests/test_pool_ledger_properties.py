@@ -107,7 +107,7 @@ class PoolLedgerMachine(RuleBasedStateMachine):
 
         async def call() -> bool:
             try:
-                await shares.ensure_pool(POOL_KEY, qty, self.funder)
+                await shares.ensure_pool(POOL_KEY, qty)
             except InsufficientBalance:
                 return False
             assert shares.ready(POOL_KEY, qty, POOL)

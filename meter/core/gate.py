@@ -24,7 +24,6 @@ from meter.core.ports import (
     POOL,
     AlertSink,
     Budgets,
-    Funder,
     Limit,
     Limits,
     NoBudget,
@@ -60,7 +59,6 @@ class Gate:
         config: CounterConfig,
         *,
         shares: Budgets,
-        funder: Funder,
         alerts: AlertSink,
         peer_holds: PeerHeld,
         wal: WriteAheadLog | None = None,
@@ -71,8 +69,6 @@ class Gate:
         self.config = config
         #: This node's shares of strict budgets (ADR 0009): strict limits admit from these.
         self.shares = shares
-        #: Credit-metered features spend from pools funded by the ledgers (docs/ledger.md).
-        self.funder = funder
         #: Threshold alerts (docs/quotas.md): detected here, claimed by the node's loop.
         self.alerts = alerts
         #: Units peers hold in open reservations (their ``holds`` frames): against limits.
@@ -346,7 +342,7 @@ class Gate:
         node's share of a strict budget."""
         if short.credits:
             try:
-                await self.shares.ensure_pool(short.key, short.qty, self.funder)
+                await self.shares.ensure_pool(short.key, short.qty)
             except StorageError as exc:
                 raise Unavailable(
                     f"{short.key[0]}: the credit pool cannot be read or written ({exc}); "

@@ -149,7 +149,7 @@ class Budgets(Protocol):
         cover them, ``StorageError`` if storage cannot be asked."""
         ...
 
-    async def ensure_pool(self, key: Key, need: int, funder: Funder) -> None:
+    async def ensure_pool(self, key: Key, need: int) -> None:
         """Make room for ``need`` credits in a tenant's credit pool, funded by ``funder``."""
         ...
 

@@ -225,7 +225,6 @@ def assemble(
         seeder,
         config,
         shares=shares,
-        funder=funder,
         alerts=alerts,
         peer_holds=peer_holds,
         wal=fence.wal,

@@ -750,12 +750,16 @@ class Shares:
 
     # -- credit pools (docs/ledger.md) -------------------------------------------------------
 
-    async def ensure_pool(self, key: Key, need: int, funder: Funder) -> None:
+    async def ensure_pool(self, key: Key, need: int) -> None:
         """Room for ``need`` credits in this node's share of ``key``'s credit pool (``key``:
         ``(tenant, CREDITS, "")``), moving credits from the tenant's ledger into the pool when
         it runs dry. Raises :class:`InsufficientBalance` when the ledger cannot cover it, and
         :class:`StorageUnavailable` when no funding could be made or finished within
-        ``FUND_WAIT_S`` (another node's funding in flight, storage down)."""
+        ``FUND_WAIT_S`` (another node's funding in flight, storage down). The credits come
+        from the constructor's ``funder``."""
+        funder = self.funder
+        if funder is None:
+            raise StorageUnavailable("credit pools: this node has no ledger to fund them from")
         deadline = time.monotonic() + FUND_WAIT_S
         pause = 0.01
         while True:
