@@ -399,14 +399,7 @@ def _unpool(
 ) -> tuple[tuple[Grant, ...], list[tuple[int, int]]]:
     """``amount`` credits given back by the pool onto the grants they came from, the last in
     spending order first (the pool spent the first); what each took back."""
-    left = amount
-    back: dict[int, int] = {}
-    for g in reversed(spending_order(g for g in grants if g.pooled > 0)):
-        if left == 0:
-            break
-        n = min(left, g.pooled)
-        back[g.seq] = n
-        left -= n
+    back = in_pool(grants, amount)  # (the same walk: the unspent are what comes back)
     out = tuple(
         g if g.seq not in back else g.but(g.remaining + back[g.seq], g.pooled - back[g.seq])
         for g in grants
