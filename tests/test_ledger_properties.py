@@ -408,3 +408,38 @@ def test_pooled_credits_survive_the_balance_record_and_older_records_still_read(
     assert ledger.decode_state(ledger.encode_state(state)) == state
     old = '{"s":1,"b":5,"g":[[1,5,0,null]]}'  # (written before grants kept pooled credits)
     assert ledger.decode_state(old) == ledger.State(1, 5, (ledger.Grant(1, 5),))
+
+
+def test_a_partial_return_gives_back_first_the_pooled_credits_of_expired_grants() -> None:
+    """The pool keeps its grants' expiry: a return smaller than the pool's unspent takes
+    first the part in the pool of grants past their expiry, and those credits expire in the
+    same write; the rest of the pool stays the other grants'."""
+    # Grant 1 (expires at 100) is first in spending order, grant 2 (never) last: of 700
+    # unspent in the pool, grant 2 holds 500 and grant 1 the other 200.
+    state = ledger.State(3, 0, (ledger.Grant(1, 0, 0, 100, 500), ledger.Grant(2, 0, 0, None, 500)))
+    assert ledger.in_pool(state.grants, 700) == {1: 200, 2: 500}
+    assert ledger.expired_in_pool(state.grants, 700, 100) == (200, None)
+    assert ledger.expired_in_pool(state.grants, 700, 99) == (0, 100)
+    assert ledger.pooled_expiry(state.grants) == 100
+    w = _write(state, ledger.pool_return(150, "pool:p:3", 550), now=100)
+    assert [(e.kind, e.amount, e.alloc) for e in w.entries] == [
+        ("unpooled", 150, ((1, 150),)),
+        ("expire", -150, ((1, 150),)),
+    ]
+    # Grant 1 keeps the 50 of it still in the pool (in a node's share); grant 2 its 500.
+    assert w.state.balance == 0
+    assert w.state.grants == (ledger.Grant(1, 0, 0, 100, 50), ledger.Grant(2, 0, 0, None, 500))
+    assert ledger.expired_in_pool(w.state.grants, 550, 100) == (50, None)
+    # The same return before the expiry comes back onto grant 2 (the last in spending
+    # order) and stays spendable.
+    early = _write(state, ledger.pool_return(150, "pool:p:3", 550), now=99)
+    assert [(e.kind, e.alloc) for e in early.entries] == [("unpooled", ((2, 150),))]
+    # A return larger than the expired part: that part first, then the last grants'.
+    more = _write(state, ledger.pool_return(300, "pool:p:3", 400), now=100)
+    assert [(e.kind, e.amount, e.alloc) for e in more.entries] == [
+        ("unpooled", 300, ((1, 200), (2, 100))),
+        ("expire", -200, ((1, 200),)),
+    ]
+    assert more.state.grants == (ledger.Grant(2, 100, 0, None, 400),)
+    entries = [ledger.Entry(1, 0, "grant", 500, 500), ledger.Entry(2, 0, "grant", 500, 1000)]
+    ledger.check(more.state, [*entries, ledger.Entry(3, 0, "metered", -1000, 0), *more.entries])

@@ -336,7 +336,7 @@ def next_write(state: State, op: Op, now: float) -> Write:
             )
         balance = base.balance + op.amount
         if op.kind == UNPOOLED:
-            grants, back = _unpool(base.grants, op.amount)
+            grants, back = _unpool(base.grants, op.amount, op.pool_unspent or 0, now)
             left = op.amount - sum(n for _, n in back)
             grants = _retire(grants, op.pool_unspent)
         else:
@@ -395,11 +395,22 @@ def next_write(state: State, op: Op, now: float) -> Write:
 
 
 def _unpool(
-    grants: tuple[Grant, ...], amount: int
+    grants: tuple[Grant, ...], amount: int, unspent: int, now: float
 ) -> tuple[tuple[Grant, ...], list[tuple[int, int]]]:
-    """``amount`` credits given back by the pool onto the grants they came from, the last in
-    spending order first (the pool spent the first); what each took back."""
-    back = in_pool(grants, amount)  # (the same walk: the unspent are what comes back)
+    """``amount`` credits given back by the pool (``unspent`` left in it) onto the grants
+    they came from: first the part in the pool of grants past their expiry (they expire in
+    the same write: a pool keeps its grants' expiry), then the last in spending order first
+    (the pool spent the first); what each took back."""
+    held = in_pool(grants, amount + unspent)
+    back: dict[int, int] = {}
+    left = amount
+    for g in spending_order(grants):
+        if left and g.expires_at is not None and now >= g.expires_at and held.get(g.seq):
+            back[g.seq] = min(left, held[g.seq])
+            left -= back[g.seq]
+    rest = (g.but(g.remaining, g.pooled - back.get(g.seq, 0)) for g in grants)
+    for seq, n in in_pool(rest, left).items():  # (the same walk: the unspent come back)
+        back[seq] = back.get(seq, 0) + n
     out = tuple(
         g if g.seq not in back else g.but(g.remaining + back[g.seq], g.pooled - back[g.seq])
         for g in grants
@@ -433,6 +444,29 @@ def in_pool(grants: Iterable[Grant], unspent: int) -> dict[int, int]:
             out[g.seq] = n
             left -= n
     return out
+
+
+def expired_in_pool(grants: Iterable[Grant], unspent: int, now: float) -> tuple[int, int | None]:
+    """Of ``unspent`` credits in the pool, how many are of grants past their expiry at
+    ``now`` (:func:`in_pool`), and the earliest expiry still to come of a grant with credits
+    in the pool (``None``: none)."""
+    held = list(grants)
+    mine = in_pool(held, unspent)
+    gone = sum(mine.get(g.seq, 0) for g in held if g.expires_at is not None and now >= g.expires_at)
+    due = [
+        g.expires_at
+        for g in held
+        if g.pooled > 0 and g.expires_at is not None and now < g.expires_at
+    ]
+    return gone, min(due, default=None)
+
+
+def pooled_expiry(grants: Iterable[Grant]) -> int | None:
+    """The earliest expiry of a grant with credits in the pool (``None``: none expires)."""
+    return min(
+        (g.expires_at for g in grants if g.pooled > 0 and g.expires_at is not None),
+        default=None,
+    )
 
 
 def repeated(op: Op, ref_body: str) -> dict[str, Any]:
