@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tests.support.nodes import ROOT, NodeProcess, raw_call, wait_for
 
@@ -119,3 +120,66 @@ def test_an_idle_pool_gives_its_unspent_credits_back_to_the_grants_they_came_fro
         for _ in range(10):
             node.call("track", "acme", "gpu", 1)
         assert node.call("balance", "acme")["available"] == 9_890
+
+
+def test_a_pool_in_use_expires_the_credits_of_a_grant_past_its_expiry(workdir: Path) -> None:
+    """While priced calls go on, the upkeep pass after a grant's expiry gives back the pool's
+    credits of it that no share holds, and they expire there: the tenant can no longer
+    spend them. What the share held of it may still be spent; nothing is lost or counted
+    twice (every credit is spent, expired, or available)."""
+    lease_s = 3.0
+    with NodeProcess(workdir, METER_STRICT_LEASE_MS=str(int(lease_s * 1000))) as node:
+        node.call("set_plan", "pro", {"gpu": {"price": 1}})
+        node.call("assign_plan", "acme", "pro")
+        node.call("grant", "acme", 1_000, {"ref": "a1"})
+        expires = int(time.time()) + 3
+        node.call("grant", "acme", 500, {"ref": "a2", "priority": 5, "expires_at": expires})
+        wait_for(lambda: "gpu" in node.call("limits", "acme")["limits"], what="the plan")
+        spent = 0
+
+        def track() -> None:
+            nonlocal spent
+            node.call("track", "acme", "gpu", 1)
+            spent += 1
+
+        for _ in range(20):
+            track()
+        got = node.call("balance", "acme")
+        in_pool = {g["seq"]: g["in_pool"] for g in got["grants"]}
+        # The funding took grant 2 first (priority 5), all of it: none is left in the ledger.
+        assert in_pool[2] > 0 and got["grants"][0]["remaining"] == 0
+
+        def expired_entries() -> list[dict[str, Any]]:
+            track()  # (the pool stays in use: a priced call every 10 ms or so)
+            entries = node.call("ledger", "acme")["entries"]
+            return [e for e in entries if e["kind"] == "expire"]
+
+        gone = wait_for(expired_entries, timeout=3 * lease_s, what="grant 2's credits expired")
+        # In the first upkeep pass after the expiry (a pass every third of a lease; one
+        # more for a loaded machine), while the pool was in use.
+        assert gone[0]["time"] <= expires + 2 * lease_s / 3, (gone, expires)
+        entries = node.call("ledger", "acme")["entries"]
+        back = [e for e in entries if e["kind"] == "unpooled"]
+        # (all of grant 2 that was in the pool unshared; a call admitted meanwhile may have
+        # spent some, and the same number of grant 1's came back in their place)
+        at_expiry = -gone[0]["amount"]
+        assert dict(back[0]["grants"]).get(2) == at_expiry == gone[0]["grants"][0][1]
+        for _ in range(20):
+            track()
+        got = node.call("balance", "acme")
+        assert got["available"] == 1_500 - spent - at_expiry
+        # Idle: the rest comes back; what is left of grant 2 expires, and it closes. The
+        # pool spent grant 2 first, so of its 500 the tenant spent exactly those the return
+        # at its expiry did not take.
+        wait_for(
+            lambda: node.call("balance", "acme")["pool"]["funded"] == spent,
+            timeout=4 * lease_s,
+            what="the idle pool's credits back in the ledger",
+        )
+        expired = -sum(e["amount"] for e in node.call("ledger", "acme")["entries"]
+                       if e["kind"] == "expire")  # fmt: skip
+        assert expired == max(at_expiry, 500 - spent)
+        got = node.call("balance", "acme")
+        assert got["available"] == 1_500 - spent - expired
+        assert [g["seq"] for g in got["grants"]] == [1]
+        assert node.call("usage", "acme", "gpu") == spent

@@ -478,3 +478,80 @@ async def test_a_return_left_in_flight_by_a_crash_lands_once(crash: str) -> None
     assert pool is not None and pool.fund is None and pool.funded == 20
     state = await book.balance("acme")
     assert state["available"] == 5_000 - 20  # 20 spent, nothing lost, nothing twice
+
+
+async def test_a_busy_pool_gives_back_the_unshared_credits_of_an_expired_grant() -> None:
+    """The pool keeps its grants' expiry while in use: the upkeep pass after a grant's expiry
+    gives back the pool's unshared credits of it (they expire in the same write); the part a
+    share holds may still be spent, and what is left of it goes back, and expires, once that
+    share is given back. Nothing is lost or counted twice; the other grant's credits are
+    spent on."""
+    storage = MemoryStorage()
+    key = pool_key("acme")
+    clock = [1_800_000_000.0]
+    book = LedgerStore(storage, clock=lambda: clock[0])
+    funder = LedgerFunder(book)
+    expires = int(clock[0]) + 5
+    await book.apply("acme", ledger_model.credit(1_000, "g1"))
+    await book.apply("acme", ledger_model.credit(500, "g2", priority=5, expires_at=expires))
+    a = Shares(storage, "a", lease_ms=10_000, clock=lambda: clock[0], funder=funder)
+    a.fund_chunk = 800
+    spent = 0
+
+    async def spend(n: int) -> None:
+        nonlocal spent
+        await a.ensure_pool(key, n)
+        a.admit(key, n)
+        spent += n
+
+    async def pool() -> Budget:
+        got = decode(await storage.budget_read(key))
+        assert got is not None and got.funded is not None
+        return got
+
+    async def expired() -> int:
+        entries = (await book.page("acme", 0, 100))["entries"]
+        return -sum(int(e["amount"]) for e in entries if e["kind"] == "expire")
+
+    async def adds_up() -> None:  # grants - expired - spent = ledger + pool unspent
+        p = await pool()
+        ledger = (await book.balance("acme"))["available"]
+        assert 1_500 - await expired() - spent == ledger + (p.funded or 0) - spent
+
+    await spend(10)
+    p = await pool()
+    assert p.funded == 800  # (grant 2's 500 first, then grant 1's 300)
+    unshared = (p.funded or 0) - p.granted
+    assert 0 < unshared < 490
+    await a.step()  # (before the expiry: nothing to give back)
+    assert await expired() == 0
+    clock[0] = expires + 1.0
+    await a.step()  # (the share in use: kept)
+    entries = (await book.page("acme", 0, 100))["entries"]
+    assert [(e["kind"], e["amount"], e["grants"]) for e in entries[-2:]] == [
+        ("unpooled", unshared, [[2, unshared]]),
+        ("expire", -unshared, [[2, unshared]]),
+    ]
+    await adds_up()
+    p = await pool()
+    assert p.funded == p.granted == 800 - unshared
+    grants = (await book.balance("acme"))["grants"]
+    # (grant 2 lets go of the 10 spent: the pool spends it first)
+    assert [(g["seq"], g["pooled"]) for g in grants] == [(2, 500 - unshared - 10), (1, 300)]
+    await a.step()  # (nothing unshared left: nothing more, nothing twice)
+    assert await expired() == unshared
+    # Spending goes on: what the share holds, then new fundings of grant 1.
+    await spend(600)
+    await adds_up()
+    # The share idle for a lease: given back with the pool's unspent, none of it grant 2's
+    # (the pool spends it first): grant 2 closes, having expired only what came back.
+    clock[0] += 11
+    a.local[key].used_at = float("-inf")
+    await a.step()
+    await adds_up()
+    p = await pool()
+    assert p.funded == p.granted == spent == 610
+    got = await book.balance("acme")
+    assert got["available"] == 1_500 - 610 - unshared
+    assert [g["seq"] for g in got["grants"]] == [1]
+    assert await expired() == unshared

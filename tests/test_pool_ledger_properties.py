@@ -1,7 +1,8 @@
 """The credits of a tenant's ledger and its credit pool, together, whatever the order of
-grants, debits, priced spends on two processes, fundings, idle give-backs, clean stops,
-kill -9s (with the ``fsync`` log's counts) and restarts, and time passing over expiries
-(docs/ledger.md, "Credit-metered features"; correctness L10).
+grants, debits, priced spends on two processes, fundings, idle give-backs, give-backs of
+expired grants' credits from a pool in use, clean stops, kill -9s (with the ``fsync`` log's
+counts) and restarts, and time passing over expiries (docs/ledger.md, "Credit-metered
+features"; correctness L10).
 
 At every step, read straight from storage (no write): the ledger's own invariants hold; the
 pool's ``funded`` is what the ledger moved into it less what it gave back (every funding and
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from meter.core.gate import pool_key
 from meter.core.ports import POOL
@@ -53,6 +54,7 @@ class PoolLedgerMachine(RuleBasedStateMachine):
         self.clock = Clock()
         self.book = LedgerStore(self.store, clock=self.clock, backoff_cap=0)
         self.funder = LedgerFunder(self.book)
+        self.chunk = 40
         self.procs = [self._process(node) for node in NODES]
         self.seq = 0
         #: Credits spent by priced calls (admitted from the pool), by every process.
@@ -77,8 +79,16 @@ class PoolLedgerMachine(RuleBasedStateMachine):
         shares = Shares(
             self.store, node, lease_ms=10_000, clock=self.clock, logged=True, funder=self.funder
         )
-        shares.fund_chunk = 40  # (small: many fundings and returns in a short run)
+        shares.fund_chunk = self.chunk
         return shares
+
+    @initialize(chunk=st.sampled_from([40, 400]))
+    def funding_size(self, chunk: int) -> None:
+        """Small fundings (many fundings and returns in a short run), or large ones (pools
+        with credits no share holds, of grants that expire while it is in use)."""
+        self.chunk = chunk
+        for shares in self.procs:
+            shares.fund_chunk = chunk
 
     def _ref(self) -> str:
         self.seq += 1
@@ -125,6 +135,22 @@ class PoolLedgerMachine(RuleBasedStateMachine):
         for loc in shares.local.values():
             loc.used_at = float("-inf")  # (idle for a lease, without waiting one)
         self._run(shares.step())
+
+    @rule(proc=st.integers(0, 1))
+    def give_back_expired(self, proc: int) -> None:
+        """The upkeep's look for credits of grants past their expiry in the pool (in use or
+        not): afterwards none is left in the pool as the process sees it, unless every
+        credit of the pool is in a share (those may still be spent)."""
+        shares = self.procs[proc]
+        self._run(shares.return_expired(POOL_KEY, self.funder))
+        pool = self._pool()
+        if pool is None or pool.funded is None:
+            return
+        _, body = self._run(self.store.ledger_read(TENANT))
+        grants = ledger.decode_state(body).grants
+        unspent = self._run(shares.pool(TENANT))["unspent"]
+        gone, _ = ledger.expired_in_pool(grants, unspent, self.clock.now)
+        assert gone == 0 or pool.funded == pool.granted, (gone, pool)
 
     @rule(proc=st.integers(0, 1))
     def stop_and_start(self, proc: int) -> None:

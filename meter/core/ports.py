@@ -97,6 +97,16 @@ class Funder(Protocol):
         balance would pass the maximum)."""
         ...
 
+    def pool_expiry(self, tenant: str) -> float | None:
+        """When (epoch seconds) the first grant with credits in the pool expires, as this
+        node last saw the ledger (no I/O; now if it has not: look); ``None``: none does."""
+        ...
+
+    async def expired_in_pool(self, tenant: str, unspent: int) -> tuple[int, float | None]:
+        """Of the pool's ``unspent`` credits, how many are of grants past their expiry now,
+        and when the next grant with credits in the pool expires (``None``: none does)."""
+        ...
+
 
 class Budgets(Protocol):
     """This node's shares of strict budgets and credit pools (:class:`meter.quotas.shares.Shares`,

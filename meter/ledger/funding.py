@@ -39,3 +39,20 @@ class LedgerFunder:
         except InvalidArgument:
             return False
         return True
+
+    def pool_expiry(self, tenant: str) -> float | None:
+        """When the first grant with credits in the pool expires, as this node last read or
+        wrote the ledger (no I/O; now if it has not: look); ``None``: none expires."""
+        state = self.store.known(tenant)
+        if state is None:
+            return self.store.clock()
+        due = ledger.pooled_expiry(state.grants)
+        return None if due is None else float(due)
+
+    async def expired_in_pool(self, tenant: str, unspent: int) -> tuple[int, float | None]:
+        """Of the pool's ``unspent`` credits, how many are of grants past their expiry now
+        (the ledger read from storage), and when the next grant with credits in the pool
+        expires (``None``: none does)."""
+        _, state = await self.store.state(tenant)
+        gone, due = ledger.expired_in_pool(state.grants, unspent, self.store.clock())
+        return gone, None if due is None else float(due)

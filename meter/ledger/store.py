@@ -98,6 +98,11 @@ class LedgerStore:
                     version, state = await self._read(tenant)
             raise Unavailable(f"ledger of {tenant!r}: the balance kept changing; retry")
 
+    def known(self, tenant: str) -> State | None:
+        """The ledger as this node last read or wrote it (no I/O; ``None``: not known)."""
+        known = self._known.get(tenant)
+        return None if known is None else known[1]
+
     async def balance(self, tenant: str, in_pool: int = 0) -> dict[str, Any]:
         """``{tenant, available, seq, grants}`` read from storage (expiries written first);
         ``in_pool``: credits unspent in the tenant's credit pool, shown against the grants

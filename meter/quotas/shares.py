@@ -173,6 +173,9 @@ class Shares:
         self.returns = 0
         self.returned = 0
         self._returning: dict[Key, tuple[float, float]] = {}
+        #: Per pool: when (epoch seconds) to look for credits of expired grants in it, to
+        #: give back so that they expire.
+        self._expiry: dict[Key, float] = {}
 
     # -- the hot path (no I/O) ---------------------------------------------------------------
 
@@ -760,6 +763,7 @@ class Shares:
         funder = self.funder
         if funder is None:
             raise StorageUnavailable("credit pools: this node has no ledger to fund them from")
+        self._expiry.setdefault(key, self.clock())  # (first use here: look at its grants)
         deadline = time.monotonic() + FUND_WAIT_S
         pause = 0.01
         while True:
@@ -862,7 +866,48 @@ class Shares:
             landed = await self._finish(key, budget, n, amount, funder)
             if landed and began is not None:  # (the pool's funding then: the next one's size)
                 self._fund_size[key] = (funded, began, amount)
+            if landed and amount > 0:  # (its grants may expire before the ones in it did)
+                self._expire_at(key, funder.pool_expiry(tenant))
             return True
+
+    def _expire_at(self, key: Key, due: float | None) -> None:
+        """Look at ``key``'s pool for credits of expired grants at ``due`` at the latest."""
+        set_for = self._expiry.get(key)
+        if due is not None and (set_for is None or due < set_for):
+            self._expiry[key] = due
+
+    async def return_expired(self, key: Key, funder: Funder) -> float | None:
+        """Give back to the ledger the part of ``key``'s pool that is of grants past their
+        expiry (they expire there in the same write), as far as it is unshared; the rest,
+        in nodes' shares, may still be spent. When to look again (epoch seconds): a lease
+        later while some is left or a funding or return is in flight, else at the next
+        expiry, and at most :data:`RETURN_BACKOFF_MAX` leases later (another node's funding
+        may bring in credits of a grant expiring sooner); ``None``: no pool."""
+        tenant = key[0]
+        async with self._lock(key):
+            version, budget = await self._read(key)
+            now = self.clock()
+            later = now + self.lease_ms / 1000
+            if budget is None or budget.funded is None:
+                return None
+            if budget.fund is not None:
+                return later
+            unspent, _ = self._unspent(key, budget)
+            gone, next_due = await funder.expired_in_pool(tenant, unspent)
+            due = now + RETURN_BACKOFF_MAX * self.lease_ms / 1000
+            if next_due is not None:
+                due = min(due, next_due)
+            amount = min(gone, budget.funded - budget.granted)
+            if amount <= 0:
+                return due if gone == 0 else later
+            new = escrow.begin_return(budget, amount, int(now * 1000))
+            assert new.fund is not None
+            n = new.fund[0]
+            if not await self._swap(key, version, new):
+                return later
+            self._funding.add((key, n))
+            await self._finish(key, new, n, -amount, funder)
+            return due if gone == amount else later
 
     async def _finish(self, key: Key, budget: Budget, n: int, amount: int, funder: Funder) -> bool:
         """Send funding or return ``n`` of ``budget`` (``amount`` credits; negative: a return)
@@ -964,6 +1009,7 @@ class Shares:
             self._forget_lock(key)
         await self._close_earlier_pools()
         await self._return_idle(idle)
+        await self._return_expired()
 
     async def _close_earlier_pools(self, most: int | None = POOLS_PER_PASS) -> None:
         """Close the pool shares an earlier process of this node left (its log says what it
@@ -1008,10 +1054,35 @@ class Shares:
             except (MeterError, StorageError) as exc:
                 log.warning("credit pool of %r: could not give credits back: %s", key[0], exc)
                 done = False
-            if done:
+            if done:  # (its grants are looked at again when it is used again)
                 self._returning.pop(key, None)
+                self._expiry.pop(key, None)
             else:  # looked at again later, less often while another node keeps it in use
                 self._returning[key] = (now + wait, min(wait * 2, RETURN_BACKOFF_MAX * lease))
+            self._forget_lock(key)
+
+    async def _return_expired(self, most: int = POOLS_PER_PASS) -> None:
+        """:meth:`return_expired` for the pools whose time has come, ``most`` of them; a
+        failure is logged, and the pool looked at again a lease later."""
+        funder = self.funder
+        if funder is None:
+            return
+        now = self.clock()
+        due = sorted((t, k) for k, t in self._expiry.items() if t <= now)
+        for _, key in due[:most]:
+            if self._lock(key).locked():
+                continue
+            try:
+                again = await self.return_expired(key, funder)
+                if again is None:
+                    self._expiry.pop(key, None)
+                else:
+                    self._expiry[key] = again
+            except (MeterError, StorageError) as exc:
+                log.warning(
+                    "credit pool of %r: could not give expired credits back: %s", key[0], exc
+                )
+                self._expiry[key] = now + self.lease_ms / 1000
             self._forget_lock(key)
 
     def _renew(self, budget: Budget | None, cur: Local | None, op: str) -> escrow.Swap | None:
