@@ -123,10 +123,10 @@ def test_an_idle_pool_gives_its_unspent_credits_back_to_the_grants_they_came_fro
 
 
 def test_a_pool_in_use_expires_the_credits_of_a_grant_past_its_expiry(workdir: Path) -> None:
-    """While priced calls go on, the upkeep pass after a grant's expiry gives back the pool's
-    credits of it that no share holds, and they expire there: the tenant can no longer
-    spend them. What the share held of it may still be spent; nothing is lost or counted
-    twice (every credit is spent, expired, or available)."""
+    """While priced calls go on, the upkeep pass after a grant's expiry gives back the node's
+    share and the pool's credits of the grant, and they expire there: the tenant can no
+    longer spend any of them. Nothing is lost or counted twice (every credit is spent,
+    expired, or available)."""
     lease_s = 3.0
     with NodeProcess(workdir, METER_STRICT_LEASE_MS=str(int(lease_s * 1000))) as node:
         node.call("set_plan", "pro", {"gpu": {"price": 1}})
@@ -160,26 +160,25 @@ def test_a_pool_in_use_expires_the_credits_of_a_grant_past_its_expiry(workdir: P
         assert gone[0]["time"] <= expires + 2 * lease_s / 3, (gone, expires)
         entries = node.call("ledger", "acme")["entries"]
         back = [e for e in entries if e["kind"] == "unpooled"]
-        # (all of grant 2 that was in the pool unshared; a call admitted meanwhile may have
-        # spent some, and the same number of grant 1's came back in their place)
         at_expiry = -gone[0]["amount"]
         assert dict(back[0]["grants"]).get(2) == at_expiry == gone[0]["grants"][0][1]
+        # All that was left of grant 2 expired there (the pool spends it first, so the
+        # calls before spent the rest of its 500): it closes, and no call spends it after.
+        got = node.call("balance", "acme")
+        assert [g["seq"] for g in got["grants"]] == [1]
         for _ in range(20):
             track()
         got = node.call("balance", "acme")
         assert got["available"] == 1_500 - spent - at_expiry
-        # Idle: the rest comes back; what is left of grant 2 expires, and it closes. The
-        # pool spent grant 2 first, so of its 500 the tenant spent exactly those the return
-        # at its expiry did not take.
+        # Idle: the rest comes back, all grant 1's; nothing more expires.
         wait_for(
             lambda: node.call("balance", "acme")["pool"]["funded"] == spent,
             timeout=4 * lease_s,
             what="the idle pool's credits back in the ledger",
         )
-        expired = -sum(e["amount"] for e in node.call("ledger", "acme")["entries"]
-                       if e["kind"] == "expire")  # fmt: skip
-        assert expired == max(at_expiry, 500 - spent)
+        entries = node.call("ledger", "acme")["entries"]
+        assert [-e["amount"] for e in entries if e["kind"] == "expire"] == [at_expiry]
         got = node.call("balance", "acme")
-        assert got["available"] == 1_500 - spent - expired
+        assert got["available"] == 1_500 - spent - at_expiry
         assert [g["seq"] for g in got["grants"]] == [1]
         assert node.call("usage", "acme", "gpu") == spent

@@ -13,7 +13,7 @@ import contextlib
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import pytest
 from meter.client import AsyncClient
 from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig, StorageConfig
 from meter.core.gate import pool_key
+from meter.core.keys import Key
 from meter.core.ports import POOL, NoBudget
 from meter.errors import InsufficientBalance, InvalidArgument
 from meter.ledger import model as ledger_model
@@ -480,12 +481,11 @@ async def test_a_return_left_in_flight_by_a_crash_lands_once(crash: str) -> None
     assert state["available"] == 5_000 - 20  # 20 spent, nothing lost, nothing twice
 
 
-async def test_a_busy_pool_gives_back_the_unshared_credits_of_an_expired_grant() -> None:
+async def test_a_busy_pool_gives_back_the_credits_of_an_expired_grant_it_holds() -> None:
     """The pool keeps its grants' expiry while in use: the upkeep pass after a grant's expiry
-    gives back the pool's unshared credits of it (they expire in the same write); the part a
-    share holds may still be spent, and what is left of it goes back, and expires, once that
-    share is given back. Nothing is lost or counted twice; the other grant's credits are
-    spent on."""
+    gives back this node's share (its unused cap) and then the pool's unshared credits of
+    the grant, which expire in the same write: none of them can be spent after it. Nothing
+    is lost or counted twice; the other grant's credits are spent on."""
     storage = MemoryStorage()
     key = pool_key("acme")
     clock = [1_800_000_000.0]
@@ -516,35 +516,38 @@ async def test_a_busy_pool_gives_back_the_unshared_credits_of_an_expired_grant()
     async def adds_up() -> None:  # grants - expired - spent = ledger + pool unspent
         p = await pool()
         ledger = (await book.balance("acme"))["available"]
+        assert spent <= (p.funded or 0)
         assert 1_500 - await expired() - spent == ledger + (p.funded or 0) - spent
 
     await spend(10)
     p = await pool()
     assert p.funded == 800  # (grant 2's 500 first, then grant 1's 300)
-    unshared = (p.funded or 0) - p.granted
-    assert 0 < unshared < 490
+    room = a.local[key].c - a.local[key].a
+    # (unshared: less than grant 2's 490 unspent; the share holds the rest, some unused)
+    assert room > 0 and p.funded - p.granted < 490
     await a.step()  # (before the expiry: nothing to give back)
-    assert await expired() == 0
+    assert await expired() == 0 and a.local[key].c - a.local[key].a == room
     clock[0] = expires + 1.0
-    await a.step()  # (the share in use: kept)
+    await a.step()  # (the share in use, but holding expired credits: given back first)
     entries = (await book.page("acme", 0, 100))["entries"]
     assert [(e["kind"], e["amount"], e["grants"]) for e in entries[-2:]] == [
-        ("unpooled", unshared, [[2, unshared]]),
-        ("expire", -unshared, [[2, unshared]]),
+        ("unpooled", 490, [[2, 490]]),
+        ("expire", -490, [[2, 490]]),
     ]
+    assert key not in a.local  # (its share given back: nothing more admitted from it)
     await adds_up()
     p = await pool()
-    assert p.funded == p.granted == 800 - unshared
+    assert (p.funded, p.granted) == (310, 10)
     grants = (await book.balance("acme"))["grants"]
-    # (grant 2 lets go of the 10 spent: the pool spends it first)
-    assert [(g["seq"], g["pooled"]) for g in grants] == [(2, 500 - unshared - 10), (1, 300)]
-    await a.step()  # (nothing unshared left: nothing more, nothing twice)
-    assert await expired() == unshared
-    # Spending goes on: what the share holds, then new fundings of grant 1.
+    # (grant 2 lets go of the 10 spent: the pool spends it first; it closes)
+    assert [(g["seq"], g["pooled"]) for g in grants] == [(1, 300)]
+    await a.step()  # (nothing left of it: nothing more, nothing twice)
+    assert await expired() == 490
+
+    # Spending goes on: a new share, then new fundings of grant 1.
     await spend(600)
     await adds_up()
-    # The share idle for a lease: given back with the pool's unspent, none of it grant 2's
-    # (the pool spends it first): grant 2 closes, having expired only what came back.
+    # The share idle for a lease: given back with the pool's unspent, all grant 1's.
     clock[0] += 11
     a.local[key].used_at = float("-inf")
     await a.step()
@@ -552,6 +555,70 @@ async def test_a_busy_pool_gives_back_the_unshared_credits_of_an_expired_grant()
     p = await pool()
     assert p.funded == p.granted == spent == 610
     got = await book.balance("acme")
-    assert got["available"] == 1_500 - 610 - unshared
+    assert got["available"] == 1_500 - 610 - 490
     assert [g["seq"] for g in got["grants"]] == [1]
-    assert await expired() == unshared
+    assert await expired() == 490
+
+
+class RacingStorage(MemoryStorage):
+    """Memory storage that runs ``before_return`` (once) just before the first write that
+    begins a pool's return: another node's write lands first, and the return's loses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before_return: Callable[[], Awaitable[None]] | None = None
+
+    async def budget_swap(self, key: Key, version: int, body: str) -> bool:
+        hook = self.before_return
+        fund = Budget.from_json(body).fund
+        if hook is not None and fund is not None and fund[1] < 0:
+            self.before_return = None
+            await hook()
+        return await super().budget_swap(key, version, body)
+
+
+async def test_every_share_of_a_pool_gives_back_its_expired_credits_and_they_expire() -> None:
+    """Three nodes hold shares of a pool whose only grant expires. Each node's upkeep pass
+    after the expiry gives back its share and returns what is unshared, also a node whose
+    share came by a refill (not a priced call's funding) and one whose return loses a write
+    race (it tries again in the same pass); credits a node counts as in other nodes' shares
+    keep their grant, so they expire when those nodes give them back. In the end exactly
+    the unspent credits have expired."""
+    storage = RacingStorage()
+    key = pool_key("acme")
+    clock = [1_800_000_000.0]
+    book = LedgerStore(storage, clock=lambda: clock[0])
+    funder = LedgerFunder(book)
+    expires = int(clock[0]) + 5
+    await book.apply("acme", ledger_model.credit(500, "g1", priority=5, expires_at=expires))
+
+    def node(name: str) -> Shares:
+        return Shares(storage, name, lease_ms=10_000, clock=lambda: clock[0], funder=funder)
+
+    a, b, c = node("a"), node("b"), node("c")
+    await a.ensure_pool(key, 10)  # (a funds the pool: all 500)
+    a.admit(key, 10)
+    await b.ensure(key, 5, POOL, 0, background=True)  # (as a refill takes it)
+    b.admit(key, 5)
+
+    async def expired() -> int:
+        entries = (await book.page("acme", 0, 100))["entries"]
+        return -sum(int(e["amount"]) for e in entries if e["kind"] == "expire")
+
+    clock[0] = expires + 1.0
+    # b's first write of a return loses to a write of c's (c takes a share just before).
+    storage.before_return = lambda: c.ensure(key, 3, POOL, 0, background=True)
+    await b.step()
+    raced = storage.before_return is None
+    assert raced and key not in b.local
+    after_b = await expired()
+    assert after_b > 0  # (in that pass: it read again and returned)
+    await a.step()
+    await c.step()
+    assert key not in a.local and key not in c.local
+    # All 485 unspent expired; none came back as credits of no grant.
+    assert await expired() == 485 > after_b
+    got = await book.balance("acme")
+    assert got["available"] == 0 and got["grants"] == []
+    pool = decode(await storage.budget_read(key))
+    assert pool is not None and pool.funded == pool.granted == 15

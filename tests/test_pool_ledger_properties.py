@@ -136,11 +136,13 @@ class PoolLedgerMachine(RuleBasedStateMachine):
             loc.used_at = float("-inf")  # (idle for a lease, without waiting one)
         self._run(shares.step())
 
-    @rule(proc=st.integers(0, 1))
-    def give_back_expired(self, proc: int) -> None:
+    @rule(proc=st.integers(0, 1), wait=st.sampled_from([0, 41]))
+    def give_back_expired(self, proc: int, wait: int) -> None:
         """The upkeep's look for credits of grants past their expiry in the pool (in use or
-        not): afterwards none is left in the pool as the process sees it, unless every
-        credit of the pool is in a share (those may still be spent)."""
+        not), at once or after every grant so far has expired: afterwards none is left in
+        the pool as the process sees it, unless every credit of the pool is in the other
+        process's share (those may still be spent): its own holds none it could admit."""
+        self.clock.now += wait
         shares = self.procs[proc]
         self._run(shares.return_expired(POOL_KEY, self.funder))
         pool = self._pool()
@@ -150,7 +152,9 @@ class PoolLedgerMachine(RuleBasedStateMachine):
         grants = ledger.decode_state(body).grants
         unspent = self._run(shares.pool(TENANT))["unspent"]
         gone, _ = ledger.expired_in_pool(grants, unspent, self.clock.now)
-        assert gone == 0 or pool.funded == pool.granted, (gone, pool)
+        loc = shares.local.get(POOL_KEY)
+        room = 0 if loc is None else loc.g - loc.a
+        assert gone == 0 or (pool.funded == pool.granted and room == 0), (gone, pool, loc)
 
     @rule(proc=st.integers(0, 1))
     def stop_and_start(self, proc: int) -> None:
@@ -211,6 +215,15 @@ class PoolLedgerMachine(RuleBasedStateMachine):
         assert sum(shown.values()) <= unspent
         pooled = {g.seq: g.pooled for g in state.grants}
         assert all(0 < n <= pooled[seq] for seq, n in shown.items())
+        # Only grants past their expiry expire, at most what they granted.
+        grants = {e.seq: e for e in entries if e.kind == ledger.GRANT}
+        gone: dict[int, int] = {}
+        for e in (e for e in entries if e.kind == ledger.EXPIRE):
+            for seq, n in e.alloc:
+                g = grants.get(seq)  # (a grant of its own for credits no grant kept: none)
+                assert g is not None and g.expires_at is not None and e.time >= g.expires_at, e
+                gone[seq] = gone.get(seq, 0) + n
+        assert all(n <= grants[seq].amount for seq, n in gone.items()), gone
 
 
 TestPoolLedger = PoolLedgerMachine.TestCase

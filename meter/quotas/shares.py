@@ -168,13 +168,14 @@ class Shares:
         self._ahead: dict[Key, asyncio.Task[None]] = {}
         self._ahead_not_before: dict[Key, float] = {}
         self.fundings = 0
-        #: Returns of an idle pool's credits to the ledger sent, and the credits they gave;
-        #: pools whose return is to be looked at (again), and when (monotonic).
+        #: Returns of a pool's credits to the ledger sent (idle pools, expired grants), and
+        #: the credits they gave; pools whose idle return is to be looked at (again), and
+        #: when (monotonic).
         self.returns = 0
         self.returned = 0
         self._returning: dict[Key, tuple[float, float]] = {}
-        #: Per pool: when (epoch seconds) to look for credits of expired grants in it, to
-        #: give back so that they expire.
+        #: Per pool this node holds a share of: when (epoch seconds) to look for credits of
+        #: expired grants in it, to give back so that they expire.
         self._expiry: dict[Key, float] = {}
 
     # -- the hot path (no I/O) ---------------------------------------------------------------
@@ -763,7 +764,6 @@ class Shares:
         funder = self.funder
         if funder is None:
             raise StorageUnavailable("credit pools: this node has no ledger to fund them from")
-        self._expiry.setdefault(key, self.clock())  # (first use here: look at its grants)
         deadline = time.monotonic() + FUND_WAIT_S
         pause = 0.01
         while True:
@@ -878,36 +878,72 @@ class Shares:
 
     async def return_expired(self, key: Key, funder: Funder) -> float | None:
         """Give back to the ledger the part of ``key``'s pool that is of grants past their
-        expiry (they expire there in the same write), as far as it is unshared; the rest,
-        in nodes' shares, may still be spent. When to look again (epoch seconds): a lease
-        later while some is left or a funding or return is in flight, else at the next
-        expiry, and at most :data:`RETURN_BACKOFF_MAX` leases later (another node's funding
-        may bring in credits of a grant expiring sooner); ``None``: no pool."""
+        expiry (they expire there in the same write), as far as it is unshared or in this
+        node's share (given back first, its cap lowered to what it admitted); the rest, in
+        other nodes' shares, may still be spent until they look. When to look again (epoch
+        seconds): a lease later while some is left or another node's young funding or
+        return is in flight, else at the next expiry, and at most
+        :data:`RETURN_BACKOFF_MAX` leases later (another node's funding may bring in
+        credits of a grant expiring sooner); ``None``: no pool."""
         tenant = key[0]
+        gave = False
         async with self._lock(key):
-            version, budget = await self._read(key)
-            now = self.clock()
-            later = now + self.lease_ms / 1000
-            if budget is None or budget.funded is None:
-                return None
-            if budget.fund is not None:
-                return later
-            unspent, _ = self._unspent(key, budget)
-            gone, next_due = await funder.expired_in_pool(tenant, unspent)
-            due = now + RETURN_BACKOFF_MAX * self.lease_ms / 1000
-            if next_due is not None:
-                due = min(due, next_due)
-            amount = min(gone, budget.funded - budget.granted)
-            if amount <= 0:
-                return due if gone == 0 else later
-            new = escrow.begin_return(budget, amount, int(now * 1000))
-            assert new.fund is not None
-            n = new.fund[0]
-            if not await self._swap(key, version, new):
-                return later
-            self._funding.add((key, n))
-            await self._finish(key, new, n, -amount, funder)
-            return due if gone == amount else later
+            for _ in range(MAX_ATTEMPTS):
+                version, budget = await self._read(key)
+                now = self.clock()
+                later = now + self.lease_ms / 1000
+                if budget is None or budget.funded is None:
+                    return None
+                settled = await self._settled(key, version, budget, funder)
+                if settled is None:
+                    return later
+                version, budget = settled
+                assert budget.funded is not None
+                unspent, _ = self._unspent(key, budget)
+                gone, next_due = await funder.expired_in_pool(tenant, unspent)
+                due = now + RETURN_BACKOFF_MAX * self.lease_ms / 1000
+                if next_due is not None:
+                    due = min(due, next_due)
+                unshared = budget.funded - budget.granted
+                loc = self.local.get(key)
+                if gone > unshared and loc is not None and loc.g > loc.a and not gave:
+                    # Some are in this node's share, unused: given back (nothing more is
+                    # admitted from it), so they are unshared, and returned, next time round.
+                    await self._give_back(key, loc)
+                    gave = True
+                    if key not in self.local:  # (no share now: the rest goes back when idle)
+                        self._returning[key] = (time.monotonic(), self.lease_ms / 1000)
+                    continue
+                amount = min(gone, unshared)
+                if amount <= 0:
+                    return due if gone == 0 else later
+                new = escrow.begin_return(budget, amount, int(now * 1000))
+                assert new.fund is not None
+                n = new.fund[0]
+                if not await self._swap(key, version, new):
+                    continue  # raced (a share taken or renewed meanwhile): read again
+                self._funding.add((key, n))
+                landed = await self._finish(key, new, n, -amount, funder)
+                return due if landed and gone == amount else later
+            return self.clock() + self.lease_ms / 1000
+
+    async def _settled(
+        self, key: Key, version: int, budget: Budget, funder: Funder
+    ) -> tuple[int, Budget] | None:
+        """``key``'s pool record (``budget`` at ``version``) with no funding or return in
+        flight: itself, or read again after finishing the one in flight if it is this
+        process's or two leases old (lock held); ``None`` while another node's young one
+        is, or the record is gone."""
+        if budget.fund is None:
+            return version, budget
+        n, amount, started = budget.fund
+        if (key, n) not in self._funding and self.clock() * 1000 - started < 2 * self.lease_ms:
+            return None
+        await self._finish(key, budget, n, amount, funder)
+        version, again = await self._read(key)
+        if again is None or again.fund is not None:
+            return None
+        return version, again
 
     async def _finish(self, key: Key, budget: Budget, n: int, amount: int, funder: Funder) -> bool:
         """Send funding or return ``n`` of ``budget`` (``amount`` credits; negative: a return)
@@ -918,12 +954,16 @@ class Shares:
         ref = escrow.fund_ref(budget, n)
         # (before a funding, after a return: ``funded`` holds neither in flight)
         unspent, _ = self._unspent(key, budget)
+        # (other nodes' shares not given back may hold some unspent: their grants keep them)
+        elsewhere = sum(
+            s.c for n, s in budget.shares.items() if n != self.node and not escrow.closed(s)
+        )
         if amount < 0:
-            landed = await funder.give(tenant, -amount, ref, unspent)
+            landed = await funder.give(tenant, -amount, ref, unspent, elsewhere)
             self.returns += 1
             self.returned += -amount if landed else 0
         else:
-            landed = await funder.take(tenant, amount, ref, unspent)
+            landed = await funder.take(tenant, amount, ref, unspent, elsewhere)
             self.fundings += 1
         for _ in range(MAX_ATTEMPTS):
             version, stored = await self._read(key)
@@ -947,15 +987,11 @@ class Shares:
             version, budget = await self._read(key)
             if budget is None or budget.funded is None:
                 return True
+            settled = await self._settled(key, version, budget, funder)
+            if settled is None:
+                return False
+            version, budget = settled
             now_ms = int(self.clock() * 1000)
-            if budget.fund is not None:
-                n, amount, started = budget.fund
-                if (key, n) not in self._funding and now_ms - started < 2 * self.lease_ms:
-                    return False
-                await self._finish(key, budget, n, amount, funder)
-                version, budget = await self._read(key)
-                if budget is None or budget.fund is not None:
-                    return False
             unshared = budget.funded is not None and budget.funded > budget.granted
             if not unshared and not any(s.g > s.c for s in budget.shares.values()):
                 return True  # (nothing unshared, nothing promised to nobody)
@@ -1068,21 +1104,26 @@ class Shares:
         if funder is None:
             return
         now = self.clock()
+        for key in self.local:  # (a share of a pool, however taken: its grants looked at)
+            if key not in self._expiry and key == pool_key(key[0]):
+                self._expiry[key] = now
         due = sorted((t, k) for k, t in self._expiry.items() if t <= now)
         for _, key in due[:most]:
             if self._lock(key).locked():
                 continue
+            again: float | None = now + self.lease_ms / 1000
             try:
                 again = await self.return_expired(key, funder)
-                if again is None:
-                    self._expiry.pop(key, None)
-                else:
-                    self._expiry[key] = again
             except (MeterError, StorageError) as exc:
                 log.warning(
                     "credit pool of %r: could not give expired credits back: %s", key[0], exc
                 )
-                self._expiry[key] = now + self.lease_ms / 1000
+            except Exception:  # (the next pools must still be looked at)
+                log.exception("credit pool of %r: giving expired credits back failed", key[0])
+            if again is None or key not in self.local:
+                self._expiry.pop(key, None)  # (looked at again once it holds a share again)
+            else:
+                self._expiry[key] = again
             self._forget_lock(key)
 
     def _renew(self, budget: Budget | None, cur: Local | None, op: str) -> escrow.Swap | None:
