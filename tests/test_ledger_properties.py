@@ -443,36 +443,3 @@ def test_a_partial_return_gives_back_first_the_pooled_credits_of_expired_grants(
     assert more.state.grants == (ledger.Grant(2, 100, 0, None, 400),)
     entries = [ledger.Entry(1, 0, "grant", 500, 500), ledger.Entry(2, 0, "grant", 500, 1000)]
     ledger.check(more.state, [*entries, ledger.Entry(3, 0, "metered", -1000, 0), *more.entries])
-
-
-def test_credits_other_nodes_shares_hold_keep_their_grant_and_expire_when_they_come_back() -> None:
-    """A node counts other nodes' shares as spent, but they may come back unspent: a return
-    or funding that says how much they hold (``elsewhere``) keeps the grants' count of them,
-    so an expired grant's credits a share held expire when that share gives them back
-    instead of coming back as spendable credits of no grant."""
-    # Grant 1 (expires at 100, first in spending order) put 500 into the pool, grant 2
-    # (never expires) 200. Node A's view: 200 unspent and 300 in B's share.
-    state = ledger.State(3, 0, (ledger.Grant(1, 0, 0, 100, 500), ledger.Grant(2, 0, 0, None, 200)))
-    a = _write(state, ledger.pool_return(100, "pool:p:3", 100, elsewhere=300), now=100)
-    # A's 100 come back onto grant 2 (the last in spending order: A's view has nothing of
-    # grant 1 unspent); grant 1 keeps the 300 B holds.
-    assert [(e.kind, e.alloc) for e in a.entries] == [("unpooled", ((2, 100),))]
-    assert a.state.grants == (ledger.Grant(1, 0, 0, 100, 300), ledger.Grant(2, 100, 0, None, 100))
-    # B's share idle: its 300 come back onto grant 1, past its expiry: they expire.
-    b = _write(a.state, ledger.pool_return(300, "pool:p:4", 100), now=101)
-    assert [(e.kind, e.amount, e.alloc) for e in b.entries] == [
-        ("unpooled", 300, ((1, 300),)),
-        ("expire", -300, ((1, 300),)),
-    ]
-    assert b.state.grants == (ledger.Grant(2, 100, 0, None, 100),)
-    # Without ``elsewhere`` grant 1's count was let go: the same 300 came back spendable.
-    lost = _write(state, ledger.pool_return(100, "pool:p:3", 100), now=100)
-    again = _write(lost.state, ledger.pool_return(300, "pool:p:4", 100), now=101)
-    assert [e.kind for e in again.entries] == ["unpooled"] and again.state.balance == 400
-    # A funding keeps the count the same way: of 400 that may be unspent, grant 2's 200
-    # and grant 1's 200; said without them, grant 1 is all spent, and closes.
-    before = ledger.State(3, 50, (state.grants[0], ledger.Grant(2, 50, 0, None, 200)))
-    f = _write(before, ledger.pool_funding(50, "pool:p:5", 100, elsewhere=300))
-    assert f.state.grants == (ledger.Grant(1, 0, 0, 100, 200), ledger.Grant(2, 0, 0, None, 250))
-    g = _write(before, ledger.pool_funding(50, "pool:p:5", 100))
-    assert g.state.grants == (ledger.Grant(2, 0, 0, None, 150),)

@@ -85,20 +85,16 @@ class Funder(Protocol):
         """Credits the tenant's ledger has now."""
         ...
 
-    async def take(
-        self, tenant: str, amount: int, ref: str, unspent: int, elsewhere: int = 0
-    ) -> bool:
+    async def take(self, tenant: str, amount: int, ref: str, unspent: int) -> bool:
         """Debit ``amount`` under ``ref`` exactly once (a repeated ref answers as its first
-        call did), the pool holding ``unspent`` credits before it and other nodes' shares
-        ``elsewhere`` besides: True if it is debited, False if the ledger cannot cover it."""
+        call did), the pool holding ``unspent`` credits before it: True if it is debited,
+        False if the ledger cannot cover it."""
         ...
 
-    async def give(
-        self, tenant: str, amount: int, ref: str, unspent: int, elsewhere: int = 0
-    ) -> bool:
+    async def give(self, tenant: str, amount: int, ref: str, unspent: int) -> bool:
         """Credit ``amount`` the pool gives back under ``ref`` exactly once, ``unspent``
-        left in the pool and other nodes' shares ``elsewhere`` besides: True if it is
-        credited, False if the ledger refuses it (its balance would pass the maximum)."""
+        left in the pool: True if it is credited, False if the ledger refuses it (its
+        balance would pass the maximum)."""
         ...
 
     def pool_expiry(self, tenant: str) -> float | None:

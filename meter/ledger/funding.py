@@ -21,26 +21,21 @@ class LedgerFunder:
         """Credits the tenant's ledger has now."""
         return int((await self.store.balance(tenant))["available"])
 
-    async def take(
-        self, tenant: str, amount: int, ref: str, unspent: int, elsewhere: int = 0
-    ) -> bool:
+    async def take(self, tenant: str, amount: int, ref: str, unspent: int) -> bool:
         """Debit ``amount`` under ``ref`` (a ``metered`` entry) exactly once, the pool
-        holding ``unspent`` before it (``elsewhere`` in other nodes' shares besides); False
-        if the ledger cannot cover it."""
+        holding ``unspent`` before it; False if the ledger cannot cover it."""
         try:
-            await self.store.apply(tenant, ledger.pool_funding(amount, ref, unspent, elsewhere))
+            await self.store.apply(tenant, ledger.pool_funding(amount, ref, unspent))
         except InsufficientBalance:
             return False
         return True
 
-    async def give(
-        self, tenant: str, amount: int, ref: str, unspent: int, elsewhere: int = 0
-    ) -> bool:
+    async def give(self, tenant: str, amount: int, ref: str, unspent: int) -> bool:
         """Credit ``amount`` under ``ref`` (an ``unpooled`` entry, onto the grants the credits
-        came from) exactly once, ``unspent`` left in the pool (``elsewhere`` in other nodes'
-        shares besides); False if the ledger refuses it."""
+        came from) exactly once, ``unspent`` left in the pool; False if the ledger refuses
+        it."""
         try:
-            await self.store.apply(tenant, ledger.pool_return(amount, ref, unspent, elsewhere))
+            await self.store.apply(tenant, ledger.pool_return(amount, ref, unspent))
         except InvalidArgument:
             return False
         return True

@@ -21,10 +21,9 @@ version). Kinds of entry:
   so the unspent ones are the last); any the grants cannot take (their origin forgotten)
   open a grant of their own; restored credits of an expired grant expire in the same write.
 
-Both carry what the pool holds unspent besides them (``Op.pool_unspent``) and what other
-nodes' shares of it hold, counted spent there (``Op.pool_elsewhere``): the grants' ``pooled``
-past the two, taken from the first in spending order, is spent, and let go, so a grant whose
-credits are all spent closes (what a share holds may still come back, onto its grant).
+Both carry what the pool holds unspent besides them (``Op.pool_unspent``): the grants'
+``pooled`` past that, taken from the first in spending order, is spent, and let go, so a
+grant whose credits are all spent closes.
 
 Invariants (checked by :func:`check`): the balance is the sum of every entry's amount and the
 sum of the open grants' remainders; it is never negative (a debit that does not fit raises
@@ -156,9 +155,6 @@ class Op:
     #: ``pooled`` beyond that is spent, and is let go (:func:`_retire`). Advisory, not part
     #: of the fingerprint: a lower figure only forgets where some credits came from.
     pool_unspent: int | None = None
-    #: Of the credits ``pool_unspent`` counts spent, how many other nodes' shares hold (they
-    #: may come back unspent): their grants keep count of them. Advisory, like it.
-    pool_elsewhere: int = 0
 
     def fingerprint(self) -> str:
         return fingerprint(self)
@@ -225,22 +221,15 @@ def check_kind(kind: object) -> str:
     return kind
 
 
-def pool_funding(amount: int, ref: str, unspent: int, elsewhere: int = 0) -> Op:
+def pool_funding(amount: int, ref: str, unspent: int) -> Op:
     """A credit pool's funding: ``amount`` moved into the pool under ``ref``, the pool
-    holding ``unspent`` credits before it, and other nodes' shares ``elsewhere`` besides."""
-    return Op(
-        False, check_amount(amount), check_ref(ref), POOLED, pool_unspent=unspent,
-        pool_elsewhere=elsewhere,
-    )  # fmt: skip
+    holding ``unspent`` credits before it."""
+    return Op(False, check_amount(amount), check_ref(ref), POOLED, pool_unspent=unspent)
 
 
-def pool_return(amount: int, ref: str, unspent: int, elsewhere: int = 0) -> Op:
-    """``amount`` credits a pool gives back under ``ref``, ``unspent`` left in it, and
-    other nodes' shares ``elsewhere`` besides."""
-    return Op(
-        True, check_amount(amount), check_ref(ref), UNPOOLED, pool_unspent=unspent,
-        pool_elsewhere=elsewhere,
-    )  # fmt: skip
+def pool_return(amount: int, ref: str, unspent: int) -> Op:
+    """``amount`` credits an idle pool gives back under ``ref``, ``unspent`` left in it."""
+    return Op(True, check_amount(amount), check_ref(ref), UNPOOLED, pool_unspent=unspent)
 
 
 def credit(
@@ -349,7 +338,7 @@ def next_write(state: State, op: Op, now: float) -> Write:
         if op.kind == UNPOOLED:
             grants, back = _unpool(base.grants, op.amount, op.pool_unspent or 0, now)
             left = op.amount - sum(n for _, n in back)
-            grants = _retire(grants, _held(op))
+            grants = _retire(grants, op.pool_unspent)
         else:
             grants, back, left = base.grants, [], op.amount
         if left:  # (a new grant; for credits given back, those no grant kept count of)
@@ -373,7 +362,7 @@ def next_write(state: State, op: Op, now: float) -> Write:
         taken: list[tuple[int, int]] = []
         after: dict[int, int] = {}
         to_pool = op.kind == POOLED
-        held = _retire(base.grants, _held(op)) if to_pool else base.grants
+        held = _retire(base.grants, op.pool_unspent) if to_pool else base.grants
         for g in spending_order(held):
             if left == 0:
                 break
@@ -427,12 +416,6 @@ def _unpool(
         for g in grants
     )
     return out, [(g.seq, back[g.seq]) for g in grants if g.seq in back]
-
-
-def _held(op: Op) -> int | None:
-    """What of the pool may still be unspent as ``op`` says: its own unspent and other
-    nodes' shares (``None``: nothing is known)."""
-    return None if op.pool_unspent is None else op.pool_unspent + op.pool_elsewhere
 
 
 def _retire(grants: tuple[Grant, ...], unspent: int | None) -> tuple[Grant, ...]:

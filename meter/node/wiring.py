@@ -278,13 +278,14 @@ def build_service(
 def _balance_alerts(
     alerts: Alerts, amounts: tuple[int, ...]
 ) -> Callable[[str, Sequence[ledger.Entry]], None]:
-    """Alert the balances a ledger write took a tenant below (``balance_alerts``)."""
+    """Alert the balances a ledger write took a tenant below (``balance_alerts``), judged
+    on the write as a whole and named by its last entry: a pool's return of expired credits
+    (``unpooled`` then ``expire``) ends where it began and crosses nothing."""
 
     def entries(tenant: str, written: Sequence[ledger.Entry]) -> None:
-        for e in written:
-            alerts.balance_entry(
-                tenant, e.seq, e.balance_after - e.amount, e.balance_after, amounts
-            )
+        first, last = written[0], written[-1]
+        before = first.balance_after - first.amount
+        alerts.balance_entry(tenant, last.seq, before, last.balance_after, amounts)
 
     return entries
 

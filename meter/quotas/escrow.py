@@ -344,22 +344,15 @@ def give_back(budget: Budget, node: str, local: Local, op: str, run: str) -> Swa
     the share. A share taken back meanwhile (its epoch moved, its op still the last write this
     process saw land, ``local.op``) is still this process's: what it promised and did not
     admit (``c - a``, kept as spent by the take-back) goes back too, since this process
-    knows it never will admit it. The share's lease is written 0: closed, its cap all
-    admitted (:func:`closed`)."""
+    knows it never will admit it."""
     s = budget.shares.get(node)
     taken_back = s is not None and s.g == s.c and bool(local.op) and s.op == local.op
     if s is None or (s.e != local.e and not taken_back) or not ours(s, run) or s.g <= local.a:
         return None
     shares = dict(budget.shares)
-    shares[node] = Share(local.a, local.a, s.e, 0, op)
+    shares[node] = Share(local.a, local.a, s.e, s.t, op)
     b = replace(budget, shares=shares)
     return Swap(b, Local(s.e, local.a, local.a, local.a, local.limit, local.used_at, local.low))
-
-
-def closed(share: Share) -> bool:
-    """Whether ``share`` was given back: its cap is what its node admitted, and it admits
-    no more (a share taken back for its lease keeps its cap, which its node may still use)."""
-    return share.t == 0 and share.g == share.c
 
 
 def renew(

@@ -954,16 +954,12 @@ class Shares:
         ref = escrow.fund_ref(budget, n)
         # (before a funding, after a return: ``funded`` holds neither in flight)
         unspent, _ = self._unspent(key, budget)
-        # (other nodes' shares not given back may hold some unspent: their grants keep them)
-        elsewhere = sum(
-            s.c for n, s in budget.shares.items() if n != self.node and not escrow.closed(s)
-        )
         if amount < 0:
-            landed = await funder.give(tenant, -amount, ref, unspent, elsewhere)
+            landed = await funder.give(tenant, -amount, ref, unspent)
             self.returns += 1
             self.returned += -amount if landed else 0
         else:
-            landed = await funder.take(tenant, amount, ref, unspent, elsewhere)
+            landed = await funder.take(tenant, amount, ref, unspent)
             self.fundings += 1
         for _ in range(MAX_ATTEMPTS):
             version, stored = await self._read(key)
@@ -1120,8 +1116,10 @@ class Shares:
                 )
             except Exception:  # (the next pools must still be looked at)
                 log.exception("credit pool of %r: giving expired credits back failed", key[0])
-            if again is None or key not in self.local:
-                self._expiry.pop(key, None)  # (looked at again once it holds a share again)
+            if again is None or (key not in self.local and again > now + self.lease_ms / 1000):
+                # (nothing left to look at soon, and no share here: looked at again once it
+                # holds one; a look to finish a lease later is kept)
+                self._expiry.pop(key, None)
             else:
                 self._expiry[key] = again
             self._forget_lock(key)
