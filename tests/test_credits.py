@@ -513,6 +513,20 @@ async def test_a_return_left_in_flight_by_a_crash_lands_once(crash: str) -> None
     assert state["available"] == 5_000 - 20  # 20 spent, nothing lost, nothing twice
 
 
+async def _expiring_grant(
+    storage: MemoryStorage, first: int = 0
+) -> tuple[list[float], LedgerStore, LedgerFunder, int]:
+    """A ledger on ``storage`` under a settable clock: a grant of ``first`` credits that
+    never expires (none if 0), then one of 500 at priority 5 that expires in 5 s."""
+    clock = [1_800_000_000.0]
+    book = LedgerStore(storage, clock=lambda: clock[0])
+    expires = int(clock[0]) + 5
+    if first:
+        await book.apply("acme", ledger_model.credit(first, "g1"))
+    await book.apply("acme", ledger_model.credit(500, "g2", priority=5, expires_at=expires))
+    return clock, book, LedgerFunder(book), expires
+
+
 async def test_a_busy_pool_gives_back_the_credits_of_an_expired_grant_it_holds() -> None:
     """The pool keeps its grants' expiry while in use: the upkeep pass after a grant's expiry
     gives back this node's share (its unused cap) and then the pool's unshared credits of
@@ -520,12 +534,7 @@ async def test_a_busy_pool_gives_back_the_credits_of_an_expired_grant_it_holds()
     is lost or counted twice; the other grant's credits are spent on."""
     storage = MemoryStorage()
     key = pool_key("acme")
-    clock = [1_800_000_000.0]
-    book = LedgerStore(storage, clock=lambda: clock[0])
-    funder = LedgerFunder(book)
-    expires = int(clock[0]) + 5
-    await book.apply("acme", ledger_model.credit(1_000, "g1"))
-    await book.apply("acme", ledger_model.credit(500, "g2", priority=5, expires_at=expires))
+    clock, book, funder, expires = await _expiring_grant(storage, first=1_000)
     a = Shares(storage, "a", lease_ms=10_000, clock=lambda: clock[0], funder=funder)
     a.fund_chunk = 800
     spent = 0
@@ -618,11 +627,7 @@ async def test_every_node_holding_a_share_of_a_pool_looks_for_expired_credits() 
     the grant in the pool expires. Nothing is lost or counted twice."""
     storage = RacingStorage()
     key = pool_key("acme")
-    clock = [1_800_000_000.0]
-    book = LedgerStore(storage, clock=lambda: clock[0])
-    funder = LedgerFunder(book)
-    expires = int(clock[0]) + 5
-    await book.apply("acme", ledger_model.credit(500, "g1", priority=5, expires_at=expires))
+    clock, book, funder, expires = await _expiring_grant(storage)
 
     def node(name: str) -> Shares:
         return Shares(storage, name, lease_ms=10_000, clock=lambda: clock[0], funder=funder)

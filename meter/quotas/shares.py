@@ -889,16 +889,14 @@ class Shares:
         gave = False
         async with self._lock(key):
             for _ in range(MAX_ATTEMPTS):
-                version, budget = await self._read(key)
+                settled = await self._settled(key, funder)
                 now = self.clock()
                 later = now + self.lease_ms / 1000
-                if budget is None or budget.funded is None:
-                    return None
-                settled = await self._settled(key, version, budget, funder)
                 if settled is None:
                     return later
                 version, budget = settled
-                assert budget.funded is not None
+                if budget is None or budget.funded is None:
+                    return None
                 unspent, _ = self._unspent(key, budget)
                 gone, next_due = await funder.expired_in_pool(tenant, unspent)
                 due = now + RETURN_BACKOFF_MAX * self.lease_ms / 1000
@@ -927,14 +925,13 @@ class Shares:
                 return due if landed and gone == amount else later
             return self.clock() + self.lease_ms / 1000
 
-    async def _settled(
-        self, key: Key, version: int, budget: Budget, funder: Funder
-    ) -> tuple[int, Budget] | None:
-        """``key``'s pool record (``budget`` at ``version``) with no funding or return in
-        flight: itself, or read again after finishing the one in flight if it is this
-        process's or two leases old (lock held); ``None`` while another node's young one
-        is, or the record is gone."""
-        if budget.fund is None:
+    async def _settled(self, key: Key, funder: Funder) -> tuple[int, Budget | None] | None:
+        """``key``'s pool record and its version, with no funding or return in flight: as
+        read, or read again after finishing the one in flight if it is this process's or two
+        leases old (lock held); ``None`` while another node's young one is, or the record is
+        gone meanwhile. A record that is no pool (``None``, or no ``funded``) as read."""
+        version, budget = await self._read(key)
+        if budget is None or budget.fund is None:
             return version, budget
         n, amount, started = budget.fund
         if (key, n) not in self._funding and self.clock() * 1000 - started < 2 * self.lease_ms:
@@ -980,13 +977,12 @@ class Shares:
         before the ledger is credited under its ref, so a crash between the two is finished
         by the next node, once."""
         async with self._lock(key):
-            version, budget = await self._read(key)
-            if budget is None or budget.funded is None:
-                return True
-            settled = await self._settled(key, version, budget, funder)
+            settled = await self._settled(key, funder)
             if settled is None:
                 return False
             version, budget = settled
+            if budget is None or budget.funded is None:
+                return True
             now_ms = int(self.clock() * 1000)
             unshared = budget.funded is not None and budget.funded > budget.granted
             if not unshared and not any(s.g > s.c for s in budget.shares.values()):
