@@ -73,6 +73,8 @@ class StorageConfig:
 #: Distinct tenants one node may watch, every connection together: each tick reads each
 #: watched tenant's loaded counters (the ``max_watched_tenants`` setting's default).
 MAX_WATCHED_TENANTS = 1024
+#: Longest ``period_grace_s``: ten years (late calls reach back that far at most).
+MAX_PERIOD_GRACE_S = 3650 * 86400
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,9 @@ class CounterConfig:
 
     #: Feature -> period kind; features not listed count per UTC calendar month.
     feature_periods: Mapping[str, PeriodKind] = field(default_factory=dict)
+    #: A call with ``at`` in an ended period is counted until its end plus this many seconds,
+    #: then refused with ``period_closed`` (docs/protocol.md).
+    period_grace_s: float = 3600.0
     #: Lease of a reservation when the caller gives no ``ttl_ms``.
     reservation_ttl_ms: int = 30_000
     #: Longest lease a caller may ask for.
@@ -434,6 +439,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "retention_days": ("storage", "retention_days", _int(1, 36500)),
     "retention_purge_interval_s": ("storage", "purge_interval_s", _float(0.1, 10**7)),
     "feature_periods": ("counters", "feature_periods", _feature_periods),
+    "period_grace_s": ("counters", "period_grace_s", _float(0, MAX_PERIOD_GRACE_S)),
     "reservation_ttl_ms": ("counters", "reservation_ttl_ms", _int(1, 24 * 3600 * 1000)),
     "evict_after_s": ("counters", "evict_after_s", _float(1, 10**7)),
     "rollover_read_ahead_s": ("counters", "rollover_read_ahead_s", _float(0, 86400)),

@@ -57,6 +57,13 @@ class Conflict(MeterError):
     code = "conflict"
 
 
+class PeriodClosed(MeterError):
+    """A call would count in a period that ended more than ``period_grace_s`` ago; nothing
+    was counted (docs/protocol.md)."""
+
+    code = "period_closed"
+
+
 class Unavailable(MeterError):
     """The node cannot answer truthfully now (storage unreachable, draining); retry later."""
 
@@ -89,6 +96,7 @@ BY_CODE: dict[str, type[MeterError]] = {
         InsufficientBalance,
         NotFound,
         Conflict,
+        PeriodClosed,
         Unavailable,
         Internal,
     )

@@ -59,7 +59,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from tests.support.nodes import NodeProcess, short_tmpdir, wait_for
+from tests.support.nodes import BACKFILL, NodeProcess, short_tmpdir, wait_for
 from tests.test_build import HAS_CC
 from tests.test_fuzz import MAX_FRAME, SEED, TENANTS, Gen, exchange, pack
 
@@ -130,6 +130,7 @@ def _two_nodes(workdir: Path, **env: str) -> Iterator[tuple[NodeProcess, NodePro
         "METER_DURABILITY": "fsync",
         "METER_LOG_LEVEL": "WARNING",
         "METER_RESERVATION_TTL_MS": str(86_400_000),
+        **BACKFILL,  # (the streams give ``at`` anywhere in the past)
         **env,
     }
     with (

@@ -116,6 +116,9 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
         ({"METER_DYNAMODB_TABLE": "my table"}, "dynamodb_table"),
         ({"METER_DYNAMODB_TABLE": "counters/prod"}, "dynamodb_table"),
         ({"METER_DYNAMODB_TABLE": "t" * 256}, "dynamodb_table"),
+        ({"METER_PERIOD_GRACE_S": "-1"}, "period_grace_s"),
+        ({"METER_PERIOD_GRACE_S": "an hour"}, "period_grace_s"),
+        ({"METER_PERIOD_GRACE_S": "315360001"}, "period_grace_s"),
     ],
 )
 def test_bad_settings_name_the_setting(env: dict[str, str], setting: str) -> None:

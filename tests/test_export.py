@@ -24,7 +24,7 @@ from meter.client import Client
 from meter.core.keys import period_start
 from storage.base import Delta, ExportRow, Key
 from storage.sqlite import SQLiteStorage
-from tests.support.nodes import ROOT, NodeProcess, raw_call, wait_for
+from tests.support.nodes import BACKFILL, ROOT, NodeProcess, raw_call, wait_for
 from tests.test_node_process import cli, workdir  # noqa: F401 (workdir: a fixture)
 
 #: 2020-01-15T00:00:00Z: an instant in a month other than the current one.
@@ -46,7 +46,7 @@ def stored_everything(node: NodeProcess) -> bool:
 def test_the_export_method_pages_through_the_nodes_storage(workdir: Path) -> None:  # noqa: F811
     month = period_start("month")
     tracked: Counter[tuple[str, str]] = Counter()
-    with NodeProcess(workdir, METER_FLUSH_INTERVAL_MS="50") as node:
+    with NodeProcess(workdir, METER_FLUSH_INTERVAL_MS="50", **BACKFILL) as node:
         with Client.connect(str(node.socket)) as client:
             items: list[tuple[str, str, int]] = []
             for i in range(230):

@@ -26,6 +26,7 @@ from storage.base import Applied, Delta, Snapshot, StorageError
 from storage.dynamodb import DynamoDBStorage
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
+from tests.support.nodes import BACKFILL_GRACE_S
 
 K = ("acme", "api", "2026-11")
 
@@ -227,7 +228,7 @@ def _config(tmp: Path) -> NodeConfig:
         node_id="n1",
         server=ServerConfig(socket=tmp / "m.sock"),
         flush=FlushConfig(interval_ms=3_600_000),  # rounds are driven by the test
-        counters=CounterConfig(feature_periods={"daily": "day"}),
+        counters=CounterConfig(feature_periods={"daily": "day"}, period_grace_s=BACKFILL_GRACE_S),
     )
 
 

@@ -24,6 +24,7 @@ from meter.errors import (
 )
 from meter.node.wiring import build_service
 from storage.base import Delta, Snapshot
+from tests.support.nodes import BACKFILL_GRACE_S
 from tests.support.stores import DownStorage
 
 
@@ -41,7 +42,8 @@ def store() -> DownStorage:
 
 @pytest.fixture
 def svc(store: DownStorage) -> Service:
-    return build_service(CounterTable("n1"), store, CounterConfig(feature_periods={"daily": "day"}))
+    config = CounterConfig(feature_periods={"daily": "day"}, period_grace_s=BACKFILL_GRACE_S)
+    return build_service(CounterTable("n1"), store, config)
 
 
 async def test_track_counts_and_returns_new_value(svc: Service) -> None:

@@ -22,7 +22,7 @@ from storage.dynamodb import DynamoDBStorage, _ttl
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
 from tests.support.dynamodb_local import free_port
-from tests.support.nodes import NodeProcess, short_tmpdir, wait_for
+from tests.support.nodes import BACKFILL, NodeProcess, short_tmpdir, wait_for
 
 A: Key = ("acme", "a", "2026-11")
 B: Key = ("acme", "b", "2026-11")
@@ -147,7 +147,7 @@ async def test_sqlite_purge_deletes_only_expired_counters(tmp: Path) -> None:
 
 
 def test_the_node_purges_expired_counters_on_its_own(tmp: Path) -> None:
-    with NodeProcess(tmp, METER_RETENTION_PURGE_INTERVAL_S="0.2") as node:
+    with NodeProcess(tmp, METER_RETENTION_PURGE_INTERVAL_S="0.2", **BACKFILL) as node:
         node.call("track", "acme", "old", 1, {"at": 1577836800})  # 2020-01
         node.call("track", "acme", "new", 1)
         db = node.data_dir / "counters.sqlite3"

@@ -36,7 +36,7 @@ from meter.wal import records as R
 from meter.wal.log import WriteAheadLog, list_segments, segment_path
 from meter.wal.replay import Replay
 from storage.memory import MemoryStorage
-from tests.support.nodes import short_tmpdir
+from tests.support.nodes import BACKFILL_GRACE_S, short_tmpdir
 
 KEY = ("acme", "api")
 
@@ -524,11 +524,13 @@ async def test_checkpoints_list_the_warm_keys_of_current_periods_used_first_with
 ) -> None:
     wal = WriteAheadLog(tmp / "wal", node_id="n1")
     table = CounterTable("n1", gossip=False)
-    svc = build_service(table, MemoryStorage(), CounterConfig(warm_up_max_keys=4), wal=wal)
+    config = CounterConfig(warm_up_max_keys=4, period_grace_s=BACKFILL_GRACE_S)
+    svc = build_service(table, MemoryStorage(), config, wal=wal)
     await recover(wal, svc)
     for tenant in "abcd":
         await call(svc, "usage", tenant, "api")
-    await call(svc, "track", "old", "api", 1, {"at": 86400.0})  # January 1970: over
+    ended = time.time() - 40 * 86400  # (a month that has ended, within the grace)
+    await call(svc, "track", "old", "api", 1, {"at": ended})
     table.evict_idle()  # a pass: nothing is idle long enough to go, nothing counts as used
     await call(svc, "usage", "c", "api")  # used since
     month = period_start("month")
@@ -541,7 +543,7 @@ async def test_checkpoints_list_the_warm_keys_of_current_periods_used_first_with
     wal = WriteAheadLog(tmp / "wal", node_id="n1")
     svc = build_service(CounterTable("n1", gossip=False), MemoryStorage(), CounterConfig(), wal=wal)
     # (With the key its STATE restates first: the warm-up passes over its ended period.)
-    expected = [("old", "api", "1970-01"), *((t, "api", month) for t in "zcab")]
+    expected = [("old", "api", period_start("month", ended)), *((t, "api", month) for t in "zcab")]
     assert await recover(wal, svc) == expected
     await wal.close()
 

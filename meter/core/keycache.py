@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 
 from meter.core.keys import Key, PeriodKind, check_feature, check_tenant, period_start
 from meter.core.periods import next_keys, period_end
-from meter.errors import InvalidArgument
+from meter.errors import InvalidArgument, PeriodClosed
 
 #: Most levels of a tenant name with the tenant hierarchy on (``a/b/c/d``).
 MAX_LEVELS = 4
@@ -26,9 +26,11 @@ NAME_CACHE_SIZE = 262_144
 class KeyCache:
     """The keys and names one node has validated (see the module docstring)."""
 
-    def __init__(self, periods: Mapping[str, PeriodKind], hierarchy: bool) -> None:
+    def __init__(self, periods: Mapping[str, PeriodKind], hierarchy: bool, grace_s: float) -> None:
         #: Feature -> its period kind (features not listed count per month).
         self.periods = periods
+        #: A call with ``at`` in an ended period counts until its end plus this (seconds).
+        self.grace_s = grace_s
         #: ``acme/alice`` also counts on ``acme`` (ADR 0008): :meth:`levels` spreads keys.
         self.hierarchy = hierarchy
         # (tenant, feature) -> its validated key in the current period. Valid only within
@@ -79,6 +81,16 @@ class KeyCache:
         f = one_copy(self.features, check_feature(feature))
         period = period_start(self.periods.get(f, "month"), at)
         return (t, f, one_copy(self.period_names, period))
+
+    def check_open(self, key: Key, at: float, now: float) -> None:
+        """Raise :class:`PeriodClosed` if ``key``'s period (the one holding ``at``) ended
+        ``grace_s`` or more before ``now``: a call may count there no more."""
+        closes = period_end(self.periods.get(key[1], "month"), at) + self.grace_s
+        if now >= closes:
+            raise PeriodClosed(
+                f"period {key[2]} of {key[1]!r} closed for calls at {closes:.0f} (its end plus"
+                f" period_grace_s {self.grace_s:g}); nothing counted"
+            )
 
     def tenant(self, tenant: object) -> str:
         """``tenant`` validated, as this node's one copy of the name."""

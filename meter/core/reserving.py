@@ -70,7 +70,8 @@ class Reserving:
         tenant, feature, qty, opts = check_args("reserve", params, 3, 4, ({},))
         o = check_opts("reserve", opts, _RESERVE_OPTS)
         at = o.get("at")
-        key = self.keys.key_for(tenant, feature, None if at is None else check_at(at))
+        at_s = None if at is None else check_at(at)
+        key = self.keys.key_for(tenant, feature, at_s)
         qty = check_qty(qty, allow_negative=False)
         if self.gate.hier and "/" in key[0]:
             raise InvalidArgument(
@@ -91,6 +92,8 @@ class Reserving:
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
                 return entry[1]
+        if at_s is not None:  # (after a retry's answer, as for track)
+            self.keys.check_open(key, at_s, time.time())
         self.fence.check()
         if self.table.is_seeded(key):
             try:

@@ -180,7 +180,8 @@ class Tracking:
         detail = o.get("detail", False)
         if type(detail) is not bool:
             raise InvalidArgument(f"track: detail must be true or false, got {detail!r:.32}")
-        key = self.keys.key_for(tenant, feature, None if at is None else check_at(at))
+        at_s = None if at is None else check_at(at)
+        key = self.keys.key_for(tenant, feature, at_s)
         qty = check_qty(qty)
         idem: tuple[str, int] | None = None
         if rid is not None:
@@ -191,6 +192,8 @@ class Tracking:
             if entry is not None:
                 # A retry: counts nothing, answers as the first call did.
                 return self.gate.detail(key, entry[1], 0) if detail else entry[1]
+        if at_s is not None:  # (after a retry's answer: a counted call stays answered)
+            self.keys.check_open(key, at_s, time.time())
         self.fence.check()
         if detail or (self.gate.gated and self.gate.needs_check(key)):
             return self._track_checked(key, qty, idem, detail)

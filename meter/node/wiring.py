@@ -189,7 +189,7 @@ def assemble(
     config = config or CounterConfig()
     ids = ids if ids is not None else RequestIds()
     fence = Fence(wal)
-    keys = KeyCache(config.feature_periods, config.tenant_hierarchy)
+    keys = KeyCache(config.feature_periods, config.tenant_hierarchy, config.period_grace_s)
     seeder = Seeder(table, storage, chunk=storage.load_chunk, concurrency=storage.load_concurrency)
 
     def fenced() -> str | None:

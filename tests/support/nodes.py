@@ -16,6 +16,10 @@ from typing import IO, Any
 import msgpack
 
 ROOT = Path(__file__).resolve().parents[2]
+#: ``period_grace_s`` for tests that count in fixed past periods (a backfill): ten years.
+BACKFILL_GRACE_S = 3650 * 86400
+#: The same as a node's environment.
+BACKFILL = {"METER_PERIOD_GRACE_S": str(BACKFILL_GRACE_S)}
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
