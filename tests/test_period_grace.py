@@ -5,16 +5,22 @@ answers as it did (docs/protocol.md, "Methods"; correctness L06)."""
 
 from __future__ import annotations
 
+import asyncio
 import calendar
+import inspect
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from meter.config import CounterConfig
 from meter.core.keycache import KeyCache
+from meter.core.table import CounterTable
 from meter.errors import PeriodClosed, from_wire
+from meter.node.wiring import build_service
 from tests.support.nodes import BACKFILL, NodeProcess, raw_call
+from tests.support.stores import SlowStorage
 
 
 def _month_start(now: float) -> int:
@@ -25,22 +31,24 @@ def _month_start(now: float) -> int:
 
 def test_a_period_closes_for_calls_exactly_at_its_end_plus_the_grace() -> None:
     """The boundary, on the node's own check: open one second before the period's end plus
-    the grace, closed at it; a day period closes a day after its start, plus the grace."""
+    the grace, closed at it, for a month and for a day in the middle of it; an instant at
+    the top of the range (December 9999) is open."""
     keys = KeyCache({"api_daily": "day"}, False, 600.0)
-    at = calendar.timegm((2026, 11, 30, 23, 59, 59))
-    end = calendar.timegm((2026, 12, 1, 0, 0, 0))
+    at = calendar.timegm((2026, 11, 14, 12, 0, 0))
+    month_end = calendar.timegm((2026, 12, 1, 0, 0, 0))
+    day_end = calendar.timegm((2026, 11, 15, 0, 0, 0))
     month = keys.key_for("acme", "api", at)
     assert month == ("acme", "api", "2026-11")
-    keys.check_open(month, at, end + 599.0)  # (open)
+    keys.check_open(month, at, month_end + 599.0)  # (open)
     with pytest.raises(PeriodClosed, match="period 2026-11 of 'api' closed"):
-        keys.check_open(month, at, end + 600.0)
+        keys.check_open(month, at, month_end + 600.0)
     day = keys.key_for("acme", "api_daily", at)
-    keys.check_open(day, at, end + 599.0)
-    with pytest.raises(PeriodClosed):
-        keys.check_open(day, at, end + 600.0)
-    # The current period is always open, whatever the grace.
-    now = time.time()
-    KeyCache({}, False, 0.0).check_open(month, now, now)
+    assert day == ("acme", "api_daily", "2026-11-14")
+    keys.check_open(day, at, day_end + 599.0)
+    with pytest.raises(PeriodClosed, match="period 2026-11-14"):
+        keys.check_open(day, at, day_end + 600.0)
+    last = 253402300799.0  # (the largest ``at``: its month ends in the year 10000)
+    keys.check_open(keys.key_for("acme", "api", last), last, time.time())
 
 
 def test_calls_into_a_closed_period_are_refused_and_count_nothing(workdir: Path) -> None:
@@ -84,3 +92,39 @@ def test_a_counted_call_retried_after_its_period_closed_answers_as_it_did(workdi
         error, _ = raw_call(node.socket, "track", "acme", "api", 3, {"at": last_month, "id": "x"})
         assert isinstance(from_wire(error), PeriodClosed), error
         assert node.call("usage", "acme", "api", {"at": last_month}) == 3
+
+
+@pytest.mark.parametrize("method", ["track", "reserve"])
+async def test_a_call_whose_period_closes_while_its_key_loads_is_refused(method: str) -> None:
+    """A call waiting for its key to load when its period closes is refused after the wait,
+    like its retry that arrived after the close: both say ``period_closed`` and nothing is
+    counted (a retry must never be told "not counted" about a call that then counts)."""
+    now = time.time()
+    last_month = _month_start(now) - 1
+    closes_in = 1.0
+    grace = now - _month_start(now) + closes_in  # (last month closes for calls in a second)
+    store = SlowStorage()
+    svc = build_service(CounterTable("n1"), store, CounterConfig(period_grace_s=grace))
+    store.release.clear()
+    args = ["acme", "api", 4, {"at": last_month, "id": "late"}]
+    first = svc.dispatch(method, args)
+    assert inspect.isawaitable(first)
+    waiting = asyncio.ensure_future(first)
+    await asyncio.wait_for(store.reading.wait(), 5)
+    deadline = time.monotonic() + 10
+    early = []  # (retries sent while the period was open: they wait on the same load)
+    while True:  # (until the period has closed: a retry is refused at once)
+        try:
+            retry = svc.dispatch(method, args)
+        except PeriodClosed:
+            break
+        assert inspect.isawaitable(retry)
+        early.append(asyncio.ensure_future(retry))
+        assert time.monotonic() < deadline, "the period did not close"
+        await asyncio.sleep(0.05)
+    store.release.set()
+    for call in [waiting, *early]:
+        with pytest.raises(PeriodClosed):
+            await call
+    got = svc.dispatch("usage", ["acme", "api", {"at": last_month}])
+    assert (await got if inspect.isawaitable(got) else got) == 0

@@ -85,6 +85,8 @@ class KeyCache:
     def check_open(self, key: Key, at: float, now: float) -> None:
         """Raise :class:`PeriodClosed` if ``key``'s period (the one holding ``at``) ended
         ``grace_s`` or more before ``now``: a call may count there no more."""
+        if at + self.grace_s >= now:
+            return  # (its period ends after ``at``: open, whatever its kind; no date math)
         closes = period_end(self.periods.get(key[1], "month"), at) + self.grace_s
         if now >= closes:
             raise PeriodClosed(

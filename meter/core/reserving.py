@@ -100,10 +100,16 @@ class Reserving:
                 return self._reserve_now(key, qty, limit, ttl_ms, idem)
             except Short:
                 pass  # the strict share needs room first: _reserve_cold makes it
-        return self._reserve_cold(key, qty, limit, ttl_ms, idem)
+        return self._reserve_cold(key, qty, limit, ttl_ms, idem, at_s)
 
     async def _reserve_cold(
-        self, key: Key, qty: int, limit: int | None, ttl_ms: int, idem: tuple[str, int] | None
+        self,
+        key: Key,
+        qty: int,
+        limit: int | None,
+        ttl_ms: int,
+        idem: tuple[str, int] | None,
+        at: float | None,
     ) -> str:
         if not self.table.is_seeded(key):
             await self.seeder.seed(key)
@@ -112,6 +118,8 @@ class Reserving:
                 entry = self.ids.lookup(idem[0], idem[1], time.time())
                 if entry is not None:
                     return cast(str, entry[1])
+            if at is not None:  # (after each wait: its period may have closed meanwhile)
+                self.keys.check_open(key, at, time.time())
             self.fence.check()
             try:
                 return self._reserve_now(key, qty, limit, ttl_ms, idem)

@@ -159,7 +159,7 @@ class Tracking:
             gate = self.gate
             if gate.gated and gate.needs_check(key):
                 fence.check()
-                return self._track_checked(key, qty, None, False)
+                return self._track_checked(key, qty, None, False, None)
             wal = self.wal
             if wal is None:
                 value = self.table.try_incr(key, qty)
@@ -196,12 +196,14 @@ class Tracking:
             self.keys.check_open(key, at_s, time.time())
         self.fence.check()
         if detail or (self.gate.gated and self.gate.needs_check(key)):
-            return self._track_checked(key, qty, idem, detail)
+            return self._track_checked(key, qty, idem, detail, at_s)
         if self.table.is_seeded(key):
             return self._count(key, qty, idem)
-        return self._track_cold(key, qty, idem)
+        return self._track_cold(key, qty, idem, at_s)
 
-    async def _track_cold(self, key: Key, qty: int, idem: tuple[str, int] | None) -> int | None:
+    async def _track_cold(
+        self, key: Key, qty: int, idem: tuple[str, int] | None, at: float | None = None
+    ) -> int | None:
         if not self.table.is_seeded(key):
             await self.seeder.seed(key)
         if idem is not None:
@@ -209,25 +211,34 @@ class Tracking:
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
                 return cast(int | None, entry[1])
+        if at is not None:  # (its period may have closed while it waited)
+            self.keys.check_open(key, at, time.time())
         if self.gate.gated and self.gate.needs_check(key):  # a limit was set meanwhile
-            value = await self._track_checked_cold(self.keys.levels(key), qty, idem, False)
+            value = await self._track_checked_cold(self.keys.levels(key), qty, idem, False, at)
             return cast(int | None, value)
         self.fence.check()
         # Counted whether or not seeding worked: usage is never dropped. An unseeded key
         # answers None, because its total is not known.
         return self._count(key, qty, idem)
 
-    def _track_checked(self, key: Key, qty: int, idem: tuple[str, int] | None, detail: bool) -> Any:
+    def _track_checked(
+        self, key: Key, qty: int, idem: tuple[str, int] | None, detail: bool, at: float | None
+    ) -> Any:
         keys = self.keys.levels(key)
         if all(self.table.is_seeded(k) for k in keys):
             try:
                 return self._count_checked(keys, qty, idem, detail)
             except Short:
                 pass  # a strict share needs more room: one storage write, below
-        return self._track_checked_cold(keys, qty, idem, detail)
+        return self._track_checked_cold(keys, qty, idem, detail, at)
 
     async def _track_checked_cold(
-        self, keys: list[Key], qty: int, idem: tuple[str, int] | None, detail: bool
+        self,
+        keys: list[Key],
+        qty: int,
+        idem: tuple[str, int] | None,
+        detail: bool,
+        at: float | None = None,
     ) -> Any:
         # Every level is seeded before any is checked: a level's limit is checked against
         # its stored total, not against what this node happens to hold.
@@ -237,6 +248,8 @@ class Tracking:
                 entry = self.ids.lookup(idem[0], idem[1], time.time())
                 if entry is not None:
                     return self.gate.detail(keys[0], entry[1], 0) if detail else entry[1]
+            if at is not None:  # (after each wait: its period may have closed meanwhile)
+                self.keys.check_open(keys[0], at, time.time())
             self.fence.check()
             try:
                 return self._count_checked(keys, qty, idem, detail)
