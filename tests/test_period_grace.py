@@ -62,6 +62,9 @@ def test_calls_into_a_closed_period_are_refused_and_count_nothing(workdir: Path)
         assert isinstance(from_wire(error), PeriodClosed), error
         error, _ = raw_call(node.socket, "reserve", "acme", "api", 5, {"at": last_month})
         assert isinstance(from_wire(error), PeriodClosed), error
+        error, _ = raw_call(node.socket, "check", "acme", "api", 5, {"at": last_month})
+        assert isinstance(from_wire(error), PeriodClosed), error  # (as the track would be)
+        assert node.call("check", "acme", "api", 5, {"at": now})["allowed"] is True
         assert node.call("usage_all", "acme", {"at": last_month}) == {}  # (no trace)
         assert node.call("usage", "acme", "api", {"at": last_month}) == 0
         assert node.call("track", "acme", "api", 2, {"at": now}) == 2

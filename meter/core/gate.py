@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -271,8 +272,11 @@ class Gate:
         """The ``check`` method: what a track of ``qty`` would do now, changing nothing."""
         tenant, feature, qty, opts = check_args("check", params, 2, 4, (1, {}))
         at = check_opts("check", opts, _CHECK_OPTS).get("at")
-        key = self.keys.key_for(tenant, feature, None if at is None else check_at(at))
+        at_s = None if at is None else check_at(at)
+        key = self.keys.key_for(tenant, feature, at_s)
         qty = check_qty(qty)
+        if at_s is not None:  # (as a track would be refused there)
+            self.keys.check_open(key, at_s, time.time())
         keys = self.keys.levels(key)
         if all(self.table.is_seeded(k) for k in keys) and not self.strict_short(keys, qty):
             return self.check_levels(keys, qty)
