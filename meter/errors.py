@@ -58,7 +58,7 @@ class Conflict(MeterError):
 
 
 class PeriodClosed(MeterError):
-    """A call would count in a period that ended more than ``period_grace_s`` ago; nothing
+    """A call would count in a period that ended ``period_grace_s`` or more ago; nothing
     was counted (docs/protocol.md)."""
 
     code = "period_closed"
