@@ -82,32 +82,44 @@ def test_the_default_grace_refuses_a_call_weeks_late(workdir: Path) -> None:
 
 
 def test_a_counted_call_retried_after_its_period_closed_answers_as_it_did(workdir: Path) -> None:
-    """A call counted under an id while last month was open, retried under the same id after
-    a restart with no grace, answers as it did and counts nothing more; a new call there is
-    refused."""
+    """A track and a reserve made under ids while last month was open, retried under the
+    same ids after a restart with no grace, answer as they did and count nothing more; a new
+    call there is refused."""
     last_month = _month_start(time.time()) - 1
     first = NodeProcess(workdir, **BACKFILL)
     with first as node:
         assert node.call("track", "acme", "api", 3, {"at": last_month, "id": "late-1"}) == 3
+        held = node.call("reserve", "acme", "api", 2, {"at": last_month, "id": "late-2"})
+        before = node.call("usage", "acme", "api", {"at": last_month})  # (3, and 2 reserved)
     again = NodeProcess(workdir, METER_PERIOD_GRACE_S="0")
     with again as node:
         assert node.call("track", "acme", "api", 3, {"at": last_month, "id": "late-1"}) == 3
+        assert node.call("reserve", "acme", "api", 2, {"at": last_month, "id": "late-2"}) == held
         error, _ = raw_call(node.socket, "track", "acme", "api", 3, {"at": last_month, "id": "x"})
         assert isinstance(from_wire(error), PeriodClosed), error
-        assert node.call("usage", "acme", "api", {"at": last_month}) == 3
+        assert node.call("usage", "acme", "api", {"at": last_month}) == before
 
 
-@pytest.mark.parametrize("method", ["track", "reserve"])
-async def test_a_call_whose_period_closes_while_its_key_loads_is_refused(method: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "limited"), [("track", False), ("track", True), ("reserve", False)]
+)
+async def test_a_call_whose_period_closes_while_its_key_loads_is_refused(
+    method: str, limited: bool
+) -> None:
     """A call waiting for its key to load when its period closes is refused after the wait,
     like its retry that arrived after the close: both say ``period_closed`` and nothing is
-    counted (a retry must never be told "not counted" about a call that then counts)."""
+    counted (a retry must never be told "not counted" about a call that then counts); under
+    a limit too (the checked path). In process, on the node's request path."""
     now = time.time()
     last_month = _month_start(now) - 1
     closes_in = 1.0
     grace = now - _month_start(now) + closes_in  # (last month closes for calls in a second)
     store = SlowStorage()
     svc = build_service(CounterTable("n1"), store, CounterConfig(period_grace_s=grace))
+    if limited:
+        done = svc.dispatch("set_limit", ["acme", "api", {"limit": 1_000}])
+        if inspect.isawaitable(done):
+            await done
     store.release.clear()
     args = ["acme", "api", 4, {"at": last_month, "id": "late"}]
     first = svc.dispatch(method, args)
