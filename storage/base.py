@@ -171,12 +171,17 @@ class BadItems(StoragePermanentError):
 
 @dataclass(frozen=True, slots=True)
 class ExportRow:
-    """One stored counter as an export reads it: whose, what, when, and its stored total."""
+    """One stored counter as an export reads it: whose, what, when, and its stored total.
+
+    As storage reads it, ``feature`` is the counter's name (a dimension counter's too); the
+    node's ``export`` answers a dimension counter as its feature and ``dims``, its dimension
+    values (docs/dimensions.md)."""
 
     tenant: str
     feature: str
     period: str
     total: int
+    dims: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +290,9 @@ class Counters(Protocol):
     ) -> dict[Key, Applied | StorageError]: ...
     async def load(self, keys: Sequence[Key]) -> dict[Key, Snapshot]: ...
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]: ...
+    async def list_between(
+        self, tenant: str, period: str, first: str, last: str
+    ) -> dict[str, Snapshot]: ...
     async def export_page(self, period: str, cursor: str | None, limit: int) -> ExportPage: ...
     def export(self, period: str, page_size: int = ...) -> AsyncIterator[ExportPage]: ...
     async def purge_expired(self, now: float | None = None) -> int: ...
@@ -408,6 +416,15 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         """Every stored counter of ``tenant`` in ``period``, by feature."""
+
+    async def list_between(
+        self, tenant: str, period: str, first: str, last: str
+    ) -> dict[str, Snapshot]:
+        """Every stored counter of ``tenant`` in ``period`` whose feature lies in ``first`` ..
+        ``last`` (inclusive, by code point), by feature: one range read where the backend has
+        one (a feature and its dimension counters, docs/dimensions.md)."""
+        listed = await self.list_period(tenant, period)
+        return {f: snap for f, snap in listed.items() if first <= f <= last}
 
     @abc.abstractmethod
     async def export_page(self, period: str, cursor: str | None, limit: int) -> ExportPage:

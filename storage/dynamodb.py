@@ -911,13 +911,32 @@ class DynamoDBStorage(Storage):
         raise StorageUnavailable(f"dynamodb: {len(request[self.table]['Keys'])} keys unprocessed")
 
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
+        return await self._list(tenant, period, None)
+
+    async def list_between(
+        self, tenant: str, period: str, first: str, last: str
+    ) -> dict[str, Snapshot]:
+        """One Query: ``sk BETWEEN "<period>#<first>" AND "<period>#<last>"``."""
+        return await self._list(tenant, period, (first, last))
+
+    async def _list(
+        self, tenant: str, period: str, between: tuple[str, str] | None
+    ) -> dict[str, Snapshot]:
         _check_period(period)
         prefix = period + "#"
         pk, _ = _item_key((tenant, "", period))
+        values: dict[str, Any] = {":pk": {"S": pk}}
+        if between is None:
+            condition = "pk = :pk AND begins_with(sk, :p)"
+            values[":p"] = {"S": prefix}
+        else:
+            condition = "pk = :pk AND sk BETWEEN :lo AND :hi"
+            values[":lo"] = {"S": prefix + between[0]}
+            values[":hi"] = {"S": prefix + between[1]}
         query: dict[str, Any] = {
             "TableName": self.table,
-            "KeyConditionExpression": "pk = :pk AND begins_with(sk, :p)",
-            "ExpressionAttributeValues": {":pk": {"S": pk}, ":p": {"S": prefix}},
+            "KeyConditionExpression": condition,
+            "ExpressionAttributeValues": values,
             "ConsistentRead": True,
         }
         if self.page_size is not None:

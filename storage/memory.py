@@ -156,6 +156,15 @@ class MemoryStorage(Storage):
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         return {f: s for (t, f, p), s in self.items.items() if t == tenant and p == period}
 
+    async def list_between(
+        self, tenant: str, period: str, first: str, last: str
+    ) -> dict[str, Snapshot]:
+        return {
+            f: s
+            for (t, f, p), s in self.items.items()
+            if t == tenant and p == period and first <= f <= last
+        }
+
     async def export_page(self, period: str, cursor: str | None, limit: int) -> ExportPage:
         check_period(period)
         check_export_limit(limit)

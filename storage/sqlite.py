@@ -374,6 +374,12 @@ class SQLiteStorage(Storage):
         """Every stored counter of ``tenant`` in ``period``: one primary-key range scan."""
         return await self._run(lambda: self._list_sync(tenant, period))
 
+    async def list_between(
+        self, tenant: str, period: str, first: str, last: str
+    ) -> dict[str, Snapshot]:
+        """One range of the ``counters`` primary key: ``(tenant, period, first..last)``."""
+        return await self._run(lambda: self._list_sync(tenant, period, (first, last)))
+
     # -- history (docs/history.md) -------------------------------------------------------------
 
     async def day_buckets(self, tenant: str, feature: str, first: str, last: str) -> dict[str, int]:
@@ -1181,13 +1187,17 @@ class SQLiteStorage(Storage):
             raise BadItems(out, bad)
         return out
 
-    def _list_sync(self, tenant: str, period: str) -> dict[str, Snapshot]:
+    def _list_sync(
+        self, tenant: str, period: str, between: tuple[str, str] | None = None
+    ) -> dict[str, Snapshot]:
         conn = self._connection()
+        sql = "SELECT feature, total, seqs FROM counters WHERE tenant = ? AND period = ?"
+        args: tuple[str, ...] = (tenant, period)
+        if between is not None:
+            sql += " AND feature BETWEEN ? AND ?"
+            args += between
         try:
-            rows = conn.execute(
-                "SELECT feature, total, seqs FROM counters WHERE tenant = ? AND period = ?",
-                (tenant, period),
-            ).fetchall()
+            rows = conn.execute(sql, args).fetchall()
             return {feature: _snapshot(total, seqs) for feature, total, seqs in rows}
         except sqlite3.Error as exc:
             raise _map(exc, f"listing {tenant}/{period} in {self.path}") from exc

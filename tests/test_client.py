@@ -553,7 +553,7 @@ async def test_async_msgid_skips_ids_still_waiting(aclient: AsyncClient, rec: Re
 
 async def test_blocking_msgid_wraps(server: RpcServer, path: str) -> None:
     def go(c: Client) -> list[Any]:
-        c._next = 2**32 - 2
+        c._msgids[0] = 2**32 - 2
         out = [c.call("echo", i) for i in range(3)]
         out += c.pipeline([("echo", [i]) for i in range(3, 6)])
         return out

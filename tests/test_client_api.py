@@ -170,10 +170,15 @@ class _RecordingAsyncClient(AsyncClient):
 DETAIL = {"allowed": True, "value": 13}
 VERSION = {"version": 3}
 ENTRY = {"seq": 1}
-WIRE_ROWS = {"rows": [["t0", "old", "2020-01", "9"]], "cursor": None}
+WIRE_ROWS = {
+    "rows": [["t0", "old", "2020-01", "9"], ["t0", "old", "2020-01", 4, {"m": "x"}]],
+    "cursor": None,
+}
 
 #: (method, args, kwargs, the node's answer, what is sent: (method, params, resend), what
 #: the method returns). With ``auto_ids=False``: the ids are the test's own.
+GROUPS = {"total": 3, "groups": [{"dims": {"m": "x"}, "value": 3}]}
+FEATURE = {"feature": "f", "aggregation": "sum", "dimensions": ["m"], "max_combinations": 9}
 SAMPLES: list[tuple[str, tuple[Any, ...], dict[str, Any], Any, tuple[Any, ...], Any]] = [
     ("track", ("a", "f"), {}, 4, ("track", ["a", "f", 1], False), 4),
     ("track", ("a", "f", 2), {"id": "r1", "at": 5, "x": None}, None,
@@ -196,15 +201,29 @@ SAMPLES: list[tuple[str, tuple[Any, ...], dict[str, Any], Any, tuple[Any, ...], 
     ("release", ("res",), {"id": "r1"}, None, ("release", ["res", {"id": "r1"}], True), None),
     ("usage", ("a", "f"), {"at": 5}, 7, ("usage", ["a", "f", {"at": 5}], True), 7),
     ("usage_all", ("a",), {}, {"f": 1}, ("usage_all", ["a"], True), {"f": 1}),
+    ("usage_by", ("a", "f", ["m"]), {"at": 5}, GROUPS,
+     ("usage", ["a", "f", {"at": 5, "group_by": ["m"]}], True), GROUPS),
+    ("usage", ("a", "f"), {"where": {"m": "x"}}, 2,
+     ("usage", ["a", "f", {"where": {"m": "x"}}], True), 2),
+    ("track", ("a", "f", 2), {"dims": {"m": "x"}}, 5,
+     ("track", ["a", "f", 2, {"dims": {"m": "x"}}], False), 5),
+    ("track_many", ([("a", "f", 1, {"id": "r1", "dims": {"m": "x"}}), ("a", "f", 2, {})],), {},
+     [1, 3], ("track_many", [[["a", "f", 1, {"dims": {"m": "x"}, "id": "r1"}],
+                              ["a", "f", 2]]], False), [1, 3]),
     ("history", ("a", "f", "2026-01-01"), {}, [["2026-01-01", "3"]],
      ("history", ["a", "f", {"from": "2026-01-01", "granularity": "day"}], True),
+     [("2026-01-01", 3)]),
+    ("history", ("a", "f"), {"where": {"m": "x"}}, [["2026-01-01", "3"]],
+     ("history", ["a", "f", {"granularity": "day", "where": {"m": "x"}}], True),
      [("2026-01-01", 3)]),
     ("ping", (), {}, "pong", ("ping", [], True), "pong"),
     ("status", (), {}, {"node_id": "n"}, ("status", [], True), {"node_id": "n"}),
     ("unsubscribe", ("a",), {}, True, ("unsubscribe", ["a"], True), True),
     ("unsubscribe_alerts", (), {}, False, ("unsubscribe_alerts", [], True), False),
     ("export_page", ("2020-01",), {"limit": 7}, WIRE_ROWS,
-     ("export", ["2020-01", {"limit": 7}], True), ([StoredRow("t0", "old", "2020-01", 9)], None)),
+     ("export", ["2020-01", {"limit": 7}], True),
+     ([StoredRow("t0", "old", "2020-01", 9), StoredRow("t0", "old", "2020-01", 4, {"m": "x"})],
+      None)),
     ("check", ("a", "f"), {}, DETAIL, ("check", ["a", "f", 1], True), DETAIL),
     ("set_plan", ("free", {"f": {"limit": 1}}), {}, VERSION,
      ("set_plan", ["free", {"f": {"limit": 1}}], True), 3),
@@ -212,7 +231,17 @@ SAMPLES: list[tuple[str, tuple[Any, ...], dict[str, Any], Any, tuple[Any, ...], 
     ("set_limit", ("a", "f", 10), {"alerts": [80]}, VERSION,
      ("set_limit", ["a", "f", {"limit": 10, "kind": "hard", "enforcement": "fast",
                                "alerts": [80]}], True), 3),
+    ("set_limit", ("a", "f", 10), {"where": {"m": "x"}}, VERSION,
+     ("set_limit", ["a", "f", {"limit": 10, "kind": "hard", "enforcement": "fast",
+                               "where": {"m": "x"}}], True), 3),
     ("clear_limit", ("a", "f"), {}, VERSION, ("clear_limit", ["a", "f"], True), 3),
+    ("clear_limit", ("a", "f"), {"where": {"m": "x"}}, VERSION,
+     ("clear_limit", ["a", "f", {"where": {"m": "x"}}], True), 3),
+    ("set_feature", ("f",), {"dimensions": ["m"]}, FEATURE,
+     ("set_feature", ["f", {"dimensions": ["m"]}], True), FEATURE),
+    ("set_feature", ("f",), {"aggregation": "sum", "max_combinations": 9}, FEATURE,
+     ("set_feature", ["f", {"aggregation": "sum", "max_combinations": 9}], True), FEATURE),
+    ("get_feature", ("f",), {}, FEATURE, ("get_feature", ["f"], True), FEATURE),
     ("limits", ("a",), {}, {"plan": None}, ("limits", ["a"], True), {"plan": None}),
     ("grant", ("a", 5), {"ref": "g1", "priority": 2}, ENTRY,
      ("grant", ["a", 5, {"ref": "g1", "priority": 2}], True), ENTRY),

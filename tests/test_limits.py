@@ -240,7 +240,7 @@ async def test_plans_assignments_and_overrides_round_trip(client: AsyncClient) -
             "invalid_argument",
             SOFT_STRICT,
         ),
-        ("clear_limit", ["acme"], "invalid_argument", "takes 2 params"),
+        ("clear_limit", ["acme"], "invalid_argument", "takes 2 to 3 params"),
         ("clear_limit", ["acme", ""], "invalid_argument", "feature must not be empty"),
         ("limits", [], "invalid_argument", "takes 1 params"),
         ("limits", [b"\xff"], "invalid_argument", "not valid UTF-8"),

@@ -197,6 +197,26 @@ async def test_list_period_only_that_tenant_and_period(storage: Storage) -> None
     assert await storage.list_period("ghost", "2026-11") == {}
 
 
+async def test_list_between_reads_one_range_of_features(storage: Storage) -> None:
+    """A feature and the names that sort right after it (its dimension counters,
+    docs/dimensions.md): one range read, with nothing of other features, periods or tenants,
+    and names holding ``#``, ``=`` and non-ASCII kept whole."""
+    f, last = "tok", "tok\x1f\U0010ffff"
+    names = ["tok", "tok\x1emodel=a#b\x1fregion=é", "tok\x1fmodel=a#b", "tok\x1fregion=é"]
+    outside = ["to", "tok-2", "tok2", "toka", "tok.x"]
+    writes: list[Key] = [("acme", n, "2026-11") for n in [*names, *outside]]
+    writes += [("acme", "tok\x1fmodel=a#b", "2026-12"), ("acme2", "tok", "2026-11")]
+    for i, key in enumerate(writes, start=1):
+        await _ok(storage, "n1", key, 1, i)
+    got = await storage.list_between("acme", "2026-11", f, last)
+    assert got == {n: Snapshot(i, {"n1": 1}) for i, n in enumerate(names, start=1)}
+    assert await storage.list_between("acme", "2026-11", "tok\x1e", last) == {
+        n: got[n] for n in names[1:]
+    }
+    assert await storage.list_between("acme", "2027-01", f, last) == {}
+    assert await storage.list_between("ghost", "2026-11", f, last) == {}
+
+
 async def test_batch_with_many_keys(storage: Storage) -> None:
     keys: list[Key] = [("acme", f"f{i}", "2026-11") for i in range(300)]
     out = await storage.apply("n1", [Delta(k, 1, i) for i, k in enumerate(keys)])

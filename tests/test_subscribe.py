@@ -327,7 +327,7 @@ def test_a_subscriber_that_catches_up_gets_each_counters_latest_value(node: Node
     items: list[TrackItem] = [("acme", f, 1) for f in features]
     with Client.connect(node.socket, timeout=10) as c, Client.connect(node.socket) as w:
         c.track_many(items)
-        w._ensure().setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        w._ensure().sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         w.subscribe("acme", timeout=2)
         # Not read meanwhile: rounds of changes, each seen by a tick of its own, until a
         # newer value replaced one waiting (the socket's buffers full), however fast the

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import random
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ import pytest
 import meter.client
 import meter.client.retry
 from meter.client import Client
+from meter.client.stream import Stream
 from meter.core.protocol import Response
 from meter.errors import MeterError, Unavailable
 from tests.support.fixtures_dynamodb import create_table
@@ -124,10 +124,10 @@ class CountingClient(Client):
         self.unanswered = 0
         self.floor_at_send = None
 
-    def _exchange(self, sock: socket.socket, method: str, params: list[Any]) -> Response:
+    def _exchange(self, stream: Stream, method: str, params: list[Any]) -> Response:
         self.floor_at_send = self.ledger.snapshot()
         try:
-            resp = super()._exchange(sock, method, params)
+            resp = super()._exchange(stream, method, params)
         except Unavailable:
             self.unanswered += 1
             raise

@@ -31,6 +31,18 @@ COMMANDS = (
 )
 
 
+DIM_HELP = "a dimension value of the call, e.g. model=gpt-4 (repeat for several)"
+WHERE_HELP = "read one dimension value's counter, e.g. model=gpt-4"
+
+
+def pair(text: str, flag: str) -> tuple[str, str]:
+    """``NAME=VALUE`` split at its first ``=``; ValueError names ``flag``."""
+    name, eq, value = text.partition("=")
+    if not eq or not name:
+        raise ValueError(f"{flag} {text!r}: expected NAME=VALUE")
+    return name, value
+
+
 def add_parsers(sub: Any, common: Common) -> None:
     """The counting and reading commands' parsers."""
 
@@ -48,6 +60,7 @@ def add_parsers(sub: Any, common: Common) -> None:
     track.add_argument("qty", nargs="?", type=int, default=1)
     track.add_argument("--at", type=float, help="epoch seconds choosing the period")
     track.add_argument("--id", help=id_help)
+    track.add_argument("--dim", action="append", metavar="NAME=VALUE", help=DIM_HELP)
 
     reserve = client("reserve", "hold units against a limit; prints the reservation id")
     reserve.add_argument("tenant")
@@ -79,6 +92,13 @@ def add_parsers(sub: Any, common: Common) -> None:
     usage.add_argument("tenant")
     usage.add_argument("feature", nargs="?")
     usage.add_argument("--at", type=float, help="epoch seconds choosing the period")
+    usage.add_argument(
+        "--group-by",
+        action="append",
+        metavar="NAME",
+        help="sum the feature by the values of this dimension (repeat for several)",
+    )
+    usage.add_argument("--where", metavar="NAME=VALUE", help=WHERE_HELP)
 
     history = client(
         "history", "a counter's units per UTC day (or month), with a bar chart (docs/history.md)"
@@ -88,6 +108,7 @@ def add_parsers(sub: Any, common: Common) -> None:
     span = history.add_mutually_exclusive_group()
     span.add_argument("--days", type=int, help="the last N days, today included (default 30)")
     span.add_argument("--months", type=int, help="the last N months, this one included")
+    history.add_argument("--where", metavar="NAME=VALUE", help=WHERE_HELP)
 
     client("ping", "ask a node whether it answers (prints pong)")
 
@@ -121,6 +142,15 @@ def prepare(args: argparse.Namespace) -> Prepared | int:
         except MeterError as exc:
             print(f"meter: --id: {exc.message}", file=sys.stderr)
             return 2
+    try:
+        if args.command == "track":
+            for given in args.dim or ():
+                pair(given, "--dim")
+        if args.command in ("usage", "history") and args.where is not None:
+            pair(args.where, "--where")
+    except ValueError as exc:
+        print(f"meter: {exc}", file=sys.stderr)
+        return 2
     items: list[_Item] = []
     if args.command == "track-many":
         # All of the input is read and checked before anything is sent: a typo on line 90,000
@@ -140,6 +170,8 @@ def run(args: argparse.Namespace, client: Client, as_json: bool, prepared: Prepa
     if getattr(args, "at", None) is not None:
         opts["at"] = args.at
     if args.command == "track":
+        if args.dim:
+            opts["dims"] = dict(pair(d, "--dim") for d in args.dim)
         value = client.track(args.tenant, args.feature, args.qty, id=rid, **opts)
         text = NOT_KNOWN if value is None else str(value)
         out(as_json, text, tenant=args.tenant, feature=args.feature, value=value)
@@ -161,14 +193,24 @@ def run(args: argparse.Namespace, client: Client, as_json: bool, prepared: Prepa
         if args.feature is None:
             counters = client.usage_all(args.tenant, **opts)
             out(as_json, _table(counters), tenant=args.tenant, usage=counters)
+        elif args.group_by:
+            if args.where is not None:
+                print("meter: usage: give --where or --group-by, not both", file=sys.stderr)
+                return 2
+            got = client.usage_by(args.tenant, args.feature, args.group_by, **opts)
+            out(as_json, _groups(got, args.group_by), tenant=args.tenant, feature=args.feature,
+                **got)  # fmt: skip
         else:
+            if args.where is not None:
+                opts["where"] = dict([pair(args.where, "--where")])
             value = client.usage(args.tenant, args.feature, **opts)
             out(as_json, str(value), tenant=args.tenant, feature=args.feature, value=value)
     elif args.command == "history":
         from meter.history.days import history_args, render
 
         first, granularity = history_args(args.days, args.months)
-        points = client.history(args.tenant, args.feature, first, None, granularity)
+        where = None if args.where is None else dict([pair(args.where, "--where")])
+        points = client.history(args.tenant, args.feature, first, None, granularity, where=where)
         out(
             as_json,
             render(points),
@@ -182,9 +224,13 @@ def run(args: argparse.Namespace, client: Client, as_json: bool, prepared: Prepa
     elif args.command == "watch":
         for u in client.subscribe(args.tenant, args.features):
             if as_json:
-                line = json.dumps(u._asdict(), sort_keys=True)
+                fields = {"tenant": u.tenant, "feature": u.feature, "value": u.value,
+                          "period": u.period}  # fmt: skip
+                if u.dims:  # (a dimension counter's)
+                    fields["dims"] = dict(u.dims)
+                line = json.dumps(fields, sort_keys=True)
             else:
-                line = f"{u.tenant}\t{u.feature}\t{u.value}\t{u.period}"
+                line = f"{u.tenant}\t{_shown(u.feature, u.dims)}\t{u.value}\t{u.period}"
             print(line, flush=True)
     elif args.command == "alerts":
         for a in client.subscribe_alerts():
@@ -200,11 +246,30 @@ def _alert_line(a: dict[str, Any]) -> str:
         if isinstance(at, int | float)
         else str(at)
     )
+    feature = _shown(str(a.get("feature")), tuple((a.get("dims") or {}).items()))
     return (
-        f"{when}  {a.get('tenant')}/{a.get('feature')} ({a.get('period')}) reached "
+        f"{when}  {a.get('tenant')}/{feature} ({a.get('period')}) reached "
         f"{a.get('threshold')}% of {a.get('limit')}: {a.get('value')} >= "
         f"{a.get('threshold_units')}  id {a.get('id')} (node {a.get('node')})"
     )
+
+
+def _shown(feature: str, dims: tuple[tuple[str, str], ...]) -> str:
+    """A counter as people read it: ``tokens``, ``tokens{model=gpt-4}``."""
+    return feature + "{" + ",".join(f"{n}={v}" for n, v in dims) + "}" if dims else feature
+
+
+def _groups(got: dict[str, Any], names: list[str]) -> str:
+    """A group-by answer as a table: one column per dimension, then the value."""
+    groups: list[dict[str, Any]] = got.get("groups") or []
+    cells = [[("-" if g["dims"].get(n) is None else str(g["dims"][n])) for n in names]
+             + [str(g["value"])] for g in groups]  # fmt: skip
+    head = [n.upper() for n in names] + ["VALUE"]
+    widths = [max(len(r[i]) for r in [head, *cells]) for i in range(len(head))]
+    rows = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in [head, *cells]]  # fmt: skip
+    rows.append(f"total {got.get('total')} ('-': calls that gave no value of it)")
+    return "\n".join(rows)
 
 
 def _table(counters: dict[str, int]) -> str:

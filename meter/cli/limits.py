@@ -31,7 +31,8 @@ def add_parsers(sub: Any, common: Common) -> None:
         "limits",
         nargs="+",
         metavar="FEATURE=LIMIT[:soft|:strict][@PCT,...]",
-        help="e.g. api_calls=100000@80,100 gpu=60:soft credits=500:strict (@: alerts, percent)",
+        help="e.g. api_calls=100000@80,100 gpu=60:soft credits=500:strict (@: alerts, "
+        "percent); 'tokens{model=gpt-4}=5000' limits one dimension value",
     )
     assign = client(psub, "assign", "put a tenant on a plan")
     assign.add_argument("tenant")
@@ -47,6 +48,7 @@ def add_parsers(sub: Any, common: Common) -> None:
     lset.add_argument("limit", type=int)
     lset.add_argument("--soft", action="store_true", help="count past it and report (no refusal)")
     lset.add_argument("--strict", action="store_true", help="zero overshoot, fleet-wide")
+    lset.add_argument("--where", metavar="NAME=VALUE", help=WHERE_LIMIT)
     lset.add_argument(
         "--alert",
         type=int,
@@ -57,6 +59,7 @@ def add_parsers(sub: Any, common: Common) -> None:
     lclear = client(lsub, "clear", "remove a tenant's override (its plan's limit applies again)")
     lclear.add_argument("tenant")
     lclear.add_argument("feature")
+    lclear.add_argument("--where", metavar="NAME=VALUE", help=WHERE_LIMIT)
 
     limits = client(sub, "limits", "show a tenant's effective limits and where each comes from")
     limits.add_argument("tenant")
@@ -67,13 +70,30 @@ def add_parsers(sub: Any, common: Common) -> None:
     check.add_argument("qty", nargs="?", type=int, default=1)
 
 
+WHERE_LIMIT = "limit one dimension value's counter, e.g. model=gpt-4 (docs/dimensions.md)"
+
+
+def _where(text: str | None) -> dict[str, str] | None:
+    """``--where NAME=VALUE``; ValueError if it is not that."""
+    if text is None:
+        return None
+    name, eq, value = text.partition("=")
+    if not eq or not name:
+        raise ValueError(f"--where {text!r}: expected NAME=VALUE")
+    return {name: value}
+
+
 def _parse_plan_limits(words: list[str]) -> dict[str, dict[str, Any]]:
     """``FEATURE=LIMIT[:soft|:hard|:strict][@PCT,PCT...]`` words as a plan's features
     (``strict``: a hard limit enforced strictly); ValueError names a bad one (the node checks
     the percentages' range)."""
     out: dict[str, dict[str, Any]] = {}
     for word in words:
-        feature, eq, rest = word.partition("=")
+        if "{" in word and "}=" in word:  # feature{name=value}=LIMIT: one dimension value
+            cut = word.index("}=") + 1
+            feature, eq, rest = word[:cut], "=", word[cut + 1 :]
+        else:
+            feature, eq, rest = word.partition("=")
         rest, at, pcts = rest.partition("@")
         number, _, kind = rest.partition(":")
         if not eq or not feature or kind not in ("", "soft", "hard", "strict"):
@@ -124,18 +144,30 @@ def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
             kind = "soft" if args.soft else "hard"
             enforcement = "strict" if args.strict else "fast"
             alerts = args.alert or None
+            try:
+                where = _where(args.where)
+            except ValueError as exc:
+                print(f"meter: limit set: {exc}", file=sys.stderr)
+                return 2
             version = client.set_limit(
-                args.tenant, args.feature, args.limit, kind, enforcement, alerts
+                args.tenant, args.feature, args.limit, kind, enforcement, alerts, where=where
             )
-            out(as_json, f"{args.tenant} {args.feature}: {kind} limit {args.limit} "
+            shown = args.feature + (f"{{{args.where}}}" if where else "")
+            out(as_json, f"{args.tenant} {shown}: {kind} limit {args.limit} "
                  f"(limits version {version})", tenant=args.tenant, feature=args.feature,
-                 limit=args.limit, kind=kind, enforcement=enforcement, alerts=alerts or [],
-                 version=version)  # fmt: skip
+                 where=where or {}, limit=args.limit, kind=kind, enforcement=enforcement,
+                 alerts=alerts or [], version=version)  # fmt: skip
         else:
-            version = client.clear_limit(args.tenant, args.feature)
-            out(as_json, f"{args.tenant} {args.feature}: override cleared "
+            try:
+                where = _where(args.where)
+            except ValueError as exc:
+                print(f"meter: limit clear: {exc}", file=sys.stderr)
+                return 2
+            version = client.clear_limit(args.tenant, args.feature, where=where)
+            shown = args.feature + (f"{{{args.where}}}" if where else "")
+            out(as_json, f"{args.tenant} {shown}: override cleared "
                  f"(limits version {version})", tenant=args.tenant, feature=args.feature,
-                 version=version)  # fmt: skip
+                 where=where or {}, version=version)  # fmt: skip
     elif args.command == "limits":
         got = client.limits(args.tenant)
         print(json.dumps(got, sort_keys=True) if as_json else _limits_table(got))

@@ -26,6 +26,7 @@ Request ids and retries (the contract is in docs/protocol.md, "Request ids and r
 The package, by what it holds: :mod:`~meter.client.calls` (the typed methods, defined once
 for both clients: params, request ids, retry kind, answers), :mod:`~meter.client.blocking`
 and :mod:`~meter.client.aio` (each client's transport and its wrappers of the table),
+:mod:`~meter.client.stream` (the blocking client's connection),
 :mod:`~meter.client.retry` (backoff and the reading of answers) and
 :mod:`~meter.client.inbox` (what subscriptions receive). This module only names the public
 ones.
@@ -34,7 +35,7 @@ ones.
 from __future__ import annotations
 
 from meter.client.aio import AsyncClient, _ClientProtocol
-from meter.client.blocking import DEFAULT_TIMEOUT, SIGNAL_CHECK_S, Client
+from meter.client.blocking import DEFAULT_TIMEOUT, Client
 from meter.client.calls import (
     MAX_REQUEST_ID_BYTES,
     Call,
@@ -44,6 +45,7 @@ from meter.client.calls import (
 )
 from meter.client.inbox import MAX_BUFFERED, Usage
 from meter.client.retry import DEFAULT_RETRY_TIMEOUT, RETRY_BACKOFF_MAX, RETRY_BACKOFF_MIN
+from meter.client.stream import SIGNAL_CHECK_S
 from storage.base import ExportRow
 
 __all__ = [

@@ -1,7 +1,11 @@
 """The asyncio client: :class:`AsyncClient`, one Unix socket connection any number of
 tasks call through at once. Its typed methods are the table's (:mod:`meter.client.calls`);
 this module holds the transport (:class:`_ClientProtocol`), the retry loop that sends them,
-and the subscriptions' iterators."""
+and the subscriptions' iterators.
+
+Why one module: the protocol object and the client share one connection's state (pending
+futures, the inbox, the reconnection that makes subscriptions again); the rest is one line
+per method of the table, as in the blocking client."""
 
 from __future__ import annotations
 
@@ -370,6 +374,12 @@ class AsyncClient(Retrying):
         """The counter's value in the current period (or the one containing ``at=``)."""
         return await self._run(calls.USAGE, tenant, feature, opts)
 
+    async def usage_by(
+        self, tenant: str, feature: str, group_by: Sequence[str], **opts: Any
+    ) -> dict[str, Any]:
+        """As :meth:`Client.usage_by`."""
+        return await self._run(calls.USAGE_BY, tenant, feature, group_by, opts)
+
     async def usage_all(self, tenant: str, **opts: Any) -> dict[str, int]:
         """Every feature's value for ``tenant`` in the period."""
         return await self._run(calls.USAGE_ALL, tenant, opts)
@@ -381,9 +391,11 @@ class AsyncClient(Retrying):
         first: str | None = None,
         last: str | None = None,
         granularity: str = "day",
+        *,
+        where: Mapping[str, str] | None = None,
     ) -> list[tuple[str, int]]:
         """As :meth:`Client.history`."""
-        return await self._run(calls.HISTORY, tenant, feature, first, last, granularity)
+        return await self._run(calls.HISTORY, tenant, feature, first, last, granularity, where)
 
     async def reserve(
         self,
@@ -533,13 +545,36 @@ class AsyncClient(Retrying):
         kind: str = "hard",
         enforcement: str = "fast",
         alerts: Sequence[int] | None = None,
+        *,
+        where: Mapping[str, str] | None = None,
     ) -> int:
         """As :meth:`Client.set_limit`."""
-        return await self._run(calls.SET_LIMIT, tenant, feature, limit, kind, enforcement, alerts)
+        return await self._run(
+            calls.SET_LIMIT, tenant, feature, limit, kind, enforcement, alerts, where
+        )
 
-    async def clear_limit(self, tenant: str, feature: str) -> int:
+    async def clear_limit(
+        self, tenant: str, feature: str, *, where: Mapping[str, str] | None = None
+    ) -> int:
         """As :meth:`Client.clear_limit`."""
-        return await self._run(calls.CLEAR_LIMIT, tenant, feature)
+        return await self._run(calls.CLEAR_LIMIT, tenant, feature, where)
+
+    async def set_feature(
+        self,
+        feature: str,
+        *,
+        aggregation: str | None = None,
+        dimensions: Sequence[str] | None = None,
+        max_combinations: int | None = None,
+    ) -> dict[str, Any]:
+        """As :meth:`Client.set_feature`."""
+        return await self._run(
+            calls.SET_FEATURE, feature, aggregation, dimensions, max_combinations
+        )
+
+    async def get_feature(self, feature: str) -> dict[str, Any]:
+        """As :meth:`Client.get_feature`."""
+        return await self._run(calls.GET_FEATURE, feature)
 
     async def limits(self, tenant: str) -> dict[str, Any]:
         """As :meth:`Client.limits`."""

@@ -9,7 +9,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar
 
 from meter.client import calls
 from meter.client.calls import Call, Method, TrackItem
@@ -22,15 +22,8 @@ from meter.client.retry import (
     results,
     unavailable,
 )
-from meter.core.protocol import (
-    DEFAULT_MAX_FRAME,
-    MSGID_MAX,
-    Decoder,
-    Encoder,
-    Notification,
-    ProtocolError,
-    Response,
-)
+from meter.client.stream import Stream, connect
+from meter.core.protocol import DEFAULT_MAX_FRAME, Encoder, Response
 from meter.errors import MeterError, Unavailable, from_wire
 from storage.base import ExportRow
 
@@ -39,19 +32,6 @@ T = TypeVar("T")
 
 #: Default seconds the blocking client waits for an answer before raising Unavailable.
 DEFAULT_TIMEOUT = 30.0
-#: The longest single wait of a subscription waiting with no end, so Ctrl-C is handled.
-SIGNAL_CHECK_S = 0.5
-
-
-def _connect(path: str, timeout: float | None) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        sock.connect(path)
-    except OSError as exc:
-        sock.close()
-        raise Unavailable(f"cannot connect to {path}: {exc}") from None
-    return sock
 
 
 class Client(Retrying):
@@ -76,16 +56,14 @@ class Client(Retrying):
     ) -> None:
         """``path`` is where to reconnect after a failure; without it (a bare socket) a
         failed connection stays failed and nothing is retried."""
-        self._sock: socket.socket | None = sock
-        sock.settimeout(timeout)
         self._timeout = timeout
         self._max_frame = max_frame
         self._path = os.fspath(path) if path is not None else None
         self._closed = False
         self._encoder = Encoder()
-        self._decoder = Decoder(side="client", max_frame=max_frame)
-        self._next = 0
+        self._msgids = [0]
         self._inbox = Inbox()
+        self._stream: Stream | None = self._open(sock)
         self.auto_ids = auto_ids
         self.retry_timeout = retry_timeout
 
@@ -107,7 +85,7 @@ class Client(Retrying):
         """Connect to the node listening on ``path``; raises Unavailable if it cannot (this
         first connection is not retried). ``timeout`` bounds each attempt's wait for an
         answer; ``retry_timeout`` and ``auto_ids``: see :mod:`meter.client`."""
-        sock = _connect(os.fspath(path), timeout)
+        sock = connect(os.fspath(path), timeout)
         return cls(
             sock,
             timeout=timeout,
@@ -120,12 +98,8 @@ class Client(Retrying):
     def close(self) -> None:
         """Close the connection (idempotent); the client cannot be used afterwards."""
         self._closed = True
-        self._drop()
-
-    def _drop(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if self._stream is not None:
+            self._stream.close()
 
     def __enter__(self) -> Client:
         return self
@@ -135,108 +109,45 @@ class Client(Retrying):
     ) -> None:
         self.close()
 
-    def _msgid(self) -> int:
-        msgid = self._next
-        self._next = (msgid + 1) & MSGID_MAX
-        return msgid
+    def _open(self, sock: socket.socket) -> Stream:
+        return Stream(
+            sock,
+            timeout=self._timeout,
+            max_frame=self._max_frame,
+            encoder=self._encoder,
+            inbox=self._inbox,
+            msgids=self._msgids,
+        )
 
-    def _broken(self, why: str) -> Unavailable:
-        self._drop()
-        return Unavailable(f"connection to the node failed: {why}")
-
-    def _ensure(self) -> socket.socket:
+    def _ensure(self) -> Stream:
         """The open connection, reconnecting to the socket path if the last one failed."""
-        if self._sock is not None:
-            return self._sock
+        stream = self._stream
+        if stream is not None and not stream.closed:
+            return stream
         if self._closed:
             raise Unavailable("the client is closed")
         if self._path is None:
             raise Unavailable("the connection to the node was lost (no socket path to reconnect)")
-        sock = self._sock = _connect(self._path, self._timeout)
-        # A fresh stream: bytes of a half-read answer on the old one must not be kept.
-        self._decoder = Decoder(side="client", max_frame=self._max_frame)
+        # A fresh stream: bytes of a half-read answer on the old one are not kept.
+        stream = self._stream = self._open(connect(self._path, self._timeout))
         # Subscriptions die with a connection: make them again on the new one.
         inbox = self._inbox
         for tenant, params in list(inbox.subs.items()):
             with inbox.subscribing_to(tenant, again=True):
-                resp = self._exchange(sock, calls.SUBSCRIBE.wire, params)
+                resp = self._exchange(stream, calls.SUBSCRIBE.wire, params)
                 if resp.error is not None:
-                    self._drop()
+                    stream.close()
                     raise from_wire(resp.error)
             inbox.subscribed(tenant, params, resp.result)
         if inbox.alerts_on:
-            resp = self._exchange(sock, calls.SUBSCRIBE_ALERTS.wire, [])
+            resp = self._exchange(stream, calls.SUBSCRIBE_ALERTS.wire, [])
             if resp.error is not None:
-                self._drop()
+                stream.close()
                 raise from_wire(resp.error)
-        return sock
+        return stream
 
-    def _send(self, sock: socket.socket, data: bytes) -> None:
-        try:
-            sock.sendall(data)
-        except OSError as exc:
-            raise self._broken(str(exc)) from None
-
-    def _collect(self, sock: socket.socket, wanted: set[int]) -> dict[int, Response]:
-        """Read until every msgid in ``wanted`` is answered. A failure (timeouts included)
-        closes the connection, so a late answer can never be taken for a later call's."""
-        got: dict[int, Response] = {}
-        while wanted:
-            try:
-                data = sock.recv(1 << 18)
-            except OSError as exc:
-                raise self._broken(str(exc) or type(exc).__name__) from None
-            for resp in self._responses(data):
-                if resp.msgid in wanted:
-                    got[resp.msgid] = resp
-                    wanted.discard(resp.msgid)
-        return got
-
-    def _responses(self, data: bytes) -> list[Response]:
-        """Decode what the node sent: notifications go to the inbox, responses are returned."""
-        if not data:
-            raise self._broken("the node closed the connection")
-        try:
-            messages = self._decoder.feed(data)
-        except ProtocolError as exc:
-            raise self._broken(f"bad data from the node: {exc}") from None
-        out: list[Response] = []
-        for msg in messages:
-            if type(msg) is Notification:
-                self._inbox.add(msg.params, msg.method)
-            else:
-                out.append(cast(Response, msg))
-        return out
-
-    def _read_notes(self, sock: socket.socket, timeout: float | None) -> bool:
-        """Read what the node sends for up to ``timeout`` seconds (None: until something
-        comes); False if nothing came in time.
-
-        A wait with no end is made of waits of at most :data:`SIGNAL_CHECK_S`: a signal
-        (Ctrl-C) that arrives just before a blocking ``recv`` is only handled once Python code
-        runs again, and compiled code in between never checks for one (``meter watch``)."""
-        try:
-            while True:
-                sock.settimeout(SIGNAL_CHECK_S if timeout is None else timeout)
-                try:
-                    data = sock.recv(1 << 18)
-                    break
-                except TimeoutError:
-                    if timeout is not None:
-                        return False
-        except OSError as exc:
-            raise self._broken(str(exc) or type(exc).__name__) from None
-        finally:
-            if self._sock is sock:
-                sock.settimeout(self._timeout)
-        # (A response now answers a call that timed out: its connection was dropped.)
-        self._responses(data)
-        return True
-
-    def _exchange(self, sock: socket.socket, method: str, params: list[Any]) -> Response:
-        msgid = self._msgid()
-        self._send(sock, self._encoder.request(msgid, method, params))
-        return self._collect(sock, {msgid})[msgid]
+    def _exchange(self, stream: Stream, method: str, params: list[Any]) -> Response:
+        return stream.exchange(method, params)
 
     def call(self, method: str, *params: Any) -> Any:
         """Call ``method`` with positional ``params``; return its result or raise.
@@ -251,12 +162,12 @@ class Client(Retrying):
         backoff: Backoff | None = None
         while True:
             try:
-                sock = self._ensure()
+                stream = self._ensure()
             except Unavailable as exc:  # not sent: always safe to try again
                 err = exc
             else:
                 try:
-                    resp = self._exchange(sock, method, params)
+                    resp = self._exchange(stream, method, params)
                 except Unavailable as exc:  # sent, no answer
                     if not retry_unanswered:
                         raise
@@ -281,12 +192,12 @@ class Client(Retrying):
         ``return_exceptions=True`` is returned in its place. One attempt, sent as given: no
         request ids are added and nothing is retried.
         """
-        batch = [(self._msgid(), method, list(params)) for method, params in calls]
+        stream = self._ensure()
+        batch = [(stream.next_msgid(), method, list(params)) for method, params in calls]
         if not batch:
             return []
-        sock = self._ensure()
-        self._send(sock, self._encoder.requests(batch))
-        got = self._collect(sock, {msgid for msgid, _, _ in batch})
+        stream.send(self._encoder.requests(batch))
+        got = stream.collect({msgid for msgid, _, _ in batch})
         return results((got[msgid] for msgid, _, _ in batch), return_exceptions)
 
     # -- methods (the table's: meter/client/calls.py) --------------------------------------
@@ -314,6 +225,14 @@ class Client(Retrying):
         """The counter's value in the current period (or the one containing ``at=``)."""
         return self._run(calls.USAGE, tenant, feature, opts)
 
+    def usage_by(
+        self, tenant: str, feature: str, group_by: Sequence[str], **opts: Any
+    ) -> dict[str, Any]:
+        """The counter's value summed by the values of the dimensions ``group_by``:
+        ``{"total": n, "groups": [{"dims": {name: value or None}, "value": n}, ...]}``, the
+        groups adding up to the total (docs/dimensions.md)."""
+        return self._run(calls.USAGE_BY, tenant, feature, group_by, opts)
+
     def usage_all(self, tenant: str, **opts: Any) -> dict[str, int]:
         """Every feature's value for ``tenant`` in the period."""
         return self._run(calls.USAGE_ALL, tenant, opts)
@@ -325,11 +244,13 @@ class Client(Retrying):
         first: str | None = None,
         last: str | None = None,
         granularity: str = "day",
+        *,
+        where: Mapping[str, str] | None = None,
     ) -> list[tuple[str, int]]:
         """The counter's units per UTC day (``YYYY-MM-DD``) or month (``YYYY-MM``) from
         ``first`` to ``last``, oldest first, zero-filled; the current period's bucket agrees
         with :meth:`usage` (docs/history.md). Defaults: the last 30 days / 12 months."""
-        return self._run(calls.HISTORY, tenant, feature, first, last, granularity)
+        return self._run(calls.HISTORY, tenant, feature, first, last, granularity, where)
 
     def reserve(
         self,
@@ -435,10 +356,10 @@ class Client(Retrying):
             if left is not None and left <= 0:
                 return None
             try:
-                sock = self._ensure()
+                stream = self._ensure()
                 if ready():
                     continue
-                if not self._read_notes(sock, left):
+                if not stream.read_notes(left):
                     return None
                 backoff = None
             except Unavailable as exc:
@@ -498,14 +419,34 @@ class Client(Retrying):
         kind: str = "hard",
         enforcement: str = "fast",
         alerts: Sequence[int] | None = None,
+        *,
+        where: Mapping[str, str] | None = None,
     ) -> int:
         """Override ``tenant``'s limit on ``feature`` (``alerts``: threshold percentages);
         the limits' new version."""
-        return self._run(calls.SET_LIMIT, tenant, feature, limit, kind, enforcement, alerts)
+        return self._run(calls.SET_LIMIT, tenant, feature, limit, kind, enforcement, alerts, where)
 
-    def clear_limit(self, tenant: str, feature: str) -> int:
+    def clear_limit(
+        self, tenant: str, feature: str, *, where: Mapping[str, str] | None = None
+    ) -> int:
         """Remove ``tenant``'s override on ``feature``; the limits' new version."""
-        return self._run(calls.CLEAR_LIMIT, tenant, feature)
+        return self._run(calls.CLEAR_LIMIT, tenant, feature, where)
+
+    def set_feature(
+        self,
+        feature: str,
+        *,
+        aggregation: str | None = None,
+        dimensions: Sequence[str] | None = None,
+        max_combinations: int | None = None,
+    ) -> dict[str, Any]:
+        """Declare ``feature`` fleet-wide (docs/dimensions.md): its aggregation, the dimension
+        names a call may give, the bound on its dimension counters; the declaration stored."""
+        return self._run(calls.SET_FEATURE, feature, aggregation, dimensions, max_combinations)
+
+    def get_feature(self, feature: str) -> dict[str, Any]:
+        """How ``feature`` is declared (``declared`` false: a sum without dimensions)."""
+        return self._run(calls.GET_FEATURE, feature)
 
     def limits(self, tenant: str) -> dict[str, Any]:
         """``{tenant, plan, version, limits: {feature: {limit, kind, enforcement, source}}}``."""

@@ -37,8 +37,13 @@ MAX_REQUEST_ID_BYTES = MAX_ID_BYTES
 
 #: A raw call of ``pipeline()``: ``(method, params)``.
 Call = tuple[str, Sequence[Any]]
-#: A ``track_many`` item: ``(tenant, feature, qty)`` or ``(tenant, feature, qty, id)``.
-TrackItem = tuple[str, str, int] | tuple[str, str, int, str | None]
+#: A ``track_many`` item: ``(tenant, feature, qty)`` or ``(tenant, feature, qty, id)``, or
+#: with its options ``(tenant, feature, qty, {"id": ..., "dims": {...}})``.
+TrackItem = (
+    tuple[str, str, int]
+    | tuple[str, str, int, str | None]
+    | tuple[str, str, int, Mapping[str, Any]]
+)
 
 
 def new_request_id() -> str:
@@ -203,11 +208,15 @@ def _track_many(ids: Ids, items: Iterable[TrackItem]) -> list[Any]:
                 "track_many: an item is (tenant, feature, qty) or (tenant, feature, qty, "
                 f"id), got {len(seq)} elements"
             )
-        rid = ids(seq[3] if len(seq) == 4 else None)
-        if rid is None:
-            out.append([seq[0], seq[1], seq[2]])
-        else:
-            out.append([seq[0], seq[1], seq[2], {"id": rid}])
+        opts: dict[str, Any] = {}
+        given = seq[3] if len(seq) == 4 else None
+        if isinstance(given, Mapping):
+            opts = {k: v for k, v in given.items() if v is not None}
+            given = opts.pop("id", None)
+        rid = ids(given)
+        if rid is not None:
+            opts["id"] = rid
+        out.append([seq[0], seq[1], seq[2], opts] if opts else [seq[0], seq[1], seq[2]])
     return [out]
 
 
@@ -266,9 +275,49 @@ def _check(tenant: str, feature: str, qty: int, opts: dict[str, Any]) -> list[An
 
 
 def _history(
-    tenant: str, feature: str, first: str | None, last: str | None, granularity: str
+    tenant: str,
+    feature: str,
+    first: str | None,
+    last: str | None,
+    granularity: str,
+    where: Mapping[str, str] | None,
 ) -> list[Any]:
-    return _with_opts([tenant, feature], {"from": first, "to": last, "granularity": granularity})
+    opts = {"from": first, "to": last, "granularity": granularity, "where": _where(where)}
+    return _with_opts([tenant, feature], opts)
+
+
+def _where(where: Mapping[str, str] | None) -> dict[str, str] | None:
+    return None if where is None else dict(where)
+
+
+def _grouped(tenant: str, feature: str, group_by: Sequence[str], opts: dict[str, Any]) -> list[Any]:
+    if isinstance(group_by, str):
+        group_by = [group_by]
+    return _with_opts([tenant, feature], {**opts, "group_by": list(group_by)})
+
+
+def _declare(
+    feature: str,
+    aggregation: str | None,
+    dimensions: Sequence[str] | None,
+    max_combinations: int | None,
+) -> list[Any]:
+    if isinstance(dimensions, str):
+        raise InvalidArgument("set_feature: dimensions must be a list of names, not a string")
+    opts = {
+        "aggregation": aggregation,
+        "dimensions": None if dimensions is None else list(dimensions),
+        "max_combinations": max_combinations,
+    }
+    return [feature, _opts(opts)]
+
+
+def _feature(feature: str) -> list[Any]:
+    return [feature]
+
+
+def _clear_limit(tenant: str, feature: str, where: Mapping[str, str] | None) -> list[Any]:
+    return [tenant, feature] if where is None else [tenant, feature, {"where": dict(where)}]
 
 
 def _subscribe(tenant: str, features: Iterable[str] | None) -> list[Any]:
@@ -294,10 +343,13 @@ def _set_limit(
     kind: str,
     enforcement: str,
     alerts: Sequence[int] | None,
+    where: Mapping[str, str] | None,
 ) -> list[Any]:
     spec: dict[str, Any] = {"limit": limit, "kind": kind, "enforcement": enforcement}
     if alerts:
         spec["alerts"] = list(alerts)
+    if where is not None:
+        spec["where"] = dict(where)
     return [tenant, feature, spec]
 
 
@@ -379,7 +431,9 @@ def _version(answer: Any) -> int:
 
 def row_from_wire(value: Any) -> ExportRow:
     """An ``export`` answer's row as an :class:`ExportRow` (a str total back to an int)."""
-    tenant, feature, period, total = value
+    tenant, feature, period, total, *dims = value
+    if dims:
+        return ExportRow(str(tenant), str(feature), str(period), int(total), dict(dims[0]))
     return ExportRow(str(tenant), str(feature), str(period), int(total))
 
 
@@ -397,6 +451,7 @@ COMMIT = _with_ids("commit", _commit, _int, Kind.CHANGE)  # once per reservation
 RELEASE = _with_ids("release", _release, _ignored, Kind.CHANGE)
 USAGE = _plain("usage", _counter, _int)
 USAGE_ALL = _plain("usage_all", _counters, _values)
+USAGE_BY = _plain("usage_by", _grouped, _map, wire="usage")
 HISTORY = _plain("history", _history, _history_answer)
 PING = _plain("ping", _nothing, _str)
 STATUS = _plain("status", _nothing, _map)
@@ -409,7 +464,9 @@ CHECK = _plain("check", _check, _map)
 SET_PLAN = _plain("set_plan", _set_plan, _version, Kind.CHANGE)  # a plan replaced by the same
 ASSIGN_PLAN = _plain("assign_plan", _assign_plan, _version, Kind.CHANGE)
 SET_LIMIT = _plain("set_limit", _set_limit, _version, Kind.CHANGE)
-CLEAR_LIMIT = _plain("clear_limit", _key, _version, Kind.CHANGE)
+CLEAR_LIMIT = _plain("clear_limit", _clear_limit, _version, Kind.CHANGE)
+SET_FEATURE = _plain("set_feature", _declare, _map, Kind.CHANGE)  # sets: the same twice is once
+GET_FEATURE = _plain("get_feature", _feature, _map)
 LIMITS = _plain("limits", _tenant, _map)
 GRANT = _plain("grant", _grant, _map, Kind.CHANGE)  # once per ref (the client makes one up)
 DEBIT = _plain("debit", _debit, _map, Kind.CHANGE)
@@ -428,6 +485,7 @@ TABLE: dict[str, Method[Any, Any]] = {
         RELEASE,
         USAGE,
         USAGE_ALL,
+        USAGE_BY,
         HISTORY,
         PING,
         STATUS,
@@ -441,6 +499,8 @@ TABLE: dict[str, Method[Any, Any]] = {
         ASSIGN_PLAN,
         SET_LIMIT,
         CLEAR_LIMIT,
+        SET_FEATURE,
+        GET_FEATURE,
         LIMITS,
         GRANT,
         DEBIT,

@@ -15,12 +15,29 @@ MAX_BUFFERED = 10_000
 
 
 class Usage(NamedTuple):
-    """A counter's value as a subscription delivers it (docs/protocol.md, "Live usage")."""
+    """A counter's value as a subscription delivers it (docs/protocol.md, "Live usage");
+    ``dims``: a dimension counter's dimension values, ``((name, value), ...)``, empty for a
+    feature's total (docs/dimensions.md)."""
 
     tenant: str
     feature: str
     value: int
     period: str
+    dims: tuple[tuple[str, str], ...] = ()
+
+
+def _usage(params: Any) -> Usage | None:
+    """A usage notification's params as a :class:`Usage`, ``None`` if they are not one."""
+    if type(params) is Usage:
+        return params
+    if type(params) is not list or len(params) not in (4, 5):
+        return None
+    if len(params) == 4:
+        return Usage(*params)
+    dims = params[4]
+    if type(dims) is not dict:
+        return None
+    return Usage(params[0], params[1], params[2], params[3], tuple(sorted(dims.items())))
 
 
 class Inbox:
@@ -87,21 +104,25 @@ class Inbox:
                     self.dropped += 1
                 self.alerts.append(params[0])
             return
-        if type(params) is not list or len(params) != 4:
+        usage = _usage(params)
+        if usage is None:
             return
-        queue = self.notes.get(params[0])
+        queue = self.notes.get(usage.tenant)
         if queue is None:
-            held = self.held.get(params[0])
+            held = self.held.get(usage.tenant)
             if held is not None:
-                held[1].append(Usage(*params))
+                held[1].append(usage)
             return  # else: not subscribed (any more)
-        self._append(queue, params)
+        self._append(queue, usage)
 
     def _append(self, queue: collections.deque[Usage], params: Any) -> None:
+        usage = _usage(params)
+        if usage is None:
+            return
         if len(queue) >= MAX_BUFFERED:
             queue.popleft()
             self.dropped += 1
-        queue.append(params if type(params) is Usage else Usage(*params))
+        queue.append(usage)
 
     @contextlib.contextmanager
     def subscribing_to(self, tenant: str, again: bool = False) -> Iterator[None]:

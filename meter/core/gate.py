@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from meter.config import CounterConfig
+from meter.core.dims import check_dims, shown
 from meter.core.keycache import NAME_CACHE_SIZE, KeyCache
 from meter.core.keys import QTY_MAX, Key, check_at, check_qty
 from meter.core.params import args as check_args
@@ -38,7 +39,7 @@ from storage.base import StorageError
 
 log = logging.getLogger("meter.service")
 
-_CHECK_OPTS = frozenset({"at"})
+_CHECK_OPTS = frozenset({"at", "dims"})
 
 #: The feature name of a tenant's credit pool (``#`` never appears in a feature).
 CREDITS = "#credits"
@@ -189,15 +190,15 @@ class Gate:
         value = self.table.value(key)
         if value is None:
             raise Unavailable(
-                f"{key[0]}/{key[1]}: the stored total is unknown (storage unreachable), so its "
-                "hard limit cannot be checked; nothing counted"
+                f"{key[0]}/{shown(key[1])}: the stored total is unknown (storage unreachable), "
+                "so its hard limit cannot be checked; nothing counted"
             )
         elsewhere = self.held_elsewhere(key)
         if value + elsewhere + qty > eff.limit:
             self.limit_refusals += 1
             held = f" + {elsewhere} held by peers" if elsewhere else ""
             raise LimitExceeded(
-                f"{key[0]}/{key[1]}: {value}{held} + {qty} would pass the hard limit "
+                f"{key[0]}/{shown(key[1])}: {value}{held} + {qty} would pass the hard limit "
                 f"{eff.limit} ({eff.source}); nothing counted"
             )
 
@@ -271,13 +272,17 @@ class Gate:
     def check(self, params: list[Any]) -> Any:
         """The ``check`` method: what a track of ``qty`` would do now, changing nothing."""
         tenant, feature, qty, opts = check_args("check", params, 2, 4, (1, {}))
-        at = check_opts("check", opts, _CHECK_OPTS).get("at")
+        o = check_opts("check", opts, _CHECK_OPTS)
+        at = o.get("at")
         at_s = None if at is None else check_at(at)
         key = self.keys.key_for(tenant, feature, at_s)
         qty = check_qty(qty)
+        dims = o.get("dims")
+        pairs = () if dims is None else check_dims(key[1], self.keys.spec(key[1]), dims)
         if at_s is not None:  # (as a track would be refused there)
             self.keys.check_open(key, at_s, time.time())
-        keys = self.keys.levels(key)
+        # (with dimensions: every level's total and dimension counters, as a track counts)
+        keys = self.keys.spread(key, pairs) if pairs else self.keys.levels(key)
         if all(self.table.is_seeded(k) for k in keys) and not self.strict_short(keys, qty):
             return self.check_levels(keys, qty)
         return self._check_cold(keys, qty)
@@ -362,21 +367,21 @@ class Gate:
         value = self.table.value(key)
         if value is None:
             raise Unavailable(
-                f"{key[0]}/{key[1]}: the stored total is unknown (storage unreachable), so its "
-                "strict limit cannot be checked; nothing counted"
+                f"{key[0]}/{shown(key[1])}: the stored total is unknown (storage unreachable), "
+                "so its strict limit cannot be checked; nothing counted"
             )
         try:
             await self.shares.ensure(key, short.qty, eff.limit, max(0, value), at_least)
         except NoBudget as exc:
             self.limit_refusals += 1
             raise LimitExceeded(
-                f"{key[0]}/{key[1]}: {short.qty} more would pass the strict limit {eff.limit} "
-                f"({eff.source}): {exc}; nothing counted"
+                f"{key[0]}/{shown(key[1])}: {short.qty} more would pass the strict limit "
+                f"{eff.limit} ({eff.source}): {exc}; nothing counted"
             ) from None
         except StorageError as failed:
             raise Unavailable(
-                f"{key[0]}/{key[1]}: the strict budget cannot be read or written ({failed}); "
-                "nothing counted"
+                f"{key[0]}/{shown(key[1])}: the strict budget cannot be read or written "
+                f"({failed}); nothing counted"
             ) from None
 
     def check_levels(self, keys: list[Key], qty: int) -> dict[str, Any]:
@@ -384,15 +389,16 @@ class Gate:
         details = [self.detail(k, self.table.value(k), qty) for k in keys]
         return next((d for d in details if not d["allowed"]), details[0])
 
-    def batch_short(self, good: list[tuple[Key, int]]) -> list[tuple[Short, int]]:
-        """Per strict level whose share cannot take every item of a batch (``good``, its
-        items to count) on it: what it needs (the items' sum) and the smallest item."""
+    def batch_short(self, good: list[tuple[list[Key], int]]) -> list[tuple[Short, int]]:
+        """Per strict level whose share cannot take every item of a batch (``good``: each
+        item's keys, levels and dimension counters, and its quantity) on it: what it needs
+        (the items' sum) and the smallest item."""
         if not self.limited:
             return []
         sums: dict[Key, list[int]] = {}
-        for key, qty in good:
+        for keys, qty in good:
             if qty > 0:
-                for k in self.keys.levels_or_leaf(key):
+                for k in keys:
                     acc = sums.get(k)
                     if acc is None:
                         sums[k] = [qty, qty]
@@ -426,7 +432,7 @@ class Gate:
             )
         self.limit_refusals += 1
         return LimitExceeded(
-            f"{short.key[0]}/{short.key[1]}: {qty} more would pass the strict limit "
+            f"{short.key[0]}/{shown(short.key[1])}: {qty} more would pass the strict limit "
             f"{short.eff.limit} ({short.eff.source}); nothing counted"
         )
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
+from meter.core.dims import UNDECLARED, ByFeature, FeatureSpec, Pairs, counter_names
 from meter.core.keys import Key, PeriodKind, check_feature, check_tenant, period_start
 from meter.core.periods import next_keys, period_end
-from meter.errors import InvalidArgument, PeriodClosed
+from meter.errors import InvalidArgument, PeriodClosed, Unavailable
 
 #: Most levels of a tenant name with the tenant hierarchy on (``a/b/c/d``).
 MAX_LEVELS = 4
@@ -27,8 +28,9 @@ class KeyCache:
     """The keys and names one node has validated (see the module docstring)."""
 
     def __init__(self, periods: Mapping[str, PeriodKind], hierarchy: bool, grace_s: float) -> None:
-        #: Feature -> its period kind (features not listed count per month).
-        self.periods = periods
+        #: Feature -> its period kind (features not listed count per month); a dimension
+        #: counter's is its feature's.
+        self.periods: Mapping[str, PeriodKind] = ByFeature(periods)
         #: A call with ``at`` in an ended period counts until its end plus this (seconds).
         self.grace_s = grace_s
         #: ``acme/alice`` also counts on ``acme`` (ADR 0008): :meth:`levels` spreads keys.
@@ -51,6 +53,29 @@ class KeyCache:
         self.tenants: dict[str, str] = {}
         self.features: dict[str, str] = {}
         self.period_names: dict[str, str] = {}
+        #: Declared features (``set_feature``, meter.core.dims), as the limits' book has them
+        #: (``None`` until they are first read).
+        self.specs: Mapping[str, FeatureSpec] | None = None
+
+    def new_specs(self, specs: Mapping[str, FeatureSpec]) -> None:
+        """Count by the declarations ``specs`` from now on."""
+        self.specs = specs
+
+    def spec(self, feature: str) -> FeatureSpec:
+        """How ``feature`` is declared (undeclared: a sum without dimensions);
+        :class:`Unavailable` while the declarations were never read (storage unreachable
+        since the start): a call giving dimensions cannot be checked yet."""
+        specs = self.specs
+        if specs is None:
+            raise Unavailable("feature declarations are not read yet (storage unreachable); retry")
+        return specs.get(feature, UNDECLARED)
+
+    def spread(self, key: Key, pairs: Pairs) -> list[Key]:
+        """The keys a call giving dimensions ``pairs`` on ``key`` counts on: on every level
+        (:meth:`levels`), the feature's total then its dimension counters (meter.core.dims);
+        ``key`` first."""
+        names = [key[1], *(one_copy(self.features, n) for n in counter_names(key[1], pairs))]
+        return [(level[0], name, level[2]) for level in self.levels(key) for name in names]
 
     def valid_now(self, now: float) -> bool:
         """Whether the cached keys are those of the day containing ``now``."""

@@ -28,7 +28,7 @@ from meter.errors import Conflict, InvalidArgument, LimitExceeded, NotFound, Una
 from meter.wal import records as R
 from meter.wal.replay import COMMITTED, RELEASED
 
-_RESERVE_OPTS = frozenset({"limit", "ttl_ms", "at", "id"})
+_RESERVE_OPTS = frozenset({"limit", "ttl_ms", "at", "id", "dims"})
 _FINISH_OPTS = frozenset({"id"})
 #: Writes a reservation waits for when its strict share keeps running out under it.
 MAX_ROOM_TRIES = 8
@@ -73,6 +73,11 @@ class Reserving:
         at_s = None if at is None else check_at(at)
         key = self.keys.key_for(tenant, feature, at_s)
         qty = check_qty(qty, allow_negative=False)
+        if o.get("dims") is not None:
+            raise InvalidArgument(
+                "reserve with dims is not supported yet: reserve on the feature's total and "
+                "track with dims, or track"
+            )
         if self.gate.hier and "/" in key[0]:
             raise InvalidArgument(
                 "reserve on a tenant below an account (a name with '/') is not supported with "

@@ -16,8 +16,10 @@ from typing import Any
 
 from meter import BUILD, __version__, compiled
 from meter.config import CounterConfig
+from meter.core.dims import check_group_by, is_dimension, where_name
 from meter.core.fence import Fence, log_down
 from meter.core.gate import Gate
+from meter.core.groups import Groups
 from meter.core.idempotency import RequestIds
 from meter.core.journal import Journal
 from meter.core.keycache import KeyCache
@@ -30,12 +32,22 @@ from meter.core.reserving import Reserving
 from meter.core.seeder import Seeder
 from meter.core.table import CounterTable
 from meter.core.tracking import Tracking
-from meter.core.watch import Bind, Subscriber, View, Watch, check_features, views
-from meter.errors import Unavailable, UnknownMethod
+from meter.core.watch import (
+    Bind,
+    Subscriber,
+    View,
+    Watch,
+    check_features,
+    notification,
+    views,
+    watched,
+)
+from meter.errors import InvalidArgument, Unavailable, UnknownMethod
 from meter.wal.log import WalError, WriteAheadLog
 from storage.base import EMPTY, Storage, StorageError
 
 _USAGE_OPTS = frozenset({"at"})
+_USAGE_ONE_OPTS = frozenset({"at", "where", "group_by"})
 #: The methods that change nothing but read what the requests before them did: the server
 #: runs one only once every request sent before it on its connection has finished
 #: (read-your-writes, docs/protocol.md). ``subscribe`` changes only its connection's watch
@@ -51,6 +63,7 @@ READS = frozenset(
         "history",
         "export",
         "limits",
+        "get_feature",
         "balance",
         "ledger",
     }
@@ -76,6 +89,7 @@ class Service:
         gate: Gate,
         tracking: Tracking,
         reserving: Reserving,
+        groups: Groups,
         journal: Journal,
         watch: Watch,
         limits: Reporting,
@@ -94,6 +108,8 @@ class Service:
         self.gate = gate
         self.tracking = tracking
         self.reserving = reserving
+        #: Dimension counters: listed, bounded, grouped (docs/dimensions.md).
+        self.groups = groups
         self.journal = journal
         #: Request ids of calls that counted, with their first answers.
         self.ids: RequestIds = tracking.ids
@@ -213,8 +229,16 @@ class Service:
 
     def _usage(self, params: list[Any]) -> Any:
         tenant, feature, opts = check_args("usage", params, 2, 3, ({},))
-        at = check_opts("usage", opts, _USAGE_OPTS).get("at")
+        o = check_opts("usage", opts, _USAGE_ONE_OPTS, nil_is_absent=True)
+        at = o.get("at")
         key = self.keys.key_for(tenant, feature, None if at is None else check_at(at))
+        if "where" in o or "group_by" in o:
+            spec = self.keys.spec(key[1])
+            if "group_by" in o:
+                if "where" in o:
+                    raise InvalidArgument("usage: give where or group_by, not both")
+                return self.groups.read(key, check_group_by(key[1], spec, o["group_by"]))
+            key = (key[0], self.keys.feature(where_name(key[1], spec, o["where"])), key[2])
         value = self.table.value(key)
         if value is not None:
             return value
@@ -240,7 +264,7 @@ class Service:
         known: dict[str, int] = {}
         for kind, period in periods:
             for feature, value in self.table.all_for(tenant, period).items():
-                if keys.kind_of(feature) == kind:
+                if keys.kind_of(feature) == kind and not is_dimension(feature):
                     known[feature] = value
         wal = self.wal
         # What ``known`` shows may be in a log batch not committed yet: answer once it is.
@@ -292,8 +316,13 @@ class Service:
                     "counters were evicted (or the node id claimed) while being listed; retry"
                 )
             # Counters that were not loaded when the request arrived: as they are now.
+            # (usage_all answers totals: dimension counters are read with group_by)
             for feature, value in self.table.all_for(tenant, period).items():
-                if feature not in out and keys.kind_of(feature) == kind:
+                if (
+                    feature not in out
+                    and keys.kind_of(feature) == kind
+                    and not is_dimension(feature)
+                ):
                     out[feature] = value
         return out
 
@@ -328,7 +357,7 @@ class Service:
         """Watch, and answer the watched counters' values now, shaped as notifications."""
         now = self.watch_view(tenant, features)
         self.watch.subscribe(sub, tenant, features, now)
-        return [[tenant, f, v, p] for (f, p), v in now.items() if features is None or f in features]
+        return [notification(tenant, f, v, p) for (f, p), v in now.items() if watched(f, features)]
 
     def _unsubscribe(self, params: list[Any]) -> Bind:
         (tenant,) = check_args("unsubscribe", params, 1, 1)

@@ -49,7 +49,6 @@ import threading
 from collections.abc import Container, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Literal
 
 from meter.core.keys import QTY_MAX, QTY_MIN, Key
 from meter.errors import InvalidArgument, LimitExceeded, Unavailable
@@ -61,8 +60,6 @@ assert (QTY_MIN, QTY_MAX) == (-9223372036854775808, 9223372036854775807)
 Tagged = tuple[int, int]
 """``(flush sequence, delta)``: a delta and the sequence it is (or will be) flushed under."""
 
-PendingKind = Literal["flush", "gossip"]
-
 # Row.flags bits.
 SEEDED = 1  # the stored base is known
 INFLIGHT = 2  # ``inflight`` was taken under ``own_seq`` and is not known to be stored
@@ -70,6 +67,9 @@ GOSSIP_OPEN = 4  # units tagged ``own_seq + 1`` were gossiped: that sequence mus
 DIRTY = 8  # listed in the dirty list
 TOUCHED = 16  # listed in the touched list
 USED = 32  # used since the last eviction sweep
+
+#: Most peers' deltas :class:`Missed` keeps; past it every listing is out of date.
+MAX_MISSED = 65_536
 
 
 class Ext:
@@ -160,6 +160,54 @@ class Row:
         )  # fmt: skip
 
 
+class Missed:
+    """Peers' gossiped deltas to dimension counters (docs/dimensions.md) this node holds
+    cold, for the features whose counters it listed (:class:`~meter.core.groups.Groups`):
+    such a listing is out of date, and the deltas are applied once the counter is seeded
+    (those its snapshot holds are skipped, as for any row). Mutated under the table's lock."""
+
+    __slots__ = ("deltas", "listed", "lost", "noted")
+
+    def __init__(self) -> None:
+        #: (tenant, feature, period) of the features listed (the only ones noted).
+        self.listed: set[Key] = set()
+        self.deltas: dict[Key, list[tuple[str, int, int]]] = {}
+        self.noted = 0
+        #: How often the deltas were too many and forgotten (every listing out of date).
+        self.lost = 0
+
+    def listen(self, feature: Key) -> None:
+        """Note deltas to the dimension counters of ``feature`` (tenant, feature, period)."""
+        if len(self.listed) >= MAX_MISSED:
+            self.listed.clear()
+            self.lost += 1
+        self.listed.add(feature)
+
+    def note(self, key: Key, peer: str, seq: int, delta: int) -> None:
+        name = key[1]
+        cut = name.find("\x1f")
+        other = name.find("\x1e")
+        if other >= 0 and (cut < 0 or other < cut):
+            cut = other
+        if (key[0], name[:cut], key[2]) not in self.listed:
+            return
+        if self.noted >= MAX_MISSED:
+            self.deltas.clear()
+            self.noted = 0
+            self.lost += 1
+        got = self.deltas.get(key)
+        if got is None:
+            got = self.deltas[key] = []
+        got.append((peer, seq, delta))
+        self.noted += 1
+
+    def take(self) -> dict[Key, list[tuple[str, int, int]]]:
+        out = self.deltas
+        self.deltas = {}
+        self.noted = 0
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class TableStats:
     """Counts for ``status``."""
@@ -192,6 +240,8 @@ class CounterTable:
         self._dirty: list[Key] = []
         self._touched: list[Key] = []
         self._unseeded: set[Key] = set()
+        #: Peers' deltas to dimension counters of listed features held cold here.
+        self.missed = Missed()
         #: The freshness epoch of seeding reads (see :meth:`seed`): bumped by every eviction
         #: pass that drops keys (a read issued before one may be older than a flush of a key
         #: that was warm meanwhile) and by :meth:`refuse_earlier_reads` (the node (re)gained
@@ -838,14 +888,6 @@ class CounterTable:
                     row.flags |= GOSSIP_OPEN
         return out
 
-    def take_pending(self, key: Key, kind: PendingKind) -> list[Tagged]:
-        """Take a pending column: ``flush`` as in :meth:`take_flush`, ``gossip`` as in
-        :meth:`take_gossip`. Returns the tagged deltas taken (empty if none)."""
-        if kind == "flush":
-            taken = self.take_flush(key)
-            return [] if taken is None else [taken]
-        return self.take_gossip(key)
-
     def flush_failed(self, key: Key) -> None:
         """Keep ``key`` dirty after a failed write, so the in-flight delta is retried."""
         with self._lock:
@@ -961,6 +1003,8 @@ class CounterTable:
         with self._lock:
             row = self._rows.get(key)
             if row is None or not row.flags & SEEDED or peer == self.node:
+                if row is None and ("\x1f" in key[1] or "\x1e" in key[1]):
+                    self.missed.note(key, peer, seq, delta)
                 return False
             ext = row.x()
             if ext.peer_seqs is not None and ext.peer_seqs.get(peer, 0) >= seq:
@@ -985,6 +1029,8 @@ class CounterTable:
             for t, f, p, seq, delta in items:
                 row = rows.get((t, f, p))
                 if row is None or not row.flags & SEEDED:
+                    if row is None and ("\x1f" in f or "\x1e" in f):
+                        self.missed.note((t, f, p), peer, seq, delta)
                     continue
                 ext = row.ext
                 if ext is None:
@@ -1002,6 +1048,11 @@ class CounterTable:
                 row.extra += delta
                 applied += 1
         return applied
+
+    def take_missed(self) -> dict[Key, list[tuple[str, int, int]]]:
+        """The deltas :attr:`missed` holds (by key: ``(peer, seq, delta)``), forgotten."""
+        with self._lock:
+            return self.missed.take()
 
     def forget_peer(self, peer: str) -> int:
         """Drop every remote delta of ``peer``; return the units dropped.
@@ -1049,6 +1100,7 @@ class CounterTable:
             if not doomed:
                 return 0
             self.epoch += 1
+            self.missed.listed.clear()  # (every listing is out of date: listed again)
             affected: set[tuple[str, str]] = set()
             for key in doomed:
                 # A dirty or touched mark left by incr(key, 0) goes with the row: the lists

@@ -4,7 +4,14 @@ A warm key is counted synchronously (no await on the hot path); a cold one retur
 coroutine that seeds it from storage first. Counts under a limit, a price or the tenant
 hierarchy go through the :class:`~meter.core.gate.Gate`. Every count is in the write-ahead
 log (one record per call) before the call is answered, and a call's request id is
-remembered with its answer so a retry counts nothing.
+remembered with its answer so a retry counts nothing. A call with dimensions counts on its
+feature's dimension counters too (:meth:`~meter.core.keycache.KeyCache.spread`), as on a
+tenant's levels, and a counter new to this node is first checked against its feature's bound
+(:class:`~meter.core.groups.Groups`).
+
+Why one module: ``track`` and every item of ``track_many`` take the same steps after their
+params are read (seeding, the gate's levels, the bound on new dimension counters, request ids,
+one log record); split, each step would be written twice and the two could drift apart.
 """
 
 from __future__ import annotations
@@ -12,8 +19,10 @@ from __future__ import annotations
 import time
 from typing import Any, cast
 
+from meter.core.dims import Pairs, check_dims, is_dimension
 from meter.core.fence import Fence, log_down
 from meter.core.gate import Gate, Short
+from meter.core.groups import Groups
 from meter.core.idempotency import RequestIds, check_id, fingerprint
 from meter.core.keycache import KeyCache
 from meter.core.keys import QTY_MAX, QTY_MIN, Key, check_at, check_qty
@@ -31,8 +40,8 @@ MAX_BATCH_ITEMS = 10_000
 #: the room each write makes) before it answers ``unavailable``.
 MAX_ROOM_TRIES = 8
 
-_TRACK_OPTS = frozenset({"at", "id", "detail"})
-_ITEM_OPTS = frozenset({"id"})
+_TRACK_OPTS = frozenset({"at", "id", "detail", "dims"})
+_ITEM_OPTS = frozenset({"id", "dims"})
 
 #: Not decided yet (see Gate.warm_check).
 _UNKNOWN = object()
@@ -49,10 +58,13 @@ class Tracking:
         fence: Fence,
         ids: RequestIds,
         seeder: Seeder,
+        groups: Groups,
     ) -> None:
         self.table = table
         self.keys = keys
         self.gate = gate
+        #: Dimension counters: listed, bounded (docs/dimensions.md).
+        self.groups = groups
         self.fence = fence
         #: The write-ahead log (``fence.wal``, kept here for the hot path).
         self.wal = fence.wal
@@ -183,11 +195,15 @@ class Tracking:
         at_s = None if at is None else check_at(at)
         key = self.keys.key_for(tenant, feature, at_s)
         qty = check_qty(qty)
+        dims = o.get("dims")
+        pairs: Pairs = () if dims is None else check_dims(key[1], self.keys.spec(key[1]), dims)
         idem: tuple[str, int] | None = None
         if rid is not None:
             # The period is named by ``at`` only: a retry that crosses midnight or a month end
             # is still the same call (it answers as the first did).
-            idem = (check_id(rid), fingerprint("track", key[0], key[1], qty, at))
+            parts: tuple[Any, ...] = (key[0], key[1], qty, at, pairs) if pairs else (
+                key[0], key[1], qty, at)  # fmt: skip
+            idem = (check_id(rid), fingerprint("track", *parts))
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
                 # A retry: counts nothing, answers as the first call did.
@@ -195,6 +211,8 @@ class Tracking:
         if at_s is not None:  # (after a retry's answer: a counted call stays answered)
             self.keys.check_open(key, at_s, time.time())
         self.fence.check()
+        if pairs:
+            return self._track_dims(self.keys.spread(key, pairs), qty, idem, detail, at_s)
         if detail or (self.gate.gated and self.gate.needs_check(key)):
             return self._track_checked(key, qty, idem, detail, at_s)
         if self.table.is_seeded(key):
@@ -231,6 +249,53 @@ class Tracking:
             except Short:
                 pass  # a strict share needs more room: one storage write, below
         return self._track_checked_cold(keys, qty, idem, detail, at)
+
+    def _track_dims(
+        self,
+        keys: list[Key],
+        qty: int,
+        idem: tuple[str, int] | None,
+        detail: bool,
+        at: float | None,
+    ) -> Any:
+        """A track with dimensions: counted on every key of :meth:`KeyCache.spread` at once,
+        as the levels of a tenant are; a key new to this node is checked against its
+        feature's bound first (:class:`Groups`)."""
+        table = self.table
+        if all(table.is_seeded(k) for k in keys):
+            try:
+                return self._count_checked(keys, qty, idem, detail)
+            except Short:
+                pass  # a strict share needs more room: one storage write, below
+        return self._track_dims_cold(keys, qty, idem, detail, at)
+
+    async def _track_dims_cold(
+        self,
+        keys: list[Key],
+        qty: int,
+        idem: tuple[str, int] | None,
+        detail: bool,
+        at: float | None,
+    ) -> Any:
+        claim = await self.claim_new(keys)
+        try:
+            return await self._track_checked_cold(keys, qty, idem, detail, at)
+        finally:
+            self.groups.unclaim(claim)
+
+    async def claim_new(self, keys: list[Key]) -> list[Key]:
+        """The dimension counters among ``keys`` new to this node, claimed within their
+        features' bounds (:meth:`Groups.claim`, released by :meth:`Groups.unclaim` once the
+        call counted or failed): the listings they need are read first."""
+        table = self.table
+        if all(table.is_warm(k) for k in keys):
+            return []
+        groups = self.groups
+        totals = {(k[0], k[1], k[2]) for k in keys if not is_dimension(k[1])}
+        for tenant, feature, period in sorted(totals):
+            if not groups.listed(tenant, feature, period):
+                await groups.refresh(tenant, feature, period)
+        return groups.claim(self.keys.spec(keys[0][1]), keys)
 
     async def _track_checked_cold(
         self,
@@ -356,10 +421,19 @@ class Tracking:
                 if type(qty) is not int or not QTY_MIN <= qty <= QTY_MAX:
                     qty = check_qty(qty)
                 idem: tuple[str, int] | None = None
+                spread: list[Key] | None = None
                 if len(item) == 4:
-                    rid = check_opts("track_many item", item[3], _ITEM_OPTS).get("id")
+                    o = check_opts("track_many item", item[3], _ITEM_OPTS)
+                    dims = o.get("dims")
+                    pairs: Pairs = () if dims is None else check_dims(
+                        key[1], keys.spec(key[1]), dims)  # fmt: skip
+                    if pairs:
+                        spread = keys.spread(key, pairs)
+                    rid = o.get("id")
                     if rid is not None:
-                        idem = (check_id(rid), fingerprint("track", key[0], key[1], qty, None))
+                        parts: tuple[Any, ...] = (key[0], key[1], qty, None, pairs) if pairs else (
+                            key[0], key[1], qty, None)  # fmt: skip
+                        idem = (check_id(rid), fingerprint("track", *parts))
                         if batch.repeat(i, idem):
                             continue
                         entry = self.ids.lookup(idem[0], idem[1], now)
@@ -370,10 +444,10 @@ class Tracking:
                 out.append(exc.to_wire())
                 self._refused_item(exc.code)
                 continue
-            batch.add(i, key, qty, idem)
+            batch.add(i, key, qty, idem, spread)
         if batch.good:
             self.fence.check()
-        if gated and any(gate.needs_check(k) for k, _ in batch.good):
+        if batch.spreads or (gated and any(gate.needs_check(k) for k, _ in batch.good)):
             return self._track_many_limited(batch)
         # All warm: every item is counted under one hold of the table's lock. Otherwise nothing
         # is counted until the cold keys are seeded, so a batch cut short (a draining node
@@ -435,27 +509,63 @@ class Tracking:
                 values.append(exc)
         return self._finish_many(batch, values)
 
+    def _item_keys(self, batch: Batch, n: int) -> list[Key]:
+        """Every key item ``n`` of ``batch`` counts on (levels, dimension counters), to seed
+        and to find room for (a name with bad levels: its leaf; it is refused when counted)."""
+        spread = batch.spreads.get(n)
+        return spread if spread is not None else self.keys.levels_or_leaf(batch.good[n][0])
+
+    def _spread_items(self, batch: Batch) -> list[tuple[list[Key], int]]:
+        return [(self._item_keys(batch, n), qty) for n, (_, qty) in enumerate(batch.good)]
+
     def _track_many_limited(self, batch: Batch) -> Any:
-        """A batch with items under a limit: each item checked and counted in turn (an item
-        over a hard limit fails alone, counting nothing), once every key is seeded."""
-        keys = [level for k, _ in batch.good for level in self.keys.levels_or_leaf(k)]
-        if all(self.table.is_seeded(k) for k in keys) and not self.gate.batch_short(batch.good):
+        """A batch with items under a limit or with dimensions: each item checked and counted
+        in turn (an item over a hard limit fails alone, counting nothing), once every key is
+        seeded."""
+        keys = [k for n in range(len(batch.good)) for k in self._item_keys(batch, n)]
+        if all(self.table.is_seeded(k) for k in keys) and not self.gate.batch_short(
+            self._spread_items(batch)
+        ):
             return self._count_gated(batch)
         return self._track_many_limited_cold(batch, keys)
 
     async def _track_many_limited_cold(self, batch: Batch, keys: list[Key]) -> Any:
-        await self.seeder.seed_many(keys)
-        for _ in range(3):  # strict shares, credit pools: room for every item first
-            shorts = self.gate.batch_short(batch.good)
-            if not shorts:
-                break
-            for short, smallest in shorts:
-                try:  # room for every item, or for as many as are left (the smallest at least)
-                    await self.gate.make_room(short, smallest)
-                except MeterError:
-                    break  # none left, or storage: the items that find no room are refused
-        self._answer_repeated_ids(batch)
-        return self._count_gated(batch)
+        claimed: list[Key] = []
+        try:
+            if batch.spreads:
+                claimed = await self._claim_items(batch)
+                keys = [k for n in range(len(batch.good)) if n not in batch.refused
+                        for k in self._item_keys(batch, n)]  # fmt: skip
+            await self.seeder.seed_many(keys)
+            for _ in range(3):  # strict shares, credit pools: room for every item first
+                shorts = self.gate.batch_short(self._spread_items(batch))
+                if not shorts:
+                    break
+                for short, smallest in shorts:
+                    try:  # room for every item, or for as many as are left (the smallest)
+                        await self.gate.make_room(short, smallest)
+                    except MeterError:
+                        break  # none left, or storage: the items that find no room are refused
+            self._answer_repeated_ids(batch)
+            return self._count_gated(batch)
+        finally:
+            self.groups.unclaim(claimed)
+
+    async def _claim_items(self, batch: Batch) -> list[Key]:
+        """Claim the new dimension counters of the batch's items within their features'
+        bounds, item by item (:meth:`Groups.claim`): an item past a bound is refused alone."""
+        groups = self.groups
+        for spread in batch.spreads.values():
+            for tenant, feature, period in spread:
+                if not is_dimension(feature) and not groups.listed(tenant, feature, period):
+                    await groups.refresh(tenant, feature, period)
+        claimed: list[Key] = []
+        for n, spread in batch.spreads.items():
+            try:
+                claimed += groups.claim(self.keys.spec(spread[0][1]), spread)
+            except MeterError as exc:
+                batch.refused[n] = exc
+        return claimed
 
     def _count_gated(self, batch: Batch) -> list[Any]:
         values: list[Any] = []
@@ -466,8 +576,14 @@ class Tracking:
             if entry is not None:
                 values.append(entry[1])
                 continue
+            refused = batch.refused.get(n)
+            if refused is not None:
+                values.append(refused)
+                continue
             try:
-                counted, items = gate.count_levels(self.keys.levels(key), qty)
+                spread = batch.spreads.get(n)
+                levels = spread if spread is not None else self.keys.levels(key)
+                counted, items = gate.count_levels(levels, qty)
             except MeterError as exc:  # over a hard limit, past the 64-bit range, too deep
                 values.append(exc)
                 continue
@@ -522,7 +638,8 @@ class Tracking:
 class Batch:
     """A ``track_many`` call being answered: the items to count and where answers go."""
 
-    __slots__ = ("answered", "dups", "firsts", "good", "idems", "out", "where")
+    __slots__ = ("answered", "dups", "firsts", "good", "idems", "out", "refused", "spreads",
+                 "where")  # fmt: skip
 
     def __init__(self) -> None:
         self.out: list[Any] = []
@@ -532,11 +649,24 @@ class Batch:
         self.firsts: dict[str, int] = {}  # request id -> its first good item
         self.dups: list[tuple[int, int]] = []  # (out index, good item it repeats)
         self.answered: dict[int, tuple[int, Any, float]] = {}  # good item -> remembered entry
+        #: good item -> every key it counts on, for items with dimensions (KeyCache.spread)
+        self.spreads: dict[int, list[Key]] = {}
+        #: good item -> why it is refused uncounted (a bound on new dimension counters)
+        self.refused: dict[int, MeterError] = {}
 
-    def add(self, i: int, key: Key, qty: int, idem: tuple[str, int] | None) -> None:
+    def add(
+        self,
+        i: int,
+        key: Key,
+        qty: int,
+        idem: tuple[str, int] | None,
+        spread: list[Key] | None = None,
+    ) -> None:
         self.out.append(None)
         if idem is not None:
             self.firsts[idem[0]] = len(self.good)
+        if spread is not None:
+            self.spreads[len(self.good)] = spread
         self.good.append((key, qty))
         self.where.append(i)
         self.idems.append(idem)

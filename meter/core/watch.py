@@ -22,6 +22,7 @@ from itertools import islice
 from typing import Any
 
 from meter.config import MAX_WATCHED_TENANTS
+from meter.core.dims import decode, is_dimension
 from meter.core.keys import Key, check_feature
 from meter.errors import InvalidArgument, Unavailable
 
@@ -114,15 +115,15 @@ class Subscriber:
             pending[key] = value
 
     def take(self, most: int) -> list[list[Any]]:
-        """The params ``[tenant, feature, value, period]`` of the ``most`` oldest pending
-        notifications, taken out of the outbox."""
+        """The params (:func:`notification`) of the ``most`` oldest pending notifications,
+        taken out of the outbox."""
         pending = self.pending
         if len(pending) <= most:
             self.pending = {}
-            out = [[t, f, v, p] for (t, f, p), v in pending.items()]
+            out = [notification(t, f, v, p) for (t, f, p), v in pending.items()]
         else:
             keys = list(islice(pending, most))
-            out = [[t, f, pending.pop((t, f, p)), p] for t, f, p in keys]
+            out = [notification(t, f, pending.pop((t, f, p)), p) for t, f, p in keys]
         self.sent += len(out)
         return out
 
@@ -135,6 +136,24 @@ class Bind:
 
     def __init__(self, run: Callable[[Subscriber], Any]) -> None:
         self.run = run
+
+
+def notification(tenant: str, name: str, value: int, period: str) -> list[Any]:
+    """A usage notification's params: ``[tenant, feature, value, period]``, and for a
+    dimension counter (docs/dimensions.md) its feature and a fifth, its dimensions
+    ``{name: value}``."""
+    if not is_dimension(name):
+        return [tenant, name, value, period]
+    feature, pairs, _ = decode(name)
+    return [tenant, feature, value, period, dict(pairs)]
+
+
+def watched(name: str, features: frozenset[str] | None) -> bool:
+    """Whether a subscription to ``features`` (``None``: all) watches the counter ``name``:
+    one of a feature, or a dimension counter of it."""
+    if features is None or name in features:
+        return True
+    return is_dimension(name) and decode(name)[0] in features
 
 
 def check_features(features: Any) -> frozenset[str] | None:
@@ -306,7 +325,7 @@ class Watch:
             for sub, features in watchers.items():
                 offer = sub.offer
                 for (feature, period), value in changed:
-                    if features is None or feature in features:
+                    if watched(feature, features):
                         offer((tenant, feature, period), value)
         if found:
             self.changed_tick = self.ticks

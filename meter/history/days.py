@@ -30,7 +30,7 @@ MAX_MONTHS = 120
 DEFAULT_DAYS = 30
 DEFAULT_MONTHS = 12
 
-_OPTS = frozenset({"from", "to", "granularity"})
+_OPTS = frozenset({"from", "to", "granularity", "where"})
 #: ASCII digits only: ``strptime`` alone takes ``"2026-11- 3"`` for a day.
 _DAY_RE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 _MONTH_RE = re.compile(r"[0-9]{4}-[0-9]{2}")

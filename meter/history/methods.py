@@ -7,6 +7,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
+from meter.core.dims import where_name
 from meter.core.keycache import KeyCache
 from meter.core.keys import check_feature, check_tenant, period_start
 from meter.core.params import args as check_args
@@ -45,6 +46,9 @@ class HistoryMethods:
         feature = check_feature(feature)
         now = time.time()
         granularity, first, last = parse_range(opts, now)
+        where = opts.get("where") if isinstance(opts, dict) else None
+        if where is not None:  # one dimension value's counter (docs/dimensions.md)
+            feature = self.keys.feature(where_name(feature, self.keys.spec(feature), where))
         return self._history(tenant, feature, granularity, first, last, now)
 
     async def _history(
@@ -106,8 +110,10 @@ class HistoryMethods:
         return self.table.value(key)
 
     async def _usage(self, tenant: str, feature: str, now: float) -> int:
-        """What ``usage`` answers for the counter of the current period."""
-        key = self.keys.key_for(tenant, feature, now)
+        """What ``usage`` answers for the counter of the current period (``feature``: a
+        validated feature, or a dimension counter's name)."""
+        keys = self.keys
+        key = (tenant, feature, keys.period(period_start(keys.kind_of(feature), now)))
         value = self.table.value(key)
         if value is not None:
             return value

@@ -18,9 +18,11 @@ from cluster.bus import channel_name
 from cluster.codec import DeltaItem
 from cluster.gossip import Gossip, GossipSettings, Listener
 from cluster.redis_bus import RedisBus
+from meter.catalog.methods import FeatureMethods
 from meter.config import CounterConfig, NodeConfig
 from meter.core.fence import Fence
 from meter.core.gate import Gate
+from meter.core.groups import Groups
 from meter.core.idempotency import RequestIds
 from meter.core.journal import Journal
 from meter.core.keycache import KeyCache
@@ -232,13 +234,16 @@ def assemble(
 
     def new_book(book: LimitBook) -> None:
         gate.new_limits(book.by_pair, book.alerting)
+        keys.new_specs(book.features)
 
     limits = LimitStore(storage, new_book, poll_s=limits_poll_s, publish=publish_limits)
-    tracking = Tracking(table, keys, gate, fence, ids, seeder)
+    groups = Groups(table, storage)
+    tracking = Tracking(table, keys, gate, fence, ids, seeder, groups)
     reserving = Reserving(table, keys, gate, fence, ids, seeder, config)
     journal = Journal(table, keys, ids, reserving, config)
     features = {
         **LimitMethods(limits).handlers(),
+        **FeatureMethods(limits).handlers(),
         **LedgerMethods(ledger_store, shares).handlers(),
         **HistoryMethods(table, keys, seeder, storage).handlers(),
         **ExportMethod(storage).handlers(),
@@ -253,6 +258,7 @@ def assemble(
         gate=gate,
         tracking=tracking,
         reserving=reserving,
+        groups=groups,
         journal=journal,
         watch=Watch(max_tenants=config.max_watched_tenants),
         limits=limits,

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from meter.core.dims import decode
 from meter.core.keys import check_period
 from meter.core.params import args as check_args
 from meter.core.params import opts as check_opts
@@ -31,8 +32,11 @@ _OPTS = frozenset({"cursor", "limit"})
 #: What MessagePack carries as an integer; a total outside goes as its decimal string.
 _WIRE_MIN = -(2**63)
 _WIRE_MAX = 2**64 - 1
-#: The columns of a csv export, and the keys of a jsonl one.
-COLUMNS = ("tenant", "feature", "period", "total")
+#: The columns of a csv export, and the keys of a jsonl one. ``dims`` is empty for a
+#: feature's total, else the dimension values of one of its dimension counters
+#: (docs/dimensions.md): one value (every call that gave it), or two or more (calls that gave
+#: exactly that combination).
+COLUMNS = ("tenant", "feature", "period", "total", "dims")
 
 
 def parse_params(params: list[Any]) -> tuple[str, str | None, int]:
@@ -72,7 +76,8 @@ async def rpc_page(
     storage: Counters, period: str, cursor: str | None, limit: int
 ) -> dict[str, Any]:
     """One page of the ``export`` method (its params checked by :func:`parse_params`):
-    ``{"rows": [[tenant, feature, period, total], ...], "cursor": str | None}``."""
+    ``{"rows": [[tenant, feature, period, total], ...], "cursor": str | None}``; a dimension
+    counter's row has a fifth element, its dimensions ``{name: value}``."""
     try:
         page = await storage.export_page(period, cursor, limit)
     except BadCursor as exc:
@@ -86,7 +91,15 @@ def _wire_row(row: ExportRow) -> list[Any]:
     total: int | str = row.total
     if not _WIRE_MIN <= row.total <= _WIRE_MAX:
         total = str(row.total)  # stored totals may outgrow 64 bits; MessagePack ints may not
+    feature, pairs, _ = decode(row.feature)
+    if pairs:
+        return [row.tenant, feature, row.period, total, dict(pairs)]
     return [row.tenant, row.feature, row.period, total]
+
+
+def _columns(row: ExportRow) -> tuple[str, str, str, int, dict[str, str]]:
+    feature, pairs, _ = decode(row.feature)
+    return row.tenant, feature, row.period, row.total, dict(pairs)
 
 
 # -- the ``meter export`` writer ----------------------------------------------------------------
@@ -108,14 +121,13 @@ class RowWriter:
     def write(self, rows: list[ExportRow]) -> None:
         """Append ``rows``."""
         if self._csv is not None:
-            self._csv.writerows((r.tenant, r.feature, r.period, r.total) for r in rows)
+            self._csv.writerows(
+                (*c[:4], json.dumps(c[4], sort_keys=True) if c[4] else "")
+                for c in map(_columns, rows)
+            )
         else:
             self.stream.writelines(
-                json.dumps(
-                    dict(zip(COLUMNS, (r.tenant, r.feature, r.period, r.total), strict=True))
-                )
-                + "\n"
-                for r in rows
+                json.dumps(dict(zip(COLUMNS, _columns(r), strict=True))) + "\n" for r in rows
             )
         self.rows += len(rows)
 

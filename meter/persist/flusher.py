@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from meter.core.counts import FLUSH_BOUNDS, Buckets, FeatureUnits
+from meter.core.dims import is_dimension, shown
 from meter.core.keys import Key
 from meter.core.table import CounterTable
 from meter.history.days import clamp_day, utc_day
@@ -562,7 +563,8 @@ class Flusher:
                     suspects.append((d.key, d.seq))
                 written.append((d.key, outcome))
                 self.stats.keys_written += 1
-                if self.feature_units is not None:
+                if self.feature_units is not None and not is_dimension(d.key[1]):
+                    # (a dimension counter's units are its feature's, counted there)
                     self.feature_units.add(d.key[1], d.delta)
                 if outcome.duplicate:
                     self.stats.duplicates += 1
@@ -607,4 +609,4 @@ class Flusher:
 
 
 def _fmt(key: Key) -> str:
-    return f"{key[0]}/{key[1]}@{key[2]}"
+    return f"{key[0]}/{shown(key[1])}@{key[2]}"

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from meter.core.dims import decode, name_of
 from storage.base import StorageError
 
 log = logging.getLogger("meter.alerts")
@@ -91,11 +92,19 @@ class Alert:
     at: float
 
     def to_wire(self) -> dict[str, Any]:
-        """The map of an ``alert`` notification (docs/protocol.md)."""
+        """The map of an ``alert`` notification (docs/protocol.md); a dimension counter's
+        (docs/dimensions.md) names its feature and, in ``dims``, its dimension values."""
+        feature, pairs, _ = decode(self.feature)
+        out = self._wire(feature)
+        if pairs:
+            out["dims"] = dict(pairs)
+        return out
+
+    def _wire(self, feature: str) -> dict[str, Any]:
         return {
             "id": self.id,
             "tenant": self.tenant,
-            "feature": self.feature,
+            "feature": feature,
             "period": self.period,
             "threshold": self.threshold,
             "threshold_units": self.threshold_units,
@@ -115,10 +124,20 @@ class Alert:
         if not isinstance(wire, dict):
             return None
         try:
+            feature = wire["feature"]
+            dims = wire.get("dims")
+            if dims is not None:
+                if (
+                    type(feature) is not str
+                    or not isinstance(dims, dict)
+                    or not all(type(k) is str and type(v) is str for k, v in dims.items())
+                ):
+                    return None
+                feature = name_of(feature, tuple(dims.items()))
             out = cls(
                 id=wire["id"],
                 tenant=wire["tenant"],
-                feature=wire["feature"],
+                feature=feature,
                 period=wire["period"],
                 threshold=wire["threshold"],
                 threshold_units=wire["threshold_units"],
@@ -127,7 +146,7 @@ class Alert:
                 node=wire["node"],
                 at=float(wire["at"]),
             )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError):
             return None
         strs = (out.id, out.tenant, out.feature, out.period, out.node)
         ints = (out.threshold, out.threshold_units, out.limit, out.value)

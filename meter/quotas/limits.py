@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from meter.core.dims import FeatureSpec, parse_shown, spec_body, spec_from_body, where_limit
 from meter.core.keys import QTY_MAX, check_feature
 from meter.errors import InvalidArgument
 
@@ -38,7 +39,8 @@ MAX_PLAN_BYTES = 128
 PLAN = "plan"  # name = plan, feature = "", body = {feature: limit spec} as JSON
 ASSIGN = "assign"  # name = tenant, feature = "", body = plan name
 OVERRIDE = "limit"  # name = tenant, feature = feature, body = limit spec as JSON
-SCOPES = (PLAN, ASSIGN, OVERRIDE)
+DECLARE = "feature"  # name = feature, feature = "", body = its declaration (meter.core.dims)
+SCOPES = (PLAN, ASSIGN, OVERRIDE, DECLARE)
 
 Record = tuple[str, str, str, str]
 """``(scope, name, feature, body)``."""
@@ -214,10 +216,21 @@ def parse_features(spec: object) -> dict[str, Limit]:
     if len(spec) > MAX_PLAN_FEATURES:
         raise InvalidArgument(f"a plan has at most {MAX_PLAN_FEATURES} features")
     out: dict[str, Limit] = {}
-    for feature, limit in spec.items():
-        f = check_feature(feature)
-        out[f] = parse_limit(limit, f"feature {f!r}")
+    for name, limit in spec.items():
+        f = limit_feature(name)
+        out[f] = parse_limit(limit, f"feature {name!r}")
     return out
+
+
+def limit_feature(name: object, where: object = None) -> str:
+    """The counter a limit is on: a feature, or one dimension value of it given as ``where``
+    (``{name: value}``) or written ``feature{name=value}`` (plans)."""
+    if isinstance(name, str) and where is None:
+        name, dims = parse_shown(name)
+        if dims:
+            where = dims
+    feature = check_feature(name)
+    return feature if where is None else where_limit(feature, where)
 
 
 # -- records ---------------------------------------------------------------------------------
@@ -241,6 +254,11 @@ def override_record(
 ) -> tuple[str, str, str, str | None]:
     """The record of an override (body ``None``: clear it)."""
     return (OVERRIDE, tenant, feature, None if limit is None else _dump(limit.to_wire()))
+
+
+def declare_record(feature: str, spec: FeatureSpec) -> Record:
+    """The record declaring ``feature`` (meter.core.dims)."""
+    return (DECLARE, feature, "", spec_body(spec))
 
 
 def _stored_limit(value: Any) -> Limit:
@@ -329,6 +347,8 @@ class LimitBook:
     bad: list[tuple[tuple[str, str, str], str]] = field(default_factory=list)
     #: Whether any limit has alert thresholds (the hot path's one test for alerts).
     alerting: bool = False
+    #: Declared features (``set_feature``), by name.
+    features: dict[str, FeatureSpec] = field(default_factory=dict)
 
     @classmethod
     def from_records(cls, version: int, records: Iterable[Record]) -> LimitBook:
@@ -353,6 +373,8 @@ class LimitBook:
                     book.assigned[name] = body
                 elif scope == OVERRIDE:
                     book.overrides[(name, feature)] = _stored_limit(json.loads(body))
+                elif scope == DECLARE:
+                    book.features[name] = spec_from_body(body)
                 else:
                     raise ValueError(f"unknown scope {scope!r}")
             except (ValueError, TypeError) as exc:

@@ -7,13 +7,16 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
+from meter.core.dims import shown
 from meter.core.keys import check_feature, check_tenant
 from meter.core.params import args as check_args
+from meter.core.params import opts as check_opts
 from meter.core.ports import Handler
 from meter.errors import NotFound, Unavailable
 from meter.quotas.limits import (
     assign_record,
     check_plan_name,
+    limit_feature,
     override_record,
     parse_features,
     parse_limit,
@@ -21,6 +24,8 @@ from meter.quotas.limits import (
 )
 from meter.quotas.store import LimitStore
 from storage.base import StorageError
+
+_CLEAR_OPTS = frozenset({"where"})
 
 
 class LimitMethods:
@@ -60,13 +65,18 @@ class LimitMethods:
     def set_limit(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
         tenant, feature, spec = check_args("set_limit", params, 3, 3)
         tenant = check_tenant(tenant)
-        feature = check_feature(feature)
+        where = None
+        if isinstance(spec, dict) and "where" in spec:  # a limit on one dimension value
+            where = spec["where"]
+            spec = {k: v for k, v in spec.items() if k != "where"}
+        feature = limit_feature(check_feature(feature), where)
         return self._changed(override_record(tenant, feature, parse_limit(spec)))
 
     def clear_limit(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
-        tenant, feature = check_args("clear_limit", params, 2, 2)
+        tenant, feature, opts = check_args("clear_limit", params, 2, 3, ({},))
         tenant = check_tenant(tenant)
-        feature = check_feature(feature)
+        where = check_opts("clear_limit", opts, _CLEAR_OPTS, nil_is_absent=True).get("where")
+        feature = limit_feature(check_feature(feature), where)
         return self._changed(override_record(tenant, feature, None))
 
     def limits(self, params: list[Any]) -> dict[str, Any]:
@@ -77,7 +87,9 @@ class LimitMethods:
             "tenant": tenant,
             "plan": book.assigned.get(tenant),
             "version": book.version,
-            "limits": {f: eff.to_wire() for f, eff in sorted(book.for_tenant(tenant).items())},
+            "limits": {
+                shown(f): eff.to_wire() for f, eff in sorted(book.for_tenant(tenant).items())
+            },
         }
 
     async def _changed(self, record: tuple[str, str, str, str | None]) -> dict[str, Any]:

@@ -26,6 +26,11 @@ class DownStorage(MemoryStorage):
             raise StorageUnavailable("down")
         return await super().list_period(tenant, period)
 
+    async def list_between(self, tenant: str, period: str, first: str, last: str) -> Any:
+        if self.down:
+            raise StorageUnavailable("down")
+        return await super().list_between(tenant, period, first, last)
+
     async def limits_version(self) -> int:
         if self.down:
             raise StorageUnavailable("down")

@@ -1,0 +1,59 @@
+"""The declaration methods of the protocol: ``set_feature`` and ``get_feature``
+(docs/protocol.md, docs/dimensions.md). Declarations are records of the limits' storage
+(:mod:`meter.quotas.limits`, scope ``feature``), so they are versioned, announced and re-read
+like plans: every node holds them within a second of a change."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any
+
+from meter.core.dims import UNDECLARED, FeatureSpec, parse_spec
+from meter.core.keys import check_feature
+from meter.core.params import args as check_args
+from meter.core.ports import Handler
+from meter.errors import Conflict, Unavailable
+from meter.quotas.limits import declare_record
+from meter.quotas.store import LimitStore
+from storage.base import StorageError
+
+
+class FeatureMethods:
+    """The handlers, over one node's :class:`LimitStore`."""
+
+    def __init__(self, store: LimitStore) -> None:
+        self.store = store
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"set_feature": self.set_feature, "get_feature": self.get_feature}
+
+    def set_feature(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
+        feature, options = check_args("set_feature", params, 1, 2, ({},))
+        feature = check_feature(feature)
+        return self._set(feature, parse_spec(feature, options))
+
+    async def _set(self, feature: str, spec: FeatureSpec) -> dict[str, Any]:
+        try:
+            await self.store.refresh()  # judged against the stored declaration, not a stale one
+        except StorageError as exc:
+            raise Unavailable(f"declarations could not be read: {exc}") from None
+        before = self.store.book.features.get(feature, UNDECLARED)
+        if before.aggregation != spec.aggregation:
+            raise Conflict(
+                f"feature {feature!r} is a {before.aggregation}; its aggregation cannot change "
+                "mid-period (its counters hold that kind): declare a new feature name"
+            )
+        version = await self.store.change(declare_record(feature, spec))
+        return {"feature": feature, "version": version, **spec.to_wire()}
+
+    def get_feature(self, params: list[Any]) -> dict[str, Any]:
+        (feature,) = check_args("get_feature", params, 1, 1)
+        feature = check_feature(feature)
+        book = self.store.book
+        spec = book.features.get(feature)
+        return {
+            "feature": feature,
+            "declared": spec is not None,
+            "version": book.version,
+            **(spec or UNDECLARED).to_wire(),
+        }
