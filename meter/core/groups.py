@@ -5,10 +5,10 @@ make a new one is checked against the feature's bound on them. Both need every s
 storage holds, so the first of them on this node lists them (one range read,
 :meth:`storage.base.Counters.list_between`) and seeds them into the table; later ones answer
 from memory while that listing holds: until an eviction pass or a claim of the node id moves
-the table's epoch on, or a peer gossips to a dimension counter of it this node holds cold (the
-table keeps such deltas, :class:`~meter.core.table.Missed`; the next listing seeds that counter
-and applies them, skipping what its snapshot holds). Names of dimension counters are those of
-:mod:`meter.core.dims`.
+the table's epoch on, or a peer gossips about a dimension counter of it this node holds cold
+(the table keeps such deltas and announced snapshots, :class:`~meter.core.table.Missed`; the
+next listing seeds that counter and applies them, skipping what its snapshot holds). Names
+of dimension counters are those of :mod:`meter.core.dims`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 from meter.core.dims import LAST, FeatureSpec, decode, dimension_counters, group, shown
 from meter.core.keys import Key
-from meter.core.table import CounterTable
+from meter.core.table import CounterTable, Heard
 from meter.errors import InvalidArgument, Unavailable
-from storage.base import EMPTY, Counters, StorageError
+from storage.base import EMPTY, Counters, Snapshot, StorageError
 
 #: Most (tenant, feature, period) listings remembered; the memory starts over when full.
 MAX_LISTINGS = 65_536
@@ -41,9 +41,9 @@ class Groups:
         # (tenant, feature, period) -> the table's epoch and missed.lost when its listing
         # was seeded.
         self._listed: dict[Key, tuple[int, int]] = {}
-        # (tenant, feature, period) -> peers' deltas to its dimension counters held cold
-        # here (by counter name: ``(peer, seq, delta)``), to apply once they are seeded.
-        self._missed: dict[Key, dict[str, list[tuple[str, int, int]]]] = {}
+        # (tenant, feature, period) -> what peers said of its dimension counters held cold
+        # here (by counter name: deltas, announced snapshots), applied once they are seeded.
+        self._missed: dict[Key, dict[str, list[Heard]]] = {}
         # (tenant, feature, period) -> new dimension counters calls claimed and are counting.
         self._incoming: dict[Key, dict[str, int]] = {}
         #: Listings read from storage, and calls refused by a bound, since start.
@@ -60,9 +60,9 @@ class Groups:
 
     def _drain_missed(self) -> None:
         table = self.table
-        if not table.missed.deltas:
+        if not table.missed.heard:
             return
-        for (tenant, name, period), deltas in table.take_missed().items():
+        for (tenant, name, period), heard in table.take_missed().items():
             feature, _, _ = decode(name)
             level = (tenant, feature, period)
             names = self._missed.get(level)
@@ -71,7 +71,7 @@ class Groups:
                     self._missed.clear()
                     self._listed.clear()
                 names = self._missed[level] = {}
-            names.setdefault(name, []).extend(deltas)
+            names.setdefault(name, []).extend(heard)
 
     async def refresh(self, tenant: str, feature: str, period: str) -> None:
         """Seed the feature's total and every dimension counter storage holds, or a peer
@@ -101,12 +101,16 @@ class Groups:
                 if not table.seed((tenant, name, period), snap, epoch)
                 and not table.is_seeded((tenant, name, period))
             ]
-            for name, deltas in missed.items():
+            for name, heard in missed.items():
                 if name in refused:
-                    self._missed.setdefault(key, {}).setdefault(name, []).extend(deltas)
+                    self._missed.setdefault(key, {}).setdefault(name, []).extend(heard)
                     continue
-                for peer, seq, delta in deltas:  # (what the snapshot holds is skipped)
-                    table.apply_remote((tenant, name, period), peer, seq, delta)
+                counter = (tenant, name, period)
+                for said in heard:  # (what the row's snapshot holds is skipped)
+                    if isinstance(said, Snapshot):
+                        table.rebase(counter, said, "gossip")
+                    else:
+                        table.apply_remote(counter, *said)
             if refused:
                 continue  # an eviction pass or a claim of the node id overtook the read
             self._drain_missed()

@@ -160,30 +160,37 @@ class Row:
         )  # fmt: skip
 
 
-class Missed:
-    """Peers' gossiped deltas to dimension counters (docs/dimensions.md) this node holds
-    cold, for the features whose counters it listed (:class:`~meter.core.groups.Groups`):
-    such a listing is out of date, and the deltas are applied once the counter is seeded
-    (those its snapshot holds are skipped, as for any row). Mutated under the table's lock."""
+#: What :class:`Missed` keeps of a peer's word on a cold counter: a gossiped delta
+#: ``(peer, seq, delta)`` or an announced snapshot.
+Heard = tuple[str, int, int] | Snapshot
 
-    __slots__ = ("deltas", "listed", "lost", "noted")
+
+class Missed:
+    """What peers gossiped about dimension counters (docs/dimensions.md) this node holds
+    cold, for the features whose counters it listed (:class:`~meter.core.groups.Groups`):
+    such a listing is out of date, and once the counter is seeded the deltas are applied and
+    the announced snapshots re-based on (as for any row, what the row's snapshot already holds
+    is skipped). Mutated under the table's lock."""
+
+    __slots__ = ("heard", "listed", "lost", "noted")
 
     def __init__(self) -> None:
         #: (tenant, feature, period) of the features listed (the only ones noted).
         self.listed: set[Key] = set()
-        self.deltas: dict[Key, list[tuple[str, int, int]]] = {}
+        self.heard: dict[Key, list[Heard]] = {}
         self.noted = 0
-        #: How often the deltas were too many and forgotten (every listing out of date).
+        #: How often the notes were too many and forgotten (every listing out of date).
         self.lost = 0
 
     def listen(self, feature: Key) -> None:
-        """Note deltas to the dimension counters of ``feature`` (tenant, feature, period)."""
+        """Note what peers say of the dimension counters of ``feature`` (tenant, feature,
+        period) from now on."""
         if len(self.listed) >= MAX_MISSED:
             self.listed.clear()
             self.lost += 1
         self.listed.add(feature)
 
-    def note(self, key: Key, peer: str, seq: int, delta: int) -> None:
+    def note(self, key: Key, heard: Heard) -> None:
         name = key[1]
         cut = name.find("\x1f")
         other = name.find("\x1e")
@@ -192,18 +199,18 @@ class Missed:
         if (key[0], name[:cut], key[2]) not in self.listed:
             return
         if self.noted >= MAX_MISSED:
-            self.deltas.clear()
+            self.heard.clear()
             self.noted = 0
             self.lost += 1
-        got = self.deltas.get(key)
+        got = self.heard.get(key)
         if got is None:
-            got = self.deltas[key] = []
-        got.append((peer, seq, delta))
+            got = self.heard[key] = []
+        got.append(heard)
         self.noted += 1
 
-    def take(self) -> dict[Key, list[tuple[str, int, int]]]:
-        out = self.deltas
-        self.deltas = {}
+    def take(self) -> dict[Key, list[Heard]]:
+        out = self.heard
+        self.heard = {}
         self.noted = 0
         return out
 
@@ -917,6 +924,8 @@ class CounterTable:
         with self._lock:
             row = self._rows.get(key)
             if row is None or not row.flags & SEEDED:
+                if row is None and ("\x1f" in key[1] or "\x1e" in key[1]):
+                    self.missed.note(key, snap)
                 return None
             if not _covers(snap, self.node, row):
                 return None
@@ -1004,7 +1013,7 @@ class CounterTable:
             row = self._rows.get(key)
             if row is None or not row.flags & SEEDED or peer == self.node:
                 if row is None and ("\x1f" in key[1] or "\x1e" in key[1]):
-                    self.missed.note(key, peer, seq, delta)
+                    self.missed.note(key, (peer, seq, delta))
                 return False
             ext = row.x()
             if ext.peer_seqs is not None and ext.peer_seqs.get(peer, 0) >= seq:
@@ -1030,7 +1039,7 @@ class CounterTable:
                 row = rows.get((t, f, p))
                 if row is None or not row.flags & SEEDED:
                     if row is None and ("\x1f" in f or "\x1e" in f):
-                        self.missed.note((t, f, p), peer, seq, delta)
+                        self.missed.note((t, f, p), (peer, seq, delta))
                     continue
                 ext = row.ext
                 if ext is None:
@@ -1049,8 +1058,8 @@ class CounterTable:
                 applied += 1
         return applied
 
-    def take_missed(self) -> dict[Key, list[tuple[str, int, int]]]:
-        """The deltas :attr:`missed` holds (by key: ``(peer, seq, delta)``), forgotten."""
+    def take_missed(self) -> dict[Key, list[Heard]]:
+        """What :attr:`missed` holds (by key), forgotten."""
         with self._lock:
             return self.missed.take()
 

@@ -1,0 +1,255 @@
+"""Dimensions across a fleet (docs/dimensions.md): 3 real nodes on one redis-server and one
+DynamoDB Local table. Calls with dimensions from every node converge to the same groups on
+every node, and those groups add up to the total; what storage holds after the flushes is
+the same; a node killed with ``kill -9`` mid-load and restarted from its data dir loses and
+doubles nothing (its unanswered calls sent again under their ids); strict limits on a total
+and on one dimension value admit exactly their limit (D01-D05 of docs/correctness.md)."""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import pytest
+
+from meter.core.keys import period_start
+from tests.support.cluster_harness import Conn, Fleet, wait_until
+from tests.support.nodes import NodeProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
+
+MODELS = ["gpt-4", "o1", "mini"]
+REGIONS = ["eu", "us"]
+
+
+@pytest.fixture(scope="module")
+def nodes(module_fleet: Fleet) -> list[NodeProcess]:
+    nodes = module_fleet(3)
+    version = nodes[0].call(
+        "set_feature", "tokens", {"dimensions": ["model", "region"], "max_combinations": 100}
+    )["version"]
+    wait_until(
+        lambda: all(p.call("get_feature", "tokens")["version"] >= version for p in nodes),
+        5,
+        "every node holds the declaration",
+        nodes,
+    )
+    return nodes
+
+
+def dims_of(rng: random.Random) -> dict[str, str]:
+    """A call's dimensions: both, one, or none of them."""
+    shape = rng.randrange(4)
+    out = {}
+    if shape in (0, 1):
+        out["model"] = rng.choice(MODELS)
+    if shape in (0, 2):
+        out["region"] = rng.choice(REGIONS)
+    return out
+
+
+class DimLoad:
+    """One thread per node sending ``track_many`` batches with dimensions and request ids;
+    what was acknowledged, by dimensions. A batch whose answer never came (its node died) is
+    kept to be sent again under the same ids (:meth:`resend`)."""
+
+    def __init__(self, nodes: list[NodeProcess], tenant: str, batches: int) -> None:
+        self.nodes = nodes
+        self.tenant = tenant
+        self.batches = batches
+        self.acked: dict[tuple[tuple[str, str], ...], int] = {}
+        self.in_doubt: dict[int, list[list[Any]]] = {}
+        self.errors: list[Any] = []
+        self.sent = [0] * len(nodes)
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                        for i in range(len(nodes))]  # fmt: skip
+
+    def start(self) -> DimLoad:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in self.threads)
+
+    def _run(self, i: int) -> None:
+        rng = random.Random(i)
+        conn = Conn(self.nodes[i].socket, timeout=10)
+        try:
+            for b in range(self.batches):
+                items = [[self.tenant, "tokens", rng.randint(1, 5),
+                          {"id": f"{self.tenant}-{self.nodes[i].name}-{b}-{j}",
+                           "dims": dims_of(rng)}]
+                         for j in range(20)]  # fmt: skip
+                try:
+                    error, result = conn.call("track_many", items)
+                except OSError:
+                    self.in_doubt[i] = items
+                    return
+                self._count(items, error, result)
+                self.sent[i] += 1
+        finally:
+            conn.close()
+
+    def _count(self, items: list[list[Any]], error: Any, result: Any) -> None:
+        if error is not None:
+            self.errors.append(error)
+            return
+        with self._lock:
+            for item, answer in zip(items, result, strict=True):
+                if isinstance(answer, dict):
+                    self.errors.append(answer)
+                    continue
+                key = tuple(sorted(item[3]["dims"].items()))
+                self.acked[key] = self.acked.get(key, 0) + item[2]
+
+    def resend(self, i: int) -> None:
+        items = self.in_doubt.pop(i, None)
+        if items is not None:
+            conn = Conn(self.nodes[i].socket)
+            try:
+                self._count(items, *conn.call("track_many", items))
+            finally:
+                conn.close()
+
+    def want(self, by: tuple[str, ...]) -> tuple[int, dict[tuple[Any, ...], int]]:
+        """The total and the groups by ``by`` that the acknowledged calls make."""
+        groups: dict[tuple[Any, ...], int] = {}
+        for key, qty in self.acked.items():
+            given = dict(key)
+            at = tuple(given.get(n) for n in by)
+            groups[at] = groups.get(at, 0) + qty
+        return sum(self.acked.values()), {k: v for k, v in groups.items() if v}
+
+
+def grouped(node: NodeProcess, tenant: str, by: tuple[str, ...]) -> tuple[int, dict[Any, int]]:
+    got = node.call("usage", tenant, "tokens", {"group_by": list(by)})
+    groups = {tuple(g["dims"][n] for n in by): g["value"] for g in got["groups"]}
+    assert sum(groups.values()) == got["total"], got  # groups add up to the total, always
+    return got["total"], groups
+
+
+def converged(nodes: list[NodeProcess], load: DimLoad) -> bool:
+    for by in [("model",), ("region",), ("model", "region")]:
+        want = load.want(by)
+        if any(grouped(p, load.tenant, by) != want for p in nodes):
+            return False
+    return True
+
+
+def stored(node: NodeProcess, tenant: str) -> dict[tuple[tuple[str, str], ...], int]:
+    """The tenant's tokens counters in storage (the ``export`` method), by dimensions."""
+    out: dict[tuple[tuple[str, str], ...], int] = {}
+    cursor = None
+    while True:
+        opts = {} if cursor is None else {"cursor": cursor}
+        page = node.call("export", period_start("month"), opts)
+        for row in page["rows"]:
+            if row[0] == tenant and row[1] == "tokens":
+                out[tuple(sorted(row[4].items())) if len(row) == 5 else ()] = int(row[3])
+        cursor = page["cursor"]
+        if cursor is None:
+            return out
+
+
+def stored_want(load: DimLoad) -> dict[tuple[tuple[str, str], ...], int]:
+    """What storage must hold: the total, each value's counter, each combination of two."""
+    out: dict[tuple[tuple[str, str], ...], int] = {(): sum(load.acked.values())}
+    for key, qty in load.acked.items():
+        for pair in key:
+            out[(pair,)] = out.get((pair,), 0) + qty
+        if len(key) > 1:
+            out[key] = out.get(key, 0) + qty
+    return out
+
+
+def test_groups_converge_on_every_node_and_in_storage(nodes: list[NodeProcess]) -> None:
+    load = DimLoad(nodes, "conv", batches=30).start()
+    load.join()
+    assert not load.errors, load.errors[:3]
+    wait_until(lambda: converged(nodes, load), 20, "every node's groups are the acked", nodes)
+    wait_until(lambda: stored(nodes[0], "conv") == stored_want(load), 20, "storage holds them")
+
+
+def test_a_node_killed_mid_load_loses_and_doubles_nothing(nodes: list[NodeProcess]) -> None:
+    load = DimLoad(nodes, "kill", batches=400).start()
+    wait_until(lambda: load.sent[2] >= 20, 30, "n2 has answered 20 batches", nodes)
+    nodes[2].kill()
+    load.join()
+    nodes[2].start(timeout=60)
+    load.resend(2)
+    assert not load.errors, load.errors[:3]
+    wait_until(lambda: converged(nodes, load), 30, "every node's groups are the acked", nodes)
+    wait_until(lambda: stored(nodes[0], "kill") == stored_want(load), 30, "storage holds them")
+
+
+def burst(nodes: list[NodeProcess], tenant: str, dims: list[dict[str, str]]) -> int:
+    """Calls of 1 unit from 4 connections per node, cycling through ``dims``, until each is
+    refused for the limit; the units acknowledged."""
+    acked = [0]
+    lock = threading.Lock()
+    errors: list[Any] = []
+
+    def run(i: int, c: int) -> None:
+        conn = Conn(nodes[i].socket)
+        n = c
+        try:
+            while True:
+                error, _ = conn.call("track", tenant, "tokens", 1, {"dims": dims[n % len(dims)]})
+                n += 1
+                if error is None:
+                    with lock:
+                        acked[0] += 1
+                elif error["code"] == "limit_exceeded":
+                    return
+                elif error["code"] != "unavailable":
+                    errors.append(error)
+                    return
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i in range(len(nodes))
+               for c in range(4)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    return acked[0]
+
+
+def _limit(nodes: list[NodeProcess], tenant: str, spec: dict[str, Any]) -> None:
+    version = nodes[0].call("set_limit", tenant, "tokens", spec)["version"]
+    wait_until(
+        lambda: all(p.call("limits", tenant)["version"] >= version for p in nodes),
+        5,
+        "every node holds the limit",
+        nodes,
+    )
+
+
+def test_strict_limits_on_a_total_and_on_one_value_admit_exactly_their_limit(
+    nodes: list[NodeProcess],
+) -> None:
+    _limit(nodes, "lim1", {"limit": 300, "enforcement": "strict", "where": {"model": "gpt-4"}})
+    gpt4 = [{"model": "gpt-4", "region": r} for r in REGIONS] + [{"model": "gpt-4"}]
+    assert burst(nodes, "lim1", gpt4) == 300
+    # Other models are not limited by it.
+    nodes[1].call("track", "lim1", "tokens", 7, {"dims": {"model": "o1"}})
+    _limit(nodes, "lim2", {"limit": 400, "enforcement": "strict"})
+    mixed = [{"model": m} for m in MODELS] + [{"region": "eu"}, {}]
+    assert burst(nodes, "lim2", mixed) == 400
+
+    def exact() -> bool:
+        for p in nodes:
+            t1, g1 = grouped(p, "lim1", ("model",))
+            t2, _ = grouped(p, "lim2", ("model",))
+            if (t1, g1) != (307, {("gpt-4",): 300, ("o1",): 7}) or t2 != 400:
+                return False
+        return True
+
+    wait_until(exact, 15, "every node sees exactly the limits admitted", nodes)
