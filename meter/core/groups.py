@@ -75,7 +75,8 @@ class Groups:
 
     async def refresh(self, tenant: str, feature: str, period: str) -> None:
         """Seed the feature's total and every dimension counter storage holds, or a peer
-        gossiped, into the table; a peer's deltas to one held cold are applied then."""
+        gossiped, into the table; what peers said of them while they were cold here is
+        applied then."""
         table = self.table
         key = (tenant, feature, period)
         for _ in range(MAX_ROUNDS):

@@ -166,8 +166,9 @@ Heard = tuple[str, int, int] | Snapshot
 
 
 class Missed:
-    """What peers gossiped about dimension counters (docs/dimensions.md) this node holds
-    cold, for the features whose counters it listed (:class:`~meter.core.groups.Groups`):
+    """What peers gossiped about counters this node holds cold, for the features whose
+    counters (their totals and dimension counters, docs/dimensions.md) it listed
+    (:class:`~meter.core.groups.Groups`):
     such a listing is out of date, and once the counter is seeded the deltas are applied and
     the announced snapshots re-based on (as for any row, what the row's snapshot already holds
     is skipped). Mutated under the table's lock."""
@@ -191,12 +192,15 @@ class Missed:
         self.listed.add(feature)
 
     def note(self, key: Key, heard: Heard) -> None:
+        """Keep ``heard`` of the cold counter ``key`` if it is a listed feature's total or
+        one of its dimension counters."""
         name = key[1]
         cut = name.find("\x1f")
         other = name.find("\x1e")
         if other >= 0 and (cut < 0 or other < cut):
             cut = other
-        if (key[0], name[:cut], key[2]) not in self.listed:
+        feature = name if cut < 0 else name[:cut]
+        if (key[0], feature, key[2]) not in self.listed:
             return
         if self.noted >= MAX_MISSED:
             self.heard.clear()
@@ -924,7 +928,7 @@ class CounterTable:
         with self._lock:
             row = self._rows.get(key)
             if row is None or not row.flags & SEEDED:
-                if row is None and ("\x1f" in key[1] or "\x1e" in key[1]):
+                if row is None and self.missed.listed:
                     self.missed.note(key, snap)
                 return None
             if not _covers(snap, self.node, row):
@@ -1012,7 +1016,7 @@ class CounterTable:
         with self._lock:
             row = self._rows.get(key)
             if row is None or not row.flags & SEEDED or peer == self.node:
-                if row is None and ("\x1f" in key[1] or "\x1e" in key[1]):
+                if row is None and self.missed.listed:
                     self.missed.note(key, (peer, seq, delta))
                 return False
             ext = row.x()
@@ -1035,10 +1039,11 @@ class CounterTable:
         applied = 0
         with self._lock:
             rows = self._rows
+            listed = bool(self.missed.listed)
             for t, f, p, seq, delta in items:
                 row = rows.get((t, f, p))
                 if row is None or not row.flags & SEEDED:
-                    if row is None and ("\x1f" in f or "\x1e" in f):
+                    if row is None and listed:
                         self.missed.note((t, f, p), (peer, seq, delta))
                     continue
                 ext = row.ext
