@@ -36,6 +36,7 @@ import os
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -309,7 +310,7 @@ def _seeding(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
     return {k: int(a[k]) - int(b[k]) for k in ("on_demand", "prefetched", "reads", "failed_reads")}
 
 
-async def _stored(storage: Any, keys: list[Key]) -> list[int]:
+async def _stored(storage: Any, keys: Sequence[Key]) -> list[int]:
     """The stored totals of ``keys`` (read in chunks through ``storage``)."""
     await storage.open()
     try:
@@ -323,7 +324,7 @@ async def _stored(storage: Any, keys: list[Key]) -> list[int]:
         await storage.close()
 
 
-def _stored_ddb(endpoint: str, table: str, keys: list[Key]) -> list[int]:
+def _stored_ddb(endpoint: str, table: str, keys: Sequence[Key]) -> list[int]:
     from storage.dynamodb import DynamoDBStorage
 
     return asyncio.run(_stored(DynamoDBStorage(table, endpoint_url=endpoint), keys))
@@ -332,7 +333,7 @@ def _stored_ddb(endpoint: str, table: str, keys: list[Key]) -> list[int]:
 # -- 1. DynamoDB: the node vs a bare BatchGetItem loop ----------------------------------------
 
 
-async def bare_batch_get(endpoint: str, table: str, keys: list[Key]) -> tuple[float, int]:
+async def bare_batch_get(endpoint: str, table: str, keys: Sequence[Key]) -> tuple[float, int]:
     """Read ``keys`` with ``BatchGetItem`` of :data:`BARE_CHUNK`, :data:`BARE_CONCURRENCY` in
     flight, consistent reads, unprocessed keys asked again; ``(keys/s, requests)``. The
     client and its connections are made before the clock starts."""
@@ -488,7 +489,7 @@ def ddb_cold(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
 # -- 2. SQLite: cold keys that exist in the file, then the same keys warm ---------------------
 
 
-async def _prefill(path: Path, keys: list[Key], total: int) -> None:
+async def _prefill(path: Path, keys: Sequence[Key], total: int) -> None:
     from storage.base import Delta
     from storage.sqlite import SQLiteStorage
 

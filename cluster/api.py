@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Protocol, TypeVar
 
-Key = tuple[str, str, str]
+Key = tuple[str, ...]
 """``(tenant, feature, period)``."""
 
 S_contra = TypeVar("S_contra", contravariant=True)

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-Key = tuple[str, str, str]
+Key = tuple[str, ...]
 """``(tenant, feature, period)``; ``period`` is ``YYYY-MM`` or ``YYYY-MM-DD``."""
 
 

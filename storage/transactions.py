@@ -22,6 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from storage.base import Key
+
 #: Reason codes of a cancelled transaction's item that mean: send it again.
 AGAIN = frozenset({"None", "TransactionConflict"})
 #: ...after a backoff: the table was busy.
@@ -43,7 +45,7 @@ BAD = frozenset({"ValidationError", "ItemCollectionSizeLimitExceeded"})
 class Part:
     """One conditional update of a flush: ``key``'s counter (``day`` None) or its day bucket."""
 
-    key: tuple[str, str, str]
+    key: Key
     seq: int
     delta: int
     day: str | None
@@ -94,7 +96,7 @@ class Verdict:
     #: Whether some item met a busy table or a conflicting write (back off first).
     busy: bool
     #: Keys that met a conflicting write.
-    conflicted: frozenset[tuple[str, str, str]]
+    conflicted: frozenset[Key]
     #: The reason codes, in item order (for the log).
     reasons: tuple[str, ...] = ()
 
@@ -108,7 +110,7 @@ def judge(parts: Sequence[Part], reasons: Sequence[str] | None) -> Verdict | Non
     again: list[Part] = []
     bad: list[tuple[Part, str]] = []
     busy = False
-    conflicted: set[tuple[str, str, str]] = set()
+    conflicted: set[Key] = set()
     for part, code in zip(parts, reasons, strict=True):
         if code == LANDED:
             landed.append(part)
@@ -134,17 +136,17 @@ class HotKeys:
 
     def __init__(self, hold_s: float) -> None:
         self.hold_s = hold_s
-        self._until: dict[tuple[str, str, str], float] = {}
+        self._until: dict[Key, float] = {}
 
     def __len__(self) -> int:
         return len(self._until)
 
-    def conflicted(self, keys: Iterable[tuple[str, str, str]], now: float) -> None:
+    def conflicted(self, keys: Iterable[Key], now: float) -> None:
         """``keys`` met a conflicting write at ``now``."""
         for key in keys:
             self._until[key] = now + self.hold_s
 
-    def hot(self, now: float) -> frozenset[tuple[str, str, str]]:
+    def hot(self, now: float) -> frozenset[Key]:
         """The keys still written alone at ``now`` (the others are forgotten)."""
         until = self._until
         for key, end in list(until.items()):

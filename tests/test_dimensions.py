@@ -432,7 +432,8 @@ async def test_a_peers_new_counter_is_listed_again_and_grouped() -> None:
     assert not inspect.isawaitable(b.dispatch("usage", ["acme", "tokens", {"group_by": ["model"]}]))
     # a counts a new model; b hears the deltas (gossip), holding that counter cold.
     await call(a, "track", "acme", "tokens", 5, {"dims": {"model": "y"}})
-    deltas = [(*k, seq, d) for k in a.table.touched_keys() for seq, d in a.table.take_gossip(k)]
+    deltas = [(k[0], k[1], k[2], seq, d) for k in a.table.touched_keys()
+              for seq, d in a.table.take_gossip(k)]  # fmt: skip
     b.table.apply_remote_many("n1", deltas)
     assert b.table.value(("acme", "tokens", MONTH)) == 7
     assert ("acme", dims.marginal("tokens", "model", "y"), MONTH) in b.table.missed.heard
@@ -448,7 +449,8 @@ async def test_a_peers_new_counter_is_listed_again_and_grouped() -> None:
     # A feature b never listed keeps no deltas.
     await call(a, "track", "acme", "tokens", 1, {"dims": {"model": "z"}})
     await call(a, "track", "bob", "tokens", 1, {"dims": {"model": "z"}})
-    deltas = [(*k, seq, d) for k in a.table.touched_keys() for seq, d in a.table.take_gossip(k)]
+    deltas = [(k[0], k[1], k[2], seq, d) for k in a.table.touched_keys()
+              for seq, d in a.table.take_gossip(k)]  # fmt: skip
     b.table.apply_remote_many("n1", deltas)
     assert {k[0] for k in b.table.missed.heard} == {"acme"}
 

@@ -146,7 +146,7 @@ def stored(node: NodeProcess, tenant: str) -> dict[tuple[tuple[str, str], ...], 
     out: dict[tuple[tuple[str, str], ...], int] = {}
     cursor = None
     while True:
-        opts = {} if cursor is None else {"cursor": cursor}
+        opts: dict[str, str] = {} if cursor is None else {"cursor": cursor}
         page = node.call("export", period_start("month"), opts)
         for row in page["rows"]:
             if row[0] == tenant and row[1] == "tokens":

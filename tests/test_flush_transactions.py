@@ -117,7 +117,7 @@ async def test_a_cancellation_settles_each_item_by_its_reason(batched: DynamoDBS
     fail their conditions) and new ones (``None``): cancelled once; the landed delta is a
     duplicate, the new ones land once, in the next transaction."""
     landed: Key = ("acme", "landed", M)
-    new = [("acme", f"new{i}", M) for i in range(4)]
+    new: list[Key] = [("acme", f"new{i}", M) for i in range(4)]
     first = (await batched.apply("n1", [Delta(landed, 1, 5, f"{M}-03")]))[landed]
     assert isinstance(first, Applied) and not first.duplicate
     sent = batched.transactions

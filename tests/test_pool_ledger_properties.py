@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from meter.core.gate import pool_key
+from meter.core.keys import Key
 from meter.core.ports import POOL
 from meter.errors import InsufficientBalance
 from meter.ledger import model as ledger
@@ -166,7 +167,9 @@ class PoolLedgerMachine(RuleBasedStateMachine):
         """kill -9: nothing given back; the next process of the node replays what the
         ``fsync`` log holds, every admitted count of the dead one's shares."""
         dead = self.procs[proc]
-        logged = {((t, f, p), run): a for t, f, p, run, a in dead.admitted_all()}
+        logged: dict[tuple[Key, str], int] = {
+            ((t, f, p), run): a for t, f, p, run, a in dead.admitted_all()
+        }
         self.procs[proc] = self._process(NODES[proc])
         self.procs[proc].recovered(logged)
 

@@ -24,7 +24,7 @@ from meter.errors import LimitExceeded
 from meter.node.lifecycle import Node
 from meter.quotas.escrow import Budget
 from meter.quotas.shares import Shares, decode
-from storage.base import BudgetItem, StorageUnavailable
+from storage.base import BudgetItem, Key, StorageUnavailable
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
 
@@ -74,7 +74,7 @@ def _period() -> str:
     return time.strftime("%Y-%m", time.gmtime())
 
 
-async def _stored(tmp: Path, key: tuple[str, str, str]) -> int:
+async def _stored(tmp: Path, key: Key) -> int:
     storage = SQLiteStorage(tmp / "shared.db")
     await storage.open()
     try:
@@ -83,7 +83,7 @@ async def _stored(tmp: Path, key: tuple[str, str, str]) -> int:
         await storage.close()
 
 
-async def _budget(tmp: Path, key: tuple[str, str, str]) -> Budget | None:
+async def _budget(tmp: Path, key: Key) -> Budget | None:
     storage = SQLiteStorage(tmp / "shared.db")
     await storage.open()
     try:
@@ -290,7 +290,7 @@ class HookStorage(MemoryStorage):
         self.on_swap: Callable[[], None] | None = None
         self.read_fails = 0
 
-    async def budget_read(self, key: tuple[str, str, str]) -> BudgetItem:
+    async def budget_read(self, key: Key) -> BudgetItem:
         if self.read_fails > 0:
             self.read_fails -= 1
             raise StorageUnavailable("injected: read fails")
@@ -300,7 +300,7 @@ class HookStorage(MemoryStorage):
         await asyncio.sleep(0)
         return await super().budget_read(key)
 
-    async def budget_swap(self, key: tuple[str, str, str], version: int, body: str) -> bool:
+    async def budget_swap(self, key: Key, version: int, body: str) -> bool:
         hook, self.on_swap = self.on_swap, None
         if hook is not None:
             hook()

@@ -18,7 +18,7 @@ from meter.core.ports import NoBudget
 from meter.quotas import escrow
 from meter.quotas.escrow import Budget, Share
 from meter.quotas.shares import Shares, decode
-from storage.base import BudgetItem
+from storage.base import BudgetItem, Key
 from storage.memory import MemoryStorage
 
 KEY = ("acme", "api", "2026-12")
@@ -33,7 +33,7 @@ class CountingStorage(MemoryStorage):
         #: Records read as written before admits existed (a DynamoDB item with no ``gv``).
         self.old_format = False
 
-    async def budget_read(self, key: tuple[str, str, str]) -> BudgetItem:
+    async def budget_read(self, key: Key) -> BudgetItem:
         self.calls["read"] += 1
         await asyncio.sleep(0)
         item = await super().budget_read(key)
@@ -41,13 +41,13 @@ class CountingStorage(MemoryStorage):
             return BudgetItem(item.version, item.body, item.admitted, admits=False)
         return item
 
-    async def budget_swap(self, key: tuple[str, str, str], version: int, body: str) -> bool:
+    async def budget_swap(self, key: Key, version: int, body: str) -> bool:
         self.calls["swap"] += 1
         await asyncio.sleep(0)
         return await super().budget_swap(key, version, body)
 
     async def budget_admit(
-        self, key: tuple[str, str, str], body: str, name: str, units: int, most: int, op: str
+        self, key: Key, body: str, name: str, units: int, most: int, op: str
     ) -> BudgetItem | None:
         self.calls["admit"] += 1
         await asyncio.sleep(0)

@@ -35,7 +35,7 @@ def _per_key_take(t: CounterTable) -> list[tuple[str, str, str, int, int]]:
     for key in t.touched_keys():
         for seq, delta in t.take_gossip(key):
             if delta:
-                out.append((*key, seq, delta))
+                out.append((key[0], key[1], key[2], seq, delta))
     return out
 
 

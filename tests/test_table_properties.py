@@ -200,7 +200,7 @@ class ClusterMachine(RuleBasedStateMachine):
             return
         items = [queue.popleft() for _ in range(min(n, len(queue)))]
         self.tables[receiver].apply_remote_many(
-            sender, [(*key, seq, delta) for key, seq, delta in items]
+            sender, [(key[0], key[1], key[2], seq, delta) for key, seq, delta in items]
         )
 
     # -- local operations --------------------------------------------------------------------

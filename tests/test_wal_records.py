@@ -195,7 +195,7 @@ def test_a_log_without_warm_records_names_the_keys_of_its_records(tmp_path: Path
     k = ["acme", "api", "2026-11"]
     d = _segments(tmp_path, [[[R.TRACK, *k, 5], [R.FLUSH, [[*k, 1, 5]]], [R.CHECKPOINT_END, 1]]])
     replay = read_log(d)
-    row = replay.unstored()[tuple(k)]  # type: ignore[index]
+    row = replay.unstored()[tuple(k)]
     assert (row.seq, row.inflight, row.pending) == (1, 5, 0)
     assert replay.warm_keys() == [tuple(k)]
 

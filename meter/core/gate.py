@@ -447,8 +447,8 @@ class Gate:
         for t, f, p, _, delta in deltas:
             eff = limited.get((t, f))
             if eff is not None and eff.alerts and delta > 0:
-                key = (t, f, p)
-                sums[key] = sums.get(key, 0) + delta
+                crossed: Key = (t, f, p)
+                sums[crossed] = sums.get(crossed, 0) + delta
         for key, units in sums.items():
             eff = limited.get((key[0], key[1]))
             value = self.table.value(key)

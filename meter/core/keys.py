@@ -17,7 +17,7 @@ from meter.errors import InvalidArgument
 from storage.base import StoragePermanentError
 from storage.base import check_period as _storage_check_period
 
-Key = tuple[str, str, str]
+Key = tuple[str, ...]
 PeriodKind = Literal["month", "day"]
 
 #: Longest tenant name, in UTF-8 bytes. Sized so a DynamoDB partition key (tenant) stays far

@@ -102,7 +102,7 @@ def resync_from(
                 if by is not None:
                     rebased += 1
                     if by:
-                        moved.append((*key, 0, by))
+                        moved.append((key[0], key[1], key[2], 0, by))
             if moved:
                 listener.on_deltas(moved)
         return rebased

@@ -47,7 +47,7 @@ MAX_DELIVERED = 10_000
 #: Pause between claim attempts while storage does not answer.
 RETRY_S = 1.0
 
-Key = tuple[str, str, str]
+Key = tuple[str, ...]
 
 
 def threshold_units(limit: int, pct: int) -> int:

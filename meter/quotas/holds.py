@@ -53,7 +53,7 @@ class PeerHolds:
                 total[key] = left
             else:
                 del total[key]
-        new = {(t, f, p): held for t, f, p, held in items if held > 0}
+        new: dict[Key, int] = {(t, f, p): held for t, f, p, held in items if held > 0}
         for key, held in new.items():
             total[key] = total.get(key, 0) + held
         if new:
