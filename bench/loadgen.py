@@ -41,6 +41,10 @@ class Load:
     #: Further Unix sockets: worker ``i`` connects to ``(path, *paths)[i % (1 + len(paths))]``
     #: (one load spread over the nodes of a cluster).
     paths: tuple[str, ...] = ()
+    #: Dimensions per call (``model``, ``region``: the feature must declare them): a
+    #: ``track`` gives the same values every call, a ``track_many`` item ``j`` gives
+    #: ``model=m<j % 10>``, ``region=r<j // 10 % 10>`` (100 combinations).
+    dims: int = 0
 
     def socket_of(self, worker: int) -> str:
         """The socket worker ``worker`` connects to."""
@@ -89,12 +93,23 @@ def meter_frames(load: Load, worker: int) -> bytes:
     tenant = load.tenant.format(i=worker)
     out = bytearray()
     for msgid in range(load.depth):
-        if load.method == "track_many":
+        if load.method == "track_many" and load.dims:
+            items = [[tenant, "f", 1, {"dims": _dims(load.dims, j)}] for j in range(load.items)]
+            out += msgpack.packb([0, msgid, "track_many", [items]])
+        elif load.method == "track_many":
             items = [[tenant, f"f{j}", 1] for j in range(load.items)]
             out += msgpack.packb([0, msgid, "track_many", [items]])
+        elif load.dims:
+            opts = {"dims": _dims(load.dims, 0)}
+            out += msgpack.packb([0, msgid, "track", [tenant, _feature(load, msgid), 1, opts]])
         else:
             out += msgpack.packb([0, msgid, "track", [tenant, _feature(load, msgid), 1]])
     return bytes(out)
+
+
+def _dims(n: int, j: int) -> dict[str, str]:
+    """The first ``n`` of item ``j``'s dimensions (see :attr:`Load.dims`)."""
+    return dict(list({"model": f"m{j % 10}", "region": f"r{j // 10 % 10}"}.items())[:n])
 
 
 def redis_frames(load: Load, worker: int) -> bytes:

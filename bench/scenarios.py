@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench import ledger_cost, metrics_cost, quotas, scale
+from bench import dimensions, ledger_cost, metrics_cost, quotas, scale
 from bench.harness import (
     ALTERNATING,
     NODE_MEMORY,
@@ -1094,4 +1094,5 @@ SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "metrics": metrics_cost.metrics_cost,
     "quotas": quotas.quotas,
     "ledger": ledger_cost.ledger,
+    "dimensions": dimensions.dimensions,
 }

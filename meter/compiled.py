@@ -37,6 +37,8 @@ HOT = (
     "meter.core.journal",
     "meter.core.fence",
     "meter.core.keycache",
+    "meter.core.dims",
+    "meter.core.groups",
     "meter.core.params",
     "meter.core.table",
     "meter.core.keys",

@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from meter.errors import InvalidArgument
-
-V = TypeVar("V")
 
 Aggregation = Literal["sum"]
 #: The aggregations a feature may be declared with (docs/dimensions.md).
@@ -308,68 +306,66 @@ def check_group_by(feature: str, spec: FeatureSpec, group_by: object) -> tuple[s
     return tuple(names)
 
 
+#: Stands for "no value" in a group's values while groups are summed and sorted: above every
+#: value (no value is a non-character), so those groups sort last.
+_NONE = "\U0010ffff"
+
+
 def group(total: int, counters: Mapping[str, int], group_by: tuple[str, ...]) -> dict[str, Any]:
     """``{"total", "groups"}``: ``counters`` (a feature's dimension counters by name, its
     total's excluded) summed by the values of ``group_by``; calls that gave none of a name
     are in the group where it is ``None``. The groups add up to ``total``; empty ones are
-    left out."""
-    partition: list[tuple[Pairs, int]] = []
+    left out, the others are in the order of their values."""
+    sums: dict[tuple[str, ...], int] = {}
     alone: dict[tuple[str, str], int] = {}
+    rest = total
     for name, value in counters.items():
-        _, pairs, combination = decode(name)
-        if not pairs:
-            continue
-        if combination:
-            partition.append((pairs, value))
+        pairs, given = _parts(name)
+        if given is not None:  # a combination: the calls that gave exactly these values
+            rest -= value
+            at = tuple([given.get(g, _NONE) for g in group_by])
+            sums[at] = sums.get(at, 0) + value
             for pair in pairs:  # (a marginal holds its combinations' units too)
                 alone[pair] = alone.get(pair, 0) - value
-        else:
-            alone[pairs[0]] = alone.get(pairs[0], 0) + value
-    partition.extend(((pair,), value) for pair, value in alone.items())
-    sums: dict[tuple[str | None, ...], int] = {}
-    rest = total
-    for pairs, value in partition:
-        rest -= value
-        given = dict(pairs)
-        at = tuple(given.get(n) for n in group_by)
-        sums[at] = sums.get(at, 0) + value
-    none = tuple(None for _ in group_by)
+        elif pairs:
+            pair = pairs[0]
+            alone[pair] = alone.get(pair, 0) + value
+    for (n, v), value in alone.items():  # the calls that gave that value alone
+        if value:
+            rest -= value
+            at = tuple([v if g == n else _NONE for g in group_by])
+            sums[at] = sums.get(at, 0) + value
+    none = tuple([_NONE for _ in group_by])
     sums[none] = sums.get(none, 0) + rest
-    groups = [
-        {"dims": dict(zip(group_by, at, strict=True)), "value": value}
-        for at, value in sorted(sums.items(), key=_order)
-        if value
-    ]
+    groups: list[dict[str, Any]] = []
+    for at, value in sorted(sums.items()):
+        if value:
+            dims: dict[str, str | None] = {}
+            for i, g in enumerate(group_by):
+                v = at[i]
+                dims[g] = None if v == _NONE else v
+            groups.append({"dims": dims, "value": value})
     return {"total": total, "groups": groups}
 
 
-def _order(item: tuple[tuple[str | None, ...], int]) -> tuple[tuple[int, str], ...]:
-    return tuple((1, "") if v is None else (0, v) for v in item[0])
+#: Counter names :func:`_parts` decoded, kept (a group-by reads the same ones again).
+_PARTS: dict[str, tuple[Pairs, dict[str, str] | None]] = {}
+_PARTS_SIZE = 65_536
+
+
+def _parts(name: str) -> tuple[Pairs, dict[str, str] | None]:
+    """A counter name's pairs, and for a combination its pairs as a map (else ``None``)."""
+    got = _PARTS.get(name)
+    if got is None:
+        _, pairs, combination = decode(name)
+        got = (pairs, dict(pairs) if combination else None)
+        if len(_PARTS) >= _PARTS_SIZE:
+            _PARTS.clear()
+        _PARTS[name] = got
+    return got
 
 
 def dimension_counters(names: Iterable[str], feature: str) -> list[str]:
     """The names of ``names`` that are dimension counters of ``feature``."""
     lo, hi = feature + COMBINATION, feature + LAST
     return [n for n in names if lo <= n <= hi]
-
-
-class ByFeature(Mapping[str, V]):
-    """A mapping of features (``feature_periods``) that answers for their dimension counters
-    as for the feature: a dimension counter is in its feature's periods."""
-
-    def __init__(self, by_feature: Mapping[str, V]) -> None:
-        self._by_feature = dict(by_feature)
-
-    def __getitem__(self, name: str) -> V:
-        try:
-            return self._by_feature[name]
-        except KeyError:
-            if is_dimension(name):
-                return self._by_feature[decode(name)[0]]
-            raise
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._by_feature)
-
-    def __len__(self) -> int:
-        return len(self._by_feature)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
-from meter.core.dims import UNDECLARED, ByFeature, FeatureSpec, Pairs, counter_names
+from meter.core.dims import UNDECLARED, FeatureSpec, Pairs, counter_names
 from meter.core.keys import Key, PeriodKind, check_feature, check_tenant, period_start
-from meter.core.periods import next_keys, period_end
+from meter.core.periods import ByFeature, next_keys, period_end
 from meter.errors import InvalidArgument, PeriodClosed, Unavailable
 
 #: Most levels of a tenant name with the tenant hierarchy on (``a/b/c/d``).
@@ -22,6 +22,8 @@ MAX_LEVELS = 4
 KEY_CACHE_SIZE = 262_144
 #: Most names kept in one copy, per kind (tenants, features, periods); each starts over when full.
 NAME_CACHE_SIZE = 262_144
+#: Most (feature, dims) whose counters' names are kept (:attr:`KeyCache.dim_names`).
+DIM_NAMES_SIZE = 65_536
 
 
 class KeyCache:
@@ -56,10 +58,16 @@ class KeyCache:
         #: Declared features (``set_feature``, meter.core.dims), as the limits' book has them
         #: (``None`` until they are first read).
         self.specs: Mapping[str, FeatureSpec] | None = None
+        #: ``(feature, a call's dims items as sent)`` -> the names of the counters such a
+        #: call counts on (the feature's, then its dimension counters', meter.core.dims), for
+        #: dimensions checked already, whatever the tenant; while the declarations do not
+        #: change. One copy of each name, shared by every tenant's keys.
+        self.dim_names: dict[tuple[str, tuple[tuple[str, str], ...]], list[str]] = {}
 
     def new_specs(self, specs: Mapping[str, FeatureSpec]) -> None:
         """Count by the declarations ``specs`` from now on."""
         self.specs = specs
+        self.dim_names.clear()
 
     def spec(self, feature: str) -> FeatureSpec:
         """How ``feature`` is declared (undeclared: a sum without dimensions);
@@ -70,12 +78,29 @@ class KeyCache:
             raise Unavailable("feature declarations are not read yet (storage unreachable); retry")
         return specs.get(feature, UNDECLARED)
 
-    def spread(self, key: Key, pairs: Pairs) -> list[Key]:
+    def spread(self, key: Key, pairs: Pairs, dims: dict[str, str] | None = None) -> list[Key]:
         """The keys a call giving dimensions ``pairs`` on ``key`` counts on: on every level
         (:meth:`levels`), the feature's total then its dimension counters (meter.core.dims);
-        ``key`` first."""
-        names = [key[1], *(one_copy(self.features, n) for n in counter_names(key[1], pairs))]
-        return [(level[0], name, level[2]) for level in self.levels(key) for name in names]
+        ``key`` first. ``dims``: the call's map as sent, to find the names again by
+        (:attr:`dim_names`)."""
+        if dims is None:
+            return self.spread_names(key, [key[1], *counter_names(key[1], pairs)])
+        cache = self.dim_names
+        known = (key[1], tuple(dims.items()))
+        names = cache.get(known)
+        if names is None:
+            names = [key[1], *counter_names(key[1], pairs)]
+            if len(cache) >= DIM_NAMES_SIZE:
+                cache.clear()
+            cache[known] = names
+        return self.spread_names(key, names)
+
+    def spread_names(self, key: Key, names: list[str]) -> list[Key]:
+        """:meth:`spread` of a call whose counters' names are known: ``names``."""
+        if self.hierarchy and "/" in key[0]:
+            return [(level[0], name, level[2]) for level in self.levels(key) for name in names]
+        tenant, period = key[0], key[2]
+        return [(tenant, name, period) for name in names]
 
     def valid_now(self, now: float) -> bool:
         """Whether the cached keys are those of the day containing ``now``."""

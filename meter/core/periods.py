@@ -10,10 +10,14 @@ of the new period find their keys seeded. See docs/adr/0005-read-ahead-at-period
 from __future__ import annotations
 
 import calendar
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
+from typing import TypeVar
 
+from meter.core.dims import decode, is_dimension
 from meter.core.keys import Key, PeriodKind, period_start
+
+V = TypeVar("V")
 
 
 def period_end(kind: PeriodKind, now: float) -> float:
@@ -54,3 +58,25 @@ def next_keys(
         if period == current and feature_periods.get(feature, "month") == kind:
             out.append((tenant, feature, upcoming))
     return out
+
+
+class ByFeature(Mapping[str, V]):
+    """A mapping of features (``feature_periods``) that answers for their dimension counters
+    as for the feature: a dimension counter is in its feature's periods."""
+
+    def __init__(self, by_feature: Mapping[str, V]) -> None:
+        self._by_feature = dict(by_feature)
+
+    def __getitem__(self, name: str) -> V:
+        try:
+            return self._by_feature[name]
+        except KeyError:
+            if is_dimension(name):
+                return self._by_feature[decode(name)[0]]
+            raise
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_feature)
+
+    def __len__(self) -> int:
+        return len(self._by_feature)

@@ -185,6 +185,14 @@ class Tracking:
                 wal.append([R.TRACK, key[0], key[1], key[2], qty])
                 return value
             return self._track_cold(key, qty, None)
+        if len(params) == 4:
+            opts = params[3]
+            if type(opts) is dict and len(opts) == 1:
+                dims = opts.get("dims")
+                if type(dims) is dict:
+                    spread = self._known_spread(params[0], params[1], dims)
+                    if spread is not None:
+                        return self._track_known(spread, params[2])
         tenant, feature, qty, opts = check_args("track", params, 2, 4, (1, {}))
         o = check_opts("track", opts, _TRACK_OPTS)
         at = o.get("at")
@@ -212,7 +220,8 @@ class Tracking:
             self.keys.check_open(key, at_s, time.time())
         self.fence.check()
         if pairs:
-            return self._track_dims(self.keys.spread(key, pairs), qty, idem, detail, at_s)
+            assert dims is not None
+            return self._track_dims(self.keys.spread(key, pairs, dims), qty, idem, detail, at_s)
         if detail or (self.gate.gated and self.gate.needs_check(key)):
             return self._track_checked(key, qty, idem, detail, at_s)
         if self.table.is_seeded(key):
@@ -249,6 +258,61 @@ class Tracking:
             except Short:
                 pass  # a strict share needs more room: one storage write, below
         return self._track_checked_cold(keys, qty, idem, detail, at)
+
+    def _known_spread(self, tenant: Any, feature: Any, dims: dict[Any, Any]) -> list[Key] | None:
+        """The keys of a call with ``dims`` of the current period checked before (the
+        :attr:`KeyCache.dim_names`), or ``None``."""
+        keys = self.keys
+        now = time.time()
+        if not keys.day_start <= now < keys.day_end:
+            return None
+        try:
+            names = keys.dim_names.get((feature, tuple(dims.items())))
+            key = keys.cache.get((tenant, feature))
+        except TypeError:  # an unhashable name or value: checked (and refused) the long way
+            return None
+        if names is None or key is None:
+            return None
+        return keys.spread_names(key, names)
+
+    def _track_known(self, keys: list[Key], qty: Any) -> Any:
+        """A ``track`` with dimensions the cache knows (no id, no ``at``): counted on every
+        key under one hold of the table's lock when none is under a limit."""
+        if type(qty) is not int or not QTY_MIN <= qty <= QTY_MAX:
+            qty = check_qty(qty)  # raises the usual error
+        fence = self.fence
+        if fence.reason is not None:
+            raise Unavailable(fence.reason)
+        gate = self.gate
+        wal = self.wal
+        if (not gate.gated or not any(gate.needs_check(k) for k in keys)) and (
+            wal is None or wal.broken is None
+        ):
+            items = [(k, qty) for k in keys]
+            try:
+                values = self.table.incr_seeded(items)
+            except PartlyRefused as refused:  # past the 64-bit range somewhere: none counted
+                raise self._undo_refused(items, refused.answers) from None
+            if values is not None:
+                if wal is not None:
+                    wal.append([R.TRACK_MANY, [[*k, qty] for k in keys]])
+                return values[0]
+        fence.check()
+        return self._track_dims(keys, qty, None, False, None)
+
+    def _undo_refused(
+        self, items: list[tuple[Key, int]], answers: list[int | InvalidArgument]
+    ) -> InvalidArgument:
+        """Take back the counted part of a call's keys some of which the range check refused
+        (a call counts on all of them or none); the refusal."""
+        refusal: InvalidArgument | None = None
+        for (key, qty), answer in zip(items, answers, strict=True):
+            if isinstance(answer, InvalidArgument):
+                refusal = refusal or answer
+            else:
+                self.table.incr(key, -qty, check=False)
+        assert refusal is not None
+        return refusal
 
     def _track_dims(
         self,
@@ -378,29 +442,9 @@ class Tracking:
         if cache:
             # The common batch: every item a plain [str, str, int] on a known name pair and a
             # seeded key. One pass builds it; anything else takes the general path below.
-            fast: list[tuple[Key, int]] = []
-            for item in items:
-                if type(item) is not list or len(item) != 3:
-                    break
-                tenant, feature, qty = item
-                if type(tenant) is not str or type(feature) is not str or type(qty) is not int:
-                    break
-                key = cache.get((tenant, feature))
-                if key is None or not QTY_MIN <= qty <= QTY_MAX:
-                    break
-                if gated and gate.needs_check(key):
-                    break  # checked item by item below
-                fast.append((key, qty))
-            else:
-                self.fence.check()
-                try:
-                    values = self.table.incr_seeded(fast)
-                except PartlyRefused as refused:  # items past the 64-bit range: not counted
-                    return self._finish_refused(fast, refused.answers)
-                if values is not None:
-                    if self.wal is not None and fast:
-                        self.wal.append([R.TRACK_MANY, [[*k, q] for k, q in fast]])
-                    return values
+            done = self._fast_batch(items, cache)
+            if done is not None:
+                return done
         batch = Batch()
         out = batch.out
         for i, item in enumerate(items):
@@ -428,7 +472,8 @@ class Tracking:
                     pairs: Pairs = () if dims is None else check_dims(
                         key[1], keys.spec(key[1]), dims)  # fmt: skip
                     if pairs:
-                        spread = keys.spread(key, pairs)
+                        assert dims is not None
+                        spread = keys.spread(key, pairs, dims)
                     rid = o.get("id")
                     if rid is not None:
                         parts: tuple[Any, ...] = (key[0], key[1], qty, None, pairs) if pairs else (
@@ -455,6 +500,103 @@ class Tracking:
         # true: a client retrying it counts nothing twice.
         done = self._count_seeded(batch)
         return self._track_many_cold(batch) if done is None else done
+
+    def _fast_batch(self, items: list[Any], cache: dict[tuple[str, str], Key]) -> Any | None:
+        """The common batch, or ``None`` (nothing counted): every item a plain ``[tenant,
+        feature, qty]`` on a known name pair, or one with only ``{"dims": ...}`` checked before
+        (:attr:`KeyCache.dim_names`), every key seeded and none under a limit. Counted under
+        one hold of the table's lock; with dimensions, each counter's units summed over the
+        batch first (a hundred items of one tenant count its total once)."""
+        keys = self.keys
+        gate = self.gate
+        gated = gate.gated
+        fast: list[tuple[Key, int]] = []
+        # With an item with dimensions: units by (tenant, period), then by counter name; and
+        # each item's total key.
+        summed: dict[tuple[str, str], dict[str, int]] | None = None
+        totals: list[Key] = []
+        last: tuple[str, str] | None = None
+        by_name: dict[str, int] = {}
+        dim_names = keys.dim_names
+        for item in items:
+            if type(item) is not list:
+                return None
+            names: list[str] | None = None
+            if len(item) == 3:
+                tenant, feature, qty = item
+            elif len(item) == 4 and type(item[3]) is dict and len(item[3]) == 1:
+                tenant, feature, qty, opts = item
+                dims = opts.get("dims")
+                if type(dims) is not dict:
+                    return None
+                try:
+                    names = dim_names.get((feature, tuple(dims.items())))
+                except TypeError:
+                    return None
+                if names is None:
+                    return None
+            else:
+                return None
+            if type(tenant) is not str or type(feature) is not str or type(qty) is not int:
+                return None
+            key = cache.get((tenant, feature))
+            if key is None or not QTY_MIN <= qty <= QTY_MAX:
+                return None
+            if gated and gate.needs_check(key):
+                return None  # checked item by item
+            if names is None and summed is None:
+                fast.append((key, qty))
+                continue
+            if summed is None:
+                summed = {}
+                for k, q in fast:
+                    inner = summed.setdefault((k[0], k[2]), {})
+                    inner[k[1]] = inner.get(k[1], 0) + q
+                    totals.append(k)
+            where = (key[0], key[2])
+            if where != last:
+                last = where
+                by_name = summed.setdefault(where, {})
+            totals.append(key)
+            if names is None:
+                by_name[key[1]] = by_name.get(key[1], 0) + qty
+                continue
+            for name in names:  # (the feature's own name first: its total)
+                by_name[name] = by_name.get(name, 0) + qty
+            if gated and any(gate.needs_check((key[0], n, key[2])) for n in names):
+                return None
+        self.fence.check()
+        if summed is None:
+            try:
+                values = self.table.incr_seeded(fast)
+            except PartlyRefused as refused:  # items past the 64-bit range: not counted
+                return self._finish_refused(fast, refused.answers)
+            if values is not None and self.wal is not None and fast:
+                self.wal.append([R.TRACK_MANY, [[*k, q] for k, q in fast]])
+            return values
+        entries: list[tuple[Key, int]] = [
+            ((tenant, name, period), q)
+            for (tenant, period), inner in summed.items()
+            for name, q in inner.items()
+        ]
+        try:
+            values = self.table.incr_seeded(entries)
+        except PartlyRefused as refused:  # past the 64-bit range: taken back, item by item
+            self._undo_refused(entries, refused.answers)
+            return None
+        if values is None:
+            return None
+        if self.wal is not None:
+            self.wal.append([R.TRACK_MANY, [[*k, q] for k, q in entries]])
+        # Each item answers its total after it: the total after the batch less the items after.
+        after = {k: v for (k, _), v in zip(entries, values, strict=True)}
+        out: list[Any] = [None] * len(totals)
+        for i in range(len(totals) - 1, -1, -1):
+            k = totals[i]
+            value = after[k]
+            out[i] = value
+            after[k] = value - items[i][2]
+        return out
 
     def _count_seeded(self, batch: Batch) -> Any | None:
         """Count the whole batch under one hold of the table's lock and answer it, or ``None``

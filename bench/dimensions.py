@@ -1,0 +1,244 @@
+"""Scenario 12, dimensions (docs/dimensions.md): what a call with dimensions costs against a
+plain one on the same node, side by side in one run, a ``track_many`` of dimensioned items, a
+group-by read, and memory per dimension combination (``python -m bench.dimensions N``: bytes
+per combination in a fresh process, printed as JSON).
+
+The node is the compiled build on memory storage without a log (as scenario 1), feature ``f``
+declared with dimensions ``model`` and ``region``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import time
+import tracemalloc
+from typing import Any
+
+from bench.harness import (
+    NODE_MEMORY,
+    ROOT,
+    Progress,
+    Row,
+    Services,
+    Sizes,
+    in_turn,
+    load_rounds,
+    median,
+    node_status,
+    percentile,
+    ratios,
+)
+from bench.loadgen import Load
+from tests.support.cluster_harness import Conn
+
+DIMS = "12 dimensions (memory storage)"
+#: Group-by reads timed a round, and combinations of the tenant they read.
+GROUP_READS = 2_000
+GROUP_COMBINATIONS = 100
+#: Combinations per tenant in the memory measure (30 models x 30 regions, with their 60
+#: values' counters: under the default bound of 1,000 counters).
+MEMORY_SIDE = 30
+
+
+def dimensions(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    node = svc.node("dims")
+    compiled = bool((node_status(node).get("build") or {}).get("compiled"))
+    conn = Conn(node.socket)
+    conn.ok("set_feature", "f", {"dimensions": ["model", "region"]})
+    rows: list[Row] = []
+    try:
+        rows.append(_track(node, sizes, progress, compiled))
+        rows.append(_track_many(node, sizes, progress, compiled))
+        rows.append(_group_by(conn, sizes, progress, compiled))
+    finally:
+        conn.close()
+        svc.stop_node(node)
+    rows.extend(_memory(sizes, progress))
+    return rows
+
+
+def _track(node: Any, sizes: Sizes, progress: Progress, compiled: bool) -> Row:
+    """``track`` with 2 dimensions against a plain ``track``, 4 connections, in turns."""
+    loads = {
+        "dims": Load("meter", str(node.socket), "track", 4, 1, duration=sizes.duration, dims=2),
+        "plain": Load("meter", str(node.socket), "track", 4, 1, duration=sizes.duration),
+    }
+    got = load_rounds(sizes.rounds, loads, progress, "track with 2 dimensions vs plain")
+    ops = {who: [x.ops_per_s for x in results] for who, results in got.items()}
+    errors = sum(x.errors for results in got.values() for x in results)
+    ratio = ratios(ops["dims"], ops["plain"])
+    return Row(
+        DIMS,
+        "track with 2 dimensions vs a plain track, 4 conn",
+        "ops/s",
+        median(ops["dims"]),
+        median(ops["plain"]),
+        ratio,
+        ">= 0.7x",
+        ratio >= 0.7 and errors == 0 and compiled,
+        {
+            **NODE_MEMORY,
+            "counters_per_call": "4 (total, 2 values, the combination) vs 1",
+            "errors": errors,
+            "compiled": compiled,
+            **{f"rounds_{who}_ops": x for who, x in ops.items()},
+        },
+        "measured",
+    )
+
+
+def _track_many(node: Any, sizes: Sizes, progress: Progress, compiled: bool) -> Row:
+    """``track_many`` of 100 dimensioned items (100 combinations a tenant) against 100
+    plain items, 4 connections, 4 calls in flight each, in turns."""
+    sock = str(node.socket)
+    loads = {
+        "dims": Load("meter", sock, "track_many", 4, 4, items=100, duration=sizes.duration, dims=2),
+        "plain": Load("meter", sock, "track_many", 4, 4, items=100, duration=sizes.duration),
+    }
+    got = load_rounds(sizes.rounds, loads, progress, "track_many x100 with 2 dimensions")
+    inc = {who: [x.increments_per_s for x in results] for who, results in got.items()}
+    errors = sum(x.errors for results in got.values() for x in results)
+    value = median(inc["dims"])
+    return Row(
+        DIMS,
+        "track_many, 100 dimensioned items/call (ref: 100 plain items)",
+        "items/s",
+        value,
+        median(inc["plain"]),
+        ratios(inc["dims"], inc["plain"]),
+        ">= 1,000,000 items/s",
+        value >= 1e6 and errors == 0 and compiled,
+        {
+            **NODE_MEMORY,
+            "connections": 4,
+            "calls_in_flight_per_conn": 4,
+            "combinations_per_tenant": 100,
+            "errors": errors,
+            **{f"rounds_{who}": x for who, x in inc.items()},
+        },
+        "measured",
+    )
+
+
+def _group_by(conn: Conn, sizes: Sizes, progress: Progress, compiled: bool) -> Row:
+    """``usage`` with ``group_by`` over 100 combinations, one connection, unpipelined, in
+    turns with a plain ``usage``: each call's round trip."""
+    tenant = "groups"
+    items = [[tenant, "f", 1, {"dims": {"model": f"m{j % 10}", "region": f"r{j // 10}"}}]
+             for j in range(GROUP_COMBINATIONS)]  # fmt: skip
+    conn.ok("track_many", items)
+    reads = max(200, int(GROUP_READS * sizes.duration))
+
+    def timed(params: list[Any]) -> list[float]:
+        out = []
+        for _ in range(reads):
+            t0 = time.perf_counter()
+            conn.ok("usage", *params)
+            out.append((time.perf_counter() - t0) * 1e6)
+        return out
+
+    grouped = [tenant, "f", {"group_by": ["model", "region"]}]
+    got = conn.ok("usage", *grouped)
+    assert len(got["groups"]) == GROUP_COMBINATIONS and got["total"] == GROUP_COMBINATIONS
+    p99: dict[str, list[float]] = {"group_by": [], "plain": []}
+    for r in range(sizes.rounds):
+        progress(f"usage group_by over {GROUP_COMBINATIONS} combinations, round {r + 1}")
+        a, b = in_turn(r, lambda: timed(grouped), lambda: timed([tenant, "f"]))
+        p99["group_by"].append(percentile(a, 99))
+        p99["plain"].append(percentile(b, 99))
+    value = median(p99["group_by"])
+    return Row(
+        DIMS,
+        f"usage with group_by over {GROUP_COMBINATIONS} combinations, p99 (ref: plain usage)",
+        "us",
+        value,
+        median(p99["plain"]),
+        ratios(p99["group_by"], p99["plain"]),
+        "<= 1 ms p99",
+        value <= 1000 and compiled,
+        {"reads_per_round": reads, **{f"rounds_{who}_p99_us": x for who, x in p99.items()}},
+        "measured",
+    )
+
+
+def _memory(sizes: Sizes, progress: Progress) -> list[Row]:
+    tenants = max(1, sizes.memory_keys // 3_000)
+    progress(f"memory: {tenants * MEMORY_SIDE**2:,} combinations in a fresh process")
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.dimensions", str(tenants)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
+    got = json.loads(run.stdout)
+    per = float(got["bytes_per_combination"])
+    return [
+        Row(
+            DIMS,
+            f"bytes per dimension combination ({got['combinations']:,}, with their values)",
+            "B",
+            per,
+            300.0,
+            per / 300,
+            "<= 300 B",
+            per <= 300,
+            got,
+            "target",
+        )
+    ]
+
+
+def measure(tenants: int) -> dict[str, Any]:
+    """Track ``MEMORY_SIDE``² combinations of 2 dimensions for each of ``tenants`` tenants
+    through a service (the key cache, the table, the listings and bounds of its groups);
+    the Python heap left allocated, per combination and per dimension counter."""
+    import asyncio
+    import inspect
+
+    from meter.config import CounterConfig
+    from meter.core.table import CounterTable
+    from meter.node.wiring import build_service
+    from storage.memory import MemoryStorage
+
+    svc = build_service(CounterTable("mem"), MemoryStorage(), CounterConfig())
+
+    async def call(method: str, *params: Any) -> Any:
+        got = svc.dispatch(method, list(params))
+        return await got if inspect.isawaitable(got) else got
+
+    async def fill() -> None:
+        await call("set_feature", "f", {"dimensions": ["model", "region"]})
+        for t in range(tenants):
+            for m in range(MEMORY_SIDE):
+                items = [[f"tenant-{t:05d}", "f", 1,
+                          {"dims": {"model": f"model-{m:03d}", "region": f"region-{r:03d}"}}]
+                         for r in range(MEMORY_SIDE)]  # fmt: skip
+                answers = await call("track_many", items)
+                assert not any(isinstance(a, dict) for a in answers), answers[:2]
+
+    asyncio.run(call("ping"))  # (imports and first-use caches before measuring)
+    gc.collect()
+    tracemalloc.start()
+    t0, _ = tracemalloc.get_traced_memory()
+    asyncio.run(fill())
+    gc.collect()
+    t1, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    combos = tenants * MEMORY_SIDE**2
+    counters = len(svc.table) - tenants  # (less each tenant's total)
+    return {
+        "tenants": tenants,
+        "combinations": combos,
+        "dimension_counters": counters,
+        "bytes_per_combination": (t1 - t0) / combos,
+        "bytes_per_dimension_counter": (t1 - t0) / counters,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 10)))
