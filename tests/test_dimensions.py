@@ -521,3 +521,66 @@ async def test_a_flush_announced_while_a_listing_is_read_is_not_lost() -> None:
     store.release.set()
     got = await reading
     assert groups_of(got, ("model",)) == {("x",): 7}, got
+
+
+ITEM = st.tuples(
+    st.sampled_from(["acme", "bob"]),
+    st.sampled_from(["tokens", "api"]),
+    st.integers(-3, 9),
+    st.fixed_dictionaries(
+        {}, optional={"model": st.sampled_from(["a", "b"]), "region": st.sampled_from(["x"])}
+    ),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@hypothesis_given(st.lists(st.lists(ITEM, min_size=1, max_size=12), min_size=1, max_size=4))
+def test_batches_answer_each_item_as_if_counted_one_after_another(
+    batches: list[list[tuple[str, str, int, dict[str, str]]]],
+) -> None:
+    """Whatever mix of plain items and items with dimensions (the fast path sums each
+    counter's units over the batch, the general path counts item by item), each item
+    answers its total right after it, and the groups hold every item's units."""
+
+    async def run() -> None:
+        svc = await declared(service())
+        totals: dict[tuple[str, str], int] = {}
+        given: dict[str, list[tuple[int, dict[str, str]]]] = {"acme": [], "bob": []}
+        for batch in [*batches, *batches]:  # (again: the names are known, the fast path)
+            items: list[list[Any]] = []
+            want = []
+            for tenant, feature, qty, dims_ in batch:
+                if feature == "api":  # (not declared: plain items only)
+                    items.append([tenant, feature, qty])
+                else:
+                    items.append([tenant, feature, qty, {"dims": dims_}])
+                    given[tenant].append((qty, dims_))
+                totals[(tenant, feature)] = totals.get((tenant, feature), 0) + qty
+                want.append(totals[(tenant, feature)])
+            assert await call(svc, "track_many", items) == want
+        for tenant, calls in given.items():
+            for by in [("model",), ("model", "region")]:
+                got = await call(svc, "usage", tenant, "tokens", {"group_by": list(by)})
+                assert groups_of(got, by) == expected(calls, by)
+
+    asyncio.run(run())
+
+
+async def test_a_batch_item_past_64_bits_is_refused_alone_on_every_counter() -> None:
+    svc = await declared(service())
+    big = 2**63 - 10
+    assert await call(svc, "track", "acme", "tokens", big, {"dims": {"model": "a"}}) == big
+    items = [
+        ["acme", "tokens", 1, {"dims": {"model": "b"}}],
+        ["acme", "tokens", 20, {"dims": {"model": "a"}}],
+        ["acme", "tokens", 2, {"dims": {"model": "b"}}],
+    ]
+    for _ in range(2):  # (the general path, then the fast one with the names known)
+        answers = await call(svc, "track_many", items)
+        assert answers[1]["code"] == "invalid_argument", answers
+        assert [answers[0], answers[2]] == [await call(svc, "usage", "acme", "tokens") - 2,
+                                            await call(svc, "usage", "acme", "tokens")]  # fmt: skip
+    exc = await error(svc, "track", "acme", "tokens", 20, {"dims": {"model": "a"}})
+    assert exc.code == "invalid_argument"
+    got = await call(svc, "usage", "acme", "tokens", {"group_by": ["model"]})
+    assert groups_of(got, ("model",)) == {("a",): big, ("b",): 6}
