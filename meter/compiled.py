@@ -39,6 +39,7 @@ HOT = (
     "meter.core.keycache",
     "meter.core.dims",
     "meter.core.groups",
+    "meter.core.missed",
     "meter.core.params",
     "meter.core.table",
     "meter.core.keys",

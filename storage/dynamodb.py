@@ -963,7 +963,10 @@ class DynamoDBStorage(Storage):
         items = await self._query_between(tenant, prefix + first, prefix + last, "day buckets")
         out: dict[str, int] = {}
         for item in items:
-            out[item["sk"]["S"][len(prefix) :]] = _number(item["t"]) if "t" in item else 0
+            day = item["sk"]["S"][len(prefix) :]
+            if "#" in day:  # another feature's whose name goes on with "#..." (a '#' in a
+                continue  # dimension value): inside the range, not one of this feature's days
+            out[day] = _number(item["t"]) if "t" in item else 0
         return out
 
     async def counters_between(

@@ -56,7 +56,7 @@ def test_this_install_runs_the_hot_modules_compiled() -> None:
         assert not build.compiled and build.reason
         return
     assert build.compiled, build.reason
-    assert build.modules == HOT and len(HOT) == 15
+    assert build.modules == HOT and len(HOT) == 18
     for name in HOT:
         __import__(name)
         assert sys.modules[name].__file__.endswith(".so"), name  # type: ignore[union-attr]

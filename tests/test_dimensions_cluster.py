@@ -3,7 +3,7 @@ DynamoDB Local table. Calls with dimensions from every node converge to the same
 every node, and those groups add up to the total; what storage holds after the flushes is
 the same; a node killed with ``kill -9`` mid-load and restarted from its data dir loses and
 doubles nothing (its unanswered calls sent again under their ids); strict limits on a total
-and on one dimension value admit exactly their limit (D01-D05 of docs/correctness.md)."""
+and on one dimension value admit exactly their limit (G01, G04 and G05 of docs/correctness.md)."""
 
 from __future__ import annotations
 

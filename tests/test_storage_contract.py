@@ -217,6 +217,26 @@ async def test_list_between_reads_one_range_of_features(storage: Storage) -> Non
     assert await storage.list_between("ghost", "2026-11", f, last) == {}
 
 
+async def test_a_feature_whose_name_goes_on_with_a_day_is_not_in_another_ones_days(
+    storage: Storage,
+) -> None:
+    """Dimension values may hold ``#``: the day buckets of ``tok\x1fm=a#2026-11-05`` are not
+    days of ``tok\x1fm=a`` (on DynamoDB both lie in one sort-key range)."""
+    plain, longer = "tok\x1fm=a", "tok\x1fm=a#2026-11-05"
+    out = await storage.apply(
+        "n1",
+        [
+            Delta(("acme", plain, "2026-11"), 1, 2, "2026-11-03"),
+            Delta(("acme", longer, "2026-11"), 1, 7, "2026-11-03"),
+        ],
+    )
+    assert all(isinstance(o, Applied) for o in out.values()), out
+    days = await storage.day_buckets("acme", plain, "2026-11-01", "2026-11-30")
+    assert days == {"2026-11-03": 2}
+    days = await storage.day_buckets("acme", longer, "2026-11-01", "2026-11-30")
+    assert days == {"2026-11-03": 7}
+
+
 async def test_batch_with_many_keys(storage: Storage) -> None:
     keys: list[Key] = [("acme", f"f{i}", "2026-11") for i in range(300)]
     out = await storage.apply("n1", [Delta(k, 1, i) for i, k in enumerate(keys)])

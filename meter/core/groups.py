@@ -18,7 +18,8 @@ from typing import Any
 
 from meter.core.dims import LAST, FeatureSpec, decode, dimension_counters, group, shown
 from meter.core.keys import Key
-from meter.core.table import CounterTable, Heard
+from meter.core.missed import Heard
+from meter.core.table import CounterTable
 from meter.errors import InvalidArgument, Unavailable
 from storage.base import EMPTY, Counters, Snapshot, StorageError
 

@@ -51,6 +51,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from meter.core.keys import QTY_MAX, QTY_MIN, Key
+from meter.core.missed import Heard, Missed
 from meter.errors import InvalidArgument, LimitExceeded, Unavailable
 from storage.base import Snapshot
 
@@ -67,9 +68,6 @@ GOSSIP_OPEN = 4  # units tagged ``own_seq + 1`` were gossiped: that sequence mus
 DIRTY = 8  # listed in the dirty list
 TOUCHED = 16  # listed in the touched list
 USED = 32  # used since the last eviction sweep
-
-#: Most peers' deltas :class:`Missed` keeps; past it every listing is out of date.
-MAX_MISSED = 65_536
 
 
 class Ext:
@@ -158,65 +156,6 @@ class Row:
             and (self.ext is None or (self.ext.leases == 0 and not self.ext.remote
                                       and not self.ext.sealed))
         )  # fmt: skip
-
-
-#: What :class:`Missed` keeps of a peer's word on a cold counter: a gossiped delta
-#: ``(peer, seq, delta)`` or an announced snapshot.
-Heard = tuple[str, int, int] | Snapshot
-
-
-class Missed:
-    """What peers gossiped about counters this node holds cold, for the features whose
-    counters (their totals and dimension counters, docs/dimensions.md) it listed
-    (:class:`~meter.core.groups.Groups`):
-    such a listing is out of date, and once the counter is seeded the deltas are applied and
-    the announced snapshots re-based on (as for any row, what the row's snapshot already holds
-    is skipped). Mutated under the table's lock."""
-
-    __slots__ = ("heard", "listed", "lost", "noted")
-
-    def __init__(self) -> None:
-        #: (tenant, feature, period) of the features listed (the only ones noted).
-        self.listed: set[Key] = set()
-        self.heard: dict[Key, list[Heard]] = {}
-        self.noted = 0
-        #: How often the notes were too many and forgotten (every listing out of date).
-        self.lost = 0
-
-    def listen(self, feature: Key) -> None:
-        """Note what peers say of the dimension counters of ``feature`` (tenant, feature,
-        period) from now on."""
-        if len(self.listed) >= MAX_MISSED:
-            self.listed.clear()
-            self.lost += 1
-        self.listed.add(feature)
-
-    def note(self, key: Key, heard: Heard) -> None:
-        """Keep ``heard`` of the cold counter ``key`` if it is a listed feature's total or
-        one of its dimension counters."""
-        name = key[1]
-        cut = name.find("\x1f")
-        other = name.find("\x1e")
-        if other >= 0 and (cut < 0 or other < cut):
-            cut = other
-        feature = name if cut < 0 else name[:cut]
-        if (key[0], feature, key[2]) not in self.listed:
-            return
-        if self.noted >= MAX_MISSED:
-            self.heard.clear()
-            self.noted = 0
-            self.lost += 1
-        got = self.heard.get(key)
-        if got is None:
-            got = self.heard[key] = []
-        got.append(heard)
-        self.noted += 1
-
-    def take(self) -> dict[Key, list[Heard]]:
-        out = self.heard
-        self.heard = {}
-        self.noted = 0
-        return out
 
 
 @dataclass(frozen=True, slots=True)
