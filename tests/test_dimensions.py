@@ -31,6 +31,7 @@ from meter.persist.flusher import Flusher
 from meter.persist.recovery import recover
 from meter.quotas.store import LimitStore
 from meter.wal.log import WriteAheadLog
+from storage.base import StorageUnavailable
 from storage.memory import MemoryStorage
 from tests.support.nodes import short_tmpdir
 
@@ -436,7 +437,7 @@ async def test_a_peers_new_counter_is_listed_again_and_grouped() -> None:
               for seq, d in a.table.take_gossip(k)]  # fmt: skip
     b.table.apply_remote_many("n1", deltas)
     assert b.table.value(("acme", "tokens", MONTH)) == 7
-    assert ("acme", dims.marginal("tokens", "model", "y"), MONTH) in b.table.missed.heard
+    assert ("acme", dims.value_counter("tokens", "model", "y"), MONTH) in b.table.missed.heard
     again = b.dispatch("usage", ["acme", "tokens", {"group_by": ["model"]}])
     assert inspect.isawaitable(again)  # listed again, the peer's deltas applied
     assert groups_of(await again, ("model",)) == {("x",): 2, ("y",): 5}
@@ -575,7 +576,7 @@ async def test_a_batch_item_past_64_bits_is_refused_alone_on_every_counter() -> 
         ["acme", "tokens", 20, {"dims": {"model": "a"}}],
         ["acme", "tokens", 2, {"dims": {"model": "b"}}],
     ]
-    for _ in range(2):  # (the general path, then the fast one with the names known)
+    for _ in range(2):  # (the second time the names are known: the fast path gives way)
         answers = await call(svc, "track_many", items)
         assert answers[1]["code"] == "invalid_argument", answers
         assert [answers[0], answers[2]] == [await call(svc, "usage", "acme", "tokens") - 2,
@@ -584,3 +585,136 @@ async def test_a_batch_item_past_64_bits_is_refused_alone_on_every_counter() -> 
     assert exc.code == "invalid_argument"
     got = await call(svc, "usage", "acme", "tokens", {"group_by": ["model"]})
     assert groups_of(got, ("model",)) == {("a",): big, ("b",): 6}
+
+
+async def test_a_tenants_total_and_value_counter_spend_credits_from_one_pool_together() -> None:
+    """Prices on the total and on a value counter both spend the tenant's credits: checked
+    together, a call they cannot pay for together is refused (counted nowhere)."""
+    svc = await declared(service())
+    plan = {"tokens": {"price": 1}, "tokens{model=a}": {"price": 1}}
+    await call(svc, "set_plan", "paid", plan)
+    await call(svc, "assign_plan", "acme", "paid")
+    await call(svc, "grant", "acme", 10, {"ref": "g1"})
+    assert await call(svc, "track", "acme", "tokens", 3, {"dims": {"model": "a"}}) == 3  # 6 cr
+    check = await call(svc, "check", "acme", "tokens", 3, {"dims": {"model": "a"}})
+    assert check["allowed"] is False  # (6 more credits, 4 left)
+    exc = await error(svc, "track", "acme", "tokens", 3, {"dims": {"model": "a"}})
+    assert exc.code == "insufficient_balance", exc
+    answers = await call(svc, "track_many", [["acme", "tokens", 3, {"dims": {"model": "a"}}]])
+    assert answers[0]["code"] == "insufficient_balance", answers
+    assert await call(svc, "track", "acme", "tokens", 2, {"dims": {"model": "a"}}) == 5  # 4 cr
+    assert (await call(svc, "balance", "acme"))["available"] == 0
+    got = await call(svc, "usage", "acme", "tokens", {"group_by": ["model"]})
+    assert groups_of(got, ("model",)) == {("a",): 5}
+
+
+async def test_reads_and_checks_make_no_counter_past_the_bound() -> None:
+    """A ``where`` read (usage, history) of a value no call gave reads 0 and makes no
+    counter; a check is refused past the bound as its track would be; neither lets a later
+    track past the bound."""
+    svc = await declared(service(), max_combinations=2)
+    await call(svc, "track", "acme", "tokens", 1, {"dims": {"model": "a"}})
+    await call(svc, "track", "acme", "tokens", 1, {"dims": {"model": "b"}})
+    for model in "cdefg":
+        where = {"where": {"model": model}}
+        assert await call(svc, "usage", "acme", "tokens", where) == 0
+        assert (await call(svc, "history", "acme", "tokens", where))[-1][1] == 0
+        exc = await error(svc, "check", "acme", "tokens", 1, {"dims": {"model": model}})
+        assert exc.code == "invalid_argument" and "max_combinations" in exc.message
+        exc = await error(svc, "track", "acme", "tokens", 1, {"dims": {"model": model}})
+        assert exc.code == "invalid_argument" and "max_combinations" in exc.message
+    warm = svc.table.keys()
+    rows = {k[1] for k in warm}
+    assert rows == {"tokens", dims.value_counter("tokens", "model", "a"),
+                    dims.value_counter("tokens", "model", "b")}  # fmt: skip
+    assert await call(svc, "usage", "acme", "tokens", {"where": {"model": "a"}}) == 1
+
+
+async def test_a_dimension_counters_name_is_never_a_feature_a_call_may_name() -> None:
+    svc = await declared(service())
+    await call(svc, "track", "acme", "tokens", 1, {"dims": {"model": "a"}})
+    assert await call(svc, "usage", "acme", "tokens", {"where": {"model": "a"}}) == 1
+    await call(svc, "history", "acme", "tokens", {"where": {"model": "a"}})
+    raw = dims.value_counter("tokens", "model", "a")
+    cases: list[tuple[str, list[Any]]] = [
+        ("track", ["acme", raw, 100]),
+        ("usage", ["acme", raw]),
+        ("check", ["acme", raw, 1]),
+    ]
+    for method, params in cases:
+        exc = await error(svc, method, *params)
+        assert isinstance(exc, InvalidArgument) and "characters outside" in exc.message
+    answers = await call(svc, "track_many", [["bob", raw, 1]])
+    assert answers[0]["code"] == "invalid_argument", answers
+    # (a restart's warm-up names counters from the log: they do not become callable names)
+    svc.keys.current_keys([("acme", raw, MONTH)], 10)
+    exc = await error(svc, "track", "acme", raw, 1)
+    assert "characters outside" in exc.message
+    assert await call(svc, "usage", "acme", "tokens") == 1
+
+
+async def test_a_batch_that_goes_past_64_bits_and_back_is_counted_item_by_item() -> None:
+    """Summed, +20 then -20 would stay in range; counted one after another, the first item
+    passes it: it is refused, as on the general path."""
+    svc = await declared(service())
+    big = 2**63 - 10
+    await call(svc, "track", "acme", "tokens", big, {"dims": {"model": "a"}})
+    items = [
+        ["acme", "tokens", 20, {"dims": {"model": "a"}}],
+        ["acme", "tokens", -20, {"dims": {"model": "a"}}],
+    ]
+    answers = await call(svc, "track_many", items)
+    assert answers[0]["code"] == "invalid_argument" and answers[1] == big - 20, answers
+    assert await call(svc, "usage", "acme", "tokens") == big - 20
+
+
+async def test_a_resync_gives_up_every_listing() -> None:
+    from meter.node.wiring import resync_from
+
+    store = MemoryStorage()
+    svc = await declared(service(store))
+    await call(svc, "track", "acme", "tokens", 1, {"dims": {"model": "a"}})
+    await call(svc, "usage", "acme", "tokens", {"group_by": ["model"]})
+    assert svc.groups.listed("acme", "tokens", MONTH)
+
+    class Heard:
+        def on_deltas(self, items: Any) -> None:
+            pass
+
+    await resync_from(store, svc.table, Heard())(None)  # type: ignore[arg-type]
+    assert not svc.groups.listed("acme", "tokens", MONTH)
+
+
+class OneFeatureDown(MemoryStorage):
+    """Listings of ``tokens`` fail; everything else works."""
+
+    async def list_between(self, tenant: str, period: str, first: str, last: str) -> Any:
+        if first == "tokens":
+            raise StorageUnavailable("down")
+        return await super().list_between(tenant, period, first, last)
+
+
+async def test_a_batch_item_whose_listing_cannot_be_read_fails_alone() -> None:
+    svc = service(OneFeatureDown())
+    await limits_of(svc).refresh()
+    await call(svc, "set_feature", "tokens", {"dimensions": ["model"]})
+    await call(svc, "set_feature", "seats", {"dimensions": ["model"]})
+    answers = await call(
+        svc,
+        "track_many",
+        [
+            ["acme", "tokens", 1, {"dims": {"model": "a"}}],
+            ["acme", "seats", 2, {"dims": {"model": "a"}}],
+            ["acme", "api", 3],
+        ],
+    )
+    assert answers[0]["code"] == "unavailable" and answers[1:] == [2, 3], answers
+    assert await call(svc, "usage", "acme", "tokens") == 0
+
+
+async def test_bad_where_and_empty_dims_read_clearly() -> None:
+    svc = await declared(service())
+    exc = await error(svc, "usage", "acme", "tokens", {"where": "model=a"})
+    assert exc.message.startswith("where must be a map"), exc
+    lease = await call(svc, "reserve", "acme", "tokens", 1, {"dims": {}})
+    assert isinstance(lease, str)

@@ -110,8 +110,18 @@ def test_bad_dimension_flags_exit_2_and_send_nothing(
     code, text = run(node, capsys, "usage", "acme", "tokens", "--where", "model=a",
                      "--group-by", "model")  # fmt: skip
     assert code == 2 and "not both" in text
+    code, text = run(node, capsys, "track", "acme", "tokens", "1", "--dim", "model=a",
+                     "--dim", "model=b")  # fmt: skip
+    assert code == 2 and "'model' given twice" in text
+    # What `feature set` is not given stays as declared; --no-dims drops the dimensions.
+    run(node, capsys, "feature", "set", "tokens", "--max-combinations", "7")
+    got = json.loads(run(node, capsys, "feature", "show", "tokens", "--json")[1])
+    assert (got["dimensions"], got["max_combinations"]) == (["model"], 7)
+    run(node, capsys, "feature", "set", "tokens", "--no-dims")
+    got = json.loads(run(node, capsys, "feature", "show", "tokens", "--json")[1])
+    assert (got["dimensions"], got["max_combinations"]) == ([], 7)
     code, text = run(node, capsys, "track", "acme", "tokens", "1", "--dim", "tier=x")
-    assert code == 1 and "invalid_argument" in text and "no dimension 'tier'" in text
+    assert code == 1 and "invalid_argument" in text and "declares no dimensions" in text
     code, text = run(node, capsys, "feature", "set", "tokens", "--aggregation", "median")
     assert code == 1 and "aggregation must be one of" in text
     assert run(node, capsys, "usage", "acme", "tokens")[1] == "0\n"

@@ -25,14 +25,17 @@ class FeatureMethods:
         self.store = store
 
     def handlers(self) -> dict[str, Handler]:
+        """The methods by name, for the node's dispatch table."""
         return {"set_feature": self.set_feature, "get_feature": self.get_feature}
 
     def set_feature(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
+        """The ``set_feature`` method: store a declaration, replacing the feature's."""
         feature, options = check_args("set_feature", params, 1, 2, ({},))
         feature = check_feature(feature)
         return self._set(feature, parse_spec(feature, options))
 
     async def _set(self, feature: str, spec: FeatureSpec) -> dict[str, Any]:
+        """Store ``spec``, judged against the declaration storage holds now."""
         try:
             await self.store.refresh()  # judged against the stored declaration, not a stale one
         except StorageError as exc:
@@ -47,6 +50,7 @@ class FeatureMethods:
         return {"feature": feature, "version": version, **spec.to_wire()}
 
     def get_feature(self, params: list[Any]) -> dict[str, Any]:
+        """The ``get_feature`` method: the declaration this node holds."""
         (feature,) = check_args("get_feature", params, 1, 1)
         feature = check_feature(feature)
         book = self.store.book

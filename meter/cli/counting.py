@@ -144,8 +144,10 @@ def prepare(args: argparse.Namespace) -> Prepared | int:
             return 2
     try:
         if args.command == "track":
-            for given in args.dim or ():
-                pair(given, "--dim")
+            names = [pair(given, "--dim")[0] for given in args.dim or ()]
+            twice = {n for n in names if names.count(n) > 1}
+            if twice:
+                raise ValueError(f"--dim {sorted(twice)[0]!r} given twice")
         if args.command in ("usage", "history") and args.where is not None:
             pair(args.where, "--where")
     except ValueError as exc:

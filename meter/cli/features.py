@@ -20,18 +20,19 @@ def add_parsers(sub: Any, common: Common) -> None:
     fsub = feature.add_subparsers(dest="feature_command", required=True, metavar="ACTION")
     fset = client_parser(fsub, "set", "declare a feature fleet-wide (or change it)", common)
     fset.add_argument("feature")
-    fset.add_argument("--aggregation", help="sum (the default)")
+    fset.add_argument("--aggregation", help="sum (the default; not given: as declared)")
     fset.add_argument(
         "--dim",
         action="append",
         metavar="NAME",
-        help="a dimension name calls may give (repeat, at most 4; none: no dimensions)",
+        help="a dimension name calls may give (repeat, at most 4; not given: as declared)",
     )
+    fset.add_argument("--no-dims", action="store_true", help="declare it without dimensions")
     fset.add_argument(
         "--max-combinations",
         type=int,
         metavar="N",
-        help="most dimension counters per tenant and period (default 1000)",
+        help="most dimension counters per tenant and period (default 1000; not given: as declared)",
     )
     show = client_parser(fsub, "show", "how a feature is declared", common)
     show.add_argument("feature")
@@ -40,11 +41,13 @@ def add_parsers(sub: Any, common: Common) -> None:
 def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
     """Run one feature command; the exit code."""
     if args.feature_command == "set":
+        # What is not given stays as declared (the method replaces the whole declaration).
+        now = client.get_feature(args.feature)
         got = client.set_feature(
             args.feature,
-            aggregation=args.aggregation,
-            dimensions=args.dim or [],
-            max_combinations=args.max_combinations,
+            aggregation=args.aggregation or now["aggregation"],
+            dimensions=[] if args.no_dims else now["dimensions"] if args.dim is None else args.dim,
+            max_combinations=args.max_combinations or now["max_combinations"],
         )
         out(as_json, f"{args.feature}: {_described(got)} (limits version {got['version']})",
              **got)  # fmt: skip

@@ -155,8 +155,8 @@ def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
             shown = args.feature + (f"{{{args.where}}}" if where else "")
             out(as_json, f"{args.tenant} {shown}: {kind} limit {args.limit} "
                  f"(limits version {version})", tenant=args.tenant, feature=args.feature,
-                 where=where or {}, limit=args.limit, kind=kind, enforcement=enforcement,
-                 alerts=alerts or [], version=version)  # fmt: skip
+                 limit=args.limit, kind=kind, enforcement=enforcement, alerts=alerts or [],
+                 version=version, **({"where": where} if where else {}))  # fmt: skip
         else:
             try:
                 where = _where(args.where)
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
             shown = args.feature + (f"{{{args.where}}}" if where else "")
             out(as_json, f"{args.tenant} {shown}: override cleared "
                  f"(limits version {version})", tenant=args.tenant, feature=args.feature,
-                 where=where or {}, version=version)  # fmt: skip
+                 version=version, **({"where": where} if where else {}))  # fmt: skip
     elif args.command == "limits":
         got = client.limits(args.tenant)
         print(json.dumps(got, sort_keys=True) if as_json else _limits_table(got))

@@ -7,17 +7,18 @@ on its dimension counters. An undeclared feature is a sum without dimensions.
 
 A call that gives dimensions counts, besides on the feature's counter (its *total*), on
 ordinary counters named after them (docs/dimensions.md): one per dimension value given (a
-*marginal*: ``tokens`` + ``\\x1f`` + ``model=gpt-4``, every call that gave that value, whatever
-else it gave) and, when it gives two or more, one for the combination it gave (``tokens`` +
+*value counter*: ``tokens`` + ``\\x1f`` + ``model=gpt-4``, every call that gave that value,
+whatever else it gave) and, when it gives two or more, one for the combination it gave (``tokens`` +
 ``\\x1e`` + ``model=gpt-4`` + ``\\x1f`` + ``region=eu``). They are flushed, gossiped, seeded,
 logged and limited like any counter. The separators are control characters, which no feature
 name, dimension name or dimension value may hold, so a name decodes one way only, and every
 counter of a feature sorts right after it (``feature`` .. ``feature\\x1f\\U0010ffff``): one
 range read lists them.
 
-The combinations and the marginals together say exactly what each group of any group-by holds:
-a marginal less the combinations holding its value is what calls gave with that value alone,
-and the total less everything is what calls gave with no dimension (:func:`group`).
+The combinations and the value counters together say exactly what each group of any group-by
+holds: a value counter less the combinations holding its value is what calls gave with that
+value alone, and the total less everything is what calls gave with no dimension
+(:func:`group`).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ MAX_DIM_VALUE_BYTES = 64
 DEFAULT_MAX_COMBINATIONS = 1000
 MAX_COMBINATIONS_CAP = 100_000
 
-#: Between a feature and a marginal's ``name=value``, and between a combination's pairs.
-MARGINAL = "\x1f"
+#: Between a feature and a value counter's ``name=value``, and between a combination's pairs.
+VALUE = "\x1f"
 #: Between a feature and a combination's pairs.
 COMBINATION = "\x1e"
 #: Every counter name of a feature sorts in ``feature`` .. ``feature + LAST``.
@@ -67,6 +68,7 @@ class FeatureSpec:
     max_combinations: int = DEFAULT_MAX_COMBINATIONS
 
     def to_wire(self) -> dict[str, Any]:
+        """The declaration as ``set_feature`` takes it and ``get_feature`` answers it."""
         return {
             "aggregation": self.aggregation,
             "dimensions": list(self.dimensions),
@@ -174,11 +176,11 @@ def spec_from_body(body: str) -> FeatureSpec:
 # -- counter names ---------------------------------------------------------------------------
 
 
-def check_dims(feature: str, spec: FeatureSpec, dims: object) -> Pairs:
-    """A call's ``dims`` map checked against ``feature``'s declaration, as pairs in declared
-    order (empty: the call gave none)."""
+def check_dims(feature: str, spec: FeatureSpec, dims: object, what: str = "dims") -> Pairs:
+    """A call's ``dims`` map (or a read's ``where``: ``what``) checked against ``feature``'s
+    declaration, as pairs in declared order (empty: the call gave none)."""
     if not isinstance(dims, dict):
-        raise InvalidArgument(f"dims must be a map of name to value, got {type(dims).__name__}")
+        raise InvalidArgument(f"{what} must be a map of name to value, got {type(dims).__name__}")
     if not dims:
         return ()
     declared = spec.dimensions
@@ -195,46 +197,46 @@ def check_dims(feature: str, spec: FeatureSpec, dims: object) -> Pairs:
     return tuple((n, check_dim_value(n, dims[n])) for n in declared if n in dims)
 
 
-def marginal(feature: str, name: str, value: str) -> str:
+def value_counter(feature: str, name: str, value: str) -> str:
     """The counter name of ``feature``'s units given with ``name=value``."""
-    return f"{feature}{MARGINAL}{name}={value}"
+    return f"{feature}{VALUE}{name}={value}"
 
 
 def counter_names(feature: str, pairs: Pairs) -> list[str]:
     """The dimension counters a call giving ``pairs`` counts on besides ``feature``: a
-    marginal per pair and, for two or more, their combination."""
-    out = [marginal(feature, n, v) for n, v in pairs]
+    value counter per pair and, for two or more, their combination."""
+    out = [value_counter(feature, n, v) for n, v in pairs]
     if len(pairs) > 1:
         out.append(name_of(feature, pairs))
     return out
 
 
 def name_of(feature: str, pairs: Pairs) -> str:
-    """The counter of ``feature`` that ``pairs`` names: the total (none), a marginal (one)
+    """The counter of ``feature`` that ``pairs`` names: the total (none), a value counter (one)
     or a combination (more); :func:`decode`'s inverse."""
     if not pairs:
         return feature
     if len(pairs) == 1:
-        return marginal(feature, *pairs[0])
-    return feature + COMBINATION + MARGINAL.join(f"{n}={v}" for n, v in pairs)
+        return value_counter(feature, *pairs[0])
+    return feature + COMBINATION + VALUE.join(f"{n}={v}" for n, v in pairs)
 
 
 def is_dimension(name: str) -> bool:
     """Whether a counter name is a dimension counter (it holds a separator)."""
-    return MARGINAL in name or COMBINATION in name
+    return VALUE in name or COMBINATION in name
 
 
 def decode(name: str) -> tuple[str, Pairs, bool]:
     """``(feature, pairs, combination)`` of a counter name; ``pairs`` is empty for a total."""
     cut = len(name)
-    for sep in (MARGINAL, COMBINATION):
+    for sep in (VALUE, COMBINATION):
         at = name.find(sep)
         if 0 <= at < cut:
             cut = at
     if cut == len(name):
         return name, (), False
     combination = name[cut] == COMBINATION
-    pairs = tuple(_pair(part) for part in name[cut + 1 :].split(MARGINAL))
+    pairs = tuple(_pair(part) for part in name[cut + 1 :].split(VALUE))
     return name[:cut], pairs, combination
 
 
@@ -245,8 +247,8 @@ def _pair(part: str) -> tuple[str, str]:
 
 def where_name(feature: str, spec: FeatureSpec, where: object) -> str:
     """The counter of ``feature`` a ``where`` map names: ``{}`` the total, one dimension
-    value its marginal (the only counters limits and reads may name besides the total)."""
-    pairs = check_dims(feature, spec, where)
+    value its value counter (the only counters limits and reads may name besides the total)."""
+    pairs = check_dims(feature, spec, where, "where")
     if not pairs:
         return feature
     if len(pairs) > 1:
@@ -254,7 +256,7 @@ def where_name(feature: str, spec: FeatureSpec, where: object) -> str:
             "where names one dimension value (a limit or a read of one group); "
             "use group_by to read combinations"
         )
-    return marginal(feature, *pairs[0])
+    return value_counter(feature, *pairs[0])
 
 
 def where_limit(feature: str, where: object) -> str:
@@ -263,7 +265,7 @@ def where_limit(feature: str, where: object) -> str:
     if not isinstance(where, dict) or len(where) != 1:
         raise InvalidArgument("where must name one dimension value: {name: value}")
     ((name, value),) = where.items()
-    return marginal(feature, check_dim_name(name), check_dim_value(str(name), value))
+    return value_counter(feature, check_dim_name(name), check_dim_value(str(name), value))
 
 
 def shown(name: str) -> str:
@@ -311,21 +313,29 @@ def check_group_by(feature: str, spec: FeatureSpec, group_by: object) -> tuple[s
 _NONE = "\U0010ffff"
 
 
-def group(total: int, counters: Mapping[str, int], group_by: tuple[str, ...]) -> dict[str, Any]:
+def group(
+    total: int,
+    counters: Mapping[str, int],
+    group_by: tuple[str, ...],
+    decoded: dict[str, tuple[Pairs, dict[str, str] | None]] | None = None,
+) -> dict[str, Any]:
     """``{"total", "groups"}``: ``counters`` (a feature's dimension counters by name, its
     total's excluded) summed by the values of ``group_by``; calls that gave none of a name
     are in the group where it is ``None``. The groups add up to ``total``; empty ones are
-    left out, the others are in the order of their values."""
+    left out, the others are in the order of their values. ``decoded``: names decoded
+    before, kept by the caller (:func:`parts`)."""
+    if decoded is None:
+        decoded = {}
     sums: dict[tuple[str, ...], int] = {}
     alone: dict[tuple[str, str], int] = {}
     rest = total
     for name, value in counters.items():
-        pairs, given = _parts(name)
+        pairs, given = parts(name, decoded)
         if given is not None:  # a combination: the calls that gave exactly these values
             rest -= value
             at = tuple([given.get(g, _NONE) for g in group_by])
             sums[at] = sums.get(at, 0) + value
-            for pair in pairs:  # (a marginal holds its combinations' units too)
+            for pair in pairs:  # (a value counter holds its combinations' units too)
                 alone[pair] = alone.get(pair, 0) - value
         elif pairs:
             pair = pairs[0]
@@ -348,20 +358,15 @@ def group(total: int, counters: Mapping[str, int], group_by: tuple[str, ...]) ->
     return {"total": total, "groups": groups}
 
 
-#: Counter names :func:`_parts` decoded, kept (a group-by reads the same ones again).
-_PARTS: dict[str, tuple[Pairs, dict[str, str] | None]] = {}
-_PARTS_SIZE = 65_536
-
-
-def _parts(name: str) -> tuple[Pairs, dict[str, str] | None]:
-    """A counter name's pairs, and for a combination its pairs as a map (else ``None``)."""
-    got = _PARTS.get(name)
+def parts(
+    name: str, decoded: dict[str, tuple[Pairs, dict[str, str] | None]]
+) -> tuple[Pairs, dict[str, str] | None]:
+    """A counter name's pairs, and for a combination its pairs as a map (else ``None``),
+    kept in ``decoded``."""
+    got = decoded.get(name)
     if got is None:
         _, pairs, combination = decode(name)
-        got = (pairs, dict(pairs) if combination else None)
-        if len(_PARTS) >= _PARTS_SIZE:
-            _PARTS.clear()
-        _PARTS[name] = got
+        got = decoded[name] = (pairs, dict(pairs) if combination else None)
     return got
 
 

@@ -17,7 +17,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from meter.config import CounterConfig
-from meter.core.dims import check_dims, shown
+from meter.core.dims import FeatureSpec, check_dims, shown
+from meter.core.groups import Groups
 from meter.core.keycache import NAME_CACHE_SIZE, KeyCache
 from meter.core.keys import QTY_MAX, Key, check_at, check_qty
 from meter.core.params import args as check_args
@@ -63,11 +64,15 @@ class Gate:
         shares: Budgets,
         alerts: AlertSink,
         peer_holds: PeerHeld,
+        groups: Groups,
         wal: WriteAheadLog | None = None,
     ) -> None:
         self.table = table
         self.keys = keys
         self.seeder = seeder
+        #: Dimension counters: a ``check`` with dimensions makes new ones only within their
+        #: feature's bound, as the ``track`` it stands for would.
+        self.groups = groups
         self.config = config
         #: This node's shares of strict budgets (ADR 0009): strict limits admit from these.
         self.shares = shares
@@ -174,12 +179,17 @@ class Gate:
         credits = eff.price * qty
         return credits if credits <= QTY_MAX else None  # (dispatch refuses it, clearly)
 
-    def gate(self, key: Key, qty: int, eff: Limit | None) -> None:
+    def gate(self, key: Key, qty: int, eff: Limit | None, *, priced: bool = True) -> None:
         """Refuse (raise, nothing counted) ``qty`` more units on a seeded-or-not ``key`` that
-        would take its view past a hard limit. Units taken away are never refused."""
+        would take its view past a hard limit. Units taken away are never refused.
+        ``priced=False``: its credits are checked by the caller (summed per pool)."""
         if eff is None or qty <= 0:
             return
-        if eff.price and not self.shares.ready(pool_key(key[0]), credits_for(eff, qty), POOL):
+        if (
+            priced
+            and eff.price
+            and not self.shares.ready(pool_key(key[0]), credits_for(eff, qty), POOL)
+        ):
             raise Short(pool_key(key[0]), eff.price * qty, eff, credits=True)
         if eff.kind != "hard":
             return
@@ -239,8 +249,16 @@ class Gate:
         the levels above the first. Raises (nothing counted anywhere) if a level refuses."""
         limited = self.limited
         effs = [limited.get((k[0], k[1])) if limited else None for k in keys]
-        for k, eff in zip(keys, effs, strict=True):
-            self.gate(k, qty, eff)
+        if len(keys) > 1 and qty > 0:
+            # A tenant's counters (its total, its dimension counters) spend from one pool:
+            # its credits are checked for all of them at once.
+            for short in self._pools_short(keys, effs, qty):
+                raise short
+            for k, eff in zip(keys, effs, strict=True):
+                self.gate(k, qty, eff, priced=False)
+        else:
+            for k, eff in zip(keys, effs, strict=True):
+                self.gate(k, qty, eff)
         values: list[int | None] = []
         try:
             for k in keys:
@@ -261,6 +279,22 @@ class Gate:
                 if eff is not None and eff.alerts and v is not None:
                     self.alerts.detect(k, eff.limit, eff.alerts, v - qty, v)
         return values, [[*k, qty] for k in keys[1:]]
+
+    def _pools_short(self, keys: list[Key], effs: list[Limit | None], qty: int) -> list[Short]:
+        """The credit pools that cannot pay for ``qty`` units on every priced key of
+        ``keys`` together (``effs``: their limits)."""
+        need: dict[Key, list[Any]] = {}
+        for k, eff in zip(keys, effs, strict=True):
+            if eff is not None and eff.price:
+                entry = need.setdefault(pool_key(k[0]), [0, eff])
+                entry[0] += credits_for(eff, qty)
+        out: list[Short] = []
+        for pool, (credits, eff) in need.items():
+            if credits > QTY_MAX:
+                raise InvalidArgument(f"{qty} units cost more than {QTY_MAX} credits")
+            if not self.shares.ready(pool, credits, POOL):
+                out.append(Short(pool, credits, eff, credits=True))
+        return out
 
     def crossed(self, key: Key, eff: Limit | None, value: int | None) -> None:
         """A count took ``key`` past its soft limit: counted and logged."""
@@ -285,10 +319,21 @@ class Gate:
         keys = self.keys.spread(key, pairs) if pairs else self.keys.levels(key)
         if all(self.table.is_seeded(k) for k in keys) and not self.strict_short(keys, qty):
             return self.check_levels(keys, qty)
-        return self._check_cold(keys, qty)
+        return self._check_cold(keys, qty, self.keys.spec(key[1]) if pairs else None)
 
-    async def _check_cold(self, keys: list[Key], qty: int) -> dict[str, Any]:
-        await self.seeder.seed_many(keys)
+    async def _check_cold(
+        self, keys: list[Key], qty: int, spec: FeatureSpec | None = None
+    ) -> dict[str, Any]:
+        if spec is not None:
+            # New dimension counters are made only within their feature's bound (else the
+            # track it stands for would be refused: so is the check).
+            entered = await self.groups.enter_new(spec, keys)
+            try:
+                await self.seeder.seed_many(keys)
+            finally:
+                self.groups.leave(entered)
+        else:
+            await self.seeder.seed_many(keys)
         if not all(self.table.is_seeded(k) for k in keys):
             raise Unavailable("storage is unreachable and this counter's total is not known")
         for short in self.strict_short(keys, qty):
@@ -302,13 +347,11 @@ class Gate:
         limited = self.limited
         if not limited or qty <= 0:
             return []
-        out = []
-        for k in keys:
-            eff = limited.get((k[0], k[1]))
+        effs = [limited.get((k[0], k[1])) for k in keys]
+        out = self._pools_short(keys, effs, qty)
+        for k, eff in zip(keys, effs, strict=True):
             if eff is None:
                 continue
-            if eff.price and not self.shares.ready(pool_key(k[0]), credits_for(eff, qty), POOL):
-                out.append(Short(pool_key(k[0]), eff.price * qty, eff, credits=True))
             if (
                 eff.enforcement == "strict"
                 and eff.kind == "hard"
@@ -385,9 +428,17 @@ class Gate:
             ) from None
 
     def check_levels(self, keys: list[Key], qty: int) -> dict[str, Any]:
-        """The leaf's map, or (with the hierarchy) that of the first level that would refuse."""
+        """The leaf's map, or (with the hierarchy, or dimensions) that of the first counter
+        that would refuse; a credit pool that cannot pay for every counter's units together
+        refuses too."""
         details = [self.detail(k, self.table.value(k), qty) for k in keys]
-        return next((d for d in details if not d["allowed"]), details[0])
+        out = next((d for d in details if not d["allowed"]), details[0])
+        limited = self.limited
+        if out["allowed"] and limited and qty > 0 and len(keys) > 1:
+            effs = [limited.get((k[0], k[1])) for k in keys]
+            if self._pools_short(keys, effs, qty):
+                out = {**out, "allowed": False}
+        return out
 
     def batch_short(self, good: list[tuple[list[Key], int]]) -> list[tuple[Short, int]]:
         """Per strict level whose share cannot take every item of a batch (``good``: each

@@ -73,7 +73,7 @@ class Reserving:
         at_s = None if at is None else check_at(at)
         key = self.keys.key_for(tenant, feature, at_s)
         qty = check_qty(qty, allow_negative=False)
-        if o.get("dims") is not None:
+        if o.get("dims"):  # (an empty map gives no dimensions)
             raise InvalidArgument(
                 "reserve with dims is not supported yet: reserve on the feature's total and "
                 "track with dims, or track"

@@ -238,7 +238,9 @@ class Service:
                 if "where" in o:
                     raise InvalidArgument("usage: give where or group_by, not both")
                 return self.groups.read(key, check_group_by(key[1], spec, o["group_by"]))
-            key = (key[0], self.keys.feature(where_name(key[1], spec, o["where"])), key[2])
+            name = where_name(key[1], spec, o["where"])
+            if name != key[1]:  # one dimension value's counter: a read makes none
+                return self.groups.value((key[0], name, key[2]))
         value = self.table.value(key)
         if value is not None:
             return value

@@ -867,7 +867,7 @@ class CounterTable:
         with self._lock:
             row = self._rows.get(key)
             if row is None or not row.flags & SEEDED:
-                if row is None and self.missed.listed:
+                if row is None and self.missed.features:
                     self.missed.note(key, snap)
                 return None
             if not _covers(snap, self.node, row):
@@ -955,7 +955,7 @@ class CounterTable:
         with self._lock:
             row = self._rows.get(key)
             if row is None or not row.flags & SEEDED or peer == self.node:
-                if row is None and self.missed.listed:
+                if row is None and self.missed.features:
                     self.missed.note(key, (peer, seq, delta))
                 return False
             ext = row.x()
@@ -978,7 +978,7 @@ class CounterTable:
         applied = 0
         with self._lock:
             rows = self._rows
-            listed = bool(self.missed.listed)
+            listed = bool(self.missed.features)
             for t, f, p, seq, delta in items:
                 row = rows.get((t, f, p))
                 if row is None or not row.flags & SEEDED:
@@ -1053,7 +1053,7 @@ class CounterTable:
             if not doomed:
                 return 0
             self.epoch += 1
-            self.missed.listed.clear()  # (every listing is out of date: listed again)
+            self.missed.stop_noting()  # (every listing is out of date: listed again)
             affected: set[tuple[str, str]] = set()
             for key in doomed:
                 # A dirty or touched mark left by incr(key, 0) goes with the row: the lists

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any, cast
 
-from meter.core.dims import Pairs, check_dims, is_dimension
+from meter.core.dims import Pairs, check_dims
 from meter.core.fence import Fence, log_down
 from meter.core.gate import Gate, Short
 from meter.core.groups import Groups
@@ -341,25 +341,11 @@ class Tracking:
         detail: bool,
         at: float | None,
     ) -> Any:
-        claim = await self.claim_new(keys)
+        entered = await self.groups.enter_new(self.keys.spec(keys[0][1]), keys)
         try:
             return await self._track_checked_cold(keys, qty, idem, detail, at)
         finally:
-            self.groups.unclaim(claim)
-
-    async def claim_new(self, keys: list[Key]) -> list[Key]:
-        """The dimension counters among ``keys`` new to this node, claimed within their
-        features' bounds (:meth:`Groups.claim`, released by :meth:`Groups.unclaim` once the
-        call counted or failed): the listings they need are read first."""
-        table = self.table
-        if all(table.is_warm(k) for k in keys):
-            return []
-        groups = self.groups
-        totals = {(k[0], k[1], k[2]) for k in keys if not is_dimension(k[1])}
-        for tenant, feature, period in sorted(totals):
-            if not groups.listed(tenant, feature, period):
-                await groups.refresh(tenant, feature, period)
-        return groups.claim(self.keys.spec(keys[0][1]), keys)
+            self.groups.leave(entered)
 
     async def _track_checked_cold(
         self,
@@ -547,7 +533,13 @@ class Tracking:
             if names is None and summed is None:
                 fast.append((key, qty))
                 continue
+            if qty < 0:
+                # Summed, a batch's units must only grow as items are counted: then the range
+                # check of each counter's sum is that of every item's value.
+                return None
             if summed is None:
+                if any(q < 0 for _, q in fast):
+                    return None
                 summed = {}
                 for k, q in fast:
                     inner = summed.setdefault((k[0], k[2]), {})
@@ -672,10 +664,10 @@ class Tracking:
         return self._track_many_limited_cold(batch, keys)
 
     async def _track_many_limited_cold(self, batch: Batch, keys: list[Key]) -> Any:
-        claimed: list[Key] = []
+        entered: list[Key] = []
         try:
             if batch.spreads:
-                claimed = await self._claim_items(batch)
+                entered = await self._enter_items(batch)
                 keys = [k for n in range(len(batch.good)) if n not in batch.refused
                         for k in self._item_keys(batch, n)]  # fmt: skip
             await self.seeder.seed_many(keys)
@@ -691,23 +683,19 @@ class Tracking:
             self._answer_repeated_ids(batch)
             return self._count_gated(batch)
         finally:
-            self.groups.unclaim(claimed)
+            self.groups.leave(entered)
 
-    async def _claim_items(self, batch: Batch) -> list[Key]:
-        """Claim the new dimension counters of the batch's items within their features'
-        bounds, item by item (:meth:`Groups.claim`): an item past a bound is refused alone."""
-        groups = self.groups
-        for spread in batch.spreads.values():
-            for tenant, feature, period in spread:
-                if not is_dimension(feature) and not groups.listed(tenant, feature, period):
-                    await groups.refresh(tenant, feature, period)
-        claimed: list[Key] = []
+    async def _enter_items(self, batch: Batch) -> list[Key]:
+        """Enter the new dimension counters of the batch's items within their features'
+        bounds, item by item (:meth:`Groups.enter_new`): an item past a bound, or whose
+        feature's listing cannot be read, is refused alone."""
+        entered: list[Key] = []
         for n, spread in batch.spreads.items():
             try:
-                claimed += groups.claim(self.keys.spec(spread[0][1]), spread)
+                entered += await self.groups.enter_new(self.keys.spec(spread[0][1]), spread)
             except MeterError as exc:
                 batch.refused[n] = exc
-        return claimed
+        return entered
 
     def _count_gated(self, batch: Batch) -> list[Any]:
         values: list[Any] = []

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, cast
 
-from meter.core.dims import where_name
+from meter.core.dims import is_dimension, where_name
+from meter.core.groups import Groups
 from meter.core.keycache import KeyCache
 from meter.core.keys import check_feature, check_tenant, period_start
 from meter.core.params import args as check_args
@@ -30,12 +31,19 @@ class HistoryMethods:
     """The handler, over one node's table, key cache, seeder and storage."""
 
     def __init__(
-        self, table: CounterTable, keys: KeyCache, seeder: Seeder, storage: DayBuckets
+        self,
+        table: CounterTable,
+        keys: KeyCache,
+        seeder: Seeder,
+        storage: DayBuckets,
+        groups: Groups,
     ) -> None:
         self.table = table
         self.keys = keys
         self.seeder = seeder
         self.storage = storage
+        #: Reads of a dimension counter (``where``): one no call made reads 0.
+        self.groups = groups
 
     def handlers(self) -> dict[str, Handler]:
         return {"history": self.history}
@@ -48,7 +56,7 @@ class HistoryMethods:
         granularity, first, last = parse_range(opts, now)
         where = opts.get("where") if isinstance(opts, dict) else None
         if where is not None:  # one dimension value's counter (docs/dimensions.md)
-            feature = self.keys.feature(where_name(feature, self.keys.spec(feature), where))
+            feature = where_name(feature, self.keys.spec(feature), where)
         return self._history(tenant, feature, granularity, first, last, now)
 
     async def _history(
@@ -114,6 +122,9 @@ class HistoryMethods:
         validated feature, or a dimension counter's name)."""
         keys = self.keys
         key = (tenant, feature, keys.period(period_start(keys.kind_of(feature), now)))
+        if is_dimension(feature):
+            got = self.groups.value(key)
+            return cast(int, await got if isinstance(got, Awaitable) else got)
         value = self.table.value(key)
         if value is not None:
             return value

@@ -89,6 +89,9 @@ def resync_from(
     later)."""
 
     async def resync(keys: list[Key] | None) -> int:
+        # Peers' words may have been lost (what a resync is for): the dimension counters a
+        # peer made meanwhile are unknown here, so every listing is read again when needed.
+        table.missed.forget()
         wanted = [k for k in (table.keys() if keys is None else keys) if table.is_seeded(k)]
         rebased = 0
         for start in range(0, len(wanted), chunk):
@@ -221,6 +224,7 @@ def assemble(
         funder=funder,
     )
     peer_holds = PeerHolds(peer_holds_max_age)
+    groups = Groups(table, storage)
     gate = Gate(
         table,
         keys,
@@ -229,6 +233,7 @@ def assemble(
         shares=shares,
         alerts=alerts,
         peer_holds=peer_holds,
+        groups=groups,
         wal=fence.wal,
     )
 
@@ -237,7 +242,6 @@ def assemble(
         keys.new_specs(book.features)
 
     limits = LimitStore(storage, new_book, poll_s=limits_poll_s, publish=publish_limits)
-    groups = Groups(table, storage)
     tracking = Tracking(table, keys, gate, fence, ids, seeder, groups)
     reserving = Reserving(table, keys, gate, fence, ids, seeder, config)
     journal = Journal(table, keys, ids, reserving, config)
@@ -245,7 +249,7 @@ def assemble(
         **LimitMethods(limits).handlers(),
         **FeatureMethods(limits).handlers(),
         **LedgerMethods(ledger_store, shares).handlers(),
-        **HistoryMethods(table, keys, seeder, storage).handlers(),
+        **HistoryMethods(table, keys, seeder, storage, groups).handlers(),
         **ExportMethod(storage).handlers(),
     }
     service = Service(
