@@ -46,6 +46,19 @@ class Snapshot:
 EMPTY = Snapshot(0, {})
 """The snapshot of a counter that does not exist yet."""
 
+GaugeReading = tuple[int, int, str]
+"""A gauge's stored reading ``(value, at_ms, node)`` (docs/dimensions.md, "Gauges")."""
+
+
+def reading_wins(kind: str, a: GaugeReading, b: GaugeReading | None) -> bool:
+    """Whether ``a`` replaces the stored ``b`` (``None``: none) for a gauge of ``kind``:
+    a larger value for ``max``, a later ``(at_ms, node)`` for ``latest``."""
+    if b is None:
+        return True
+    if kind == "max":
+        return a[0] > b[0]
+    return (a[1], a[2]) > (b[1], b[2])
+
 
 @dataclass(frozen=True, slots=True)
 class Delta:
@@ -353,6 +366,15 @@ class LedgerRecords(Protocol):
     ) -> list[tuple[int, str]]: ...
 
 
+class GaugeRecords(Protocol):
+    """Gauges (``max`` and ``latest`` features): readings kept only if they win."""
+
+    async def put_gauges(
+        self, items: Sequence[tuple[Key, str, GaugeReading]]
+    ) -> dict[Key, GaugeReading | StorageError]: ...
+    async def load_gauges(self, keys: Sequence[Key]) -> dict[Key, GaugeReading | None]: ...
+
+
 class DayBuckets(Protocol):
     """Day buckets of month counters, and range reads of counters (docs/history.md)."""
 
@@ -570,6 +592,25 @@ class Storage(abc.ABC):
         """Up to ``limit`` entries ``(seq, body)`` of ``tenant``'s ledger with a sequence above
         ``after``, in sequence order. A consistent read."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep ledgers")
+
+    # -- gauges (docs/dimensions.md) -----------------------------------------------------------
+    # A gauge is stored as a counter of its feature (its value is the counter's total, so
+    # listings and exports read it as any counter) that also holds the reading's time and
+    # node; a write keeps a reading only if it wins (:func:`reading_wins`) over the stored
+    # one: any number of writes of a reading, in any order, leave the same item.
+
+    async def put_gauges(
+        self, items: Sequence[tuple[Key, str, GaugeReading]]
+    ) -> dict[Key, GaugeReading | StorageError]:
+        """Write each ``(key, kind, reading)`` (``kind``: ``max`` or ``latest``) if it wins
+        over the stored reading; each key's reading after the write (its own, or the stored
+        one that wins over it) or the error it hit. An exception: every outcome unknown (a
+        write again is harmless)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep gauges")
+
+    async def load_gauges(self, keys: Sequence[Key]) -> dict[Key, GaugeReading | None]:
+        """The stored reading of each key (``None``: none). A consistent read."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep gauges")
 
     # -- history (docs/history.md) -------------------------------------------------------------
 

@@ -63,6 +63,7 @@ from storage.base import (
     Delta,
     ExportPage,
     ExportRow,
+    GaugeReading,
     Key,
     Owner,
     Snapshot,
@@ -910,6 +911,79 @@ class DynamoDBStorage(Storage):
             await asyncio.sleep(self._backoff(attempt))
         raise StorageUnavailable(f"dynamodb: {len(request[self.table]['Keys'])} keys unprocessed")
 
+    # -- gauges (docs/dimensions.md) ----------------------------------------------------------
+    # A gauge is its counter item: ``t`` its value, ``ga`` (N) and ``gn`` (S) the reading's
+    # time (ms) and node, ``ttl`` as a counter's. One UpdateItem a reading, on the condition
+    # that it wins over the stored one; a refused condition is answered with the stored item.
+
+    async def put_gauges(
+        self, items: Sequence[tuple[Key, str, GaugeReading]]
+    ) -> dict[Key, GaugeReading | StorageError]:
+        """One conditional ``UpdateItem`` per reading, concurrently."""
+        keyed = list(items)
+        got = await asyncio.gather(*(self._put_gauge(*item) for item in keyed))
+        return {item[0]: outcome for item, outcome in zip(keyed, got, strict=True)}
+
+    async def _put_gauge(
+        self, key: Key, kind: str, reading: GaugeReading
+    ) -> GaugeReading | StorageError:
+        try:
+            pk, sk = _item_key(key)
+        except StoragePermanentError as exc:
+            return exc
+        value, at_ms, node = reading
+        condition = (
+            "attribute_not_exists(#t) OR #t < :v"
+            if kind == "max"
+            else "attribute_not_exists(#ga) OR #ga < :a OR (#ga = :a AND #gn < :n)"
+        )
+        try:
+            await self._call(
+                "update_item",
+                f"gauge {_describe(key)}",
+                TableName=self.table,
+                Key={"pk": {"S": pk}, "sk": {"S": sk}},
+                UpdateExpression="SET #t = :v, #ga = :a, #gn = :n, #ttl = :ttl",
+                ConditionExpression=condition,
+                ExpressionAttributeNames={"#t": "t", "#ga": "ga", "#gn": "gn", "#ttl": "ttl"},
+                ExpressionAttributeValues={
+                    ":v": {"N": str(value)},
+                    ":a": {"N": str(at_ms)},
+                    ":n": {"S": node},
+                    ":ttl": {"N": str(_ttl(key[2], self.retention_days))},
+                },
+                ReturnValuesOnConditionCheckFailure="ALL_OLD",
+            )
+            return reading
+        except _ConditionFailed as refused:  # a stored reading wins: answered with it
+            if refused.item:
+                return _reading(refused.item)
+        except StorageError as exc:
+            return exc
+        try:
+            return (await self.load_gauges([key]))[key] or reading
+        except StorageError as exc:
+            return exc
+
+    async def load_gauges(self, keys: Sequence[Key]) -> dict[Key, GaugeReading | None]:
+        """Consistent ``GetItem``s, concurrently."""
+
+        async def one(key: Key) -> GaugeReading | None:
+            pk, sk = _item_key(key)
+            resp = await self._call(
+                "get_item",
+                f"gauge {_describe(key)}",
+                TableName=self.table,
+                Key={"pk": {"S": pk}, "sk": {"S": sk}},
+                ConsistentRead=True,
+            )
+            item = resp.get("Item")
+            return None if item is None else _reading(item)
+
+        keyed = list(keys)
+        got = await asyncio.gather(*(one(key) for key in keyed))
+        return dict(zip(keyed, got, strict=True))
+
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         return await self._list(tenant, period, None)
 
@@ -1689,6 +1763,17 @@ def _item_key(key: Key) -> tuple[str, str]:
     if len(sk.encode("utf-8")) > MAX_SK_BYTES:
         raise StoragePermanentError(f"dynamodb: feature of {_describe(key)} is too long")
     return tenant, sk
+
+
+def _reading(item: dict[str, Any]) -> GaugeReading:
+    """A gauge's reading from its item (a counter's item, read as a gauge: at 0, no node)."""
+    try:
+        value = _number(item["t"]) if "t" in item else 0
+        at_ms = _number(item["ga"]) if "ga" in item else 0
+        node = item["gn"]["S"] if "gn" in item else ""
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoragePermanentError(f"dynamodb: undecodable gauge item: {exc!r}") from None
+    return (value, at_ms, str(node))
 
 
 def _check_period(period: str) -> None:

@@ -17,6 +17,7 @@ from storage.base import (
     Delta,
     ExportPage,
     ExportRow,
+    GaugeReading,
     Key,
     Owner,
     Snapshot,
@@ -30,6 +31,7 @@ from storage.base import (
     decode_cursor,
     encode_cursor,
     lease_end_ms,
+    reading_wins,
 )
 
 
@@ -40,6 +42,8 @@ class MemoryStorage(Storage):
 
     def __init__(self) -> None:
         self.items: dict[Key, Snapshot] = {}
+        #: Gauges' readings (their values are also in :attr:`items`, as totals).
+        self.readings: dict[Key, GaugeReading] = {}
         #: Node id -> (owner token, end of its lease in ms).
         self.owners: dict[str, tuple[str, int]] = {}
         self.fail_next = 0
@@ -152,6 +156,28 @@ class MemoryStorage(Storage):
             for (t, f, p), snap in sorted(self.items.items())
             if t == tenant and f == feature and len(p) == len(first) and first <= p <= last
         }
+
+    async def put_gauges(
+        self, items: Sequence[tuple[Key, str, GaugeReading]]
+    ) -> dict[Key, GaugeReading | StorageError]:
+        out: dict[Key, GaugeReading | StorageError] = {}
+        for key, kind, reading in items:
+            try:
+                check_period(key[2])
+            except StorageError as exc:
+                out[key] = exc
+                continue
+            stored = self.readings.get(key)
+            if reading_wins(kind, reading, stored):
+                self.readings[key] = stored = reading
+                self.items[key] = Snapshot(reading[0], {})
+                self.writes += 1
+            assert stored is not None
+            out[key] = stored
+        return out
+
+    async def load_gauges(self, keys: Sequence[Key]) -> dict[Key, GaugeReading | None]:
+        return {key: self.readings.get(key) for key in keys}
 
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         return {f: s for (t, f, p), s in self.items.items() if t == tenant and p == period}

@@ -36,6 +36,7 @@ from storage.base import (
     Delta,
     ExportPage,
     ExportRow,
+    GaugeReading,
     Key,
     Owner,
     Snapshot,
@@ -50,6 +51,7 @@ from storage.base import (
     decode_cursor,
     encode_cursor,
     lease_end_ms,
+    reading_wins,
 )
 
 T = TypeVar("T")
@@ -379,6 +381,82 @@ class SQLiteStorage(Storage):
     ) -> dict[str, Snapshot]:
         """One range of the ``counters`` primary key: ``(tenant, period, first..last)``."""
         return await self._run(lambda: self._list_sync(tenant, period, (first, last)))
+
+    # -- gauges (docs/dimensions.md) ------------------------------------------------------------
+    # A gauge is a ``counters`` row: ``total`` its value, ``seqs`` ``{"@<node>": at_ms}`` (ints,
+    # as a counter's seqs are: listings and exports read it as any row).
+
+    async def put_gauges(
+        self, items: Sequence[tuple[Key, str, GaugeReading]]
+    ) -> dict[Key, GaugeReading | StorageError]:
+        """One write transaction: each reading written if it wins over the row's."""
+        return await self._run(lambda: self._put_gauges_sync(list(items)))
+
+    async def load_gauges(self, keys: Sequence[Key]) -> dict[Key, GaugeReading | None]:
+        """The rows' readings, on the writer's connection (a consistent read)."""
+        return await self._run(lambda: self._load_gauges_sync(list(keys)))
+
+    def _put_gauges_sync(
+        self, items: list[tuple[Key, str, GaugeReading]]
+    ) -> dict[Key, GaugeReading | StorageError]:
+        conn = self._connection()
+        out: dict[Key, GaugeReading | StorageError] = {}
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise _map(exc, f"starting a write transaction on {self.path}") from exc
+        try:
+            for key, kind, reading in items:
+                tenant, feature, period = key
+                try:
+                    check_period(period)
+                except StoragePermanentError as exc:
+                    out[key] = exc
+                    continue
+                stored = self._gauge_row(conn, key)
+                if reading_wins(kind, reading, stored):
+                    value, at_ms, node = reading
+                    seqs = json.dumps({"@" + node: at_ms}, separators=(",", ":"))
+                    conn.execute(
+                        _UPSERT,
+                        (tenant, period, feature, str(value), seqs, self._expires_at(period)),
+                    )
+                    stored = reading
+                assert stored is not None
+                out[key] = stored
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise _map(exc, f"writing gauges to {self.path}") from exc
+            if isinstance(exc, ValueError):
+                raise StoragePermanentError(f"bad stored gauge in {self.path}: {exc}") from exc
+            raise
+        return out
+
+    def _load_gauges_sync(self, keys: list[Key]) -> dict[Key, GaugeReading | None]:
+        conn = self._connection()
+        try:
+            return {key: self._gauge_row(conn, key) for key in keys}
+        except sqlite3.Error as exc:
+            raise _map(exc, f"reading gauges from {self.path}") from exc
+        except ValueError as exc:
+            raise StoragePermanentError(f"bad stored gauge in {self.path}: {exc}") from exc
+
+    def _gauge_row(self, conn: sqlite3.Connection, key: Key) -> GaugeReading | None:
+        tenant, feature, period = key
+        row = conn.execute(
+            "SELECT total, seqs FROM counters WHERE tenant = ? AND period = ? AND feature = ?",
+            (tenant, period, feature),
+        ).fetchone()
+        if row is None:
+            return None
+        snap = _snapshot(row[0], row[1])
+        for name, at_ms in snap.seqs.items():
+            if name.startswith("@"):
+                return (snap.total, at_ms, name[1:])
+        return (snap.total, 0, "")  # (a counter's row, read as a gauge)
 
     # -- history (docs/history.md) -------------------------------------------------------------
 

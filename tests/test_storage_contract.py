@@ -237,6 +237,30 @@ async def test_a_feature_whose_name_goes_on_with_a_day_is_not_in_another_ones_da
     assert days == {"2026-11-03": 7}
 
 
+async def test_gauges_keep_the_reading_that_wins_whatever_the_order(storage: Storage) -> None:
+    """A ``max`` keeps the largest value, a ``latest`` the latest ``(at_ms, node)``; a write
+    is answered with the reading stored after it; writing again changes nothing; the value
+    lists and exports as the counter's total."""
+    mx: Key = ("acme", "peak", "2026-11")
+    lt: Key = ("acme", "last", "2026-11")
+    assert await storage.load_gauges([mx, lt]) == {mx: None, lt: None}
+    got = await storage.put_gauges([(mx, "max", (5, 10, "n1")), (lt, "latest", (5, 10, "n1"))])
+    assert got == {mx: (5, 10, "n1"), lt: (5, 10, "n1")}
+    got = await storage.put_gauges([(mx, "max", (3, 20, "n2")), (lt, "latest", (3, 20, "n2"))])
+    assert got == {mx: (5, 10, "n1"), lt: (3, 20, "n2")}
+    got = await storage.put_gauges([(mx, "max", (9, 5, "n2")), (lt, "latest", (8, 20, "n1"))])
+    assert got == {mx: (9, 5, "n2"), lt: (3, 20, "n2")}  # (same time: the larger node id)
+    got = await storage.put_gauges([(mx, "max", (9, 5, "n2")), (lt, "latest", (3, 20, "n2"))])
+    assert got == {mx: (9, 5, "n2"), lt: (3, 20, "n2")}
+    assert await storage.load_gauges([mx, lt]) == {mx: (9, 5, "n2"), lt: (3, 20, "n2")}
+    listed = await storage.list_period("acme", "2026-11")
+    assert {f: snap.total for f, snap in listed.items()} == {"peak": 9, "last": 3}
+    rows = [r async for page in storage.export("2026-11") for r in page.rows]
+    assert {(r.feature, r.total) for r in rows} == {("peak", 9), ("last", 3)}
+    got = await storage.put_gauges([(("acme", "x", "2026-13"), "max", (1, 1, "n1"))])
+    assert isinstance(got[("acme", "x", "2026-13")], StoragePermanentError)
+
+
 async def test_batch_with_many_keys(storage: Storage) -> None:
     keys: list[Key] = [("acme", f"f{i}", "2026-11") for i in range(300)]
     out = await storage.apply("n1", [Delta(k, 1, i) for i, k in enumerate(keys)])
