@@ -71,5 +71,22 @@ class AppliedView(Protocol):
     def snapshot(self) -> SnapshotView: ...
 
 
+ReadingItem = tuple[str, str, str, str, int, int, str]
+"""A gauge's reading, as :data:`cluster.codec.ReadingItem`."""
+
+
+class GaugeSource(Protocol):
+    """The node's gauges as the gossip layer uses them (readings merge: any order, any
+    repeats)."""
+
+    def take_readings(self) -> list[ReadingItem]:
+        """The readings of this node's observations since the last take."""
+        ...
+
+    def merge_readings(self, items: Iterable[ReadingItem]) -> int:
+        """Merge peers' readings into the gauges held; how many moved a view."""
+        ...
+
+
 #: Re-read ``keys`` (``None``: every warm key) from storage and re-base on them.
 Resync = Callable[[list[Key] | None], Awaitable[object]]

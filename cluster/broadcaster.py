@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cluster.api import AppliedView, GossipSource, Key
+from cluster.api import AppliedView, GaugeSource, GossipSource, Key
 from cluster.bus import Bus, BusUnavailable
 from cluster.codec import (
     AlertItem,
@@ -28,6 +28,7 @@ from cluster.codec import (
     Header,
     HoldItem,
     Kind,
+    ReadingItem,
     chunks,
 )
 
@@ -45,6 +46,7 @@ class SendStats:
     limits: int = 0
     holds: int = 0
     alerts: int = 0
+    readings: int = 0
     items: int = 0
     bytes: int = 0
     failed: int = 0  # publish failed (bus down): the frame is lost, peers see a gap
@@ -70,8 +72,11 @@ class Broadcaster:
         max_outbox: int = 1024,
         clock: Callable[[], float] = time.time,
         after_commit: Callable[[Callable[[], object]], None] | None = None,
+        gauges: GaugeSource | None = None,
     ) -> None:
         self.table = table
+        #: Gauges' readings go out with each tick's deltas (``None``: none kept).
+        self.gauges = gauges
         #: Runs a take once every state change made so far is committed to the node's log
         #: (``None``: at once). Units of a call whose log write fails are then never gossiped.
         self.after_commit = after_commit
@@ -111,8 +116,18 @@ class Broadcaster:
         items: list[DeltaItem] = self.table.take_gossip_all()
         for part in chunks(items, self.frame_budget):
             self._queue("deltas", part)
+        if self.gauges is not None:
+            self.readings(self.gauges.take_readings())
         self.stats.encode_s += time.thread_time() - t0
         return len(items)
+
+    def readings(self, items: Sequence[ReadingItem]) -> None:
+        """Queue gauges' readings (observed here, or stored by the gauge flusher); nothing
+        while the bus is down: peers re-read storage when it returns."""
+        if not items or not self.bus.connected or self.muted:
+            return
+        for part in chunks(items, self.frame_budget):
+            self._queue("readings", part)
 
     def gossip_committed(self) -> None:
         """:meth:`gossip_now`, at the node's next commit boundary (see ``after_commit``)."""
@@ -169,7 +184,8 @@ class Broadcaster:
         items: Sequence[DeltaItem]
         | Sequence[AnnounceItem]
         | Sequence[HoldItem]
-        | Sequence[AlertItem],
+        | Sequence[AlertItem]
+        | Sequence[ReadingItem],
         limits_version: int = 0,
     ) -> None:
         if self._owe_gap:
@@ -245,6 +261,8 @@ class Broadcaster:
             s.holds += 1
         elif kind == "alert":
             s.alerts += 1
+        elif kind == "readings":
+            s.readings += 1
         else:
             s.heartbeats += 1
 
@@ -259,6 +277,7 @@ class Broadcaster:
             "limits_messages": s.limits,
             "holds_messages": s.holds,
             "alert_messages": s.alerts,
+            "readings_messages": s.readings,
             "items": s.items,
             "bytes": s.bytes,
             "failed": s.failed,

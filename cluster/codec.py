@@ -16,7 +16,7 @@ array ``[cluster, sender, incarnation, seq, sent_at, kind, body]``:
                  lost messages);
 ``sent_at``      the sender's wall clock in seconds (for the gossip lag);
 ``kind``         0 heartbeat (body ``nil``), 1 deltas, 2 flush announcements, 3 limits changed,
-                 4 holds, 5 alert;
+                 4 holds, 5 alert, 6 readings;
 ``body``         deltas: ``[[tenant, feature, period, flush_seq, delta], ...]``;
                  announcements: ``[[tenant, feature, period, total, {node: seq}], ...]``;
                  limits changed: ``[version]``, the stored limits' new version;
@@ -25,7 +25,10 @@ array ``[cluster, sender, incarnation, seq, sent_at, kind, body]``:
                  holds nothing);
                  alert: ``[id, tenant, feature, period, threshold, threshold_units, limit,
                  value, node, at]``, a threshold alert whose claim the sender won
-                 (docs/quotas.md).
+                 (docs/quotas.md);
+                 readings: ``[[tenant, feature, period, kind, value, at_ms, node], ...]``,
+                 gauges' readings (``kind`` 0 ``max``, 1 ``latest``), observed by the sender
+                 or stored (docs/dimensions.md).
 
 Deltas and totals that do not fit a signed 64-bit integer travel as decimal strings.
 :func:`decode` returns a :class:`Message` or a :class:`Rejected` with a reason; it never raises.
@@ -57,7 +60,7 @@ INT64_MAX: Final = 2**63 - 1
 #: Longest decimal string accepted for a big integer.
 MAX_BIGINT_DIGITS: Final = 80
 
-Kind = Literal["heartbeat", "deltas", "announce", "limits", "holds", "alert"]
+Kind = Literal["heartbeat", "deltas", "announce", "limits", "holds", "alert", "readings"]
 _KIND_CODE: Final[dict[str, int]] = {
     "heartbeat": 0,
     "deltas": 1,
@@ -65,7 +68,9 @@ _KIND_CODE: Final[dict[str, int]] = {
     "limits": 3,
     "holds": 4,
     "alert": 5,
+    "readings": 6,
 }
+_GAUGE_KINDS: Final[tuple[str, str]] = ("max", "latest")
 _CODE_KIND: Final[dict[int, Kind]] = {v: cast(Kind, k) for k, v in _KIND_CODE.items()}
 
 Reason = Literal["oversize", "malformed", "version", "unsigned", "bad_mac", "cluster"]
@@ -87,6 +92,9 @@ HoldItem = tuple[str, str, str, int]
 """``(tenant, feature, period, units held by the sender's open reservations)``."""
 AlertItem = tuple[str, str, str, str, int, int, int, int, str, float]
 """``(id, tenant, feature, period, threshold %, threshold units, limit, value, node, at)``."""
+ReadingItem = tuple[str, str, str, str, int, int, str]
+"""``(tenant, feature, period, kind, value, at_ms, node)``: a gauge's reading (``kind`` ``max``
+or ``latest``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +122,8 @@ class Message:
     holds: tuple[HoldItem, ...] = ()
     #: ``alert``: the alert the sender fired.
     alert: AlertItem | None = None
+    #: ``readings``: gauges' readings.
+    readings: tuple[ReadingItem, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +164,8 @@ class Codec:
         items: Sequence[DeltaItem]
         | Sequence[AnnounceItem]
         | Sequence[HoldItem]
-        | Sequence[AlertItem] = (),
+        | Sequence[AlertItem]
+        | Sequence[ReadingItem] = (),
         limits_version: int = 0,
     ) -> bytes:
         """One frame. ``items`` are deltas or announcements according to ``kind``;
@@ -169,6 +180,9 @@ class Codec:
         elif kind == "alert":
             a = cast(AlertItem, items[0])
             body = [*a[:6], _wire_int(a[6]), _wire_int(a[7]), a[8], a[9]]
+        elif kind == "readings":
+            body = [[t, f, p, _GAUGE_KINDS.index(g), _wire_int(v), a, n]
+                    for t, f, p, g, v, a, n in cast(Sequence[ReadingItem], items)]  # fmt: skip
         elif kind == "deltas":
             deltas = cast(Sequence[DeltaItem], items)
             body = [[t, f, p, s, _wire_int(d)] for t, f, p, s, d in deltas]
@@ -273,6 +287,8 @@ class Codec:
             return Message(header, kind, deltas=_deltas(body))
         if kind == "holds":
             return Message(header, kind, holds=tuple(_hold(i) for i in body))
+        if kind == "readings":
+            return Message(header, kind, readings=tuple(_reading(i) for i in body))
         return Message(header, kind, announcements=tuple(_announce(i) for i in body))
 
 
@@ -346,6 +362,18 @@ def _hold(item: Any) -> HoldItem:
         raise _Bad("hold is not [tenant, feature, period, held]")
     return (_str(item[0], "tenant"), _str(item[1], "feature"), _str(item[2], "period"),
             _uint(item[3], "held"))  # fmt: skip
+
+
+def _reading(item: Any) -> ReadingItem:
+    if not isinstance(item, list) or len(item) != 7:
+        raise _Bad("reading is not [tenant, feature, period, kind, value, at_ms, node]")
+    t, f, p, g, v, a, n = item
+    if type(g) is not int or not 0 <= g < len(_GAUGE_KINDS):
+        raise _Bad(f"reading kind {g!r} is not 0 or 1")
+    if type(n) is not str or len(n) > MAX_STR:  # (empty: a counter's item read as a gauge)
+        raise _Bad("reading node is not a string")
+    return (_str(t, "tenant"), _str(f, "feature"), _str(p, "period"), _GAUGE_KINDS[g],
+            _bigint(v, "value"), _uint(a, "at_ms"), n)  # fmt: skip
 
 
 def _alert(body: Any) -> AlertItem:

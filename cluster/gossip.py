@@ -22,10 +22,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from cluster.api import AppliedView, GossipTable, Key, Resync
+from cluster.api import AppliedView, GaugeSource, GossipTable, Key, Resync
 from cluster.broadcaster import Broadcaster
 from cluster.bus import Bus
-from cluster.codec import REASONS, AlertItem, Codec, DeltaItem, HoldItem, Message, Rejected
+from cluster.codec import (
+    REASONS,
+    AlertItem,
+    Codec,
+    DeltaItem,
+    HoldItem,
+    Message,
+    ReadingItem,
+    Rejected,
+)
 from cluster.peers import Peers, Seen
 
 log = logging.getLogger("cluster.gossip")
@@ -90,8 +99,11 @@ class Gossip(Generic[S]):
         after_commit: Callable[[Callable[[], object]], None] | None = None,
         incarnation: int | None = None,
         listener: Listener | None = None,
+        gauges: GaugeSource | None = None,
     ) -> None:
         self.table = table
+        #: The node's gauges: their readings are sent each tick and merged when heard.
+        self.gauges = gauges
         #: Told of limit changes, holds, applied deltas and alerts from peers (if given).
         self.listener = listener
         self.bus = bus
@@ -116,6 +128,7 @@ class Gossip(Generic[S]):
             heartbeat=self.settings.heartbeat,
             clock=clock,
             after_commit=after_commit,
+            gauges=gauges,
         )
         self.received: dict[str, int] = {
             "messages": 0,
@@ -123,6 +136,8 @@ class Gossip(Generic[S]):
             "deltas_skipped": 0,
             "announcements_applied": 0,
             "announcements_skipped": 0,
+            "readings_applied": 0,
+            "readings_skipped": 0,
             "echoes": 0,
         }
         #: CPU seconds (this thread) spent decoding and applying received frames.
@@ -201,6 +216,11 @@ class Gossip(Generic[S]):
     async def on_flushed(self, written: Sequence[tuple[Key, AppliedView]]) -> None:
         """The flusher hook: announce the snapshots just written."""
         self.broadcaster.announce(written)
+
+    def readings_stored(self, items: Sequence[ReadingItem]) -> None:
+        """The gauge flusher's hook: tell peers the readings storage answered (a reading
+        of a peer's that wins over ours reaches every node that way too)."""
+        self.broadcaster.readings(items)
 
     # -- receiving ----------------------------------------------------------------------------
 
@@ -281,6 +301,10 @@ class Gossip(Generic[S]):
             self.received["announcements_skipped"] += len(msg.announcements) - applied
             if moved and self.listener is not None:
                 self.listener.on_deltas(moved)
+        elif msg.kind == "readings":
+            merged = 0 if self.gauges is None else self.gauges.merge_readings(msg.readings)
+            self.received["readings_applied"] += merged
+            self.received["readings_skipped"] += len(msg.readings) - merged
         elif self.listener is None:
             return
         elif msg.kind == "limits":

@@ -51,13 +51,14 @@ GaugeReading = tuple[int, int, str]
 
 
 def reading_wins(kind: str, a: GaugeReading, b: GaugeReading | None) -> bool:
-    """Whether ``a`` replaces the stored ``b`` (``None``: none) for a gauge of ``kind``:
-    a larger value for ``max``, a later ``(at_ms, node)`` for ``latest``."""
+    """Whether ``a`` replaces the stored ``b`` (``None``: none) for a gauge of ``kind``: for
+    ``max`` a larger value (then a later ``(at_ms, node)``), for ``latest`` a later
+    ``(at_ms, node)`` (then a larger value)."""
     if b is None:
         return True
     if kind == "max":
-        return a[0] > b[0]
-    return (a[1], a[2]) > (b[1], b[2])
+        return a > b
+    return (a[1], a[2], a[0]) > (b[1], b[2], b[0])
 
 
 @dataclass(frozen=True, slots=True)

@@ -932,10 +932,14 @@ class DynamoDBStorage(Storage):
         except StoragePermanentError as exc:
             return exc
         value, at_ms, node = reading
+        # The order of :func:`storage.base.reading_wins`, spelled out (an item written as a
+        # counter has no ``ga``: it reads as its total at time 0).
+        later = "#ga < :a OR (#ga = :a AND #gn < :n)"
         condition = (
-            "attribute_not_exists(#t) OR #t < :v"
+            f"attribute_not_exists(#t) OR #t < :v OR "
+            f"(#t = :v AND (attribute_not_exists(#ga) OR {later}))"
             if kind == "max"
-            else "attribute_not_exists(#ga) OR #ga < :a OR (#ga = :a AND #gn < :n)"
+            else f"attribute_not_exists(#ga) OR {later} OR (#ga = :a AND #gn = :n AND #t < :v)"
         )
         try:
             await self._call(

@@ -167,7 +167,7 @@ class MemoryStorage(Storage):
             except StorageError as exc:
                 out[key] = exc
                 continue
-            stored = self.readings.get(key)
+            stored = self._reading(key)
             if reading_wins(kind, reading, stored):
                 self.readings[key] = stored = reading
                 self.items[key] = Snapshot(reading[0], {})
@@ -177,7 +177,14 @@ class MemoryStorage(Storage):
         return out
 
     async def load_gauges(self, keys: Sequence[Key]) -> dict[Key, GaugeReading | None]:
-        return {key: self.readings.get(key) for key in keys}
+        return {key: self._reading(key) for key in keys}
+
+    def _reading(self, key: Key) -> GaugeReading | None:
+        """The stored reading (a counter's item reads as its total at time 0, no node)."""
+        reading = self.readings.get(key)
+        if reading is None and key in self.items:
+            return (self.items[key].total, 0, "")
+        return reading
 
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         return {f: s for (t, f, p), s in self.items.items() if t == tenant and p == period}

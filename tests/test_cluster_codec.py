@@ -50,6 +50,11 @@ def test_round_trip_every_kind() -> None:
     m = c.decode(c.encode(H, "holds", []))
     assert isinstance(m, Message) and m.kind == "holds" and m.holds == ()
 
+    readings = [("t1", "peak", "2026-11", "max", 2**70, 1_764_460_800_123, "n1"),
+                ("t/u", "seats", "2026-11", "latest", -3, 0, "")]  # fmt: skip
+    m = c.decode(c.encode(H, "readings", readings))
+    assert isinstance(m, Message) and m.kind == "readings" and list(m.readings) == readings
+
 
 def test_an_alert_frame_round_trips_signed_and_a_bad_one_is_malformed() -> None:
     c = Codec("prod", "s3cret")
@@ -155,6 +160,14 @@ def test_malformed_payloads() -> None:
         _frame(["prod", "n", 1, 1, 1.0, 4, [["t", "f", "p", -1]]]),  # negative hold
         _frame(["prod", "n", 1, 1, 1.0, 4, [["t", "f", "p", 2**63]]]),  # past 64 bits
         _frame(["prod", "n", 1, 1, 1.0, 4, [["t", "", "p", 1]]]),  # empty feature
+        _frame(["prod", "n", 1, 1, 1.0, 6, None]),  # readings without a body
+        _frame(["prod", "n", 1, 1, 1.0, 6, [["t", "f", "p", 0, 5, 1]]]),  # short reading
+        _frame(["prod", "n", 1, 1, 1.0, 6, [["t", "f", "p", 2, 5, 1, "n"]]]),  # kind 2
+        _frame(["prod", "n", 1, 1, 1.0, 6, [["t", "f", "p", True, 5, 1, "n"]]]),  # bool kind
+        _frame(["prod", "n", 1, 1, 1.0, 6, [["t", "f", "p", 0, 5, -1, "n"]]]),  # at < 0
+        _frame(["prod", "n", 1, 1, 1.0, 6, [["t", "f", "p", 0, 5, 1, 7]]]),  # node not text
+        _frame(["prod", "n", 1, 1, 1.0, 6, [["t", "f", "p", 0, 1.5, 1, "n"]]]),  # float value
+        _frame(["prod", "n", 1, 1, 1.0, 6, [["", "f", "p", 0, 5, 1, "n"]]]),  # empty tenant
     ]
     for frame in bad:
         r = c.decode(frame)
@@ -178,6 +191,8 @@ def _sound(c: Codec, data: bytes) -> Message | Rejected:
     items: list[Any] = list(r.deltas) if r.kind == "deltas" else list(r.announcements)
     if r.kind == "holds":
         items = list(r.holds)
+    if r.kind == "readings":
+        items = list(r.readings)
     assert c.decode(c.encode(h, r.kind, items, r.limits_version)) == r
     return r
 
@@ -228,13 +243,19 @@ _payloads = st.tuples(
     _mostly(_int),
     _mostly(_int),
     _mostly(st.floats(-1, 2e11)),
-    _mostly(st.sampled_from([0, 1, 2, 3, 4])),
+    _mostly(st.sampled_from([0, 1, 2, 3, 4, 6])),
     _mostly(
         st.none()
         | st.lists(_delta, max_size=3)
         | st.lists(_announce, max_size=3)
         | st.lists(_int, max_size=2)
         | st.lists(st.tuples(_name, _name, _name, _int).map(list), max_size=3)
+        | st.lists(
+            st.tuples(_name, _name, _name, st.integers(-1, 2), _int, _int, st.text(max_size=3)).map(
+                list
+            ),
+            max_size=3,
+        )
     ),
 ).map(list)
 

@@ -125,3 +125,17 @@ def test_bad_dimension_flags_exit_2_and_send_nothing(
     code, text = run(node, capsys, "feature", "set", "tokens", "--aggregation", "median")
     assert code == 1 and "aggregation must be one of" in text
     assert run(node, capsys, "usage", "acme", "tokens")[1] == "0\n"
+
+
+def test_a_gauge_is_declared_observed_and_read_from_the_command_line(
+    node: NodeProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, text = run(node, capsys, "feature", "set", "peak_gb", "--aggregation", "max")
+    assert code == 0 and "peak_gb: max, no dimensions" in text, text
+    assert run(node, capsys, "track", "acme", "peak_gb", "40")[1] == "40\n"
+    assert run(node, capsys, "track", "acme", "peak_gb", "25")[1] == "40\n"
+    assert run(node, capsys, "usage", "acme", "peak_gb")[1] == "40\n"
+    code, text = run(node, capsys, "feature", "set", "peak_gb", "--aggregation", "sum")
+    assert code == 1 and "conflict" in text and "cannot change" in text
+    code, text = run(node, capsys, "feature", "set", "peak_gb", "--dim", "region")
+    assert code == 1 and "not supported yet" in text

@@ -259,6 +259,13 @@ async def test_gauges_keep_the_reading_that_wins_whatever_the_order(storage: Sto
     assert {(r.feature, r.total) for r in rows} == {("peak", 9), ("last", 3)}
     got = await storage.put_gauges([(("acme", "x", "2026-13"), "max", (1, 1, "n1"))])
     assert isinstance(got[("acme", "x", "2026-13")], StoragePermanentError)
+    # A counter's item read as a gauge: its total at time 0, from no node.
+    was: Key = ("acme", "was_sum", "2026-11")
+    await _ok(storage, "n1", was, 1, 50)
+    assert await storage.load_gauges([was]) == {was: (50, 0, "")}
+    assert await storage.put_gauges([(was, "max", (30, 5, "n1"))]) == {was: (50, 0, "")}
+    assert await storage.put_gauges([(was, "max", (50, 5, "n1"))]) == {was: (50, 5, "n1")}
+    assert await storage.put_gauges([(was, "max", (50, 4, "n9"))]) == {was: (50, 5, "n1")}
 
 
 async def test_batch_with_many_keys(storage: Storage) -> None:

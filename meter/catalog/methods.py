@@ -40,8 +40,8 @@ class FeatureMethods:
             await self.store.refresh()  # judged against the stored declaration, not a stale one
         except StorageError as exc:
             raise Unavailable(f"declarations could not be read: {exc}") from None
-        before = self.store.book.features.get(feature, UNDECLARED)
-        if before.aggregation != spec.aggregation:
+        before = self.store.book.features.get(feature)
+        if before is not None and before.aggregation != spec.aggregation:
             raise Conflict(
                 f"feature {feature!r} is a {before.aggregation}; its aggregation cannot change "
                 "mid-period (its counters hold that kind): declare a new feature name"

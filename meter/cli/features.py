@@ -20,7 +20,10 @@ def add_parsers(sub: Any, common: Common) -> None:
     fsub = feature.add_subparsers(dest="feature_command", required=True, metavar="ACTION")
     fset = client_parser(fsub, "set", "declare a feature fleet-wide (or change it)", common)
     fset.add_argument("feature")
-    fset.add_argument("--aggregation", help="sum (the default; not given: as declared)")
+    fset.add_argument(
+        "--aggregation",
+        help="sum (the default), or a gauge: max or latest (not given: as declared)",
+    )
     fset.add_argument(
         "--dim",
         action="append",

@@ -27,13 +27,14 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from meter.errors import InvalidArgument
 
-Aggregation = Literal["sum"]
-#: The aggregations a feature may be declared with (docs/dimensions.md).
-AGGREGATIONS: tuple[Aggregation, ...] = ("sum",)
+Aggregation = Literal["sum", "max", "latest"]
+#: The aggregations a feature may be declared with (docs/dimensions.md): ``sum`` counts units;
+#: ``max`` and ``latest`` are gauges (:mod:`meter.core.gauges`), whose calls observe values.
+AGGREGATIONS: tuple[Aggregation, ...] = ("sum", "max", "latest")
 
 #: Most dimensions a feature may declare.
 MAX_DIMENSIONS = 4
@@ -142,6 +143,11 @@ def parse_spec(feature: str, options: object) -> FeatureSpec:
     dims = tuple(check_dim_name(n) for n in names)
     if len(set(dims)) != len(dims):
         raise InvalidArgument(f"set_feature {feature!r}: a dimension is named twice")
+    if dims and aggregation != "sum":
+        raise InvalidArgument(
+            f"set_feature {feature!r}: dimensions on a {aggregation} feature are not supported "
+            "yet (only on sums)"
+        )
     bound = options.get("max_combinations", DEFAULT_MAX_COMBINATIONS)
     if isinstance(bound, bool) or not isinstance(bound, int):
         raise InvalidArgument(
@@ -153,7 +159,7 @@ def parse_spec(feature: str, options: object) -> FeatureSpec:
             f"set_feature {feature!r}: max_combinations must be 1..{MAX_COMBINATIONS_CAP}, "
             f"got {bound}"
         )
-    return FeatureSpec(aggregation, dims, bound)
+    return FeatureSpec(cast(Aggregation, aggregation), dims, bound)
 
 
 def spec_body(spec: FeatureSpec) -> str:

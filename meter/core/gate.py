@@ -84,8 +84,11 @@ class Gate:
         self.limited: Limits | None = None
         #: ``acme/alice`` also counts on ``acme`` (ADR 0008).
         self.hier = config.tenant_hierarchy
-        #: Whether any call may need more than a plain count (a limit exists, or the tenant
-        #: hierarchy is on): the hot paths look at this one flag.
+        #: Gauge features (docs/dimensions.md, "Gauges"): feature -> ``max`` or ``latest``.
+        #: A call on one is an observation, never a count (:mod:`meter.core.gauging`).
+        self.gauges: dict[str, str] = {}
+        #: Whether any call may need more than a plain count (a limit exists, a gauge is
+        #: declared, or the tenant hierarchy is on): the hot paths look at this one flag.
         self.gated = self.hier
         #: Whether any limit has alert thresholds (the one test the counting paths make).
         self.alerting = False
@@ -129,8 +132,14 @@ class Gate:
         """Enforce ``limited`` from now on (``alerting``: some limit has alert thresholds)."""
         self.warm_checks = {}  # decided again under the new limits
         self.limited = limited if limited else None
-        self.gated = bool(limited) or self.hier
+        self.gated = bool(limited) or self.hier or bool(self.gauges)
         self.alerting = alerting
+
+    def new_gauges(self, gauges: dict[str, str]) -> None:
+        """Take calls on the features of ``gauges`` (feature -> kind) as observations."""
+        self.warm_checks = {}
+        self.gauges = gauges
+        self.gated = bool(self.limited) or self.hier or bool(gauges)
 
     def effective(self, key: Key) -> Limit | None:
         """The limit on ``key``'s (tenant, feature), if any."""
@@ -143,9 +152,14 @@ class Gate:
         return total.get(key, 0) if total else 0
 
     def needs_check(self, key: Key) -> bool:
-        """Whether a count on ``key`` is checked against a limit or spread over levels."""
+        """Whether a count on ``key`` is checked against a limit or spread over levels, or
+        is a gauge's observation."""
         limited = self.limited
-        return bool(limited and (key[0], key[1]) in limited) or (self.hier and "/" in key[0])
+        return (
+            bool(limited and (key[0], key[1]) in limited)
+            or (self.hier and "/" in key[0])
+            or key[1] in self.gauges
+        )
 
     def warm_check(self, key: Key) -> Any:
         """How a plain warm track on ``key``'s pair is checked, remembered until the limits

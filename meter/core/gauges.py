@@ -22,21 +22,15 @@ from collections.abc import Iterable
 from typing import Literal
 
 from meter.core.keys import Key
+from storage.base import GaugeReading, reading_wins
 
 GaugeKind = Literal["max", "latest"]
-Reading = tuple[int, int, str]
+Reading = GaugeReading
 """``(value, at_ms, node)``."""
 
-
-def wins(kind: str, a: Reading, b: Reading | None) -> bool:
-    """Whether reading ``a`` wins over ``b`` (``None``: nothing yet) for a gauge of ``kind``:
-    a larger value for ``max``, a later ``(at_ms, node)`` for ``latest``. Equal readings do
-    not win (a merge of one into the other changes nothing)."""
-    if b is None:
-        return True
-    if kind == "max":
-        return a[0] > b[0]
-    return (a[1], a[2]) > (b[1], b[2])
+#: Whether reading ``a`` wins over ``b`` for a gauge of ``kind``: storage's order, so a node
+#: and storage keep the same reading (a total order: any merges end with the same one).
+wins = reading_wins
 
 
 class GaugeRow:
@@ -54,11 +48,10 @@ class GaugeRow:
         self.touched = False
         self.used = True
 
-    @property
-    def dirty(self) -> bool:
-        """Whether this node knows a reading storage may not hold."""
+    def dirty(self, node: str) -> bool:
+        """Whether this row holds a reading of ``node`` storage may not hold."""
         reading = self.reading
-        return reading is not None and wins(self.kind, reading, self.stored)
+        return reading is not None and reading[2] == node and wins(self.kind, reading, self.stored)
 
 
 class GaugeTable:
@@ -68,6 +61,8 @@ class GaugeTable:
         self.node = node
         self._lock = threading.Lock()
         self._rows: dict[Key, GaugeRow] = {}
+        # (tenant, period) -> its gauges' features (usage_all).
+        self._by_period: dict[tuple[str, str], set[str]] = {}
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -96,12 +91,19 @@ class GaugeTable:
             row.used = True
             return 0 if row.reading is None else row.reading[0]
 
-    def observe(self, key: Key, kind: str, value: int, at_ms: int) -> tuple[int, Reading | None]:
+    def observe(
+        self, key: Key, kind: str, value: int, at_ms: int, now: bool = False
+    ) -> tuple[int, Reading | None, Reading]:
         """Merge this node's observation of ``value`` at ``at_ms`` (the row is made if cold,
-        unseeded); the value after it, and the reading before it (to undo it)."""
+        unseeded); the value after it, the reading before it (to undo it) and the
+        observation's reading. ``now``: ``at_ms`` is the node's clock, and the observation
+        comes after this node's previous one (1 ms later if the clock has not moved past
+        it), so two calls in one millisecond keep their order for ``latest``."""
         with self._lock:
             row = self._row(key, kind)
             before = row.reading
+            if now and before is not None and before[2] == self.node and before[1] >= at_ms:
+                at_ms = before[1] + 1
             mine = (value, at_ms, self.node)
             if wins(kind, mine, before):
                 row.reading = mine
@@ -109,7 +111,7 @@ class GaugeTable:
             row.used = True
             after = row.reading
             assert after is not None
-            return after[0], before
+            return after[0], before, mine
 
     def undo(self, key: Key, before: Reading | None, mine: Reading) -> bool:
         """Take back an observation whose log write failed: if the row still holds ``mine``,
@@ -161,30 +163,35 @@ class GaugeTable:
         row = self._rows.get(key)
         if row is None:
             row = self._rows[key] = GaugeRow(kind)
+            self._by_period.setdefault((key[0], key[2]), set()).add(key[1])
         return row
 
-    def dirty(self) -> list[tuple[Key, str, Reading]]:
-        """Every row whose reading storage may not hold: ``(key, kind, reading)`` (a write
-        needs no read first: storage keeps a reading only if it wins)."""
+    def all_for(self, tenant: str, period: str) -> dict[str, int]:
+        """Feature -> value of ``tenant``'s seeded gauges in ``period``."""
         with self._lock:
+            out: dict[str, int] = {}
+            for feature in self._by_period.get((tenant, period), ()):
+                row = self._rows[(tenant, feature, period)]
+                if row.seeded:
+                    out[feature] = 0 if row.reading is None else row.reading[0]
+            return out
+
+    def dirty(self) -> list[tuple[Key, str, Reading]]:
+        """Every row whose reading is this node's and storage may not hold: ``(key, kind,
+        reading)`` (a write needs no read first: storage keeps a reading only if it wins; a
+        peer writes its own readings)."""
+        with self._lock:
+            node = self.node
             out: list[tuple[Key, str, Reading]] = []
             for key, row in self._rows.items():
-                reading = row.reading
-                if reading is not None and wins(row.kind, reading, row.stored):
-                    out.append((key, row.kind, reading))
+                if row.dirty(node):
+                    assert row.reading is not None
+                    out.append((key, row.kind, row.reading))
             return out
 
     def unstored(self) -> list[tuple[Key, str, Reading]]:
-        """Every row (seeded or not) with a reading of this node's storage may not hold: what
-        a checkpoint of the log restates."""
-        with self._lock:
-            return [
-                (key, row.kind, row.reading)
-                for key, row in self._rows.items()
-                if row.reading is not None
-                and row.reading[2] == self.node
-                and wins(row.kind, row.reading, row.stored)
-            ]
+        """What a checkpoint of the log restates: :meth:`dirty` (seeded rows or not)."""
+        return self.dirty()
 
     def unseeded(self) -> list[tuple[Key, str]]:
         """Rows whose stored reading is to be read."""
@@ -202,6 +209,22 @@ class GaugeTable:
                         out.append((key, row.kind, row.reading))
             return out
 
+    def take_readings(self) -> list[tuple[str, str, str, str, int, int, str]]:
+        """:meth:`take_touched` as gossip items ``(tenant, feature, period, kind, value,
+        at_ms, node)`` (:class:`cluster.api.GaugeSource`)."""
+        return [
+            (key[0], key[1], key[2], kind, reading[0], reading[1], reading[2])
+            for key, kind, reading in self.take_touched()
+        ]
+
+    def merge_readings(self, items: Iterable[tuple[str, str, str, str, int, int, str]]) -> int:
+        """Merge peers' readings (gossip items) into warm rows; how many moved a view."""
+        moved = 0
+        for t, f, p, _, value, at_ms, node in items:
+            if self.merge((t, f, p), (value, at_ms, node)):
+                moved += 1
+        return moved
+
     def warm(self) -> list[tuple[Key, str]]:
         """Every seeded row: what a resync reads again."""
         with self._lock:
@@ -214,10 +237,14 @@ class GaugeTable:
             for key, row in self._rows.items():
                 if row.used:
                     row.used = False
-                elif row.seeded and not row.touched and not row.dirty:
+                elif row.seeded and not row.touched and not row.dirty(self.node):
                     doomed.append(key)
             for key in doomed:
                 del self._rows[key]
+                features = self._by_period[(key[0], key[2])]
+                features.discard(key[1])
+                if not features:
+                    del self._by_period[(key[0], key[2])]
             return len(doomed)
 
     def restore(self, items: Iterable[tuple[Key, str, Reading]]) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from meter.config import CounterConfig
+from meter.core.gauging import Gauging
 from meter.core.idempotency import RequestIds
 from meter.core.keycache import KeyCache
 from meter.core.keys import Key, period_start
@@ -35,12 +36,15 @@ class Journal:
         ids: RequestIds,
         reserving: Reserving,
         config: CounterConfig,
+        gauging: Gauging,
     ) -> None:
         self.table = table
         self.keys = keys
         self.ids = ids
         self.reserving = reserving
         self.config = config
+        #: Gauges' observations: undone by their records; their unstored readings restated.
+        self.gauging = gauging
         #: Keys a restart is reading ahead (recovery's warm-up) and may not have loaded yet:
         #: checkpoints list them as warm until the warm-up ends.
         self.warming: list[Key] = []
@@ -76,6 +80,8 @@ class Journal:
                         shares.settle((t, f, p), qty, qty)
                 if rec[7] is not None:
                     self.ids.forget(rec[7])
+            elif kind == R.GAUGE:
+                self.gauging.undo(rec)
             elif kind == R.SHARES:  # written again with the next commit
                 shares.relog([(t, f, p) for t, f, p, _, _ in rec[1]])
             elif kind == R.EXPIRE:  # open again; the next expiry tick that can log it ends it
@@ -144,6 +150,10 @@ class Journal:
         for start in range(0, len(keys), CHECKPOINT_ITEMS):
             state = self.table.unstored_state(keys[start : start + CHECKPOINT_ITEMS])
             yield [R.STATE, [[*k, seq, inflight, pending] for k, seq, inflight, pending in state]]
+        readings = self.gauging.table.unstored()
+        for start in range(0, len(readings), CHECKPOINT_ITEMS):
+            part = readings[start : start + CHECKPOINT_ITEMS]
+            yield [R.GAUGES, [[*k, kind, *reading] for k, kind, reading in part]]
         for start in range(0, len(leases), CHECKPOINT_ITEMS):
             items = []
             for lease_id in leases[start : start + CHECKPOINT_ITEMS]:

@@ -73,6 +73,11 @@ class Reserving:
         at_s = None if at is None else check_at(at)
         key = self.keys.key_for(tenant, feature, at_s)
         qty = check_qty(qty, allow_negative=False)
+        if key[1] in self.gate.gauges:
+            raise InvalidArgument(
+                f"{key[1]!r} is a gauge (max or latest): its values are observed with track, "
+                "not reserved"
+            )
         if o.get("dims"):  # (an empty map gives no dimensions)
             raise InvalidArgument(
                 "reserve with dims is not supported yet: reserve on the feature's total and "

@@ -19,6 +19,7 @@ from meter.config import CounterConfig
 from meter.core.dims import check_group_by, is_dimension, where_name
 from meter.core.fence import Fence, log_down
 from meter.core.gate import Gate
+from meter.core.gauging import Gauging
 from meter.core.groups import Groups
 from meter.core.idempotency import RequestIds
 from meter.core.journal import Journal
@@ -90,6 +91,7 @@ class Service:
         tracking: Tracking,
         reserving: Reserving,
         groups: Groups,
+        gauging: Gauging,
         journal: Journal,
         watch: Watch,
         limits: Reporting,
@@ -110,6 +112,8 @@ class Service:
         self.reserving = reserving
         #: Dimension counters: listed, bounded, grouped (docs/dimensions.md).
         self.groups = groups
+        #: Gauges (``max``, ``latest``): observed, read.
+        self.gauging = gauging
         self.journal = journal
         #: Request ids of calls that counted, with their first answers.
         self.ids: RequestIds = tracking.ids
@@ -128,7 +132,7 @@ class Service:
         self.reads = READS
         self._methods: dict[str, Callable[[list[Any]], Any]] = {
             **features,
-            "check": gate.check,
+            "check": gauging.or_counters(gate.check),
             "track": tracking.track,
             "track_many": tracking.track_many,
             "usage": self._usage,
@@ -241,6 +245,9 @@ class Service:
             name = where_name(key[1], spec, o["where"])
             if name != key[1]:  # one dimension value's counter: a read makes none
                 return self.groups.value((key[0], name, key[2]))
+        kind = self.gate.gauges.get(key[1])
+        if kind is not None:
+            return self.gauging.value(key, kind)
         value = self.table.value(key)
         if value is not None:
             return value
@@ -264,9 +271,13 @@ class Service:
         # The counters loaded now are answered as they are now, as this request arrives, so
         # requests pipelined after it (counted before its listing returns) are not in it.
         known: dict[str, int] = {}
+        gauges = self.gauging.table
         for kind, period in periods:
             for feature, value in self.table.all_for(tenant, period).items():
                 if keys.kind_of(feature) == kind and not is_dimension(feature):
+                    known[feature] = value
+            for feature, value in gauges.all_for(tenant, period).items():
+                if keys.kind_of(feature) == kind:
                     known[feature] = value
         wal = self.wal
         # What ``known`` shows may be in a log batch not committed yet: answer once it is.
@@ -298,8 +309,13 @@ class Service:
                     raise Unavailable(f"storage is unreachable: {exc}") from None
                 # The listing is a fresh read of every counter of the tenant in the period:
                 # it seeds the listed ones and, with nothing stored, the ones this node
-                # counted while storage could not be read (they are not listed).
-                snaps = dict(stored)
+                # counted while storage could not be read (they are not listed). Gauges are
+                # not counters: their stored values answer where this node holds none.
+                gauges = self.gate.gauges
+                for feature, snap in stored.items():
+                    if feature in gauges and keys.kind_of(feature) == kind:
+                        out.setdefault(feature, snap.total)
+                snaps = {f: snap for f, snap in stored.items() if f not in gauges}
                 for feature in self.table.unseeded_features(tenant, period):
                     snaps.setdefault(feature, EMPTY)
                 # Stored feature names share this node's copy when it has one; they are not

@@ -22,6 +22,7 @@ from typing import Any, cast
 from meter.core.dims import Pairs, check_dims
 from meter.core.fence import Fence, log_down
 from meter.core.gate import Gate, Short
+from meter.core.gauging import Gauging
 from meter.core.groups import Groups
 from meter.core.idempotency import RequestIds, check_id, fingerprint
 from meter.core.keycache import KeyCache
@@ -59,10 +60,13 @@ class Tracking:
         ids: RequestIds,
         seeder: Seeder,
         groups: Groups,
+        gauging: Gauging,
     ) -> None:
         self.table = table
         self.keys = keys
         self.gate = gate
+        #: Calls on gauges (``max``, ``latest``): observations, not counts.
+        self.gauging = gauging
         #: Dimension counters: listed, bounded (docs/dimensions.md).
         self.groups = groups
         self.fence = fence
@@ -251,6 +255,9 @@ class Tracking:
     def _track_checked(
         self, key: Key, qty: int, idem: tuple[str, int] | None, detail: bool, at: float | None
     ) -> Any:
+        kind = self.gate.gauges.get(key[1])
+        if kind is not None:  # a gauge: an observation of the value ``qty``
+            return self.gauging.track(key, kind, qty, at, idem, detail)
         keys = self.keys.levels(key)
         if all(self.table.is_seeded(k) for k in keys):
             try:
@@ -644,10 +651,21 @@ class Tracking:
         return self._finish_many(batch, values)
 
     def _item_keys(self, batch: Batch, n: int) -> list[Key]:
-        """Every key item ``n`` of ``batch`` counts on (levels, dimension counters), to seed
-        and to find room for (a name with bad levels: its leaf; it is refused when counted)."""
+        """Every counter item ``n`` of ``batch`` counts on (levels, dimension counters), to
+        seed and to find room for (a name with bad levels: its leaf; it is refused when
+        counted); none for a gauge's observation."""
         spread = batch.spreads.get(n)
-        return spread if spread is not None else self.keys.levels_or_leaf(batch.good[n][0])
+        if spread is not None:
+            return spread
+        key = batch.good[n][0]
+        if key[1] in self.gate.gauges:
+            return []
+        return self.keys.levels_or_leaf(key)
+
+    def _gauge_items(self, batch: Batch) -> list[tuple[Key, str]]:
+        """The batch's observations of gauges: their keys and kinds."""
+        gauges = self.gate.gauges
+        return [(k, gauges[k[1]]) for k, _ in batch.good if k[1] in gauges]
 
     def _spread_items(self, batch: Batch) -> list[tuple[list[Key], int]]:
         return [(self._item_keys(batch, n), qty) for n, (_, qty) in enumerate(batch.good)]
@@ -657,8 +675,11 @@ class Tracking:
         in turn (an item over a hard limit fails alone, counting nothing), once every key is
         seeded."""
         keys = [k for n in range(len(batch.good)) for k in self._item_keys(batch, n)]
-        if all(self.table.is_seeded(k) for k in keys) and not self.gate.batch_short(
-            self._spread_items(batch)
+        gauges = self.gauging.table
+        if (
+            all(self.table.is_seeded(k) for k in keys)
+            and all(gauges.is_seeded(k) for k, _ in self._gauge_items(batch))
+            and not self.gate.batch_short(self._spread_items(batch))
         ):
             return self._count_gated(batch)
         return self._track_many_limited_cold(batch, keys)
@@ -671,6 +692,14 @@ class Tracking:
                 keys = [k for n in range(len(batch.good)) if n not in batch.refused
                         for k in self._item_keys(batch, n)]  # fmt: skip
             await self.seeder.seed_many(keys)
+            observed = self._gauge_items(batch)
+            if observed:
+                try:
+                    await self.gauging.load(observed)
+                except MeterError as exc:  # (their items are refused alone, below)
+                    for n, (key, _) in enumerate(batch.good):
+                        if key[1] in self.gate.gauges and not self.gauging.table.is_seeded(key):
+                            batch.refused.setdefault(n, exc)
             for _ in range(3):  # strict shares, credit pools: room for every item first
                 shorts = self.gate.batch_short(self._spread_items(batch))
                 if not shorts:
@@ -709,6 +738,17 @@ class Tracking:
             refused = batch.refused.get(n)
             if refused is not None:
                 values.append(refused)
+                continue
+            kind = gate.gauges.get(key[1])
+            if kind is not None:  # a gauge: observed, logged and remembered on its own
+                try:
+                    self.gauging.refuse(key, qty)
+                    observed = self.gauging.observe(key, kind, qty, None, batch.idems[n])
+                except MeterError as exc:
+                    values.append(exc)
+                    continue
+                batch.answered[n] = (0, observed, 0.0)
+                values.append(observed)
                 continue
             try:
                 spread = batch.spreads.get(n)

@@ -8,6 +8,7 @@ from collections.abc import Awaitable
 from typing import Any, cast
 
 from meter.core.dims import is_dimension, where_name
+from meter.core.gauging import Gauging
 from meter.core.groups import Groups
 from meter.core.keycache import KeyCache
 from meter.core.keys import check_feature, check_tenant, period_start
@@ -15,7 +16,7 @@ from meter.core.params import args as check_args
 from meter.core.ports import Handler
 from meter.core.seeder import Seeder
 from meter.core.table import CounterTable
-from meter.errors import Unavailable
+from meter.errors import InvalidArgument, Unavailable
 from meter.history.days import (
     Granularity,
     days_between,
@@ -37,6 +38,7 @@ class HistoryMethods:
         seeder: Seeder,
         storage: DayBuckets,
         groups: Groups,
+        gauging: Gauging,
     ) -> None:
         self.table = table
         self.keys = keys
@@ -44,6 +46,8 @@ class HistoryMethods:
         self.storage = storage
         #: Reads of a dimension counter (``where``): one no call made reads 0.
         self.groups = groups
+        #: Gauges: their months are their stored readings (no day buckets are kept).
+        self.gauging = gauging
 
     def handlers(self) -> dict[str, Handler]:
         return {"history": self.history}
@@ -54,6 +58,11 @@ class HistoryMethods:
         feature = check_feature(feature)
         now = time.time()
         granularity, first, last = parse_range(opts, now)
+        if granularity == "day" and self.gauging.kind(feature) is not None:
+            raise InvalidArgument(
+                f"history: {feature!r} is a gauge (max or latest): it is kept per month "
+                '(granularity "month"), not per day'
+            )
         where = opts.get("where") if isinstance(opts, dict) else None
         if where is not None:  # one dimension value's counter (docs/dimensions.md)
             feature = where_name(feature, self.keys.spec(feature), where)
@@ -125,6 +134,10 @@ class HistoryMethods:
         if is_dimension(feature):
             got = self.groups.value(key)
             return cast(int, await got if isinstance(got, Awaitable) else got)
+        kind = self.gauging.kind(feature)
+        if kind is not None:
+            read = self.gauging.value(key, kind)
+            return cast(int, await read if isinstance(read, Awaitable) else read)
         value = self.table.value(key)
         if value is not None:
             return value

@@ -24,6 +24,7 @@ from cluster.gossip import Gossip
 from meter import BUILD, compiled
 from meter.config import NodeConfig
 from meter.core.counts import FeatureUnits, RequestStats
+from meter.core.gauges import GaugeTable
 from meter.core.idempotency import RequestIds
 from meter.core.keys import Key
 from meter.core.server import RpcServer
@@ -37,6 +38,7 @@ from meter.node.push import AlertFanout, UsagePush
 from meter.ops import health
 from meter.ops.http import Endpoints, HttpEndpoints
 from meter.persist.flusher import Flusher
+from meter.persist.gauges import GaugeFlusher
 from meter.persist.owner import Ownership, State
 from meter.persist.recovery import recover, warm_up
 from meter.persist.rollover import ReadAhead
@@ -68,6 +70,7 @@ class Node:
         self.service: Service | None = None
         self.parts: wiring.Parts | None = None
         self.flusher: Flusher | None = None
+        self.gauge_flusher: GaugeFlusher | None = None
         self.server: RpcServer | None = None
         self.gossip: Gossip[Snapshot] | None = None
         self.wal: WriteAheadLog | None = None
@@ -138,6 +141,7 @@ class Node:
             await self.owner.claim()
             # Alone, nobody would take the gossip columns: the table does not keep them.
             self.table = CounterTable(node_id, gossip=bool(cfg.cluster.redis_url))
+            gauges = GaugeTable(node_id)
             d = cfg.durability
             mode = d.effective_mode(self.storage.kind)
             if mode != "off":
@@ -158,6 +162,7 @@ class Node:
                     bus,
                     self.data_dir.incarnation(),
                     listener=self,
+                    gauges=gauges,
                     after_commit=None if self.wal is None else self.wal.at_commit,
                 )
             units = FeatureUnits(cfg.metrics.feature_labels) if cfg.metrics.address else None
@@ -173,11 +178,19 @@ class Node:
                 feature_units=units,
                 limited=self._limited,
             )
+            self.gauge_flusher = GaugeFlusher(
+                gauges,
+                self.storage,
+                interval=cfg.flush.interval_ms / 1000,
+                max_backoff=cfg.flush.max_backoff_ms / 1000,
+                on_stored=None if self.gossip is None else self.gossip.readings_stored,
+            )
             owner = self.owner
             self.parts = wiring.assemble(
                 self.table,
                 self.storage,
                 cfg.counters,
+                gauges=gauges,
                 wal=self.wal,
                 ids=RequestIds(d.idempotency_window_s, d.idempotency_max_ids),
                 limits_poll_s=cfg.counters.limits_poll_ms / 1000,
@@ -239,9 +252,11 @@ class Node:
         c = cfg.cluster
         self._tasks = [
             asyncio.create_task(self.flusher.run(), name="flusher"),
+            asyncio.create_task(self.gauge_flusher.run(), name="gauge-flusher"),
             asyncio.create_task(loops.expire_reservations(service), name="reservation-expiry"),
             asyncio.create_task(
-                loops.evict_idle(self.table, cfg.counters.evict_after_s), name="eviction"
+                loops.evict_idle(cfg.counters.evict_after_s, self.table, gauges),
+                name="eviction",
             ),
             asyncio.create_task(
                 loops.purge_expired(self.storage, cfg.storage.purge_interval_s),
@@ -455,7 +470,18 @@ class Node:
             await asyncio.wait_for(self.parts.shares.drain(), STRICT_DRAIN_S)
         except TimeoutError:
             log.warning("drain: strict shares not all given back within %s s", STRICT_DRAIN_S)
-        self.drained = await self.flusher.drain(self.config.flush.drain_timeout_s)
+        drain_s = self.config.flush.drain_timeout_s
+        assert self.gauge_flusher is not None
+        # (the same deadline: storage that takes one takes the other)
+        gauges_drained, self.drained = await asyncio.gather(
+            self.gauge_flusher.drain(drain_s), self.flusher.drain(drain_s)
+        )
+        if not gauges_drained:
+            log.error(
+                "drain: %d gauges' readings not stored (they stay in the write-ahead log): %s",
+                len(self.gauge_flusher.table.dirty()),
+                self.gauge_flusher.stats.last_error,
+            )
         if not self.drained:
             left, units = self.flusher.backlog()
             refusal = None if self.owner is None else self.owner.refusal()
@@ -478,6 +504,7 @@ class Node:
                 "; ".join(f"{k}: {self.flusher.stats.poisoned[k]}" for k in parked[:20]),
             )
             self.drained = False
+        self.drained = self.drained and gauges_drained
         await self.fanout.close()  # alerts being added to the Redis Stream: a moment
         if self.gossip is not None:
             # The drain's announcements are queued: send them and any last gossip, then close.

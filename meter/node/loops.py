@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from cluster.gossip import Gossip
 from meter.core.leases import Reservations
 from meter.core.service import Service
-from meter.core.table import CounterTable
 from meter.quotas.holds import MAX_HOLD_BYTES, MAX_HOLD_KEYS, PeerHolds, local_holds
 from meter.quotas.shares import Shares
 from storage.base import Snapshot, Storage, StorageError
@@ -45,11 +44,17 @@ async def expire_reservations(service: Service) -> None:
             service.done.expire(now)
 
 
-async def evict_idle(table: CounterTable, every_s: float) -> None:
-    """Drop idle keys from memory every ``every_s`` seconds."""
+class Evicts(Protocol):
+    """A table that drops rows idle since its previous call (counters, gauges)."""
+
+    def evict_idle(self) -> int: ...
+
+
+async def evict_idle(every_s: float, *tables: Evicts) -> None:
+    """Drop idle keys of ``tables`` from memory every ``every_s`` seconds."""
     while True:
         await asyncio.sleep(every_s)
-        dropped = table.evict_idle()
+        dropped = sum(table.evict_idle() for table in tables)
         if dropped:
             log.debug("evicted %d idle keys", dropped)
 

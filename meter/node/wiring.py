@@ -22,6 +22,8 @@ from meter.catalog.methods import FeatureMethods
 from meter.config import CounterConfig, NodeConfig
 from meter.core.fence import Fence
 from meter.core.gate import Gate
+from meter.core.gauges import GaugeTable
+from meter.core.gauging import Gauging
 from meter.core.groups import Groups
 from meter.core.idempotency import RequestIds
 from meter.core.journal import Journal
@@ -81,14 +83,20 @@ def build_storage(cfg: NodeConfig) -> Storage:
 
 
 def resync_from(
-    storage: Storage, table: CounterTable, listener: Listener, chunk: int = 100
+    storage: Storage,
+    table: CounterTable,
+    listener: Listener,
+    gauges: GaugeTable | None = None,
+    chunk: int = 100,
 ) -> Callable[[list[Key] | None], Awaitable[int]]:
-    """The gossip layer's resync callback: re-read keys (``None``: every warm, seeded key) from
-    storage in chunks and re-base on them; ``listener`` hears the views that moved (a
-    crossing found only in storage still alerts). Storage errors propagate (gossip retries
-    later)."""
+    """The gossip layer's resync callback: re-read keys (``None``: every warm, seeded key and
+    every warm gauge) from storage in chunks and re-base on them; ``listener`` hears the
+    views that moved (a crossing found only in storage still alerts). Storage errors
+    propagate (gossip retries later)."""
 
     async def resync(keys: list[Key] | None) -> int:
+        if keys is None and gauges is not None:
+            await _reread_gauges(storage, gauges, chunk)
         # Peers' words may have been lost (what a resync is for): the dimension counters a
         # peer made meanwhile are unknown here, so every listing is read again when needed.
         table.missed.forget()
@@ -113,6 +121,16 @@ def resync_from(
     return resync
 
 
+async def _reread_gauges(storage: Storage, gauges: GaugeTable, chunk: int) -> None:
+    """Merge every warm gauge's stored reading (a peer's reading lost with a frame)."""
+    warm = gauges.warm()
+    for start in range(0, len(warm), chunk):
+        part = warm[start : start + chunk]
+        read = await storage.load_gauges([key for key, _ in part])
+        for key, kind in part:
+            gauges.seed(key, kind, read.get(key))
+
+
 def build_bus(cfg: NodeConfig) -> RedisBus:
     """The Redis pub/sub bus of the configured cluster (also the alerts' stream)."""
     c = cfg.cluster
@@ -128,12 +146,14 @@ def build_gossip(
     incarnation: int,
     *,
     listener: Listener,
+    gauges: GaugeTable,
     after_commit: Callable[[Callable[[], object]], None] | None = None,
 ) -> Gossip[Snapshot]:
     """The gossip layer over ``bus`` (not started yet); ``incarnation`` comes from
     :meth:`~meter.node.datadir.DataDir.incarnation`, ``listener`` hears what peers send
-    beside deltas, and ``after_commit`` delays each gossip take until the write-ahead log
-    holds every state change made so far (:meth:`meter.wal.log.WriteAheadLog.at_commit`)."""
+    beside deltas, ``gauges`` are the node's gauges (their readings gossiped), and
+    ``after_commit`` delays each gossip take until the write-ahead log holds every state
+    change made so far (:meth:`meter.wal.log.WriteAheadLog.at_commit`)."""
     c = cfg.cluster
     return Gossip(
         table,
@@ -141,7 +161,7 @@ def build_gossip(
         node_id=table.node,
         cluster=c.cluster_name,
         make_snapshot=Snapshot,
-        resync=resync_from(storage, table, listener),
+        resync=resync_from(storage, table, listener, gauges),
         secret=c.secret,
         incarnation=incarnation,
         settings=GossipSettings(
@@ -152,6 +172,7 @@ def build_gossip(
         ),
         after_commit=after_commit,
         listener=listener,
+        gauges=gauges,
     )
 
 
@@ -173,6 +194,7 @@ def assemble(
     storage: Storage,
     config: CounterConfig | None = None,
     *,
+    gauges: GaugeTable | None = None,
     wal: WriteAheadLog | None = None,
     ids: RequestIds | None = None,
     limits_poll_s: float = 0.5,
@@ -186,9 +208,10 @@ def assemble(
 ) -> Parts:
     """Every part of a node's request path and the features it serves, wired.
 
-    ``owned()`` says whether this process owns its node id (``None``: not checked): strict
-    shares are written only while it does. ``nodes()`` is how many nodes share the budgets;
-    ``publish_limits`` tells peers of a limit change; the alert callbacks are those of
+    ``gauges`` is the node's gauge table (``None``: a new one). ``owned()`` says whether
+    this process owns its node id (``None``: not checked): strict shares are written only
+    while it does. ``nodes()`` is how many nodes share the budgets; ``publish_limits`` tells
+    peers of a limit change; the alert callbacks are those of
     :class:`~meter.quotas.alerts.Alerts`.
     """
     config = config or CounterConfig()
@@ -240,16 +263,21 @@ def assemble(
     def new_book(book: LimitBook) -> None:
         gate.new_limits(book.by_pair, book.alerting)
         keys.new_specs(book.features)
+        gate.new_gauges(
+            {f: spec.aggregation for f, spec in book.features.items() if spec.aggregation != "sum"}
+        )
 
     limits = LimitStore(storage, new_book, poll_s=limits_poll_s, publish=publish_limits)
-    tracking = Tracking(table, keys, gate, fence, ids, seeder, groups)
+    gauges = gauges if gauges is not None else GaugeTable(table.node)
+    gauging = Gauging(gauges, keys, gate, fence, ids, storage)
+    tracking = Tracking(table, keys, gate, fence, ids, seeder, groups, gauging)
     reserving = Reserving(table, keys, gate, fence, ids, seeder, config)
-    journal = Journal(table, keys, ids, reserving, config)
+    journal = Journal(table, keys, ids, reserving, config, gauging)
     features = {
         **LimitMethods(limits).handlers(),
         **FeatureMethods(limits).handlers(),
         **LedgerMethods(ledger_store, shares).handlers(),
-        **HistoryMethods(table, keys, seeder, storage, groups).handlers(),
+        **HistoryMethods(table, keys, seeder, storage, groups, gauging).handlers(),
         **ExportMethod(storage).handlers(),
     }
     service = Service(
@@ -263,6 +291,7 @@ def assemble(
         tracking=tracking,
         reserving=reserving,
         groups=groups,
+        gauging=gauging,
         journal=journal,
         watch=Watch(max_tenants=config.max_watched_tenants),
         limits=limits,

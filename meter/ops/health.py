@@ -18,6 +18,7 @@ from meter.core.server import RpcServer
 from meter.core.service import Service
 from meter.core.table import CounterTable
 from meter.persist.flusher import Flusher
+from meter.persist.gauges import GaugeFlusher
 from meter.persist.owner import Ownership
 from meter.quotas.alerts import Alerts
 from meter.quotas.shares import Shares
@@ -37,6 +38,8 @@ class NodeView(Protocol):
     def service(self) -> Service | None: ...
     @property
     def flusher(self) -> Flusher | None: ...
+    @property
+    def gauge_flusher(self) -> GaugeFlusher | None: ...
     @property
     def server(self) -> RpcServer | None: ...
     @property
@@ -94,6 +97,17 @@ def status_fields(node: NodeView) -> dict[str, Any]:
             "stretched_keys": fs.stretched,
         },
     }
+    if node.gauge_flusher is not None:
+        gs = node.gauge_flusher.stats
+        out["gauges"] = {
+            "warm": len(node.gauge_flusher.table),
+            "unstored": len(node.gauge_flusher.table.dirty()),
+            "rounds": gs.rounds,
+            "written": gs.written,
+            "failed_rounds": gs.failed_rounds,
+            "last_error": gs.last_error,
+            "last_at": gs.last_at,
+        }
     out["gc"] = {
         "threshold": list(gc.get_threshold()),
         "frozen": gc.get_freeze_count(),

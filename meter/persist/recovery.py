@@ -62,6 +62,11 @@ async def recover(wal: WriteAheadLog, service: Service) -> list[Key]:
             registry.put(rid, fp, answer, expires, now)
     warm = replay.warm_keys() if service.config.warm_up_max_keys > 0 else []
     service.journal.warm_up_started(warm)
+    # Gauges' readings: back as they were (unseeded: read before use; the gauge flusher
+    # writes them again, which storage keeps only where they win).
+    service.gauging.table.restore(
+        (key, kind, reading) for key, (kind, reading) in replay.gauges.items()
+    )
     seeded = await _seed(service, [*unstored, *(ls.key for ls in replay.leases.values())])
     service.gate.shares.recovered(replay.shares)
     wal.open(service.undo, service.checkpoint, service.journal.closing)

@@ -23,6 +23,8 @@ from typing import Any
 
 from meter.core.keys import Key
 from meter.wal import records as R
+from storage.base import GaugeReading as Reading
+from storage.base import reading_wins
 
 
 @dataclass(slots=True)
@@ -69,6 +71,9 @@ class Replay:
     listed: list[list[Key]] = field(default_factory=list)
     #: ``(key, process run)`` -> the units that process had admitted under its share.
     shares: dict[tuple[Key, str], int] = field(default_factory=dict)
+    #: Gauges' readings the records hold, by key: ``(kind, reading)``, each record's merged
+    #: into the one before (writing them again is harmless: storage keeps the winner).
+    gauges: dict[Key, tuple[str, Reading]] = field(default_factory=dict)
     _segment: int = 0
     _listed_in: int = -1
     _mode: str | None = None
@@ -124,6 +129,14 @@ class Replay:
             lease, t, f, p = rec[1:5]
             self.leases.pop(lease, None)
             self._row((t, f, p))
+        elif kind == R.GAUGE:
+            t, f, p, gauge, value, at_ms, node = rec[1:8]
+            self._gauge((t, f, p), gauge, (value, at_ms, node))
+            if rec[9] is not None:
+                self.ids[rec[9]] = (rec[10], rec[11], rec[12])
+        elif kind == R.GAUGES:
+            for t, f, p, gauge, value, at_ms, node in rec[1]:
+                self._gauge((t, f, p), gauge, (value, at_ms, node))
         elif kind == R.SHARES:
             if self._mode == "fsync":  # (an interval segment may have lost answered ones)
                 for t, f, p, run, admitted in rec[1]:
@@ -150,6 +163,11 @@ class Replay:
             self._mode = rec[6] if len(rec) > 6 else None
         elif kind != R.NOOP and kind != R.SYNCED:
             raise ValueError(f"unknown record type {kind!r}")
+
+    def _gauge(self, key: Key, kind: str, reading: Reading) -> None:
+        held = self.gauges.get(key)
+        if held is None or reading_wins(kind, reading, held[1]):
+            self.gauges[key] = (kind, reading)
 
     def _row(self, key: Key) -> RowState:
         """The state of ``key`` (a zero one if none yet), now named by the current record."""
