@@ -49,6 +49,21 @@ EMPTY = Snapshot(0, {})
 GaugeReading = tuple[int, int, str]
 """A gauge's stored reading ``(value, at_ms, node)`` (docs/dimensions.md, "Gauges")."""
 
+#: Ends a gauge's stored name: a gauge is an item of its own beside its feature's counter (a
+#: node that does not know yet that a feature is a gauge counts its calls on the counter, never
+#: into the gauge). No feature name holds it, and it sorts after a feature's dimension names.
+GAUGE_MARK = "\x7f"
+
+
+def gauge_key(key: Key) -> Key:
+    """The stored key of the gauge ``key``."""
+    return (key[0], key[1] + GAUGE_MARK, key[2])
+
+
+def gauge_feature(stored: str) -> str | None:
+    """The gauge a stored name is of (``None``: a counter's name)."""
+    return stored[:-1] if stored.endswith(GAUGE_MARK) else None
+
 
 def reading_wins(kind: str, a: GaugeReading, b: GaugeReading | None) -> bool:
     """Whether ``a`` replaces the stored ``b`` (``None``: none) for a gauge of ``kind``: for
@@ -214,6 +229,10 @@ class ExportPage:
     parts_done: int = 0
 
 
+class VersionMoved(StorageError):
+    """A limits write made on a version that another write has moved on since."""
+
+
 class BadCursor(StoragePermanentError):
     """An export cursor that is not one this backend handed out for this period."""
 
@@ -330,7 +349,9 @@ class LimitRecords(Protocol):
 
     async def limits_version(self) -> int: ...
     async def read_limits(self) -> tuple[int, list[tuple[str, str, str, str]]]: ...
-    async def write_limit(self, scope: str, name: str, feature: str, body: str | None) -> int: ...
+    async def write_limit(
+        self, scope: str, name: str, feature: str, body: str | None, expect: int | None = None
+    ) -> int: ...
 
 
 class BudgetRecords(Protocol):
@@ -513,9 +534,12 @@ class Storage(abc.ABC):
         """Every limits record and the version they are as of."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep limits")
 
-    async def write_limit(self, scope: str, name: str, feature: str, body: str | None) -> int:
+    async def write_limit(
+        self, scope: str, name: str, feature: str, body: str | None, expect: int | None = None
+    ) -> int:
         """Put (``body``) or delete (``None``) one record and bump the version, atomically;
-        return the new version."""
+        return the new version. ``expect``: only if the version is still that one, else
+        :class:`VersionMoved` and nothing written."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep limits")
 
     # -- strict budgets (escrow, ADR 0009) ---------------------------------------------------

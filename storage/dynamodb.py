@@ -71,6 +71,7 @@ from storage.base import (
     StorageError,
     StoragePermanentError,
     StorageUnavailable,
+    VersionMoved,
     WriteStats,
     check_day_of,
     check_export_limit,
@@ -78,6 +79,7 @@ from storage.base import (
     check_range,
     decode_cursor,
     encode_cursor,
+    gauge_key,
     lease_end_ms,
 )
 from storage.dynamodb_wire import NoCredentials, Wire, WireError
@@ -912,9 +914,10 @@ class DynamoDBStorage(Storage):
         raise StorageUnavailable(f"dynamodb: {len(request[self.table]['Keys'])} keys unprocessed")
 
     # -- gauges (docs/dimensions.md) ----------------------------------------------------------
-    # A gauge is its counter item: ``t`` its value, ``ga`` (N) and ``gn`` (S) the reading's
-    # time (ms) and node, ``ttl`` as a counter's. One UpdateItem a reading, on the condition
-    # that it wins over the stored one; a refused condition is answered with the stored item.
+    # A gauge is an item of its own (``gauge_key``): ``t`` its value, ``ga`` (N) and ``gn``
+    # (S) the reading's time (ms) and node, ``ttl`` as a counter's. One UpdateItem a reading,
+    # on the condition that it wins over the stored one; a refused condition is answered with
+    # the stored item.
 
     async def put_gauges(
         self, items: Sequence[tuple[Key, str, GaugeReading]]
@@ -928,12 +931,11 @@ class DynamoDBStorage(Storage):
         self, key: Key, kind: str, reading: GaugeReading
     ) -> GaugeReading | StorageError:
         try:
-            pk, sk = _item_key(key)
+            pk, sk = _item_key(gauge_key(key))
         except StoragePermanentError as exc:
             return exc
         value, at_ms, node = reading
-        # The order of :func:`storage.base.reading_wins`, spelled out (an item written as a
-        # counter has no ``ga``: it reads as its total at time 0).
+        # The order of :func:`storage.base.reading_wins`, spelled out.
         later = "#ga < :a OR (#ga = :a AND #gn < :n)"
         condition = (
             f"attribute_not_exists(#t) OR #t < :v OR "
@@ -961,7 +963,10 @@ class DynamoDBStorage(Storage):
             return reading
         except _ConditionFailed as refused:  # a stored reading wins: answered with it
             if refused.item:
-                return _reading(refused.item)
+                try:
+                    return _reading(refused.item)
+                except StorageError as exc:  # (this key only)
+                    return exc
         except StorageError as exc:
             return exc
         try:
@@ -973,7 +978,7 @@ class DynamoDBStorage(Storage):
         """Consistent ``GetItem``s, concurrently."""
 
         async def one(key: Key) -> GaugeReading | None:
-            pk, sk = _item_key(key)
+            pk, sk = _item_key(gauge_key(key))
             resp = await self._call(
                 "get_item",
                 f"gauge {_describe(key)}",
@@ -1193,10 +1198,12 @@ class DynamoDBStorage(Storage):
                 return version, out
             query["ExclusiveStartKey"] = last
 
-    async def write_limit(self, scope: str, name: str, feature: str, body: str | None) -> int:
+    async def write_limit(
+        self, scope: str, name: str, feature: str, body: str | None, expect: int | None = None
+    ) -> int:
         """One ``TransactWriteItems``: the record, and the version moved from the one just
-        read to the next under a condition; a concurrent change cancels it and it is tried
-        again on the new version."""
+        read (``expect``, if given) to the next under a condition; a concurrent change
+        cancels it and it is tried again on the new version (with ``expect``: VersionMoved)."""
         key = {"pk": {"S": OWNER_PK}, "sk": {"S": f"{_LIMIT_SK}{scope}#{name}#{feature}"}}
         op: dict[str, Any]
         if body is None:
@@ -1207,7 +1214,7 @@ class DynamoDBStorage(Storage):
                 item["f"] = {"S": feature}
             op = {"Put": {"TableName": self.table, "Item": item}}
         for attempt in range(8):
-            old = await self.limits_version()
+            old = await self.limits_version() if expect is None else expect
             bump = {
                 "Update": {
                     "TableName": self.table,
@@ -1233,6 +1240,10 @@ class DynamoDBStorage(Storage):
                 cause = exc.__cause__
                 if not isinstance(cause, ClientError) or not _contended(cause):
                     raise
+                if expect is not None:
+                    raise VersionMoved(
+                        f"dynamodb: limits are no longer at version {expect}"
+                    ) from None
             await asyncio.sleep(self._backoff(attempt))
         raise StorageUnavailable("dynamodb: limits change: the version kept changing; retry")
 
@@ -1770,11 +1781,11 @@ def _item_key(key: Key) -> tuple[str, str]:
 
 
 def _reading(item: dict[str, Any]) -> GaugeReading:
-    """A gauge's reading from its item (a counter's item, read as a gauge: at 0, no node)."""
+    """A gauge's reading from its item."""
     try:
-        value = _number(item["t"]) if "t" in item else 0
-        at_ms = _number(item["ga"]) if "ga" in item else 0
-        node = item["gn"]["S"] if "gn" in item else ""
+        value = _number(item["t"])
+        at_ms = _number(item["ga"])
+        node = item["gn"]["S"]
     except (KeyError, TypeError, ValueError) as exc:
         raise StoragePermanentError(f"dynamodb: undecodable gauge item: {exc!r}") from None
     return (value, at_ms, str(node))

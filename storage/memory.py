@@ -24,12 +24,14 @@ from storage.base import (
     Storage,
     StorageError,
     StorageUnavailable,
+    VersionMoved,
     check_day_of,
     check_export_limit,
     check_period,
     check_range,
     decode_cursor,
     encode_cursor,
+    gauge_key,
     lease_end_ms,
     reading_wins,
 )
@@ -42,7 +44,8 @@ class MemoryStorage(Storage):
 
     def __init__(self) -> None:
         self.items: dict[Key, Snapshot] = {}
-        #: Gauges' readings (their values are also in :attr:`items`, as totals).
+        #: Gauges' readings, by the gauge's key (their values are also in :attr:`items`, as
+        #: totals, under :func:`~storage.base.gauge_key`).
         self.readings: dict[Key, GaugeReading] = {}
         #: Node id -> (owner token, end of its lease in ms).
         self.owners: dict[str, tuple[str, int]] = {}
@@ -167,24 +170,17 @@ class MemoryStorage(Storage):
             except StorageError as exc:
                 out[key] = exc
                 continue
-            stored = self._reading(key)
+            stored = self.readings.get(key)
             if reading_wins(kind, reading, stored):
                 self.readings[key] = stored = reading
-                self.items[key] = Snapshot(reading[0], {})
+                self.items[gauge_key(key)] = Snapshot(reading[0], {})
                 self.writes += 1
             assert stored is not None
             out[key] = stored
         return out
 
     async def load_gauges(self, keys: Sequence[Key]) -> dict[Key, GaugeReading | None]:
-        return {key: self._reading(key) for key in keys}
-
-    def _reading(self, key: Key) -> GaugeReading | None:
-        """The stored reading (a counter's item reads as its total at time 0, no node)."""
-        reading = self.readings.get(key)
-        if reading is None and key in self.items:
-            return (self.items[key].total, 0, "")
-        return reading
+        return {key: self.readings.get(key) for key in keys}
 
     async def list_period(self, tenant: str, period: str) -> dict[str, Snapshot]:
         return {f: s for (t, f, p), s in self.items.items() if t == tenant and p == period}
@@ -247,7 +243,11 @@ class MemoryStorage(Storage):
     async def read_limits(self) -> tuple[int, list[tuple[str, str, str, str]]]:
         return self._limits_version, [(*k, b) for k, b in self._limits.items()]
 
-    async def write_limit(self, scope: str, name: str, feature: str, body: str | None) -> int:
+    async def write_limit(
+        self, scope: str, name: str, feature: str, body: str | None, expect: int | None = None
+    ) -> int:
+        if expect is not None and expect != self._limits_version:
+            raise VersionMoved(f"limits are at version {self._limits_version}, not {expect}")
         if body is None:
             self._limits.pop((scope, name, feature), None)
         else:

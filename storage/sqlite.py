@@ -44,12 +44,14 @@ from storage.base import (
     StorageError,
     StoragePermanentError,
     StorageUnavailable,
+    VersionMoved,
     check_day_of,
     check_export_limit,
     check_period,
     check_range,
     decode_cursor,
     encode_cursor,
+    gauge_key,
     lease_end_ms,
     reading_wins,
 )
@@ -383,8 +385,9 @@ class SQLiteStorage(Storage):
         return await self._run(lambda: self._list_sync(tenant, period, (first, last)))
 
     # -- gauges (docs/dimensions.md) ------------------------------------------------------------
-    # A gauge is a ``counters`` row: ``total`` its value, ``seqs`` ``{"@<node>": at_ms}`` (ints,
-    # as a counter's seqs are: listings and exports read it as any row).
+    # A gauge is a ``counters`` row of its own (``gauge_key``): ``total`` its value, ``seqs``
+    # ``{"@<node>": at_ms}`` (ints, as a counter's seqs are: listings and exports read it as
+    # any row).
 
     async def put_gauges(
         self, items: Sequence[tuple[Key, str, GaugeReading]]
@@ -407,13 +410,16 @@ class SQLiteStorage(Storage):
             raise _map(exc, f"starting a write transaction on {self.path}") from exc
         try:
             for key, kind, reading in items:
-                tenant, feature, period = key
+                tenant, feature, period = gauge_key(key)
                 try:
                     check_period(period)
+                    stored = self._gauge_row(conn, key)
                 except StoragePermanentError as exc:
                     out[key] = exc
                     continue
-                stored = self._gauge_row(conn, key)
+                except ValueError as exc:  # (this key only: the others are written)
+                    out[key] = StoragePermanentError(f"bad stored gauge in {self.path}: {exc}")
+                    continue
                 if reading_wins(kind, reading, stored):
                     value, at_ms, node = reading
                     seqs = json.dumps({"@" + node: at_ms}, separators=(",", ":"))
@@ -430,8 +436,6 @@ class SQLiteStorage(Storage):
                 conn.execute("ROLLBACK")
             if isinstance(exc, sqlite3.Error):
                 raise _map(exc, f"writing gauges to {self.path}") from exc
-            if isinstance(exc, ValueError):
-                raise StoragePermanentError(f"bad stored gauge in {self.path}: {exc}") from exc
             raise
         return out
 
@@ -445,7 +449,7 @@ class SQLiteStorage(Storage):
             raise StoragePermanentError(f"bad stored gauge in {self.path}: {exc}") from exc
 
     def _gauge_row(self, conn: sqlite3.Connection, key: Key) -> GaugeReading | None:
-        tenant, feature, period = key
+        tenant, feature, period = gauge_key(key)
         row = conn.execute(
             "SELECT total, seqs FROM counters WHERE tenant = ? AND period = ? AND feature = ?",
             (tenant, period, feature),
@@ -456,7 +460,7 @@ class SQLiteStorage(Storage):
         for name, at_ms in snap.seqs.items():
             if name.startswith("@"):
                 return (snap.total, at_ms, name[1:])
-        return (snap.total, 0, "")  # (a counter's row, read as a gauge)
+        raise ValueError(f"the gauge row of {key} holds no reading's time")
 
     # -- history (docs/history.md) -------------------------------------------------------------
 
@@ -647,10 +651,14 @@ class SQLiteStorage(Storage):
 
         return await self._run(read)
 
-    async def write_limit(self, scope: str, name: str, feature: str, body: str | None) -> int:
+    async def write_limit(
+        self, scope: str, name: str, feature: str, body: str | None, expect: int | None = None
+    ) -> int:
         """Put or delete one record and bump the version in one ``BEGIN IMMEDIATE``."""
 
         def write(conn: sqlite3.Connection) -> int:
+            if expect is not None and expect != (now := self._limits_version_sync(conn)):
+                raise VersionMoved(f"limits are at version {now}, not {expect}")
             if body is None:
                 conn.execute(
                     "DELETE FROM limits WHERE scope = ? AND name = ? AND feature = ?",

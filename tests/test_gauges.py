@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -28,6 +29,7 @@ from meter.persist.recovery import recover
 from meter.quotas.alerts import Alerts
 from meter.quotas.store import LimitStore
 from meter.wal.log import WriteAheadLog
+from storage.base import Delta
 from storage.memory import MemoryStorage
 from tests.support.nodes import BACKFILL_GRACE_S, short_tmpdir
 from tests.test_wal_service import broken, disk_full, settle
@@ -90,7 +92,7 @@ def test_readings_merge_to_one_reading_whatever_the_order(
 
 _ops = st.lists(
     st.tuples(
-        st.sampled_from(["observe", "gossip", "lose", "flush", "crash", "resync"]),
+        st.sampled_from(["observe", "gossip", "lose", "flush", "checkpoint", "crash", "resync"]),
         st.integers(0, 2),  # the node
         st.integers(-3, 9),  # the value
         st.integers(0, 4),  # the instant
@@ -104,16 +106,18 @@ _ops = st.lists(
 def test_nodes_gossip_flush_crash_and_end_with_the_winner(
     kind: str, ops: list[tuple[str, int, int, int]]
 ) -> None:
-    """Three nodes' gauge tables under any interleaving of observations, gossip (delivered
-    or lost), flushes, crashes (memory lost, the log's readings restored) and resyncs: no
-    node's view ever drops below one of its own observations, and once every node has
-    flushed and re-read storage, storage and every view hold the reading that wins over
-    every observation made."""
+    """Three nodes' gauge tables under any interleaving of observations (on the node's
+    clock or not), gossip (delivered or lost), flushes, checkpoints of the log (it keeps only
+    what the table says is unstored), crashes (memory lost, the log's readings restored) and
+    resyncs: no node's view ever drops below one of its own observations, and once every
+    node has flushed and re-read storage, storage and every view hold the reading that wins
+    over every observation made."""
     store = MemoryStorage()
     key = ("t", "g", MONTH)
     nodes = [f"n{i}" for i in range(3)]
     tables = [GaugeTable(n) for n in nodes]
-    logged: list[list[Reading]] = [[] for _ in nodes]  # (each node's log: every observation)
+    observed: list[list[Reading]] = [[] for _ in nodes]  # (every observation, each node)
+    logged: list[list[Reading]] = [[] for _ in nodes]  # (what each node's log holds)
 
     def flush(i: int) -> None:
         dirty = tables[i].dirty()
@@ -131,8 +135,9 @@ def test_nodes_gossip_flush_crash_and_end_with_the_winner(
         if op == "observe":
             if not t.is_seeded(key):
                 resync(i)
-            t.observe(key, kind, value, at)
-            logged[i].append((value, at, nodes[i]))
+            reading = t.observe(key, kind, value, at, now=value % 2 == 0)[2]
+            observed[i].append(reading)
+            logged[i].append(reading)
         elif op in ("gossip", "lose"):
             items = t.take_readings()
             if op == "gossip":
@@ -141,6 +146,8 @@ def test_nodes_gossip_flush_crash_and_end_with_the_winner(
                         tables[j].merge_readings(items)
         elif op == "flush":
             flush(i)
+        elif op == "checkpoint":
+            logged[i] = [reading for _, _, reading in t.unstored()]
         elif op == "crash":
             tables[i] = GaugeTable(nodes[i])
             tables[i].restore((key, kind, r) for r in logged[i])
@@ -149,10 +156,10 @@ def test_nodes_gossip_flush_crash_and_end_with_the_winner(
         for j in range(3):
             held = tables[j].reading(key) if tables[j].is_seeded(key) else None
             if held is not None:
-                assert not any(wins(kind, r, held) for r in logged[j]), (j, held)
+                assert not any(wins(kind, r, held) for r in observed[j]), (j, held)
     for i in range(3):
         flush(i)
-    every = [r for rs in logged for r in rs]
+    every = [r for rs in observed for r in rs]
     best = None
     for r in every:
         if wins(kind, r, best):
@@ -172,8 +179,49 @@ def test_observations_on_the_node_clock_keep_their_order_within_a_millisecond() 
     assert table.observe(key, "latest", 4, 1000, now=True)[2] == (4, 1001, "n1")
     assert table.observe(key, "latest", 9, 999, now=True)[2] == (9, 1002, "n1")  # (clock back)
     assert table.value(key) == 9
-    # A time the caller gives is taken as given: an older one does not win.
+    # A time the caller gives is taken as given: an older one does not win, and a later one
+    # moves no observation made on the node's clock.
     assert table.observe(key, "latest", 5, 1001)[0] == 9
+    assert table.observe(key, "latest", 6, 90_000)[2] == (6, 90_000, "n1")
+    assert table.observe(key, "latest", 7, 1003, now=True)[2] == (7, 1003, "n1")
+    assert table.value(key) == 6
+    # At most a second ahead of the clock: of 2,000 calls in one millisecond, those past the
+    # 1,000th take their own time.
+    times = [table.observe(key, "latest", 1, 5000, now=True)[2][1] for _ in range(2000)]
+    assert times[:1000] == list(range(5000, 6000)) and set(times[1000:]) == {5000}
+
+
+def test_an_unstored_observation_is_written_when_a_peers_reading_beats_it() -> None:
+    """The peer may never store its own (durability off, its data lost): this node's
+    observation is written, restated by checkpoints and kept from eviction until storage
+    holds it (or one that wins over it)."""
+    table = GaugeTable("n1")
+    key = ("t", "g", MONTH)
+    table.seed(key, "max", None)
+    table.observe(key, "max", 5, 10)
+    assert table.merge(key, (9, 11, "n2"))
+    assert table.value(key) == 9
+    assert table.dirty() == table.unstored() == [(key, "max", (5, 10, "n1"))]
+    for _ in range(3):
+        table.evict_idle()
+    assert table.is_seeded(key)
+    table.stored(key, (5, 10, "n1"))
+    assert table.dirty() == [] and table.value(key) == 9
+    table.take_touched()
+    for _ in range(2):
+        table.evict_idle()
+    assert not table.is_seeded(key)  # (stored, sent: evicted)
+
+
+def test_without_gossip_nothing_is_kept_to_send_and_idle_gauges_are_evicted() -> None:
+    table = GaugeTable("n1", gossip=False)
+    key = ("t", "g", MONTH)
+    table.seed(key, "max", None)
+    table.observe(key, "max", 5, 10)
+    table.stored(key, (5, 10, "n1"))
+    assert table.take_touched() == []
+    table.evict_idle()
+    assert table.evict_idle() == 1
 
 
 def test_an_undone_observation_leaves_the_gauge_to_be_read_again() -> None:
@@ -182,10 +230,11 @@ def test_an_undone_observation_leaves_the_gauge_to_be_read_again() -> None:
     table = GaugeTable("n1")
     key = ("t", "g", MONTH)
     table.seed(key, "max", (3, 1, "n2"))
-    after, before, mine = table.observe(key, "max", 9, 5)
-    assert (after, before, mine) == (9, (3, 1, "n2"), (9, 5, "n1"))
+    after, before, observed, before_mine = table.observe(key, "max", 9, 5)
+    assert (after, before, observed, before_mine) == (9, (3, 1, "n2"), (9, 5, "n1"), None)
     assert not table.merge(key, (7, 6, "n2"))  # (below 9: no move, and 7 is not kept)
-    assert table.undo(key, before, (9, 5, "n1"))
+    assert table.undo(key, before, observed, before_mine)
+    assert table.dirty() == []
     assert table.value(key) is None and not table.is_seeded(key)
     table.seed(key, "max", (7, 6, "n2"))  # (storage holds the peer's by then)
     assert table.value(key) == 7
@@ -254,7 +303,7 @@ async def test_what_a_gauge_refuses() -> None:
         ("track", ["acme", "storage_gb", "x"], "must be an integer"),
         ("track", ["acme", "storage_gb", 1, {"dims": {"model": "a"}}], "declares no dimensions"),
         ("usage", ["acme", "storage_gb", {"group_by": ["model"]}], "no dimension"),
-        ("history", ["acme", "storage_gb"], "per month"),
+        ("history", ["acme", "storage_gb"], "kept per month"),
     ]
     for method, params, message in cases:
         exc = await error(svc, method, *params)
@@ -275,6 +324,89 @@ async def test_a_retried_id_answers_as_the_first_observation() -> None:
     assert await call(svc, "track", "acme", "storage_gb", 5, {"id": "r1"}) == 5
     exc = await error(svc, "track", "acme", "storage_gb", 6, {"id": "r1"})
     assert isinstance(exc, Conflict)
+
+
+async def test_a_gauge_is_never_counted_as_a_sum_nor_listed_as_one() -> None:
+    """A price-only limit would let a plain track ride the batched path: not on a gauge.
+    ``usage_all`` answers the gauge as ``usage`` does, and a counter of the same feature in
+    storage (calls of a node that did not know yet) changes neither."""
+    store = MemoryStorage()
+    svc = await gauges(service(store))
+    await call(svc, "set_limit", "acme", "storage_gb", {"limit": 10**6, "price": 1})
+    key = ("acme", "storage_gb", MONTH)
+    assert svc.gate.warm_check(key) is False
+    assert svc.warm_tracks([[0, 1, "track", ["acme", "storage_gb", 5]]]) == []
+    await call(svc, "clear_limit", "acme", "storage_gb")
+    assert await call(svc, "track", "acme", "storage_gb", 40) == 40
+    await store.apply("n9", [Delta(key, 1, 1000)])  # (a node that counted it as a sum)
+    await GaugeFlusher(svc.gauging.table, store, interval=1.0).flush_once()
+    other = await gauges(service(store, "n2"))
+    for node in (svc, other):
+        assert (await call(node, "usage_all", "acme"))["storage_gb"] == 40
+        assert await call(node, "usage", "acme", "storage_gb") == 40
+        assert not node.table.is_warm(key)
+    rows = (await call(svc, "export", MONTH))["rows"]
+    assert sorted(r[3] for r in rows if r[1] == "storage_gb") == [40, 1000]
+
+
+async def test_history_reads_a_gauge_per_period_and_a_daily_gauges_months_as_the_gauge() -> None:
+    store = MemoryStorage()
+    svc = await gauges(service(store, feature_periods={"storage_gb": "day"}))
+    now = time.time()
+    today = period_start("day", now)
+    yesterday = period_start("day", now - 86400)
+    for day, values in ((yesterday, [70, 20]), (today, [30, 50])):
+        for v in values:
+            await store.put_gauges([(("acme", "storage_gb", day), "max", (v, 1, "n9"))])
+            await store.put_gauges([(("acme", "plan_seats", day), "latest", (v, v, "n9"))])
+    svc2 = await gauges(service(store, feature_periods={"storage_gb": "day", "plan_seats": "day"}))
+    got = await call(svc2, "history", "acme", "storage_gb", {"from": yesterday, "to": today})
+    assert got == [[yesterday, 70], [today, 50]]
+    assert await call(svc2, "track", "acme", "storage_gb", 60) == 60
+    got = await call(svc2, "history", "acme", "storage_gb", {"from": yesterday, "to": today})
+    assert got[-1] == [today, 60]
+    if yesterday[:7] == today[:7]:
+        month = {"granularity": "month", "from": MONTH, "to": MONTH}
+        assert await call(svc2, "history", "acme", "storage_gb", month) == [[MONTH, 70]]
+        assert await call(svc2, "history", "acme", "plan_seats", month) == [[MONTH, 50]]
+    del svc
+
+
+async def test_a_cancelled_caller_does_not_fail_the_others_reading_the_same_gauge() -> None:
+    class Slow(MemoryStorage):
+        async def load_gauges(self, keys: Any) -> Any:
+            await asyncio.sleep(0.05)
+            return await super().load_gauges(keys)
+
+    svc = await gauges(service(Slow()))
+    first = asyncio.ensure_future(call(svc, "usage", "acme", "storage_gb"))
+    await asyncio.sleep(0)
+    second = asyncio.ensure_future(call(svc, "track", "acme", "storage_gb", 7))
+    await asyncio.sleep(0.01)
+    first.cancel()
+    assert await second == 7
+
+
+async def test_concurrent_declarations_of_one_feature_leave_one_standing() -> None:
+    """Both read no declaration before either writes: the one written last stands, the
+    other is ``conflict``."""
+
+    class Interleaved(MemoryStorage):
+        async def write_limit(self, *args: Any) -> int:
+            await asyncio.sleep(0.01)  # (both calls have read the declarations by now)
+            return await super().write_limit(*args)
+
+    store = Interleaved()
+    a, b = service(store, "n1"), service(store, "n2")
+    got = await asyncio.gather(
+        call(a, "set_feature", "level", {"aggregation": "max"}),
+        call(b, "set_feature", "level", {"aggregation": "latest"}),
+        return_exceptions=True,
+    )
+    assert sum(isinstance(g, Conflict) for g in got) == 1, got
+    (ok,) = [g for g in got if isinstance(g, dict)]
+    await limits_of(a).refresh()
+    assert (await call(a, "get_feature", "level"))["aggregation"] == ok["aggregation"]
 
 
 @pytest.fixture
@@ -342,18 +474,27 @@ async def test_another_node_reads_a_stored_gauge_and_merges_what_it_observes() -
 
 
 async def test_a_failed_log_write_takes_an_observation_back(tmp: Path) -> None:
+    """... and a flush round started before the commit fails does not write it."""
     wal = WriteAheadLog(tmp / "wal", node_id="n1", mode="fsync")
-    svc = build_service(CounterTable("n1"), MemoryStorage(), CounterConfig(), wal=wal,
+    store = MemoryStorage()
+    svc = build_service(CounterTable("n1"), store, CounterConfig(), wal=wal,
                         ids=RequestIds(3600, 1000))  # fmt: skip
     await limits_of(svc).refresh()
     await recover(wal, svc)
     await gauges(svc)
+    flusher = GaugeFlusher(svc.gauging.table, store, interval=1.0, wal=wal)
     assert await call(svc, "track", "acme", "storage_gb", 10) == 10
     await settle()
     with disk_full(wal):
+        round_ = asyncio.ensure_future(flusher.flush_once())  # (it runs before the commit)
         assert await call(svc, "track", "acme", "storage_gb", 99, {"id": "g1"}) == 99
         await settle()  # the commit fails: the observation and its id are taken back
         assert broken(wal) is not None
+    await round_
+    stored = (await store.load_gauges([("acme", "storage_gb", MONTH)]))[
+        ("acme", "storage_gb", MONTH)
+    ]
+    assert stored is None or stored[0] == 10, stored
     for _ in range(100):
         if broken(wal) is None:
             break

@@ -26,7 +26,9 @@ from storage.base import (
     Storage,
     StorageError,
     StoragePermanentError,
+    VersionMoved,
     encode_cursor,
+    gauge_key,
 )
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
@@ -253,19 +255,29 @@ async def test_gauges_keep_the_reading_that_wins_whatever_the_order(storage: Sto
     got = await storage.put_gauges([(mx, "max", (9, 5, "n2")), (lt, "latest", (3, 20, "n2"))])
     assert got == {mx: (9, 5, "n2"), lt: (3, 20, "n2")}
     assert await storage.load_gauges([mx, lt]) == {mx: (9, 5, "n2"), lt: (3, 20, "n2")}
+    # Listed and exported as a counter's total, under the gauge's own name.
     listed = await storage.list_period("acme", "2026-11")
-    assert {f: snap.total for f, snap in listed.items()} == {"peak": 9, "last": 3}
+    want = {gauge_key(mx)[1]: 9, gauge_key(lt)[1]: 3}
+    assert {f: snap.total for f, snap in listed.items()} == want
     rows = [r async for page in storage.export("2026-11") for r in page.rows]
-    assert {(r.feature, r.total) for r in rows} == {("peak", 9), ("last", 3)}
+    assert {(r.feature, r.total) for r in rows} == set(want.items())
     got = await storage.put_gauges([(("acme", "x", "2026-13"), "max", (1, 1, "n1"))])
     assert isinstance(got[("acme", "x", "2026-13")], StoragePermanentError)
-    # A counter's item read as a gauge: its total at time 0, from no node.
-    was: Key = ("acme", "was_sum", "2026-11")
-    await _ok(storage, "n1", was, 1, 50)
-    assert await storage.load_gauges([was]) == {was: (50, 0, "")}
-    assert await storage.put_gauges([(was, "max", (30, 5, "n1"))]) == {was: (50, 0, "")}
-    assert await storage.put_gauges([(was, "max", (50, 5, "n1"))]) == {was: (50, 5, "n1")}
-    assert await storage.put_gauges([(was, "max", (50, 4, "n9"))]) == {was: (50, 5, "n1")}
+    # A gauge and its feature's counter (calls of a node that did not know it was a gauge)
+    # are apart: neither changes the other, and a retried delta is still a duplicate.
+    assert (await _ok(storage, "n1", mx, 1, 50)).snapshot.total == 50
+    assert await storage.load_gauges([mx]) == {mx: (9, 5, "n2")}
+    assert (await storage.load([mx]))[mx].total == 50
+    await storage.put_gauges([(mx, "max", (70, 30, "n1"))])
+    dup = await _ok(storage, "n1", mx, 1, 50)
+    assert dup.duplicate and dup.snapshot.total == 50
+    assert await storage.load_gauges([mx]) == {mx: (70, 30, "n1")}
+    # Ties: a max's equal value goes to the later (at_ms, node); a latest's equal time to
+    # the larger node, then the larger value.
+    assert await storage.put_gauges([(mx, "max", (70, 29, "n9"))]) == {mx: (70, 30, "n1")}
+    assert await storage.put_gauges([(mx, "max", (70, 30, "n2"))]) == {mx: (70, 30, "n2")}
+    assert await storage.put_gauges([(lt, "latest", (1, 20, "n2"))]) == {lt: (3, 20, "n2")}
+    assert await storage.put_gauges([(lt, "latest", (-4, 21, "n1"))]) == {lt: (-4, 21, "n1")}
 
 
 async def test_batch_with_many_keys(storage: Storage) -> None:
@@ -397,6 +409,17 @@ async def test_concurrent_limit_changes_each_get_their_own_version(storage: Stor
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     version, records = await storage.read_limits()
     assert version == 6 and len(records) == 6
+
+
+async def test_a_limits_write_on_a_version_moved_on_is_refused(storage: Storage) -> None:
+    """``expect``: written only on that version (a declaration judged on it); else
+    VersionMoved and nothing written."""
+    v = await storage.write_limit("limit", "t", "f", "{}")
+    with pytest.raises(VersionMoved):
+        await storage.write_limit("feature", "g", "", '{"aggregation":"max"}', expect=v - 1)
+    version, records = await storage.read_limits()
+    assert version == v and [r[1] for r in records] == ["t"]
+    assert await storage.write_limit("feature", "g", "", "{}", expect=v) == v + 1
 
 
 async def test_an_alert_is_claimed_once_and_only_its_claimant_hears_yes(

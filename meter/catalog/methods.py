@@ -15,7 +15,10 @@ from meter.core.ports import Handler
 from meter.errors import Conflict, Unavailable
 from meter.quotas.limits import declare_record
 from meter.quotas.store import LimitStore
-from storage.base import StorageError
+from storage.base import StorageError, VersionMoved
+
+#: Declarations judged and written again after other limit changes landed meanwhile.
+MAX_TRIES = 8
 
 
 class FeatureMethods:
@@ -35,19 +38,27 @@ class FeatureMethods:
         return self._set(feature, parse_spec(feature, options))
 
     async def _set(self, feature: str, spec: FeatureSpec) -> dict[str, Any]:
-        """Store ``spec``, judged against the declaration storage holds now."""
-        try:
-            await self.store.refresh()  # judged against the stored declaration, not a stale one
-        except StorageError as exc:
-            raise Unavailable(f"declarations could not be read: {exc}") from None
-        before = self.store.book.features.get(feature)
-        if before is not None and before.aggregation != spec.aggregation:
-            raise Conflict(
-                f"feature {feature!r} is a {before.aggregation}; its aggregation cannot change "
-                "mid-period (its counters hold that kind): declare a new feature name"
-            )
-        version = await self.store.change(declare_record(feature, spec))
-        return {"feature": feature, "version": version, **spec.to_wire()}
+        """Store ``spec``, judged against the declaration storage holds now: written only on
+        the version it was judged on (two declarations at once: the second is judged again,
+        against the first)."""
+        for _ in range(MAX_TRIES):
+            try:
+                await self.store.refresh()  # judged against the stored declaration
+            except StorageError as exc:
+                raise Unavailable(f"declarations could not be read: {exc}") from None
+            book = self.store.book
+            before = book.features.get(feature)
+            if before is not None and before.aggregation != spec.aggregation:
+                raise Conflict(
+                    f"feature {feature!r} is a {before.aggregation}; its aggregation cannot "
+                    "change mid-period (its counters hold that kind): declare a new feature name"
+                )
+            try:
+                version = await self.store.change(declare_record(feature, spec), book.version)
+            except VersionMoved:
+                continue  # (another change was written meanwhile: judged again on it)
+            return {"feature": feature, "version": version, **spec.to_wire()}
+        raise Unavailable("the limits kept changing while this declaration was written; retry")
 
     def get_feature(self, params: list[Any]) -> dict[str, Any]:
         """The ``get_feature`` method: the declaration this node holds."""

@@ -167,6 +167,8 @@ class Gate:
         path charges the pool) or ``False`` (dispatch checks it)."""
         if not self.needs_check(key):
             how: Any = None
+        elif key[1] in self.gauges:
+            how = False  # an observation: never counted on the batched path
         else:
             credits = self.priced_only(key, 1)
             how = False if credits is None else (pool_key(key[0]), credits)

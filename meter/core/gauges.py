@@ -7,10 +7,14 @@ order of merges gives the same reading), so a reading is applied any number of t
 any source (this node's calls, peers' gossip, storage), and flushes need no sequences: storage
 keeps a reading only if it wins over the one stored (docs/dimensions.md, "Gauges").
 
-A row remembers the reading last known stored, so a flush writes only rows whose reading
-moved past it (*dirty*) and gossip sends only rows that changed since the last tick
-(*touched*). A row with no stored reading read yet is *unseeded*: its value is unknown
-(``None``) until storage answers, as for a counter (:mod:`meter.core.table`).
+A row keeps apart what this node knows (its *reading*, every reading merged) and *mine*: the
+best of this node's own observations storage may not hold yet. A flush writes *mine* until
+storage answers a reading that wins over it or equals it (then it is stored); a peer's reading
+that beats it in the view does not make it stored (that peer may never store its own), so
+checkpoints restate it and eviction keeps the row. Gossip sends the rows whose view moved
+since the last tick (*touched*, kept only when a gossip layer takes them). A row with no
+stored reading read yet is *unseeded*: its value is unknown (``None``) until storage answers,
+as for a counter (:mod:`meter.core.table`).
 
 Why one module (it is short): the row and the table that holds them must agree on one merge.
 """
@@ -36,31 +40,56 @@ wins = reading_wins
 class GaugeRow:
     """One gauge. Mutated only under the table's lock."""
 
-    __slots__ = ("kind", "reading", "seeded", "stored", "touched", "used")
+    __slots__ = ("clock_ms", "kind", "mine", "reading", "seeded", "stored", "used")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         #: What this node knows: every reading merged (None: none yet).
         self.reading: Reading | None = None
-        #: The reading storage is known to hold (None: none, or not read yet).
+        #: The best of this node's observations storage may not hold (None: none).
+        self.mine: Reading | None = None
+        #: The best reading storage is known to hold (None: none, or not read yet).
         self.stored: Reading | None = None
+        #: The time given to this node's last observation on its own clock (ms; 0: none).
+        self.clock_ms = 0
         self.seeded = False
-        self.touched = False
         self.used = True
 
-    def dirty(self, node: str) -> bool:
-        """Whether this row holds a reading of ``node`` storage may not hold."""
-        reading = self.reading
-        return reading is not None and reading[2] == node and wins(self.kind, reading, self.stored)
+    def stored_now(self, stored: Reading | None) -> None:
+        """Storage holds ``stored`` (a fresh read or a write's answer): merged into the view;
+        *mine* is done once storage holds it or a reading that wins over it."""
+        if stored is None:
+            return
+        kind = self.kind
+        if wins(kind, stored, self.reading):
+            self.reading = stored
+        if wins(kind, stored, self.stored):
+            self.stored = stored
+        mine = self.mine
+        if mine is not None and not wins(kind, mine, self.stored):
+            self.mine = None
+
+
+#: Within this many ms of the node's clock, an observation in the millisecond of the node's
+#: previous one (or a clock gone back) is taken 1 ms after it; past it (over 1,000 calls in
+#: one millisecond on one gauge), at its own time: readings never run ahead of the clock by
+#: more than this.
+MAX_CLOCK_LEAD_MS = 1000
 
 
 class GaugeTable:
-    """Every warm gauge of one node, guarded by one lock (see the module docstring)."""
+    """Every warm gauge of one node, guarded by one lock (see the module docstring).
 
-    def __init__(self, node: str) -> None:
+    ``gossip``: a gossip layer takes the touched rows (:meth:`take_touched`); without one
+    nothing is kept for it."""
+
+    def __init__(self, node: str, gossip: bool = True) -> None:
         self.node = node
+        self.gossip = gossip
         self._lock = threading.Lock()
         self._rows: dict[Key, GaugeRow] = {}
+        # Rows whose view moved since the last take (gossip).
+        self._touched: set[Key] = set()
         # (tenant, period) -> its gauges' features (usage_all).
         self._by_period: dict[tuple[str, str], set[str]] = {}
 
@@ -93,33 +122,47 @@ class GaugeTable:
 
     def observe(
         self, key: Key, kind: str, value: int, at_ms: int, now: bool = False
-    ) -> tuple[int, Reading | None, Reading]:
+    ) -> tuple[int, Reading | None, Reading, Reading | None]:
         """Merge this node's observation of ``value`` at ``at_ms`` (the row is made if cold,
-        unseeded); the value after it, the reading before it (to undo it) and the
+        unseeded); the value after it, the view and *mine* before it (to undo it), and the
         observation's reading. ``now``: ``at_ms`` is the node's clock, and the observation
-        comes after this node's previous one (1 ms later if the clock has not moved past
-        it), so two calls in one millisecond keep their order for ``latest``."""
+        comes after this node's previous one on its clock (1 ms later if the clock has not
+        moved past it, see :data:`MAX_CLOCK_LEAD_MS`), so calls in one millisecond keep their
+        order for ``latest``."""
         with self._lock:
             row = self._row(key, kind)
-            before = row.reading
-            if now and before is not None and before[2] == self.node and before[1] >= at_ms:
-                at_ms = before[1] + 1
-            mine = (value, at_ms, self.node)
-            if wins(kind, mine, before):
-                row.reading = mine
-                row.touched = True
+            before, before_mine = row.reading, row.mine
+            if now:
+                if at_ms <= row.clock_ms < at_ms + MAX_CLOCK_LEAD_MS - 1:
+                    at_ms = row.clock_ms + 1
+                row.clock_ms = max(row.clock_ms, at_ms)
+            observed = (value, at_ms, self.node)
+            if wins(kind, observed, row.mine) and wins(kind, observed, row.stored):
+                row.mine = observed
+            if wins(kind, observed, before):
+                row.reading = observed
+                if self.gossip:
+                    self._touched.add(key)
             row.used = True
             after = row.reading
             assert after is not None
-            return after[0], before, mine
+            return after[0], before, observed, before_mine
 
-    def undo(self, key: Key, before: Reading | None, mine: Reading) -> bool:
-        """Take back an observation whose log write failed: if the row still holds ``mine``,
-        back to ``before`` (readings merged since that ``mine`` beat are lost until storage
-        is read again: the row is unseeded then). Returns whether the row went back."""
+    def undo(
+        self, key: Key, before: Reading | None, observed: Reading, before_mine: Reading | None
+    ) -> bool:
+        """Take back an observation whose log write failed (no flush took it: the flusher
+        takes at commit boundaries): *mine* back to ``before_mine``, and the view back to
+        ``before`` if it still holds ``observed`` (readings merged since that ``observed``
+        beat are lost until storage is read again: the row is unseeded then). Returns whether
+        the view went back."""
         with self._lock:
             row = self._rows.get(key)
-            if row is None or row.reading != mine:
+            if row is None:
+                return False
+            if row.mine == observed:
+                row.mine = before_mine
+            if row.reading != observed:
                 return False
             row.reading = before
             row.seeded = False  # (read again: a peer's reading may have been merged under it)
@@ -139,7 +182,7 @@ class GaugeTable:
         """Give a row storage's reading (read fresh): merged into what this node knows."""
         with self._lock:
             row = self._row(key, kind)
-            self._merge_stored(row, stored)
+            row.stored_now(stored)
             row.seeded = True
 
     def stored(self, key: Key, stored: Reading | None) -> None:
@@ -148,16 +191,8 @@ class GaugeTable:
         with self._lock:
             row = self._rows.get(key)
             if row is not None:
-                self._merge_stored(row, stored)
+                row.stored_now(stored)
                 row.seeded = True
-
-    def _merge_stored(self, row: GaugeRow, stored: Reading | None) -> None:
-        if stored is None:
-            return
-        if wins(row.kind, stored, row.reading):
-            row.reading = stored
-        if wins(row.kind, stored, row.stored):
-            row.stored = stored
 
     def _row(self, key: Key, kind: str) -> GaugeRow:
         row = self._rows.get(key)
@@ -176,18 +211,23 @@ class GaugeTable:
                     out[feature] = 0 if row.reading is None else row.reading[0]
             return out
 
-    def dirty(self) -> list[tuple[Key, str, Reading]]:
-        """Every row whose reading is this node's and storage may not hold: ``(key, kind,
-        reading)`` (a write needs no read first: storage keeps a reading only if it wins; a
-        peer writes its own readings)."""
+    def unseeded_in(self, tenant: str, period: str) -> list[tuple[Key, str]]:
+        """``tenant``'s gauges in ``period`` held unread: ``(key, kind)``."""
         with self._lock:
-            node = self.node
-            out: list[tuple[Key, str, Reading]] = []
-            for key, row in self._rows.items():
-                if row.dirty(node):
-                    assert row.reading is not None
-                    out.append((key, row.kind, row.reading))
+            out: list[tuple[Key, str]] = []
+            for feature in self._by_period.get((tenant, period), ()):
+                key = (tenant, feature, period)
+                row = self._rows[key]
+                if not row.seeded:
+                    out.append((key, row.kind))
             return out
+
+    def dirty(self) -> list[tuple[Key, str, Reading]]:
+        """Every row's *mine* storage may not hold: ``(key, kind, reading)`` (a write needs
+        no read first: storage keeps a reading only if it wins)."""
+        with self._lock:
+            return [(key, row.kind, row.mine) for key, row in self._rows.items()
+                    if row.mine is not None]  # fmt: skip
 
     def unstored(self) -> list[tuple[Key, str, Reading]]:
         """What a checkpoint of the log restates: :meth:`dirty` (seeded rows or not)."""
@@ -199,14 +239,15 @@ class GaugeTable:
             return [(key, row.kind) for key, row in self._rows.items() if not row.seeded]
 
     def take_touched(self) -> list[tuple[Key, str, Reading]]:
-        """The readings of this node's observations since the last take, for gossip."""
+        """The readings of rows whose view this node's observations moved since the last
+        take, for gossip."""
         with self._lock:
             out: list[tuple[Key, str, Reading]] = []
-            for key, row in self._rows.items():
-                if row.touched:
-                    row.touched = False
-                    if row.reading is not None:
-                        out.append((key, row.kind, row.reading))
+            for key in self._touched:
+                row = self._rows.get(key)
+                if row is not None and row.reading is not None:
+                    out.append((key, row.kind, row.reading))
+            self._touched.clear()
             return out
 
     def take_readings(self) -> list[tuple[str, str, str, str, int, int, str]]:
@@ -237,7 +278,7 @@ class GaugeTable:
             for key, row in self._rows.items():
                 if row.used:
                     row.used = False
-                elif row.seeded and not row.touched and not row.dirty(self.node):
+                elif row.seeded and row.mine is None and key not in self._touched:
                     doomed.append(key)
             for key in doomed:
                 del self._rows[key]
@@ -248,10 +289,14 @@ class GaugeTable:
             return len(doomed)
 
     def restore(self, items: Iterable[tuple[Key, str, Reading]]) -> None:
-        """Put back readings replayed from the log (unseeded rows: read before use)."""
+        """Put back this node's readings replayed from the log (unseeded rows: read before
+        use; each is *mine* until storage is known to hold it)."""
         with self._lock:
             for key, kind, reading in items:
                 row = self._row(key, kind)
+                if wins(kind, reading, row.mine):
+                    row.mine = reading
                 if wins(kind, reading, row.reading):
                     row.reading = reading
-                    row.touched = True
+                    if self.gossip:
+                        self._touched.add(key)

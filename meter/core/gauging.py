@@ -129,7 +129,9 @@ class Gauging:
     ) -> Any:
         """Merge and log one observation (the limits checked, the key seeded); its answer."""
         at_ms = int((time.time() if at is None else at) * 1000)
-        after, before, mine = self.table.observe(key, kind, value, at_ms, now=at is None)
+        after, before, observed, before_mine = self.table.observe(
+            key, kind, value, at_ms, now=at is None
+        )
         gate = self.gate
         eff = gate.effective(key)
         if eff is not None:
@@ -144,17 +146,16 @@ class Gauging:
             expires = self.ids.remember(rid, fp, after, time.time())
         if self.wal is not None:
             self.wal.append(
-                [R.GAUGE, *key, kind, *mine, None if before is None else list(before), rid,
-                 fp, after, expires]
+                [R.GAUGE, *key, kind, *observed, _listed(before), rid, fp, after, expires,
+                 _listed(before_mine)]
             )  # fmt: skip
         return gate.detail(key, after, 0) if detail else after
 
     def undo(self, record: list[Any]) -> None:
         """Take back a ``GAUGE`` record whose log write failed (journal's undo)."""
         t, f, p, _, value, at_ms, node, before, rid = record[1:10]
-        mine: Reading = (value, at_ms, node)
-        prior: Reading | None = None if before is None else (before[0], before[1], before[2])
-        self.table.undo((t, f, p), prior, mine)
+        observed: Reading = (value, at_ms, node)
+        self.table.undo((t, f, p), _reading(before), observed, _reading(record[13]))
         if rid is not None:
             self.ids.forget(rid)
 
@@ -222,8 +223,8 @@ class Gauging:
 
     async def load(self, keys: list[tuple[Key, str]]) -> None:
         """Read the stored readings of the unseeded ``keys`` (``(key, kind)``) into the
-        table; calls waiting on one key share one read. :class:`Unavailable` if storage
-        cannot be read."""
+        table; calls waiting on one key share one read (a task of its own: a caller cancelled
+        leaves it to the others). :class:`Unavailable` if storage cannot be read."""
         waits: list[asyncio.Future[None]] = []
         wanted: list[tuple[Key, str]] = []
         for key, kind in keys:
@@ -235,24 +236,35 @@ class Gauging:
             else:
                 wanted.append((key, kind))
         if wanted:
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            task = asyncio.ensure_future(self._read(wanted))
+            task.add_done_callback(_retrieved)
             for key, _ in wanted:
-                self._loading[key] = done
-            try:
-                read = await self.storage.load_gauges([key for key, _ in wanted])
-                for key, kind in wanted:
-                    self.table.seed(key, kind, read.get(key))
-                done.set_result(None)
-            except StorageError as exc:
-                done.set_exception(Unavailable(f"storage is unreachable: {exc}"))
-            except BaseException as exc:  # (cancelled: the waiters hear of it, then raise)
-                done.set_exception(Unavailable(f"the read of a gauge failed: {exc!r}"))
-                done.exception()  # (retrieved: nobody else may wait on it)
-                raise
-            finally:
-                for key, _ in wanted:
-                    if self._loading.get(key) is done:
-                        del self._loading[key]
-            waits.append(done)
+                self._loading[key] = task
+            waits.append(task)
         for wait in waits:
             await asyncio.shield(wait)
+
+    async def _read(self, wanted: list[tuple[Key, str]]) -> None:
+        try:
+            read = await self.storage.load_gauges([key for key, _ in wanted])
+            for key, kind in wanted:
+                self.table.seed(key, kind, read.get(key))
+        except StorageError as exc:
+            raise Unavailable(f"storage is unreachable: {exc}") from None
+        finally:
+            for key, _ in wanted:
+                self._loading.pop(key, None)
+
+
+def _retrieved(task: asyncio.Future[None]) -> None:
+    """(Every waiter may be gone: the read's outcome is taken, never reported unread.)"""
+    if not task.cancelled():
+        task.exception()
+
+
+def _listed(reading: Reading | None) -> list[Any] | None:
+    return None if reading is None else list(reading)
+
+
+def _reading(listed: list[Any] | None) -> Reading | None:
+    return None if listed is None else (listed[0], listed[1], listed[2])

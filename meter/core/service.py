@@ -45,7 +45,7 @@ from meter.core.watch import (
 )
 from meter.errors import InvalidArgument, Unavailable, UnknownMethod
 from meter.wal.log import WalError, WriteAheadLog
-from storage.base import EMPTY, Storage, StorageError
+from storage.base import EMPTY, Storage, StorageError, gauge_feature
 
 _USAGE_OPTS = frozenset({"at"})
 _USAGE_ONE_OPTS = frozenset({"at", "where", "group_by"})
@@ -271,12 +271,12 @@ class Service:
         # The counters loaded now are answered as they are now, as this request arrives, so
         # requests pipelined after it (counted before its listing returns) are not in it.
         known: dict[str, int] = {}
-        gauges = self.gauging.table
+        gauges = self.gate.gauges
         for kind, period in periods:
             for feature, value in self.table.all_for(tenant, period).items():
-                if keys.kind_of(feature) == kind and not is_dimension(feature):
+                if keys.kind_of(feature) == kind and counter_total(feature, gauges):
                     known[feature] = value
-            for feature, value in gauges.all_for(tenant, period).items():
+            for feature, value in self.gauging.table.all_for(tenant, period).items():
                 if keys.kind_of(feature) == kind:
                     known[feature] = value
         wal = self.wal
@@ -310,12 +310,15 @@ class Service:
                 # The listing is a fresh read of every counter of the tenant in the period:
                 # it seeds the listed ones and, with nothing stored, the ones this node
                 # counted while storage could not be read (they are not listed). Gauges are
-                # not counters: their stored values answer where this node holds none.
+                # not counters: their stored values answer where this node holds none (one
+                # it holds unread is read first, below), and a gauge feature's counter (calls
+                # of a node that did not know it was a gauge) is not this node's to load.
                 gauges = self.gate.gauges
-                for feature, snap in stored.items():
-                    if feature in gauges and keys.kind_of(feature) == kind:
-                        out.setdefault(feature, snap.total)
-                snaps = {f: snap for f, snap in stored.items() if f not in gauges}
+                for name, snap in stored.items():
+                    gauge = gauge_feature(name)
+                    if gauge in gauges and keys.kind_of(gauge) == kind:
+                        out.setdefault(gauge, snap.total)
+                snaps = {f: snap for f, snap in stored.items() if counter_total(f, gauges)}
                 for feature in self.table.unseeded_features(tenant, period):
                     snaps.setdefault(feature, EMPTY)
                 # Stored feature names share this node's copy when it has one; they are not
@@ -339,9 +342,17 @@ class Service:
                 if (
                     feature not in out
                     and keys.kind_of(feature) == kind
-                    and not is_dimension(feature)
+                    and counter_total(feature, self.gate.gauges)
                 ):
                     out[feature] = value
+            # Gauges this node holds unread (its log's readings after a restart): read, as
+            # their rows know more than the listing's values.
+            unread = self.gauging.table.unseeded_in(tenant, period)
+            if unread:
+                await self.gauging.load(unread)
+                for feature, value in self.gauging.table.all_for(tenant, period).items():
+                    if keys.kind_of(feature) == kind:
+                        out[feature] = value
         return out
 
     # -- live usage push ---------------------------------------------------------------------
@@ -356,8 +367,10 @@ class Service:
 
     def _subscribe_for(self, sub: Subscriber, tenant: str, features: frozenset[str] | None) -> Any:
         # Named counters are loaded first: gossip is applied to loaded counters only, so a
-        # counter this node never loaded would never change here.
-        keys = [self.keys.key_for(tenant, f) for f in features or ()]
+        # counter this node never loaded would never change here. (Gauges are not pushed: a
+        # gauge's key never enters the counter table.)
+        gauges = self.gate.gauges
+        keys = [self.keys.key_for(tenant, f) for f in features or () if f not in gauges]
         cold = [k for k in keys if not self.table.is_seeded(k)]
         if cold:
             return self._subscribe_cold(sub, tenant, features, cold)
@@ -457,3 +470,9 @@ class Service:
         if self.status_extra is not None:
             out.update(self.status_extra())
         return out
+
+
+def counter_total(name: str, gauges: Mapping[str, str]) -> bool:
+    """Whether a stored or held name is a feature's total counter ``usage_all`` lists: not a
+    dimension counter, not a gauge, nor a gauge feature's counter."""
+    return not is_dimension(name) and name not in gauges and gauge_feature(name) is None

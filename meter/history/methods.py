@@ -25,7 +25,7 @@ from meter.history.days import (
     months_between,
     parse_range,
 )
-from storage.base import DayBuckets, StorageError
+from storage.base import GAUGE_MARK, DayBuckets, StorageError
 
 
 class HistoryMethods:
@@ -46,7 +46,7 @@ class HistoryMethods:
         self.storage = storage
         #: Reads of a dimension counter (``where``): one no call made reads 0.
         self.groups = groups
-        #: Gauges: their months are their stored readings (no day buckets are kept).
+        #: Gauges: each period is its stored reading (no day buckets are kept of a month).
         self.gauging = gauging
 
     def handlers(self) -> dict[str, Handler]:
@@ -58,11 +58,14 @@ class HistoryMethods:
         feature = check_feature(feature)
         now = time.time()
         granularity, first, last = parse_range(opts, now)
-        if granularity == "day" and self.gauging.kind(feature) is not None:
-            raise InvalidArgument(
-                f"history: {feature!r} is a gauge (max or latest): it is kept per month "
-                '(granularity "month"), not per day'
-            )
+        gauge = self.gauging.kind(feature)
+        if gauge is not None:
+            if granularity == "day" and self.keys.kind_of(feature) == "month":
+                raise InvalidArgument(
+                    f"history: {feature!r} is a gauge (max or latest) kept per month: read it "
+                    'with granularity "month", not per day'
+                )
+            return self._gauge_history(tenant, feature, gauge, granularity, first, last, now)
         where = opts.get("where") if isinstance(opts, dict) else None
         if where is not None:  # one dimension value's counter (docs/dimensions.md)
             feature = where_name(feature, self.keys.spec(feature), where)
@@ -115,6 +118,49 @@ class HistoryMethods:
                 stored = sums
         return [[b, stored.get(b, 0)] for b in buckets]
 
+    async def _gauge_history(
+        self,
+        tenant: str,
+        feature: str,
+        gauge: str,
+        granularity: Granularity,
+        first: str,
+        last: str,
+        now: float,
+    ) -> list[list[Any]]:
+        """A gauge's periods: each its stored reading, with this node's for the periods it
+        holds; a day gauge's months are their days combined as the gauge is (``max``: the
+        largest, ``latest``: the last day observed). A period never observed reads 0."""
+        daily = self.keys.kind_of(feature) == "day"
+        if daily:
+            months = months_between(first[:7], last[:7]) if granularity == "month" else []
+            low, high = (months[0] + "-01", last_day(months[-1])) if months else (first, last)
+        else:
+            low, high = first, last
+        try:
+            stored = await self.storage.counters_between(tenant, feature + GAUGE_MARK, low, high)
+        except StorageError as exc:
+            raise Unavailable(f"storage is unreachable: {exc}") from None
+        periods = days_between(low, high) if daily else months_between(low, high)
+        current = period_start("day" if daily else "month", now)
+        table = self.gauging.table
+        for period in periods:
+            key = (tenant, feature, period)
+            if period == current or (key, gauge) in table.unseeded_in(tenant, period):
+                await self.gauging.load([(key, gauge)])  # (held unread: the log's readings)
+            reading = table.reading(key)
+            if reading is not None:  # (this node's view: storage's merged with its own)
+                stored[period] = reading[0]
+        if not (daily and granularity == "month"):
+            return [[b, stored.get(b, 0)] for b in periods]
+        by_month: dict[str, int] = {}
+        for day in periods:  # (in order: a later day's value replaces for latest)
+            if day in stored:
+                value, month = stored[day], day[:7]
+                held = by_month.get(month)
+                by_month[month] = value if held is None or gauge == "latest" else max(held, value)
+        return [[m, by_month.get(m, 0)] for m in months]
+
     async def _live(self, tenant: str, feature: str, period: str, now: float) -> int | None:
         """What ``usage`` says of the counter of ``period``: for the current period (read from
         storage if cold), or for any other one this node holds (``None`` if it does not: then
@@ -134,10 +180,6 @@ class HistoryMethods:
         if is_dimension(feature):
             got = self.groups.value(key)
             return cast(int, await got if isinstance(got, Awaitable) else got)
-        kind = self.gauging.kind(feature)
-        if kind is not None:
-            read = self.gauging.value(key, kind)
-            return cast(int, await read if isinstance(read, Awaitable) else read)
         value = self.table.value(key)
         if value is not None:
             return value

@@ -141,7 +141,7 @@ class Node:
             await self.owner.claim()
             # Alone, nobody would take the gossip columns: the table does not keep them.
             self.table = CounterTable(node_id, gossip=bool(cfg.cluster.redis_url))
-            gauges = GaugeTable(node_id)
+            gauges = GaugeTable(node_id, gossip=self.table.gossip)
             d = cfg.durability
             mode = d.effective_mode(self.storage.kind)
             if mode != "off":
@@ -184,6 +184,7 @@ class Node:
                 interval=cfg.flush.interval_ms / 1000,
                 max_backoff=cfg.flush.max_backoff_ms / 1000,
                 on_stored=None if self.gossip is None else self.gossip.readings_stored,
+                wal=self.wal,
             )
             owner = self.owner
             self.parts = wiring.assemble(

@@ -268,7 +268,7 @@ def assemble(
         )
 
     limits = LimitStore(storage, new_book, poll_s=limits_poll_s, publish=publish_limits)
-    gauges = gauges if gauges is not None else GaugeTable(table.node)
+    gauges = gauges if gauges is not None else GaugeTable(table.node, gossip=table.gossip)
     gauging = Gauging(gauges, keys, gate, fence, ids, storage)
     tracking = Tracking(table, keys, gate, fence, ids, seeder, groups, gauging)
     reserving = Reserving(table, keys, gate, fence, ids, seeder, config)

@@ -21,7 +21,7 @@ from meter.core.params import args as check_args
 from meter.core.params import opts as check_opts
 from meter.core.ports import Handler
 from meter.errors import InvalidArgument, Unavailable
-from storage.base import BadCursor, Counters, ExportPage, ExportRow, StorageError
+from storage.base import BadCursor, Counters, ExportPage, ExportRow, StorageError, gauge_feature
 
 #: Most rows one ``export`` call answers: 1,000 rows of the longest names (512-byte tenants,
 #: 256-byte features) stay inside the protocol's 1 MiB frame.
@@ -91,15 +91,24 @@ def _wire_row(row: ExportRow) -> list[Any]:
     total: int | str = row.total
     if not _WIRE_MIN <= row.total <= _WIRE_MAX:
         total = str(row.total)  # stored totals may outgrow 64 bits; MessagePack ints may not
-    feature, pairs, _ = decode(row.feature)
+    feature, pairs = _named(row.feature)
     if pairs:
         return [row.tenant, feature, row.period, total, dict(pairs)]
-    return [row.tenant, row.feature, row.period, total]
+    return [row.tenant, feature, row.period, total]
 
 
 def _columns(row: ExportRow) -> tuple[str, str, str, int, dict[str, str]]:
-    feature, pairs, _ = decode(row.feature)
+    feature, pairs = _named(row.feature)
     return row.tenant, feature, row.period, row.total, dict(pairs)
+
+
+def _named(stored: str) -> tuple[str, list[tuple[str, str]]]:
+    """A stored name's feature and dimensions (a gauge's row: its feature's name)."""
+    gauge = gauge_feature(stored)
+    if gauge is not None:
+        return gauge, []
+    feature, pairs, _ = decode(stored)
+    return feature, list(pairs)
 
 
 # -- the ``meter export`` writer ----------------------------------------------------------------

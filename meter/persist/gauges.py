@@ -17,7 +17,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from meter.core.gauges import GaugeTable
+from meter.core.gauges import GaugeTable, Reading
+from meter.core.keys import Key
+from meter.wal.log import WalError, WriteAheadLog
 from storage.base import GaugeRecords, StorageError
 
 log = logging.getLogger("meter.gauges")
@@ -52,8 +54,12 @@ class GaugeFlusher:
         interval: float,
         max_backoff: float = 30.0,
         on_stored: OnStored | None = None,
+        wal: WriteAheadLog | None = None,
     ) -> None:
         self.table = table
+        #: The node's log: a round takes the readings at a commit boundary, so an observation
+        #: whose log write fails (and is taken back) is never written.
+        self.wal = wal
         self.storage = storage
         self.interval = interval
         self.max_backoff = max_backoff
@@ -66,7 +72,12 @@ class GaugeFlusher:
         """One round: every dirty reading written. True if nothing failed."""
         async with self._lock:
             self.stats.rounds += 1
-            dirty = self.table.dirty()
+            try:
+                dirty = await self._take_committed()
+            except WalError as exc:  # (kept: written once the log is)
+                self._failed(StorageError(f"the log is not written: {exc}"))
+                self.stats.failed_rounds += 1
+                return False
             ok = True
             for start in range(0, len(dirty), BATCH):
                 part = dirty[start : start + BATCH]
@@ -95,6 +106,25 @@ class GaugeFlusher:
                 self.stats.failed_rounds += 1
             self.stats.last_at = time.time()
             return ok
+
+    async def _take_committed(self) -> list[tuple[Key, str, Reading]]:
+        """The dirty readings at the log's next commit boundary, once durable."""
+        wal = self.wal
+        if wal is None:
+            return self.table.dirty()
+        fut: asyncio.Future[list[tuple[Key, str, Reading]]] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+        def take() -> None:
+            if not fut.done():  # (a round cancelled meanwhile: nothing waits for it)
+                fut.set_result(self.table.dirty())
+
+        wal.at_commit(take)
+        dirty = await fut
+        if dirty:
+            await wal.durable()
+        return dirty
 
     def _failed(self, exc: StorageError) -> None:
         self.stats.last_error = str(exc)

@@ -20,7 +20,7 @@ from typing import Any
 
 from meter.errors import ConfigError, InvalidArgument, Unavailable
 from meter.quotas.limits import LimitBook, plan_record, plans_from_toml
-from storage.base import LimitRecords, StorageError
+from storage.base import LimitRecords, StorageError, VersionMoved
 
 log = logging.getLogger("meter.limits")
 
@@ -109,11 +109,16 @@ class LimitStore:
             log.warning("limits: cannot read them from storage (keeping version %d): %s",
                         self.book.version, exc)  # fmt: skip
 
-    async def change(self, record: tuple[str, str, str, str | None]) -> int:
+    async def change(
+        self, record: tuple[str, str, str, str | None], expect: int | None = None
+    ) -> int:
         """Write one record (``body`` ``None``: delete it), take it into this node's book at
-        once, and tell peers; return the new version."""
+        once, and tell peers; return the new version. ``expect``: only on that version
+        (:class:`~storage.base.VersionMoved` if another write moved it)."""
         try:
-            version = await self.storage.write_limit(*record)
+            version = await self.storage.write_limit(*record, expect)
+        except VersionMoved:
+            raise
         except StorageError as exc:
             raise Unavailable(f"limits could not be stored, nothing changed: {exc}") from None
         try:

@@ -75,9 +75,10 @@ SYNCED: Final = 17
 #: its share of each counter's strict budget or credit pool (absolute): a successor closes
 #: that share at this, not at its cap (nothing stranded by a crash).
 SHARES: Final = 18
-#: ``[GAUGE, t, f, p, kind, value, at_ms, node, before, id, fingerprint, answer, expires]``: an
-#: observation of a gauge (``kind`` ``max`` or ``latest``; ``before``: the reading it replaced,
-#: ``[value, at_ms, node]`` or nil, for an undo; ``id`` nil without a request id).
+#: ``[GAUGE, t, f, p, kind, value, at_ms, node, before, id, fingerprint, answer, expires,
+#: before_mine]``: an observation of a gauge (``kind`` ``max`` or ``latest``; ``before`` and
+#: ``before_mine``: the gauge's reading and this node's unstored one before it, ``[value,
+#: at_ms, node]`` or nil, for an undo; ``id`` nil without a request id).
 GAUGE: Final = 19
 #: ``[GAUGES, [[t, f, p, kind, value, at_ms, node], ...]]``: gauges' readings of this node that
 #: storage may not hold (a checkpoint's restatement).

@@ -36,10 +36,12 @@ class DownStorage(MemoryStorage):
             raise StorageUnavailable("down")
         return await super().limits_version()
 
-    async def write_limit(self, scope: str, name: str, feature: str, body: str | None) -> int:
+    async def write_limit(
+        self, scope: str, name: str, feature: str, body: str | None, expect: int | None = None
+    ) -> int:
         if self.down:
             raise StorageUnavailable("down")
-        return await super().write_limit(scope, name, feature, body)
+        return await super().write_limit(scope, name, feature, body, expect)
 
 
 class SlowStorage(MemoryStorage):
