@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from meter.core.keys import period_start
-from tests.support.cluster_harness import Conn, Fleet, wait_until
+from tests.support.cluster_harness import Conn, Fleet, NodeThreads, wait_until
 from tests.support.nodes import NodeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
@@ -50,7 +50,7 @@ def dims_of(rng: random.Random) -> dict[str, str]:
     return out
 
 
-class DimLoad:
+class DimLoad(NodeThreads):
     """One thread per node sending ``track_many`` batches with dimensions and request ids;
     what was acknowledged, by dimensions. A batch whose answer never came (its node died) is
     kept to be sent again under the same ids (:meth:`resend`)."""
@@ -60,7 +60,7 @@ class DimLoad:
     ) -> None:
         """``without_ids``: the node whose calls carry no request ids (the paths that count
         known dimensions at once); its unanswered batch is kept in :attr:`maybe`."""
-        self.nodes = nodes
+        super().__init__(nodes)
         self.tenant = tenant
         self.batches = batches
         self.without_ids = without_ids
@@ -70,18 +70,6 @@ class DimLoad:
         self.errors: list[Any] = []
         self.sent = [0] * len(nodes)
         self._lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                        for i in range(len(nodes))]  # fmt: skip
-
-    def start(self) -> DimLoad:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def join(self) -> None:
-        for t in self.threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in self.threads)
 
     def _run(self, i: int) -> None:
         rng = random.Random(i)

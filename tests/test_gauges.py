@@ -5,7 +5,6 @@ what it stored. Real nodes: tests/test_gauges_cluster.py."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import shutil
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from meter.core.idempotency import RequestIds
 from meter.core.keys import period_start
 from meter.core.service import Service
 from meter.core.table import CounterTable
-from meter.errors import Conflict, InvalidArgument, LimitExceeded, MeterError
+from meter.errors import Conflict, InvalidArgument, LimitExceeded
 from meter.node.wiring import build_service
 from meter.persist.gauges import GaugeFlusher
 from meter.persist.recovery import recover
@@ -32,22 +31,10 @@ from meter.wal.log import WriteAheadLog
 from storage.base import Delta
 from storage.memory import MemoryStorage
 from tests.support.nodes import BACKFILL_GRACE_S, short_tmpdir
+from tests.test_dimensions import call, error
 from tests.test_wal_service import broken, disk_full, settle
 
 MONTH = period_start("month")
-
-
-async def call(svc: Service, method: str, *params: Any) -> Any:
-    result = svc.dispatch(method, list(params))
-    if inspect.isawaitable(result):
-        return await result
-    return result
-
-
-async def error(svc: Service, method: str, *params: Any) -> MeterError:
-    with pytest.raises(MeterError) as info:
-        await call(svc, method, *params)
-    return info.value
 
 
 def service(store: MemoryStorage | None = None, node: str = "n1", **config: Any) -> Service:
@@ -527,54 +514,46 @@ def _node_config(tmp: Path, flush_ms: int) -> Any:
                       flush=FlushConfig(interval_ms=flush_ms))  # fmt: skip
 
 
-async def test_a_node_stores_its_gauges_in_its_own_loop() -> None:
+async def test_a_node_stores_its_gauges_in_its_own_loop(tmp: Path) -> None:
     """The node's own gauge flusher writes readings every interval (status counts them)."""
     from meter.client import AsyncClient
     from meter.node.lifecycle import Node
 
     store = MemoryStorage()
-    tmp = short_tmpdir()
     key = ("acme", "storage_gb", MONTH)
-    try:
-        cfg = _node_config(tmp, 50)
-        async with Node(cfg, storage=store):
-            client = await AsyncClient.connect(cfg.server.socket)
-            await client.set_feature("storage_gb", aggregation="max")
-            assert await client.track("acme", "storage_gb", 12) == 12
-            for _ in range(200):
-                if (await store.load_gauges([key]))[key] is not None:
-                    break
-                await asyncio.sleep(0.02)
-            assert (await store.load_gauges([key]))[key] == (12, ANY_AT, "n1")
-            gauges = (await client.status())["gauges"]
-            assert gauges["written"] >= 1 and gauges["unstored"] == 0 and gauges["warm"] == 1
-            await client.close()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    cfg = _node_config(tmp, 50)
+    async with Node(cfg, storage=store):
+        client = await AsyncClient.connect(cfg.server.socket)
+        await client.set_feature("storage_gb", aggregation="max")
+        assert await client.track("acme", "storage_gb", 12) == 12
+        for _ in range(200):
+            if (await store.load_gauges([key]))[key] is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert (await store.load_gauges([key]))[key] == (12, ANY_AT, "n1")
+        gauges = (await client.status())["gauges"]
+        assert gauges["written"] >= 1 and gauges["unstored"] == 0 and gauges["warm"] == 1
+        await client.close()
 
 
-async def test_a_clean_stop_drains_the_gauges_readings() -> None:
+async def test_a_clean_stop_drains_the_gauges_readings(tmp: Path) -> None:
     """No flush round comes before the stop: its drain writes the readings."""
     from meter.client import AsyncClient
     from meter.node.lifecycle import Node
 
     store = MemoryStorage()
-    tmp = short_tmpdir()
     key = ("acme", "plan_seats", MONTH)
-    try:
-        cfg = _node_config(tmp, 3_600_000)
-        async with Node(cfg, storage=store) as node:
-            client = await AsyncClient.connect(cfg.server.socket)
-            await client.set_feature("plan_seats", aggregation="latest")
-            for value in (30, 4, 17, 2):  # (in one millisecond or not: in their order)
-                assert await client.track("acme", "plan_seats", value) == value
-            await client.close()
-            assert (await store.load_gauges([key]))[key] is None
-        assert node.drained
-        stored = (await store.load_gauges([key]))[key]
-        assert stored is not None and stored[0] == 2
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    cfg = _node_config(tmp, 3_600_000)
+    async with Node(cfg, storage=store) as node:
+        client = await AsyncClient.connect(cfg.server.socket)
+        await client.set_feature("plan_seats", aggregation="latest")
+        for value in (30, 4, 17, 2):  # (in one millisecond or not: in their order)
+            assert await client.track("acme", "plan_seats", value) == value
+        await client.close()
+        assert (await store.load_gauges([key]))[key] is None
+    assert node.drained
+    stored = (await store.load_gauges([key]))[key]
+    assert stored is not None and stored[0] == 2
 
 
 class _AnyAt:

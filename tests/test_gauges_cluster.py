@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from meter.core.keys import period_start
-from tests.support.cluster_harness import Conn, Fleet, wait_until
+from tests.support.cluster_harness import Conn, Fleet, NodeThreads, wait_until
 from tests.support.nodes import NodeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
@@ -34,7 +34,7 @@ def nodes(module_fleet: Fleet) -> list[NodeProcess]:
     return nodes
 
 
-class GaugeLoad:
+class GaugeLoad(NodeThreads):
     """One thread per node observing both gauges with request ids: a ``track`` of ``seats``
     (with its own instant, 3 ms apart over the fleet, so the latest is one observation
     whatever a float's rounding) and a ``track_many`` of two ``peak_gb`` items (observed at
@@ -50,7 +50,7 @@ class GaugeLoad:
     def __init__(
         self, nodes: list[NodeProcess], tenant: str, rounds: int, shared: bool = True
     ) -> None:
-        self.nodes = nodes
+        super().__init__(nodes)
         self.tenant = tenant
         self.rounds = rounds
         self.shared = shared
@@ -61,18 +61,6 @@ class GaugeLoad:
         self.errors: list[Any] = []
         self.sent = [0] * len(nodes)
         self._lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                        for i in range(len(nodes))]  # fmt: skip
-
-    def start(self) -> GaugeLoad:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def join(self) -> None:
-        for t in self.threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in self.threads)
 
     def _item(self, rng: random.Random, i: int, r: int, j: int, feature: str) -> list[Any]:
         at_ms = self.base_ms + 3 * ((r * 3 + j) * len(self.nodes) + i)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import msgpack
 
@@ -200,6 +200,29 @@ def wait_until(
 def usages(nodes: list[NodeProcess], feature: str) -> list[int]:
     """Every node's view of one counter."""
     return [p.call("usage", KEY_TENANT, feature) for p in nodes]
+
+
+class NodeThreads:
+    """One daemon thread per node, each running ``_run(i)``: :meth:`start`, then :meth:`join`
+    (which fails if one is still running)."""
+
+    def __init__(self, nodes: list[NodeProcess]) -> None:
+        self.nodes = nodes
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                        for i in range(len(nodes))]  # fmt: skip
+
+    def _run(self, i: int) -> None:
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def join(self, timeout: float = 120) -> None:
+        for t in self.threads:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in self.threads)
 
 
 class Load:
