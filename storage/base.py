@@ -211,6 +211,8 @@ class ExportRow:
     period: str
     total: int
     dims: Mapping[str, str] = field(default_factory=dict)
+    #: A gauge's row (its value); storage reads it under the gauge's stored name instead.
+    gauge: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -619,10 +621,11 @@ class Storage(abc.ABC):
         raise StoragePermanentError(f"{self.kind}: this storage does not keep ledgers")
 
     # -- gauges (docs/dimensions.md) -----------------------------------------------------------
-    # A gauge is stored as a counter of its feature (its value is the counter's total, so
-    # listings and exports read it as any counter) that also holds the reading's time and
-    # node; a write keeps a reading only if it wins (:func:`reading_wins`) over the stored
-    # one: any number of writes of a reading, in any order, leave the same item.
+    # A gauge is stored as a counter of its own, named :func:`gauge_key` (its value is the
+    # counter's total, so listings and exports read it as any counter) that also holds the
+    # reading's time and node; a write keeps a reading only if it wins (:func:`reading_wins`)
+    # over the stored one: any number of writes of a reading, in any order, leave the same
+    # item.
 
     async def put_gauges(
         self, items: Sequence[tuple[Key, str, GaugeReading]]

@@ -125,7 +125,7 @@ def test_export_reads_stored_totals_and_a_drain_completes_it(workdir: Path) -> N
         assert node.stop() == 0, node.log()
     res = cli("export", "--period", month, env={"METER_DATA_DIR": str(node.data_dir)})
     assert res.returncode == 0, res.stderr
-    assert res.stdout == f"tenant,feature,period,total,dims\nacme,api,{month},5,\n"
+    assert res.stdout == f"tenant,feature,period,total,dims,gauge\nacme,api,{month},5,,\n"
     assert res.stderr == ""  # not a terminal: no progress line
 
 
@@ -164,7 +164,7 @@ def test_meter_export_writes_csv_and_jsonl_that_parse_back(workdir: Path) -> Non
     assert res.returncode == 0, res.stderr
     assert res.stderr == ""
     parsed = list(csv.DictReader(io.StringIO(res.stdout)))
-    assert res.stdout.startswith("tenant,feature,period,total,dims\n")
+    assert res.stdout.startswith("tenant,feature,period,total,dims,gauge\n")
     assert len(parsed) == len(NOVEMBER)
     assert {(r["tenant"], r["feature"], r["period"]): int(r["total"]) for r in parsed} == NOVEMBER
 
@@ -176,8 +176,8 @@ def test_meter_export_writes_csv_and_jsonl_that_parse_back(workdir: Path) -> Non
     assert len(lines) == len(NOVEMBER)
     objs = [json.loads(line) for line in lines]
     assert {(o["tenant"], o["feature"], o["period"]): o["total"] for o in objs} == NOVEMBER
-    assert all(set(o) == {"tenant", "feature", "period", "total", "dims"} for o in objs)
-    assert all(o["dims"] == {} for o in objs)
+    assert all(set(o) == {"tenant", "feature", "period", "total", "dims", "gauge"} for o in objs)
+    assert all(o["dims"] == {} and o["gauge"] is False for o in objs)
 
     res = cli("export", "--period", "2026-11-05", "--format", "jsonl", env=env)
     assert res.returncode == 0 and json.loads(res.stdout) == {
@@ -186,9 +186,10 @@ def test_meter_export_writes_csv_and_jsonl_that_parse_back(workdir: Path) -> Non
         "period": "2026-11-05",
         "total": 6,
         "dims": {},
+        "gauge": False,
     }
     res = cli("export", "--period", "2027-01", env=env)
-    assert (res.returncode, res.stdout) == (0, "tenant,feature,period,total,dims\n")
+    assert (res.returncode, res.stdout) == (0, "tenant,feature,period,total,dims,gauge\n")
 
 
 def on_a_terminal(*args: str, env: dict[str, str]) -> tuple[int, str, str]:

@@ -178,6 +178,15 @@ def test_observations_on_the_node_clock_keep_their_order_within_a_millisecond() 
     assert times[:1000] == list(range(5000, 6000)) and set(times[1000:]) == {5000}
 
 
+def test_a_restart_keeps_the_clock_order_past_the_readings_it_restores() -> None:
+    table = GaugeTable("n1")
+    key = ("t", "seats", MONTH)
+    table.restore([(key, "latest", (4, 5500, "n1"))])
+    table.seed(key, "latest", None)
+    assert table.observe(key, "latest", 9, 5000, now=True)[2] == (9, 5501, "n1")
+    assert table.value(key) == 9
+
+
 def test_an_unstored_observation_is_written_when_a_peers_reading_beats_it() -> None:
     """The peer may never store its own (durability off, its data lost): this node's
     observation is written, restated by checkpoints and kept from eviction until storage
@@ -333,7 +342,22 @@ async def test_a_gauge_is_never_counted_as_a_sum_nor_listed_as_one() -> None:
         assert await call(node, "usage", "acme", "storage_gb") == 40
         assert not node.table.is_warm(key)
     rows = (await call(svc, "export", MONTH))["rows"]
-    assert sorted(r[3] for r in rows if r[1] == "storage_gb") == [40, 1000]
+    assert sorted(r for r in rows if r[1] == "storage_gb") == [
+        ["acme", "storage_gb", MONTH, 40, {}, "gauge"],
+        ["acme", "storage_gb", MONTH, 1000],
+    ]
+
+
+async def test_a_gauge_features_counter_is_not_pushed_as_its_value() -> None:
+    """Calls counted on a feature before it was declared a gauge are its counter's, not the
+    gauge's: live usage does not show them under the gauge's name."""
+    svc = service()
+    await limits_of(svc).refresh()
+    assert await call(svc, "track", "acme", "level", 1000) == 1000
+    await call(svc, "set_feature", "level", {"aggregation": "max"})
+    assert await call(svc, "track", "acme", "level", 7) == 7
+    assert ("level", MONTH) not in svc.watch_view("acme", None)
+    assert (await call(svc, "usage_all", "acme"))["level"] == 7
 
 
 async def test_history_reads_a_gauge_per_period_and_a_daily_gauges_months_as_the_gauge() -> None:
@@ -379,9 +403,9 @@ async def test_concurrent_declarations_of_one_feature_leave_one_standing() -> No
     other is ``conflict``."""
 
     class Interleaved(MemoryStorage):
-        async def write_limit(self, *args: Any) -> int:
+        async def write_limit(self, *args: Any, **kwargs: Any) -> int:
             await asyncio.sleep(0.01)  # (both calls have read the declarations by now)
-            return await super().write_limit(*args)
+            return await super().write_limit(*args, **kwargs)
 
     store = Interleaved()
     a, b = service(store, "n1"), service(store, "n2")
@@ -562,3 +586,31 @@ class _AnyAt:
 
 
 ANY_AT: Any = _AnyAt()
+
+
+def test_the_export_writers_mark_a_gauges_row() -> None:
+    """From storage (the gauge's stored name) or from a node (``gauge``), a gauge's row says
+    it is one; a gauge feature's counter row does not."""
+    import io
+    import json as json_
+
+    from meter.ops.export import RowWriter
+    from storage.base import ExportRow, gauge_key
+
+    rows = [
+        ExportRow("acme", gauge_key(("acme", "peak", MONTH))[1], MONTH, 9),
+        ExportRow("acme", "peak", MONTH, 3),
+        ExportRow("acme", "seats", MONTH, 4, gauge=True),
+    ]
+    out = io.StringIO()
+    RowWriter(out, "csv").write(rows)
+    assert out.getvalue().splitlines() == [
+        "tenant,feature,period,total,dims,gauge",
+        f"acme,peak,{MONTH},9,,true",
+        f"acme,peak,{MONTH},3,,",
+        f"acme,seats,{MONTH},4,,true",
+    ]
+    out = io.StringIO()
+    RowWriter(out, "jsonl").write(rows)
+    got = [(o["feature"], o["gauge"]) for o in map(json_.loads, out.getvalue().splitlines())]
+    assert got == [("peak", True), ("peak", False), ("seats", True)]

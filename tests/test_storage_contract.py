@@ -272,6 +272,13 @@ async def test_gauges_keep_the_reading_that_wins_whatever_the_order(storage: Sto
     dup = await _ok(storage, "n1", mx, 1, 50)
     assert dup.duplicate and dup.snapshot.total == 50
     assert await storage.load_gauges([mx]) == {mx: (70, 30, "n1")}
+    # A feature's range of dimension counters holds no gauge; a gauge's periods read by name.
+    assert set(await storage.list_between("acme", "2026-11", "peak", "peak\x1f\U0010ffff")) == {
+        "peak"
+    }
+    assert await storage.counters_between("acme", gauge_key(mx)[1], "2026-10", "2026-12") == {
+        "2026-11": 70
+    }
     # Ties: a max's equal value goes to the later (at_ms, node); a latest's equal time to
     # the larger node, then the larger value.
     assert await storage.put_gauges([(mx, "max", (70, 29, "n9"))]) == {mx: (70, 30, "n1")}

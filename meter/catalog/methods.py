@@ -5,6 +5,8 @@ like plans: every node holds them within a second of a change."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 from collections.abc import Awaitable
 from typing import Any
 
@@ -41,7 +43,9 @@ class FeatureMethods:
         """Store ``spec``, judged against the declaration storage holds now: written only on
         the version it was judged on (two declarations at once: the second is judged again,
         against the first)."""
-        for _ in range(MAX_TRIES):
+        for attempt in range(MAX_TRIES):
+            if attempt:  # (another change landed meanwhile: let it settle)
+                await asyncio.sleep(random.uniform(0, 0.01 * 2**attempt))
             try:
                 await self.store.refresh()  # judged against the stored declaration
             except StorageError as exc:

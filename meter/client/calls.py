@@ -431,10 +431,10 @@ def _version(answer: Any) -> int:
 
 def row_from_wire(value: Any) -> ExportRow:
     """An ``export`` answer's row as an :class:`ExportRow` (a str total back to an int)."""
-    tenant, feature, period, total, *dims = value
-    if dims:
-        return ExportRow(str(tenant), str(feature), str(period), int(total), dict(dims[0]))
-    return ExportRow(str(tenant), str(feature), str(period), int(total))
+    tenant, feature, period, total, *more = value
+    dims = dict(more[0]) if more else {}
+    gauge = len(more) > 1 and more[1] == "gauge"
+    return ExportRow(str(tenant), str(feature), str(period), int(total), dims, gauge)
 
 
 def _export_answer(answer: Any) -> tuple[list[ExportRow], str | None]:

@@ -55,11 +55,14 @@ class GaugeRow:
         self.seeded = False
         self.used = True
 
-    def stored_now(self, stored: Reading | None) -> None:
+    def stored_now(self, stored: Reading | None, node: str) -> None:
         """Storage holds ``stored`` (a fresh read or a write's answer): merged into the view;
-        *mine* is done once storage holds it or a reading that wins over it."""
+        *mine* is done once storage holds it or a reading that wins over it; a reading of
+        this node's (``node``) moves its clock order past it."""
         if stored is None:
             return
+        if stored[2] == node:
+            self.clock_ms = max(self.clock_ms, stored[1])
         kind = self.kind
         if wins(kind, stored, self.reading):
             self.reading = stored
@@ -182,7 +185,7 @@ class GaugeTable:
         """Give a row storage's reading (read fresh): merged into what this node knows."""
         with self._lock:
             row = self._row(key, kind)
-            row.stored_now(stored)
+            row.stored_now(stored, self.node)
             row.seeded = True
 
     def stored(self, key: Key, stored: Reading | None) -> None:
@@ -191,7 +194,7 @@ class GaugeTable:
         with self._lock:
             row = self._rows.get(key)
             if row is not None:
-                row.stored_now(stored)
+                row.stored_now(stored, self.node)
                 row.seeded = True
 
     def _row(self, key: Key, kind: str) -> GaugeRow:
@@ -294,6 +297,7 @@ class GaugeTable:
         with self._lock:
             for key, kind, reading in items:
                 row = self._row(key, kind)
+                row.clock_ms = max(row.clock_ms, reading[1])  # (a restart within its lead)
                 if wins(kind, reading, row.mine):
                     row.mine = reading
                 if wins(kind, reading, row.reading):

@@ -320,7 +320,8 @@ class Service:
                         out.setdefault(gauge, snap.total)
                 snaps = {f: snap for f, snap in stored.items() if counter_total(f, gauges)}
                 for feature in self.table.unseeded_features(tenant, period):
-                    snaps.setdefault(feature, EMPTY)
+                    if feature not in gauges:
+                        snaps.setdefault(feature, EMPTY)
                 # Stored feature names share this node's copy when it has one; they are not
                 # added to it, as this node has not validated them.
                 refused = [
@@ -410,7 +411,14 @@ class Service:
         keys = self.keys
         periods = [(k, keys.period(period_start(k, None))) for k in sorted(keys.kinds())]
         use: bool | frozenset[str] = True if features is None else features
-        return views(tenant, periods, lambda t, p: self.table.all_for(t, p, use=use), keys.kind_of)
+        gauges = self.gate.gauges
+
+        def counters(t: str, p: str) -> dict[str, int]:
+            # (a gauge feature's counter, counted before it was declared, is not its value)
+            held = self.table.all_for(t, p, use=use)
+            return {f: v for f, v in held.items() if f not in gauges} if gauges else held
+
+        return views(tenant, periods, counters, keys.kind_of)
 
     def watch_tick(self, now: float = 0.0, spacing: float = 0.0) -> list[Subscriber]:
         """One tick of the live usage push: offer every watched counter that changed since it

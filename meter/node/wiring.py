@@ -95,8 +95,6 @@ def resync_from(
     propagate (gossip retries later)."""
 
     async def resync(keys: list[Key] | None) -> int:
-        if keys is None and gauges is not None:
-            await _reread_gauges(storage, gauges, chunk)
         # Peers' words may have been lost (what a resync is for): the dimension counters a
         # peer made meanwhile are unknown here, so every listing is read again when needed.
         table.missed.forget()
@@ -116,6 +114,8 @@ def resync_from(
                         moved.append((key[0], key[1], key[2], 0, by))
             if moved:
                 listener.on_deltas(moved)
+        if keys is None and gauges is not None:  # (after the counters: a bad gauge item
+            await _reread_gauges(storage, gauges, chunk)  # fails this resync, not theirs)
         return rebased
 
     return resync

@@ -35,8 +35,10 @@ _WIRE_MAX = 2**64 - 1
 #: The columns of a csv export, and the keys of a jsonl one. ``dims`` is empty for a
 #: feature's total, else the dimension values of one of its dimension counters
 #: (docs/dimensions.md): one value (every call that gave it), or two or more (calls that gave
-#: exactly that combination).
-COLUMNS = ("tenant", "feature", "period", "total", "dims")
+#: exactly that combination). ``gauge`` is true for a gauge's row (``max``, ``latest``: its
+#: value), false for a counter's (a gauge feature's counter holds calls counted by a node that
+#: did not know it was a gauge).
+COLUMNS = ("tenant", "feature", "period", "total", "dims", "gauge")
 
 
 def parse_params(params: list[Any]) -> tuple[str, str | None, int]:
@@ -91,24 +93,22 @@ def _wire_row(row: ExportRow) -> list[Any]:
     total: int | str = row.total
     if not _WIRE_MIN <= row.total <= _WIRE_MAX:
         total = str(row.total)  # stored totals may outgrow 64 bits; MessagePack ints may not
-    feature, pairs = _named(row.feature)
+    gauge = gauge_feature(row.feature)
+    if gauge is not None:
+        return [row.tenant, gauge, row.period, total, {}, "gauge"]
+    feature, pairs, _ = decode(row.feature)
     if pairs:
         return [row.tenant, feature, row.period, total, dict(pairs)]
     return [row.tenant, feature, row.period, total]
 
 
-def _columns(row: ExportRow) -> tuple[str, str, str, int, dict[str, str]]:
-    feature, pairs = _named(row.feature)
-    return row.tenant, feature, row.period, row.total, dict(pairs)
-
-
-def _named(stored: str) -> tuple[str, list[tuple[str, str]]]:
-    """A stored name's feature and dimensions (a gauge's row: its feature's name)."""
-    gauge = gauge_feature(stored)
+def _columns(row: ExportRow) -> tuple[str, str, str, int, dict[str, str], bool]:
+    """A row's columns, from storage (stored names) or from a node (``dims``, ``gauge``)."""
+    gauge = gauge_feature(row.feature)
     if gauge is not None:
-        return gauge, []
-    feature, pairs, _ = decode(stored)
-    return feature, list(pairs)
+        return row.tenant, gauge, row.period, row.total, {}, True
+    feature, pairs, _ = decode(row.feature)
+    return row.tenant, feature, row.period, row.total, {**row.dims, **dict(pairs)}, row.gauge
 
 
 # -- the ``meter export`` writer ----------------------------------------------------------------
@@ -131,7 +131,7 @@ class RowWriter:
         """Append ``rows``."""
         if self._csv is not None:
             self._csv.writerows(
-                (*c[:4], json.dumps(c[4], sort_keys=True) if c[4] else "")
+                (*c[:4], json.dumps(c[4], sort_keys=True) if c[4] else "", "true" if c[5] else "")
                 for c in map(_columns, rows)
             )
         else:

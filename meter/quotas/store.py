@@ -116,7 +116,10 @@ class LimitStore:
         once, and tell peers; return the new version. ``expect``: only on that version
         (:class:`~storage.base.VersionMoved` if another write moved it)."""
         try:
-            version = await self.storage.write_limit(*record, expect)
+            if expect is None:
+                version = await self.storage.write_limit(*record)
+            else:
+                version = await self.storage.write_limit(*record, expect=expect)
         except VersionMoved:
             raise
         except StorageError as exc:
