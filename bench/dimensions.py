@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import json
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -19,11 +18,11 @@ from typing import Any
 
 from bench.harness import (
     NODE_MEMORY,
-    ROOT,
     Progress,
     Row,
     Services,
     Sizes,
+    fresh_process,
     in_turn,
     load_rounds,
     median,
@@ -167,15 +166,7 @@ def _group_by(conn: Conn, sizes: Sizes, progress: Progress, compiled: bool) -> R
 def _memory(sizes: Sizes, progress: Progress) -> list[Row]:
     tenants = max(1, sizes.memory_keys // 3_000)
     progress(f"memory: {tenants * MEMORY_SIDE**2:,} combinations in a fresh process")
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.dimensions", str(tenants)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=True,
-    )
-    got = json.loads(run.stdout)
+    got = fresh_process("bench.dimensions", str(tenants))
     per = float(got["bytes_per_combination"])
     return [
         Row(

@@ -20,10 +20,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -206,6 +208,21 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def fresh_process(module: str, *args: str) -> dict[str, Any]:
+    """Run ``python -m module args`` (a measure that needs a process of its own, as memory
+    does) and return the JSON map it prints."""
+    run = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
+    got: dict[str, Any] = json.loads(run.stdout)
+    return got
 
 
 def median(xs: list[float]) -> float:

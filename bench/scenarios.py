@@ -11,7 +11,6 @@ whose reference is a fixed number (a target, not a measurement) says so in
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing as mp
 import subprocess
 import sys
@@ -27,13 +26,13 @@ from bench import dimensions, ledger_cost, metrics_cost, quotas, scale
 from bench.harness import (
     ALTERNATING,
     NODE_MEMORY,
-    ROOT,
     Progress,
     Row,
     Services,
     Sizes,
     builds,
     create_table,
+    fresh_process,
     in_turn,
     latencies,
     load_rounds,
@@ -810,15 +809,7 @@ def memory(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     for path in ("wire", "table"):
         for mode in ("tracemalloc", "rss"):
             progress(f"memory: {n:,} warm keys in a fresh process ({path} path, {mode})")
-            run = subprocess.run(
-                [sys.executable, "-m", "bench.memory", str(n), mode, path],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=900,
-                check=True,
-            )
-            got = json.loads(run.stdout)
+            got = fresh_process("bench.memory", str(n), mode, path)
             got.pop("path", None)
             out.update(got)
     note = "" if n == 1_000_000 else " (quick mode, not 1M)"

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Protocol, TypeVar
 
+from cluster.codec import ReadingItem
+
 Key = tuple[str, ...]
 """``(tenant, feature, period)``."""
 
@@ -69,10 +71,6 @@ class AppliedView(Protocol):
 
     @property
     def snapshot(self) -> SnapshotView: ...
-
-
-ReadingItem = tuple[str, str, str, str, int, int, str]
-"""A gauge's reading, as :data:`cluster.codec.ReadingItem`."""
 
 
 class GaugeSource(Protocol):

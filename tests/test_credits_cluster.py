@@ -4,11 +4,9 @@ the nodes' pool took from the ledger is exactly what the ledger lost (docs/ledge
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
-from tests.support.cluster_harness import Conn, Fleet, wait_until
+from tests.support.cluster_harness import Fleet, until_refused, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 
@@ -25,32 +23,9 @@ def test_metered_tracks_from_three_nodes_never_overdraw(fleet: Fleet) -> None:
             nodes,
         )
         nodes[1].call("grant", "acme", 1001, {"ref": "g1"})
-        acked = [0, 0, 0]
-        errors: list[object] = []
-        lock = threading.Lock()
-
-        def spend(i: int) -> None:
-            conn = Conn(nodes[i].socket)
-            try:
-                for _ in range(100_000):
-                    error, _ = conn.call("track", "acme", "gpu", 1)
-                    if error is None:
-                        with lock:
-                            acked[i] += 1
-                    elif error["code"] == "insufficient_balance":
-                        return
-                    elif error["code"] != "unavailable":
-                        errors.append(error)
-                        return
-            finally:
-                conn.close()
-
-        threads = [threading.Thread(target=spend, args=(i,)) for i in range(3) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors[:3]
+        acked = until_refused(
+            nodes, lambda n: ("track", ["acme", "gpu", 1]), "insufficient_balance"
+        )
         spent = 2 * sum(acked)
         # Never more than granted; each node strands at most one unit's price in its share.
         assert 1001 - 3 * 2 < spent <= 1001, acked

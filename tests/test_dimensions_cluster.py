@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from meter.core.keys import period_start
-from tests.support.cluster_harness import Conn, Fleet, NodeThreads, wait_until
+from tests.support.cluster_harness import Conn, Fleet, NodeThreads, until_refused, wait_until
 from tests.support.nodes import NodeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
@@ -212,36 +212,11 @@ def wait_until_value(read: Any, nodes: list[NodeProcess], quiet_s: float = 2.0) 
 def burst(nodes: list[NodeProcess], tenant: str, dims: list[dict[str, str]]) -> int:
     """Calls of 1 unit from 4 connections per node, cycling through ``dims``, until each is
     refused for the limit; the units acknowledged."""
-    acked = [0]
-    lock = threading.Lock()
-    errors: list[Any] = []
 
-    def run(i: int, c: int) -> None:
-        conn = Conn(nodes[i].socket)
-        n = c
-        try:
-            while True:
-                error, _ = conn.call("track", tenant, "tokens", 1, {"dims": dims[n % len(dims)]})
-                n += 1
-                if error is None:
-                    with lock:
-                        acked[0] += 1
-                elif error["code"] == "limit_exceeded":
-                    return
-                elif error["code"] != "unavailable":
-                    errors.append(error)
-                    return
-        finally:
-            conn.close()
+    def request(n: int) -> tuple[str, list[Any]]:
+        return "track", [tenant, "tokens", 1, {"dims": dims[n % len(dims)]}]
 
-    threads = [threading.Thread(target=run, args=(i, c)) for i in range(len(nodes))
-               for c in range(4)]  # fmt: skip
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors[:3]
-    return acked[0]
+    return sum(until_refused(nodes, request, "limit_exceeded"))
 
 
 def _limit(nodes: list[NodeProcess], tenant: str, spec: dict[str, Any]) -> None:

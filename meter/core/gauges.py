@@ -226,20 +226,12 @@ class GaugeTable:
             return out
 
     def dirty(self) -> list[tuple[Key, str, Reading]]:
-        """Every row's *mine* storage may not hold: ``(key, kind, reading)`` (a write needs
-        no read first: storage keeps a reading only if it wins)."""
+        """Every row's *mine* storage may not hold: ``(key, kind, reading)``, what a flush
+        writes (no read first: storage keeps a reading only if it wins) and a checkpoint of
+        the log restates (seeded rows or not)."""
         with self._lock:
             return [(key, row.kind, row.mine) for key, row in self._rows.items()
                     if row.mine is not None]  # fmt: skip
-
-    def unstored(self) -> list[tuple[Key, str, Reading]]:
-        """What a checkpoint of the log restates: :meth:`dirty` (seeded rows or not)."""
-        return self.dirty()
-
-    def unseeded(self) -> list[tuple[Key, str]]:
-        """Rows whose stored reading is to be read."""
-        with self._lock:
-            return [(key, row.kind) for key, row in self._rows.items() if not row.seeded]
 
     def take_touched(self) -> list[tuple[Key, str, Reading]]:
         """The readings of rows whose view this node's observations moved since the last

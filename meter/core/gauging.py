@@ -52,8 +52,6 @@ class Gauging:
         self.storage = storage
         # Reads in flight, by key: callers of one key share one.
         self._loading: dict[Key, asyncio.Future[None]] = {}
-        #: Observations refused by a hard limit, since start.
-        self.refused = 0
 
     def kind(self, feature: str) -> str | None:
         """``max`` or ``latest`` for a gauge feature, else ``None``."""
@@ -111,7 +109,6 @@ class Gauging:
                 f"{key[0]}/{key[1]} is a gauge: its values cannot have a price (credits a unit)"
             )
         if eff.kind == "hard" and value > eff.limit:
-            self.refused += 1
             self.gate.limit_refusals += 1
             raise LimitExceeded(
                 f"{key[0]}/{key[1]}: {value} is above the hard limit {eff.limit} "

@@ -150,7 +150,7 @@ class Journal:
         for start in range(0, len(keys), CHECKPOINT_ITEMS):
             state = self.table.unstored_state(keys[start : start + CHECKPOINT_ITEMS])
             yield [R.STATE, [[*k, seq, inflight, pending] for k, seq, inflight, pending in state]]
-        readings = self.gauging.table.unstored()
+        readings = self.gauging.table.dirty()
         for start in range(0, len(readings), CHECKPOINT_ITEMS):
             part = readings[start : start + CHECKPOINT_ITEMS]
             yield [R.GAUGES, [[*k, kind, *reading] for k, kind, reading in part]]

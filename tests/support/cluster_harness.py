@@ -225,6 +225,47 @@ class NodeThreads:
         assert not any(t.is_alive() for t in self.threads)
 
 
+def until_refused(
+    nodes: list[NodeProcess],
+    request: Callable[[int], tuple[str, list[Any]]],
+    refusal: str,
+    connections: int = 4,
+) -> list[int]:
+    """From ``connections`` connections to each node, send ``request(n)`` (a method and its
+    params; ``n`` counts that connection's calls from its index) until each connection is
+    refused with ``refusal`` (``unavailable`` answers are sent on); the calls acknowledged,
+    per node. Fails on any other error."""
+    acked = [0] * len(nodes)
+    lock = threading.Lock()
+    errors: list[Any] = []
+
+    def run(i: int, c: int) -> None:
+        conn = Conn(nodes[i].socket)
+        try:
+            for n in range(c, c + 100_000):
+                method, params = request(n)
+                error, _ = conn.call(method, *params)
+                if error is None:
+                    with lock:
+                        acked[i] += 1
+                elif error["code"] == refusal:
+                    return
+                elif error["code"] != "unavailable":
+                    errors.append(error)
+                    return
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i in range(len(nodes))
+               for c in range(connections)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    return acked
+
+
 class Load:
     """Threads tracking units on the same keys through several nodes; counts what was acked.
 
