@@ -11,9 +11,9 @@ storage: a token (one per data dir) with a lease. A node claims its id at start,
 lease while it runs and writes only while it holds it (``docs/adr/0004-one-owner-per-node-id.md``).
 
 One Protocol per concern (:class:`Counters`, :class:`Owners`, :class:`LimitRecords`,
-:class:`BudgetRecords`, :class:`AlertClaims`, :class:`LedgerRecords`, :class:`DayBuckets`), so
-each part of the node depends on the store it uses; :class:`Storage`, the base every backend
-derives from, is all of them at once.
+:class:`BudgetRecords`, :class:`AlertClaims`, :class:`LedgerRecords`, :class:`GaugeRecords`,
+:class:`DayBuckets`, :class:`UniqueValues`), so each part of the node depends on the store it
+uses; :class:`Storage`, the base every backend derives from, is all of them at once.
 """
 
 from __future__ import annotations
@@ -306,6 +306,91 @@ def check_day_of(day: str, period: str) -> None:
 #: Most rows one export page may be asked for (what one page holds in memory).
 MAX_EXPORT_PAGE = 10_000
 
+#: A unique feature's value, its claimant and a page of values (docs/storage.md, "Unique
+#: values"): the longest value and claimant kept, in UTF-8 bytes, and the most values a page
+#: may be asked for. 256 bytes keep a value item's DynamoDB sort key far inside 1,024 bytes.
+MAX_VALUE_BYTES = 256
+MAX_CLAIMANT_BYTES = 256
+MAX_VALUES_PAGE = 1000
+
+#: Ends the feature in a value item's stored key, the value following it: a key's values are
+#: then one range in value order. No feature name holds it (a dimension counter's name does:
+#: refused, as its values would fall inside its feature's range).
+VALUE_MARK = "\x1f"
+
+
+def check_values_key(key: object) -> Key:
+    """``key`` if unique values may be kept under it: ``(tenant, feature, period)`` strings, a
+    period (:func:`check_period`), a non-empty tenant and feature, the feature without
+    :data:`VALUE_MARK`; else :class:`StoragePermanentError`."""
+    if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(p, str) for p in key)):
+        raise StoragePermanentError(f"key must be (tenant, feature, period) strings, got {key!r}")
+    tenant, feature, period = key
+    check_period(period)
+    if not tenant or not feature or VALUE_MARK in feature:
+        raise StoragePermanentError(
+            f"no unique values are kept for ({tenant[:80]!r}, {feature[:80]!r})"
+        )
+    return key
+
+
+def _check_text(what: str, text: object, most: int) -> None:
+    """:class:`StoragePermanentError` unless ``text`` is a string of 1..``most`` UTF-8 bytes."""
+    try:
+        size = len(text.encode("utf-8")) if isinstance(text, str) else 0
+    except UnicodeEncodeError:  # (a lone surrogate: no UTF-8 for it)
+        size = 0
+    if not 1 <= size <= most:
+        shown = text[:32] if isinstance(text, str) else type(text).__name__
+        raise StoragePermanentError(f"{what} {shown!r} is not 1..{most} UTF-8 bytes")
+
+
+def check_value_of(key: object, value: object) -> None:
+    """:class:`StoragePermanentError` unless ``value`` of ``key`` may be kept:
+    :func:`check_values_key`, and a value of 1..:data:`MAX_VALUE_BYTES` UTF-8 bytes."""
+    check_values_key(key)
+    _check_text("value", value, MAX_VALUE_BYTES)
+
+
+def check_unique(key: object, value: object, claimant: object) -> None:
+    """:class:`StoragePermanentError` unless ``value`` of ``key`` may be stored under
+    ``claimant``: :func:`check_value_of`, and a claimant of 1..256 UTF-8 bytes."""
+    check_value_of(key, value)
+    _check_text("claimant", claimant, MAX_CLAIMANT_BYTES)
+
+
+def check_values_limit(limit: object) -> int:
+    """``limit`` if it is an int in ``1..MAX_VALUES_PAGE``, else :class:`StoragePermanentError`."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_VALUES_PAGE:
+        raise StoragePermanentError(
+            f"values limit must be an integer in 1..{MAX_VALUES_PAGE}, got {limit!r}"
+        )
+    return limit
+
+
+def values_cursor(cursor: object) -> str:
+    """The value a :meth:`Storage.values_page` cursor continues after (``""``: ``None``, from
+    the start; values are never empty); :class:`BadCursor` for a string no page handed out."""
+    if cursor is None:
+        return ""
+    state = decode_cursor(cursor)
+    if not (isinstance(state, list) and len(state) == 2 and state[0] == "u"):
+        raise BadCursor("cursor is not one a page of values handed out")
+    after = state[1]
+    try:
+        ok = isinstance(after, str) and 1 <= len(after.encode("utf-8")) <= MAX_VALUE_BYTES
+    except UnicodeEncodeError:
+        ok = False
+    if not ok:
+        raise BadCursor("cursor is not one a page of values handed out")
+    assert isinstance(after, str)
+    return after
+
+
+def next_values_cursor(values: list[str], more: bool) -> str | None:
+    """The cursor after a page holding ``values`` (``None``: no more, ``more`` false)."""
+    return encode_cursor(["u", values[-1]]) if more and values else None
+
 
 # -- the concerns, one Protocol each (a backend implements them all: Storage) -----------------
 
@@ -411,6 +496,16 @@ class DayBuckets(Protocol):
     ) -> dict[str, int]: ...
 
 
+class UniqueValues(Protocol):
+    """Values of unique features, each claimed once per key (docs/storage.md)."""
+
+    async def claim_value(self, key: Key, value: str, claimant: str) -> str: ...
+    async def claimant_of(self, key: Key, value: str) -> str | None: ...
+    async def values_page(
+        self, key: Key, cursor: str | None, limit: int
+    ) -> tuple[list[str], str | None]: ...
+
+
 class Storage(abc.ABC):
     """A place counters are flushed to and seeded from. Implementations are async-safe.
 
@@ -456,7 +551,8 @@ class Storage(abc.ABC):
 
     async def purge_expired(self, now: float | None = None) -> int:
         """Delete counters past their expiry (period end, or last write if later, plus the
-        retention); return how many. A no-op where the store expires items itself."""
+        retention), and their day buckets and unique values with them; return how many. A
+        no-op where the store expires items itself."""
         return 0
 
     @abc.abstractmethod
@@ -664,3 +760,32 @@ class Storage(abc.ABC):
         ``YYYY-MM-DD``: day counters) and lie in ``first``..``last``, by period; periods with
         no counter are left out. One range read of the tenant's counters."""
         raise StoragePermanentError(f"{self.kind}: this storage does not read ranges")
+
+    # -- unique values (docs/storage.md, "Unique values") --------------------------------------
+    # A unique feature's value is an item of its own per (key, value), holding the claimant
+    # that stored it first: which call of the fleet counts a value is decided by one
+    # conditional write. Values expire with their period's counters.
+
+    async def claim_value(self, key: Key, value: str, claimant: str) -> str:
+        """Store ``value`` of ``key`` under ``claimant`` if no claimant holds it yet; the
+        claimant that holds it after the call (``claimant``: this call, or an earlier try of it
+        whose answer was lost, stored it). Claiming again under the same claimant answers the
+        same. :class:`StoragePermanentError` (nothing written) for a key, value or claimant
+        :func:`check_unique` refuses; :class:`StorageUnavailable` if storage cannot tell (the
+        caller claims again under the same claimant)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep unique values")
+
+    async def claimant_of(self, key: Key, value: str) -> str | None:
+        """The claimant holding ``value`` of ``key`` (``None``: nobody claimed it). A consistent
+        read: a claim answered before the call is seen. :class:`StoragePermanentError` for a
+        key or value :func:`check_value_of` refuses."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep unique values")
+
+    async def values_page(
+        self, key: Key, cursor: str | None, limit: int
+    ) -> tuple[list[str], str | None]:
+        """Up to ``limit`` (1..:data:`MAX_VALUES_PAGE`) values claimed in ``key``, in code
+        point order, after where ``cursor`` (``None``: the start) left off; and the cursor of
+        the next page (``None``: no more). One range read (one DynamoDB Query, one SQLite index
+        range), consistent. :class:`BadCursor` for a cursor no page handed out."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep unique values")

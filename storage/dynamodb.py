@@ -56,6 +56,8 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from storage.base import (
     EMPTY,
+    MAX_VALUE_BYTES,
+    VALUE_MARK,
     Applied,
     BadCursor,
     BadItems,
@@ -77,10 +79,16 @@ from storage.base import (
     check_export_limit,
     check_period,
     check_range,
+    check_unique,
+    check_value_of,
+    check_values_key,
+    check_values_limit,
     decode_cursor,
     encode_cursor,
     gauge_key,
     lease_end_ms,
+    next_values_cursor,
+    values_cursor,
 )
 from storage.dynamodb_wire import NoCredentials, Wire, WireError
 from storage.transactions import HotKeys, Part, Verdict, judge, pack, token
@@ -171,6 +179,12 @@ _LEDGER_REF_SK = "#l#r#"
 #: tenant and feature's days are one sort-key range (one Query), and no counter's
 #: ``<period>#...`` prefix (queries, exports) nor any key ``load`` asks for ever matches it.
 _DAY_SK = "#d#"
+#: A unique feature's value (docs/storage.md, "Unique values") is the item ``pk = tenant,
+#: sk = "#u#<period>#<feature>\x1f<value>"`` with ``c`` (S, the claimant that stored it first)
+#: and ``ttl`` as its counter's: one key's values are one sort-key range in value order (a
+#: page is one Query), and no counter's ``<period>#...`` prefix, day bucket's ``#d#`` range
+#: nor key ``load`` asks for ever matches it (no counter's sort key starts with ``#``).
+_VALUE_SK = "#u#"
 #: Above every character of a feature name (``[A-Za-z0-9_.:-]``): ``<period>#~`` ends a
 #: period's sort-key range.
 _SK_END = "~"
@@ -1369,6 +1383,81 @@ class DynamoDBStorage(Storage):
         stored = item.get("b", {}).get("S")
         return bool(stored == body)
 
+    # -- unique values (docs/storage.md, "Unique values") ------------------------------------
+
+    async def claim_value(self, key: Key, value: str, claimant: str) -> str:
+        """One ``PutItem`` conditioned on ``attribute_not_exists(pk)``. A refused condition
+        (held already, perhaps by an earlier try of this very call whose answer was lost and
+        that ``_call`` sent again) is answered with the stored claimant: from ``ALL_OLD``, or a
+        consistent ``GetItem`` where none comes back (DynamoDB Local)."""
+        check_unique(key, value, claimant)
+        pk, prefix = _values_prefix(key)
+        item_key = {"pk": {"S": pk}, "sk": {"S": prefix + value}}
+        what = f"value claim {_describe(key)}"
+        try:
+            await self._call(
+                "put_item",
+                what,
+                TableName=self.table,
+                Item={
+                    **item_key,
+                    "c": {"S": claimant},
+                    "ttl": {"N": str(_ttl(key[2], self.retention_days))},
+                },
+                ConditionExpression="attribute_not_exists(pk)",
+                ReturnValuesOnConditionCheckFailure="ALL_OLD",
+            )
+            return claimant
+        except _ConditionFailed as refused:
+            if refused.item:
+                return _claimant(refused.item, what)
+        stored = await self.claimant_of(key, value)
+        if stored is None:  # (expired or deleted since the refusal)
+            raise StorageUnavailable(f"dynamodb: {what}: not stored; try again")
+        return stored
+
+    async def claimant_of(self, key: Key, value: str) -> str | None:
+        """One consistent ``GetItem`` of the value item."""
+        check_value_of(key, value)
+        pk, prefix = _values_prefix(key)
+        what = f"value claim {_describe(key)}"
+        resp = await self._call(
+            "get_item",
+            what,
+            TableName=self.table,
+            Key={"pk": {"S": pk}, "sk": {"S": prefix + value}},
+            ConsistentRead=True,
+        )
+        item = resp.get("Item")
+        return None if item is None else _claimant(item, what)
+
+    async def values_page(
+        self, key: Key, cursor: str | None, limit: int
+    ) -> tuple[list[str], str | None]:
+        """One consistent Query: ``pk = :t AND begins_with(sk, "#u#<period>#<feature>\\x1f")``
+        from after the cursor's value, ``Limit`` one more than asked for (whether a next page
+        has any). A page cut short by DynamoDB's 1 MB holds fewer values and a cursor."""
+        check_values_limit(limit)
+        after = values_cursor(cursor)
+        pk, prefix = _values_prefix(key)
+        query: dict[str, Any] = {
+            "TableName": self.table,
+            "KeyConditionExpression": "pk = :pk AND begins_with(sk, :p)",
+            "ExpressionAttributeValues": {":pk": {"S": pk}, ":p": {"S": prefix}},
+            "ProjectionExpression": "sk",
+            "ConsistentRead": True,
+            "Limit": limit + 1,
+        }
+        if after:  # (inside the key's range, and the sort-key limit: _values_prefix)
+            query["ExclusiveStartKey"] = {"pk": {"S": pk}, "sk": {"S": prefix + after}}
+        resp = await self._call("query", f"values of {_describe(key)}", **query)
+        try:
+            got = [str(item["sk"]["S"])[len(prefix) :] for item in resp.get("Items", [])]
+        except (KeyError, TypeError) as exc:
+            raise StoragePermanentError(f"dynamodb: undecodable value of {_describe(key)}") from exc
+        more = len(got) > limit or bool(resp.get("LastEvaluatedKey"))
+        return got[:limit], next_values_cursor(got[:limit], more)
+
     # -- credits ledgers (docs/ledger.md) ----------------------------------------------------
 
     async def ledger_read(self, tenant: str) -> tuple[int, str | None]:
@@ -1778,6 +1867,26 @@ def _item_key(key: Key) -> tuple[str, str]:
     if len(sk.encode("utf-8")) > MAX_SK_BYTES:
         raise StoragePermanentError(f"dynamodb: feature of {_describe(key)} is too long")
     return tenant, sk
+
+
+def _values_prefix(key: Key) -> tuple[str, str]:
+    """The partition and sort-key prefix of ``key``'s value items; a key DynamoDB cannot
+    store them under (with a value of the longest kept) raises StoragePermanentError."""
+    tenant, feature, period = check_values_key(key)
+    prefix = f"{_VALUE_SK}{period}#{feature}{VALUE_MARK}"
+    if len(tenant.encode("utf-8")) > MAX_PK_BYTES:
+        raise StoragePermanentError(f"dynamodb: tenant of {_describe(key)} is too long")
+    if len(prefix.encode("utf-8")) + MAX_VALUE_BYTES > MAX_SK_BYTES:
+        raise StoragePermanentError(f"dynamodb: feature of {_describe(key)} is too long")
+    return tenant, prefix
+
+
+def _claimant(item: dict[str, Any], what: str) -> str:
+    """The claimant a value item holds."""
+    try:
+        return str(item["c"]["S"])
+    except (KeyError, TypeError) as exc:
+        raise StoragePermanentError(f"dynamodb: undecodable value item of {what}") from exc
 
 
 def _reading(item: dict[str, Any]) -> GaugeReading:

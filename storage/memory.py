@@ -29,11 +29,17 @@ from storage.base import (
     check_export_limit,
     check_period,
     check_range,
+    check_unique,
+    check_value_of,
+    check_values_key,
+    check_values_limit,
     decode_cursor,
     encode_cursor,
     gauge_key,
     lease_end_ms,
+    next_values_cursor,
     reading_wins,
+    values_cursor,
 )
 
 
@@ -79,6 +85,9 @@ class MemoryStorage(Storage):
         #: Day-bucket writes to fail after their month write landed (the two are separate
         #: writes on DynamoDB): the key's outcome is then an error, and a retry completes it.
         self.day_fail_next = 0
+        #: Unique values (docs/storage.md) by key: value -> its claimant. Never purged (nor
+        #: are the counters here).
+        self.values: dict[Key, dict[str, str]] = {}
 
     async def apply(self, node: str, deltas: Sequence[Delta]) -> dict[Key, Applied | StorageError]:
         if self.fail_next > 0:
@@ -362,3 +371,30 @@ class MemoryStorage(Storage):
         self._ledger_up()
         stored = self.ledger_entries_.get(tenant, {})
         return [(s, stored[s]) for s in sorted(s for s in stored if s > after)[:limit]]
+
+    # -- unique values -------------------------------------------------------------------------
+
+    async def claim_value(self, key: Key, value: str, claimant: str) -> str:
+        check_unique(key, value, claimant)
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise StorageUnavailable("injected failure before the write")
+        held = self.values.setdefault(key, {}).setdefault(value, claimant)
+        if self.lose_next_ack > 0:
+            self.lose_next_ack -= 1
+            raise StorageUnavailable("injected loss of the response after the write")
+        return held
+
+    async def claimant_of(self, key: Key, value: str) -> str | None:
+        check_value_of(key, value)
+        return self.values.get(key, {}).get(value)
+
+    async def values_page(
+        self, key: Key, cursor: str | None, limit: int
+    ) -> tuple[list[str], str | None]:
+        check_values_key(key)
+        check_values_limit(limit)
+        after = values_cursor(cursor)
+        # One more than asked for: whether a next page has any.
+        got = sorted(v for v in self.values.get(key, ()) if v > after)[: limit + 1]
+        return got[:limit], next_values_cursor(got[:limit], len(got) > limit)

@@ -49,11 +49,17 @@ from storage.base import (
     check_export_limit,
     check_period,
     check_range,
+    check_unique,
+    check_value_of,
+    check_values_key,
+    check_values_limit,
     decode_cursor,
     encode_cursor,
     gauge_key,
     lease_end_ms,
+    next_values_cursor,
     reading_wins,
+    values_cursor,
 )
 
 T = TypeVar("T")
@@ -226,6 +232,25 @@ _DAYS_UPSERT = (
     "INSERT INTO days (tenant, feature, day, total, seqs, expires_at) VALUES (?, ?, ?, ?, ?, ?)"
     " ON CONFLICT (tenant, feature, day) DO UPDATE SET"
     " total = excluded.total, seqs = excluded.seqs, expires_at = excluded.expires_at"
+)
+
+#: Values of unique features (docs/storage.md, "Unique values"): one row per (key, value),
+#: holding the claimant that stored it first. Keyed so that one key's values are one range of
+#: the primary key in value order (BINARY collation: UTF-8 bytes, i.e. code points). Additive,
+#: like ``days``; purged with the retention (``expires_at`` as its counter's).
+_VALUES = """
+CREATE TABLE IF NOT EXISTS unique_values (
+    tenant     TEXT    NOT NULL,
+    feature    TEXT    NOT NULL,
+    period     TEXT    NOT NULL,
+    value      TEXT    NOT NULL,
+    claimant   TEXT    NOT NULL,
+    expires_at INTEGER NOT NULL,
+    PRIMARY KEY (tenant, feature, period, value)
+) WITHOUT ROWID
+"""
+_VALUES_EXPIRY_INDEX = (
+    "CREATE INDEX IF NOT EXISTS unique_values_expiry ON unique_values (expires_at)"
 )
 
 _MONTH_RE = re.compile(r"\d{4}-\d{2}")
@@ -497,17 +522,7 @@ class SQLiteStorage(Storage):
                     out[period] = _total(total, args[0], "history", period)
             return out
 
-        reader = self._reader
-        if reader is None:
-            return await self._run(lambda: read(self._connection))
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                reader, lambda: read(self._read_connection)
-            )
-        except RuntimeError as exc:
-            if "shutdown" in str(exc):
-                raise StorageUnavailable(f"sqlite storage at {self.path} is closed") from exc
-            raise
+        return await self._on_reader(read)
 
     async def export_page(self, period: str, cursor: str | None, limit: int) -> ExportPage:
         """Up to ``limit`` counters of ``period`` in (tenant, feature) order, read in one read
@@ -697,6 +712,87 @@ class SQLiteStorage(Storage):
             return row is not None and str(row[0]) == body
 
         return await self._run(lambda: self._immediate(claim, f"claiming an alert in {self.path}"))
+
+    # -- unique values (docs/storage.md, "Unique values") ------------------------------------
+
+    async def claim_value(self, key: Key, value: str, claimant: str) -> str:
+        """``INSERT OR IGNORE`` then read the claimant back, in one ``BEGIN IMMEDIATE``."""
+        check_unique(key, value, claimant)
+        expires = self._expires_at(key[2])
+
+        def claim(conn: sqlite3.Connection) -> str:
+            conn.execute(
+                "INSERT OR IGNORE INTO unique_values"
+                " (tenant, feature, period, value, claimant, expires_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (*key, value, claimant, expires),
+            )
+            held = self._claimant_sync(conn, key, value)
+            if held is None:
+                raise StoragePermanentError(f"bad stored value of {key!r} in {self.path}")
+            return held
+
+        return await self._run(
+            lambda: self._immediate(claim, f"claiming a unique value in {self.path}")
+        )
+
+    async def claimant_of(self, key: Key, value: str) -> str | None:
+        """One ``SELECT`` of the row's claimant on the writer's connection: a claim commits on
+        it, and one queued on its thread before this read (even if its caller stopped waiting)
+        runs first, so a claim answered before is seen; so is another process's (each
+        statement reads the latest commit)."""
+        check_value_of(key, value)
+
+        def read() -> str | None:
+            try:
+                return self._claimant_sync(self._connection(), key, value)
+            except sqlite3.Error as exc:
+                raise _map(exc, f"reading a unique value's claimant from {self.path}") from exc
+
+        return await self._run(read)
+
+    def _claimant_sync(self, conn: sqlite3.Connection, key: Key, value: str) -> str | None:
+        """The claimant of ``value`` of ``key`` read on ``conn`` (``None``: no row)."""
+        row = conn.execute(
+            "SELECT claimant FROM unique_values"
+            " WHERE tenant = ? AND feature = ? AND period = ? AND value = ?",
+            (*key, value),
+        ).fetchone()
+        if row is None:
+            return None
+        if type(row[0]) is not str:
+            raise StoragePermanentError(f"bad stored value of {key!r} in {self.path}")
+        return row[0]
+
+    async def values_page(
+        self, key: Key, cursor: str | None, limit: int
+    ) -> tuple[list[str], str | None]:
+        """One range of the ``unique_values`` primary key, on the reader's connection (it sees
+        every commit made before the read: a claim answered before is in it)."""
+        check_values_key(key)
+        check_values_limit(limit)
+        after = values_cursor(cursor)
+
+        def read(connection: Callable[[], sqlite3.Connection]) -> tuple[list[str], str | None]:
+            try:
+                # One more than asked for: whether a next page has any.
+                rows = (
+                    connection()
+                    .execute(
+                        "SELECT value FROM unique_values WHERE tenant = ? AND feature = ?"
+                        " AND period = ? AND value > ? ORDER BY value LIMIT ?",
+                        (*key, after, limit + 1),
+                    )
+                    .fetchall()
+                )
+            except sqlite3.Error as exc:
+                raise _map(exc, f"reading unique values from {self.path}") from exc
+            got = [v for (v,) in rows[:limit]]
+            if any(type(v) is not str for v in got):
+                raise StoragePermanentError(f"bad stored value of {key!r} in {self.path}")
+            return got, next_values_cursor(got, len(rows) > limit)
+
+        return await self._on_reader(read)
 
     # -- strict budgets (ADR 0009) -----------------------------------------------------------
 
@@ -904,6 +1000,21 @@ class SQLiteStorage(Storage):
             raise _map(exc, doing) from exc
         return out
 
+    async def _on_reader(self, read: Callable[[Callable[[], sqlite3.Connection]], T]) -> T:
+        """``read(connection)`` on the reader's thread and connection (the writer's for
+        ``:memory:``, which has no reader)."""
+        reader = self._reader
+        if reader is None:
+            return await self._run(lambda: read(self._connection))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                reader, lambda: read(self._read_connection)
+            )
+        except RuntimeError as exc:
+            if "shutdown" in str(exc):
+                raise StorageUnavailable(f"sqlite storage at {self.path} is closed") from exc
+            raise
+
     async def _run(self, fn: Callable[[], T]) -> T:
         executor = self._executor
         if executor is None:
@@ -962,6 +1073,8 @@ class SQLiteStorage(Storage):
                 conn.execute(statement)
             conn.execute(_DAYS)
             conn.execute(_DAYS_EXPIRY_INDEX)
+            conn.execute(_VALUES)
+            conn.execute(_VALUES_EXPIRY_INDEX)
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
@@ -1192,7 +1305,8 @@ class SQLiteStorage(Storage):
         return max(_period_end(period), int(time.time())) + self.retention_days * 86400
 
     async def purge_expired(self, now: float | None = None) -> int:
-        """Delete counters whose ``expires_at`` has passed, a bounded batch at a time."""
+        """Delete counters whose ``expires_at`` has passed, a bounded batch at a time (and
+        day buckets and unique values likewise)."""
         cutoff = int(time.time() if now is None else now)
         total = 0
         while True:
@@ -1217,6 +1331,13 @@ class SQLiteStorage(Storage):
                     " SELECT tenant, feature, day FROM days WHERE expires_at < ? LIMIT ?)",
                     (cutoff, limit),
                 )
+                # Unique values too (they may far outnumber the counters: a batch each).
+                values = conn.execute(
+                    "DELETE FROM unique_values WHERE (tenant, feature, period, value) IN ("
+                    " SELECT tenant, feature, period, value FROM unique_values"
+                    " WHERE expires_at < ? LIMIT ?)",
+                    (cutoff, limit),
+                )
                 if n < limit:  # (the last batch) budgets and claimed alerts past their retention
                     conn.execute("DELETE FROM budgets WHERE expires_at < ?", (cutoff,))
                     conn.execute(
@@ -1224,7 +1345,7 @@ class SQLiteStorage(Storage):
                         " (SELECT tenant, feature, period FROM budgets)"
                     )
                     conn.execute("DELETE FROM alerts WHERE expires_at < ?", (cutoff,))
-                return max(n, days.rowcount)
+                return max(n, days.rowcount, values.rowcount)
         except sqlite3.Error as exc:
             raise _map(exc, f"purging expired counters in {self.path}") from exc
 

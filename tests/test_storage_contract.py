@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -32,6 +33,9 @@ from storage.base import (
 )
 from storage.memory import MemoryStorage
 from storage.sqlite import SQLiteStorage
+
+if TYPE_CHECKING:
+    from storage.dynamodb import DynamoDBStorage
 
 BACKENDS = ["memory", "sqlite", "dynamodb"]
 # DynamoDB Local needs Java: its variants carry the marker, so ``-m "not dynamodb"`` skips them.
@@ -771,6 +775,359 @@ async def test_apply_days_writes_buckets_alone_once(storage: Storage) -> None:
     assert (await storage.load([key]))[key].total == 5, "the counter is not touched"
 
 
+# -- unique values (docs/storage.md, "Unique values") ------------------------------------------
+
+U: Key = ("acme", "users", "2026-11")
+
+
+async def _all_values(store: Storage, key: Key, limit: int) -> tuple[list[str], int]:
+    """Every value of ``key``, page by page, and how many pages; checks each page's bound."""
+    got: list[str] = []
+    cursor: str | None = None
+    for pages in range(1, 100_000):
+        page, cursor = await store.values_page(key, cursor, limit)
+        assert len(page) <= limit
+        got += page
+        if cursor is None:
+            return got, pages
+        assert isinstance(cursor, str) and page
+    raise AssertionError("the values never ended")
+
+
+async def test_a_value_is_claimed_once_and_its_first_claimant_stays(storage: Storage) -> None:
+    assert await storage.claim_value(U, "user-17", "n1.a") == "n1.a"
+    assert await storage.claim_value(U, "user-17", "n2.b") == "n1.a"  # the first stays
+    assert await storage.claim_value(U, "user-17", "n1.a") == "n1.a"  # a retry: the same
+    assert await storage.claim_value(U, "user-17", "n2.b") == "n1.a"
+    assert await storage.claim_value(U, "user-18", "n2.b") == "n2.b"  # values are independent
+    assert await storage.claim_value(U, "user-18", "n2.b") == "n2.b"
+    assert await storage.values_page(U, None, 10) == (["user-17", "user-18"], None)
+
+
+async def test_concurrent_claims_of_a_new_value_have_one_winner(storage: Storage) -> None:
+    import asyncio
+
+    claimants = [f"n{i}.{i:016x}" for i in range(10)]
+    got = await asyncio.gather(*(storage.claim_value(U, "user-1", c) for c in claimants))
+    assert len(set(got)) == 1 and got[0] in claimants, got
+    again = await asyncio.gather(*(storage.claim_value(U, "user-1", c) for c in claimants))
+    assert again == got
+    assert await storage.values_page(U, None, 10) == (["user-1"], None)
+
+
+async def test_values_are_paged_in_code_point_order_without_loss_or_repeat(
+    storage: Storage,
+) -> None:
+    import asyncio
+
+    # Code point order, not UTF-16's (which puts U+1F600 before U+FF61), nor a locale's.
+    odd = ["Z", "a", "\xe9", "\uff61x", "\U0001f600x", "a\x1fb", "#u#", "2026-11#users", "é" * 128]
+    values = [f"user-{i}" for i in range(2500 - len(odd))] + odd
+    for start in range(0, len(values), 250):
+        chunk = values[start : start + 250]
+        await asyncio.gather(*(storage.claim_value(U, v, "n1.x") for v in chunk))
+    want = sorted(values)
+    assert want.index("\uff61x") < want.index("\U0001f600x")
+    got, pages = await _all_values(storage, U, 7)
+    assert got == want
+    assert pages == -(-len(values) // 7)  # the last page says there is no more
+    first, cursor = await storage.values_page(U, None, 1000)
+    assert first == want[:1000] and cursor is not None
+    second, _ = await storage.values_page(U, cursor, 1000)
+    assert second == want[1000:2000]
+    # A page that ends on the last value has no next cursor.
+    last, cursor = await storage.values_page(U, encode_cursor(["u", want[-3]]), 2)
+    assert (last, cursor) == (want[-2:], None)
+    assert await storage.values_page(("acme", "users", "2026-10"), None, 5) == ([], None)
+
+
+async def test_values_of_other_keys_are_not_mixed_in(storage: Storage) -> None:
+    keys: list[Key] = [
+        ("acme", "users", "2026-11"),
+        ("acme", "users", "2026-11-01"),
+        ("acme", "users", "2026-12"),
+        ("acme", "user", "2026-11"),
+        ("acme", "users2", "2026-11"),
+        ("acme/x", "users", "2026-11"),
+        ("acm", "users", "2026-11"),
+    ]
+    for i, key in enumerate(keys):
+        for v in ("v", f"k{i}"):
+            assert await storage.claim_value(key, v, f"c{i}") == f"c{i}"
+    for i, key in enumerate(keys):
+        assert await _all_values(storage, key, 1) == (sorted(["v", f"k{i}"]), 2)
+        assert await storage.claim_value(key, "v", "other") == f"c{i}"
+
+
+async def test_value_items_never_show_as_counters(storage: Storage) -> None:
+    month: Key = ("acme", "api_calls", "2026-11")
+    await storage.apply("n1", [Delta(month, 1, 5, "2026-11-03")])
+    before = (
+        await storage.list_period("acme", "2026-11"),
+        await storage.list_between("acme", "2026-11", "", "\U0010ffff"),
+        await _export_all(storage, "2026-11", 3),
+        await storage.counters_between("acme", "api_calls", "2026-01", "2026-12"),
+        await storage.day_buckets("acme", "api_calls", "2026-11-01", "2026-11-30"),
+    )
+    for key in [month, U, ("acme", "api_calls", "2026-11-03"), ("acme", "x", "2026-11-03")]:
+        for v in ("2026-11#api_calls", "api_calls", "#d#", "\U0010ffff", "a" * 256):
+            await storage.claim_value(key, v, "n1.x")
+    after = (
+        await storage.list_period("acme", "2026-11"),
+        await storage.list_between("acme", "2026-11", "", "\U0010ffff"),
+        await _export_all(storage, "2026-11", 3),
+        await storage.counters_between("acme", "api_calls", "2026-01", "2026-12"),
+        await storage.day_buckets("acme", "api_calls", "2026-11-01", "2026-11-30"),
+    )
+    assert after == before
+    assert before[0] == {"api_calls": Snapshot(5, {"n1": 1})}
+    assert await storage.list_period("acme", "2026-11-03") == {}
+    assert await _export_all(storage, "2026-11-03", 10) == []
+    assert await storage.counters_between("acme", "api_calls", "2026-11-01", "2026-11-30") == {}
+    assert await storage.load([month, U, ("acme", "users\x1f2026-11#api_calls", "2026-11")]) == {
+        month: Snapshot(5, {"n1": 1}),
+        U: EMPTY,
+        ("acme", "users\x1f2026-11#api_calls", "2026-11"): EMPTY,
+    }
+
+
+async def test_bad_unique_inputs_are_refused_and_write_nothing(storage: Storage) -> None:
+    refused: list[tuple[Key, object, object]] = [
+        (("acme", "users", "2026-13"), "v", "c"),
+        (("acme", "users", "2026-11-31"), "v", "c"),
+        (("acme", "users", "x"), "v", "c"),
+        (("", "users", "2026-11"), "v", "c"),
+        (("acme", "", "2026-11"), "v", "c"),
+        (("acme", "users\x1fm=a", "2026-11"), "v", "c"),  # its values would be in users'
+        (U, "", "c"),
+        (U, "a" * 257, "c"),
+        (U, "é" * 129, "c"),  # 258 bytes
+        (U, "\ud800", "c"),  # no UTF-8 for it
+        (U, 17, "c"),
+        (U, "v", ""),
+        (U, "v", "c" * 257),
+    ]
+    for key, value, claimant in refused:
+        with pytest.raises(StoragePermanentError):
+            await storage.claim_value(key, value, claimant)  # type: ignore[arg-type]
+    assert await storage.values_page(U, None, 10) == ([], None)
+    assert await storage.values_page(("acme", "users", "2026-11-30"), None, 10) == ([], None)
+    # The longest value is kept.
+    assert await storage.claim_value(U, "é" * 128, "c" * 256) == "c" * 256
+    for limit in (0, 1001, -1, True):
+        with pytest.raises(StoragePermanentError):
+            await storage.values_page(U, None, limit)
+    for key in [("acme", "users", "2026-13"), ("acme", "users\x1fm=a", "2026-11"), ("", "u", "")]:
+        with pytest.raises(StoragePermanentError):
+            await storage.values_page(key, None, 10)
+    bad = [
+        "x",
+        "",
+        encode_cursor(["q", "2026-11", "acme", "users"]),
+        encode_cursor(["u", ""]),
+        encode_cursor(["u", 7]),
+        encode_cursor(["u", "a" * 257]),
+    ]
+    for cursor in bad:
+        with pytest.raises(BadCursor):
+            await storage.values_page(U, cursor, 10)
+    assert await storage.values_page(U, None, 10) == (["é" * 128], None)
+
+
+async def test_claimant_of_a_value_is_its_first_claimant(storage: Storage) -> None:
+    assert await storage.claimant_of(U, "user-17") is None  # nothing claimed yet
+    assert await storage.claim_value(U, "user-17", "n1.a") == "n1.a"
+    assert await storage.claim_value(U, "user-17", "n2.b") == "n1.a"
+    assert await storage.claimant_of(U, "user-17") == "n1.a"  # the first claimant stays
+    assert await storage.claimant_of(U, "user-17") == "n1.a"  # a read changes nothing
+    # Neither another value of the key (one it begins with, one beginning with it) ...
+    for v in ("user-1", "user-170", "User-17", "user-17 "):
+        assert await storage.claimant_of(U, v) is None, v
+    assert await storage.claim_value(U, "user-1", "n2.b") == "n2.b"
+    assert await storage.claimant_of(U, "user-1") == "n2.b"
+    assert await storage.claimant_of(U, "user-17") == "n1.a"
+    # ... nor the same value in another key is mixed in.
+    others: list[Key] = [
+        ("acme", "users", "2026-11-01"),
+        ("acme", "users", "2026-12"),
+        ("acme", "user", "2026-11"),
+        ("acme", "users2", "2026-11"),
+        ("acme/x", "users", "2026-11"),
+        ("acm", "users", "2026-11"),
+    ]
+    for key in others:
+        assert await storage.claimant_of(key, "user-17") is None, key
+    for i, key in enumerate(others):
+        assert await storage.claim_value(key, "user-17", f"c{i}") == f"c{i}"
+    for i, key in enumerate(others):
+        assert await storage.claimant_of(key, "user-17") == f"c{i}", key
+    assert await storage.claimant_of(U, "user-17") == "n1.a"
+    # Counters are not claims, nor claims counters.
+    await _ok(storage, "n1", ("acme", "api_calls", "2026-11"), 1, 5)
+    assert await storage.claimant_of(("acme", "api_calls", "2026-11"), "api_calls") is None
+    assert await storage.claimant_of(U, "\U0010ffff") is None
+    # The longest value is read as it is kept.
+    assert await storage.claim_value(U, "é" * 128, "c" * 256) == "c" * 256
+    assert await storage.claimant_of(U, "é" * 128) == "c" * 256
+
+
+async def test_claimant_of_refuses_bad_inputs(storage: Storage) -> None:
+    assert await storage.claim_value(U, "v", "c") == "c"
+    refused: list[tuple[object, object]] = [
+        (("acme", "users", "2026-13"), "v"),
+        (("acme", "users", "2026-11-31"), "v"),
+        (("acme", "users", "x"), "v"),
+        (("", "users", "2026-11"), "v"),
+        (("acme", "", "2026-11"), "v"),
+        (("acme", "users\x1fm=a", "2026-11"), "v"),
+        (("acme", "users"), "v"),
+        (["acme", "users", "2026-11"], "v"),
+        (("acme", 7, "2026-11"), "v"),
+        (U, ""),
+        (U, "a" * 257),
+        (U, "é" * 129),  # 258 bytes
+        (U, "\ud800"),  # no UTF-8 for it
+        (U, 17),
+        (U, None),
+        (U, b"v"),
+    ]
+    for key, value in refused:
+        with pytest.raises(StoragePermanentError):
+            await storage.claimant_of(key, value)  # type: ignore[arg-type]
+    assert await storage.claimant_of(U, "v") == "c"
+    assert await storage.values_page(U, None, 10) == (["v"], None)
+
+
+async def test_sqlite_purges_unique_values_with_the_counters(tmp_path: Path) -> None:
+    import time
+
+    store = SQLiteStorage(tmp_path / "m.db", retention_days=1)
+    await store.open()
+    try:
+        old: Key = ("acme", "users", "2020-01")
+        later: Key = ("acme", "users", "2999-01")
+        await store.claim_value(old, "u1", "c")
+        await store.claim_value(later, "u1", "c")
+        await _ok(store, "n1", ("acme", "users", "2020-01"), 1, 1)
+        assert await store.purge_expired(time.time() + 3600) == 0  # within the retention
+        assert await store.values_page(old, None, 10) == (["u1"], None)
+        # A write to a period long over expires the retention after now, as its counter does.
+        assert await store.purge_expired(time.time() + 3 * 86400) == 1
+        assert await store.values_page(old, None, 10) == ([], None)
+        assert await store.values_page(later, None, 10) == (["u1"], None)
+        assert await store.claim_value(old, "u1", "d") == "d"  # gone: the next claim stores it
+    finally:
+        await store.close()
+
+
+async def test_sqlite_a_file_of_the_older_layout_gets_the_values_table(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "m.db"
+    store = SQLiteStorage(path)
+    await store.open()
+    await _ok(store, "n1", U, 1, 3)
+    await store.close()
+    conn = sqlite3.connect(path)  # as a build before unique values left it
+    conn.execute("DROP TABLE unique_values")
+    conn.close()
+    await store.open()
+    try:
+        assert await store.claim_value(U, "u1", "c") == "c"
+        assert await store.values_page(U, None, 10) == (["u1"], None)
+        assert (await store.load([U]))[U].total == 3
+    finally:
+        await store.close()
+
+
+@pytest.mark.dynamodb
+async def test_dynamodb_value_item_layout_and_ttl(dynamodb_storage: DynamoDBStorage) -> None:
+    """The value item's sort key, claimant and TTL: its counter's."""
+    key: Key = ("acme", "users", "2099-11")
+    await _ok(dynamodb_storage, "n1", key, 1, 1)
+    assert await dynamodb_storage.claim_value(key, "user-17", "n1.a") == "n1.a"
+
+    async def item(sk: str) -> dict[str, Any]:
+        resp = await dynamodb_storage._call(
+            "get_item",
+            "test",
+            TableName=dynamodb_storage.table,
+            Key={"pk": {"S": "acme"}, "sk": {"S": sk}},
+            ConsistentRead=True,
+        )
+        got: dict[str, Any] = resp["Item"]
+        return got
+
+    value = await item("#u#2099-11#users\x1fuser-17")
+    counter = await item("2099-11#users")
+    assert value == {
+        "pk": {"S": "acme"},
+        "sk": {"S": "#u#2099-11#users\x1fuser-17"},
+        "c": {"S": "n1.a"},
+        "ttl": counter["ttl"],
+    }
+
+
+async def test_dynamodb_a_refused_claim_is_answered_from_all_old(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DynamoDB returns the held item with a failed condition (DynamoDB Local does not, so
+    the contract tests read it back): no read then."""
+    from storage.dynamodb import DynamoDBStorage, _ConditionFailed
+
+    store = DynamoDBStorage("t")
+    calls: list[str] = []
+
+    async def call(op: str, what: str, **params: Any) -> dict[str, Any]:
+        calls.append(op)
+        assert params["ReturnValuesOnConditionCheckFailure"] == "ALL_OLD"
+        raise _ConditionFailed({**params["Item"], "c": {"S": "first"}})
+
+    monkeypatch.setattr(store, "_call", call)
+    assert await store.claim_value(U, "user-17", "second") == "first"
+    assert calls == ["put_item"]
+    with pytest.raises(StoragePermanentError):  # refused before any request
+        await store.claim_value(("acme", "x" * 760, "2026-11"), "v", "c")
+    assert calls == ["put_item"]
+
+
+async def test_dynamodb_claimant_of_is_one_consistent_get_item(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One consistent GetItem of the value item; a refused claim that comes back without the
+    held item (DynamoDB Local) is answered by that same read."""
+    from storage.dynamodb import DynamoDBStorage, _ConditionFailed
+
+    store = DynamoDBStorage("t")
+    calls: list[tuple[str, dict[str, Any]]] = []
+    held: dict[str, Any] | None = None
+
+    async def call(op: str, what: str, **params: Any) -> dict[str, Any]:
+        calls.append((op, params))
+        if op == "put_item":
+            raise _ConditionFailed(None)
+        assert op == "get_item"
+        return {} if held is None else {"Item": held}
+
+    monkeypatch.setattr(store, "_call", call)
+    assert await store.claimant_of(U, "user-17") is None
+    item_key = {"pk": {"S": "acme"}, "sk": {"S": "#u#2026-11#users\x1fuser-17"}}
+    get: dict[str, Any] = {"TableName": "t", "Key": item_key, "ConsistentRead": True}
+    assert calls == [("get_item", get)]
+    held = {**item_key, "c": {"S": "first"}}
+    assert await store.claimant_of(U, "user-17") == "first"
+    calls.clear()
+    assert await store.claim_value(U, "user-17", "second") == "first"
+    assert [op for op, _ in calls] == ["put_item", "get_item"] and calls[1][1] == get
+    held = {**item_key}  # no claimant in it
+    with pytest.raises(StoragePermanentError):
+        await store.claimant_of(U, "user-17")
+    calls.clear()
+    with pytest.raises(StoragePermanentError):  # refused before any request
+        await store.claimant_of(("acme", "x" * 760, "2026-11"), "v")
+    assert calls == []
+
+
 def test_every_backend_is_every_concern() -> None:
     """The per-concern Protocols are what ``Storage`` is: mypy checks these assignments (a
     method missing or differently shaped in ``Storage`` fails ``mypy --strict``), and each
@@ -780,9 +1137,11 @@ def test_every_backend_is_every_concern() -> None:
         BudgetRecords,
         Counters,
         DayBuckets,
+        GaugeRecords,
         LedgerRecords,
         LimitRecords,
         Owners,
+        UniqueValues,
     )
     from storage.dynamodb import DynamoDBStorage
 
@@ -793,9 +1152,11 @@ def test_every_backend_is_every_concern() -> None:
         b: BudgetRecords = s
         a: AlertClaims = s
         led: LedgerRecords = s
+        g: GaugeRecords = s
         d: DayBuckets = s
-        return (c, o, lim, b, a, led, d)
+        u: UniqueValues = s
+        return (c, o, lim, b, a, led, g, d, u)
 
     for backend in (MemoryStorage, SQLiteStorage, DynamoDBStorage):
         assert issubclass(backend, Storage)
-    assert len(concerns(MemoryStorage())) == 7
+    assert len(concerns(MemoryStorage())) == 9
