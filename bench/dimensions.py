@@ -1,10 +1,12 @@
-"""Scenario 12, dimensions (docs/dimensions.md): what a call with dimensions costs against a
-plain one on the same node, side by side in one run, a ``track_many`` of dimensioned items, a
-group-by read, and memory per dimension combination (``python -m bench.dimensions N``: bytes
-per combination in a fresh process, printed as JSON).
+"""Scenario 12, dimensions and aggregations (docs/dimensions.md): what a call with dimensions
+costs against a plain one on the same node, side by side in one run, a ``track_many`` of
+dimensioned items, a group-by read, a unique feature's already-seen value against a plain
+``track``, and memory per dimension combination and per unique value (``python -m
+bench.dimensions N``: bytes per combination in a fresh process; ``python -m bench.dimensions
+values N``: bytes per unique value; printed as JSON).
 
 The node is the compiled build on memory storage without a log (as scenario 1), feature ``f``
-declared with dimensions ``model`` and ``region``.
+declared with dimensions ``model`` and ``region``, feature ``u`` declared ``unique``.
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ def dimensions(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     compiled = bool((node_status(node).get("build") or {}).get("compiled"))
     conn = Conn(node.socket)
     conn.ok("set_feature", "f", {"dimensions": ["model", "region"]})
+    conn.ok("set_feature", "u", {"aggregation": "unique"})
     rows: list[Row] = []
     try:
         rows.append(_track(node, sizes, progress, compiled))
+        rows.append(_unique(node, sizes, progress, compiled))
         rows.append(_track_many(node, sizes, progress, compiled))
         rows.append(_group_by(conn, sizes, progress, compiled))
     finally:
@@ -84,6 +88,37 @@ def _track(node: Any, sizes: Sizes, progress: Progress, compiled: bool) -> Row:
             "errors": errors,
             "compiled": compiled,
             **{f"rounds_{who}_ops": x for who, x in ops.items()},
+        },
+        "measured",
+    )
+
+
+def _unique(node: Any, sizes: Sizes, progress: Progress, compiled: bool) -> Row:
+    """``track`` of an already-seen value of a unique feature against a plain ``track``, 4
+    connections, in turns (each worker's value is claimed by its first call, in the warm-up)."""
+    sock = str(node.socket)
+    loads = {
+        "seen": Load("meter", sock, "track", 4, 1, duration=sizes.duration, value="user-17"),
+        "plain": Load("meter", sock, "track", 4, 1, duration=sizes.duration),
+    }
+    got = load_rounds(sizes.rounds, loads, progress, "track of an already-seen unique value")
+    ops = {who: [x.ops_per_s for x in results] for who, results in got.items()}
+    errors = sum(x.errors for results in got.values() for x in results)
+    ratio = ratios(ops["seen"], ops["plain"])
+    return Row(
+        DIMS,
+        "track of an already-seen unique value vs a plain track, 4 conn",
+        "ops/s",
+        median(ops["seen"]),
+        median(ops["plain"]),
+        ratio,
+        ">= 0.8x",
+        ratio >= 0.8 and errors == 0 and compiled,
+        {
+            **NODE_MEMORY,
+            "connections": 4,
+            "errors": errors,
+            **{f"rounds_{who}": x for who, x in ops.items()},
         },
         "measured",
     )
@@ -180,8 +215,90 @@ def _memory(sizes: Sizes, progress: Progress) -> list[Row]:
             per <= 300,
             got,
             "target",
-        )
+        ),
+        _value_memory(sizes, progress),
     ]
+
+
+def _value_memory(sizes: Sizes, progress: Progress) -> Row:
+    values = max(1_000, sizes.memory_keys // 10)
+    progress(f"memory: {values:,} unique values in a fresh process")
+    got = fresh_process("bench.dimensions", "values", str(values))
+    per = float(got["bytes_per_value"])
+    return Row(
+        DIMS,
+        f"bytes per unique value known to a node ({got['values']:,} of 16 characters)",
+        "B",
+        per,
+        None,
+        None,
+        "report",
+        None,
+        got,
+    )
+
+
+def measure_values(values: int) -> dict[str, Any]:
+    """Track ``values`` distinct values of a unique feature (16 characters each, 100 tenants)
+    through a service on memory storage; the Python heap the node keeps per value (its
+    cache of values known claimed; storage's items are not counted)."""
+    import asyncio
+    import inspect
+
+    from meter.config import CounterConfig
+    from meter.core.table import CounterTable
+    from meter.node.wiring import build_service
+    from storage.memory import MemoryStorage
+
+    store = MemoryStorage()
+    svc = build_service(CounterTable("mem"), store, CounterConfig())
+
+    async def call(method: str, *params: Any) -> Any:
+        got = svc.dispatch(method, list(params))
+        return await got if inspect.isawaitable(got) else got
+
+    async def fill() -> None:
+        for n in range(values):
+            await call("track", f"tenant-{n % 100:03d}", "u", 1, {"value": f"user-{n:011d}"})
+
+    async def declare() -> None:
+        await call("set_feature", "u", {"aggregation": "unique"})
+        await call("track", "tenant-000", "u", 1, {"value": "warm-up"})
+
+    asyncio.run(declare())
+    gc.collect()
+    store_before = _heap_of(store)
+    tracemalloc.start()
+    t0, _ = tracemalloc.get_traced_memory()
+    asyncio.run(fill())
+    gc.collect()
+    t1, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    stored = _heap_of(store) - store_before
+    return {
+        "values": values,
+        "bytes_per_value": (t1 - t0 - stored) / values,
+        "bytes_per_value_with_memory_storage": (t1 - t0) / values,
+        "cached_values": svc.uniques.status()["cached_values"],
+    }
+
+
+def _heap_of(store: Any) -> int:
+    """Bytes the memory storage's value items hold (deep size of its values map)."""
+    seen: set[int] = set()
+
+    def size(obj: Any) -> int:
+        if id(obj) in seen:
+            return 0
+        seen.add(id(obj))
+        n = sys.getsizeof(obj)
+        if isinstance(obj, dict):
+            n += sum(size(k) + size(v) for k, v in obj.items())
+        elif isinstance(obj, list | tuple | set | frozenset):
+            n += sum(size(x) for x in obj)
+        return n
+
+    return size(store.values)
 
 
 def measure(tenants: int) -> dict[str, Any]:
@@ -232,4 +349,7 @@ def measure(tenants: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 10)))
+    if sys.argv[1:2] == ["values"]:
+        print(json.dumps(measure_values(int(sys.argv[2]) if len(sys.argv) > 2 else 10_000)))
+    else:
+        print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 10)))

@@ -45,6 +45,9 @@ class Load:
     #: ``track`` gives the same values every call, a ``track_many`` item ``j`` gives
     #: ``model=m<j % 10>``, ``region=r<j // 10 % 10>`` (100 combinations).
     dims: int = 0
+    #: A unique feature's value (feature ``u``, declared ``unique``): every ``track`` gives
+    #: it (met once, then known: the already-seen path).
+    value: str = ""
 
     def socket_of(self, worker: int) -> str:
         """The socket worker ``worker`` connects to."""
@@ -99,6 +102,8 @@ def meter_frames(load: Load, worker: int) -> bytes:
         elif load.method == "track_many":
             items = [[tenant, f"f{j}", 1] for j in range(load.items)]
             out += msgpack.packb([0, msgid, "track_many", [items]])
+        elif load.value:
+            out += msgpack.packb([0, msgid, "track", [tenant, "u", 1, {"value": load.value}]])
         elif load.dims:
             opts = {"dims": _dims(load.dims, 0)}
             out += msgpack.packb([0, msgid, "track", [tenant, _feature(load, msgid), 1, opts]])

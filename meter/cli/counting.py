@@ -61,6 +61,7 @@ def add_parsers(sub: Any, common: Common) -> None:
     track.add_argument("--at", type=float, help="epoch seconds choosing the period")
     track.add_argument("--id", help=id_help)
     track.add_argument("--dim", action="append", metavar="NAME=VALUE", help=DIM_HELP)
+    track.add_argument("--value", help="the value a unique feature counts once (qty 1)")
 
     reserve = client("reserve", "hold units against a limit; prints the reservation id")
     reserve.add_argument("tenant")
@@ -174,6 +175,8 @@ def run(args: argparse.Namespace, client: Client, as_json: bool, prepared: Prepa
     if args.command == "track":
         if args.dim:
             opts["dims"] = dict(pair(d, "--dim") for d in args.dim)
+        if args.value is not None:
+            opts["value"] = args.value
         value = client.track(args.tenant, args.feature, args.qty, id=rid, **opts)
         text = NOT_KNOWN if value is None else str(value)
         out(as_json, text, tenant=args.tenant, feature=args.feature, value=value)

@@ -30,6 +30,11 @@ def add_parsers(sub: Any, common: Common) -> None:
     export.add_argument(
         "--out", help="write to this file (appears only once complete; default stdout)"
     )
+    export.add_argument(
+        "--values",
+        action="store_true",
+        help="write the values unique features counted instead (tenant, feature, period, value)",
+    )
 
 
 def run(args: argparse.Namespace, cfg: NodeConfig) -> int:
@@ -39,7 +44,8 @@ def run(args: argparse.Namespace, cfg: NodeConfig) -> int:
 
     from meter.core.keys import check_period
     from meter.node.wiring import build_storage
-    from meter.ops.export import RowWriter, atomic_file, export_to
+    from meter.ops.export import RowWriter, ValueWriter, atomic_file, export_to, export_values_to
+    from meter.quotas.limits import LimitBook
     from storage.base import ExportPage, StorageError
 
     try:
@@ -73,8 +79,16 @@ def run(args: argparse.Namespace, cfg: NodeConfig) -> int:
         storage = build_storage(cfg)
         try:
             await storage.open()
-            return await export_to(
-                storage, period, RowWriter(stream, args.format), progress if tty else None
+            if not args.values:
+                return await export_to(
+                    storage, period, RowWriter(stream, args.format), progress if tty else None
+                )
+            version, records = await storage.read_limits()
+            specs = LimitBook.from_records(version, records).features
+            uniques = {f for f, spec in specs.items() if spec.aggregation == "unique"}
+            writer = ValueWriter(stream, args.format)
+            return await export_values_to(
+                storage, storage, period, uniques, writer, progress if tty else None
             )
         finally:
             await storage.close()

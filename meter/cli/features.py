@@ -22,7 +22,8 @@ def add_parsers(sub: Any, common: Common) -> None:
     fset.add_argument("feature")
     fset.add_argument(
         "--aggregation",
-        help="sum (the default), or a gauge: max or latest (not given: as declared)",
+        help="sum (the default), a gauge: max or latest, or unique: distinct values "
+        "(not given: as declared)",
     )
     fset.add_argument(
         "--dim",

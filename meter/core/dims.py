@@ -31,10 +31,11 @@ from typing import Any, Literal, cast
 
 from meter.errors import InvalidArgument
 
-Aggregation = Literal["sum", "max", "latest"]
+Aggregation = Literal["sum", "max", "latest", "unique"]
 #: The aggregations a feature may be declared with (docs/dimensions.md): ``sum`` counts units;
-#: ``max`` and ``latest`` are gauges (:mod:`meter.core.gauges`), whose calls observe values.
-AGGREGATIONS: tuple[Aggregation, ...] = ("sum", "max", "latest")
+#: ``max`` and ``latest`` are gauges (:mod:`meter.core.gauges`), whose calls observe values;
+#: ``unique`` counts distinct values (:mod:`meter.core.uniques`).
+AGGREGATIONS: tuple[Aggregation, ...] = ("sum", "max", "latest", "unique")
 
 #: Most dimensions a feature may declare.
 MAX_DIMENSIONS = 4

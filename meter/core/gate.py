@@ -87,6 +87,9 @@ class Gate:
         #: Gauge features (docs/dimensions.md, "Gauges"): feature -> ``max`` or ``latest``.
         #: A call on one is an observation, never a count (:mod:`meter.core.gauging`).
         self.gauges: dict[str, str] = {}
+        #: Unique features (docs/dimensions.md, "Unique counts"): a call on one counts a value
+        #: once (:mod:`meter.core.uniques`).
+        self.uniques: frozenset[str] = frozenset()
         #: Whether any call may need more than a plain count (a limit exists, a gauge is
         #: declared, or the tenant hierarchy is on): the hot paths look at this one flag.
         self.gated = self.hier
@@ -132,14 +135,16 @@ class Gate:
         """Enforce ``limited`` from now on (``alerting``: some limit has alert thresholds)."""
         self.warm_checks = {}  # decided again under the new limits
         self.limited = limited if limited else None
-        self.gated = bool(limited) or self.hier or bool(self.gauges)
+        self.gated = bool(limited) or self.hier or bool(self.gauges) or bool(self.uniques)
         self.alerting = alerting
 
-    def new_gauges(self, gauges: dict[str, str]) -> None:
-        """Take calls on the features of ``gauges`` (feature -> kind) as observations."""
+    def new_aggregations(self, gauges: dict[str, str], uniques: frozenset[str]) -> None:
+        """Take calls on the features of ``gauges`` (feature -> kind) as observations, and
+        on those of ``uniques`` as values counted once."""
         self.warm_checks = {}
         self.gauges = gauges
-        self.gated = bool(self.limited) or self.hier or bool(gauges)
+        self.uniques = uniques
+        self.gated = bool(self.limited) or self.hier or bool(gauges) or bool(uniques)
 
     def effective(self, key: Key) -> Limit | None:
         """The limit on ``key``'s (tenant, feature), if any."""
@@ -159,6 +164,7 @@ class Gate:
             bool(limited and (key[0], key[1]) in limited)
             or (self.hier and "/" in key[0])
             or key[1] in self.gauges
+            or key[1] in self.uniques
         )
 
     def warm_check(self, key: Key) -> Any:
@@ -167,8 +173,8 @@ class Gate:
         path charges the pool) or ``False`` (dispatch checks it)."""
         if not self.needs_check(key):
             how: Any = None
-        elif key[1] in self.gauges:
-            how = False  # an observation: never counted on the batched path
+        elif key[1] in self.gauges or key[1] in self.uniques:
+            how = False  # an observation, or a value: never counted on the batched path
         else:
             credits = self.priced_only(key, 1)
             how = False if credits is None else (pool_key(key[0]), credits)

@@ -20,6 +20,7 @@ from meter.core.keys import Key, period_start
 from meter.core.leases import Lease
 from meter.core.reserving import Reserving, mono, wall
 from meter.core.table import CounterTable
+from meter.core.uniques import Uniques
 from meter.wal import records as R
 
 #: Items per record when the state is restated in a checkpoint.
@@ -37,6 +38,7 @@ class Journal:
         reserving: Reserving,
         config: CounterConfig,
         gauging: Gauging,
+        uniques: Uniques,
     ) -> None:
         self.table = table
         self.keys = keys
@@ -45,6 +47,8 @@ class Journal:
         self.config = config
         #: Gauges' observations: undone by their records; their unstored readings restated.
         self.gauging = gauging
+        #: Unique values' claims: outcomes undone; claims without one restated.
+        self.uniques = uniques
         #: Keys a restart is reading ahead (recovery's warm-up) and may not have loaded yet:
         #: checkpoints list them as warm until the warm-up ends.
         self.warming: list[Key] = []
@@ -82,6 +86,8 @@ class Journal:
                     self.ids.forget(rec[7])
             elif kind == R.GAUGE:
                 self.gauging.undo(rec)
+            elif kind == R.CLAIMED:
+                self.uniques.undo(rec)
             elif kind == R.SHARES:  # written again with the next commit
                 shares.relog([(t, f, p) for t, f, p, _, _ in rec[1]])
             elif kind == R.EXPIRE:  # open again; the next expiry tick that can log it ends it
@@ -154,6 +160,9 @@ class Journal:
         for start in range(0, len(readings), CHECKPOINT_ITEMS):
             part = readings[start : start + CHECKPOINT_ITEMS]
             yield [R.GAUGES, [[*k, kind, *reading] for k, kind, reading in part]]
+        claims = self.uniques.unresolved()
+        for start in range(0, len(claims), CHECKPOINT_ITEMS):
+            yield [R.CLAIMS, claims[start : start + CHECKPOINT_ITEMS]]
         for start in range(0, len(leases), CHECKPOINT_ITEMS):
             items = []
             for lease_id in leases[start : start + CHECKPOINT_ITEMS]:

@@ -78,6 +78,10 @@ class Reserving:
                 f"{key[1]!r} is a gauge (max or latest): its values are observed with track, "
                 "not reserved"
             )
+        if key[1] in self.gate.uniques:
+            raise InvalidArgument(
+                f"{key[1]!r} counts unique values: each is counted once by track, not reserved"
+            )
         if o.get("dims"):  # (an empty map gives no dimensions)
             raise InvalidArgument(
                 "reserve with dims is not supported yet: reserve on the feature's total and "

@@ -33,6 +33,7 @@ from meter.core.reserving import Reserving
 from meter.core.seeder import Seeder
 from meter.core.table import CounterTable
 from meter.core.tracking import Tracking
+from meter.core.uniques import Uniques
 from meter.core.watch import (
     Bind,
     Subscriber,
@@ -92,6 +93,7 @@ class Service:
         reserving: Reserving,
         groups: Groups,
         gauging: Gauging,
+        uniques: Uniques,
         journal: Journal,
         watch: Watch,
         limits: Reporting,
@@ -114,6 +116,8 @@ class Service:
         self.groups = groups
         #: Gauges (``max``, ``latest``): observed, read.
         self.gauging = gauging
+        #: Unique features: values claimed, counted once.
+        self.uniques = uniques
         self.journal = journal
         #: Request ids of calls that counted, with their first answers.
         self.ids: RequestIds = tracking.ids

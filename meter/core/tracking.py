@@ -32,6 +32,7 @@ from meter.core.params import opts as check_opts
 from meter.core.ports import POOL
 from meter.core.seeder import Seeder
 from meter.core.table import CounterTable, PartlyRefused
+from meter.core.uniques import Uniques
 from meter.errors import Conflict, InvalidArgument, MeterError, Unavailable
 from meter.wal import records as R
 
@@ -41,7 +42,7 @@ MAX_BATCH_ITEMS = 10_000
 #: the room each write makes) before it answers ``unavailable``.
 MAX_ROOM_TRIES = 8
 
-_TRACK_OPTS = frozenset({"at", "id", "detail", "dims"})
+_TRACK_OPTS = frozenset({"at", "id", "detail", "dims", "value"})
 _ITEM_OPTS = frozenset({"id", "dims"})
 
 #: Not decided yet (see Gate.warm_check).
@@ -61,12 +62,15 @@ class Tracking:
         seeder: Seeder,
         groups: Groups,
         gauging: Gauging,
+        uniques: Uniques,
     ) -> None:
         self.table = table
         self.keys = keys
         self.gate = gate
         #: Calls on gauges (``max``, ``latest``): observations, not counts.
         self.gauging = gauging
+        #: Calls on unique features: values counted once.
+        self.uniques = uniques
         #: Dimension counters: listed, bounded (docs/dimensions.md).
         self.groups = groups
         self.fence = fence
@@ -197,6 +201,11 @@ class Tracking:
                     spread = self._known_spread(params[0], params[1], dims)
                     if spread is not None:
                         return self._track_known(spread, params[2])
+                given = opts.get("value")
+                if type(given) is str and params[2] == 1:
+                    known = self.uniques.known_answer(params[0], params[1], given)
+                    if known is not None:
+                        return known[0]
         tenant, feature, qty, opts = check_args("track", params, 2, 4, (1, {}))
         o = check_opts("track", opts, _TRACK_OPTS)
         at = o.get("at")
@@ -209,6 +218,8 @@ class Tracking:
         qty = check_qty(qty)
         dims = o.get("dims")
         pairs: Pairs = () if dims is None else check_dims(key[1], self.keys.spec(key[1]), dims)
+        if "value" in o or key[1] in self.gate.uniques:
+            return self.uniques.track_call(key, qty, o.get("value"), at, at_s, rid, detail)
         idem: tuple[str, int] | None = None
         if rid is not None:
             # The period is named by ``at`` only: a retry that crosses midnight or a month end
@@ -258,6 +269,10 @@ class Tracking:
         kind = self.gate.gauges.get(key[1])
         if kind is not None:  # a gauge: an observation of the value ``qty``
             return self.gauging.track(key, kind, qty, at, idem, detail)
+        if key[1] in self.gate.uniques:
+            raise InvalidArgument(
+                f"track: {key[1]!r} counts unique values: give the value (option value)"
+            )
         keys = self.keys.levels(key)
         if all(self.table.is_seeded(k) for k in keys):
             try:
@@ -457,6 +472,10 @@ class Tracking:
                     key = keys.key_for(tenant, feature)
                 if type(qty) is not int or not QTY_MIN <= qty <= QTY_MAX:
                     qty = check_qty(qty)
+                if key[1] in gate.uniques:
+                    raise InvalidArgument(
+                        f"{key[1]!r} counts unique values: track each value with track"
+                    )
                 idem: tuple[str, int] | None = None
                 spread: list[Key] | None = None
                 if len(item) == 4:

@@ -256,7 +256,7 @@ class Node:
             asyncio.create_task(self.gauge_flusher.run(), name="gauge-flusher"),
             asyncio.create_task(loops.expire_reservations(service), name="reservation-expiry"),
             asyncio.create_task(
-                loops.evict_idle(cfg.counters.evict_after_s, self.table, gauges),
+                loops.evict_idle(cfg.counters.evict_after_s, self.table, gauges, service.uniques),
                 name="eviction",
             ),
             asyncio.create_task(
@@ -269,6 +269,7 @@ class Node:
             asyncio.create_task(parts.limits.run(), name="limits"),
             asyncio.create_task(loops.keep_shares(parts.shares), name="strict-shares"),
             asyncio.create_task(parts.alerts.run(), name="alerts"),
+            asyncio.create_task(loops.resolve_claims(service.uniques), name="unique-claims"),
         ]
         if warm:
             # Right after the socket opens: requests arriving meanwhile are read first.
@@ -472,6 +473,16 @@ class Node:
         except TimeoutError:
             log.warning("drain: strict shares not all given back within %s s", STRICT_DRAIN_S)
         drain_s = self.config.flush.drain_timeout_s
+        uniques = self.parts.service.uniques
+        if uniques.pending:  # counted before the flush drains, if storage answers now
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(uniques.resolve(), drain_s)
+            if uniques.pending:
+                log.error(
+                    "drain: %d claims of unique values unresolved (they stay in the "
+                    "write-ahead log, if it is on)",
+                    len(uniques.pending),
+                )
         assert self.gauge_flusher is not None
         # (the same deadline: storage that takes one takes the other)
         gauges_drained, self.drained = await asyncio.gather(

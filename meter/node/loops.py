@@ -1,5 +1,6 @@
 """A node's background loops beside the flusher, gossip and the limits: each a thin loop over
-the parts it keeps up (reservation expiry, eviction, retention purge, strict shares, holds).
+the parts it keeps up (reservation expiry, eviction, retention purge, strict shares, holds,
+unique values' claims).
 
 Each loop runs until cancelled (the node's stop); one that must not end on a bug logs it and
 goes on.
@@ -15,6 +16,7 @@ from typing import Any, Protocol
 from cluster.gossip import Gossip
 from meter.core.leases import Reservations
 from meter.core.service import Service
+from meter.core.uniques import Uniques
 from meter.quotas.holds import MAX_HOLD_BYTES, MAX_HOLD_KEYS, PeerHolds, local_holds
 from meter.quotas.shares import Shares
 from storage.base import Snapshot, Storage, StorageError
@@ -45,7 +47,8 @@ async def expire_reservations(service: Service) -> None:
 
 
 class Evicts(Protocol):
-    """A table that drops rows idle since its previous call (counters, gauges)."""
+    """A table that drops rows idle since its previous call (counters, gauges; unique values
+    of keys the counters dropped)."""
 
     def evict_idle(self) -> int: ...
 
@@ -70,6 +73,25 @@ async def purge_expired(storage: Storage, every_s: float) -> None:
             continue
         if n:
             log.info("retention purge: deleted %d expired counters", n)
+
+
+#: How often claims of unique values whose outcome is not known are claimed again.
+RESOLVE_EVERY_S = 0.5
+
+
+async def resolve_claims(uniques: Uniques) -> None:
+    """Claim again, until storage answers, every claim of a unique value whose outcome is not
+    known (a failed write, a restart): each is counted once it is known won."""
+    while True:
+        if uniques.pending:
+            try:
+                left = await uniques.resolve()
+            except Exception:  # a bug must not end the resolving for good
+                log.exception("unique values: resolving claims failed")
+            else:
+                if left:
+                    log.debug("unique values: %d claims still unresolved", left)
+        await asyncio.sleep(RESOLVE_EVERY_S)
 
 
 async def keep_shares(shares: Shares) -> None:

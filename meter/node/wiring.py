@@ -35,6 +35,7 @@ from meter.core.server import RpcServer, start_server
 from meter.core.service import Service
 from meter.core.table import CounterTable
 from meter.core.tracking import Tracking
+from meter.core.uniques import Uniques
 from meter.core.watch import Watch
 from meter.errors import ConfigError
 from meter.history.methods import HistoryMethods
@@ -263,16 +264,19 @@ def assemble(
     def new_book(book: LimitBook) -> None:
         gate.new_limits(book.by_pair, book.alerting)
         keys.new_specs(book.features)
-        gate.new_gauges(
-            {f: spec.aggregation for f, spec in book.features.items() if spec.aggregation != "sum"}
+        specs = book.features.items()
+        gate.new_aggregations(
+            {f: spec.aggregation for f, spec in specs if spec.aggregation in ("max", "latest")},
+            frozenset(f for f, spec in specs if spec.aggregation == "unique"),
         )
 
     limits = LimitStore(storage, new_book, poll_s=limits_poll_s, publish=publish_limits)
     gauges = gauges if gauges is not None else GaugeTable(table.node, gossip=table.gossip)
     gauging = Gauging(gauges, keys, gate, fence, ids, storage)
-    tracking = Tracking(table, keys, gate, fence, ids, seeder, groups, gauging)
+    uniques = Uniques(table, keys, gate, fence, ids, seeder, storage)
+    tracking = Tracking(table, keys, gate, fence, ids, seeder, groups, gauging, uniques)
     reserving = Reserving(table, keys, gate, fence, ids, seeder, config)
-    journal = Journal(table, keys, ids, reserving, config, gauging)
+    journal = Journal(table, keys, ids, reserving, config, gauging, uniques)
     features = {
         **LimitMethods(limits).handlers(),
         **FeatureMethods(limits).handlers(),
@@ -292,6 +296,7 @@ def assemble(
         reserving=reserving,
         groups=groups,
         gauging=gauging,
+        uniques=uniques,
         journal=journal,
         watch=Watch(max_tenants=config.max_watched_tenants),
         limits=limits,

@@ -11,7 +11,7 @@ import contextlib
 import csv
 import json
 import os
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Container, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -21,7 +21,15 @@ from meter.core.params import args as check_args
 from meter.core.params import opts as check_opts
 from meter.core.ports import Handler
 from meter.errors import InvalidArgument, Unavailable
-from storage.base import BadCursor, Counters, ExportPage, ExportRow, StorageError, gauge_feature
+from storage.base import (
+    BadCursor,
+    Counters,
+    ExportPage,
+    ExportRow,
+    StorageError,
+    UniqueValues,
+    gauge_feature,
+)
 
 #: Most rows one ``export`` call answers: 1,000 rows of the longest names (512-byte tenants,
 #: 256-byte features) stay inside the protocol's 1 MiB frame.
@@ -151,6 +159,62 @@ async def export_to(
     written. ``progress(rows so far, page)`` is called after each page."""
     async for page in storage.export(period):
         writer.write(page.rows)
+        if progress is not None:
+            progress(writer.rows, page)
+    return writer.rows
+
+
+#: The columns of a ``meter export --values`` file: one row per value a unique feature counted.
+VALUE_COLUMNS = ("tenant", "feature", "period", "value")
+#: Values per storage read of ``--values``.
+VALUES_PAGE = 1000
+
+
+class ValueWriter:
+    """Writes unique features' values as csv (a header row first) or jsonl to a stream."""
+
+    def __init__(self, stream: TextIO, fmt: str) -> None:
+        if fmt not in ("csv", "jsonl"):
+            raise InvalidArgument(f"format must be csv or jsonl, got {fmt!r}")
+        self.stream = stream
+        self.rows = 0
+        self._csv = csv.writer(stream, lineterminator="\n") if fmt == "csv" else None
+        if self._csv is not None:
+            self._csv.writerow(VALUE_COLUMNS)
+
+    def write(self, key: tuple[str, str, str], values: list[str]) -> None:
+        """Append ``key``'s ``values``."""
+        if self._csv is not None:
+            self._csv.writerows((*key, v) for v in values)
+        else:
+            self.stream.writelines(
+                json.dumps(dict(zip(VALUE_COLUMNS, (*key, v), strict=True))) + "\n" for v in values
+            )
+        self.rows += len(values)
+
+
+async def export_values_to(
+    storage: Counters,
+    values: UniqueValues,
+    period: str,
+    uniques: Container[str],
+    writer: ValueWriter,
+    progress: Callable[[int, ExportPage], None] | None = None,
+) -> int:
+    """Write every value the unique features (``uniques``) counted in ``period``, tenant by
+    tenant (the stored counters tell which tenants have one), page by page; return the rows
+    written. ``progress(rows so far, page)`` is called after each page of counters."""
+    async for page in storage.export(period):
+        for row in page.rows:
+            if row.feature not in uniques:
+                continue
+            key = (row.tenant, row.feature, period)
+            cursor: str | None = None
+            while True:
+                got, cursor = await values.values_page(key, cursor, VALUES_PAGE)
+                writer.write(key, got)
+                if cursor is None:
+                    break
         if progress is not None:
             progress(writer.rows, page)
     return writer.rows

@@ -108,6 +108,8 @@ def status_fields(node: NodeView) -> dict[str, Any]:
             "last_error": gs.last_error,
             "last_at": gs.last_at,
         }
+    if node.service is not None:
+        out["uniques"] = node.service.uniques.status()
     out["gc"] = {
         "threshold": list(gc.get_threshold()),
         "frozen": gc.get_freeze_count(),

@@ -67,6 +67,8 @@ async def recover(wal: WriteAheadLog, service: Service) -> list[Key]:
     service.gauging.table.restore(
         (key, kind, reading) for key, (kind, reading) in replay.gauges.items()
     )
+    # Claims of unique values the log holds no outcome of: claimed again (the node's loop).
+    service.uniques.restore(replay.claims)
     seeded = await _seed(service, [*unstored, *(ls.key for ls in replay.leases.values())])
     service.gate.shares.recovered(replay.shares)
     wal.open(service.undo, service.checkpoint, service.journal.closing)

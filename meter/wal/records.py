@@ -83,6 +83,15 @@ GAUGE: Final = 19
 #: ``[GAUGES, [[t, f, p, kind, value, at_ms, node], ...]]``: gauges' readings of this node that
 #: storage may not hold (a checkpoint's restatement).
 GAUGES: Final = 20
+#: ``[CLAIM, t, f, p, value, claimant]``: a unique feature's value about to be claimed in
+#: storage under ``claimant`` (on disk before the claim is sent; ADR 0018).
+CLAIM: Final = 21
+#: ``[CLAIMED, t, f, p, value, claimant, won, id, fingerprint, answer, expires]``: the claim's
+#: outcome; ``won``: the value counted 1 on the key (``id`` nil without a request id).
+CLAIMED: Final = 22
+#: ``[CLAIMS, [[t, f, p, value, claimant], ...]]``: claims without an outcome (a checkpoint's
+#: restatement).
+CLAIMS: Final = 23
 
 FORMAT: Final = 2
 

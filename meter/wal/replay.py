@@ -7,6 +7,7 @@ Replaying applies the records in log order to a small model of the node's unstor
   ``delta`` from ``pending`` into flight (the previous sequence was stored: the table takes a
   new one only then); a ``STATE`` sets all three;
 - open reservations, finished reservations and remembered request ids, by id;
+- claims of unique values whose outcome no record holds (claimed again after the restart);
 - the keys the records name, with the record that named each last, and the keys checkpoints
   listed as warm (``WARM``): what a restarted node reads ahead (:meth:`Replay.warm_keys`).
 
@@ -74,6 +75,8 @@ class Replay:
     #: Gauges' readings the records hold, by key: ``(kind, reading)``, each record's merged
     #: into the one before (writing them again is harmless: storage keeps the winner).
     gauges: dict[Key, tuple[str, Reading]] = field(default_factory=dict)
+    #: Claims of unique values without a logged outcome: ``(key, value)`` by claimant.
+    claims: dict[str, tuple[Key, str]] = field(default_factory=dict)
     _segment: int = 0
     _listed_in: int = -1
     _mode: str | None = None
@@ -137,6 +140,21 @@ class Replay:
         elif kind == R.GAUGES:
             for t, f, p, gauge, value, at_ms, node in rec[1]:
                 self._gauge((t, f, p), gauge, (value, at_ms, node))
+        elif kind == R.CLAIM:
+            t, f, p, value, claimant = rec[1:6]
+            self.claims[claimant] = ((t, f, p), value)
+            self._row((t, f, p))
+        elif kind == R.CLAIMED:
+            t, f, p, _, claimant, won, rid, fp, answer, expires = rec[1:11]
+            self.claims.pop(claimant, None)
+            row = self._row((t, f, p))
+            if won:
+                row.pending += 1
+            if rid is not None:
+                self.ids[rid] = (fp, answer, expires)
+        elif kind == R.CLAIMS:
+            for t, f, p, value, claimant in rec[1]:
+                self.claims[claimant] = ((t, f, p), value)
         elif kind == R.SHARES:
             if self._mode == "fsync":  # (an interval segment may have lost answered ones)
                 for t, f, p, run, admitted in rec[1]:

@@ -1,0 +1,414 @@
+"""Calls on unique features (docs/dimensions.md, "Unique counts"): a ``track`` of a value
+counts 1 the first time the value is met in its (tenant, feature, period), on any node, and 0
+after. The feature's counter holds the distinct count: an ordinary counter (flushed exactly
+once, gossiped, limited, exported), which only the node that wins a value's **claim** adds to.
+
+A claim is decided in storage by one conditional write (``claim_value``: the first claimant
+stays). The claim is logged (``CLAIM``) and on disk before it is sent, and its outcome
+(``CLAIMED``, with the unit it counted) in the same step as the count: a claim whose outcome
+the log does not hold is claimed again under the same claimant after a restart or a failed
+write, which answers the same, so a won claim counts once (ADR 0018).
+
+What this node knows is claimed (it won or lost the claim) it keeps in a cache per key, so a
+value met again is answered from memory. The cache is only a shortcut: a value it forgot is
+claimed again and lost, counting nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from meter.core.dims import MAX_DIM_VALUE_BYTES
+from meter.core.fence import Fence
+from meter.core.gate import Gate, soft_crossing
+from meter.core.idempotency import RequestIds, check_id, fingerprint
+from meter.core.keycache import KeyCache
+from meter.core.keys import Key
+from meter.core.seeder import Seeder
+from meter.core.table import CounterTable
+from meter.errors import InvalidArgument, LimitExceeded, Unavailable
+from meter.wal import records as R
+from meter.wal.errors import WalError
+from storage.base import StorageError, StoragePermanentError, UniqueValues
+
+log = logging.getLogger("meter.service")
+
+#: Values a node keeps in its caches at most; past it, the caches start again empty (a value
+#: forgotten costs one storage round trip when next met, never a miscount).
+MAX_CACHED_VALUES = 1_000_000
+
+#: A claim sent but not answered: ``(key, value)`` by claimant.
+Claims = dict[str, tuple[Key, str]]
+
+
+def check_value(value: Any) -> str:
+    """A unique feature's value: a printable string of 1..64 UTF-8 bytes."""
+    if type(value) is not str:
+        raise InvalidArgument(f"value must be a string, got {type(value).__name__}")
+    if not value or len(value.encode("utf-8")) > MAX_DIM_VALUE_BYTES:
+        raise InvalidArgument(f"value must be 1..{MAX_DIM_VALUE_BYTES} UTF-8 bytes")
+    if not value.isprintable():
+        raise InvalidArgument(f"value {value[:32]!r} is not printable")
+    return value
+
+
+class Uniques:
+    """The calls on unique features over one node's table (see the module docstring)."""
+
+    def __init__(
+        self,
+        table: CounterTable,
+        keys: KeyCache,
+        gate: Gate,
+        fence: Fence,
+        ids: RequestIds,
+        seeder: Seeder,
+        storage: UniqueValues,
+    ) -> None:
+        self.table = table
+        self.keys = keys
+        self.gate = gate
+        self.fence = fence
+        self.wal = fence.wal
+        self.ids = ids
+        self.seeder = seeder
+        self.storage = storage
+        #: Values known claimed, by key (a cache: see the module docstring).
+        self.seen: dict[Key, set[str]] = {}
+        self._cached = 0
+        #: Claims sent by a call waiting on their answer, and claims whose outcome is not
+        #: known (a failed write, a restart): the latter are claimed again by :meth:`resolve`.
+        self.flying: Claims = {}
+        self.pending: Claims = {}
+        #: The claimant of each pending claim, by ``(key, value)``.
+        self._doubted: dict[tuple[Key, str], str] = {}
+        #: Claims in flight per key: a hard limit counts them as taken.
+        self._inflight: dict[Key, int] = {}
+        #: Claims won and lost since start.
+        self.won = 0
+        self.lost = 0
+
+    # -- tracking -------------------------------------------------------------------------------
+
+    def known(self, key: Key, value: str) -> bool:
+        """Whether ``value`` is known claimed in ``key``."""
+        held = self.seen.get(key)
+        return held is not None and value in held
+
+    def known_answer(self, tenant: Any, feature: Any, value: str) -> tuple[int | None] | None:
+        """The answer to ``track(tenant, feature, 1, {"value": value})`` (no id, no ``at``)
+        when ``value`` is known claimed in the current period (nothing to count), else
+        ``None``: the hot path of a value met again."""
+        keys = self.keys
+        now = time.time()
+        if not keys.day_start <= now < keys.day_end:
+            return None
+        try:
+            key = keys.cache.get((tenant, feature))
+        except TypeError:  # an unhashable name: checked (and refused) the long way
+            return None
+        if key is None or not self.known(key, value):
+            return None
+        fence = self.fence
+        if fence.reason is not None:
+            raise Unavailable(fence.reason)
+        return (self.table.value(key),)
+
+    def track_call(
+        self,
+        key: Key,
+        qty: int,
+        value: Any,
+        at: Any,
+        at_s: float | None,
+        rid: Any,
+        detail: bool,
+    ) -> Any:
+        """A ``track`` on a unique feature, or one giving a value (its names, ``qty`` and
+        ``at`` checked): checked, then answered from what this node knows claimed, or a
+        coroutine claiming it (:meth:`track`)."""
+        if key[1] not in self.gate.uniques:
+            raise InvalidArgument(
+                f"track: {key[1]!r} does not count unique values (declare it with the unique "
+                "aggregation); value is for those"
+            )
+        if value is None:
+            raise InvalidArgument(
+                f"track: {key[1]!r} counts unique values: give the value (option value)"
+            )
+        value = check_value(value)
+        if qty != 1:
+            raise InvalidArgument(
+                f"track: a call on the unique feature {key[1]!r} counts one value: qty must be "
+                f"1, got {qty}"
+            )
+        idem: tuple[str, int] | None = None
+        if rid is not None:
+            idem = (check_id(rid), fingerprint("track", key[0], key[1], qty, at, value))
+            entry = self.ids.lookup(idem[0], idem[1], time.time())
+            if entry is not None:  # a retry: counts nothing, answers as the first call did
+                return self.gate.detail(key, entry[1], 0) if detail else entry[1]
+        if at_s is not None:
+            self.keys.check_open(key, at_s, time.time())
+        self.fence.check()
+        if self.known(key, value) and self.table.is_seeded(key):
+            answer = self.answer_known(key, idem)
+            return self.gate.detail(key, answer, 0) if detail else answer
+        return self.track(self.keys.levels(key), value, idem, detail)
+
+    async def track(
+        self, keys: list[Key], value: str, idem: tuple[str, int] | None, detail: bool
+    ) -> Any:
+        """A ``track`` of ``value`` on the unique feature of ``keys`` (its levels, the call's
+        own first), not known claimed in the first: each level claimed, and counted where the
+        claim is won; the first level's distinct count (or the ``check`` map)."""
+        key = keys[0]
+        for level in keys:
+            if not self.table.is_seeded(level) and not await self.seeder.seed(level):
+                raise Unavailable(f"{level[0]}/{level[1]}: storage is unreachable")
+        if idem is not None:  # a call with the same id may have been answered meanwhile
+            entry = self.ids.lookup(idem[0], idem[1], time.time())
+            if entry is not None:
+                return self.gate.detail(key, entry[1], 0) if detail else entry[1]
+        refusal = self.refusal(key)
+        # A value counted already (by another node) is answered, not refused.
+        if refusal is not None and not await self._claimed(key, value):
+            self.gate.limit_refusals += 1
+            raise refusal
+        for level in keys[1:]:
+            if not self.known(level, value):
+                await self._claim(level, value, None)
+        if self.known(key, value):  # claimed meanwhile, by a call of this node
+            answer = self.answer_known(key, idem)
+        else:
+            answer = await self._claim(key, value, idem)
+        return self.gate.detail(key, answer, 0) if detail else answer
+
+    def answer_known(self, key: Key, idem: tuple[str, int] | None) -> int | None:
+        """The answer to a ``track`` of a value known claimed: the count, nothing counted (a
+        request id remembered and logged with it)."""
+        value = self.table.value(key)
+        if idem is not None:
+            self.fence.check()
+            expires = self.ids.remember(idem[0], idem[1], value, time.time())
+            if self.wal is not None:
+                self.wal.append([R.TRACK_ID, *key, 0, idem[0], idem[1], value, expires])
+        return value
+
+    async def _claimed(self, key: Key, value: str) -> bool:
+        """Whether storage holds ``value`` of ``key`` claimed (then known from now on)."""
+        try:
+            holder = await self.storage.claimant_of(key, value)
+        except StorageError as exc:
+            raise Unavailable(f"{key[0]}/{key[1]}: storage is unreachable: {exc}") from None
+        if holder is None:
+            return False
+        self._cache(key, value)
+        return True
+
+    def refusal(self, key: Key) -> LimitExceeded | None:
+        """Why a new value of ``key`` may not be counted now: its hard limit reached (claims
+        in flight count as taken; ``None``: it may). A price on it: raised."""
+        eff = self.gate.effective(key)
+        if eff is None:
+            return None
+        if eff.price:
+            raise InvalidArgument(
+                f"{key[0]}/{key[1]} counts unique values: they cannot have a price (credits a unit)"
+            )
+        value = self.table.value(key) or 0
+        if eff.kind == "hard" and value + self._inflight.get(key, 0) + 1 > eff.limit:
+            return LimitExceeded(
+                f"{key[0]}/{key[1]}: {value} distinct values, the hard limit is {eff.limit} "
+                f"({eff.source}); a new value is not counted"
+            )
+        return None
+
+    async def _claim(self, key: Key, value: str, idem: tuple[str, int] | None) -> int | None:
+        """Claim ``value`` of ``key`` under a new claimant: logged and on disk first, then
+        written; counted if won. The count after it."""
+        self.fence.check()
+        # A claim of this value whose outcome is not known yet (a retry after an error) is
+        # claimed again under its claimant, not under a new one.
+        claimant = self._doubted.get((key, value))
+        again = claimant is not None and self._undoubt(claimant) is not None
+        if claimant is None:
+            claimant = f"{self.table.node}.{uuid.uuid4().hex[:16]}"
+        self.flying[claimant] = (key, value)
+        self._inflight[key] = self._inflight.get(key, 0) + 1
+        try:
+            if self.wal is not None and not again:
+                self.wal.append([R.CLAIM, *key, value, claimant])
+                try:
+                    await self.wal.durable()
+                except WalError as exc:  # never sent: nothing to claim again
+                    del self.flying[claimant]
+                    raise Unavailable(f"the write-ahead log cannot be written: {exc}") from None
+            try:
+                holder = await self.storage.claim_value(key, value, claimant)
+            except StoragePermanentError as exc:  # never stored: closed, nothing counted
+                del self.flying[claimant]
+                self._abandon(key, value, claimant)
+                raise InvalidArgument(
+                    f"{key[0]}/{key[1]}: the value cannot be kept: {exc}"
+                ) from None
+            except StorageError as exc:
+                # It may have landed: claimed again (same claimant) until storage answers.
+                self._doubt(claimant, *self.flying.pop(claimant))
+                raise Unavailable(
+                    f"{key[0]}/{key[1]}: storage is unreachable ({exc}); whether this value "
+                    "is new is decided when it answers, and counted at most once"
+                ) from None
+            if self.fence.reason is not None:  # may not count now: resolved when it may
+                self._doubt(claimant, *self.flying.pop(claimant))
+                raise Unavailable(self.fence.reason)
+        except BaseException:
+            # A cancelled call (its client gone, the node stopping) leaves its claim to be
+            # resolved like one storage did not answer: it may have been sent.
+            held = self.flying.pop(claimant, None)
+            if held is not None:
+                self._doubt(claimant, *held)
+            raise
+        finally:
+            left = self._inflight[key] - 1
+            if left:
+                self._inflight[key] = left
+            else:
+                del self._inflight[key]
+        del self.flying[claimant]
+        return self._settle(key, value, claimant, holder == claimant, idem)
+
+    def _settle(
+        self, key: Key, value: str, claimant: str, won: bool, idem: tuple[str, int] | None
+    ) -> int | None:
+        """A claim's outcome: counted if won, logged with the count (one record), remembered."""
+        gate = self.gate
+        if won:
+            self.won += 1
+            after = self.table.incr(key, 1, check=False)
+            eff = gate.effective(key)
+            if soft_crossing(eff, after, 1):
+                gate.crossed(key, eff, after)
+            if gate.alerting and eff is not None and eff.alerts and after is not None:
+                gate.alerts.detect(key, eff.limit, eff.alerts, after - 1, after)
+        else:
+            self.lost += 1
+            after = self.table.value(key)
+        self._cache(key, value)
+        rid = fp = expires = None
+        if idem is not None:
+            rid, fp = idem
+            expires = self.ids.remember(rid, fp, after, time.time())
+        if self.wal is not None:
+            self.wal.append([R.CLAIMED, *key, value, claimant, won, rid, fp, after, expires])
+        return after
+
+    def _abandon(self, key: Key, value: str, claimant: str) -> None:
+        """Close a claim storage refused for good (nothing stored, nothing counted)."""
+        if self.wal is not None:
+            self.wal.append([R.CLAIMED, *key, value, claimant, False, None, None, None, None])
+
+    def _cache(self, key: Key, value: str) -> None:
+        held = self.seen.get(key)
+        if held is None:
+            held = self.seen[key] = set()
+        if value not in held:
+            if self._cached >= MAX_CACHED_VALUES:
+                self.seen = {key: held}
+                self._cached = len(held)
+            held.add(value)
+            self._cached += 1
+
+    # -- claims whose outcome is not known -----------------------------------------------------
+
+    def restore(self, claims: Claims) -> None:
+        """Claims the log holds without an outcome (a restart): claimed again by
+        :meth:`resolve`."""
+        for claimant, (key, value) in claims.items():
+            self._doubt(claimant, key, value)
+
+    async def resolve(self) -> int:
+        """Claim again every claim whose outcome is not known, under its own claimant (the
+        answer is the one the first write got, had it landed); count those won. How many are
+        left unknown (storage still unreachable, or the node may not count now)."""
+        for claimant, (key, value) in list(self.pending.items()):
+            if self._fenced():
+                break
+            try:
+                holder = await self.storage.claim_value(key, value, claimant)
+            except StoragePermanentError as exc:  # never stored: closed, nothing counted
+                log.error("unique values: a claim of %s/%s cannot be kept: %s", key[0], key[1], exc)
+                if self._undoubt(claimant) is not None:
+                    self._abandon(key, value, claimant)
+                continue
+            except StorageError:
+                break  # tried again on the next pass
+            if self._fenced():
+                break  # (still pending: the node may not count now)
+            if self._undoubt(claimant) is not None:  # (not taken meanwhile by a call)
+                self._settle(key, value, claimant, holder == claimant, None)
+        return len(self.pending)
+
+    def _fenced(self) -> bool:
+        return self.fence.reason is not None
+
+    def undo(self, record: list[Any]) -> None:
+        """Take back a ``CLAIMED`` record whose log write failed (journal's undo): its count,
+        its request id; the claim's outcome is found again by :meth:`resolve`."""
+        t, f, p, value, claimant, won, rid = record[1:8]
+        key = (t, f, p)
+        if won:
+            self.table.incr(key, -1, check=False)
+            self.won -= 1
+        else:
+            self.lost -= 1
+        if rid is not None:
+            self.ids.forget(rid)
+        held = self.seen.get(key)
+        if held is not None and value in held:
+            held.discard(value)
+            self._cached -= 1
+        self._doubt(claimant, key, value)
+
+    def _doubt(self, claimant: str, key: Key, value: str) -> None:
+        """Keep a claim whose outcome is not known, to be claimed again."""
+        self.pending[claimant] = (key, value)
+        self._doubted[(key, value)] = claimant
+
+    def _undoubt(self, claimant: str) -> tuple[Key, str] | None:
+        """Take a claim out of those whose outcome is not known (``None``: not one)."""
+        held = self.pending.pop(claimant, None)
+        if held is not None and self._doubted.get(held) == claimant:
+            del self._doubted[held]
+        return held
+
+    def unresolved(self) -> list[list[Any]]:
+        """Every claim without a logged outcome, as ``CLAIMS`` items (a checkpoint's)."""
+        claims = (*self.flying.items(), *self.pending.items())
+        return [[*key, value, claimant] for claimant, (key, value) in claims]
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def evict_idle(self) -> int:
+        """Forget the cached values of keys the table no longer holds (evicted, or of a
+        period past); how many values."""
+        table = self.table
+        gone = [k for k in self.seen if not table.is_warm(k)]
+        dropped = 0
+        for k in gone:
+            dropped += len(self.seen.pop(k))
+        self._cached -= dropped
+        return dropped
+
+    def status(self) -> dict[str, int]:
+        """The ``uniques`` section of ``status``."""
+        return {
+            "cached_values": self._cached,
+            "claims_won": self.won,
+            "claims_lost": self.lost,
+            "claims_in_flight": len(self.flying),
+            "claims_unresolved": len(self.pending),
+        }
