@@ -82,7 +82,7 @@ def test_bad_requests_get_the_services_errors_and_the_connection_stays_usable(
         (
             [0, 5, "track", ["acme", "api", 1, {"color": 1}]],
             "invalid_argument",
-            "track: unknown option 'color' (allowed: at, detail, dims, id)",
+            "track: unknown option 'color' (allowed: at, detail, dims, id, value)",
         ),
         ([0, 6, "nope", []], "unknown_method", "unknown method 'nope'"),
         ([0, 7, "ping"], "invalid_argument", "a request has 4 elements, got 3"),
