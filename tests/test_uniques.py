@@ -534,3 +534,151 @@ def test_values_are_exported_for_an_invoice(tmp: Path) -> None:
         **{(f"t{i}", "seats"): sum(1 for v in want if v[0] == f"t{i}") for i in range(3)},
         ("t0", "api"): 7,
     }
+
+
+# -- review: limits with open claims, levels, bounds, checkpoints, undo --------------------------
+
+
+async def test_claims_without_an_outcome_count_as_taken_under_a_hard_limit() -> None:
+    store = Flaky()
+    svc = await declared(service(store))
+    await call(svc, "set_limit", "acme", "seats", {"limit": 2})
+    await limits_of(svc).refresh()
+    assert await call(svc, "track", "acme", "seats", 1, {"value": "a"}) == 1
+    store.fail = "after"  # b lands; its answer is lost: b's claim is open
+    assert isinstance(await error(svc, "track", "acme", "seats", 1, {"value": "b"}), Unavailable)
+    store.fail = None
+    assert isinstance(await error(svc, "track", "acme", "seats", 1, {"value": "c"}), LimitExceeded)
+    assert await svc.uniques.resolve() == 0
+    assert await call(svc, "usage", "acme", "seats") == 2
+    assert sorted(await stored_values(store)) == ["a", "b"]
+
+
+async def test_every_level_of_a_hierarchy_is_judged_by_its_limit() -> None:
+    store = MemoryStorage()
+    config = CounterConfig(tenant_hierarchy=True)
+    svc = await declared(build_service(CounterTable("n1"), store, config))
+    await call(svc, "set_limit", "acme", "seats", {"limit": 2})
+    await limits_of(svc).refresh()
+    assert await call(svc, "track", "acme/a", "seats", 1, {"value": "u1"}) == 1
+    assert await call(svc, "track", "acme/b", "seats", 1, {"value": "u2"}) == 1
+    exc = await error(svc, "track", "acme/c", "seats", 1, {"value": "u3"})
+    assert isinstance(exc, LimitExceeded) and "acme/seats" in exc.message
+    assert await call(svc, "track", "acme/c", "seats", 1, {"value": "u1"}) == 1  # (counted at acme)
+    assert [await call(svc, "usage", t, "seats") for t in ("acme", "acme/c")] == [2, 1]
+    # Calls at once cannot pass a level's limit together: each claim is open when judged.
+    await call(svc, "set_limit", "beta", "seats", {"limit": 3})
+    await limits_of(svc).refresh()
+    got = await asyncio.gather(
+        *(call(svc, "track", f"beta/{n}", "seats", 1, {"value": f"v{n}"}) for n in range(8)),
+        return_exceptions=True,
+    )
+    assert sum(1 for g in got if isinstance(g, LimitExceeded)) == 5
+    assert await call(svc, "usage", "beta", "seats") == 3
+
+
+async def test_a_call_whose_parent_level_fails_leaves_every_level_to_be_resolved() -> None:
+    """All levels' claims are opened (and logged) together: whichever storage does not
+    answer, each is resolved, counted once."""
+    store = Flaky()
+    config = CounterConfig(tenant_hierarchy=True)
+    svc = await declared(build_service(CounterTable("n1"), store, config))
+    store.fail = "before"
+    assert isinstance(await error(svc, "track", "acme/b", "seats", 1, {"value": "u"}), Unavailable)
+    assert svc.uniques.status()["claims_unresolved"] == 2
+    store.fail = None
+    assert await svc.uniques.resolve() == 0
+    assert [await call(svc, "usage", t, "seats") for t in ("acme", "acme/b")] == [1, 1]
+
+
+async def test_the_cache_of_known_values_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from meter.core import uniques
+
+    monkeypatch.setattr(uniques, "MAX_CACHED_VALUES", 10)
+    store = MemoryStorage()
+    svc = await declared(service(store))
+    for n in range(50):
+        assert await call(svc, "track", "acme", "seats", 1, {"value": f"v{n}"}) == n + 1
+        assert svc.uniques.status()["cached_values"] <= 10
+    assert await call(svc, "track", "acme", "seats", 1, {"value": "v0"}) == 50  # (forgotten)
+
+
+async def test_new_values_wait_when_too_many_claims_are_unresolved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from meter.core import uniques
+
+    monkeypatch.setattr(uniques, "MAX_UNRESOLVED", 2)
+    store = Flaky()
+    svc = await declared(service(store))
+    store.fail = "before"
+    for v in ("a", "b"):
+        await error(svc, "track", "acme", "seats", 1, {"value": v})
+    claims = store.claims
+    exc = await error(svc, "track", "acme", "seats", 1, {"value": "c"})
+    assert isinstance(exc, Unavailable) and "wait for storage" in exc.message
+    assert store.claims == claims and svc.uniques.status()["claims_unresolved"] == 2
+    store.fail = None
+    assert await svc.uniques.resolve() == 0
+    assert await call(svc, "track", "acme", "seats", 1, {"value": "c"}) == 3
+
+
+async def test_a_known_value_with_a_bad_qty_is_refused() -> None:
+    svc = await declared(service(MemoryStorage()))
+    assert await call(svc, "track", "acme", "seats", 1, {"value": "a"}) == 1
+    for qty in (True, 1.0):
+        exc = await error(svc, "track", "acme", "seats", qty, {"value": "a"})
+        assert isinstance(exc, InvalidArgument)
+
+
+async def test_a_checkpoint_leaves_out_claims_settled_after_it_listed_them(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint lists the open claims when it starts and writes them a chunk at a time;
+    one settled in between is not restated (it would be opened again after its outcome)."""
+    from meter.core import journal
+
+    monkeypatch.setattr(journal, "CHECKPOINT_ITEMS", 1)
+    store = Flaky()
+    svc, wal = await _logged(tmp, store)
+    await declared(svc)
+    store.fail = "before"
+    for v in ("a", "b"):
+        await error(svc, "track", "acme", "seats", 1, {"value": v})
+    records = svc.journal.checkpoint()
+    first = next(records)
+    assert first[0] == R.CLAIMS and [item[3] for item in first[1]] == ["a"]
+    store.fail = None
+    assert await call(svc, "track", "acme", "seats", 1, {"value": "b"}) == 1  # b settled
+    assert not [r for r in records if r[0] == R.CLAIMS]
+    await wal.close()
+
+
+async def test_a_failed_log_write_of_an_outcome_takes_its_count_back(tmp: Path) -> None:
+    """The claim was won and counted, but its ``CLAIMED`` record never reached the disk: the
+    count and the request id are taken back and the claim is resolved again, counted once."""
+    store = Flaky()
+    svc, wal = await _logged(tmp, store)
+    await declared(svc)
+    await settle()
+    store.gate = asyncio.Event()
+    task = asyncio.ensure_future(call(svc, "track", "acme", "seats", 1, {"value": "a", "id": "r1"}))
+    while store.claims < 1:  # (its CLAIM is on disk: the claim is on its way)
+        await asyncio.sleep(0.001)
+    with disk_full(wal):
+        store.gate.set()
+        assert await task == 1
+        await settle()  # the commit of its CLAIMED fails: undone
+        assert broken(wal) is not None
+    assert await call(svc, "usage", "acme", "seats") == 0
+    assert svc.uniques.status()["claims_unresolved"] == 1
+    for _ in range(100):
+        if broken(wal) is None:
+            break
+        await asyncio.sleep(0.05)
+    assert await svc.uniques.resolve() == 0
+    assert await call(svc, "usage", "acme", "seats") == 1
+    assert await call(svc, "track", "acme", "seats", 1, {"value": "a", "id": "r1"}) == 1
+    await flush(svc, store)
+    assert await stored_total(store) == 1
+    await wal.close()

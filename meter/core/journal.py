@@ -162,7 +162,9 @@ class Journal:
             yield [R.GAUGES, [[*k, kind, *reading] for k, kind, reading in part]]
         claims = self.uniques.unresolved()
         for start in range(0, len(claims), CHECKPOINT_ITEMS):
-            yield [R.CLAIMS, claims[start : start + CHECKPOINT_ITEMS]]
+            items = self.uniques.restated(claims[start : start + CHECKPOINT_ITEMS])
+            if items:
+                yield [R.CLAIMS, items]
         for start in range(0, len(leases), CHECKPOINT_ITEMS):
             items = []
             for lease_id in leases[start : start + CHECKPOINT_ITEMS]:

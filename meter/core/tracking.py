@@ -202,7 +202,7 @@ class Tracking:
                     if spread is not None:
                         return self._track_known(spread, params[2])
                 given = opts.get("value")
-                if type(given) is str and params[2] == 1:
+                if type(given) is str and type(params[2]) is int and params[2] == 1:
                     known = self.uniques.known_answer(params[0], params[1], given)
                     if known is not None:
                         return known[0]

@@ -16,6 +16,7 @@ claimed again and lost, counting nothing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -39,6 +40,10 @@ log = logging.getLogger("meter.service")
 #: Values a node keeps in its caches at most; past it, the caches start again empty (a value
 #: forgotten costs one storage round trip when next met, never a miscount).
 MAX_CACHED_VALUES = 1_000_000
+
+#: Claims whose outcome is not known a node keeps at most; past it, new values are
+#: ``unavailable`` until storage answers (each is a log sync and a checkpoint's item).
+MAX_UNRESOLVED = 10_000
 
 #: A claim sent but not answered: ``(key, value)`` by claimant.
 Claims = dict[str, tuple[Key, str]]
@@ -85,8 +90,9 @@ class Uniques:
         self.pending: Claims = {}
         #: The claimant of each pending claim, by ``(key, value)``.
         self._doubted: dict[tuple[Key, str], str] = {}
-        #: Claims in flight per key: a hard limit counts them as taken.
-        self._inflight: dict[Key, int] = {}
+        #: Claims without a logged outcome (flying or pending), per key: a hard limit counts
+        #: them as taken.
+        self._open: dict[Key, int] = {}
         #: Claims won and lost since start.
         self.won = 0
         self.lost = 0
@@ -163,8 +169,9 @@ class Uniques:
         self, keys: list[Key], value: str, idem: tuple[str, int] | None, detail: bool
     ) -> Any:
         """A ``track`` of ``value`` on the unique feature of ``keys`` (its levels, the call's
-        own first), not known claimed in the first: each level claimed, and counted where the
-        claim is won; the first level's distinct count (or the ``check`` map)."""
+        own first): claimed at every level it is not known claimed at, each level's hard limit
+        judged first, and counted where a claim is won; the first level's distinct count (or
+        the ``check`` map)."""
         key = keys[0]
         for level in keys:
             if not self.table.is_seeded(level) and not await self.seeder.seed(level):
@@ -173,18 +180,22 @@ class Uniques:
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
                 return self.gate.detail(key, entry[1], 0) if detail else entry[1]
-        refusal = self.refusal(key)
-        # A value counted already (by another node) is answered, not refused.
-        if refusal is not None and not await self._claimed(key, value):
-            self.gate.limit_refusals += 1
-            raise refusal
-        for level in keys[1:]:
-            if not self.known(level, value):
-                await self._claim(level, value, None)
-        if self.known(key, value):  # claimed meanwhile, by a call of this node
+        # A value storage holds claimed at a level at its limit is known there, not refused.
+        for level in keys:
+            if not self.known(level, value) and self.refusal(level) is not None:
+                await self._claimed(level, value)
+        fresh = [level for level in keys if not self.known(level, value)]
+        for level in fresh:  # judged again, with no await before the claims are opened
+            refusal = self.refusal(level)
+            if refusal is not None:
+                self.gate.limit_refusals += 1
+                raise refusal
+        if not fresh or fresh[0] != key:  # (known at the call's own level)
+            if fresh:
+                await self._claim(fresh, value, None)
             answer = self.answer_known(key, idem)
         else:
-            answer = await self._claim(key, value, idem)
+            answer = await self._claim(fresh, value, idem)
         return self.gate.detail(key, answer, 0) if detail else answer
 
     def answer_known(self, key: Key, idem: tuple[str, int] | None) -> int | None:
@@ -211,7 +222,7 @@ class Uniques:
 
     def refusal(self, key: Key) -> LimitExceeded | None:
         """Why a new value of ``key`` may not be counted now: its hard limit reached (claims
-        in flight count as taken; ``None``: it may). A price on it: raised."""
+        without an outcome count as taken; ``None``: it may). A price on it: raised."""
         eff = self.gate.effective(key)
         if eff is None:
             return None
@@ -220,71 +231,105 @@ class Uniques:
                 f"{key[0]}/{key[1]} counts unique values: they cannot have a price (credits a unit)"
             )
         value = self.table.value(key) or 0
-        if eff.kind == "hard" and value + self._inflight.get(key, 0) + 1 > eff.limit:
+        if eff.kind == "hard" and value + self._open.get(key, 0) + 1 > eff.limit:
             return LimitExceeded(
                 f"{key[0]}/{key[1]}: {value} distinct values, the hard limit is {eff.limit} "
                 f"({eff.source}); a new value is not counted"
             )
         return None
 
-    async def _claim(self, key: Key, value: str, idem: tuple[str, int] | None) -> int | None:
-        """Claim ``value`` of ``key`` under a new claimant: logged and on disk first, then
-        written; counted if won. The count after it."""
+    async def _claim(
+        self, levels: list[Key], value: str, idem: tuple[str, int] | None
+    ) -> int | None:
+        """Claim ``value`` at each of ``levels``: every claim logged and on disk first (one
+        step: all of them, or none, are claimed again after a crash), then written at once;
+        counted where won, in one step. The first level's count after it (``idem``: its
+        request id)."""
         self.fence.check()
-        # A claim of this value whose outcome is not known yet (a retry after an error) is
-        # claimed again under its claimant, not under a new one.
-        claimant = self._doubted.get((key, value))
-        again = claimant is not None and self._undoubt(claimant) is not None
-        if claimant is None:
-            claimant = f"{self.table.node}.{uuid.uuid4().hex[:16]}"
-        self.flying[claimant] = (key, value)
-        self._inflight[key] = self._inflight.get(key, 0) + 1
+        if len(self.pending) >= MAX_UNRESOLVED:
+            raise Unavailable(
+                f"{len(self.pending)} claims of unique values wait for storage to answer; new "
+                "values are refused until it does"
+            )
+        claims: list[tuple[Key, str]] = []
+        new: list[tuple[Key, str]] = []
+        for level in levels:
+            # A claim of this value whose outcome is not known yet (a retry after an error)
+            # is claimed again under its claimant, not under a new one.
+            claimant = self._doubted.get((level, value))
+            if claimant is None or self._undoubt(claimant) is None:
+                claimant = f"{self.table.node}.{uuid.uuid4().hex[:16]}"
+                self._opened(level)
+                new.append((level, claimant))
+            self.flying[claimant] = (level, value)
+            claims.append((level, claimant))
         try:
-            if self.wal is not None and not again:
-                self.wal.append([R.CLAIM, *key, value, claimant])
+            if self.wal is not None and new:
+                for level, claimant in new:
+                    self.wal.append([R.CLAIM, *level, value, claimant])
                 try:
                     await self.wal.durable()
-                except WalError as exc:  # never sent: nothing to claim again
-                    del self.flying[claimant]
+                except WalError as exc:  # the new ones never sent: nothing to claim again
+                    for level, claimant in claims:
+                        held = self.flying.pop(claimant)
+                        if (level, claimant) in new:
+                            self._closed(level)
+                        else:
+                            self._doubt(claimant, *held)
                     raise Unavailable(f"the write-ahead log cannot be written: {exc}") from None
-            try:
-                holder = await self.storage.claim_value(key, value, claimant)
-            except StoragePermanentError as exc:  # never stored: closed, nothing counted
-                del self.flying[claimant]
-                self._abandon(key, value, claimant)
-                raise InvalidArgument(
-                    f"{key[0]}/{key[1]}: the value cannot be kept: {exc}"
-                ) from None
-            except StorageError as exc:
-                # It may have landed: claimed again (same claimant) until storage answers.
-                self._doubt(claimant, *self.flying.pop(claimant))
-                raise Unavailable(
-                    f"{key[0]}/{key[1]}: storage is unreachable ({exc}); whether this value "
-                    "is new is decided when it answers, and counted at most once"
-                ) from None
-            if self.fence.reason is not None:  # may not count now: resolved when it may
-                self._doubt(claimant, *self.flying.pop(claimant))
-                raise Unavailable(self.fence.reason)
+            got = await asyncio.gather(
+                *(self.storage.claim_value(level, value, c) for level, c in claims),
+                return_exceptions=True,
+            )
         except BaseException:
-            # A cancelled call (its client gone, the node stopping) leaves its claim to be
-            # resolved like one storage did not answer: it may have been sent.
-            held = self.flying.pop(claimant, None)
-            if held is not None:
-                self._doubt(claimant, *held)
+            # A cancelled call (its client gone, the node stopping) leaves its claims to be
+            # resolved like those storage did not answer: they may have been sent.
+            for _, claimant in claims:
+                sent = self.flying.pop(claimant, None)
+                if sent is not None:
+                    self._doubt(claimant, *sent)
             raise
-        finally:
-            left = self._inflight[key] - 1
-            if left:
-                self._inflight[key] = left
+        fenced = self.fence.reason
+        answer: int | None = None
+        error: BaseException | None = None
+        for (level, claimant), outcome in zip(claims, got, strict=True):
+            del self.flying[claimant]
+            if isinstance(outcome, StoragePermanentError):  # never stored: nothing counted
+                self._abandon(level, value, claimant)
+                error = error or InvalidArgument(
+                    f"{level[0]}/{level[1]}: the value cannot be kept: {outcome}"
+                )
+            elif isinstance(outcome, BaseException) or fenced is not None:
+                # It may have landed: claimed again (same claimant) when storage answers and
+                # the node may count.
+                self._doubt(claimant, level, value)
+                if isinstance(outcome, BaseException) and not isinstance(outcome, StorageError):
+                    error = error or outcome  # (a bug: raised as it is, once all are settled)
+                else:
+                    error = error or Unavailable(
+                        fenced
+                        or f"{level[0]}/{level[1]}: storage is unreachable ({outcome}); whether "
+                        "this value is new is decided when it answers, and counted at most once"
+                    )
             else:
-                del self._inflight[key]
-        del self.flying[claimant]
-        return self._settle(key, value, claimant, holder == claimant, idem)
+                after = self._settle(
+                    level,
+                    value,
+                    claimant,
+                    outcome == claimant,
+                    idem if level is levels[0] else None,
+                )
+                if level is levels[0]:
+                    answer = after
+        if error is not None:
+            raise error
+        return answer
 
     def _settle(
         self, key: Key, value: str, claimant: str, won: bool, idem: tuple[str, int] | None
     ) -> int | None:
         """A claim's outcome: counted if won, logged with the count (one record), remembered."""
+        self._closed(key)
         gate = self.gate
         if won:
             self.won += 1
@@ -308,6 +353,7 @@ class Uniques:
 
     def _abandon(self, key: Key, value: str, claimant: str) -> None:
         """Close a claim storage refused for good (nothing stored, nothing counted)."""
+        self._closed(key)
         if self.wal is not None:
             self.wal.append([R.CLAIMED, *key, value, claimant, False, None, None, None, None])
 
@@ -316,9 +362,10 @@ class Uniques:
         if held is None:
             held = self.seen[key] = set()
         if value not in held:
-            if self._cached >= MAX_CACHED_VALUES:
+            if self._cached >= MAX_CACHED_VALUES:  # (all of them: one key may hold them all)
+                held = set()
                 self.seen = {key: held}
-                self._cached = len(held)
+                self._cached = 0
             held.add(value)
             self._cached += 1
 
@@ -328,6 +375,7 @@ class Uniques:
         """Claims the log holds without an outcome (a restart): claimed again by
         :meth:`resolve`."""
         for claimant, (key, value) in claims.items():
+            self._opened(key)
             self._doubt(claimant, key, value)
 
     async def resolve(self) -> int:
@@ -345,7 +393,11 @@ class Uniques:
                     self._abandon(key, value, claimant)
                 continue
             except StorageError:
-                break  # tried again on the next pass
+                # Tried again on the next pass, after the others (one claim failing, on one
+                # key, does not hold up the rest for good).
+                if self._undoubt(claimant) is not None:
+                    self._doubt(claimant, key, value)
+                break
             if self._fenced():
                 break  # (still pending: the node may not count now)
             if self._undoubt(claimant) is not None:  # (not taken meanwhile by a call)
@@ -371,7 +423,20 @@ class Uniques:
         if held is not None and value in held:
             held.discard(value)
             self._cached -= 1
+        self._opened(key)
         self._doubt(claimant, key, value)
+
+    def _opened(self, key: Key) -> None:
+        """One more claim of ``key`` without a logged outcome."""
+        self._open[key] = self._open.get(key, 0) + 1
+
+    def _closed(self, key: Key) -> None:
+        """A claim of ``key`` has its outcome logged (or never was sent)."""
+        left = self._open[key] - 1
+        if left:
+            self._open[key] = left
+        else:
+            del self._open[key]
 
     def _doubt(self, claimant: str, key: Key, value: str) -> None:
         """Keep a claim whose outcome is not known, to be claimed again."""
@@ -385,10 +450,20 @@ class Uniques:
             del self._doubted[held]
         return held
 
-    def unresolved(self) -> list[list[Any]]:
-        """Every claim without a logged outcome, as ``CLAIMS`` items (a checkpoint's)."""
-        claims = (*self.flying.items(), *self.pending.items())
-        return [[*key, value, claimant] for claimant, (key, value) in claims]
+    def unresolved(self) -> list[str]:
+        """The claimants of every claim without a logged outcome (what a checkpoint lists)."""
+        return [*self.flying, *self.pending]
+
+    def restated(self, claimants: list[str]) -> list[list[Any]]:
+        """``CLAIMS`` items of those of ``claimants`` still without a logged outcome (read
+        when the checkpoint writes them: one settled since it listed them is left out, or the
+        record would open it again after its ``CLAIMED``)."""
+        out: list[list[Any]] = []
+        for claimant in claimants:
+            held = self.flying.get(claimant) or self.pending.get(claimant)
+            if held is not None:
+                out.append([*held[0], held[1], claimant])
+        return out
 
     # -- memory ----------------------------------------------------------------------------------
 
