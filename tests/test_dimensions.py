@@ -9,6 +9,7 @@ import asyncio
 import inspect
 import itertools
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -347,11 +348,53 @@ async def test_with_the_hierarchy_an_account_groups_its_users_calls() -> None:
     assert groups_of(got, ("region",)) == {("x",): 4}
 
 
-async def test_reserve_with_dimensions_is_refused_clearly() -> None:
+async def test_a_reservation_with_dimensions_holds_and_commits_on_them() -> None:
+    """Reserved units are held on the total and on the dimension counters (the groups add
+    up to the total throughout); a commit counts what it used on all of them, a release or
+    an expiry gives every hold back."""
     svc = await declared(service())
-    exc = await error(svc, "reserve", "acme", "tokens", 1, {"dims": {"model": "a"}})
-    assert exc.code == "invalid_argument" and "not supported yet" in exc.message
-    assert await call(svc, "usage", "acme", "tokens") == 0
+    by = ("model", "region")
+    dims = {"model": "gpt-4", "region": "eu"}
+    lease = await call(svc, "reserve", "acme", "tokens", 100, {"dims": dims})
+    got = await call(svc, "usage", "acme", "tokens", {"group_by": list(by)})
+    assert got["total"] == 100 and groups_of(got, by) == {("gpt-4", "eu"): 100}
+    assert await call(svc, "commit", lease, 60) == 60
+    assert await call(svc, "commit", lease, 60) == 60  # (a repeated commit answers as before)
+    got = await call(svc, "usage", "acme", "tokens", {"group_by": ["model"]})
+    assert got["total"] == 60 and groups_of(got, ("model",)) == {("gpt-4",): 60}
+    assert await call(svc, "usage", "acme", "tokens", {"where": {"region": "eu"}}) == 60
+    other = await call(svc, "reserve", "acme", "tokens", 5, {"dims": {"model": "o1"}})
+    await call(svc, "release", other)
+    await call(svc, "reserve", "acme", "tokens", 7, {"dims": {"region": "us"}, "ttl_ms": 1000})
+    assert svc.reserving.expire(time.monotonic() + 2) == 1
+    got = await call(svc, "usage", "acme", "tokens", {"group_by": list(by)})
+    assert got["total"] == 60 and groups_of(got, by) == {("gpt-4", "eu"): 60}
+
+
+async def test_what_a_reservation_with_dimensions_refuses() -> None:
+    svc = await declared(service(), max_combinations=3)
+    await call(svc, "set_limit", "acme", "tokens", {"limit": 1000, "where": {"model": "gpt-4"}})
+    await limits_of(svc).refresh()
+    for opts, message in [
+        ({"dims": {"model": "gpt-4"}}, "has a limit of its own"),
+        ({"dims": {"colour": "red"}}, "colour"),
+        ({"dims": {"model": 4}}, "model"),
+    ]:
+        exc = await error(svc, "reserve", "acme", "tokens", 5, opts)
+        assert exc.code == "invalid_argument" and message in exc.message, (opts, exc)
+    # The bound: a combination past it is refused at reserve time, nothing held.
+    await call(svc, "reserve", "acme", "tokens", 1, {"dims": {"model": "o1", "region": "us"}})
+    exc = await error(
+        svc, "reserve", "acme", "tokens", 1, {"dims": {"model": "o3", "region": "eu"}}
+    )
+    assert "max_combinations" in exc.message
+    assert await call(svc, "usage", "acme", "tokens") == 1
+    # An id retried answers the same reservation; with other dims it is another call.
+    first = await call(svc, "reserve", "beta", "tokens", 2, {"dims": {"model": "o1"}, "id": "q"})
+    again = await call(svc, "reserve", "beta", "tokens", 2, {"dims": {"model": "o1"}, "id": "q"})
+    assert first == again
+    exc = await error(svc, "reserve", "beta", "tokens", 2, {"dims": {"model": "x"}, "id": "q"})
+    assert exc.code == "conflict"
 
 
 async def test_group_by_and_where_bad_input() -> None:
@@ -398,6 +441,55 @@ async def test_a_restart_replays_every_counter_a_call_with_dimensions_counted(tm
     got = await call(svc, "usage", "acme", "tokens", {"group_by": ["model", "region"]})
     want = expected([*CALLS, (4, {"model": "gpt-4"})], ("model", "region"))
     assert groups_of(got, ("model", "region")) == want
+    await wal.close()
+
+
+async def test_a_reservation_with_dimensions_comes_back_from_the_log(tmp: Path) -> None:
+    """An open reservation with dimensions is held on them again after a restart (also from
+    a checkpoint's restatement); a commit logged before a crash counts on them on replay; a
+    commit whose log write fails is taken back from them too."""
+    from tests.test_wal_service import _kill, broken, disk_full, settle
+
+    store = MemoryStorage()
+    by = ("model", "region")
+
+    async def start() -> tuple[Service, WriteAheadLog]:
+        wal = WriteAheadLog(tmp / "wal", node_id="n1", mode="fsync")
+        svc = build_service(CounterTable("n1"), store, CounterConfig(), wal=wal,
+                            ids=RequestIds(3600, 1000))  # fmt: skip
+        await limits_of(svc).refresh()
+        await recover(wal, svc)
+        return svc, wal
+
+    svc, wal = await start()
+    await declared(svc)
+    a = await call(svc, "reserve", "acme", "tokens", 10, {"dims": {"model": "o1"}})
+    b = await call(svc, "reserve", "acme", "tokens", 20, {"dims": {"model": "gpt-4"}})
+    await call(svc, "commit", a, 4)
+    await wal.durable()
+    _kill(wal)  # (a crash: the log as it is)
+    svc, wal = await start()
+    got = await call(svc, "usage", "acme", "tokens", {"group_by": ["model"]})
+    assert got["total"] == 24 and groups_of(got, ("model",)) == {("o1",): 4, ("gpt-4",): 20}
+    await wal.close()  # (a clean stop: its checkpoint restates the open reservation)
+    svc, wal = await start()
+    await settle()
+    with disk_full(wal):
+        assert await call(svc, "commit", b, 15) == 19
+        await settle()  # the commit's write fails: taken back, the reservation holds again
+        assert broken(wal) is not None
+    got = await call(svc, "usage", "acme", "tokens", {"group_by": list(by)})
+    assert got["total"] == 24 and groups_of(got, ("model",)) == {("o1",): 4, ("gpt-4",): 20}
+    for _ in range(100):
+        if broken(wal) is None:
+            break
+        await asyncio.sleep(0.05)
+    assert await call(svc, "commit", b, 15) == 19
+    assert await Flusher(svc.table, store, wal=wal).flush_once()
+    await wal.close()
+    svc, wal = await start()
+    got = await call(svc, "usage", "acme", "tokens", {"group_by": ["model"]})
+    assert got["total"] == 19 and groups_of(got, ("model",)) == {("o1",): 4, ("gpt-4",): 15}
     await wal.close()
 
 

@@ -139,3 +139,18 @@ def test_a_gauge_is_declared_observed_and_read_from_the_command_line(
     assert code == 1 and "conflict" in text and "cannot change" in text
     code, text = run(node, capsys, "feature", "set", "peak_gb", "--dim", "region")
     assert code == 1 and "not supported yet" in text
+
+
+def test_a_reservation_with_dimensions_from_the_command_line(
+    node: NodeProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(node, capsys, "feature", "set", "calls", "--dim", "model")[0] == 0
+    code, text = run(node, capsys, "reserve", "acme", "calls", "30", "--dim", "model=o1")
+    assert code == 0, text
+    lease = text.strip()
+    assert run(node, capsys, "commit", lease, "12")[1] == "12\n"
+    assert run(node, capsys, "usage", "acme", "calls", "--where", "model=o1")[1] == "12\n"
+    code, text = run(node, capsys, "reserve", "acme", "calls", "1", "--dim", "model")
+    assert code == 2 and "--dim" in text
+    code, text = run(node, capsys, "reserve", "acme", "calls", "1", "--dim", "colour=red")
+    assert code == 1 and "colour" in text

@@ -71,6 +71,7 @@ def add_parsers(sub: Any, common: Common) -> None:
     reserve.add_argument("--ttl-ms", type=int, help="lifetime in ms (default: the node's)")
     reserve.add_argument("--at", type=float, help="epoch seconds choosing the period")
     reserve.add_argument("--id", help=id_help)
+    reserve.add_argument("--dim", action="append", metavar="NAME=VALUE", help=DIM_HELP)
 
     commit = client("commit", "turn a reservation into usage; prints the new total")
     commit.add_argument("reservation_id")
@@ -144,7 +145,7 @@ def prepare(args: argparse.Namespace) -> Prepared | int:
             print(f"meter: --id: {exc.message}", file=sys.stderr)
             return 2
     try:
-        if args.command == "track":
+        if args.command in ("track", "reserve"):
             names = [pair(given, "--dim")[0] for given in args.dim or ()]
             twice = {n for n in names if names.count(n) > 1}
             if twice:
@@ -181,6 +182,8 @@ def run(args: argparse.Namespace, client: Client, as_json: bool, prepared: Prepa
         text = NOT_KNOWN if value is None else str(value)
         out(as_json, text, tenant=args.tenant, feature=args.feature, value=value)
     elif args.command == "reserve":
+        if args.dim:
+            opts["dims"] = dict(pair(d, "--dim") for d in args.dim)
         res = client.reserve(
             args.tenant, args.feature, args.qty, args.limit, args.ttl_ms, id=rid, **opts
         )

@@ -407,11 +407,13 @@ class AsyncClient(Retrying):
         *,
         at: float | None = None,
         id: str | None = None,
+        dims: dict[str, str] | None = None,
     ) -> str:
         """Hold ``qty`` against ``limit``; returns a reservation id (LimitExceeded if over).
 
-        ``id``: the request id (default: a fresh one, unless ``auto_ids`` is off)."""
-        return await self._run(calls.RESERVE, tenant, feature, qty, limit, ttl_ms, at, id)
+        ``id``: the request id (default: a fresh one, unless ``auto_ids`` is off); ``dims``:
+        the dimensions its commit counts on too (docs/dimensions.md)."""
+        return await self._run(calls.RESERVE, tenant, feature, qty, limit, ttl_ms, at, id, dims)
 
     async def commit(
         self, reservation_id: str, actual_qty: int | None = None, *, id: str | None = None

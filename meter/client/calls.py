@@ -229,8 +229,9 @@ def _reserve(
     ttl_ms: int | None,
     at: float | None,
     rid: str | None,
+    dims: dict[str, str] | None = None,
 ) -> list[Any]:
-    opts = {"limit": limit, "ttl_ms": ttl_ms, "at": at, "id": ids(rid)}
+    opts = {"limit": limit, "ttl_ms": ttl_ms, "at": at, "id": ids(rid), "dims": dims}
     return _with_opts([tenant, feature, qty], opts)
 
 

@@ -18,10 +18,11 @@ from meter.core.idempotency import RequestIds
 from meter.core.keycache import KeyCache
 from meter.core.keys import Key, period_start
 from meter.core.leases import Lease
-from meter.core.reserving import Reserving, mono, wall
+from meter.core.reserving import Reserving, dim_keys, mono, wall
 from meter.core.table import CounterTable
 from meter.core.uniques import Uniques
 from meter.wal import records as R
+from meter.wal.replay import lease_dims
 
 #: Items per record when the state is restated in a checkpoint.
 CHECKPOINT_ITEMS = 1000
@@ -77,8 +78,9 @@ class Journal:
             elif kind == R.RESERVE:
                 lease_id, t, f, p, qty = rec[1:6]
                 if res.reservations.get(lease_id) is not None:
-                    res.reservations.close(lease_id)
-                    self.table.release((t, f, p), qty)
+                    lease = res.reservations.close(lease_id)
+                    for key in ((t, f, p), *dim_keys(lease)):
+                        self.table.release(key, qty)
                     if lease_id in res.escrowed:  # its share's units go back, unused
                         res.escrowed.discard(lease_id)
                         shares.settle((t, f, p), qty, qty)
@@ -95,8 +97,10 @@ class Journal:
                 key = (t, f, p)
                 if escrowed and shares.readmit(key, qty, qty):
                     res.escrowed.add(lease_id)
-                self.table.reserve(key, qty, None, check=False)
-                res.reservations.open_again(Lease(lease_id, key, qty, mono(deadline)))
+                lease = Lease(lease_id, key, qty, mono(deadline), lease_dims(rec, 8))
+                for held in (key, *dim_keys(lease)):
+                    self.table.reserve(held, qty, None, check=False)
+                res.reservations.open_again(lease)
             elif kind == R.COMMIT or kind == R.RELEASE:
                 lease_id, t, f, p, qty, deadline = rec[1:7]
                 key = (t, f, p)
@@ -104,10 +108,18 @@ class Journal:
                 back = qty if kind == R.RELEASE else max(0, qty - (rec[7] or 0))
                 if shares.readmit(key, back, qty):
                     res.escrowed.add(lease_id)
-                if kind == R.COMMIT and rec[7]:
-                    self.table.incr(key, -rec[7], check=False)
-                self.table.reserve(key, qty, None, check=False)
-                res.reservations.open_again(Lease(lease_id, key, qty, mono(deadline)))
+                lease = Lease(
+                    lease_id,
+                    key,
+                    qty,
+                    mono(deadline),
+                    lease_dims(rec, 13 if kind == R.COMMIT else 11),
+                )
+                for held in (key, *dim_keys(lease)):
+                    if kind == R.COMMIT and rec[7]:
+                        self.table.incr(held, -rec[7], check=False)
+                    self.table.reserve(held, qty, None, check=False)
+                res.reservations.open_again(lease)
                 res.done.forget(lease_id)
                 rid = rec[10] if kind == R.COMMIT else rec[8]
                 if rid is not None:
@@ -170,7 +182,10 @@ class Journal:
             for lease_id in leases[start : start + CHECKPOINT_ITEMS]:
                 lease = res.reservations.get(lease_id)
                 if lease is not None:
-                    items.append([lease.id, *lease.key, lease.qty, wall(lease.deadline)])
+                    item = [lease.id, *lease.key, lease.qty, wall(lease.deadline)]
+                    if lease.dims:
+                        item.append(list(lease.dims))
+                    items.append(item)
             if items:
                 yield [R.LEASES, items]
         shares = res.gate.shares.admitted_all()

@@ -24,12 +24,15 @@ from meter.errors import NotFound
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """One reservation: ``qty`` units of ``key`` held until ``deadline`` (monotonic seconds)."""
+    """One reservation: ``qty`` units of ``key`` held until ``deadline`` (monotonic seconds);
+    ``dims``: the names of the dimension counters its commit counts on too (a reservation
+    with dimensions, docs/dimensions.md)."""
 
     id: str
     key: Key
     qty: int
     deadline: float
+    dims: tuple[str, ...] = ()
 
 
 class Reservations:
@@ -56,9 +59,9 @@ class Reservations:
         """Entries in the deadline heap (open leases, plus finished ones not dropped yet)."""
         return len(self._deadlines)
 
-    def open(self, key: Key, qty: int, deadline: float) -> Lease:
+    def open(self, key: Key, qty: int, deadline: float, dims: tuple[str, ...] = ()) -> Lease:
         """Register a lease and return it (with a fresh id)."""
-        lease = Lease(f"{self._prefix}-{next(self._next)}", key, qty, deadline)
+        lease = Lease(f"{self._prefix}-{next(self._next)}", key, qty, deadline, dims)
         self._open[lease.id] = lease
         heapq.heappush(self._deadlines, (deadline, next(self._tiebreak), lease.id))
         self._maybe_compact()

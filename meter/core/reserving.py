@@ -13,8 +13,10 @@ from collections.abc import Awaitable
 from typing import Any, cast
 
 from meter.config import CounterConfig
+from meter.core.dims import Pairs, check_dims
 from meter.core.fence import Fence
 from meter.core.gate import Gate, Short, pool_key, soft_crossing
+from meter.core.groups import Groups
 from meter.core.idempotency import RequestIds, check_id, fingerprint
 from meter.core.keycache import KeyCache
 from meter.core.keys import Key, check_at, check_qty
@@ -45,9 +47,12 @@ class Reserving:
         fence: Fence,
         ids: RequestIds,
         seeder: Seeder,
+        groups: Groups,
         config: CounterConfig,
     ) -> None:
         self.table = table
+        #: Dimension counters: a reservation's entered within their bound (docs/dimensions.md).
+        self.groups = groups
         self.keys = keys
         self.gate = gate
         self.fence = fence
@@ -82,11 +87,6 @@ class Reserving:
             raise InvalidArgument(
                 f"{key[1]!r} counts unique values: each is counted once by track, not reserved"
             )
-        if o.get("dims"):  # (an empty map gives no dimensions)
-            raise InvalidArgument(
-                "reserve with dims is not supported yet: reserve on the feature's total and "
-                "track with dims, or track"
-            )
         if self.gate.hier and "/" in key[0]:
             raise InvalidArgument(
                 "reserve on a tenant below an account (a name with '/') is not supported with "
@@ -99,22 +99,37 @@ class Reserving:
         ttl_ms = check_qty(ttl_ms, what="ttl_ms", allow_negative=False)
         if not 1 <= ttl_ms <= self.config.max_reservation_ttl_ms:
             raise InvalidArgument(f"ttl_ms must be 1..{self.config.max_reservation_ttl_ms}")
+        dims = o.get("dims")
+        pairs: Pairs = () if dims is None else check_dims(key[1], self.keys.spec(key[1]), dims)
+        spread: list[Key] = []
+        if pairs:
+            assert dims is not None
+            spread = self.keys.spread(key, pairs, dims)[1:]
+            for k in spread:
+                if self.gate.effective(k) is not None:
+                    raise InvalidArgument(
+                        f"reserve with dims: {key[0]}/{k[1]} has a limit of its own; a "
+                        "reservation holds units on the feature's total only: track it"
+                    )
         idem: tuple[str, int] | None = None
         rid = o.get("id")
         if rid is not None:
-            idem = (check_id(rid), fingerprint("reserve", key[0], key[1], qty, limit, ttl_ms, at))
+            parts: tuple[Any, ...] = (key[0], key[1], qty, limit, ttl_ms, at)
+            idem = (check_id(rid), fingerprint("reserve", *parts, pairs) if pairs else
+                    fingerprint("reserve", *parts))  # fmt: skip
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
                 return entry[1]
         if at_s is not None:  # (after a retry's answer, as for track)
             self.keys.check_open(key, at_s, time.time())
         self.fence.check()
-        if self.table.is_seeded(key):
+        names = tuple(k[1] for k in spread)
+        if self.table.is_seeded(key) and all(self.table.is_warm(k) for k in spread):
             try:
-                return self._reserve_now(key, qty, limit, ttl_ms, idem)
+                return self._reserve_now(key, qty, limit, ttl_ms, idem, names)
             except Short:
                 pass  # the strict share needs room first: _reserve_cold makes it
-        return self._reserve_cold(key, qty, limit, ttl_ms, idem, at_s)
+        return self._reserve_cold(key, qty, limit, ttl_ms, idem, at_s, spread)
 
     async def _reserve_cold(
         self,
@@ -124,9 +139,22 @@ class Reserving:
         ttl_ms: int,
         idem: tuple[str, int] | None,
         at: float | None,
+        spread: list[Key],
     ) -> str:
         if not self.table.is_seeded(key):
             await self.seeder.seed(key)
+        if spread:
+            # The dimension counters its commit counts on are entered within the feature's
+            # bound now, and held in memory (a commit never finds the bound full).
+            entered = await self.groups.enter_new(self.keys.spec(key[1]), spread)
+            try:
+                await self.seeder.seed_many(spread)
+                for k in spread:  # (a row now; the reservation's units keep it)
+                    if not self.table.is_warm(k):
+                        self.table.incr(k, 0)
+            finally:
+                self.groups.leave(entered)
+        names = tuple(k[1] for k in spread)
         for _ in range(MAX_ROOM_TRIES):
             if idem is not None:
                 entry = self.ids.lookup(idem[0], idem[1], time.time())
@@ -136,14 +164,20 @@ class Reserving:
                 self.keys.check_open(key, at, time.time())
             self.fence.check()
             try:
-                return self._reserve_now(key, qty, limit, ttl_ms, idem)
+                return self._reserve_now(key, qty, limit, ttl_ms, idem, names)
             except Short as exc:
                 short = exc
             await self.gate.make_room(short)  # (not in the except block: see ADR 0011)
         raise Unavailable(f"{key[0]}/{key[1]}: the strict share kept running out; retry")
 
     def _reserve_now(
-        self, key: Key, qty: int, limit: int | None, ttl_ms: int, idem: tuple[str, int] | None
+        self,
+        key: Key,
+        qty: int,
+        limit: int | None,
+        ttl_ms: int,
+        idem: tuple[str, int] | None,
+        dims: tuple[str, ...] = (),
     ) -> str:
         gate = self.gate
         eff = gate.effective(key)
@@ -179,7 +213,9 @@ class Reserving:
             raise
         if gate.alerting and eff is not None and eff.alerts and held is not None:
             gate.alerts.detect(key, eff.limit, eff.alerts, held - qty, held)
-        lease = self.reservations.open(key, qty, time.monotonic() + ttl_ms / 1000)
+        lease = self.reservations.open(key, qty, time.monotonic() + ttl_ms / 1000, dims)
+        for k in dim_keys(lease):  # held on its dimension counters too: groups add up
+            self.table.reserve(k, qty, None, check=False)
         if strict and qty > 0:
             gate.shares.hold(key, qty)
             self.escrowed.add(lease.id)
@@ -190,7 +226,9 @@ class Reserving:
             expires = self.ids.remember(rid, fp, lease.id, now)
         if self.wal is not None:
             deadline = now + ttl_ms / 1000
-            self.wal.append([R.RESERVE, lease.id, *key, qty, deadline, rid, fp, expires])
+            self.wal.append(
+                [R.RESERVE, lease.id, *key, qty, deadline, rid, fp, expires, *_listed(dims)]
+            )
         return lease.id
 
     # -- commit and release -------------------------------------------------------------------
@@ -224,6 +262,8 @@ class Reserving:
                 return self._commit_after_room(short, params)
         # First the table, which may refuse (past the 64-bit range) with nothing changed.
         value = self.table.commit(lease.key, lease.qty, actual)
+        for k in dim_keys(lease):
+            self.table.commit(k, lease.qty, actual)
         self.settle_escrow(lease, actual)
         gate = self.gate
         if actual > lease.qty and gate.limited:  # the extra units may cross a soft limit
@@ -240,7 +280,7 @@ class Reserving:
         if self.wal is not None:
             self.wal.append(
                 [R.COMMIT, lease_id, *lease.key, lease.qty, wall(lease.deadline), actual,
-                 value, done_exp, rid, fp, expires]
+                 value, done_exp, rid, fp, expires, *_listed(lease.dims)]
             )  # fmt: skip
         return value
 
@@ -305,13 +345,15 @@ class Reserving:
         self.fence.check()
         self.reservations.close(lease_id)
         self.table.release(lease.key, lease.qty)
+        for k in dim_keys(lease):
+            self.table.release(k, lease.qty)
         self.settle_escrow(lease, None)
         done_exp = self.done.remember(lease_id, RELEASED, None, now)
         rid, fp, expires = self._remember_finish(idem, None, now)
         if self.wal is not None:
             self.wal.append(
                 [R.RELEASE, lease_id, *lease.key, lease.qty, wall(lease.deadline), done_exp,
-                 rid, fp, expires]
+                 rid, fp, expires, *_listed(lease.dims)]
             )  # fmt: skip
         return None
 
@@ -356,11 +398,14 @@ class Reserving:
         for lease in leases:
             escrowed = lease.id in self.escrowed
             self.table.release(lease.key, lease.qty)
+            for k in dim_keys(lease):
+                self.table.release(k, lease.qty)
             self.settle_escrow(lease, None)
             if wal is not None:
                 wal.append(
-                    [R.EXPIRE, lease.id, *lease.key, lease.qty, wall(lease.deadline), escrowed]
-                )
+                    [R.EXPIRE, lease.id, *lease.key, lease.qty, wall(lease.deadline), escrowed,
+                     *_listed(lease.dims)]
+                )  # fmt: skip
         return len(leases)
 
 
@@ -371,6 +416,17 @@ class _Answer:
 
     def __init__(self, value: Any) -> None:
         self.value = value
+
+
+def dim_keys(lease: Lease) -> list[Key]:
+    """The keys of the dimension counters ``lease`` holds units on (none without dims)."""
+    tenant, _, period = lease.key
+    return [(tenant, name, period) for name in lease.dims]
+
+
+def _listed(dims: tuple[str, ...]) -> list[list[str]]:
+    """A record's trailing ``dims`` field: the names, if any (older records end before it)."""
+    return [list(dims)] if dims else []
 
 
 def wall(deadline: float) -> float:

@@ -275,7 +275,7 @@ def assemble(
     gauging = Gauging(gauges, keys, gate, fence, ids, storage)
     uniques = Uniques(table, keys, gate, fence, ids, seeder, storage)
     tracking = Tracking(table, keys, gate, fence, ids, seeder, groups, gauging, uniques)
-    reserving = Reserving(table, keys, gate, fence, ids, seeder, config)
+    reserving = Reserving(table, keys, gate, fence, ids, seeder, groups, config)
     journal = Journal(table, keys, ids, reserving, config, gauging, uniques)
     features = {
         **LimitMethods(limits).handlers(),

@@ -20,6 +20,7 @@ import time
 
 from meter.core.keys import Key
 from meter.core.leases import Lease
+from meter.core.reserving import dim_keys
 from meter.core.service import Service
 from meter.wal.log import WriteAheadLog
 
@@ -50,9 +51,11 @@ async def recover(wal: WriteAheadLog, service: Service) -> list[Key]:
     for lease_id, lease in replay.leases.items():
         if lease.deadline <= now:
             continue  # expired while the node was down: released
-        table.reserve(lease.key, lease.qty, None, check=False)
         mono = time.monotonic() + (lease.deadline - now)
-        service.reservations.open_again(Lease(lease_id, lease.key, lease.qty, mono))
+        back = Lease(lease_id, lease.key, lease.qty, mono, lease.dims)
+        for key in (lease.key, *dim_keys(back)):
+            table.reserve(key, lease.qty, None, check=False)
+        service.reservations.open_again(back)
         leases += 1
     for registry, entries in (
         (service.ids, replay.live_ids(now)),

@@ -39,11 +39,13 @@ TRACK: Final = 2
 TRACK_ID: Final = 3
 #: ``[TRACK_MANY, [item, ...]]``, each item a TRACK or TRACK_ID record without its type.
 TRACK_MANY: Final = 4
-#: ``[RESERVE, lease, t, f, p, qty, deadline, id, fingerprint, expires]`` (id may be nil)
+#: ``[RESERVE, lease, t, f, p, qty, deadline, id, fingerprint, expires, dims?]`` (id may be
+#: nil; ``dims``: the names of the dimension counters a commit counts on too, when given)
 RESERVE: Final = 5
-#: ``[COMMIT, lease, t, f, p, qty, deadline, actual, answer, done_expires, id, fp, expires]``
+#: ``[COMMIT, lease, t, f, p, qty, deadline, actual, answer, done_expires, id, fp, expires,
+#: dims?]`` (``actual`` counted on each of ``dims`` too)
 COMMIT: Final = 6
-#: ``[RELEASE, lease, t, f, p, qty, deadline, done_expires, id, fp, expires]``
+#: ``[RELEASE, lease, t, f, p, qty, deadline, done_expires, id, fp, expires, dims?]``
 RELEASE: Final = 7
 #: ``[FLUSH, [[t, f, p, seq, delta], ...]]``: deltas taken for a write, logged before sending.
 FLUSH: Final = 8
@@ -51,7 +53,7 @@ FLUSH: Final = 8
 STATE: Final = 9
 #: ``[IDS, [[id, fingerprint, answer, expires], ...]]``: remembered request ids.
 IDS: Final = 10
-#: ``[LEASES, [[lease, t, f, p, qty, deadline], ...]]``: open reservations.
+#: ``[LEASES, [[lease, t, f, p, qty, deadline, dims?], ...]]``: open reservations.
 LEASES: Final = 11
 #: ``[DONE, [[lease, code, answer, expires], ...]]``: finished reservations (code 1 commit,
 #: answer ``[actual, value]``; code 2 release).
@@ -65,8 +67,9 @@ BATCH: Final = 14
 #: ``[WARM, [[t, f, p], ...]]``: keys the node had in memory when a checkpoint was written,
 #: most recently used first: what a restart reads ahead. A hint, not state.
 WARM: Final = 15
-#: ``[EXPIRE, lease, t, f, p, qty, deadline, escrowed]``: the node released a reservation at its
-#: deadline (by its monotonic clock): it never comes back, whatever the wall clock says.
+#: ``[EXPIRE, lease, t, f, p, qty, deadline, escrowed, dims?]``: the node released a
+#: reservation at its deadline (by its monotonic clock): it never comes back, whatever the
+#: wall clock says.
 EXPIRE: Final = 16
 #: ``[SYNCED, offset]``: the segment's bytes before ``offset`` were on disk (synced) when this
 #: record was written (``interval`` mode): damage before it is corruption, never a torn tail.

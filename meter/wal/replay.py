@@ -46,6 +46,8 @@ class LeaseState:
     key: Key
     qty: int
     deadline: float
+    #: The dimension counters its commit counts on too.
+    dims: tuple[str, ...] = ()
 
 
 #: ``(fingerprint, answer, expires)`` of a remembered request id; for a finished reservation
@@ -110,7 +112,7 @@ class Replay:
                 row.pending = pending
         elif kind == R.RESERVE:
             lease, t, f, p, qty, deadline, rid, fp, expires = rec[1:10]
-            self.leases[lease] = LeaseState((t, f, p), qty, deadline)
+            self.leases[lease] = LeaseState((t, f, p), qty, deadline, lease_dims(rec, 10))
             self._row((t, f, p))
             if rid is not None:
                 self.ids[rid] = (fp, lease, expires)
@@ -118,6 +120,8 @@ class Replay:
             lease, t, f, p, qty, deadline, actual, answer, done_exp, rid, fp, expires = rec[1:13]
             self.leases.pop(lease, None)
             self._row((t, f, p)).pending += actual
+            for name in lease_dims(rec, 13):
+                self._row((t, name, p)).pending += actual
             self.done[lease] = (COMMITTED, [actual, answer], done_exp)
             if rid is not None:
                 self.ids[rid] = (fp, answer, expires)
@@ -163,8 +167,9 @@ class Replay:
             for rid, fp, answer, expires in rec[1]:
                 self.ids[rid] = (fp, answer, expires)
         elif kind == R.LEASES:
-            for lease, t, f, p, qty, deadline in rec[1]:
-                self.leases[lease] = LeaseState((t, f, p), qty, deadline)
+            for item in rec[1]:
+                lease, t, f, p, qty, deadline = item[:6]
+                self.leases[lease] = LeaseState((t, f, p), qty, deadline, lease_dims(item, 6))
                 self._row((t, f, p))
         elif kind == R.DONE:
             for lease, code, answer, expires in rec[1]:
@@ -228,3 +233,8 @@ class Replay:
     def live_done(self, now: float) -> dict[str, IdEntry]:
         """Finished reservations still remembered at ``now``."""
         return {k: v for k, v in self.done.items() if v[2] > now}
+
+
+def lease_dims(rec: list[Any], at: int) -> tuple[str, ...]:
+    """A reservation's dimension counters, kept at ``rec[at]`` if there (older records: none)."""
+    return tuple(rec[at]) if len(rec) > at and rec[at] else ()
