@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Protocol, TypeVar
 
-from cluster.codec import ReadingItem
+from cluster.codec import ReadingItem, ValueItem
 
 Key = tuple[str, ...]
 """``(tenant, feature, period)``."""
@@ -71,6 +71,19 @@ class AppliedView(Protocol):
 
     @property
     def snapshot(self) -> SnapshotView: ...
+
+
+class ValueSource(Protocol):
+    """Unique features' values the node knows claimed, as the gossip layer uses them (a hint:
+    a value told is one storage holds; a value never told is claimed again and lost)."""
+
+    def take_values(self) -> list[ValueItem]:
+        """The values this node learned claimed since the last take."""
+        ...
+
+    def learn_values(self, items: Iterable[ValueItem]) -> int:
+        """Know peers' values as claimed; how many were new here."""
+        ...
 
 
 class GaugeSource(Protocol):

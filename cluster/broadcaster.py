@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cluster.api import AppliedView, GaugeSource, GossipSource, Key
+from cluster.api import AppliedView, GaugeSource, GossipSource, Key, ValueSource
 from cluster.bus import Bus, BusUnavailable
 from cluster.codec import (
     AlertItem,
@@ -47,6 +47,7 @@ class SendStats:
     holds: int = 0
     alerts: int = 0
     readings: int = 0
+    values: int = 0
     items: int = 0
     bytes: int = 0
     failed: int = 0  # publish failed (bus down): the frame is lost, peers see a gap
@@ -73,10 +74,13 @@ class Broadcaster:
         clock: Callable[[], float] = time.time,
         after_commit: Callable[[Callable[[], object]], None] | None = None,
         gauges: GaugeSource | None = None,
+        values: ValueSource | None = None,
     ) -> None:
         self.table = table
         #: Gauges' readings go out with each tick's deltas (``None``: none kept).
         self.gauges = gauges
+        #: Unique values learned claimed go out with each tick too (``None``: none kept).
+        self.values = values
         #: Runs a take once every state change made so far is committed to the node's log
         #: (``None``: at once). Units of a call whose log write fails are then never gossiped.
         self.after_commit = after_commit
@@ -118,6 +122,9 @@ class Broadcaster:
             self._queue("deltas", part)
         if self.gauges is not None:
             self.readings(self.gauges.take_readings())
+        if self.values is not None:
+            for part in chunks(self.values.take_values(), self.frame_budget):
+                self._queue("values", part)
         self.stats.encode_s += time.thread_time() - t0
         return len(items)
 
@@ -263,6 +270,8 @@ class Broadcaster:
             s.alerts += 1
         elif kind == "readings":
             s.readings += 1
+        elif kind == "values":
+            s.values += 1
         else:
             s.heartbeats += 1
 
@@ -278,6 +287,7 @@ class Broadcaster:
             "holds_messages": s.holds,
             "alert_messages": s.alerts,
             "readings_messages": s.readings,
+            "values_messages": s.values,
             "items": s.items,
             "bytes": s.bytes,
             "failed": s.failed,

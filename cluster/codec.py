@@ -16,7 +16,7 @@ array ``[cluster, sender, incarnation, seq, sent_at, kind, body]``:
                  lost messages);
 ``sent_at``      the sender's wall clock in seconds (for the gossip lag);
 ``kind``         0 heartbeat (body ``nil``), 1 deltas, 2 flush announcements, 3 limits changed,
-                 4 holds, 5 alert, 6 readings;
+                 4 holds, 5 alert, 6 readings, 7 values;
 ``body``         deltas: ``[[tenant, feature, period, flush_seq, delta], ...]``;
                  announcements: ``[[tenant, feature, period, total, {node: seq}], ...]``;
                  limits changed: ``[version]``, the stored limits' new version;
@@ -28,7 +28,9 @@ array ``[cluster, sender, incarnation, seq, sent_at, kind, body]``:
                  (docs/quotas.md);
                  readings: ``[[tenant, feature, period, kind, value, at_ms, node], ...]``,
                  gauges' readings (``kind`` 0 ``max``, 1 ``latest``), observed by the sender
-                 or stored (docs/dimensions.md).
+                 or stored (docs/dimensions.md);
+                 values: ``[[tenant, feature, period, value], ...]``, unique features' values
+                 storage holds claimed, as the sender learned them (docs/dimensions.md).
 
 Deltas and totals that do not fit a signed 64-bit integer travel as decimal strings.
 :func:`decode` returns a :class:`Message` or a :class:`Rejected` with a reason; it never raises.
@@ -60,7 +62,7 @@ INT64_MAX: Final = 2**63 - 1
 #: Longest decimal string accepted for a big integer.
 MAX_BIGINT_DIGITS: Final = 80
 
-Kind = Literal["heartbeat", "deltas", "announce", "limits", "holds", "alert", "readings"]
+Kind = Literal["heartbeat", "deltas", "announce", "limits", "holds", "alert", "readings", "values"]
 _KIND_CODE: Final[dict[str, int]] = {
     "heartbeat": 0,
     "deltas": 1,
@@ -69,6 +71,7 @@ _KIND_CODE: Final[dict[str, int]] = {
     "holds": 4,
     "alert": 5,
     "readings": 6,
+    "values": 7,
 }
 _GAUGE_KINDS: Final[tuple[str, str]] = ("max", "latest")
 _CODE_KIND: Final[dict[int, Kind]] = {v: cast(Kind, k) for k, v in _KIND_CODE.items()}
@@ -95,6 +98,8 @@ AlertItem = tuple[str, str, str, str, int, int, int, int, str, float]
 ReadingItem = tuple[str, str, str, str, int, int, str]
 """``(tenant, feature, period, kind, value, at_ms, node)``: a gauge's reading (``kind`` ``max``
 or ``latest``)."""
+ValueItem = tuple[str, str, str, str]
+"""``(tenant, feature, period, value)``: a unique feature's value storage holds claimed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +129,8 @@ class Message:
     alert: AlertItem | None = None
     #: ``readings``: gauges' readings.
     readings: tuple[ReadingItem, ...] = ()
+    #: ``values``: unique features' values known claimed.
+    values: tuple[ValueItem, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +172,8 @@ class Codec:
         | Sequence[AnnounceItem]
         | Sequence[HoldItem]
         | Sequence[AlertItem]
-        | Sequence[ReadingItem] = (),
+        | Sequence[ReadingItem]
+        | Sequence[ValueItem] = (),
         limits_version: int = 0,
     ) -> bytes:
         """One frame. ``items`` are deltas or announcements according to ``kind``;
@@ -183,6 +191,8 @@ class Codec:
         elif kind == "readings":
             body = [[t, f, p, _GAUGE_KINDS.index(g), _wire_int(v), a, n]
                     for t, f, p, g, v, a, n in cast(Sequence[ReadingItem], items)]  # fmt: skip
+        elif kind == "values":
+            body = [list(cast(ValueItem, i)) for i in items]
         elif kind == "deltas":
             deltas = cast(Sequence[DeltaItem], items)
             body = [[t, f, p, s, _wire_int(d)] for t, f, p, s, d in deltas]
@@ -289,6 +299,8 @@ class Codec:
             return Message(header, kind, holds=tuple(_hold(i) for i in body))
         if kind == "readings":
             return Message(header, kind, readings=tuple(_reading(i) for i in body))
+        if kind == "values":
+            return Message(header, kind, values=tuple(_value(i) for i in body))
         return Message(header, kind, announcements=tuple(_announce(i) for i in body))
 
 
@@ -376,6 +388,13 @@ def _reading(item: Any) -> ReadingItem:
             _bigint(v, "value"), _uint(a, "at_ms"), n)  # fmt: skip
 
 
+def _value(item: Any) -> ValueItem:
+    if not isinstance(item, list) or len(item) != 4:
+        raise _Bad("value is not [tenant, feature, period, value]")
+    return (_str(item[0], "tenant"), _str(item[1], "feature"), _str(item[2], "period"),
+            _str(item[3], "value"))  # fmt: skip
+
+
 def _alert(body: Any) -> AlertItem:
     if not isinstance(body, list) or len(body) != 10:
         raise _Bad("alert body is not a 10-element array")
@@ -395,15 +414,18 @@ def _announce(item: Any) -> AnnounceItem:
 
 
 def chunks(items: Sequence[Any], budget: int = MAX_FRAME_BYTES // 2) -> Iterator[Sequence[Any]]:
-    """Split ``items`` (delta or announcement tuples) into runs that each encode under
-    ``budget`` bytes, estimated from their string lengths (ints cost at most 9 bytes each)."""
+    """Split ``items`` (delta, announcement, reading or value tuples) into runs that each
+    encode under ``budget`` bytes, estimated from their string lengths (ints cost at most 9
+    bytes each)."""
     start = 0
     size = 0
     for i, item in enumerate(items):
         cost = 16 + len(item[0]) + len(item[1]) + len(item[2]) + 18
-        extra = item[4]
-        if isinstance(extra, Mapping):
-            cost += sum(len(n) + 11 for n in extra)
+        for extra in item[3:]:
+            if isinstance(extra, str):  # (a value, a gauge's kind or node)
+                cost += len(extra)
+            elif isinstance(extra, Mapping):
+                cost += sum(len(n) + 11 for n in extra)
         if i > start and size + cost > budget:
             yield items[start:i]
             start, size = i, 0

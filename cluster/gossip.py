@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from cluster.api import AppliedView, GaugeSource, GossipTable, Key, Resync
+from cluster.api import AppliedView, GaugeSource, GossipTable, Key, Resync, ValueSource
 from cluster.broadcaster import Broadcaster
 from cluster.bus import Bus
 from cluster.codec import (
@@ -100,10 +100,13 @@ class Gossip(Generic[S]):
         incarnation: int | None = None,
         listener: Listener | None = None,
         gauges: GaugeSource | None = None,
+        values: ValueSource | None = None,
     ) -> None:
         self.table = table
         #: The node's gauges: their readings are sent each tick and merged when heard.
         self.gauges = gauges
+        #: Unique values known claimed: sent each tick, learned when heard.
+        self.values = values
         #: Told of limit changes, holds, applied deltas and alerts from peers (if given).
         self.listener = listener
         self.bus = bus
@@ -129,6 +132,7 @@ class Gossip(Generic[S]):
             clock=clock,
             after_commit=after_commit,
             gauges=gauges,
+            values=values,
         )
         self.received: dict[str, int] = {
             "messages": 0,
@@ -138,6 +142,8 @@ class Gossip(Generic[S]):
             "announcements_skipped": 0,
             "readings_applied": 0,
             "readings_skipped": 0,
+            "values_learned": 0,
+            "values_skipped": 0,
             "echoes": 0,
         }
         #: CPU seconds (this thread) spent decoding and applying received frames.
@@ -305,6 +311,10 @@ class Gossip(Generic[S]):
             merged = 0 if self.gauges is None else self.gauges.merge_readings(msg.readings)
             self.received["readings_applied"] += merged
             self.received["readings_skipped"] += len(msg.readings) - merged
+        elif msg.kind == "values":
+            learned = 0 if self.values is None else self.values.learn_values(msg.values)
+            self.received["values_learned"] += learned
+            self.received["values_skipped"] += len(msg.values) - learned
         elif self.listener is None:
             return
         elif msg.kind == "limits":

@@ -55,6 +55,12 @@ def test_round_trip_every_kind() -> None:
     m = c.decode(c.encode(H, "readings", readings))
     assert isinstance(m, Message) and m.kind == "readings" and list(m.readings) == readings
 
+    values = [("t1", "seats", "2026-11", "user-17"), ("t/u", "seats", "2026-11-30", "ü,x")]
+    m = c.decode(c.encode(H, "values", values))
+    assert isinstance(m, Message) and m.kind == "values" and list(m.values) == values
+    parts = list(chunks([("t", "seats", "2026-11", "v" * 60)] * 1000, 4096))
+    assert len(parts) > 1 and all(len(c.encode(H, "values", p)) <= 4096 + 64 for p in parts)
+
 
 def test_an_alert_frame_round_trips_signed_and_a_bad_one_is_malformed() -> None:
     c = Codec("prod", "s3cret")
@@ -168,6 +174,10 @@ def test_malformed_payloads() -> None:
         _frame(["prod", "n", 1, 1, 1.0, 6, [["t", "f", "p", 0, 5, 1, 7]]]),  # node not text
         _frame(["prod", "n", 1, 1, 1.0, 6, [["t", "f", "p", 0, 1.5, 1, "n"]]]),  # float value
         _frame(["prod", "n", 1, 1, 1.0, 6, [["", "f", "p", 0, 5, 1, "n"]]]),  # empty tenant
+        _frame(["prod", "n", 1, 1, 1.0, 7, None]),  # values without a body
+        _frame(["prod", "n", 1, 1, 1.0, 7, [["t", "f", "p"]]]),  # short value item
+        _frame(["prod", "n", 1, 1, 1.0, 7, [["t", "f", "p", ""]]]),  # empty value
+        _frame(["prod", "n", 1, 1, 1.0, 7, [["t", "f", "p", 5]]]),  # value not text
     ]
     for frame in bad:
         r = c.decode(frame)
@@ -193,6 +203,8 @@ def _sound(c: Codec, data: bytes) -> Message | Rejected:
         items = list(r.holds)
     if r.kind == "readings":
         items = list(r.readings)
+    if r.kind == "values":
+        items = list(r.values)
     assert c.decode(c.encode(h, r.kind, items, r.limits_version)) == r
     return r
 

@@ -682,3 +682,36 @@ async def test_a_failed_log_write_of_an_outcome_takes_its_count_back(tmp: Path) 
     await flush(svc, store)
     assert await stored_total(store) == 1
     await wal.close()
+
+
+# -- values told to peers ----------------------------------------------------------------------
+
+
+def test_known_values_tell_their_own_claims_and_learn_peers_for_held_keys_only() -> None:
+    from meter.core.uniques import KnownValues
+
+    held = {("t", "seats", "p")}
+    known = KnownValues(gossip=True, warm=held.__contains__)
+    known.add(("t", "seats", "p"), "a")
+    known.add(("t", "seats", "p"), "a")  # (told once)
+    assert known.take_values() == [("t", "seats", "p", "a")]
+    assert known.take_values() == []
+    items = [("t", "seats", "p", "b"), ("t", "seats", "p", "a"), ("u", "seats", "p", "c")]
+    assert known.learn_values(items) == 1  # (a known already; u's key not held here)
+    assert known.has(("t", "seats", "p"), "b") and not known.has(("u", "seats", "p"), "c")
+    assert known.take_values() == []  # (learned values are not told again)
+    assert not KnownValues(gossip=False).take_values()
+
+
+async def test_a_value_a_peer_told_is_answered_without_a_claim() -> None:
+    store = Flaky()
+    a = await declared(service(store, "n1"))
+    b = await node_on(store, "n2")
+    await call(b, "usage", "acme", "seats")  # (b holds the counter)
+    assert await call(a, "track", "acme", "seats", 1, {"value": "u1"}) == 1
+    told = a.uniques.values.take_values()
+    assert told == []  # (no gossip in a service: nothing kept to tell)
+    b.uniques.values.learn_values([("acme", "seats", MONTH, "u1")])
+    claims = store.claims
+    assert await call(b, "track", "acme", "seats", 1, {"value": "u1"}) == 0
+    assert store.claims == claims and b.uniques.status()["values_learned"] == 1

@@ -149,3 +149,29 @@ def test_a_node_killed_mid_load_neither_loses_nor_doubles_a_value(
         nodes,
     )
     assert counts(nodes, "kill") == want
+
+
+def test_a_value_one_node_counted_is_answered_by_its_peers_from_what_gossip_told(
+    nodes: list[NodeProcess],
+) -> None:
+    for p in nodes[1:]:
+        p.call("usage", "told", "seats")  # (they hold the counter: they learn its values)
+    values = [f"guest-{n}" for n in range(10)]
+    learned = [p.call("status")["uniques"]["values_learned"] for p in nodes[1:]]
+    for v in values:
+        nodes[0].call("track", "told", "seats", 1, {"value": v})
+    wait_until(
+        lambda: all(
+            p.call("status")["uniques"]["values_learned"] >= n + 10
+            for p, n in zip(nodes[1:], learned, strict=True)
+        ),
+        10,
+        "the peers learned the values",
+        nodes,
+    )
+    before = claims(nodes[1:])
+    for p in nodes[1:]:
+        for v in values:
+            p.call("track", "told", "seats", 1, {"value": v})
+    assert claims(nodes[1:]) == before  # (answered from memory: no claim made)
+    wait_until(lambda: counts(nodes, "told") == [10, 10, 10], 10, "every node counts 10", nodes)

@@ -20,8 +20,10 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from cluster.codec import ValueItem
 from meter.core.dims import MAX_DIM_VALUE_BYTES
 from meter.core.fence import Fence
 from meter.core.gate import Gate, soft_crossing
@@ -49,6 +51,82 @@ MAX_UNRESOLVED = 10_000
 Claims = dict[str, tuple[Key, str]]
 
 
+#: Values learned claimed a node keeps to tell its peers at most, between two gossip ticks
+#: (past it, the rest are not told: a peer claims them and loses, counting nothing).
+MAX_TOLD = 10_000
+
+
+class KnownValues:
+    """The unique values a node knows claimed (storage holds them), per key: a cache, bounded
+    by :data:`MAX_CACHED_VALUES`, dropped with its key's row; and, with gossip, those it
+    learned from its own claims since the last tick, to tell its peers (they then answer
+    them from memory). Pure."""
+
+    def __init__(self, gossip: bool = False, warm: Callable[[Key], bool] | None = None) -> None:
+        self.seen: dict[Key, set[str]] = {}
+        self.cached = 0
+        self.gossip = gossip
+        #: Whether a key's counter is held here: only such keys learn peers' values.
+        self.warm = warm
+        self._told: list[ValueItem] = []
+        #: Values learned from peers since start.
+        self.learned = 0
+
+    def has(self, key: Key, value: str) -> bool:
+        """Whether ``value`` is known claimed in ``key``."""
+        held = self.seen.get(key)
+        return held is not None and value in held
+
+    def add(self, key: Key, value: str, tell: bool = True) -> None:
+        """Know ``value`` claimed in ``key`` (``tell``: and tell peers, with gossip)."""
+        held = self.seen.get(key)
+        if held is None:
+            held = self.seen[key] = set()
+        if value in held:
+            return
+        if self.cached >= MAX_CACHED_VALUES:  # (all of them: one key may hold them all)
+            held = set()
+            self.seen = {key: held}
+            self.cached = 0
+        held.add(value)
+        self.cached += 1
+        if tell and self.gossip and len(self._told) < MAX_TOLD:
+            self._told.append((key[0], key[1], key[2], value))
+
+    def forget(self, key: Key, value: str) -> None:
+        """No longer know ``value`` in ``key`` (its claim's outcome was undone)."""
+        held = self.seen.get(key)
+        if held is not None and value in held:
+            held.discard(value)
+            self.cached -= 1
+
+    def take_values(self) -> list[ValueItem]:
+        """The values learned from this node's claims since the last take (gossip's)."""
+        told, self._told = self._told, []
+        return told
+
+    def learn_values(self, items: Iterable[ValueItem]) -> int:
+        """Know peers' values as claimed, for the keys held here; how many were new."""
+        new = 0
+        warm = self.warm
+        for t, f, p, value in items:
+            key = (t, f, p)
+            if (warm is None or warm(key)) and not self.has(key, value):
+                self.add(key, value, tell=False)
+                new += 1
+        self.learned += new
+        return new
+
+    def evict_idle(self, warm: Callable[[Key], bool]) -> int:
+        """Forget the values of keys not ``warm`` (the table dropped them); how many."""
+        gone = [k for k in self.seen if not warm(k)]
+        dropped = 0
+        for k in gone:
+            dropped += len(self.seen.pop(k))
+        self.cached -= dropped
+        return dropped
+
+
 def check_value(value: Any) -> str:
     """A unique feature's value: a printable string of 1..64 UTF-8 bytes."""
     if type(value) is not str:
@@ -72,6 +150,7 @@ class Uniques:
         ids: RequestIds,
         seeder: Seeder,
         storage: UniqueValues,
+        known: KnownValues | None = None,
     ) -> None:
         self.table = table
         self.keys = keys
@@ -82,8 +161,7 @@ class Uniques:
         self.seeder = seeder
         self.storage = storage
         #: Values known claimed, by key (a cache: see the module docstring).
-        self.seen: dict[Key, set[str]] = {}
-        self._cached = 0
+        self.values = known if known is not None else KnownValues()
         #: Claims sent by a call waiting on their answer, and claims whose outcome is not
         #: known (a failed write, a restart): the latter are claimed again by :meth:`resolve`.
         self.flying: Claims = {}
@@ -101,8 +179,7 @@ class Uniques:
 
     def known(self, key: Key, value: str) -> bool:
         """Whether ``value`` is known claimed in ``key``."""
-        held = self.seen.get(key)
-        return held is not None and value in held
+        return self.values.has(key, value)
 
     def known_answer(self, tenant: Any, feature: Any, value: str) -> tuple[int | None] | None:
         """The answer to ``track(tenant, feature, 1, {"value": value})`` (no id, no ``at``)
@@ -217,7 +294,7 @@ class Uniques:
             raise Unavailable(f"{key[0]}/{key[1]}: storage is unreachable: {exc}") from None
         if holder is None:
             return False
-        self._cache(key, value)
+        self.values.add(key, value)
         return True
 
     def refusal(self, key: Key) -> LimitExceeded | None:
@@ -342,7 +419,7 @@ class Uniques:
         else:
             self.lost += 1
             after = self.table.value(key)
-        self._cache(key, value)
+        self.values.add(key, value)
         rid = fp = expires = None
         if idem is not None:
             rid, fp = idem
@@ -356,18 +433,6 @@ class Uniques:
         self._closed(key)
         if self.wal is not None:
             self.wal.append([R.CLAIMED, *key, value, claimant, False, None, None, None, None])
-
-    def _cache(self, key: Key, value: str) -> None:
-        held = self.seen.get(key)
-        if held is None:
-            held = self.seen[key] = set()
-        if value not in held:
-            if self._cached >= MAX_CACHED_VALUES:  # (all of them: one key may hold them all)
-                held = set()
-                self.seen = {key: held}
-                self._cached = 0
-            held.add(value)
-            self._cached += 1
 
     # -- claims whose outcome is not known -----------------------------------------------------
 
@@ -419,10 +484,7 @@ class Uniques:
             self.lost -= 1
         if rid is not None:
             self.ids.forget(rid)
-        held = self.seen.get(key)
-        if held is not None and value in held:
-            held.discard(value)
-            self._cached -= 1
+        self.values.forget(key, value)
         self._opened(key)
         self._doubt(claimant, key, value)
 
@@ -470,18 +532,13 @@ class Uniques:
     def evict_idle(self) -> int:
         """Forget the cached values of keys the table no longer holds (evicted, or of a
         period past); how many values."""
-        table = self.table
-        gone = [k for k in self.seen if not table.is_warm(k)]
-        dropped = 0
-        for k in gone:
-            dropped += len(self.seen.pop(k))
-        self._cached -= dropped
-        return dropped
+        return self.values.evict_idle(self.table.is_warm)
 
     def status(self) -> dict[str, int]:
         """The ``uniques`` section of ``status``."""
         return {
-            "cached_values": self._cached,
+            "cached_values": self.values.cached,
+            "values_learned": self.values.learned,
             "claims_won": self.won,
             "claims_lost": self.lost,
             "claims_in_flight": len(self.flying),

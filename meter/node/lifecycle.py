@@ -30,6 +30,7 @@ from meter.core.keys import Key
 from meter.core.server import RpcServer
 from meter.core.service import Service
 from meter.core.table import CounterTable
+from meter.core.uniques import KnownValues
 from meter.errors import ConfigError, Unavailable
 from meter.node import loops, wiring
 from meter.node.datadir import DataDir
@@ -142,6 +143,7 @@ class Node:
             # Alone, nobody would take the gossip columns: the table does not keep them.
             self.table = CounterTable(node_id, gossip=bool(cfg.cluster.redis_url))
             gauges = GaugeTable(node_id, gossip=self.table.gossip)
+            values = KnownValues(gossip=self.table.gossip, warm=self.table.is_warm)
             d = cfg.durability
             mode = d.effective_mode(self.storage.kind)
             if mode != "off":
@@ -163,6 +165,7 @@ class Node:
                     self.data_dir.incarnation(),
                     listener=self,
                     gauges=gauges,
+                    values=values,
                     after_commit=None if self.wal is None else self.wal.at_commit,
                 )
             units = FeatureUnits(cfg.metrics.feature_labels) if cfg.metrics.address else None
@@ -192,6 +195,7 @@ class Node:
                 self.storage,
                 cfg.counters,
                 gauges=gauges,
+                known_values=values,
                 wal=self.wal,
                 ids=RequestIds(d.idempotency_window_s, d.idempotency_max_ids),
                 limits_poll_s=cfg.counters.limits_poll_ms / 1000,

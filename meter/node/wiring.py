@@ -35,7 +35,7 @@ from meter.core.server import RpcServer, start_server
 from meter.core.service import Service
 from meter.core.table import CounterTable
 from meter.core.tracking import Tracking
-from meter.core.uniques import Uniques
+from meter.core.uniques import KnownValues, Uniques
 from meter.core.watch import Watch
 from meter.errors import ConfigError
 from meter.history.methods import HistoryMethods
@@ -148,11 +148,13 @@ def build_gossip(
     *,
     listener: Listener,
     gauges: GaugeTable,
+    values: KnownValues | None = None,
     after_commit: Callable[[Callable[[], object]], None] | None = None,
 ) -> Gossip[Snapshot]:
     """The gossip layer over ``bus`` (not started yet); ``incarnation`` comes from
     :meth:`~meter.node.datadir.DataDir.incarnation`, ``listener`` hears what peers send
-    beside deltas, ``gauges`` are the node's gauges (their readings gossiped), and
+    beside deltas, ``gauges`` are the node's gauges (their readings gossiped), ``values``
+    the unique values it knows claimed (told and learned), and
     ``after_commit`` delays each gossip take until the write-ahead log holds every state
     change made so far (:meth:`meter.wal.log.WriteAheadLog.at_commit`)."""
     c = cfg.cluster
@@ -174,6 +176,7 @@ def build_gossip(
         after_commit=after_commit,
         listener=listener,
         gauges=gauges,
+        values=values,
     )
 
 
@@ -196,6 +199,7 @@ def assemble(
     config: CounterConfig | None = None,
     *,
     gauges: GaugeTable | None = None,
+    known_values: KnownValues | None = None,
     wal: WriteAheadLog | None = None,
     ids: RequestIds | None = None,
     limits_poll_s: float = 0.5,
@@ -209,7 +213,8 @@ def assemble(
 ) -> Parts:
     """Every part of a node's request path and the features it serves, wired.
 
-    ``gauges`` is the node's gauge table (``None``: a new one). ``owned()`` says whether
+    ``gauges`` is the node's gauge table and ``known_values`` its unique values known claimed
+    (``None``: new ones). ``owned()`` says whether
     this process owns its node id (``None``: not checked): strict shares are written only
     while it does. ``nodes()`` is how many nodes share the budgets; ``publish_limits`` tells
     peers of a limit change; the alert callbacks are those of
@@ -273,7 +278,7 @@ def assemble(
     limits = LimitStore(storage, new_book, poll_s=limits_poll_s, publish=publish_limits)
     gauges = gauges if gauges is not None else GaugeTable(table.node, gossip=table.gossip)
     gauging = Gauging(gauges, keys, gate, fence, ids, storage)
-    uniques = Uniques(table, keys, gate, fence, ids, seeder, storage)
+    uniques = Uniques(table, keys, gate, fence, ids, seeder, storage, known_values)
     tracking = Tracking(table, keys, gate, fence, ids, seeder, groups, gauging, uniques)
     reserving = Reserving(table, keys, gate, fence, ids, seeder, groups, config)
     journal = Journal(table, keys, ids, reserving, config, gauging, uniques)
