@@ -444,6 +444,33 @@ async def test_a_restart_replays_every_counter_a_call_with_dimensions_counted(tm
     await wal.close()
 
 
+async def test_a_commit_on_a_value_limited_since_is_refused_and_all_or_none() -> None:
+    from meter.core.keys import QTY_MAX
+
+    svc = await declared(service())
+    lease = await call(svc, "reserve", "acme", "tokens", 10, {"dims": {"model": "gpt-4"}})
+    await call(svc, "set_limit", "acme", "tokens", {"limit": 50, "where": {"model": "gpt-4"}})
+    await limits_of(svc).refresh()
+    exc = await error(svc, "commit", lease, 1000)
+    assert exc.code == "conflict" and "release it" in exc.message
+    assert await call(svc, "usage", "acme", "tokens", {"where": {"model": "gpt-4"}}) == 10
+    await call(svc, "release", lease)
+    # Past the 64-bit range on a dimension counter (larger than the total after a negative
+    # call on another value): refused at reserve, and at commit, with nothing changed.
+    beta = {"model": "a"}
+    await call(svc, "track", "beta", "tokens", QTY_MAX - 5, {"dims": beta})
+    await call(svc, "track", "beta", "tokens", -100, {"dims": {"model": "b"}})
+    exc = await error(svc, "reserve", "beta", "tokens", 50, {"dims": beta})
+    assert exc.code == "invalid_argument"
+    assert await call(svc, "usage", "beta", "tokens") == QTY_MAX - 105
+    lease = await call(svc, "reserve", "beta", "tokens", 3, {"dims": beta})
+    exc = await error(svc, "commit", lease, 50)
+    assert exc.code == "invalid_argument"
+    assert await call(svc, "usage", "beta", "tokens") == QTY_MAX - 102
+    assert await call(svc, "usage", "beta", "tokens", {"where": beta}) == QTY_MAX - 2
+    assert await call(svc, "commit", lease, 3) == QTY_MAX - 102
+
+
 async def test_a_reservation_with_dimensions_comes_back_from_the_log(tmp: Path) -> None:
     """An open reservation with dimensions is held on them again after a restart (also from
     a checkpoint's restatement); a commit logged before a crash counts on them on replay; a

@@ -554,6 +554,21 @@ async def test_claims_without_an_outcome_count_as_taken_under_a_hard_limit() -> 
     assert sorted(await stored_values(store)) == ["a", "b"]
 
 
+async def test_a_retried_value_whose_claim_is_open_is_not_refused_by_the_limit() -> None:
+    """Its open claim takes the room already: the retry claims it again, counted once."""
+    store = Flaky()
+    svc = await declared(service(store))
+    await call(svc, "set_limit", "acme", "seats", {"limit": 1})
+    await limits_of(svc).refresh()
+    store.fail = "before"
+    assert isinstance(await error(svc, "track", "acme", "seats", 1, {"value": "u"}), Unavailable)
+    store.fail = None
+    assert await call(svc, "track", "acme", "seats", 1, {"value": "u"}) == 1
+    assert isinstance(await error(svc, "track", "acme", "seats", 1, {"value": "v"}), LimitExceeded)
+    assert await svc.uniques.resolve() == 0
+    assert await call(svc, "usage", "acme", "seats") == 1
+
+
 async def test_every_level_of_a_hierarchy_is_judged_by_its_limit() -> None:
     store = MemoryStorage()
     config = CounterConfig(tenant_hierarchy=True)
@@ -621,6 +636,17 @@ async def test_new_values_wait_when_too_many_claims_are_unresolved(
     store.fail = None
     assert await svc.uniques.resolve() == 0
     assert await call(svc, "track", "acme", "seats", 1, {"value": "c"}) == 3
+    # Claims in flight count too: calls at once open at most the bound.
+    store.gate = asyncio.Event()
+    store.fail = "before"
+    calls = [call(svc, "track", "acme", "seats", 1, {"value": f"w{n}"}) for n in range(50)]
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    for _ in range(3):
+        await asyncio.sleep(0.01)
+    store.gate.set()
+    got = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(g, Unavailable) for g in got)
+    assert svc.uniques.status()["claims_unresolved"] == 2
 
 
 async def test_a_known_value_with_a_bad_qty_is_refused() -> None:

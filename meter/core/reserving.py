@@ -211,11 +211,19 @@ class Reserving:
         except LimitExceeded:
             gate.limit_refusals += 1
             raise
+        tenant, _, period = key
+        done: list[Key] = [key]
+        try:  # held on its dimension counters too (groups add up), all or none
+            for name in dims:
+                self.table.reserve((tenant, name, period), qty, None)
+                done.append((tenant, name, period))
+        except InvalidArgument:  # past the 64-bit range on one: none held
+            for k in done:
+                self.table.release(k, qty)
+            raise
         if gate.alerting and eff is not None and eff.alerts and held is not None:
             gate.alerts.detect(key, eff.limit, eff.alerts, held - qty, held)
         lease = self.reservations.open(key, qty, time.monotonic() + ttl_ms / 1000, dims)
-        for k in dim_keys(lease):  # held on its dimension counters too: groups add up
-            self.table.reserve(k, qty, None, check=False)
         if strict and qty > 0:
             gate.shares.hold(key, qty)
             self.escrowed.add(lease.id)
@@ -260,10 +268,15 @@ class Reserving:
                 self._gate_commit(lease, actual)
             except Short as short:
                 return self._commit_after_room(short, params)
-        # First the table, which may refuse (past the 64-bit range) with nothing changed.
-        value = self.table.commit(lease.key, lease.qty, actual)
         for k in dim_keys(lease):
-            self.table.commit(k, lease.qty, actual)
+            if self.gate.effective(k) is not None:
+                raise Conflict(
+                    f"reservation {lease_id!r}: {k[0]}/{k[1]} has had a limit of its own since "
+                    "it was made, which a reservation cannot hold units under; nothing "
+                    "changed: release it and track the units"
+                )
+        # First the table, which may refuse (past the 64-bit range) with nothing changed.
+        value = self._commit_rows(lease, actual)
         self.settle_escrow(lease, actual)
         gate = self.gate
         if actual > lease.qty and gate.limited:  # the extra units may cross a soft limit
@@ -311,6 +324,21 @@ class Reserving:
                 gate.take(pool_key(key[0]), eff.price * (actual - lease.qty))
             if eff is not None and eff.kind == "hard" and eff.enforcement == "strict":
                 gate.take(key, actual - lease.qty)
+
+    def _commit_rows(self, lease: Lease, actual: int) -> int | None:
+        """Commit ``lease`` on its counter and its dimension counters, all or none (one past
+        the 64-bit range refuses, the others taken back); the counter's value."""
+        done: list[Key] = []
+        try:
+            for k in dim_keys(lease):
+                self.table.commit(k, lease.qty, actual)
+                done.append(k)
+            return self.table.commit(lease.key, lease.qty, actual)
+        except InvalidArgument:
+            for k in done:
+                self.table.incr(k, -actual, check=False)
+                self.table.reserve(k, lease.qty, None, check=False)
+            raise
 
     def _gate_commit(self, lease: Lease, actual: int) -> None:
         """Refuse a commit above its reservation whose extra units would pass a hard limit;

@@ -257,12 +257,20 @@ class Uniques:
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
                 return self.gate.detail(key, entry[1], 0) if detail else entry[1]
-        # A value storage holds claimed at a level at its limit is known there, not refused.
+        # A value storage holds claimed at a level at its limit is known there, not refused;
+        # one whose claim is open already (a retry) takes no more room.
+        doubted = self._doubted
         for level in keys:
-            if not self.known(level, value) and self.refusal(level) is not None:
+            if (
+                not self.known(level, value)
+                and (level, value) not in doubted
+                and self.refusal(level) is not None
+            ):
                 await self._claimed(level, value)
         fresh = [level for level in keys if not self.known(level, value)]
         for level in fresh:  # judged again, with no await before the claims are opened
+            if (level, value) in doubted:
+                continue
             refusal = self.refusal(level)
             if refusal is not None:
                 self.gate.limit_refusals += 1
@@ -323,10 +331,10 @@ class Uniques:
         counted where won, in one step. The first level's count after it (``idem``: its
         request id)."""
         self.fence.check()
-        if len(self.pending) >= MAX_UNRESOLVED:
+        if len(self.pending) + len(self.flying) >= MAX_UNRESOLVED:
             raise Unavailable(
-                f"{len(self.pending)} claims of unique values wait for storage to answer; new "
-                "values are refused until it does"
+                f"{len(self.pending) + len(self.flying)} claims of unique values wait for "
+                "storage to answer; new values are refused until it does"
             )
         claims: list[tuple[Key, str]] = []
         new: list[tuple[Key, str]] = []
@@ -429,8 +437,10 @@ class Uniques:
         return after
 
     def _abandon(self, key: Key, value: str, claimant: str) -> None:
-        """Close a claim storage refused for good (nothing stored, nothing counted)."""
+        """Close a claim storage refused for good (nothing stored, nothing counted; counted
+        with the lost ones)."""
         self._closed(key)
+        self.lost += 1
         if self.wal is not None:
             self.wal.append([R.CLAIMED, *key, value, claimant, False, None, None, None, None])
 

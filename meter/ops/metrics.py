@@ -74,6 +74,8 @@ STRICT_SHARES = "meter_strict_shares"
 STRICT_WRITES = "meter_strict_budget_writes_total"
 ALERTS = "meter_alerts_total"
 ALERTS_PENDING = "meter_alerts_pending"
+UNIQUE_CLAIMS = "meter_unique_claims_total"
+UNIQUE_UNRESOLVED = "meter_unique_claims_unresolved"
 READY = "meter_ready"
 DEGRADED = "meter_degraded"
 BUILD_INFO = "meter_build_info"
@@ -89,6 +91,7 @@ METRIC_NAMES: tuple[str, ...] = (
     GOSSIP_PEERS, GOSSIP_LAG, GOSSIP_MESSAGES, GOSSIP_REJECTED, GOSSIP_GAPS, RESERVATIONS_OPEN,
     RESERVATIONS_EXPIRED, STRICT_SHARES, STRICT_WRITES, READY, DEGRADED, BUILD_INFO,
     RESERVATIONS_EXPIRED, ALERTS, ALERTS_PENDING, READY, DEGRADED, BUILD_INFO,
+    UNIQUE_CLAIMS, UNIQUE_UNRESOLVED,
 )  # fmt: skip
 
 
@@ -181,6 +184,18 @@ class NodeCollector(Collector):
             failed = _counter(SEEDING_FAILED_READS, "Seeding reads that failed.")
             failed.add_metric([], seeding.failed_reads)
             yield failed
+            uq = svc.uniques
+            claims = _counter(
+                UNIQUE_CLAIMS,
+                "Claims of unique values decided in storage, by outcome: won (counted here), "
+                "lost (counted already).",
+                ["outcome"],
+            )
+            claims.add_metric(["won"], uq.won)
+            claims.add_metric(["lost"], uq.lost)
+            yield claims
+            waiting = "Claims of unique values waiting for storage to answer (each counted at "
+            yield _gauge(UNIQUE_UNRESOLVED, waiting + "most once).", len(uq.pending))
         shares = node.shares
         if shares is not None:
             yield _gauge(STRICT_SHARES, "Strict budgets this node holds a share of.",
