@@ -35,6 +35,7 @@ from meter.wal.log import WriteAheadLog
 from storage.base import StorageUnavailable
 from storage.memory import MemoryStorage
 from tests.support.nodes import short_tmpdir
+from tests.support.services import logged_service
 
 MONTH = period_start("month")
 
@@ -481,12 +482,7 @@ async def test_a_reservation_with_dimensions_comes_back_from_the_log(tmp: Path) 
     by = ("model", "region")
 
     async def start() -> tuple[Service, WriteAheadLog]:
-        wal = WriteAheadLog(tmp / "wal", node_id="n1", mode="fsync")
-        svc = build_service(CounterTable("n1"), store, CounterConfig(), wal=wal,
-                            ids=RequestIds(3600, 1000))  # fmt: skip
-        await limits_of(svc).refresh()
-        await recover(wal, svc)
-        return svc, wal
+        return await logged_service(tmp / "wal", store)
 
     svc, wal = await start()
     await declared(svc)

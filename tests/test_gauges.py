@@ -31,6 +31,7 @@ from meter.wal.log import WriteAheadLog
 from storage.base import Delta
 from storage.memory import MemoryStorage
 from tests.support.nodes import BACKFILL_GRACE_S, short_tmpdir
+from tests.support.services import logged_service
 from tests.test_dimensions import call, error
 from tests.test_wal_service import broken, disk_full, settle
 
@@ -437,12 +438,7 @@ async def test_the_log_brings_unstored_readings_back_and_the_flusher_stores_them
     store = MemoryStorage()
 
     async def start() -> tuple[Service, WriteAheadLog]:
-        wal = WriteAheadLog(tmp / "wal", node_id="n1", mode="fsync")
-        svc = build_service(CounterTable("n1"), store, CounterConfig(), wal=wal,
-                            ids=RequestIds(3600, 1000))  # fmt: skip
-        await limits_of(svc).refresh()
-        await recover(wal, svc)
-        return svc, wal
+        return await logged_service(tmp / "wal", store)
 
     svc, wal = await start()
     await gauges(svc)

@@ -841,16 +841,20 @@ async def test_values_are_paged_in_code_point_order_without_loss_or_repeat(
     assert await storage.values_page(("acme", "users", "2026-10"), None, 5) == ([], None)
 
 
+#: Keys beside ``("acme", "users", "2026-11")``: another period (and its shape), feature
+#: or tenant whose name is a prefix or an extension of its.
+NEAR_KEYS: list[Key] = [
+    ("acme", "users", "2026-11-01"),
+    ("acme", "users", "2026-12"),
+    ("acme", "user", "2026-11"),
+    ("acme", "users2", "2026-11"),
+    ("acme/x", "users", "2026-11"),
+    ("acm", "users", "2026-11"),
+]
+
+
 async def test_values_of_other_keys_are_not_mixed_in(storage: Storage) -> None:
-    keys: list[Key] = [
-        ("acme", "users", "2026-11"),
-        ("acme", "users", "2026-11-01"),
-        ("acme", "users", "2026-12"),
-        ("acme", "user", "2026-11"),
-        ("acme", "users2", "2026-11"),
-        ("acme/x", "users", "2026-11"),
-        ("acm", "users", "2026-11"),
-    ]
+    keys: list[Key] = [("acme", "users", "2026-11"), *NEAR_KEYS]
     for i, key in enumerate(keys):
         for v in ("v", f"k{i}"):
             assert await storage.claim_value(key, v, f"c{i}") == f"c{i}"
@@ -947,14 +951,7 @@ async def test_claimant_of_a_value_is_its_first_claimant(storage: Storage) -> No
     assert await storage.claimant_of(U, "user-1") == "n2.b"
     assert await storage.claimant_of(U, "user-17") == "n1.a"
     # ... nor the same value in another key is mixed in.
-    others: list[Key] = [
-        ("acme", "users", "2026-11-01"),
-        ("acme", "users", "2026-12"),
-        ("acme", "user", "2026-11"),
-        ("acme", "users2", "2026-11"),
-        ("acme/x", "users", "2026-11"),
-        ("acm", "users", "2026-11"),
-    ]
+    others = NEAR_KEYS
     for key in others:
         assert await storage.claimant_of(key, "user-17") is None, key
     for i, key in enumerate(others):

@@ -24,13 +24,13 @@ from meter.core.table import CounterTable
 from meter.errors import Conflict, InvalidArgument, LimitExceeded, Unavailable
 from meter.node.wiring import build_service
 from meter.persist.flusher import Flusher
-from meter.persist.recovery import recover
 from meter.wal import records as R
 from meter.wal.log import WriteAheadLog
 from meter.wal.replay import Replay
 from storage.base import Key, Storage, StorageUnavailable
 from storage.memory import MemoryStorage
 from tests.support.nodes import BACKFILL_GRACE_S, short_tmpdir
+from tests.support.services import logged_service
 from tests.test_dimensions import call, error, limits_of
 from tests.test_wal_service import _kill, broken, disk_full, settle
 
@@ -301,11 +301,8 @@ async def test_a_cancelled_call_leaves_its_claim_to_be_resolved() -> None:
 
 
 async def _logged(tmp: Path, store: MemoryStorage, node: str = "n1") -> tuple[Service, Any]:
-    wal = WriteAheadLog(tmp / node, node_id=node, mode="fsync")
-    svc = service(store, node, wal)
-    await limits_of(svc).refresh()
-    await recover(wal, svc)
-    return svc, wal
+    config = CounterConfig(period_grace_s=BACKFILL_GRACE_S)
+    return await logged_service(tmp / node, store, node, config)
 
 
 async def test_the_log_brings_back_counts_and_unresolved_claims(tmp: Path) -> None:
