@@ -390,10 +390,15 @@ async def test_what_a_reservation_with_dimensions_refuses() -> None:
     )
     assert "max_combinations" in exc.message
     assert await call(svc, "usage", "acme", "tokens") == 1
-    # An id retried answers the same reservation; with other dims it is another call.
+    # An id retried answers the same reservation (also once its value got a limit of its
+    # own); with other dims it is another call.
     first = await call(svc, "reserve", "beta", "tokens", 2, {"dims": {"model": "o1"}, "id": "q"})
+    await call(svc, "set_limit", "beta", "tokens", {"limit": 9, "where": {"model": "o1"}})
+    await limits_of(svc).refresh()
     again = await call(svc, "reserve", "beta", "tokens", 2, {"dims": {"model": "o1"}, "id": "q"})
     assert first == again
+    exc = await error(svc, "reserve", "beta", "tokens", 2, {"dims": {"model": "o1"}})
+    assert "beta/tokens{model=o1} has a limit of its own" in exc.message
     exc = await error(svc, "reserve", "beta", "tokens", 2, {"dims": {"model": "x"}, "id": "q"})
     assert exc.code == "conflict"
 

@@ -218,6 +218,7 @@ async def test_a_hard_limit_refuses_a_new_value_not_one_already_counted() -> Non
         ("seats", 1, {"value": ""}, "1..64"),
         ("seats", 1, {"value": "x" * 65}, "1..64"),
         ("seats", 1, {"value": "a\nb"}, "not printable"),
+        ("seats", 1, {"value": "a\udcff"}, "not valid UTF-8"),
         ("seats", 1, {"value": 17}, "must be a string"),
         ("seats", 1, {"value": None}, "give the value"),
         ("seats", 1, {"value": "a", "dims": {"model": "x"}}, "dimension"),
@@ -563,6 +564,24 @@ async def test_a_retried_value_whose_claim_is_open_is_not_refused_by_the_limit()
     assert await call(svc, "track", "acme", "seats", 1, {"value": "u"}) == 1
     assert isinstance(await error(svc, "track", "acme", "seats", 1, {"value": "v"}), LimitExceeded)
     assert await svc.uniques.resolve() == 0
+    assert await call(svc, "usage", "acme", "seats") == 1
+
+
+async def test_a_value_whose_claim_is_in_flight_is_not_refused_by_the_limit() -> None:
+    """A retry (or a second device) sending the value while its first claim is on its way
+    takes no more room: both are answered, the value counted once."""
+    store = Flaky()
+    svc = await declared(service(store))
+    await call(svc, "set_limit", "acme", "seats", {"limit": 1})
+    await limits_of(svc).refresh()
+    store.gate = asyncio.Event()
+    first = asyncio.ensure_future(call(svc, "track", "acme", "seats", 1, {"value": "u"}))
+    while store.claims < 1:
+        await asyncio.sleep(0.001)
+    second = asyncio.ensure_future(call(svc, "track", "acme", "seats", 1, {"value": "u"}))
+    await asyncio.sleep(0.01)
+    store.gate.set()
+    assert sorted([await first, await second]) == [1, 1]
     assert await call(svc, "usage", "acme", "seats") == 1
 
 

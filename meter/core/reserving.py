@@ -13,7 +13,7 @@ from collections.abc import Awaitable
 from typing import Any, cast
 
 from meter.config import CounterConfig
-from meter.core.dims import Pairs, check_dims
+from meter.core.dims import Pairs, check_dims, shown
 from meter.core.fence import Fence
 from meter.core.gate import Gate, Short, pool_key, soft_crossing
 from meter.core.groups import Groups
@@ -105,12 +105,6 @@ class Reserving:
         if pairs:
             assert dims is not None
             spread = self.keys.spread(key, pairs, dims)[1:]
-            for k in spread:
-                if self.gate.effective(k) is not None:
-                    raise InvalidArgument(
-                        f"reserve with dims: {key[0]}/{k[1]} has a limit of its own; a "
-                        "reservation holds units on the feature's total only: track it"
-                    )
         idem: tuple[str, int] | None = None
         rid = o.get("id")
         if rid is not None:
@@ -120,6 +114,12 @@ class Reserving:
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
                 return entry[1]
+        for k in spread:  # (after a retry's answer: a reservation made stays answered)
+            if self.gate.effective(k) is not None:
+                raise InvalidArgument(
+                    f"reserve with dims: {key[0]}/{shown(k[1])} has a limit of its own, which "
+                    "a reservation cannot hold units under: track it"
+                )
         if at_s is not None:  # (after a retry's answer, as for track)
             self.keys.check_open(key, at_s, time.time())
         self.fence.check()
@@ -271,8 +271,8 @@ class Reserving:
         for k in dim_keys(lease):
             if self.gate.effective(k) is not None:
                 raise Conflict(
-                    f"reservation {lease_id!r}: {k[0]}/{k[1]} has had a limit of its own since "
-                    "it was made, which a reservation cannot hold units under; nothing "
+                    f"reservation {lease_id!r}: {k[0]}/{shown(k[1])} has had a limit of its own "
+                    "since it was made, which a reservation cannot hold units under; nothing "
                     "changed: release it and track the units"
                 )
         # First the table, which may refuse (past the 64-bit range) with nothing changed.

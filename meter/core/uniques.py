@@ -131,7 +131,11 @@ def check_value(value: Any) -> str:
     """A unique feature's value: a printable string of 1..64 UTF-8 bytes."""
     if type(value) is not str:
         raise InvalidArgument(f"value must be a string, got {type(value).__name__}")
-    if not value or len(value.encode("utf-8")) > MAX_DIM_VALUE_BYTES:
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:  # invalid UTF-8 from the wire, decoded with surrogateescape
+        raise InvalidArgument("value is not valid UTF-8") from None
+    if not 1 <= size <= MAX_DIM_VALUE_BYTES:
         raise InvalidArgument(f"value must be 1..{MAX_DIM_VALUE_BYTES} UTF-8 bytes")
     if not value.isprintable():
         raise InvalidArgument(f"value {value[:32]!r} is not printable")
@@ -171,9 +175,13 @@ class Uniques:
         #: Claims without a logged outcome (flying or pending), per key: a hard limit counts
         #: them as taken.
         self._open: dict[Key, int] = {}
-        #: Claims won and lost since start.
+        #: Outcomes of claims since start: won (counted here), lost (counted already), refused
+        #: (storage cannot keep the value), undone (an outcome whose log write failed: decided
+        #: again, and counted again here).
         self.won = 0
         self.lost = 0
+        self.refused = 0
+        self.undone = 0
 
     # -- tracking -------------------------------------------------------------------------------
 
@@ -258,21 +266,19 @@ class Uniques:
             if entry is not None:
                 return self.gate.detail(key, entry[1], 0) if detail else entry[1]
         # A value storage holds claimed at a level at its limit is known there, not refused;
-        # one whose claim is open already (a retry) takes no more room.
-        doubted = self._doubted
+        # one whose claim is open already (a retry, a call at the same moment) takes no more
+        # room.
         for level in keys:
             if (
                 not self.known(level, value)
-                and (level, value) not in doubted
                 and self.refusal(level) is not None
+                and not self._claiming(level, value)
             ):
                 await self._claimed(level, value)
         fresh = [level for level in keys if not self.known(level, value)]
         for level in fresh:  # judged again, with no await before the claims are opened
-            if (level, value) in doubted:
-                continue
             refusal = self.refusal(level)
-            if refusal is not None:
+            if refusal is not None and not self._claiming(level, value):
                 self.gate.limit_refusals += 1
                 raise refusal
         if not fresh or fresh[0] != key:  # (known at the call's own level)
@@ -293,6 +299,12 @@ class Uniques:
             if self.wal is not None:
                 self.wal.append([R.TRACK_ID, *key, 0, idem[0], idem[1], value, expires])
         return value
+
+    def _claiming(self, key: Key, value: str) -> bool:
+        """Whether a claim of ``value`` in ``key`` is open (in flight, or waiting)."""
+        if (key, value) in self._doubted:
+            return True
+        return any(held == (key, value) for held in self.flying.values())
 
     async def _claimed(self, key: Key, value: str) -> bool:
         """Whether storage holds ``value`` of ``key`` claimed (then known from now on)."""
@@ -354,13 +366,12 @@ class Uniques:
                     self.wal.append([R.CLAIM, *level, value, claimant])
                 try:
                     await self.wal.durable()
-                except WalError as exc:  # the new ones never sent: nothing to claim again
-                    for level, claimant in claims:
-                        held = self.flying.pop(claimant)
-                        if (level, claimant) in new:
-                            self._closed(level)
-                        else:
-                            self._doubt(claimant, *held)
+                except WalError as exc:
+                    # Not sent, but a record may have reached the disk (an interval sync that
+                    # failed is not cut back): claimed again once the node may, as any claim
+                    # whose outcome is not known.
+                    for _, claimant in claims:
+                        self._doubt(claimant, *self.flying.pop(claimant))
                     raise Unavailable(f"the write-ahead log cannot be written: {exc}") from None
             got = await asyncio.gather(
                 *(self.storage.claim_value(level, value, c) for level, c in claims),
@@ -437,10 +448,9 @@ class Uniques:
         return after
 
     def _abandon(self, key: Key, value: str, claimant: str) -> None:
-        """Close a claim storage refused for good (nothing stored, nothing counted; counted
-        with the lost ones)."""
+        """Close a claim storage refused for good (nothing stored, nothing counted)."""
         self._closed(key)
-        self.lost += 1
+        self.refused += 1
         if self.wal is not None:
             self.wal.append([R.CLAIMED, *key, value, claimant, False, None, None, None, None])
 
@@ -489,9 +499,7 @@ class Uniques:
         key = (t, f, p)
         if won:
             self.table.incr(key, -1, check=False)
-            self.won -= 1
-        else:
-            self.lost -= 1
+        self.undone += 1
         if rid is not None:
             self.ids.forget(rid)
         self.values.forget(key, value)
@@ -551,6 +559,8 @@ class Uniques:
             "values_learned": self.values.learned,
             "claims_won": self.won,
             "claims_lost": self.lost,
+            "claims_refused": self.refused,
+            "claims_undone": self.undone,
             "claims_in_flight": len(self.flying),
             "claims_unresolved": len(self.pending),
         }

@@ -187,15 +187,18 @@ class NodeCollector(Collector):
             uq = svc.uniques
             claims = _counter(
                 UNIQUE_CLAIMS,
-                "Claims of unique values decided in storage, by outcome: won (counted here), "
-                "lost (counted already).",
+                "Outcomes of claims of unique values: won (counted here), lost (counted "
+                "already), refused (storage cannot keep the value), undone (its log write "
+                "failed: decided again).",
                 ["outcome"],
             )
-            claims.add_metric(["won"], uq.won)
-            claims.add_metric(["lost"], uq.lost)
+            for outcome, n in (("won", uq.won), ("lost", uq.lost), ("refused", uq.refused),
+                               ("undone", uq.undone)):  # fmt: skip
+                claims.add_metric([outcome], n)
             yield claims
-            waiting = "Claims of unique values waiting for storage to answer (each counted at "
-            yield _gauge(UNIQUE_UNRESOLVED, waiting + "most once).", len(uq.pending))
+            open_ = "Claims of unique values without an outcome: in flight or waiting for "
+            yield _gauge(UNIQUE_UNRESOLVED, open_ + "storage to answer (each counted at most "
+                         "once).", len(uq.pending) + len(uq.flying))  # fmt: skip
         shares = node.shares
         if shares is not None:
             yield _gauge(STRICT_SHARES, "Strict budgets this node holds a share of.",
