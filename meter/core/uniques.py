@@ -239,15 +239,14 @@ class Uniques:
         idem: tuple[str, int] | None = None
         if rid is not None:
             idem = (check_id(rid), fingerprint("track", key[0], key[1], qty, at, value))
-            entry = self.ids.lookup(idem[0], idem[1], time.time())
-            if entry is not None:  # a retry: counts nothing, answers as the first call did
-                return self.gate.detail(key, entry[1], 0) if detail else entry[1]
+            retried = self._retried(key, idem, detail)
+            if retried is not None:  # a retry: counts nothing, answers as the first call did
+                return retried[0]
         if at_s is not None:
             self.keys.check_open(key, at_s, time.time())
         self.fence.check()
         if self.known(key, value) and self.table.is_seeded(key):
-            answer = self.answer_known(key, idem)
-            return self.gate.detail(key, answer, 0) if detail else answer
+            return self._answer(key, self.answer_known(key, idem), detail)
         return self.track(self.keys.levels(key), value, idem, detail)
 
     async def track(
@@ -261,10 +260,9 @@ class Uniques:
         for level in keys:
             if not self.table.is_seeded(level) and not await self.seeder.seed(level):
                 raise Unavailable(f"{level[0]}/{level[1]}: storage is unreachable")
-        if idem is not None:  # a call with the same id may have been answered meanwhile
-            entry = self.ids.lookup(idem[0], idem[1], time.time())
-            if entry is not None:
-                return self.gate.detail(key, entry[1], 0) if detail else entry[1]
+        retried = self._retried(key, idem, detail)  # (answered meanwhile?)
+        if retried is not None:
+            return retried[0]
         # A value storage holds claimed at a level at its limit is known there, not refused;
         # one whose claim is open already (a retry, a call at the same moment) takes no more
         # room.
@@ -287,7 +285,18 @@ class Uniques:
             answer = self.answer_known(key, idem)
         else:
             answer = await self._claim(fresh, value, idem)
-        return self.gate.detail(key, answer, 0) if detail else answer
+        return self._answer(key, answer, detail)
+
+    def _retried(self, key: Key, idem: tuple[str, int] | None, detail: bool) -> tuple[Any] | None:
+        """The first answer of a call made with ``idem``'s request id, if any."""
+        if idem is None:
+            return None
+        entry = self.ids.lookup(idem[0], idem[1], time.time())
+        return None if entry is None else (self._answer(key, entry[1], detail),)
+
+    def _answer(self, key: Key, count: int | None, detail: bool) -> Any:
+        """A ``track``'s answer: the count, or with ``detail`` the ``check`` map."""
+        return self.gate.detail(key, count, 0) if detail else count
 
     def answer_known(self, key: Key, idem: tuple[str, int] | None) -> int | None:
         """The answer to a ``track`` of a value known claimed: the count, nothing counted (a
