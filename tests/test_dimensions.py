@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from meter.config import CounterConfig
 from meter.core import dims
 from meter.core.idempotency import RequestIds
+from meter.core.keycache import DIM_NODES_SIZE, KeyCache
 from meter.core.keys import period_start
 from meter.core.service import Service
 from meter.core.table import CounterTable
@@ -650,7 +651,7 @@ ITEM = st.tuples(
     st.integers(-3, 9),
     st.fixed_dictionaries(
         {}, optional={"model": st.sampled_from(["a", "b"]), "region": st.sampled_from(["x"])}
-    ),
+    ).flatmap(lambda d: st.permutations(list(d.items())).map(dict)),  # (in either order)
 )
 
 
@@ -838,3 +839,37 @@ async def test_bad_where_and_empty_dims_read_clearly() -> None:
     assert exc.message.startswith("where must be a map"), exc
     lease = await call(svc, "reserve", "acme", "tokens", 1, {"dims": {}})
     assert isinstance(lease, str)
+
+
+def test_a_map_is_known_again_only_exactly_as_it_was_checked() -> None:
+    """The trie of checked maps (KeyCache.known_dims): the same names and values in the same
+    order, nothing shorter, nothing that is not a string; bounded, and emptied when the
+    declarations change."""
+    keys = KeyCache({}, hierarchy=False, grace_s=0.0)
+    key = ("acme", "tokens", "2026-12")
+    pairs = (("model", "a"), ("region", "x"))
+    spread = keys.spread(key, pairs, {"model": "a", "region": "x"})
+    node = keys.known_dims("tokens", {"model": "a", "region": "x"})
+    assert node is not None and node.names is not None
+    assert [("acme", n, "2026-12") for n in node.names] == spread
+    assert spread[0] == key and len(spread) == 4
+    unknowns: list[dict[str, Any]] = [
+        {"region": "x", "model": "a"},  # (another order: checked again, then known too)
+        {"model": "a"},
+        {"model": "a", "region": "x", "extra": "1"},
+        {"model": "a", "region": ["x"]},
+        {"model": "b", "region": "x"},
+    ]
+    for unknown in unknowns:
+        assert keys.known_dims("tokens", unknown) is None, unknown
+    assert keys.known_dims("other", {"model": "a", "region": "x"}) is None
+    assert keys.known_dims(7, {"model": "a", "region": "x"}) is None
+    assert keys.spread(key, pairs, {"region": "x", "model": "a"}) == spread
+    again = keys.known_dims("tokens", {"region": "x", "model": "a"})
+    assert again is not None and again.names == node.names
+    for i in range(DIM_NODES_SIZE):  # (past the bound the trie starts over, still right)
+        keys.spread(key, (("model", f"m{i}"),), {"model": f"m{i}"})
+    assert keys.known_dims("tokens", {"model": "a", "region": "x"}) is None
+    assert keys.spread(key, pairs, {"model": "a", "region": "x"}) == spread
+    keys.new_specs({})
+    assert keys.known_dims("tokens", {"model": "a", "region": "x"}) is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from meter.core.dims import UNDECLARED, FeatureSpec, Pairs, counter_names, is_dimension
 from meter.core.keys import Key, PeriodKind, check_feature, check_tenant, period_start
@@ -22,8 +23,22 @@ MAX_LEVELS = 4
 KEY_CACHE_SIZE = 262_144
 #: Most names kept in one copy, per kind (tenants, features, periods); each starts over when full.
 NAME_CACHE_SIZE = 262_144
-#: Most (feature, dims) whose counters' names are kept (:attr:`KeyCache.dim_names`).
-DIM_NAMES_SIZE = 65_536
+#: Most steps of the trie of checked dimension maps (:class:`DimNode`); it starts over when
+#: full. A map of two dimensions takes one to two steps beyond those it shares.
+DIM_NODES_SIZE = 131_072
+
+
+class DimNode:
+    """One step of the trie of dimension maps checked before (:meth:`KeyCache.known_dims`):
+    from the feature, each name then value in the order the map was sent. Hashed by identity,
+    so a batch sums its items' units by the node their map ends on."""
+
+    def __init__(self) -> None:
+        #: The map's next name (or value) -> the step after it.
+        self.next: dict[str, DimNode] = {}
+        #: Where a checked map ends: the names of the counters a call giving it counts on,
+        #: the feature's own first (meter.core.dims).
+        self.names: tuple[str, ...] | None = None
 
 
 class KeyCache:
@@ -58,16 +73,18 @@ class KeyCache:
         #: Declared features (``set_feature``, meter.core.dims), as the limits' book has them
         #: (``None`` until they are first read).
         self.specs: Mapping[str, FeatureSpec] | None = None
-        #: ``(feature, a call's dims items as sent)`` -> the names of the counters such a
-        #: call counts on (the feature's, then its dimension counters', meter.core.dims), for
-        #: dimensions checked already, whatever the tenant; while the declarations do not
-        #: change. One copy of each name, shared by every tenant's keys.
-        self.dim_names: dict[tuple[str, tuple[tuple[str, str], ...]], list[str]] = {}
+        # Feature -> the trie of the dimension maps calls gave it that were checked already,
+        # whatever the tenant, while the declarations do not change (:meth:`known_dims`): a
+        # map is found again without a tuple made of it. One copy of each counter name,
+        # shared by every tenant's keys.
+        self._dims: dict[str, DimNode] = {}
+        self._dim_nodes = 0
 
     def new_specs(self, specs: Mapping[str, FeatureSpec]) -> None:
         """Count by the declarations ``specs`` from now on."""
         self.specs = specs
-        self.dim_names.clear()
+        self._dims.clear()
+        self._dim_nodes = 0
 
     def spec(self, feature: str) -> FeatureSpec:
         """How ``feature`` is declared (undeclared: a sum without dimensions);
@@ -81,21 +98,54 @@ class KeyCache:
     def spread(self, key: Key, pairs: Pairs, dims: dict[str, str] | None = None) -> list[Key]:
         """The keys a call giving dimensions ``pairs`` on ``key`` counts on: on every level
         (:meth:`levels`), the feature's total then its dimension counters (meter.core.dims);
-        ``key`` first. ``dims``: the call's map as sent, to find the names again by
-        (:attr:`dim_names`)."""
+        ``key`` first. ``dims``: the call's map as sent (checked: ``pairs``), remembered for
+        :meth:`known_dims`."""
         if dims is None:
-            return self.spread_names(key, [key[1], *counter_names(key[1], pairs)])
-        cache = self.dim_names
-        known = (key[1], tuple(dims.items()))
-        names = cache.get(known)
+            return self.spread_names(key, (key[1], *counter_names(key[1], pairs)))
+        node = self.known_dims(key[1], dims)
+        names = node.names if node is not None else None
         if names is None:
-            names = [key[1], *counter_names(key[1], pairs)]
-            if len(cache) >= DIM_NAMES_SIZE:
-                cache.clear()
-            cache[known] = names
+            names = (key[1], *counter_names(key[1], pairs))
+            self._remember(key[1], dims, names)
         return self.spread_names(key, names)
 
-    def spread_names(self, key: Key, names: list[str]) -> list[Key]:
+    def known_dims(self, feature: object, dims: dict[Any, Any]) -> DimNode | None:
+        """Where ``dims``, exactly as sent (same names, values and order), ends in the trie
+        of maps checked on ``feature`` before; ``None`` if it was not (check it)."""
+        if type(feature) is not str:
+            return None
+        node = self._dims.get(feature)
+        if node is None:
+            return None
+        for name, value in dims.items():
+            if type(name) is not str or type(value) is not str:
+                return None
+            node = node.next.get(name)
+            if node is None:
+                return None
+            node = node.next.get(value)
+            if node is None:
+                return None
+        return node if node.names is not None else None
+
+    def _remember(self, feature: str, dims: dict[str, str], names: tuple[str, ...]) -> None:
+        if self._dim_nodes + 1 + 2 * len(dims) > DIM_NODES_SIZE:
+            self._dims.clear()
+            self._dim_nodes = 0
+        node = self._dims.get(feature)
+        if node is None:
+            node = self._dims[feature] = DimNode()
+            self._dim_nodes += 1
+        for name, value in dims.items():
+            for step in (name, value):
+                after = node.next.get(step)
+                if after is None:
+                    after = node.next[step] = DimNode()
+                    self._dim_nodes += 1
+                node = after
+        node.names = names
+
+    def spread_names(self, key: Key, names: tuple[str, ...]) -> list[Key]:
         """:meth:`spread` of a call whose counters' names are known: ``names``."""
         if self.hierarchy and "/" in key[0]:
             return [(level[0], name, level[2]) for level in self.levels(key) for name in names]

@@ -50,13 +50,14 @@ from collections.abc import Container, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from meter.core.keys import QTY_MAX, QTY_MIN, Key
+from meter.core.keys import QTY_MAX, QTY_MIN, SHORT_MAX, SHORT_MIN, Key
 from meter.core.missed import Heard, Missed
 from meter.errors import InvalidArgument, LimitExceeded, Unavailable
 from storage.base import Snapshot
 
-# The hot paths' range checks write QTY_MIN and QTY_MAX as literals; they must stay equal.
-assert (QTY_MIN, QTY_MAX) == (-9223372036854775808, 9223372036854775807)
+# The hot paths' range checks test values against SHORT_MIN and SHORT_MAX, and _refusal
+# decides exactly past them; try_incr writes them as literals.
+assert (SHORT_MIN, SHORT_MAX) == (-4611686018427387904, 4611686018427387903)
 
 Tagged = tuple[int, int]
 """``(flush sequence, delta)``: a delta and the sequence it is (or will be) flushed under."""
@@ -532,19 +533,19 @@ class CounterTable:
             value = row.base + row.inflight + pending + row.extra
             # The range check (see _refusal), split on the sign of qty to save compares: units
             # added can only pass the top (or fail to bring a value back from the bottom), and
-            # only units taken away need the held units. QTY_MAX and QTY_MIN as literals: a
-            # constant is the cheapest load.
+            # only units taken away need the held units. Against SHORT_MAX and SHORT_MIN, as
+            # literals: past them _refusal decides exactly (see SHORT_MAX).
             if (
                 (
-                    value > 9223372036854775807
-                    or pending > 9223372036854775807
-                    or value < -9223372036854775808
+                    value > 4611686018427387903
+                    or pending > 4611686018427387903
+                    or value < -4611686018427387904
                 )
                 if qty >= 0
                 else (
-                    value < -9223372036854775808
-                    or pending < -9223372036854775808
-                    or value > 9223372036854775807
+                    value < -4611686018427387904
+                    or pending < -4611686018427387904
+                    or value > 4611686018427387903
                     or row.ext is not None
                 )
             ):
@@ -619,7 +620,7 @@ class CounterTable:
         out: list[int] = []
         rows = self._rows
         gossip = self.gossip
-        lo, hi = QTY_MIN, QTY_MAX
+        lo, hi = SHORT_MIN, SHORT_MAX  # (past them _refusal decides exactly)
         for key, qty in items:
             row = rows.get(key)
             if row is None:

@@ -25,8 +25,8 @@ from meter.core.gate import Gate, Short
 from meter.core.gauging import Gauging
 from meter.core.groups import Groups
 from meter.core.idempotency import RequestIds, check_id, fingerprint
-from meter.core.keycache import KeyCache
-from meter.core.keys import QTY_MAX, QTY_MIN, Key, check_at, check_qty
+from meter.core.keycache import DimNode, KeyCache
+from meter.core.keys import QTY_MAX, Key, check_at, check_qty, in_range
 from meter.core.params import args as check_args
 from meter.core.params import opts as check_opts
 from meter.core.ports import POOL
@@ -121,7 +121,7 @@ class Tracking:
             if type(tenant) is not str or type(feature) is not str or type(qty) is not int:
                 break
             key = cache.get((tenant, feature))
-            if key is None or not QTY_MIN <= qty <= QTY_MAX:
+            if key is None or not in_range(qty):
                 break
             if gated:
                 how = checks.get((tenant, feature), _UNKNOWN)
@@ -171,7 +171,7 @@ class Tracking:
                     key = keys.cache.get((tenant, feature))
             if key is None:
                 key = keys.key_for(tenant, feature)
-            if type(qty) is not int or not QTY_MIN <= qty <= QTY_MAX:
+            if type(qty) is not int or not in_range(qty):
                 qty = check_qty(qty)  # raises the usual error
             fence = self.fence
             if fence.reason is not None:
@@ -288,19 +288,16 @@ class Tracking:
         now = time.time()
         if not keys.day_start <= now < keys.day_end:
             return None
-        try:
-            names = keys.dim_names.get((feature, tuple(dims.items())))
-            key = keys.cache.get((tenant, feature))
-        except TypeError:  # an unhashable name or value: checked (and refused) the long way
+        node = keys.known_dims(feature, dims)
+        if node is None or node.names is None or type(tenant) is not str:
             return None
-        if names is None or key is None:
-            return None
-        return keys.spread_names(key, names)
+        key = keys.cache.get((tenant, feature))
+        return None if key is None else keys.spread_names(key, node.names)
 
     def _track_known(self, keys: list[Key], qty: Any) -> Any:
         """A ``track`` with dimensions the cache knows (no id, no ``at``): counted on every
         key under one hold of the table's lock when none is under a limit."""
-        if type(qty) is not int or not QTY_MIN <= qty <= QTY_MAX:
+        if type(qty) is not int or not in_range(qty):
             qty = check_qty(qty)  # raises the usual error
         fence = self.fence
         if fence.reason is not None:
@@ -470,7 +467,7 @@ class Tracking:
                 )
                 if key is None:
                     key = keys.key_for(tenant, feature)
-                if type(qty) is not int or not QTY_MIN <= qty <= QTY_MAX:
+                if type(qty) is not int or not in_range(qty):
                     qty = check_qty(qty)
                 if key[1] in gate.uniques:
                     raise InvalidArgument(
@@ -516,24 +513,24 @@ class Tracking:
     def _fast_batch(self, items: list[Any], cache: dict[tuple[str, str], Key]) -> Any | None:
         """The common batch, or ``None`` (nothing counted): every item a plain ``[tenant,
         feature, qty]`` on a known name pair, or one with only ``{"dims": ...}`` checked before
-        (:attr:`KeyCache.dim_names`), every key seeded and none under a limit. Counted under
+        (:meth:`KeyCache.known_dims`), every key seeded and none under a limit. Counted under
         one hold of the table's lock; with dimensions, each counter's units summed over the
         batch first (a hundred items of one tenant count its total once)."""
         keys = self.keys
         gate = self.gate
         gated = gate.gated
         fast: list[tuple[Key, int]] = []
-        # With an item with dimensions: units by (tenant, period), then by counter name; and
-        # each item's total key.
-        summed: dict[tuple[str, str], dict[str, int]] | None = None
+        # With an item with dimensions: units by (tenant, period), then by the dimension map
+        # (its trie node: hashed by identity) or, for a plain item, by the feature's name;
+        # and each item's total key.
+        summed: dict[tuple[str, str], dict[DimNode | str, int]] | None = None
         totals: list[Key] = []
-        last: tuple[str, str] | None = None
-        by_name: dict[str, int] = {}
-        dim_names = keys.dim_names
+        last: Key | None = None
+        by_map: dict[DimNode | str, int] = {}
         for item in items:
             if type(item) is not list:
                 return None
-            names: list[str] | None = None
+            node: DimNode | None = None
             if len(item) == 3:
                 tenant, feature, qty = item
             elif len(item) == 4 and type(item[3]) is dict and len(item[3]) == 1:
@@ -541,22 +538,19 @@ class Tracking:
                 dims = opts.get("dims")
                 if type(dims) is not dict:
                     return None
-                try:
-                    names = dim_names.get((feature, tuple(dims.items())))
-                except TypeError:
-                    return None
-                if names is None:
+                node = keys.known_dims(feature, dims)
+                if node is None:
                     return None
             else:
                 return None
             if type(tenant) is not str or type(feature) is not str or type(qty) is not int:
                 return None
             key = cache.get((tenant, feature))
-            if key is None or not QTY_MIN <= qty <= QTY_MAX:
+            if key is None or not in_range(qty):
                 return None
             if gated and gate.needs_check(key):
                 return None  # checked item by item
-            if names is None and summed is None:
+            if node is None and summed is None:
                 fast.append((key, qty))
                 continue
             if qty < 0:
@@ -571,17 +565,19 @@ class Tracking:
                     inner = summed.setdefault((k[0], k[2]), {})
                     inner[k[1]] = inner.get(k[1], 0) + q
                     totals.append(k)
-            where = (key[0], key[2])
-            if where != last:
-                last = where
-                by_name = summed.setdefault(where, {})
+            if key is not last:
+                last = key
+                by_map = summed.setdefault((key[0], key[2]), {})
             totals.append(key)
-            if names is None:
-                by_name[key[1]] = by_name.get(key[1], 0) + qty
+            if node is None:
+                by_map[key[1]] = by_map.get(key[1], 0) + qty
                 continue
-            for name in names:  # (the feature's own name first: its total)
-                by_name[name] = by_name.get(name, 0) + qty
-            if gated and any(gate.needs_check((key[0], n, key[2])) for n in names):
+            by_map[node] = by_map.get(node, 0) + qty
+            if (
+                gated
+                and node.names is not None
+                and any(gate.needs_check((key[0], n, key[2])) for n in node.names)
+            ):
                 return None
         self.fence.check()
         if summed is None:
@@ -592,11 +588,7 @@ class Tracking:
             if values is not None and self.wal is not None and fast:
                 self.wal.append([R.TRACK_MANY, [[*k, q] for k, q in fast]])
             return values
-        entries: list[tuple[Key, int]] = [
-            ((tenant, name, period), q)
-            for (tenant, period), inner in summed.items()
-            for name, q in inner.items()
-        ]
+        entries = _summed_entries(summed)
         try:
             values = self.table.incr_seeded(entries)
         except PartlyRefused as refused:  # past the 64-bit range: taken back, item by item
@@ -872,3 +864,21 @@ class Batch:
         self.out.append(None)
         self.dups.append((i, n))
         return True
+
+
+def _summed_entries(
+    summed: dict[tuple[str, str], dict[DimNode | str, int]],
+) -> list[tuple[Key, int]]:
+    """A batch's units summed by (tenant, period) then by dimension map or feature name, as
+    one ``(key, units)`` per counter: a map's units spread over its counters' names."""
+    entries: list[tuple[Key, int]] = []
+    for (tenant, period), inner in summed.items():
+        by_name: dict[str, int] = {}
+        for what, q in inner.items():
+            if isinstance(what, str):
+                by_name[what] = by_name.get(what, 0) + q
+            elif what.names is not None:
+                for name in what.names:  # (the feature's own name first: its total)
+                    by_name[name] = by_name.get(name, 0) + q
+        entries.extend(((tenant, name, period), q) for name, q in by_name.items())
+    return entries
