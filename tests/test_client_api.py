@@ -129,10 +129,10 @@ def test_every_method_of_the_table_is_on_both_clients() -> None:
     assert rows == calls.TABLE, "a row of calls.py is missing from calls.TABLE"
     # What the meter.client docstring promises: these carry request ids, and the counting
     # ones among them are sent again after no answer only with an id.
-    with_ids = {"track", "track_detail", "track_many", "reserve", "commit", "release"}
+    with_ids = {"track", "track_detail", "track_many", "reserve", "commit", "release", "void"}
     assert {name for name, row in calls.TABLE.items() if row.ids} == with_ids
     counts = {name for name, row in calls.TABLE.items() if row.kind is calls.Kind.COUNT}
-    assert counts == with_ids - {"commit", "release"}
+    assert counts == with_ids - {"commit", "release", "void"}
     for name in calls.TABLE:
         for cls in (Client, AsyncClient):
             assert name in _public(cls), f"{cls.__name__} has no {name}() for its table row"
@@ -179,6 +179,7 @@ WIRE_ROWS = {
 #: the method returns). With ``auto_ids=False``: the ids are the test's own.
 GROUPS = {"total": 3, "groups": [{"dims": {"m": "x"}, "value": 3}]}
 FEATURE = {"feature": "f", "aggregation": "sum", "dimensions": ["m"], "max_combinations": 9}
+VOIDED = {"voided": 3, "value": 9}
 SAMPLES: list[tuple[str, tuple[Any, ...], dict[str, Any], Any, tuple[Any, ...], Any]] = [
     ("track", ("a", "f"), {}, 4, ("track", ["a", "f", 1], False), 4),
     ("track", ("a", "f", 2), {"id": "r1", "at": 5, "x": None}, None,
@@ -199,6 +200,8 @@ SAMPLES: list[tuple[str, tuple[Any, ...], dict[str, Any], Any, tuple[Any, ...], 
     ("commit", ("res", 2), {"id": "r1"}, 9, ("commit", ["res", 2, {"id": "r1"}], True), 9),
     ("release", ("res",), {}, None, ("release", ["res"], True), None),
     ("release", ("res",), {"id": "r1"}, None, ("release", ["res", {"id": "r1"}], True), None),
+    ("void", ("c1",), {}, VOIDED, ("void", ["c1"], True), VOIDED),
+    ("void", ("c1",), {"id": "v1"}, VOIDED, ("void", ["c1", {"id": "v1"}], True), VOIDED),
     ("usage", ("a", "f"), {"at": 5}, 7, ("usage", ["a", "f", {"at": 5}], True), 7),
     ("usage_all", ("a",), {}, {"f": 1}, ("usage_all", ["a"], True), {"f": 1}),
     ("usage_by", ("a", "f", ["m"]), {"at": 5}, GROUPS,

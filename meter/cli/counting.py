@@ -22,6 +22,7 @@ COMMANDS = (
     "reserve",
     "commit",
     "release",
+    "void",
     "track-many",
     "usage",
     "history",
@@ -81,6 +82,15 @@ def add_parsers(sub: Any, common: Common) -> None:
     release = client("release", "drop a reservation without counting it")
     release.add_argument("reservation_id")
     release.add_argument("--id", help=id_help)
+
+    void = client(
+        "void",
+        "take back a call counted under request id CALL_ID (a track, a track-many item, a "
+        "commit) on every counter it counted on, once; prints the units taken back now (0: "
+        "taken back before) and the total after",
+    )
+    void.add_argument("call_id")
+    void.add_argument("--id", help=id_help)
 
     many = client(
         "track-many",
@@ -195,6 +205,11 @@ def run(args: argparse.Namespace, client: Client, as_json: bool, prepared: Prepa
     elif args.command == "release":
         client.release(args.reservation_id, id=rid)
         out(as_json, "released", reservation_id=args.reservation_id, released=True)
+    elif args.command == "void":
+        got = client.void(args.call_id, id=rid)
+        total = got["value"]
+        text = f"voided {got['voided']}, total {NOT_KNOWN if total is None else total}"
+        out(as_json, text, call_id=args.call_id, **got)
     elif args.command == "track-many":
         return _track_many(client, prepared.items, as_json)
     elif args.command == "usage":

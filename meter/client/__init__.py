@@ -7,9 +7,9 @@ connection fails.
 
 Request ids and retries (the contract is in docs/protocol.md, "Request ids and retries"):
 
-- Every mutating call (``track``, ``track_many``, ``reserve``, ``commit``, ``release``) carries
-  a request id: a fresh random one per call (:func:`new_request_id`), or the caller's own
-  (``id=...``). ``auto_ids=False`` turns the automatic ones off.
+- Every mutating call (``track``, ``track_many``, ``reserve``, ``commit``, ``release``,
+  ``void``) carries a request id: a fresh random one per call (:func:`new_request_id`), or
+  the caller's own (``id=...``). ``auto_ids=False`` turns the automatic ones off.
 - The typed methods retry a call that got no answer (connection lost, timed out, node
   restarting) or was answered ``unavailable``: they reconnect to the same socket path and
   send the call again, with the *same* id, with backoff, until ``retry_timeout`` seconds have
@@ -18,7 +18,8 @@ Request ids and retries (the contract is in docs/protocol.md, "Request ids and r
 - A call without an id (``auto_ids=False`` and no ``id=``) that got no answer is not retried
   (``track`` / ``reserve`` / ``track_many`` might have been counted); one answered
   ``unavailable`` is (the node counted nothing). ``commit`` / ``release`` are idempotent by
-  reservation id, and reads change nothing, so those are always retried.
+  reservation id, a ``void`` takes a call back once, and reads change nothing, so those are
+  always retried.
 - Other errors (``invalid_argument``, ``limit_exceeded``, ``conflict``, ``not_found``, ...) are
   never retried. ``call()`` and ``pipeline()`` make one attempt (reconnecting first if the
   connection was lost) and never add ids. ``connect()`` itself does not retry.

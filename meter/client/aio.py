@@ -425,6 +425,12 @@ class AsyncClient(Retrying):
         """Drop a reservation without counting it."""
         await self._run(calls.RELEASE, reservation_id, id)
 
+    async def void(self, call_id: str, *, id: str | None = None) -> dict[str, Any]:
+        """Take back the call counted under request id ``call_id`` (a track, a track_many
+        item or a commit), on every counter it counted on: ``{"voided": units taken back
+        now (0: taken back before), "value": the feature's total after}``."""
+        return await self._run(calls.VOID, call_id, id)
+
     async def ping(self) -> str:
         """``"pong"``."""
         return await self._run(calls.PING)

@@ -280,6 +280,12 @@ class Client(Retrying):
         """Drop a reservation without counting it."""
         self._run(calls.RELEASE, reservation_id, id)
 
+    def void(self, call_id: str, *, id: str | None = None) -> dict[str, Any]:
+        """Take back the call counted under request id ``call_id`` (a track, a track_many
+        item or a commit), on every counter it counted on: ``{"voided": units taken back
+        now (0: taken back before), "value": the feature's total after}``."""
+        return self._run(calls.VOID, call_id, id)
+
     def ping(self) -> str:
         """``"pong"``."""
         return self._run(calls.PING)

@@ -247,6 +247,11 @@ def _release(ids: Ids, reservation_id: str, rid: str | None) -> list[Any]:
     return [reservation_id] if rid is None else [reservation_id, {"id": rid}]
 
 
+def _void(ids: Ids, call_id: str, rid: str | None) -> list[Any]:
+    rid = ids(rid)
+    return [call_id] if rid is None else [call_id, {"id": rid}]
+
+
 def _nothing() -> list[Any]:
     return []
 
@@ -450,6 +455,7 @@ TRACK_MANY = _with_ids("track_many", _track_many, _many_results, Kind.COUNT)
 RESERVE = _with_ids("reserve", _reserve, _str, Kind.COUNT)
 COMMIT = _with_ids("commit", _commit, _int, Kind.CHANGE)  # once per reservation id
 RELEASE = _with_ids("release", _release, _ignored, Kind.CHANGE)
+VOID = _with_ids("void", _void, _map, Kind.CHANGE)  # a call is taken back once
 USAGE = _plain("usage", _counter, _int)
 USAGE_ALL = _plain("usage_all", _counters, _values)
 USAGE_BY = _plain("usage_by", _grouped, _map, wire="usage")
@@ -484,6 +490,7 @@ TABLE: dict[str, Method[Any, Any]] = {
         RESERVE,
         COMMIT,
         RELEASE,
+        VOID,
         USAGE,
         USAGE_ALL,
         USAGE_BY,

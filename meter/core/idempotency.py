@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 
+from meter.core.keys import Key
 from meter.errors import Conflict, InvalidArgument
 
 #: Longest request id, in UTF-8 bytes.
@@ -22,6 +23,29 @@ MAX_ID_BYTES = 128
 
 Entry = tuple[int, Any, float]
 """``(fingerprint, answer, expires)``."""
+
+
+class Effect:
+    """What a call counted under a request id, for ``void`` (meter.core.voids): ``qty`` units
+    on each of ``keys`` (the feature's counter first, then its other levels and dimension
+    counters), and whether a void took them back already."""
+
+    __slots__ = ("keys", "qty", "voided")
+
+    def __init__(self, qty: int, keys: tuple[Key, ...], voided: bool = False) -> None:
+        self.qty = qty
+        self.keys = keys
+        self.voided = voided
+
+    def to_log(self) -> list[Any]:
+        """``[qty, [[t, f, p], ...], voided]``: as a checkpoint restates it."""
+        return [self.qty, [list(k) for k in self.keys], self.voided]
+
+    @staticmethod
+    def from_log(item: list[Any]) -> Effect:
+        """The effect :meth:`to_log` wrote."""
+        qty, keys, voided = item
+        return Effect(qty, tuple((t, f, p) for t, f, p in keys), bool(voided))
 
 
 def check_id(rid: object) -> str:
@@ -59,6 +83,9 @@ class RequestIds:
         self.window_s = window_s
         self.max_ids = max_ids
         self._entries: OrderedDict[str, Entry] = OrderedDict()
+        # Request id -> what its call counted (only counting calls that may be voided);
+        # dropped with the id's entry.
+        self._effects: dict[str, Effect] = {}
         #: Entries dropped (to stay within ``max_ids``) before their window ended.
         self.dropped_early = 0
 
@@ -78,37 +105,63 @@ class RequestIds:
             raise Conflict(f"request id {rid[:64]!r} was already used by a different call")
         return entry
 
-    def remember(self, rid: str, fp: int, answer: Any, now: float) -> float:
-        """Remember ``rid``'s first answer; return when it expires."""
+    def remember(
+        self, rid: str, fp: int, answer: Any, now: float, effect: Effect | None = None
+    ) -> float:
+        """Remember ``rid``'s first answer (and what its call counted, ``effect``); return
+        when it expires."""
         expires = now + self.window_s
-        self.put(rid, fp, answer, expires, now)
+        self.put(rid, fp, answer, expires, now, effect)
         return expires
 
-    def put(self, rid: str, fp: int, answer: Any, expires: float, now: float) -> None:
+    def put(
+        self,
+        rid: str,
+        fp: int,
+        answer: Any,
+        expires: float,
+        now: float,
+        effect: Effect | None = None,
+    ) -> None:
         """Add an entry with a given expiry (recovery), evicting expired and excess ones."""
         entries = self._entries
         entries[rid] = (fp, answer, expires)
         entries.move_to_end(rid)
+        effects = self._effects
+        if effect is not None:
+            effects[rid] = effect
+        elif effects:
+            effects.pop(rid, None)
         while entries:
             oldest = next(iter(entries.values()))
             if oldest[2] <= now:
-                entries.popitem(last=False)
+                self._drop_oldest()
             elif len(entries) > self.max_ids:
-                entries.popitem(last=False)
+                self._drop_oldest()
                 self.dropped_early += 1
             else:
                 break
 
+    def _drop_oldest(self) -> None:
+        rid, _ = self._entries.popitem(last=False)
+        if self._effects:
+            self._effects.pop(rid, None)
+
+    def effect(self, rid: str) -> Effect | None:
+        """What the call remembered under ``rid`` counted, if it was a counting call."""
+        return self._effects.get(rid)
+
     def forget(self, rid: str) -> None:
         """Drop ``rid`` (its call was undone)."""
         self._entries.pop(rid, None)
+        self._effects.pop(rid, None)
 
     def expire(self, now: float) -> int:
         """Drop every entry whose window has ended; return how many."""
         entries = self._entries
         n = 0
         while entries and next(iter(entries.values()))[2] <= now:
-            entries.popitem(last=False)
+            self._drop_oldest()
             n += 1
         return n
 

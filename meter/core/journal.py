@@ -86,6 +86,15 @@ class Journal:
                         shares.settle((t, f, p), qty, qty)
                 if rec[7] is not None:
                     self.ids.forget(rec[7])
+            elif kind == R.VOID:  # counted again, and not voided
+                rid, qty, keys = rec[1:4]
+                for t, f, p in keys:
+                    self.table.incr((t, f, p), qty, check=False)
+                effect = self.ids.effect(rid)
+                if effect is not None and qty:  # (a repeat, qty 0, voided nothing)
+                    effect.voided = False
+                if rec[4] is not None:
+                    self.ids.forget(rec[4])
             elif kind == R.GAUGE:
                 self.gauging.undo(rec)
             elif kind == R.CLAIMED:
@@ -202,7 +211,11 @@ class Journal:
                 for rid in listed[start : start + CHECKPOINT_ITEMS]:
                     entry = registry.get(rid)
                     if entry is not None and entry[2] > now:
-                        items.append([rid, *entry])
+                        effect = registry.effect(rid)
+                        if effect is None:
+                            items.append([rid, *entry])
+                        else:
+                            items.append([rid, *entry, effect.to_log()])
                 if items:
                     yield [kind, items]
         yield from self._warm_records(warming, warm)

@@ -17,7 +17,7 @@ from meter.core.dims import Pairs, check_dims, shown
 from meter.core.fence import Fence
 from meter.core.gate import Gate, Short, pool_key, soft_crossing
 from meter.core.groups import Groups
-from meter.core.idempotency import RequestIds, check_id, fingerprint
+from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint
 from meter.core.keycache import KeyCache
 from meter.core.keys import Key, check_at, check_qty
 from meter.core.leases import Lease, Reservations
@@ -289,7 +289,8 @@ class Reserving:
                 gate.alerts.detect(key, eff.limit, eff.alerts, view - actual + lease.qty, view)
         self.reservations.close(lease_id)
         done_exp = self.done.remember(lease_id, COMMITTED, [actual, value], now)
-        rid, fp, expires = self._remember_finish(idem, value, now)
+        effect = Effect(actual, (lease.key, *dim_keys(lease)))
+        rid, fp, expires = self._remember_finish(idem, value, now, effect)
         if self.wal is not None:
             self.wal.append(
                 [R.COMMIT, lease_id, *lease.key, lease.qty, wall(lease.deadline), actual,
@@ -409,11 +410,11 @@ class Reserving:
         return idem
 
     def _remember_finish(
-        self, idem: tuple[str, int] | None, value: Any, now: float
+        self, idem: tuple[str, int] | None, value: Any, now: float, effect: Effect | None = None
     ) -> tuple[str | None, int | None, float | None]:
         if idem is None:
             return None, None, None
-        return idem[0], idem[1], self.ids.remember(idem[0], idem[1], value, now)
+        return idem[0], idem[1], self.ids.remember(idem[0], idem[1], value, now, effect)
 
     def expire(self, now: float | None = None) -> int:
         """Release every reservation past its deadline (by the monotonic clock); return how

@@ -24,7 +24,7 @@ from meter.core.fence import Fence, log_down
 from meter.core.gate import Gate, Short
 from meter.core.gauging import Gauging
 from meter.core.groups import Groups
-from meter.core.idempotency import RequestIds, check_id, fingerprint
+from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint
 from meter.core.keycache import DimNode, KeyCache
 from meter.core.keys import QTY_MAX, Key, check_at, check_qty, in_range
 from meter.core.params import args as check_args
@@ -406,8 +406,10 @@ class Tracking:
         else:
             leaf = [*keys[0], qty]
             if idem is not None:
-                expires = self.ids.remember(idem[0], idem[1], value, time.time())
-                leaf += [idem[0], idem[1], value, expires]
+                effect = Effect(qty, tuple(keys))
+                expires = self.ids.remember(idem[0], idem[1], value, time.time(), effect)
+                # (the other keys it counted on: a void takes them back too)
+                leaf += [idem[0], idem[1], value, expires, [[*k] for k in keys[1:]]]
             if self.wal is not None:  # one record: a torn log keeps all levels or none
                 self.wal.append([R.TRACK_MANY, [leaf, *log_items]])
         return self.gate.detail(keys[0], value, 0) if detail else value
@@ -424,7 +426,7 @@ class Tracking:
             if self.wal is not None:
                 self.wal.append([R.TRACK, key[0], key[1], key[2], qty])
             return value
-        expires = self.ids.remember(idem[0], idem[1], value, time.time())
+        expires = self.ids.remember(idem[0], idem[1], value, time.time(), Effect(qty, (key,)))
         if self.wal is not None:
             self.wal.append([R.TRACK_ID, *key, qty, idem[0], idem[1], value, expires])
         return value
@@ -765,6 +767,8 @@ class Tracking:
                 spread = batch.spreads.get(n)
                 levels = spread if spread is not None else self.keys.levels(key)
                 counted, items = gate.count_levels(levels, qty)
+                if len(levels) > 1:
+                    batch.levels[n] = levels
             except MeterError as exc:  # over a hard limit, past the 64-bit range, too deep
                 values.append(exc)
                 continue
@@ -807,8 +811,11 @@ class Tracking:
             if idem is None:
                 logged.append([*key, qty])
             else:
-                expires = self.ids.remember(idem[0], idem[1], value, now)
-                logged.append([*key, qty, idem[0], idem[1], value, expires])
+                keys = batch.levels.get(n)
+                effect = Effect(qty, (key,) if keys is None else tuple(keys))
+                expires = self.ids.remember(idem[0], idem[1], value, now, effect)
+                others = [] if keys is None else [[*k] for k in keys[1:]]
+                logged.append([*key, qty, idem[0], idem[1], value, expires, others])
         for i, n in batch.dups:
             out[i] = values[n]
         if self.wal is not None and logged:
@@ -819,8 +826,8 @@ class Tracking:
 class Batch:
     """A ``track_many`` call being answered: the items to count and where answers go."""
 
-    __slots__ = ("answered", "dups", "firsts", "good", "idems", "out", "refused", "spreads",
-                 "where")  # fmt: skip
+    __slots__ = ("answered", "dups", "firsts", "good", "idems", "levels", "out", "refused",
+                 "spreads", "where")  # fmt: skip
 
     def __init__(self) -> None:
         self.out: list[Any] = []
@@ -834,6 +841,8 @@ class Batch:
         self.spreads: dict[int, list[Key]] = {}
         #: good item -> why it is refused uncounted (a bound on new dimension counters)
         self.refused: dict[int, MeterError] = {}
+        #: good item -> every key it counted on, when more than its own (levels, dimensions)
+        self.levels: dict[int, list[Key]] = {}
 
     def add(
         self,

@@ -36,6 +36,7 @@ from meter.core.service import Service
 from meter.core.table import CounterTable
 from meter.core.tracking import Tracking
 from meter.core.uniques import KnownValues, Uniques
+from meter.core.voids import Voids
 from meter.core.watch import Watch
 from meter.errors import ConfigError
 from meter.history.methods import HistoryMethods
@@ -288,6 +289,7 @@ def assemble(
         **LedgerMethods(ledger_store, shares).handlers(),
         **HistoryMethods(table, keys, seeder, storage, groups, gauging).handlers(),
         **ExportMethod(storage).handlers(),
+        **Voids(table, keys, gate, fence, ids, seeder).handlers(),
     }
     service = Service(
         table,

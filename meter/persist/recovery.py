@@ -62,7 +62,8 @@ async def recover(wal: WriteAheadLog, service: Service) -> list[Key]:
         (service.done, replay.live_done(now)),
     ):
         for rid, (fp, answer, expires) in sorted(entries.items(), key=lambda kv: kv[1][2]):
-            registry.put(rid, fp, answer, expires, now)
+            effect = replay.effects.get(rid) if registry is service.ids else None
+            registry.put(rid, fp, answer, expires, now, effect)
     warm = replay.warm_keys() if service.config.warm_up_max_keys > 0 else []
     service.journal.warm_up_started(warm)
     # Gauges' readings: back as they were (unseeded: read before use; the gauge flusher

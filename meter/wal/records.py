@@ -37,7 +37,9 @@ SEGMENT: Final = 1
 TRACK: Final = 2
 #: ``[TRACK_ID, t, f, p, qty, id, fingerprint, answer, expires]``
 TRACK_ID: Final = 3
-#: ``[TRACK_MANY, [item, ...]]``, each item a TRACK or TRACK_ID record without its type.
+#: ``[TRACK_MANY, [item, ...]]``, each item a TRACK or TRACK_ID record without its type; an
+#: item with an id ends with ``[[t, f, p], ...]``, the other keys its call counted the same
+#: ``qty`` on (levels, dimension counters: counted by their own items; what a void takes back).
 TRACK_MANY: Final = 4
 #: ``[RESERVE, lease, t, f, p, qty, deadline, id, fingerprint, expires, dims?]`` (id may be
 #: nil; ``dims``: the names of the dimension counters a commit counts on too, when given)
@@ -51,7 +53,8 @@ RELEASE: Final = 7
 FLUSH: Final = 8
 #: ``[STATE, [[t, f, p, seq, inflight, pending], ...]]``: a key's unstored units, absolute.
 STATE: Final = 9
-#: ``[IDS, [[id, fingerprint, answer, expires], ...]]``: remembered request ids.
+#: ``[IDS, [[id, fingerprint, answer, expires, effect?], ...]]``: remembered request ids;
+#: ``effect``, ``[qty, [[t, f, p], ...], voided]``, what a counting call counted.
 IDS: Final = 10
 #: ``[LEASES, [[lease, t, f, p, qty, deadline, dims?], ...]]``: open reservations.
 LEASES: Final = 11
@@ -95,6 +98,9 @@ CLAIMED: Final = 22
 #: ``[CLAIMS, [[t, f, p, value, claimant], ...]]``: claims without an outcome (a checkpoint's
 #: restatement).
 CLAIMS: Final = 23
+#: ``[VOID, id, qty, [[t, f, p], ...], void_id, fingerprint, answer, expires]``: the call
+#: counted under ``id`` taken back: ``-qty`` on each key (``void_id`` nil without one).
+VOID: Final = 24
 
 FORMAT: Final = 2
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from meter.core.idempotency import Effect
 from meter.core.keys import Key
 from meter.wal import records as R
 from storage.base import GaugeReading as Reading
@@ -66,6 +67,8 @@ class Replay:
     rows: dict[Key, RowState] = field(default_factory=dict)
     leases: dict[str, LeaseState] = field(default_factory=dict)
     ids: dict[str, IdEntry] = field(default_factory=dict)
+    #: What the calls under ``ids`` counted (those a void may take back), by request id.
+    effects: dict[str, Effect] = field(default_factory=dict)
     done: dict[str, IdEntry] = field(default_factory=dict)
     records: int = 0
     #: The segment number of the last complete checkpoint seen (0: none).
@@ -125,6 +128,8 @@ class Replay:
             self.done[lease] = (COMMITTED, [actual, answer], done_exp)
             if rid is not None:
                 self.ids[rid] = (fp, answer, expires)
+                names = lease_dims(rec, 13)
+                self.effects[rid] = Effect(actual, ((t, f, p), *((t, n, p) for n in names)))
         elif kind == R.RELEASE:
             lease, t, f, p, qty, deadline, done_exp, rid, fp, expires = rec[1:11]
             self.leases.pop(lease, None)
@@ -164,8 +169,20 @@ class Replay:
                 for t, f, p, run, admitted in rec[1]:
                     self.shares[((t, f, p), run)] = admitted
         elif kind == R.IDS:
-            for rid, fp, answer, expires in rec[1]:
+            for item in rec[1]:
+                rid, fp, answer, expires = item[:4]
                 self.ids[rid] = (fp, answer, expires)
+                if len(item) > 4:  # (what its call counted: a void may take it back)
+                    self.effects[rid] = Effect.from_log(item[4])
+        elif kind == R.VOID:
+            rid, qty, keys, vid, fp, answer, expires = rec[1:8]
+            for t, f, p in keys:
+                self._row((t, f, p)).pending -= qty
+            effect = self.effects.get(rid)
+            if effect is not None:
+                effect.voided = True
+            if vid is not None:
+                self.ids[vid] = (fp, answer, expires)
         elif kind == R.LEASES:
             for item in rec[1]:
                 lease, t, f, p, qty, deadline = item[:6]
@@ -206,6 +223,12 @@ class Replay:
         if len(rec) > at + 4:
             rid, fp, answer, expires = rec[at + 4 : at + 8]
             self.ids[rid] = (fp, answer, expires)
+            if at == 1:  # a TRACK_ID record: its one key
+                self.effects[rid] = Effect(qty, ((t, f, p),))
+            elif len(rec) > at + 8:  # an item that names the other keys it counted on
+                others = tuple((t2, f2, p2) for t2, f2, p2 in rec[at + 8])
+                self.effects[rid] = Effect(qty, ((t, f, p), *others))
+            # (an item an older build wrote, without them: not known, so never voided)
 
     def warm_keys(self) -> list[Key]:
         """The keys a restart should read ahead, most recent first, each once: every key the

@@ -1,0 +1,107 @@
+"""``void`` on real node processes (correctness V02): a void retried 10 times, with the node
+killed (``kill -9``) right after some of the attempts are sent, takes back once; the units
+taken back reach storage; the CLI's ``meter void``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from tests.support.nodes import ROOT, NodeProcess, short_tmpdir, wait_for
+
+FLUSH = {"METER_FLUSH_INTERVAL_MS": "50"}
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    path = short_tmpdir("voidn-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def send_only(sock: Path, method: str, *params: object) -> None:
+    """Write one request and wait for nothing (the node may die before it answers)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(sock))
+        s.sendall(msgpack.packb([0, 1, method, list(params)]))
+
+
+def test_a_void_retried_across_kill_9s_takes_back_once_and_reaches_storage(
+    workdir: Path,
+) -> None:
+    node = NodeProcess(workdir, METER_TENANT_HIERARCHY="true", **FLUSH).start()
+    node.call("set_feature", "tokens", {"dimensions": ["model"]})
+    calls = {f"t{i}": 1 + i % 7 for i in range(30)}
+    for rid, qty in calls.items():
+        node.call("track", "acme/bob", "tokens", qty, {"id": rid, "dims": {"model": "a"}})
+    total = sum(calls.values())
+    voided = ["t3", "t11", "t20"]
+    for rid in voided:
+        answers = []
+        for attempt in range(10):
+            if attempt in (1, 4, 7):  # sent, then the node killed before or after it lands
+                send_only(node.socket, "void", rid, {"id": f"v-{rid}"})
+                node.kill()
+                node.start()
+                continue
+            answers.append(node.call("void", rid, {"id": f"v-{rid}"}))
+        assert all(a == answers[0] for a in answers), answers
+        assert answers[0]["voided"] == calls[rid], answers
+    left = total - sum(calls[r] for r in voided)
+    assert node.call("usage", "acme/bob", "tokens") == left
+    assert node.call("usage", "acme", "tokens") == left
+    got = node.call("usage", "acme", "tokens", {"group_by": ["model"]})
+    assert got["groups"] == [{"dims": {"model": "a"}, "value": left}], got
+    # Stored: a node without a log, on the first node's SQLite file, reads every level.
+    node.stop()
+    sqlite_file = str(node.data_dir / "counters.sqlite3")
+    fresh = NodeProcess(
+        workdir, "fresh", METER_DURABILITY="off", METER_SQLITE_FILE=sqlite_file
+    ).start()
+    try:
+        for tenant in ("acme/bob", "acme"):
+            assert fresh.call("usage", tenant, "tokens") == left, tenant
+    finally:
+        fresh.stop()
+    # Once more on the first node's own log: the voids are remembered, nothing moves.
+    node.start()
+    try:
+        for rid in voided:
+            again = node.call("void", rid)
+            assert again == {"voided": 0, "value": left}, again
+        assert node.call("usage", "acme", "tokens") == left
+    finally:
+        node.stop()
+
+
+def test_the_cli_voids_a_call(workdir: Path) -> None:
+    with NodeProcess(workdir) as node:
+        node.call("track", "acme", "api", 9, {"id": "call-1"})
+        node.call("track", "acme", "api", 1)
+        env = {"METER_SOCKET": str(node.socket), "PYTHONPATH": str(ROOT)}
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "meter", *args],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+
+        done = cli("void", "call-1", "--id", "v1", "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {"call_id": "call-1", "voided": 9, "value": 1}
+        again = cli("void", "call-1")
+        assert again.returncode == 0 and again.stdout.strip() == "voided 0, total 1", again
+        missing = cli("void", "nope")
+        assert missing.returncode != 0 and "not_found" in missing.stderr, missing
+        wait_for(lambda: node.call("usage", "acme", "api") == 1, what="the total")
