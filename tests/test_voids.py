@@ -24,6 +24,7 @@ from meter.node.wiring import build_service
 from storage.memory import MemoryStorage
 from tests.support.nodes import short_tmpdir
 from tests.support.services import logged_service
+from tests.test_wal_service import broken, disk_full, settle
 
 MONTH = period_start("month")
 
@@ -283,3 +284,29 @@ def test_whatever_the_calls_voids_and_restarts_each_call_counts_until_voided_onc
             shutil.rmtree(d)
 
     asyncio.run(run())
+
+
+async def test_a_void_whose_log_write_fails_is_undone_and_may_be_sent_again() -> None:
+    """The log cannot write the void: its units are counted again, the call is not voided,
+    and the void's id is not remembered; once the log writes again, the void takes back."""
+    d = short_tmpdir("voids-")
+    try:
+        config = CounterConfig(tenant_hierarchy=True)
+        svc, wal = await logged_service(d, MemoryStorage(), config=config)
+        await call(svc, "track", "acme/bob", "api", 5, {"id": "t1"})
+        await call(svc, "track", "acme/bob", "api", 2)
+        await settle()
+        with disk_full(wal):
+            assert await call(svc, "void", "t1", {"id": "v1"}) == {"voided": 5, "value": 2}
+            await settle()  # the commit fails: the void is undone
+            assert broken(wal) is not None
+        deadline = time.monotonic() + 10
+        while broken(wal) is not None:
+            assert time.monotonic() < deadline, "the log did not come back"
+            await asyncio.sleep(0.05)
+        assert await call(svc, "usage", "acme", "api") == 7
+        assert await call(svc, "void", "t1", {"id": "v1"}) == {"voided": 5, "value": 2}
+        assert await call(svc, "usage", "acme", "api") == 2
+        await wal.close()
+    finally:
+        shutil.rmtree(d)

@@ -41,12 +41,6 @@ class Effect:
         """``[qty, [[t, f, p], ...], voided]``: as a checkpoint restates it."""
         return [self.qty, [list(k) for k in self.keys], self.voided]
 
-    @staticmethod
-    def from_log(item: list[Any]) -> Effect:
-        """The effect :meth:`to_log` wrote."""
-        qty, keys, voided = item
-        return Effect(qty, tuple((t, f, p) for t, f, p in keys), bool(voided))
-
 
 def check_id(rid: object) -> str:
     """Return ``rid`` if it is a valid request id (1-128 UTF-8 bytes), else raise."""

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 
+from meter.core.idempotency import Effect
 from meter.core.keys import Key
 from meter.core.leases import Lease
 from meter.core.reserving import dim_keys
@@ -62,7 +63,8 @@ async def recover(wal: WriteAheadLog, service: Service) -> list[Key]:
         (service.done, replay.live_done(now)),
     ):
         for rid, (fp, answer, expires) in sorted(entries.items(), key=lambda kv: kv[1][2]):
-            effect = replay.effects.get(rid) if registry is service.ids else None
+            counted = replay.effects.get(rid) if registry is service.ids else None
+            effect = None if counted is None else Effect(*counted)
             registry.put(rid, fp, answer, expires, now, effect)
     warm = replay.warm_keys() if service.config.warm_up_max_keys > 0 else []
     service.journal.warm_up_started(warm)

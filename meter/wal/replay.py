@@ -22,11 +22,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from meter.core.idempotency import Effect
 from meter.core.keys import Key
 from meter.wal import records as R
 from storage.base import GaugeReading as Reading
 from storage.base import reading_wins
+
+Counted = tuple[int, tuple[Key, ...], bool]
+"""What a call under a request id counted: ``(qty, keys, voided)``."""
 
 
 @dataclass(slots=True)
@@ -67,8 +69,9 @@ class Replay:
     rows: dict[Key, RowState] = field(default_factory=dict)
     leases: dict[str, LeaseState] = field(default_factory=dict)
     ids: dict[str, IdEntry] = field(default_factory=dict)
-    #: What the calls under ``ids`` counted (those a void may take back), by request id.
-    effects: dict[str, Effect] = field(default_factory=dict)
+    #: What the calls under ``ids`` counted (those a void may take back), by request id:
+    #: ``(qty, keys, voided)`` (meter.core.idempotency.Effect).
+    effects: dict[str, Counted] = field(default_factory=dict)
     done: dict[str, IdEntry] = field(default_factory=dict)
     records: int = 0
     #: The segment number of the last complete checkpoint seen (0: none).
@@ -129,7 +132,7 @@ class Replay:
             if rid is not None:
                 self.ids[rid] = (fp, answer, expires)
                 names = lease_dims(rec, 13)
-                self.effects[rid] = Effect(actual, ((t, f, p), *((t, n, p) for n in names)))
+                self.effects[rid] = (actual, ((t, f, p), *((t, n, p) for n in names)), False)
         elif kind == R.RELEASE:
             lease, t, f, p, qty, deadline, done_exp, rid, fp, expires = rec[1:11]
             self.leases.pop(lease, None)
@@ -173,14 +176,15 @@ class Replay:
                 rid, fp, answer, expires = item[:4]
                 self.ids[rid] = (fp, answer, expires)
                 if len(item) > 4:  # (what its call counted: a void may take it back)
-                    self.effects[rid] = Effect.from_log(item[4])
+                    qty, keys, voided = item[4]
+                    self.effects[rid] = (qty, tuple((t, f, p) for t, f, p in keys), bool(voided))
         elif kind == R.VOID:
             rid, qty, keys, vid, fp, answer, expires = rec[1:8]
             for t, f, p in keys:
                 self._row((t, f, p)).pending -= qty
-            effect = self.effects.get(rid)
-            if effect is not None:
-                effect.voided = True
+            counted = self.effects.get(rid)
+            if counted is not None:
+                self.effects[rid] = (counted[0], counted[1], True)
             if vid is not None:
                 self.ids[vid] = (fp, answer, expires)
         elif kind == R.LEASES:
@@ -224,10 +228,10 @@ class Replay:
             rid, fp, answer, expires = rec[at + 4 : at + 8]
             self.ids[rid] = (fp, answer, expires)
             if at == 1:  # a TRACK_ID record: its one key
-                self.effects[rid] = Effect(qty, ((t, f, p),))
+                self.effects[rid] = (qty, ((t, f, p),), False)
             elif len(rec) > at + 8:  # an item that names the other keys it counted on
                 others = tuple((t2, f2, p2) for t2, f2, p2 in rec[at + 8])
-                self.effects[rid] = Effect(qty, ((t, f, p), *others))
+                self.effects[rid] = (qty, ((t, f, p), *others), False)
             # (an item an older build wrote, without them: not known, so never voided)
 
     def warm_keys(self) -> list[Key]:
