@@ -29,7 +29,7 @@ def corrections(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     compiled = bool((node_status(node).get("build") or {}).get("compiled"))
     try:
         node.call("set_feature", "f", {"dimensions": ["model"]})
-        calls = max(500, int(4000 * sizes.duration))
+        calls = max(2000, int(10_000 * sizes.duration))
         ratios: list[float] = []
         tracks: list[float] = []
         voids: list[float] = []
@@ -51,7 +51,7 @@ def corrections(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     return [
         Row(
             SCENARIO,
-            "void vs the track it takes back (4 counters), 4 conn [ops/s]",
+            "void vs the track it takes back (4 counters), 4 conn",
             "ops/s",
             median(voids),
             median(tracks),

@@ -74,15 +74,18 @@ class Voids:
                 return entry[1]  # a retry: answers as the first void did
         effect = self._effect(rid)
         now = time.time()
-        for key in effect.keys:
-            self.keys.check_open(key, period_instant(key[2]), now)
-        for key in effect.keys:
-            eff = self.gate.effective(key)
-            if eff is not None and eff.price:
-                raise InvalidArgument(
-                    f"void: {key[0]}/{key[1]} is priced (the call spent credits), and a void "
-                    "does not give credits back; nothing changed"
-                )
+        keys = self.keys
+        first = effect.keys[0]  # (a call's keys are all of one period)
+        if not (keys.valid_now(now) and first[2] in keys.day_periods.values()):
+            keys.check_open(first, period_instant(first[2]), now)  # (not a current period)
+        if self.gate.limited:
+            for key in effect.keys:
+                eff = self.gate.effective(key)
+                if eff is not None and eff.price:
+                    raise InvalidArgument(
+                        f"void: {key[0]}/{key[1]} is priced (the call spent credits), and a "
+                        "void does not give credits back; nothing changed"
+                    )
         self.fence.check()
         if all(self.table.is_seeded(k) for k in effect.keys):
             return self._take_back(rid, effect, idem)
