@@ -69,6 +69,7 @@ async def test_a_void_takes_back_a_track_on_every_counter_it_counted_on() -> Non
     assert await call(svc, "void", "t1") == {"voided": 0, "value": 5}
     assert await call(svc, "track", "acme/bob", "tokens", 7, {**dims, "id": "t1"}) == 12
     assert await call(svc, "usage", "acme", "tokens") == 8
+    assert (await call(svc, "status"))["request_ids"]["voided"] == 1
 
 
 async def test_a_void_takes_back_one_track_many_item_and_a_commit() -> None:

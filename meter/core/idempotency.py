@@ -80,6 +80,8 @@ class RequestIds:
         # Request id -> what its call counted (only counting calls that may be voided);
         # dropped with the id's entry.
         self._effects: dict[str, Effect] = {}
+        #: Calls a ``void`` took back since the start (meter.core.voids).
+        self.voided_total = 0
         #: Entries dropped (to stay within ``max_ids``) before their window ended.
         self.dropped_early = 0
 
@@ -144,6 +146,16 @@ class RequestIds:
     def effect(self, rid: str) -> Effect | None:
         """What the call remembered under ``rid`` counted, if it was a counting call."""
         return self._effects.get(rid)
+
+    def take_back(self, effect: Effect) -> None:
+        """Mark ``effect`` voided: a ``void`` took its units back."""
+        effect.voided = True
+        self.voided_total += 1
+
+    def count_again(self, effect: Effect) -> None:
+        """Undo :meth:`take_back` (the void's log write failed)."""
+        effect.voided = False
+        self.voided_total -= 1
 
     def forget(self, rid: str) -> None:
         """Drop ``rid`` (its call was undone)."""

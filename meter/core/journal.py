@@ -92,7 +92,7 @@ class Journal:
                     self.table.incr((t, f, p), qty, check=False)
                 effect = self.ids.effect(rid)
                 if effect is not None and qty:  # (a repeat, qty 0, voided nothing)
-                    effect.voided = False
+                    self.ids.count_again(effect)
                 if rec[4] is not None:
                     self.ids.forget(rec[4])
             elif kind == R.GAUGE:

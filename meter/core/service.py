@@ -472,6 +472,7 @@ class Service:
             "request_ids": {
                 "remembered": len(self.ids),
                 "dropped_early": self.ids.dropped_early,
+                "voided": self.ids.voided_total,
                 "window_s": self.ids.window_s,
                 "max": self.ids.max_ids,
                 "finished_reservations": len(self.done),

@@ -53,8 +53,6 @@ class Voids:
         self.fence = fence
         self.ids = ids
         self.seeder = seeder
-        #: Calls taken back since the start.
-        self.voided = 0
 
     def handlers(self) -> dict[str, Handler]:
         """The methods by name, for the node's dispatch table."""
@@ -124,8 +122,7 @@ class Voids:
         if qty:
             values, _ = self.gate.count_levels(keys, -qty)
             value = values[0]
-            effect.voided = True
-            self.voided += 1
+            self.ids.take_back(effect)
         else:
             value = self.table.value(keys[0])
         answer = {"voided": qty, "value": value}

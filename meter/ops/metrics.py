@@ -76,6 +76,7 @@ ALERTS = "meter_alerts_total"
 ALERTS_PENDING = "meter_alerts_pending"
 UNIQUE_CLAIMS = "meter_unique_claims_total"
 UNIQUE_UNRESOLVED = "meter_unique_claims_unresolved"
+VOIDS = "meter_voids_total"
 READY = "meter_ready"
 DEGRADED = "meter_degraded"
 BUILD_INFO = "meter_build_info"
@@ -91,7 +92,7 @@ METRIC_NAMES: tuple[str, ...] = (
     GOSSIP_PEERS, GOSSIP_LAG, GOSSIP_MESSAGES, GOSSIP_REJECTED, GOSSIP_GAPS, RESERVATIONS_OPEN,
     RESERVATIONS_EXPIRED, STRICT_SHARES, STRICT_WRITES, READY, DEGRADED, BUILD_INFO,
     RESERVATIONS_EXPIRED, ALERTS, ALERTS_PENDING, READY, DEGRADED, BUILD_INFO,
-    UNIQUE_CLAIMS, UNIQUE_UNRESOLVED,
+    UNIQUE_CLAIMS, UNIQUE_UNRESOLVED, VOIDS,
 )  # fmt: skip
 
 
@@ -184,6 +185,9 @@ class NodeCollector(Collector):
             failed = _counter(SEEDING_FAILED_READS, "Seeding reads that failed.")
             failed.add_metric([], seeding.failed_reads)
             yield failed
+            voids = _counter(VOIDS, "Calls taken back by void (each once).")
+            voids.add_metric([], svc.ids.voided_total)
+            yield voids
             uq = svc.uniques
             claims = _counter(
                 UNIQUE_CLAIMS,
