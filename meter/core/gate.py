@@ -151,6 +151,17 @@ class Gate:
         limited = self.limited
         return limited.get((key[0], key[1])) if limited else None
 
+    def priced(self, keys: Iterable[Key]) -> bool:
+        """Whether a price applies to one of ``keys`` now (a count there spends credits)."""
+        limited = self.limited
+        if not limited:
+            return False
+        for key in keys:
+            eff = limited.get((key[0], key[1]))
+            if eff is not None and eff.price:
+                return True
+        return False
+
     def held_elsewhere(self, key: Key) -> int:
         """Units peers hold on ``key`` in open reservations."""
         total = self.peer_holds.total

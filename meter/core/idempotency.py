@@ -28,18 +28,22 @@ Entry = tuple[int, Any, float]
 class Effect:
     """What a call counted under a request id, for ``void`` (meter.core.voids): ``qty`` units
     on each of ``keys`` (the feature's counter first, then its other levels and dimension
-    counters), and whether a void took them back already."""
+    counters), whether a void took them back already, and whether a price applied to one
+    of them when it was counted (it spent credits: a void does not give them back)."""
 
-    __slots__ = ("keys", "qty", "voided")
+    __slots__ = ("keys", "priced", "qty", "voided")
 
-    def __init__(self, qty: int, keys: tuple[Key, ...], voided: bool = False) -> None:
+    def __init__(
+        self, qty: int, keys: tuple[Key, ...], voided: bool = False, priced: bool = False
+    ) -> None:
         self.qty = qty
         self.keys = keys
         self.voided = voided
+        self.priced = priced
 
     def to_log(self) -> list[Any]:
-        """``[qty, [[t, f, p], ...], voided]``: as a checkpoint restates it."""
-        return [self.qty, [list(k) for k in self.keys], self.voided]
+        """``[qty, [[t, f, p], ...], voided, priced]``: as a checkpoint restates it."""
+        return [self.qty, [list(k) for k in self.keys], self.voided, self.priced]
 
 
 def check_id(rid: object) -> str:
@@ -80,8 +84,10 @@ class RequestIds:
         # Request id -> what its call counted (only counting calls that may be voided);
         # dropped with the id's entry.
         self._effects: dict[str, Effect] = {}
-        #: Calls a ``void`` took back since the start (meter.core.voids).
+        #: Calls a ``void`` took back since the start (meter.core.voids), and of those the
+        #: ones taken back again because the void's log write failed.
         self.voided_total = 0
+        self.voids_undone = 0
         #: Entries dropped (to stay within ``max_ids``) before their window ended.
         self.dropped_early = 0
 
@@ -95,7 +101,7 @@ class RequestIds:
         if entry is None:
             return None
         if entry[2] <= now:
-            del self._entries[rid]
+            self.forget(rid)
             return None
         if entry[0] != fp:
             raise Conflict(f"request id {rid[:64]!r} was already used by a different call")
@@ -155,7 +161,7 @@ class RequestIds:
     def count_again(self, effect: Effect) -> None:
         """Undo :meth:`take_back` (the void's log write failed)."""
         effect.voided = False
-        self.voided_total -= 1
+        self.voids_undone += 1
 
     def forget(self, rid: str) -> None:
         """Drop ``rid`` (its call was undone)."""

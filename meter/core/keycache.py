@@ -33,6 +33,8 @@ class DimNode:
     from the feature, each name then value in the order the map was sent. Hashed by identity,
     so a batch sums its items' units by the node their map ends on."""
 
+    __slots__ = ("names", "next")
+
     def __init__(self) -> None:
         #: The map's next name (or value) -> the step after it.
         self.next: dict[str, DimNode] = {}

@@ -289,13 +289,17 @@ class Reserving:
                 gate.alerts.detect(key, eff.limit, eff.alerts, view - actual + lease.qty, view)
         self.reservations.close(lease_id)
         done_exp = self.done.remember(lease_id, COMMITTED, [actual, value], now)
-        effect = Effect(actual, (lease.key, *dim_keys(lease)))
-        rid, fp, expires = self._remember_finish(idem, value, now, effect)
+        counted = (lease.key, *dim_keys(lease))
+        priced = idem is not None and self.gate.priced(counted)
+        rid, fp, expires = self._remember_finish(
+            idem, value, now, Effect(actual, counted, priced=priced)
+        )
         if self.wal is not None:
-            self.wal.append(
-                [R.COMMIT, lease_id, *lease.key, lease.qty, wall(lease.deadline), actual,
-                 value, done_exp, rid, fp, expires, *_listed(lease.dims)]
-            )  # fmt: skip
+            rec = [R.COMMIT, lease_id, *lease.key, lease.qty, wall(lease.deadline), actual,
+                   value, done_exp, rid, fp, expires, *_listed(lease.dims)]  # fmt: skip
+            if priced:  # (after the dims, which it then always lists)
+                rec[13:] = [list(lease.dims), True]
+            self.wal.append(rec)
         return value
 
     async def _commit_after_room(self, short: Short, params: list[Any]) -> Any:

@@ -472,7 +472,7 @@ class Service:
             "request_ids": {
                 "remembered": len(self.ids),
                 "dropped_early": self.ids.dropped_early,
-                "voided": self.ids.voided_total,
+                "voided": self.ids.voided_total - self.ids.voids_undone,
                 "window_s": self.ids.window_s,
                 "max": self.ids.max_ids,
                 "finished_reservations": len(self.done),

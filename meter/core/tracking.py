@@ -406,10 +406,13 @@ class Tracking:
         else:
             leaf = [*keys[0], qty]
             if idem is not None:
-                effect = Effect(qty, tuple(keys))
+                priced = self.gate.priced(keys)
+                effect = Effect(qty, tuple(keys), priced=priced)
                 expires = self.ids.remember(idem[0], idem[1], value, time.time(), effect)
                 # (the other keys it counted on: a void takes them back too)
                 leaf += [idem[0], idem[1], value, expires, [[*k] for k in keys[1:]]]
+                if priced:
+                    leaf.append(True)
             if self.wal is not None:  # one record: a torn log keeps all levels or none
                 self.wal.append([R.TRACK_MANY, [leaf, *log_items]])
         return self.gate.detail(keys[0], value, 0) if detail else value
@@ -426,9 +429,14 @@ class Tracking:
             if self.wal is not None:
                 self.wal.append([R.TRACK, key[0], key[1], key[2], qty])
             return value
-        expires = self.ids.remember(idem[0], idem[1], value, time.time(), Effect(qty, (key,)))
+        priced = self.gate.priced((key,))
+        effect = Effect(qty, (key,), priced=priced)
+        expires = self.ids.remember(idem[0], idem[1], value, time.time(), effect)
         if self.wal is not None:
-            self.wal.append([R.TRACK_ID, *key, qty, idem[0], idem[1], value, expires])
+            rec = [R.TRACK_ID, *key, qty, idem[0], idem[1], value, expires]
+            if priced:  # (it spent credits: a void refuses it)
+                rec.append(True)
+            self.wal.append(rec)
         return value
 
     # -- track_many ---------------------------------------------------------------------------
@@ -812,10 +820,15 @@ class Tracking:
                 logged.append([*key, qty])
             else:
                 keys = batch.levels.get(n)
-                effect = Effect(qty, (key,) if keys is None else tuple(keys))
+                counted = (key,) if keys is None else tuple(keys)
+                priced = self.gate.priced(counted)
+                effect = Effect(qty, counted, priced=priced)
                 expires = self.ids.remember(idem[0], idem[1], value, now, effect)
                 others = [] if keys is None else [[*k] for k in keys[1:]]
-                logged.append([*key, qty, idem[0], idem[1], value, expires, others])
+                item = [*key, qty, idem[0], idem[1], value, expires, others]
+                if priced:
+                    item.append(True)
+                logged.append(item)
         for i, n in batch.dups:
             out[i] = values[n]
         if self.wal is not None and logged:

@@ -10,8 +10,8 @@ units taken back are ordinary counts: logged, flushed, gossiped and exported lik
 
 A void is answered by the node that counted the call, while it remembers the id (the
 idempotency window); anything else is ``not_found``. A call in a period past its end plus
-the grace is ``period_closed``; a call on a priced feature (credits spent) is refused: a void
-does not give credits back.
+the grace is ``period_closed``; a call on a feature priced when it was counted (it spent
+credits: a void does not give them back) and a call that took units away are refused.
 """
 
 from __future__ import annotations
@@ -71,19 +71,7 @@ class Voids:
             if entry is not None:
                 return entry[1]  # a retry: answers as the first void did
         effect = self._effect(rid)
-        now = time.time()
-        keys = self.keys
-        first = effect.keys[0]  # (a call's keys are all of one period)
-        if not (keys.valid_now(now) and first[2] in keys.day_periods.values()):
-            keys.check_open(first, period_instant(first[2]), now)  # (not a current period)
-        if self.gate.limited:
-            for key in effect.keys:
-                eff = self.gate.effective(key)
-                if eff is not None and eff.price:
-                    raise InvalidArgument(
-                        f"void: {key[0]}/{key[1]} is priced (the call spent credits), and a "
-                        "void does not give credits back; nothing changed"
-                    )
+        self._check(effect)
         self.fence.check()
         if all(self.table.is_seeded(k) for k in effect.keys):
             return self._take_back(rid, effect, idem)
@@ -106,12 +94,36 @@ class Voids:
             )
         return effect
 
+    def _check(self, effect: Effect) -> None:
+        """Refuse (changing nothing) a void of ``effect`` in a closed period, of a call that
+        spent credits, or of one that took units away."""
+        keys = self.keys
+        now = time.time()
+        first = effect.keys[0]  # (a call's keys are all of one period)
+        if not (keys.valid_now(now) and first[2] in keys.day_periods.values()):
+            keys.check_open(first, period_instant(first[2]), now)  # (not a current period)
+        if effect.priced:
+            raise InvalidArgument(
+                f"void: {first[0]}/{first[1]} was priced when the call was counted (it spent "
+                "credits), and a void does not give credits back; nothing changed"
+            )
+        if effect.qty < 0:
+            raise InvalidArgument(
+                f"void: the call took {-effect.qty} units away; track them again instead "
+                "(a void never adds units); nothing changed"
+            )
+
     async def _take_back_cold(self, rid: str, effect: Effect, idem: tuple[str, int] | None) -> Any:
         await self.seeder.seed_many(list(effect.keys))
         if idem is not None:  # (another void may have answered meanwhile)
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
                 return entry[1]
+        # Meanwhile the call may have been undone (its log write failed), its id may have
+        # expired, or its period closed: judged again.
+        if self._effect(rid) is not effect:
+            raise NotFound(f"void: the call with id {rid[:64]!r} is no longer remembered")
+        self._check(effect)
         self.fence.check()
         return self._take_back(rid, effect, idem)
 

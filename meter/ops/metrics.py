@@ -185,8 +185,14 @@ class NodeCollector(Collector):
             failed = _counter(SEEDING_FAILED_READS, "Seeding reads that failed.")
             failed.add_metric([], seeding.failed_reads)
             yield failed
-            voids = _counter(VOIDS, "Calls taken back by void (each once).")
-            voids.add_metric([], svc.ids.voided_total)
+            voids = _counter(
+                VOIDS,
+                "Calls taken back by void (each once), by outcome: voided, undone (the "
+                "void's log write failed: its units counted again).",
+                ["outcome"],
+            )
+            voids.add_metric(["voided"], svc.ids.voided_total)
+            voids.add_metric(["undone"], svc.ids.voids_undone)
             yield voids
             uq = svc.uniques
             claims = _counter(

@@ -27,8 +27,8 @@ from meter.wal import records as R
 from storage.base import GaugeReading as Reading
 from storage.base import reading_wins
 
-Counted = tuple[int, tuple[Key, ...], bool]
-"""What a call under a request id counted: ``(qty, keys, voided)``."""
+Counted = tuple[int, tuple[Key, ...], bool, bool]
+"""What a call under a request id counted: ``(qty, keys, voided, priced)``."""
 
 
 @dataclass(slots=True)
@@ -70,7 +70,7 @@ class Replay:
     leases: dict[str, LeaseState] = field(default_factory=dict)
     ids: dict[str, IdEntry] = field(default_factory=dict)
     #: What the calls under ``ids`` counted (those a void may take back), by request id:
-    #: ``(qty, keys, voided)`` (meter.core.idempotency.Effect).
+    #: ``(qty, keys, voided, priced)`` (meter.core.idempotency.Effect).
     effects: dict[str, Counted] = field(default_factory=dict)
     done: dict[str, IdEntry] = field(default_factory=dict)
     records: int = 0
@@ -121,7 +121,7 @@ class Replay:
             self.leases[lease] = LeaseState((t, f, p), qty, deadline, lease_dims(rec, 10))
             self._row((t, f, p))
             if rid is not None:
-                self.ids[rid] = (fp, lease, expires)
+                self._id(rid, (fp, lease, expires))
         elif kind == R.COMMIT:
             lease, t, f, p, qty, deadline, actual, answer, done_exp, rid, fp, expires = rec[1:13]
             self.leases.pop(lease, None)
@@ -130,16 +130,17 @@ class Replay:
                 self._row((t, name, p)).pending += actual
             self.done[lease] = (COMMITTED, [actual, answer], done_exp)
             if rid is not None:
-                self.ids[rid] = (fp, answer, expires)
                 names = lease_dims(rec, 13)
-                self.effects[rid] = (actual, ((t, f, p), *((t, n, p) for n in names)), False)
+                keys = ((t, f, p), *((t, n, p) for n in names))
+                priced = len(rec) > 14 and bool(rec[14])
+                self._id(rid, (fp, answer, expires), (actual, keys, False, priced))
         elif kind == R.RELEASE:
             lease, t, f, p, qty, deadline, done_exp, rid, fp, expires = rec[1:11]
             self.leases.pop(lease, None)
             self._row((t, f, p))
             self.done[lease] = (RELEASED, None, done_exp)
             if rid is not None:
-                self.ids[rid] = (fp, None, expires)
+                self._id(rid, (fp, None, expires))
         elif kind == R.EXPIRE:
             lease, t, f, p = rec[1:5]
             self.leases.pop(lease, None)
@@ -148,7 +149,7 @@ class Replay:
             t, f, p, gauge, value, at_ms, node = rec[1:8]
             self._gauge((t, f, p), gauge, (value, at_ms, node))
             if rec[9] is not None:
-                self.ids[rec[9]] = (rec[10], rec[11], rec[12])
+                self._id(rec[9], (rec[10], rec[11], rec[12]))
         elif kind == R.GAUGES:
             for t, f, p, gauge, value, at_ms, node in rec[1]:
                 self._gauge((t, f, p), gauge, (value, at_ms, node))
@@ -163,7 +164,7 @@ class Replay:
             if won:
                 row.pending += 1
             if rid is not None:
-                self.ids[rid] = (fp, answer, expires)
+                self._id(rid, (fp, answer, expires))
         elif kind == R.CLAIMS:
             for t, f, p, value, claimant in rec[1]:
                 self.claims[claimant] = ((t, f, p), value)
@@ -174,19 +175,20 @@ class Replay:
         elif kind == R.IDS:
             for item in rec[1]:
                 rid, fp, answer, expires = item[:4]
-                self.ids[rid] = (fp, answer, expires)
+                counted: Counted | None = None
                 if len(item) > 4:  # (what its call counted: a void may take it back)
-                    qty, keys, voided = item[4]
-                    self.effects[rid] = (qty, tuple((t, f, p) for t, f, p in keys), bool(voided))
+                    qty, keys, voided, priced = item[4]
+                    counted = (qty, tuple((t, f, p) for t, f, p in keys), voided, priced)
+                self._id(rid, (fp, answer, expires), counted)
         elif kind == R.VOID:
             rid, qty, keys, vid, fp, answer, expires = rec[1:8]
             for t, f, p in keys:
                 self._row((t, f, p)).pending -= qty
-            counted = self.effects.get(rid)
-            if counted is not None:
-                self.effects[rid] = (counted[0], counted[1], True)
+            voided = self.effects.get(rid)
+            if voided is not None:
+                self.effects[rid] = (voided[0], voided[1], True, voided[3])
             if vid is not None:
-                self.ids[vid] = (fp, answer, expires)
+                self._id(vid, (fp, answer, expires))
         elif kind == R.LEASES:
             for item in rec[1]:
                 lease, t, f, p, qty, deadline = item[:6]
@@ -226,13 +228,24 @@ class Replay:
         self._row((t, f, p)).pending += qty
         if len(rec) > at + 4:
             rid, fp, answer, expires = rec[at + 4 : at + 8]
-            self.ids[rid] = (fp, answer, expires)
-            if at == 1:  # a TRACK_ID record: its one key
-                self.effects[rid] = (qty, ((t, f, p),), False)
+            counted: Counted | None = None
+            if at == 1:  # a TRACK_ID record: its one key (then whether it spent credits)
+                counted = (qty, ((t, f, p),), False, len(rec) > 9 and bool(rec[9]))
             elif len(rec) > at + 8:  # an item that names the other keys it counted on
                 others = tuple((t2, f2, p2) for t2, f2, p2 in rec[at + 8])
-                self.effects[rid] = (qty, ((t, f, p), *others), False)
+                priced = len(rec) > at + 9 and bool(rec[at + 9])
+                counted = (qty, ((t, f, p), *others), False, priced)
             # (an item an older build wrote, without them: not known, so never voided)
+            self._id(rid, (fp, answer, expires), counted)
+
+    def _id(self, rid: str, entry: IdEntry, counted: Counted | None = None) -> None:
+        """Remember ``rid`` as the record says, with what its call counted if it did (an
+        id reused after its window, by a call that counts nothing, drops the old one)."""
+        self.ids[rid] = entry
+        if counted is None:
+            self.effects.pop(rid, None)
+        else:
+            self.effects[rid] = counted
 
     def warm_keys(self) -> list[Key]:
         """The keys a restart should read ahead, most recent first, each once: every key the
