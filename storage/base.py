@@ -12,8 +12,9 @@ lease while it runs and writes only while it holds it (``docs/adr/0004-one-owner
 
 One Protocol per concern (:class:`Counters`, :class:`Owners`, :class:`LimitRecords`,
 :class:`BudgetRecords`, :class:`AlertClaims`, :class:`LedgerRecords`, :class:`GaugeRecords`,
-:class:`DayBuckets`, :class:`UniqueValues`), so each part of the node depends on the store it
-uses; :class:`Storage`, the base every backend derives from, is all of them at once.
+:class:`DayBuckets`, :class:`UniqueValues`, :class:`PeriodMarks`), so each part of the node
+depends on the store it uses; :class:`Storage`, the base every backend derives from, is all of
+them at once.
 """
 
 from __future__ import annotations
@@ -392,6 +393,69 @@ def next_values_cursor(values: list[str], more: bool) -> str | None:
     return encode_cursor(["u", values[-1]]) if more and values else None
 
 
+#: Node ids as storage keeps them (an attribute name on DynamoDB, ``s_<node>``): a plain,
+#: printable charset without ``#``, so a period mark's sort key (the node id) never looks like
+#: a counter's ``<period>#<feature>``.
+NODE_RE = re.compile(r"[A-Za-z0-9_\-.:@/]{1,128}")
+
+#: The states of a :class:`PeriodMark`.
+MARK_OPEN = "open"
+MARK_CLOSED = "closed"
+#: Longest ``by`` of a mark (UTF-8 bytes) and the latest ``at`` (epoch seconds; kept to the
+#: microsecond, a number every backend stores exactly).
+MAX_MARK_BY_BYTES = 128
+MAX_MARK_AT = float(2**53)
+
+
+@dataclass(frozen=True, slots=True)
+class PeriodMark:
+    """A node's mark of a counting period (docs/storage.md, "Period marks"): ``open`` while
+    it holds units of the period it has not stored, ``closed`` once it has closed it."""
+
+    node: str
+    state: str
+    #: Epoch seconds the mark was written (the open's while open, the close's once closed),
+    #: kept to the microsecond.
+    at: float
+    #: Who wrote it: the node id itself, or ``operator`` for a close by hand.
+    by: str
+
+
+def check_node(node: object) -> str:
+    """``node`` if it is a node id storage keeps (:data:`NODE_RE`), else
+    :class:`StoragePermanentError`."""
+    if not isinstance(node, str) or NODE_RE.fullmatch(node) is None:
+        shown = node[:32] if isinstance(node, str) else type(node).__name__
+        raise StoragePermanentError(f"node id {shown!r} is not 1..128 of [A-Za-z0-9_-.:@/]")
+    return node
+
+
+def check_period_mark(
+    period: object, node: object, at: object, by: object, state: str
+) -> PeriodMark:
+    """The mark of ``node`` in ``period`` to write (``at`` a float to the microsecond), if
+    every input may be kept: a period (:func:`check_period`), a node id (:func:`check_node`),
+    ``at`` a number in ``0..2**53``, ``by`` 1..128 printable UTF-8 bytes; else
+    :class:`StoragePermanentError`."""
+    check_period(period)
+    check_node(node)
+    assert isinstance(node, str)
+    try:
+        when = float(at) if isinstance(at, int | float) and not isinstance(at, bool) else -1.0
+    except OverflowError:  # (an int past any float)
+        when = -1.0
+    if not 0 <= when <= MAX_MARK_AT:
+        shown = repr(at)[:40]
+        raise StoragePermanentError(f"mark time must be epoch seconds in 0..2**53, got {shown}")
+    _check_text("mark's writer", by, MAX_MARK_BY_BYTES)
+    assert isinstance(by, str)
+    if not by.isprintable():
+        raise StoragePermanentError(f"mark's writer {by[:32]!r} is not printable")
+    if state not in (MARK_OPEN, MARK_CLOSED):
+        raise StoragePermanentError(f"mark state must be open or closed, got {state!r}")
+    return PeriodMark(node, state, round(when, 6), by)
+
+
 # -- the concerns, one Protocol each (a backend implements them all: Storage) -----------------
 
 
@@ -504,6 +568,16 @@ class UniqueValues(Protocol):
     async def values_page(
         self, key: Key, cursor: str | None, limit: int
     ) -> tuple[list[str], str | None]: ...
+
+
+class PeriodMarks(Protocol):
+    """Each node's open or closed mark of a counting period (docs/storage.md)."""
+
+    async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark: ...
+    async def mark_period_closed(
+        self, period: str, node: str, at: float, by: str
+    ) -> PeriodMark: ...
+    async def period_marks(self, period: str) -> list[PeriodMark]: ...
 
 
 class Storage(abc.ABC):
@@ -789,3 +863,24 @@ class Storage(abc.ABC):
         the next page (``None``: no more). One range read (one DynamoDB Query, one SQLite index
         range), consistent. :class:`BadCursor` for a cursor no page handed out."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep unique values")
+
+    # -- period marks (docs/storage.md, "Period marks") ----------------------------------------
+    # One record per (period, node): ``open`` while the node holds units of the period it has
+    # not stored, ``closed`` once it closed the period. Written by conditional writes only: a
+    # close is never reopened, a close never replaced. Kept as long as the period's counters.
+
+    async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark:
+        """Record that ``node`` counts in ``period``; a mark already there (open or closed) is
+        kept and returned (conditional write: never reopens a closed period).
+        :class:`StoragePermanentError` (nothing written) for inputs
+        :func:`check_period_mark` refuses."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep period marks")
+
+    async def mark_period_closed(self, period: str, node: str, at: float, by: str) -> PeriodMark:
+        """Record ``node``'s close of ``period`` (overwrites an open mark, or writes one where
+        none was; a close already there is kept and returned unchanged)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep period marks")
+
+    async def period_marks(self, period: str) -> list[PeriodMark]:
+        """Every node's mark of ``period``, sorted by node id (consistent read)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep period marks")

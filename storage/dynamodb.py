@@ -32,7 +32,6 @@ import hashlib
 import logging
 import os
 import random
-import re
 import time
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
@@ -56,7 +55,10 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from storage.base import (
     EMPTY,
+    MARK_CLOSED,
+    MARK_OPEN,
     MAX_VALUE_BYTES,
+    NODE_RE,
     VALUE_MARK,
     Applied,
     BadCursor,
@@ -68,6 +70,7 @@ from storage.base import (
     GaugeReading,
     Key,
     Owner,
+    PeriodMark,
     Snapshot,
     Storage,
     StorageError,
@@ -78,6 +81,7 @@ from storage.base import (
     check_day_of,
     check_export_limit,
     check_period,
+    check_period_mark,
     check_range,
     check_unique,
     check_value_of,
@@ -104,8 +108,7 @@ BATCH_GET_LIMIT = 100
 #: position per segment, up to ~1 KB each with the protocol's longest names: 32 keep it well
 #: inside the protocol's 64 KiB string limit.
 MAX_SEGMENTS = 32
-#: Node ids become attribute names (``s_<node>``): keep them to a plain, printable charset.
-NODE_RE = re.compile(r"[A-Za-z0-9_\-.:@/]{1,128}")
+#: Node ids become attribute names (``s_<node>``): kept to :data:`storage.base.NODE_RE`.
 SEQ_PREFIX = "s_"
 
 #: Error codes worth retrying: the request did not (or may not) have been applied and the
@@ -185,6 +188,12 @@ _DAY_SK = "#d#"
 #: page is one Query), and no counter's ``<period>#...`` prefix, day bucket's ``#d#`` range
 #: nor key ``load`` asks for ever matches it (no counter's sort key starts with ``#``).
 _VALUE_SK = "#u#"
+#: A node's mark of a counting period (docs/storage.md, "Period marks") is the item
+#: ``pk = "#periods#<period>", sk = <node>`` with ``state`` (S), ``at`` (N), ``by`` (S) and
+#: ``ttl`` as the period's counters': no tenant holds ``#`` (no tenant's
+#: query or read meets it) and no node id does (:data:`NODE_RE`), so the export scan's
+#: ``begins_with(sk, "<period>#")`` never matches it.
+_MARKS_PK = "#periods#"
 #: Above every character of a feature name (``[A-Za-z0-9_.:-]``): ``<period>#~`` ends a
 #: period's sort-key range.
 _SK_END = "~"
@@ -1458,6 +1467,88 @@ class DynamoDBStorage(Storage):
         more = len(got) > limit or bool(resp.get("LastEvaluatedKey"))
         return got[:limit], next_values_cursor(got[:limit], more)
 
+    # -- period marks (docs/storage.md, "Period marks") --------------------------------------
+
+    async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark:
+        """One ``PutItem`` conditioned on ``attribute_not_exists(pk)``; a refused condition
+        (a mark there already, perhaps this very call's earlier try that ``_call`` sent again)
+        is answered with the stored mark: from ``ALL_OLD``, or a consistent ``GetItem`` where
+        none comes back (DynamoDB Local)."""
+        mark = check_period_mark(period, node, at, node, MARK_OPEN)
+        return await self._put_mark(period, mark, "attribute_not_exists(pk)", {}, "open")
+
+    async def mark_period_closed(self, period: str, node: str, at: float, by: str) -> PeriodMark:
+        """One ``PutItem`` conditioned on ``attribute_not_exists(pk) OR #s = :open``; a
+        refused condition is answered with the stored (closed) mark, as an open's is."""
+        mark = check_period_mark(period, node, at, by, MARK_CLOSED)
+        return await self._put_mark(
+            period,
+            mark,
+            "attribute_not_exists(pk) OR #s = :open",
+            {":open": {"S": MARK_OPEN}},
+            "close",
+        )
+
+    async def period_marks(self, period: str) -> list[PeriodMark]:
+        """A consistent ``Query`` of the period's partition, paginated."""
+        check_period(period)
+        query: dict[str, Any] = {
+            "TableName": self.table,
+            "KeyConditionExpression": "pk = :pk",
+            "ExpressionAttributeValues": {":pk": {"S": _MARKS_PK + period}},
+            "ConsistentRead": True,
+        }
+        if self.page_size is not None:
+            query["Limit"] = self.page_size
+        marks: list[PeriodMark] = []
+        while True:
+            resp = await self._call("query", f"marks of {period}", **query)
+            marks.extend(_mark(item, period) for item in resp.get("Items", []))
+            last = resp.get("LastEvaluatedKey")
+            if not last:
+                return sorted(marks, key=lambda m: m.node)
+            query["ExclusiveStartKey"] = last
+
+    async def _put_mark(
+        self,
+        period: str,
+        mark: PeriodMark,
+        condition: str,
+        values: dict[str, Any],
+        doing: str,
+    ) -> PeriodMark:
+        key = {"pk": {"S": _MARKS_PK + period}, "sk": {"S": mark.node}}
+        what = f"period {doing} of {mark.node!r} in {period}"
+        params: dict[str, Any] = {
+            "TableName": self.table,
+            "Item": {
+                **key,
+                "state": {"S": mark.state},
+                "at": {"N": repr(mark.at)},
+                "by": {"S": mark.by},
+                "ttl": {"N": str(_ttl(period, self.retention_days))},
+            },
+            "ConditionExpression": condition,
+            "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
+        }
+        if "#s" in condition:
+            params["ExpressionAttributeNames"] = {"#s": "state"}
+        if values:
+            params["ExpressionAttributeValues"] = values
+        try:
+            await self._call("put_item", what, **params)
+            return mark
+        except _ConditionFailed as refused:
+            if refused.item:
+                return _mark(refused.item, period)
+        resp = await self._call(
+            "get_item", what, TableName=self.table, Key=key, ConsistentRead=True
+        )
+        item = resp.get("Item")
+        if item is None:  # (expired or deleted since the refusal)
+            raise StorageUnavailable(f"dynamodb: {what}: not stored; try again")
+        return _mark(item, period)
+
     # -- credits ledgers (docs/ledger.md) ----------------------------------------------------
 
     async def ledger_read(self, tenant: str) -> tuple[int, str | None]:
@@ -1887,6 +1978,22 @@ def _claimant(item: dict[str, Any], what: str) -> str:
         return str(item["c"]["S"])
     except (KeyError, TypeError) as exc:
         raise StoragePermanentError(f"dynamodb: undecodable value item of {what}") from exc
+
+
+def _mark(item: dict[str, Any], period: str) -> PeriodMark:
+    """A stored period mark item as a mark."""
+    try:
+        state = str(item["state"]["S"])
+        if state not in (MARK_OPEN, MARK_CLOSED):
+            raise ValueError(state)
+        return PeriodMark(
+            str(item["sk"]["S"]),
+            state,
+            float(item["at"]["N"]),
+            str(item["by"]["S"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoragePermanentError(f"dynamodb: undecodable period mark in {period}") from exc
 
 
 def _reading(item: dict[str, Any]) -> GaugeReading:

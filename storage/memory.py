@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 from storage.base import (
     EMPTY,
+    MARK_CLOSED,
+    MARK_OPEN,
     Applied,
     BadCursor,
     BudgetItem,
@@ -20,6 +22,7 @@ from storage.base import (
     GaugeReading,
     Key,
     Owner,
+    PeriodMark,
     Snapshot,
     Storage,
     StorageError,
@@ -28,6 +31,7 @@ from storage.base import (
     check_day_of,
     check_export_limit,
     check_period,
+    check_period_mark,
     check_range,
     check_unique,
     check_value_of,
@@ -88,6 +92,8 @@ class MemoryStorage(Storage):
         #: Unique values (docs/storage.md) by key: value -> its claimant. Never purged (nor
         #: are the counters here).
         self.values: dict[Key, dict[str, str]] = {}
+        #: Period marks (docs/storage.md) by period: node -> its mark. Never purged.
+        self.marks: dict[str, dict[str, PeriodMark]] = {}
 
     async def apply(self, node: str, deltas: Sequence[Delta]) -> dict[Key, Applied | StorageError]:
         if self.fail_next > 0:
@@ -398,3 +404,21 @@ class MemoryStorage(Storage):
         # One more than asked for: whether a next page has any.
         got = sorted(v for v in self.values.get(key, ()) if v > after)[: limit + 1]
         return got[:limit], next_values_cursor(got[:limit], len(got) > limit)
+
+    # -- period marks --------------------------------------------------------------------------
+
+    async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark:
+        mark = check_period_mark(period, node, at, node, MARK_OPEN)
+        return self.marks.setdefault(period, {}).setdefault(node, mark)
+
+    async def mark_period_closed(self, period: str, node: str, at: float, by: str) -> PeriodMark:
+        mark = check_period_mark(period, node, at, by, MARK_CLOSED)
+        marks = self.marks.setdefault(period, {})
+        held = marks.get(node)
+        if held is None or held.state != MARK_CLOSED:
+            held = marks[node] = mark
+        return held
+
+    async def period_marks(self, period: str) -> list[PeriodMark]:
+        check_period(period)
+        return [m for _, m in sorted(self.marks.get(period, {}).items())]

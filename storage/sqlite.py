@@ -29,6 +29,8 @@ from typing import TypeVar
 
 from storage.base import (
     EMPTY,
+    MARK_CLOSED,
+    MARK_OPEN,
     Applied,
     BadCursor,
     BadItems,
@@ -39,6 +41,7 @@ from storage.base import (
     GaugeReading,
     Key,
     Owner,
+    PeriodMark,
     Snapshot,
     Storage,
     StorageError,
@@ -48,6 +51,7 @@ from storage.base import (
     check_day_of,
     check_export_limit,
     check_period,
+    check_period_mark,
     check_range,
     check_unique,
     check_value_of,
@@ -251,6 +255,27 @@ CREATE TABLE IF NOT EXISTS unique_values (
 """
 _VALUES_EXPIRY_INDEX = (
     "CREATE INDEX IF NOT EXISTS unique_values_expiry ON unique_values (expires_at)"
+)
+
+#: Period marks (docs/storage.md, "Period marks"): each node's open or closed mark of a
+#: counting period, one row per (period, node), so a period's marks are one range of the
+#: primary key in node order. Additive, like ``unique_values``; a period's marks are purged with
+#: the retention once its last counter is gone (never before the period's end plus it).
+_PERIOD_MARKS = """
+CREATE TABLE IF NOT EXISTS period_marks (
+    period TEXT    NOT NULL,
+    node   TEXT    NOT NULL,
+    state  TEXT    NOT NULL,
+    at     REAL    NOT NULL,
+    by     TEXT    NOT NULL,
+    PRIMARY KEY (period, node)
+) WITHOUT ROWID
+"""
+#: A close: written where no mark is, over an open one; a close already there stays.
+_MARK_CLOSE = (
+    "INSERT INTO period_marks (period, node, state, at, by) VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT (period, node) DO UPDATE SET state = excluded.state, at = excluded.at,"
+    " by = excluded.by WHERE period_marks.state <> 'closed'"
 )
 
 _MONTH_RE = re.compile(r"\d{4}-\d{2}")
@@ -794,6 +819,68 @@ class SQLiteStorage(Storage):
 
         return await self._on_reader(read)
 
+    # -- period marks (docs/storage.md, "Period marks") --------------------------------------
+
+    async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark:
+        """``INSERT OR IGNORE`` then the mark read back, in one ``BEGIN IMMEDIATE``."""
+        mark = check_period_mark(period, node, at, node, MARK_OPEN)
+
+        def write(conn: sqlite3.Connection) -> PeriodMark:
+            conn.execute(
+                "INSERT OR IGNORE INTO period_marks (period, node, state, at, by)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (period, node, mark.state, mark.at, mark.by),
+            )
+            return self._mark_sync(conn, period, node)
+
+        return await self._run(
+            lambda: self._immediate(write, f"marking {period} open in {self.path}")
+        )
+
+    async def mark_period_closed(self, period: str, node: str, at: float, by: str) -> PeriodMark:
+        """An upsert that leaves a closed row as it is, then the mark read back, in one
+        ``BEGIN IMMEDIATE``."""
+        mark = check_period_mark(period, node, at, by, MARK_CLOSED)
+
+        def write(conn: sqlite3.Connection) -> PeriodMark:
+            conn.execute(_MARK_CLOSE, (period, node, mark.state, mark.at, mark.by))
+            return self._mark_sync(conn, period, node)
+
+        return await self._run(
+            lambda: self._immediate(write, f"marking {period} closed in {self.path}")
+        )
+
+    async def period_marks(self, period: str) -> list[PeriodMark]:
+        """One range of the ``period_marks`` primary key, on the writer's connection (a mark
+        written before the call is seen)."""
+        check_period(period)
+
+        def read() -> list[PeriodMark]:
+            try:
+                rows = (
+                    self._connection()
+                    .execute(
+                        "SELECT node, state, at, by FROM period_marks WHERE period = ?"
+                        " ORDER BY node",
+                        (period,),
+                    )
+                    .fetchall()
+                )
+            except sqlite3.Error as exc:
+                raise _map(exc, f"reading the marks of {period} from {self.path}") from exc
+            return [_mark(row, self.path) for row in rows]
+
+        return await self._run(read)
+
+    def _mark_sync(self, conn: sqlite3.Connection, period: str, node: str) -> PeriodMark:
+        row = conn.execute(
+            "SELECT node, state, at, by FROM period_marks WHERE period = ? AND node = ?",
+            (period, node),
+        ).fetchone()
+        if row is None:
+            raise StoragePermanentError(f"the mark of {node!r} in {period} was not stored")
+        return _mark(row, self.path)
+
     # -- strict budgets (ADR 0009) -----------------------------------------------------------
 
     async def budget_read(self, key: Key) -> BudgetItem:
@@ -1075,6 +1162,7 @@ class SQLiteStorage(Storage):
             conn.execute(_DAYS_EXPIRY_INDEX)
             conn.execute(_VALUES)
             conn.execute(_VALUES_EXPIRY_INDEX)
+            conn.execute(_PERIOD_MARKS)
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
@@ -1345,9 +1433,25 @@ class SQLiteStorage(Storage):
                         " (SELECT tenant, feature, period FROM budgets)"
                     )
                     conn.execute("DELETE FROM alerts WHERE expires_at < ?", (cutoff,))
+                    self._purge_marks(conn, cutoff)
                 return max(n, days.rowcount, values.rowcount)
         except sqlite3.Error as exc:
             raise _map(exc, f"purging expired counters in {self.path}") from exc
+
+    def _purge_marks(self, conn: sqlite3.Connection, cutoff: int) -> None:
+        """Delete the marks of each period past its end plus the retention that has no
+        counter left (a mark is kept as long as its period's counters are)."""
+        periods = [p for (p,) in conn.execute("SELECT DISTINCT period FROM period_marks")]
+        for period in periods:
+            try:
+                over = _period_end(str(period)) + self.retention_days * 86400 < cutoff
+            except ValueError:  # (a row this module did not write: left alone)
+                continue
+            if not over:
+                continue
+            left = conn.execute("SELECT 1 FROM counters WHERE period = ? LIMIT 1", (period,))
+            if left.fetchone() is None:
+                conn.execute("DELETE FROM period_marks WHERE period = ?", (period,))
 
     def _read_connection(self) -> sqlite3.Connection:
         if self._rconn is None:
@@ -1512,6 +1616,20 @@ def _map(exc: sqlite3.Error, doing: str) -> StorageError:
     ):
         return StoragePermanentError(message)
     return StorageUnavailable(message)
+
+
+def _mark(row: Sequence[object], path: Path) -> PeriodMark:
+    """A stored ``period_marks`` row (node, state, at, by) as a mark."""
+    node, state, at, by = row
+    if (
+        type(node) is not str
+        or state not in (MARK_OPEN, MARK_CLOSED)
+        or type(at) is not float
+        or type(by) is not str
+    ):
+        raise StoragePermanentError(f"bad stored period mark {str(node)[:64]!r} in {path}")
+    assert isinstance(state, str)
+    return PeriodMark(node, state, at, by)
 
 
 def _budget_item(conn: sqlite3.Connection, key: Key) -> BudgetItem:

@@ -23,6 +23,7 @@ from storage.base import (
     ExportRow,
     Key,
     Owner,
+    PeriodMark,
     Snapshot,
     Storage,
     StorageError,
@@ -1125,6 +1126,330 @@ async def test_dynamodb_claimant_of_is_one_consistent_get_item(
     assert calls == []
 
 
+# -- period marks (docs/storage.md, "Period marks") ------------------------------------------
+
+P = "2026-11"
+
+
+def _open(node: str, at: float) -> PeriodMark:
+    return PeriodMark(node, "open", at, node)
+
+
+def _closed(node: str, at: float, by: str) -> PeriodMark:
+    return PeriodMark(node, "closed", at, by)
+
+
+async def test_period_mark_open_twice_keeps_the_first(storage: Storage) -> None:
+    assert await storage.period_marks(P) == []
+    first = await storage.mark_period_open(P, "n1", 1000.25)
+    assert first == _open("n1", 1000.25)
+    assert await storage.mark_period_open(P, "n1", 2000.5) == first
+    assert await storage.mark_period_open(P, "n1", 1000) == first
+    assert await storage.period_marks(P) == [first]
+    # An int time is kept as a float.
+    assert await storage.mark_period_open(P, "n2", 7) == _open("n2", 7.0)
+    assert await storage.period_marks(P) == [first, _open("n2", 7.0)]
+
+
+async def test_period_mark_close_after_open(storage: Storage) -> None:
+    await storage.mark_period_open(P, "n1", 1000.0)
+    closed = await storage.mark_period_closed(P, "n1", 2000.75, "n1")
+    assert closed == _closed("n1", 2000.75, "n1")
+    assert await storage.period_marks(P) == [closed]
+    # A close where no mark was (an operator's, by hand) is written too.
+    by_hand = await storage.mark_period_closed(P, "n2", 3000.0, "operator")
+    assert by_hand == _closed("n2", 3000.0, "operator")
+    assert await storage.period_marks(P) == [closed, by_hand]
+
+
+async def test_period_mark_open_after_close_keeps_the_close(storage: Storage) -> None:
+    await storage.mark_period_open(P, "n1", 1000.0)
+    closed = await storage.mark_period_closed(P, "n1", 2000.0, "n1")
+    assert await storage.mark_period_open(P, "n1", 3000.0) == closed  # never reopened
+    assert await storage.period_marks(P) == [closed]
+    alone = await storage.mark_period_closed(P, "n2", 1500.0, "operator")
+    assert await storage.mark_period_open(P, "n2", 1600.0) == alone
+    assert await storage.period_marks(P) == [closed, alone]
+
+
+async def test_period_mark_close_twice_keeps_the_first_close(storage: Storage) -> None:
+    await storage.mark_period_open(P, "n1", 1000.0)
+    first = await storage.mark_period_closed(P, "n1", 2000.0, "n1")
+    assert await storage.mark_period_closed(P, "n1", 2000.0, "n1") == first  # a retry
+    assert await storage.mark_period_closed(P, "n1", 2500.0, "operator") == first
+    assert await storage.mark_period_closed(P, "n1", 1.0, "n1") == first
+    assert await storage.period_marks(P) == [first]
+
+
+async def test_concurrent_period_marks_close_once(storage: Storage) -> None:
+    import asyncio
+
+    opens = [storage.mark_period_open(P, "n1", 1000.0 + i) for i in range(5)]
+    closes = [storage.mark_period_closed(P, "n1", 2000.0 + i, "n1") for i in range(5)]
+    got = await asyncio.gather(*opens, *closes)
+    marks = await storage.period_marks(P)
+    assert len(marks) == 1 and marks[0].state == "closed", marks
+    # Every close answered the one close that stays; no open came after it.
+    assert set(got[5:]) == {marks[0]}
+    assert all(m == marks[0] or m.state == "open" for m in got[:5])
+
+
+async def test_period_marks_are_listed_by_node_and_only_of_their_period(
+    storage: Storage,
+) -> None:
+    nodes = ["n2", "b", "n10", "A", "node:1/a.b", "a", "x" * 128, "2026-11", "_-.:@/"]
+    for i, node in enumerate(nodes):
+        await storage.mark_period_open(P, node, float(i))
+    others = ["2026-11-01", "2026-11-30", "2026-12", "2026-10", "2025-11"]
+    for i, period in enumerate(others):
+        await storage.mark_period_open(period, "n1", 100.0 + i)
+        await storage.mark_period_closed(period, "n9", 200.0 + i, "operator")
+    await storage.mark_period_closed(P, "n10", 50.0, "n10")
+    want = [_open(n, float(i)) for i, n in enumerate(nodes) if n != "n10"]
+    want.append(_closed("n10", 50.0, "n10"))
+    got = await storage.period_marks(P)
+    assert [m.node for m in got] == sorted(nodes)
+    assert sorted(got, key=lambda m: m.node) == got
+    assert sorted(want, key=lambda m: m.node) == got
+    for i, period in enumerate(others):
+        assert await storage.period_marks(period) == [
+            _open("n1", 100.0 + i),
+            _closed("n9", 200.0 + i, "operator"),
+        ]
+    assert await storage.period_marks("2026-09") == []
+    assert await storage.period_marks("2026-11-02") == []
+
+
+async def test_bad_period_mark_inputs_are_refused_and_write_nothing(storage: Storage) -> None:
+    nan, inf = float("nan"), float("inf")
+    # (period, node, at) of an open; a close takes these and by.
+    bad_open: list[tuple[object, object, object]] = [
+        ("2026-13", "n1", 1.0),
+        ("2026-11-31", "n1", 1.0),
+        ("x", "n1", 1.0),
+        (202611, "n1", 1.0),
+        (P, "", 1.0),
+        (P, "n#1", 1.0),  # (a node id with "#" could look like a counter's sort key)
+        (P, "n 1", 1.0),
+        (P, "x" * 129, 1.0),
+        (P, "é", 1.0),
+        (P, 7, 1.0),
+        (P, None, 1.0),
+        (P, "n1", nan),
+        (P, "n1", inf),
+        (P, "n1", -1.0),
+        (P, "n1", "1"),
+        (P, "n1", True),
+        (P, "n1", None),
+        (P, "n1", 10**400),
+        (P, "n1", 2.0**54),
+        (P, "n1", 1e126),  # (past what a DynamoDB number holds)
+    ]
+    for period, node, at in bad_open:
+        with pytest.raises(StoragePermanentError):
+            await storage.mark_period_open(period, node, at)  # type: ignore[arg-type]
+        with pytest.raises(StoragePermanentError):
+            await storage.mark_period_closed(period, node, at, "n1")  # type: ignore[arg-type]
+    bad_by: list[object] = [
+        "",
+        "x" * 129,
+        "é" * 65,  # 130 bytes
+        "a\nb",
+        "a\x1fb",
+        "\ud800",
+        7,
+        None,
+    ]
+    for by in bad_by:
+        with pytest.raises(StoragePermanentError):
+            await storage.mark_period_closed(P, "n1", 1.0, by)  # type: ignore[arg-type]
+    for period in ["2026-13", "", "2026-11#", None, 202611]:
+        with pytest.raises(StoragePermanentError):
+            await storage.period_marks(period)  # type: ignore[arg-type]
+    assert await storage.period_marks(P) == []
+    # The edges are kept.
+    edge = await storage.mark_period_closed(P, "x" * 128, 0, "é" * 64)
+    assert edge == _closed("x" * 128, 0.0, "é" * 64)
+    assert await storage.mark_period_closed(P, "n1", 1.5e15, "operator 7") == _closed(
+        "n1", 1.5e15, "operator 7"
+    )
+    assert await storage.period_marks(P) == [_closed("n1", 1.5e15, "operator 7"), edge]
+    # Times are kept to the microsecond (no number a backend cannot store exactly).
+    assert await storage.mark_period_open(P, "n2", 1e-200) == _open("n2", 0.0)
+    assert await storage.mark_period_open(P, "n3", 1000.1234567) == _open("n3", 1000.123457)
+    assert await storage.mark_period_open(P, "n4", 2**53) == _open("n4", 2.0**53)
+    assert [m.at for m in await storage.period_marks(P)][1:4] == [0.0, 1000.123457, 2.0**53]
+
+
+async def test_period_marks_never_show_as_counters(storage: Storage) -> None:
+    month: Key = ("acme", "api_calls", P)
+    await storage.apply("n1", [Delta(month, 1, 5, "2026-11-03")])
+    await _ok(storage, "n1", ("acme", "api_calls", "2026-11-03"), 1, 2)
+
+    async def read() -> tuple[object, ...]:
+        return (
+            await storage.list_period("acme", P),
+            await storage.list_between("acme", P, "", "\U0010ffff"),
+            await _export_all(storage, P, 3),
+            await storage.list_period("acme", "2026-11-03"),
+            await _export_all(storage, "2026-11-03", 3),
+            await storage.counters_between("acme", "api_calls", "2026-01", "2026-12"),
+            await storage.counters_between("acme", "api_calls", "2026-11-01", "2026-11-30"),
+            await storage.day_buckets("acme", "api_calls", "2026-11-01", "2026-11-30"),
+        )
+
+    before = await read()
+    nodes = ["n1", "acme", "api_calls", "2026-11", "2026-11-03", "2026-11.x", "@/"]
+    for period in (P, "2026-11-03"):
+        for node in nodes:
+            await storage.mark_period_open(period, node, 1.0)
+            await storage.mark_period_closed(period, node, 2.0, "operator")
+    assert await read() == before
+    assert before[0] == {"api_calls": Snapshot(5, {"n1": 1})}
+    assert before[2] == [ExportRow("acme", "api_calls", P, 5)]
+    assert before[4] == [ExportRow("acme", "api_calls", "2026-11-03", 2)]
+    assert await storage.list_period("#periods#" + P, P) == {}
+    assert await _export_all(storage, "2026-10", 3) == []
+    assert await storage.load([month, ("acme", "n1", P)]) == {
+        month: Snapshot(5, {"n1": 1}),
+        ("acme", "n1", P): EMPTY,
+    }
+    assert len(await storage.period_marks(P)) == len(nodes)
+
+
+async def test_sqlite_purges_period_marks_only_with_the_last_counter_of_their_period(
+    tmp_path: Path,
+) -> None:
+    import time
+
+    store = SQLiteStorage(tmp_path / "m.db", retention_days=1)
+    await store.open()
+    try:
+        old, later = "2020-01", "2999-01"
+        for period in (old, "2020-02", later):
+            await store.mark_period_open(period, "n1", 1.0)
+        await _ok(store, "n1", ("acme", "users", old), 1, 1)  # expires a day after now
+        now = time.time()
+        assert await store.purge_expired(now + 3600) == 0
+        # 2020-02 has no counter and is past its retention: its marks go; 2020-01 keeps its
+        # marks while its counter is there.
+        assert await store.period_marks("2020-02") == []
+        assert await store.period_marks(old) == [_open("n1", 1.0)]
+        assert await store.purge_expired(now + 3 * 86400) == 1
+        assert await store.period_marks(old) == []
+        assert await store.period_marks(later) == [_open("n1", 1.0)]
+    finally:
+        await store.close()
+
+
+async def test_sqlite_a_file_of_the_older_layout_gets_the_period_marks_table(
+    tmp_path: Path,
+) -> None:
+    import sqlite3
+
+    path = tmp_path / "m.db"
+    store = SQLiteStorage(path)
+    await store.open()
+    await _ok(store, "n1", U, 1, 3)
+    await store.close()
+    conn = sqlite3.connect(path)  # as a build before period marks left it
+    conn.execute("DROP TABLE period_marks")
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    conn.close()
+    await store.open()
+    try:
+        assert await store.mark_period_open(P, "n1", 1.0) == _open("n1", 1.0)
+        assert await store.period_marks(P) == [_open("n1", 1.0)]
+        assert (await store.load([U]))[U].total == 3
+    finally:
+        await store.close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == version  # additive
+    conn.close()
+
+
+@pytest.mark.dynamodb
+async def test_dynamodb_period_mark_item_layout_and_ttl(
+    dynamodb_storage: DynamoDBStorage,
+) -> None:
+    """The mark item's keys and attributes, and its TTL: its period's counters'."""
+    await _ok(dynamodb_storage, "n1", ("acme", "users", "2099-11"), 1, 1)
+    await dynamodb_storage.mark_period_open("2099-11", "n1", 1000.5)
+    await dynamodb_storage.mark_period_closed("2099-11", "n2", 2000.25, "operator")
+
+    async def item(pk: str, sk: str) -> dict[str, Any]:
+        resp = await dynamodb_storage._call(
+            "get_item",
+            "test",
+            TableName=dynamodb_storage.table,
+            Key={"pk": {"S": pk}, "sk": {"S": sk}},
+            ConsistentRead=True,
+        )
+        got: dict[str, Any] = resp["Item"]
+        return got
+
+    counter = await item("acme", "2099-11#users")
+    opened = await item("#periods#2099-11", "n1")
+    assert {k: v for k, v in opened.items() if k != "at"} == {
+        "pk": {"S": "#periods#2099-11"},
+        "sk": {"S": "n1"},
+        "state": {"S": "open"},
+        "by": {"S": "n1"},
+        "ttl": counter["ttl"],
+    }
+    assert float(opened["at"]["N"]) == 1000.5
+    closed = await item("#periods#2099-11", "n2")
+    assert closed["state"] == {"S": "closed"} and "units" not in closed
+    assert closed["by"] == {"S": "operator"} and closed["ttl"] == counter["ttl"]
+
+
+async def test_dynamodb_a_refused_period_mark_is_answered_from_all_old_or_a_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A refused mark is answered from ``ALL_OLD`` (DynamoDB), else a consistent GetItem
+    (DynamoDB Local returns no item); bad inputs are refused before any request."""
+    from storage.dynamodb import DynamoDBStorage, _ConditionFailed
+
+    store = DynamoDBStorage("t")
+    calls: list[tuple[str, dict[str, Any]]] = []
+    stored: dict[str, Any] = {
+        "pk": {"S": "#periods#2026-11"},
+        "sk": {"S": "n1"},
+        "state": {"S": "closed"},
+        "at": {"N": "5"},
+        "by": {"S": "operator"},
+    }
+    old: dict[str, Any] | None = stored
+
+    async def call(op: str, what: str, **params: Any) -> dict[str, Any]:
+        calls.append((op, params))
+        if op == "put_item":
+            assert params["ReturnValuesOnConditionCheckFailure"] == "ALL_OLD"
+            raise _ConditionFailed(old)
+        assert op == "get_item" and params["ConsistentRead"] is True
+        return {"Item": stored}
+
+    monkeypatch.setattr(store, "_call", call)
+    held = _closed("n1", 5.0, "operator")
+    assert await store.mark_period_open(P, "n1", 9.0) == held
+    assert [op for op, _ in calls] == ["put_item"]
+    assert calls[0][1]["ConditionExpression"] == "attribute_not_exists(pk)"
+    calls.clear()
+    old = None
+    assert await store.mark_period_closed(P, "n1", 9.0, "n1") == held
+    assert [op for op, _ in calls] == ["put_item", "get_item"]
+    put = calls[0][1]
+    assert put["ConditionExpression"] == "attribute_not_exists(pk) OR #s = :open"
+    assert put["ExpressionAttributeNames"] == {"#s": "state"}
+    assert put["ExpressionAttributeValues"] == {":open": {"S": "open"}}
+    calls.clear()
+    with pytest.raises(StoragePermanentError):
+        await store.mark_period_open(P, "n#1", 1.0)
+    with pytest.raises(StoragePermanentError):
+        await store.mark_period_closed("2026-13", "n1", 1.0, "n1")
+    assert calls == []
+
+
 def test_every_backend_is_every_concern() -> None:
     """The per-concern Protocols are what ``Storage`` is: mypy checks these assignments (a
     method missing or differently shaped in ``Storage`` fails ``mypy --strict``), and each
@@ -1138,6 +1463,7 @@ def test_every_backend_is_every_concern() -> None:
         LedgerRecords,
         LimitRecords,
         Owners,
+        PeriodMarks,
         UniqueValues,
     )
     from storage.dynamodb import DynamoDBStorage
@@ -1152,8 +1478,9 @@ def test_every_backend_is_every_concern() -> None:
         g: GaugeRecords = s
         d: DayBuckets = s
         u: UniqueValues = s
-        return (c, o, lim, b, a, led, g, d, u)
+        m: PeriodMarks = s
+        return (c, o, lim, b, a, led, g, d, u, m)
 
     for backend in (MemoryStorage, SQLiteStorage, DynamoDBStorage):
         assert issubclass(backend, Storage)
-    assert len(concerns(MemoryStorage())) == 9
+    assert len(concerns(MemoryStorage())) == 10
