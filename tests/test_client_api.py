@@ -180,6 +180,7 @@ WIRE_ROWS = {
 GROUPS = {"total": 3, "groups": [{"dims": {"m": "x"}, "value": 3}]}
 FEATURE = {"feature": "f", "aggregation": "sum", "dimensions": ["m"], "max_combinations": 9}
 VOIDED = {"voided": 3, "value": 9}
+CLOSED = {"period": "2026-11", "node": "n3", "state": "closed", "by": "operator", "at": 1.0}
 SAMPLES: list[tuple[str, tuple[Any, ...], dict[str, Any], Any, tuple[Any, ...], Any]] = [
     ("track", ("a", "f"), {}, 4, ("track", ["a", "f", 1], False), 4),
     ("track", ("a", "f", 2), {"id": "r1", "at": 5, "x": None}, None,
@@ -201,6 +202,8 @@ SAMPLES: list[tuple[str, tuple[Any, ...], dict[str, Any], Any, tuple[Any, ...], 
     ("release", ("res",), {}, None, ("release", ["res"], True), None),
     ("release", ("res",), {"id": "r1"}, None, ("release", ["res", {"id": "r1"}], True), None),
     ("void", ("c1",), {}, VOIDED, ("void", ["c1"], True), VOIDED),
+    ("close_period", ("2026-11", "n3"), {}, CLOSED, ("close_period", ["2026-11", "n3"], True),
+     CLOSED),
     ("void", ("c1",), {"id": "v1"}, VOIDED, ("void", ["c1", {"id": "v1"}], True), VOIDED),
     ("usage", ("a", "f"), {"at": 5}, 7, ("usage", ["a", "f", {"at": 5}], True), 7),
     ("usage_all", ("a",), {}, {"f": 1}, ("usage_all", ["a"], True), {"f": 1}),

@@ -83,7 +83,11 @@ def test_the_export_method_pages_through_the_nodes_storage(workdir: Path) -> Non
         assert sorted(map(tuple, result["rows"])) == sorted(
             (t, f, month, v) for (t, f), v in tracked.items()
         )
-        assert raw_call(node.socket, "export", "1999-01") == (None, {"rows": [], "cursor": None})
+        error, old = raw_call(node.socket, "export", "1999-01")
+        assert error is None and old["rows"] == [] and old["cursor"] is None
+        assert old["final"] is True and old["open_nodes"] == []  # (no node counted there)
+        assert result["final"] is False  # (this month: calls may still count)
+        assert [n["node"] for n in result["open_nodes"]] == [node.call("status")["node_id"]]
 
         _, first = raw_call(node.socket, "export", month, {"limit": 1})
         bad: list[tuple[list[Any], str]] = [
@@ -126,7 +130,9 @@ def test_export_reads_stored_totals_and_a_drain_completes_it(workdir: Path) -> N
     res = cli("export", "--period", month, env={"METER_DATA_DIR": str(node.data_dir)})
     assert res.returncode == 0, res.stderr
     assert res.stdout == f"tenant,feature,period,total,dims,gauge\nacme,api,{month},5,,\n"
-    assert res.stderr == ""  # not a terminal: no progress line
+    # Not a terminal: no progress line; whether the period is final, always.
+    assert res.stderr.startswith(f"meter: export: {month} is NOT final: calls may still count")
+    assert res.stderr.count("\n") == 1
 
 
 # -- meter export, end to end on SQLite ------------------------------------------------------
@@ -162,7 +168,8 @@ def test_meter_export_writes_csv_and_jsonl_that_parse_back(workdir: Path) -> Non
 
     res = cli("export", "--period", "2026-11", env=env)
     assert res.returncode == 0, res.stderr
-    assert res.stderr == ""
+    final = "meter: export: 2026-11 is final: every node that counted in it closed it\n"
+    assert res.stderr == final  # (no node marked it: written straight into storage)
     parsed = list(csv.DictReader(io.StringIO(res.stdout)))
     assert res.stdout.startswith("tenant,feature,period,total,dims,gauge\n")
     assert len(parsed) == len(NOVEMBER)
@@ -171,7 +178,7 @@ def test_meter_export_writes_csv_and_jsonl_that_parse_back(workdir: Path) -> Non
     out = workdir / "nov.jsonl"
     res = cli("export", "--period", "2026-11", "--format", "jsonl", "--out", str(out), env=env)
     assert res.returncode == 0, res.stderr
-    assert res.stdout == "" and res.stderr == ""
+    assert res.stdout == "" and res.stderr == final
     lines = out.read_text().splitlines()
     assert len(lines) == len(NOVEMBER)
     objs = [json.loads(line) for line in lines]

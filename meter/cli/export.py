@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 from meter.cli.common import NODE_FLAGS, Common, run_async
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace, cfg: NodeConfig) -> int:
     from meter.core.keys import check_period
     from meter.node.wiring import build_storage
     from meter.ops.export import RowWriter, ValueWriter, atomic_file, export_to, export_values_to
+    from meter.persist.closing import close_state
     from meter.quotas.limits import LimitBook
     from storage.base import ExportPage, StorageError
 
@@ -75,10 +77,15 @@ def run(args: argparse.Namespace, cfg: NodeConfig) -> int:
         sys.stderr.write(f"\rexported {rows} rows{parts}")
         sys.stderr.flush()
 
+    state: dict[str, Any] = {}
+
     async def go(stream: Any) -> int:
         storage = build_storage(cfg)
         try:
             await storage.open()
+            # Read before the rows: a period final then holds, in the rows, all it will.
+            grace = cfg.counters.period_grace_s
+            state.update(await close_state(storage, period, grace, time.time()))
             if not args.values:
                 return await export_to(
                     storage, period, RowWriter(stream, args.format), progress if tty else None
@@ -112,4 +119,30 @@ def run(args: argparse.Namespace, cfg: NodeConfig) -> int:
         return 1
     if tty:
         sys.stderr.write(f"\rexported {rows} rows of {period}, done\n")
+    print(final_line(period, state), file=sys.stderr)
     return 0
+
+
+def final_line(period: str, state: dict[str, Any]) -> str:
+    """What ``meter export`` says of a period's close, on standard error (docs/invoicing.md)."""
+    by_hand = state["closed_by_operator"]
+    closed = f"; closed by an operator for {', '.join(by_hand)}" if by_hand else ""
+    if state["final"]:
+        return f"meter: export: {period} is final: every node that counted in it closed it{closed}"
+    if time.time() < state["closes_at"]:
+        return (f"meter: export: {period} is NOT final: calls may still count in it until "
+                f"{_when(state['closes_at'])} (its end plus period_grace_s){closed}")  # fmt: skip
+    now = time.time()
+    nodes = "; ".join(
+        f"{n['node']} (open since {_when(n['opened_at'])}, {_running(n['lease_ends'], now)})"
+        for n in state["open_nodes"]
+    )
+    return f"meter: export: {period} is NOT final: nodes still open: {nodes}{closed}"
+
+
+def _running(lease_ends: float | None, now: float) -> str:
+    return "running" if lease_ends is not None and lease_ends >= now else "not running"
+
+
+def _when(at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))

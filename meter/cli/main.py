@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from meter import BUILD, __version__, compiled
-from meter.cli import counting, export, features, limits, status
+from meter.cli import counting, export, features, limits, periods, status
 from meter.cli import ledger as ledger_cli
 from meter.cli.common import NODE_FLAGS, run_async
 from meter.config import NodeConfig, load
@@ -45,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_parsers(sub, common)
     limits.add_parsers(sub, common)
     features.add_parsers(sub, common)
+    periods.add_parsers(sub, common)
     ledger_cli.add_parsers(sub, common)
 
     storage = sub.add_parser("storage", help="storage administration")
@@ -137,6 +138,8 @@ def _client_command(args: argparse.Namespace, cfg: NodeConfig) -> int:
             return limits.run(args, client, as_json)
         if args.command in features.COMMANDS:
             return features.run(args, client, as_json)
+        if args.command in periods.COMMANDS:
+            return periods.run(args, client, as_json)
         if args.command in ledger_cli.COMMANDS:
             return ledger_cli.run(args, client, as_json)
         if args.command in status.COMMANDS:

@@ -425,6 +425,11 @@ class AsyncClient(Retrying):
         """Drop a reservation without counting it."""
         await self._run(calls.RELEASE, reservation_id, id)
 
+    async def close_period(self, period: str, node: str) -> dict[str, Any]:
+        """Close ``period`` for ``node``, a node that will never come back (an operator's
+        close, docs/invoicing.md): ``{period, node, state, by, at}`` as stored."""
+        return await self._run(calls.CLOSE_PERIOD, period, node)
+
     async def void(self, call_id: str, *, id: str | None = None) -> dict[str, Any]:
         """Take back the call counted under request id ``call_id`` (a track, a track_many
         item or a commit), on every counter it counted on: ``{"voided": units taken back

@@ -280,6 +280,11 @@ class Client(Retrying):
         """Drop a reservation without counting it."""
         self._run(calls.RELEASE, reservation_id, id)
 
+    def close_period(self, period: str, node: str) -> dict[str, Any]:
+        """Close ``period`` for ``node``, a node that will never come back (an operator's
+        close, docs/invoicing.md): ``{period, node, state, by, at}`` as stored."""
+        return self._run(calls.CLOSE_PERIOD, period, node)
+
     def void(self, call_id: str, *, id: str | None = None) -> dict[str, Any]:
         """Take back the call counted under request id ``call_id`` (a track, a track_many
         item or a commit), on every counter it counted on: ``{"voided": units taken back

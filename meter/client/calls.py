@@ -247,6 +247,10 @@ def _release(ids: Ids, reservation_id: str, rid: str | None) -> list[Any]:
     return [reservation_id] if rid is None else [reservation_id, {"id": rid}]
 
 
+def _close_period(period: str, node: str) -> list[Any]:
+    return [period, node]
+
+
 def _void(ids: Ids, call_id: str, rid: str | None) -> list[Any]:
     rid = ids(rid)
     return [call_id] if rid is None else [call_id, {"id": rid}]
@@ -474,6 +478,7 @@ SET_LIMIT = _plain("set_limit", _set_limit, _version, Kind.CHANGE)
 CLEAR_LIMIT = _plain("clear_limit", _clear_limit, _version, Kind.CHANGE)
 SET_FEATURE = _plain("set_feature", _declare, _map, Kind.CHANGE)  # sets: the same twice is once
 GET_FEATURE = _plain("get_feature", _feature, _map)
+CLOSE_PERIOD = _plain("close_period", _close_period, _map, Kind.CHANGE)  # a close is kept
 LIMITS = _plain("limits", _tenant, _map)
 GRANT = _plain("grant", _grant, _map, Kind.CHANGE)  # once per ref (the client makes one up)
 DEBIT = _plain("debit", _debit, _map, Kind.CHANGE)
@@ -509,6 +514,7 @@ TABLE: dict[str, Method[Any, Any]] = {
         CLEAR_LIMIT,
         SET_FEATURE,
         GET_FEATURE,
+        CLOSE_PERIOD,
         LIMITS,
         GRANT,
         DEBIT,

@@ -30,6 +30,14 @@ def period_end(kind: PeriodKind, now: float) -> float:
     return float(calendar.timegm((year, month, 1, 0, 0, 0)))
 
 
+def period_instant(period: str) -> float:
+    """The first instant (epoch seconds, UTC) of the period named ``period`` (``YYYY-MM`` or
+    ``YYYY-MM-DD``)."""
+    year, month = int(period[0:4]), int(period[5:7])
+    day = int(period[8:10]) if len(period) > 7 else 1
+    return float(calendar.timegm((year, month, day, 0, 0, 0)))
+
+
 def kinds_in_use(feature_periods: Mapping[str, PeriodKind]) -> list[PeriodKind]:
     """The period kinds counters can have: ``month`` (the default) and any configured."""
     kinds: list[PeriodKind] = ["month"]

@@ -17,7 +17,6 @@ credits: a void does not give them back) and a call that took units away are ref
 from __future__ import annotations
 
 import time
-from calendar import timegm
 from typing import Any
 
 from meter.core.fence import Fence
@@ -26,6 +25,7 @@ from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint
 from meter.core.keycache import KeyCache
 from meter.core.params import args as check_args
 from meter.core.params import opts as check_opts
+from meter.core.periods import period_instant
 from meter.core.ports import Handler
 from meter.core.seeder import Seeder
 from meter.core.table import CounterTable
@@ -148,11 +148,3 @@ class Voids:
         if wal is not None and (qty or vid is not None):
             wal.append([R.VOID, rid, qty, [[*k] for k in keys], vid, fp, answer, expires])
         return answer
-
-
-def period_instant(period: str) -> float:
-    """The first instant (epoch seconds, UTC) of the period named ``period`` (``YYYY-MM`` or
-    ``YYYY-MM-DD``)."""
-    year, month = int(period[0:4]), int(period[5:7])
-    day = int(period[8:10]) if len(period) > 7 else 1
-    return float(timegm((year, month, day, 0, 0, 0)))

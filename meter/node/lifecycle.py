@@ -16,7 +16,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cluster.codec import AlertItem, DeltaItem, HoldItem
@@ -27,6 +28,7 @@ from meter.core.counts import FeatureUnits, RequestStats
 from meter.core.gauges import GaugeTable
 from meter.core.idempotency import RequestIds
 from meter.core.keys import Key
+from meter.core.periods import kinds_in_use
 from meter.core.server import RpcServer
 from meter.core.service import Service
 from meter.core.table import CounterTable
@@ -38,6 +40,7 @@ from meter.node.gc import tune_gc
 from meter.node.push import AlertFanout, UsagePush
 from meter.ops import health
 from meter.ops.http import Endpoints, HttpEndpoints
+from meter.persist.closing import PeriodCloser
 from meter.persist.flusher import Flusher
 from meter.persist.gauges import GaugeFlusher
 from meter.persist.owner import Ownership, State
@@ -81,10 +84,26 @@ class Node:
         self.push: UsagePush | None = None
         self.fanout: AlertFanout | None = None
         self.read_ahead: ReadAhead | None = None
+        #: This node's marks of the periods it counts in, and their close (docs/invoicing.md).
+        self.closer: PeriodCloser | None = None
         self._claimed_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self.drained: bool | None = None
+
+    def _unstored_keys(self) -> Iterator[Key]:
+        """Keys of everything this node holds that storage may not hold yet: units, open
+        reservations, claims of unique values without an outcome, gauges' readings."""
+        assert self.table is not None and self.parts is not None
+        service = self.parts.service
+        yield from self.table.unstored_keys()
+        for lease in service.reservations.held():
+            yield lease.key
+        uniques = service.uniques
+        for t, f, p, *_ in uniques.restated(uniques.unresolved()):
+            yield (t, f, p)
+        for key, _, _ in service.gauging.table.dirty():
+            yield key
 
     # -- what health and metrics read (meter.ops.health.NodeView) -------------------------
 
@@ -227,6 +246,16 @@ class Node:
                 # Before the socket opens: the one full collection pauses no request, and the
                 # rows just recovered are frozen with the rest.
                 tune_gc(cfg.server.gc_young_threshold)
+            periods = cfg.counters.feature_periods
+            self.closer = PeriodCloser(
+                node_id,
+                self.storage,
+                lambda: kinds_in_use(periods),
+                cfg.counters.period_grace_s,
+                self._unstored_keys,
+            )
+            # Before the socket opens: the periods it may count in are marked open first.
+            await self.closer.start()
             request_stats = (
                 await self._start_metrics(units) if cfg.metrics.address and units else None
             )
@@ -274,6 +303,7 @@ class Node:
             asyncio.create_task(loops.keep_shares(parts.shares), name="strict-shares"),
             asyncio.create_task(parts.alerts.run(), name="alerts"),
             asyncio.create_task(loops.resolve_claims(service.uniques), name="unique-claims"),
+            asyncio.create_task(self.closer.run(), name="period-close"),
         ]
         if warm:
             # Right after the socket opens: requests arriving meanwhile are read first.
@@ -521,6 +551,8 @@ class Node:
             )
             self.drained = False
         self.drained = self.drained and gauges_drained
+        if self.closer is not None and self.drained:  # (a period due closes now, not later)
+            await self.closer.close_due(time.time())
         await self.fanout.close()  # alerts being added to the Redis Stream: a moment
         if self.gossip is not None:
             # The drain's announcements are queued: send them and any last gossip, then close.

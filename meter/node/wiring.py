@@ -45,6 +45,7 @@ from meter.ledger.funding import LedgerFunder
 from meter.ledger.methods import LedgerMethods
 from meter.ledger.store import LedgerStore
 from meter.ops.export import ExportMethod
+from meter.persist.closing import PeriodMethods
 from meter.quotas.alerts import Alert, Alerts
 from meter.quotas.holds import PeerHolds
 from meter.quotas.limits import LimitBook
@@ -288,7 +289,8 @@ def assemble(
         **FeatureMethods(limits).handlers(),
         **LedgerMethods(ledger_store, shares).handlers(),
         **HistoryMethods(table, keys, seeder, storage, groups, gauging).handlers(),
-        **ExportMethod(storage).handlers(),
+        **ExportMethod(storage, config.period_grace_s).handlers(),
+        **PeriodMethods(storage, config.period_grace_s).handlers(),
         **Voids(table, keys, gate, fence, ids, seeder).handlers(),
     }
     service = Service(

@@ -11,9 +11,10 @@ import contextlib
 import csv
 import json
 import os
+import time
 from collections.abc import Awaitable, Callable, Container, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from meter.core.dims import decode
 from meter.core.keys import check_period
@@ -21,6 +22,7 @@ from meter.core.params import args as check_args
 from meter.core.params import opts as check_opts
 from meter.core.ports import Handler
 from meter.errors import InvalidArgument, Unavailable
+from meter.persist.closing import MarksAndOwners, close_state
 from storage.base import (
     BadCursor,
     Counters,
@@ -67,34 +69,43 @@ def parse_params(params: list[Any]) -> tuple[str, str | None, int]:
     return period, cursor, limit
 
 
+class ExportStore(Counters, MarksAndOwners, Protocol):
+    """What the ``export`` method reads: counters, and the period's marks and owners."""
+
+
 class ExportMethod:
     """The ``export`` method over one node's storage: a read of storage only, so units not
-    flushed yet are not in it (docs/operations.md)."""
+    flushed yet are not in it; each page says whether the period is final
+    (docs/invoicing.md)."""
 
-    def __init__(self, storage: Counters) -> None:
+    def __init__(self, storage: ExportStore, grace_s: float) -> None:
         self.storage = storage
+        self.grace_s = grace_s
 
     def handlers(self) -> dict[str, Handler]:
         return {"export": self.export}
 
     def export(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
         period, cursor, limit = parse_params(params)
-        return rpc_page(self.storage, period, cursor, limit)
+        return rpc_page(self.storage, period, cursor, limit, self.grace_s)
 
 
 async def rpc_page(
-    storage: Counters, period: str, cursor: str | None, limit: int
+    storage: ExportStore, period: str, cursor: str | None, limit: int, grace_s: float
 ) -> dict[str, Any]:
     """One page of the ``export`` method (its params checked by :func:`parse_params`):
-    ``{"rows": [[tenant, feature, period, total], ...], "cursor": str | None}``; a dimension
-    counter's row has a fifth element, its dimensions ``{name: value}``."""
+    ``{"rows": [[tenant, feature, period, total], ...], "cursor": str | None, "final",
+    "open_nodes", "closed_by_operator", "closes_at"}`` (:func:`close_state`, read before the
+    page: a page of a period already final holds what stays); a dimension counter's row has
+    a fifth element, its dimensions ``{name: value}``."""
     try:
+        state = await close_state(storage, period, grace_s, time.time())
         page = await storage.export_page(period, cursor, limit)
     except BadCursor as exc:
         raise InvalidArgument(f"export: {exc}") from None
     except StorageError as exc:
         raise Unavailable(f"storage could not be read: {exc}") from None
-    return {"rows": [_wire_row(r) for r in page.rows], "cursor": page.cursor}
+    return {"rows": [_wire_row(r) for r in page.rows], "cursor": page.cursor, **state}
 
 
 def _wire_row(row: ExportRow) -> list[Any]:

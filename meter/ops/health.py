@@ -17,6 +17,7 @@ from meter.config import NodeConfig
 from meter.core.server import RpcServer
 from meter.core.service import Service
 from meter.core.table import CounterTable
+from meter.persist.closing import PeriodCloser, overdue_s
 from meter.persist.flusher import Flusher
 from meter.persist.gauges import GaugeFlusher
 from meter.persist.owner import Ownership
@@ -56,6 +57,9 @@ class NodeView(Protocol):
     def metrics_address(self) -> str | None:
         """Where ``/metrics`` and the probes listen, once they do."""
         ...
+
+    @property
+    def closer(self) -> PeriodCloser | None: ...
 
     @property
     def stopping(self) -> bool:
@@ -110,6 +114,15 @@ def status_fields(node: NodeView) -> dict[str, Any]:
         }
     if node.service is not None:
         out["uniques"] = node.service.uniques.status()
+    if node.closer is not None:
+        oldest = node.closer.oldest_open()
+        grace = config.counters.period_grace_s
+        out["periods"] = {
+            "open": sorted(node.closer.open),
+            "oldest_open": oldest,
+            "overdue_s": round(overdue_s(oldest, grace, now), 3),
+            "closed": node.closer.closed_total,
+        }
     out["gc"] = {
         "threshold": list(gc.get_threshold()),
         "frozen": gc.get_freeze_count(),

@@ -30,6 +30,7 @@ from meter.core.counts import Buckets, FeatureUnits, RequestStats
 from meter.core.table import TableStats
 from meter.errors import BY_CODE
 from meter.ops.health import NodeView, can_count, health_checks
+from meter.persist.closing import overdue_s
 
 # Every family, by its full name (counters with ``_total``), as the docs name them.
 REQUESTS = "meter_requests_total"
@@ -77,6 +78,7 @@ ALERTS_PENDING = "meter_alerts_pending"
 UNIQUE_CLAIMS = "meter_unique_claims_total"
 UNIQUE_UNRESOLVED = "meter_unique_claims_unresolved"
 VOIDS = "meter_voids_total"
+PERIOD_OVERDUE = "meter_period_close_overdue_seconds"
 READY = "meter_ready"
 DEGRADED = "meter_degraded"
 BUILD_INFO = "meter_build_info"
@@ -92,7 +94,7 @@ METRIC_NAMES: tuple[str, ...] = (
     GOSSIP_PEERS, GOSSIP_LAG, GOSSIP_MESSAGES, GOSSIP_REJECTED, GOSSIP_GAPS, RESERVATIONS_OPEN,
     RESERVATIONS_EXPIRED, STRICT_SHARES, STRICT_WRITES, READY, DEGRADED, BUILD_INFO,
     RESERVATIONS_EXPIRED, ALERTS, ALERTS_PENDING, READY, DEGRADED, BUILD_INFO,
-    UNIQUE_CLAIMS, UNIQUE_UNRESOLVED, VOIDS,
+    UNIQUE_CLAIMS, UNIQUE_UNRESOLVED, VOIDS, PERIOD_OVERDUE,
 )  # fmt: skip
 
 
@@ -209,6 +211,14 @@ class NodeCollector(Collector):
             open_ = "Claims of unique values without an outcome: in flight or waiting for "
             yield _gauge(UNIQUE_UNRESOLVED, open_ + "storage to answer (each counted at most "
                          "once).", len(uq.pending) + len(uq.flying))  # fmt: skip
+        closer = node.closer
+        if closer is not None:
+            yield _gauge(
+                PERIOD_OVERDUE,
+                "Seconds since this node's oldest period not closed should have closed (its "
+                "end plus period_grace_s; 0: none overdue).",
+                overdue_s(closer.oldest_open(), node.config.counters.period_grace_s, time.time()),
+            )
         shares = node.shares
         if shares is not None:
             yield _gauge(STRICT_SHARES, "Strict budgets this node holds a share of.",

@@ -1,0 +1,242 @@
+"""Period close: this node's marks of the counting periods it counts in, and its close of each
+once the period has ended plus the grace and every unit it counted there is stored
+(docs/invoicing.md; ADR 0020).
+
+A node marks a period *open* in storage before it can count there: at start, the current
+period of each kind in use and the one before it while it is still within the grace (a call
+with ``at`` may count there), and each next period shortly before it begins. An export of a
+period is ``final`` only when every node that marked it open has closed it: a node killed
+with units of the period not stored stays open until it restarts from its data dir, stores
+them and closes; an operator closes a node that will never come back by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol
+
+from meter.core.keys import Key, PeriodKind, check_period, period_start
+from meter.core.params import args as check_args
+from meter.core.periods import period_end, period_instant
+from meter.core.ports import Handler
+from meter.errors import InvalidArgument, Unavailable
+from storage.base import Owners, PeriodMarks, StorageError, StoragePermanentError
+
+log = logging.getLogger(__name__)
+
+#: How often the node looks for periods to open and to close (a close lands within this of
+#: its period's end plus the grace, or of its last unit stored, whichever comes later).
+EVERY_S = 1.0
+#: A next period is marked open this long before it begins.
+AHEAD_S = 120.0
+#: Who a close by hand is written by (``meter period close``).
+OPERATOR = "operator"
+#: At start, how many periods of each kind before the current one are checked for this
+#: node's open marks (a node down longer is closed by hand: ``meter period close``).
+LOOK_BACK = {"month": 3, "day": 40}
+
+
+def periods_to_open(kinds: Iterable[PeriodKind], grace_s: float, now: float) -> list[str]:
+    """The periods a node may count in now or within :data:`AHEAD_S`: of each kind, the
+    current one, the one before while it is within ``grace_s`` of its end, the next one
+    when it begins within :data:`AHEAD_S`."""
+    out: list[str] = []
+    for kind in kinds:
+        current = period_start(kind, now)
+        start = period_instant(current)
+        if now < start + grace_s:
+            out.append(period_start(kind, start - 1))
+        out.append(current)
+        end = period_end(kind, now)
+        if end - now <= AHEAD_S:
+            out.append(period_start(kind, end))
+    return out
+
+
+def recent_periods(kinds: Iterable[PeriodKind], now: float) -> list[str]:
+    """The periods before the current one of each kind that a restart checks for its own
+    open marks (:data:`LOOK_BACK`)."""
+    out: list[str] = []
+    for kind in kinds:
+        at = period_instant(period_start(kind, now))
+        for _ in range(LOOK_BACK[kind]):
+            at -= 1
+            name = period_start(kind, at)
+            out.append(name)
+            at = period_instant(name)
+    return out
+
+
+def period_closes_at(period: str, grace_s: float) -> float:
+    """When calls may count in ``period`` no more: its end plus the grace."""
+    kind: PeriodKind = "day" if len(period) > 7 else "month"
+    return period_end(kind, period_instant(period)) + grace_s
+
+
+class MarksAndOwners(PeriodMarks, Owners, Protocol):
+    """What an export's close state reads: the period's marks and who owns each node id."""
+
+
+class PeriodCloser:
+    """This node's open periods: marked in storage, closed when due (see the module doc)."""
+
+    def __init__(
+        self,
+        node: str,
+        storage: PeriodMarks,
+        kinds: Callable[[], list[PeriodKind]],
+        grace_s: float,
+        unstored: Callable[[], Iterable[Key]],
+    ) -> None:
+        self.node = node
+        self.storage = storage
+        self.kinds = kinds
+        self.grace_s = grace_s
+        #: The keys holding units (or holds, or claims) of this node that storage may not
+        #: hold yet: a period with one of them is not closed.
+        self.unstored = unstored
+        #: Periods this node marked open (or found open at start) and has not closed.
+        self.open: set[str] = set()
+        #: Closes written since the start.
+        self.closed_total = 0
+        self._started = False
+
+    async def start(self, now: float | None = None) -> None:
+        """Find this node's open marks of recent periods (a restart's), and mark the periods
+        it may count in now. Storage unreachable: logged, tried again by :meth:`run`."""
+        now = time.time() if now is None else now
+        try:
+            for period in recent_periods(self.kinds(), now):
+                if period in self.open:
+                    continue
+                for mark in await self.storage.period_marks(period):
+                    if mark.node == self.node and mark.state == "open":
+                        self.open.add(period)
+            self._started = True
+        except StorageError as exc:
+            log.warning("period marks not read (will try again): %s", exc)
+        await self.open_due(now)
+
+    async def open_due(self, now: float) -> None:
+        """Mark open every period this node may count in now (:func:`periods_to_open`)."""
+        for period in periods_to_open(self.kinds(), self.grace_s, now):
+            if period in self.open:
+                continue
+            try:
+                mark = await self.storage.mark_period_open(period, self.node, now)
+            except StorageError as exc:
+                log.warning("period %s not marked open (will try again): %s", period, exc)
+                return
+            if mark.state == "open":
+                self.open.add(period)
+
+    async def close_due(self, now: float) -> list[str]:
+        """Close every open period past its end plus the grace that holds nothing of this
+        node's unstored; the periods closed."""
+        due = [p for p in sorted(self.open) if now >= period_closes_at(p, self.grace_s)]
+        if not due:
+            return []
+        held = {key[2] for key in self.unstored()}
+        done: list[str] = []
+        for period in due:
+            if period in held:
+                continue
+            try:
+                await self.storage.mark_period_closed(period, self.node, time.time(), self.node)
+            except StorageError as exc:
+                log.warning("period %s not closed (will try again): %s", period, exc)
+                continue
+            self.open.discard(period)
+            self.closed_total += 1
+            done.append(period)
+            log.info("period %s closed: every unit this node counted there is stored", period)
+        return done
+
+    def oldest_open(self) -> str | None:
+        """The oldest period this node has not closed."""
+        return min(self.open, default=None)
+
+    async def run(self) -> None:
+        """The node's loop: open and close periods every :data:`EVERY_S` seconds."""
+        while True:
+            await asyncio.sleep(EVERY_S)
+            now = time.time()
+            if not self._started:
+                await self.start(now)
+            else:
+                await self.open_due(now)
+            await self.close_due(now)
+
+
+def overdue_s(period: str | None, grace_s: float, now: float) -> float:
+    """How long ago ``period`` (a node's oldest open one) should have closed: 0 if it may
+    still count, or if there is none."""
+    if period is None:
+        return 0.0
+    return max(0.0, now - period_closes_at(period, grace_s))
+
+
+async def close_state(
+    storage: MarksAndOwners, period: str, grace_s: float, now: float
+) -> dict[str, Any]:
+    """What an export of ``period`` says of its close: ``final`` (the period has ended plus
+    the grace and every node that marked it open has closed it), ``open_nodes`` (each with
+    when it marked the period open and when its ownership lease of its id ends: past, it is
+    not running), ``closed_by_operator`` (nodes closed by hand) and ``closes_at``."""
+    marks = await storage.period_marks(period)
+    closes_at = period_closes_at(period, grace_s)
+    open_nodes: list[dict[str, Any]] = []
+    for mark in marks:
+        if mark.state == "open":
+            owner = await storage.owner(mark.node)
+            open_nodes.append({"node": mark.node, "opened_at": mark.at,
+                               "lease_ends": None if owner is None else owner.expires})  # fmt: skip
+    return {
+        "final": now >= closes_at and not open_nodes,
+        "open_nodes": open_nodes,
+        "closed_by_operator": [m.node for m in marks if m.state == "closed" and m.by == OPERATOR],
+        "closes_at": closes_at,
+    }
+
+
+class PeriodMethods:
+    """The ``close_period`` method: an operator closes a period for a node that will never
+    come back (its unstored units, if any, are lost to the period: the export records who
+    closed it)."""
+
+    def __init__(self, storage: PeriodMarks, grace_s: float) -> None:
+        self.storage = storage
+        self.grace_s = grace_s
+
+    def handlers(self) -> dict[str, Handler]:
+        """The methods by name, for the node's dispatch table."""
+        return {"close_period": self.close_period}
+
+    def close_period(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
+        """``close_period(period, node)``: ``{period, node, state, by, at}`` as stored (a
+        close already there is kept)."""
+        period, node = check_args("close_period", params, 2, 2)
+        period = check_period(period)
+        if not isinstance(node, str) or not node:
+            raise InvalidArgument("close_period: node must be a node id (a string)")
+        now = time.time()
+        closes_at = period_closes_at(period, self.grace_s)
+        if now < closes_at:
+            raise InvalidArgument(
+                f"close_period: period {period} may still count until {closes_at:.0f} (its end "
+                "plus period_grace_s); nothing changed"
+            )
+        return self._close(period, node, now)
+
+    async def _close(self, period: str, node: str, now: float) -> dict[str, Any]:
+        try:
+            mark = await self.storage.mark_period_closed(period, node, now, OPERATOR)
+        except StoragePermanentError as exc:
+            raise InvalidArgument(f"close_period: {exc}") from None
+        except StorageError as exc:
+            raise Unavailable(f"close_period: storage: {exc}") from None
+        return {"period": period, "node": mark.node, "state": mark.state, "by": mark.by,
+                "at": mark.at}  # fmt: skip

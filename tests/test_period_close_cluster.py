@@ -1,0 +1,84 @@
+"""Period close on real nodes (docs/invoicing.md; correctness F03): 3 nodes on one DynamoDB
+Local table and one redis-server count into last month with ``at`` (its grace made to end a
+few seconds later); one is killed (``kill -9``) holding units of it not stored. The export
+says ``final: false`` naming that node until it restarts from its data dir, stores them and
+closes; then ``final: true``, with every acknowledged unit, and it stays so."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from meter.core.keys import period_start
+from meter.core.periods import period_instant
+from tests.support.cluster_harness import Fleet, wait_until
+from tests.support.nodes import NodeProcess, raw_call
+
+pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
+
+
+def export_all(node: NodeProcess, period: str) -> tuple[dict[str, Any], dict[tuple[str, str], int]]:
+    """Every page of ``period``'s export from ``node``: the first page's close state (final
+    then: the rows are all the period will hold), and the rows' totals by (tenant, feature)."""
+    rows: dict[tuple[str, str], int] = {}
+    cursor = None
+    first: dict[str, Any] | None = None
+    while True:
+        page = node.call("export", period, {"cursor": cursor, "limit": 2})
+        if first is None:
+            first = {k: v for k, v in page.items() if k not in ("rows", "cursor")}
+        else:  # (a page after a final one is final: the close never goes back)
+            assert page["final"] or not first["final"], (page, first)
+        for tenant, feature, _, total, *_ in page["rows"]:
+            rows[(tenant, feature)] = total
+        cursor = page["cursor"]
+        if cursor is None:
+            assert first is not None
+            return first, rows
+
+
+def test_a_node_killed_with_units_of_last_month_keeps_it_open_until_it_restarts(
+    fleet: Fleet,
+) -> None:
+    now = time.time()
+    month = period_start("month", now)
+    start = period_instant(month)
+    last = period_start("month", start - 1)
+    closes_at = now + 15  # (the grace ends 15 s from now: nodes start, count, one dies)
+    grace = str(closes_at - start)
+    nodes = fleet(3, METER_PERIOD_GRACE_S=grace, each={2: {"METER_FLUSH_INTERVAL_MS": "600000"}})
+    at = start - 3600  # (last month)
+    acked: dict[tuple[str, str], int] = {}
+    for i, node in enumerate(nodes):
+        for n in range(6):
+            tenant, qty = f"t{n % 3}", 1 + i + n
+            node.call("track", tenant, "api", qty, {"at": at, "id": f"c{i}-{n}"})
+            acked[(tenant, "api")] = acked.get((tenant, "api"), 0) + qty
+    nodes[2].kill()  # (its units of last month: in its log, not in storage)
+    wait_until(lambda: time.time() > closes_at, 30, "last month's grace ends", nodes)
+    # The two live nodes close within 10 s (they flushed); the killed one stays open.
+    wait_until(
+        lambda: [n["node"] for n in export_all(nodes[0], last)[0]["open_nodes"]] == ["n2"],
+        10,
+        "n0 and n1 close last month",
+        nodes[:2],
+    )
+    state, rows = export_all(nodes[0], last)
+    assert state["final"] is False
+    (open_node,) = state["open_nodes"]
+    assert open_node["node"] == "n2" and open_node["lease_ends"] is not None
+    assert sum(rows.values()) < sum(acked.values())
+    nodes[2].env["METER_FLUSH_INTERVAL_MS"] = "100"
+    nodes[2].start(timeout=60)
+    wait_until(lambda: export_all(nodes[0], last)[0]["final"] is True, 15, "n2 closes", nodes)
+    state, rows = export_all(nodes[0], last)
+    assert state["open_nodes"] == [] and state["closed_by_operator"] == []
+    assert rows == acked, (rows, acked)
+    assert nodes[2].call("status")["periods"]["oldest_open"] in (month, None)
+    # Final never changes afterwards: a late call is refused, the rows stay.
+    for node in nodes:
+        error, _ = raw_call(node.socket, "track", "t0", "api", 1, {"at": at})
+        assert error is not None and error["code"] == "period_closed", error
+    assert export_all(nodes[1], last) == (state, rows)
