@@ -401,6 +401,11 @@ NODE_RE = re.compile(r"[A-Za-z0-9_\-.:@/]{1,128}")
 #: The states of a :class:`PeriodMark`.
 MARK_OPEN = "open"
 MARK_CLOSED = "closed"
+#: A node that drained cleanly (stored everything) and had the period open: counts as closed
+#: for an export, but the node may open the period again (a restart while it may still count).
+MARK_DRAINED = "drained"
+#: Every state a stored mark may hold.
+MARK_STATES = (MARK_OPEN, MARK_CLOSED, MARK_DRAINED)
 #: Longest ``by`` of a mark (UTF-8 bytes) and the latest ``at`` (epoch seconds; kept to the
 #: microsecond, a number every backend stores exactly).
 MAX_MARK_BY_BYTES = 128
@@ -410,12 +415,14 @@ MAX_MARK_AT = float(2**53)
 @dataclass(frozen=True, slots=True)
 class PeriodMark:
     """A node's mark of a counting period (docs/storage.md, "Period marks"): ``open`` while
-    it holds units of the period it has not stored, ``closed`` once it has closed it."""
+    it holds units of the period it has not stored, ``closed`` once it has closed it,
+    ``drained`` once it drained cleanly with the period open (closed for an export, but the
+    node may open it again)."""
 
     node: str
     state: str
-    #: Epoch seconds the mark was written (the open's while open, the close's once closed),
-    #: kept to the microsecond.
+    #: Epoch seconds the mark was written (the open's while open, the close's once closed,
+    #: the drain's once drained), kept to the microsecond.
     at: float
     #: Who wrote it: the node id itself, or ``operator`` for a close by hand.
     by: str
@@ -451,8 +458,8 @@ def check_period_mark(
     assert isinstance(by, str)
     if not by.isprintable():
         raise StoragePermanentError(f"mark's writer {by[:32]!r} is not printable")
-    if state not in (MARK_OPEN, MARK_CLOSED):
-        raise StoragePermanentError(f"mark state must be open or closed, got {state!r}")
+    if state not in MARK_STATES:
+        raise StoragePermanentError(f"mark state must be open, closed or drained, got {state!r}")
     return PeriodMark(node, state, round(when, 6), by)
 
 
@@ -571,12 +578,13 @@ class UniqueValues(Protocol):
 
 
 class PeriodMarks(Protocol):
-    """Each node's open or closed mark of a counting period (docs/storage.md)."""
+    """Each node's open, closed or drained mark of a counting period (docs/storage.md)."""
 
     async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark: ...
     async def mark_period_closed(
         self, period: str, node: str, at: float, by: str
     ) -> PeriodMark: ...
+    async def mark_period_drained(self, period: str, node: str, at: float) -> PeriodMark | None: ...
     async def period_marks(self, period: str) -> list[PeriodMark]: ...
 
 
@@ -866,19 +874,28 @@ class Storage(abc.ABC):
 
     # -- period marks (docs/storage.md, "Period marks") ----------------------------------------
     # One record per (period, node): ``open`` while the node holds units of the period it has
-    # not stored, ``closed`` once it closed the period. Written by conditional writes only: a
-    # close is never reopened, a close never replaced. Kept as long as the period's counters.
+    # not stored, ``closed`` once it closed the period, ``drained`` once it drained cleanly
+    # with the period open (closed for an export; the node may open it again). Written by
+    # conditional writes only: a close is never reopened, a close never replaced. Kept as long
+    # as the period's counters.
 
     async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark:
-        """Record that ``node`` counts in ``period``; a mark already there (open or closed) is
-        kept and returned (conditional write: never reopens a closed period).
+        """Record that ``node`` counts in ``period``: written where no mark is or over a
+        drained one (the node opening again after a drain); an open or closed mark already
+        there is kept and returned (conditional write: never reopens a closed period).
         :class:`StoragePermanentError` (nothing written) for inputs
         :func:`check_period_mark` refuses."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep period marks")
 
     async def mark_period_closed(self, period: str, node: str, at: float, by: str) -> PeriodMark:
-        """Record ``node``'s close of ``period`` (overwrites an open mark, or writes one where
-        none was; a close already there is kept and returned unchanged)."""
+        """Record ``node``'s close of ``period`` (overwrites an open or drained mark, or writes
+        one where none was; a close already there is kept and returned unchanged)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep period marks")
+
+    async def mark_period_drained(self, period: str, node: str, at: float) -> PeriodMark | None:
+        """Record that ``node`` drained cleanly with ``period`` open (``by`` the node): replaces
+        an ``open`` mark only (conditional write). A closed or drained mark is kept and
+        returned unchanged; where no mark is, nothing is written and ``None`` answered."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep period marks")
 
     async def period_marks(self, period: str) -> list[PeriodMark]:

@@ -56,7 +56,9 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from storage.base import (
     EMPTY,
     MARK_CLOSED,
+    MARK_DRAINED,
     MARK_OPEN,
+    MARK_STATES,
     MAX_VALUE_BYTES,
     NODE_RE,
     VALUE_MARK,
@@ -194,6 +196,9 @@ _VALUE_SK = "#u#"
 #: query or read meets it) and no node id does (:data:`NODE_RE`), so the export scan's
 #: ``begins_with(sk, "<period>#")`` never matches it.
 _MARKS_PK = "#periods#"
+#: How many times a period mark's conditional put is tried while the stored mark read after a
+#: refusal (no ``ALL_OLD``: DynamoDB Local) is one it replaces (changed in between).
+_MARK_TRIES = 3
 #: Above every character of a feature name (``[A-Za-z0-9_.:-]``): ``<period>#~`` ends a
 #: period's sort-key range.
 _SK_END = "~"
@@ -1470,23 +1475,48 @@ class DynamoDBStorage(Storage):
     # -- period marks (docs/storage.md, "Period marks") --------------------------------------
 
     async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark:
-        """One ``PutItem`` conditioned on ``attribute_not_exists(pk)``; a refused condition
-        (a mark there already, perhaps this very call's earlier try that ``_call`` sent again)
-        is answered with the stored mark: from ``ALL_OLD``, or a consistent ``GetItem`` where
-        none comes back (DynamoDB Local)."""
+        """One ``PutItem`` conditioned on ``attribute_not_exists(pk) OR #s = :drained``; a
+        refused condition (an open or closed mark there already, perhaps this very call's
+        earlier try that ``_call`` sent again) is answered with the stored mark: from
+        ``ALL_OLD``, or a consistent ``GetItem`` where none comes back (DynamoDB Local)."""
         mark = check_period_mark(period, node, at, node, MARK_OPEN)
-        return await self._put_mark(period, mark, "attribute_not_exists(pk)", {}, "open")
+        held = await self._put_mark(
+            period,
+            mark,
+            "attribute_not_exists(pk) OR #s = :drained",
+            {":drained": {"S": MARK_DRAINED}},
+            "open",
+            frozenset({None, MARK_DRAINED}),
+        )
+        assert held is not None  # (where no mark is, an open is written)
+        return held
 
     async def mark_period_closed(self, period: str, node: str, at: float, by: str) -> PeriodMark:
-        """One ``PutItem`` conditioned on ``attribute_not_exists(pk) OR #s = :open``; a
+        """One ``PutItem`` conditioned on ``attribute_not_exists(pk) OR #s <> :closed``; a
         refused condition is answered with the stored (closed) mark, as an open's is."""
         mark = check_period_mark(period, node, at, by, MARK_CLOSED)
+        held = await self._put_mark(
+            period,
+            mark,
+            "attribute_not_exists(pk) OR #s <> :closed",
+            {":closed": {"S": MARK_CLOSED}},
+            "close",
+            frozenset({None, MARK_OPEN, MARK_DRAINED}),
+        )
+        assert held is not None  # (where no mark is, a close is written)
+        return held
+
+    async def mark_period_drained(self, period: str, node: str, at: float) -> PeriodMark | None:
+        """One ``PutItem`` conditioned on ``#s = :open``; a refused condition is answered with
+        the stored (closed or drained) mark as an open's is, or ``None`` where no mark is."""
+        mark = check_period_mark(period, node, at, node, MARK_DRAINED)
         return await self._put_mark(
             period,
             mark,
-            "attribute_not_exists(pk) OR #s = :open",
+            "#s = :open",
             {":open": {"S": MARK_OPEN}},
-            "close",
+            "drain",
+            frozenset({MARK_OPEN}),
         )
 
     async def period_marks(self, period: str) -> list[PeriodMark]:
@@ -1516,7 +1546,14 @@ class DynamoDBStorage(Storage):
         condition: str,
         values: dict[str, Any],
         doing: str,
-    ) -> PeriodMark:
+        replaces: frozenset[str | None],
+    ) -> PeriodMark | None:
+        """``mark`` written by a ``PutItem`` on ``condition`` (true where the stored state is
+        one of ``replaces``, ``None`` standing for no mark), or the stored mark that refused
+        it (``None``: none). A refusal with no ``ALL_OLD`` is read back with a consistent
+        ``GetItem``; if that read finds a state the write replaces (the mark changed between
+        the two), the write is tried again, so the answer is the write or a state refusing
+        it."""
         key = {"pk": {"S": _MARKS_PK + period}, "sk": {"S": mark.node}}
         what = f"period {doing} of {mark.node!r} in {period}"
         params: dict[str, Any] = {
@@ -1535,19 +1572,22 @@ class DynamoDBStorage(Storage):
             params["ExpressionAttributeNames"] = {"#s": "state"}
         if values:
             params["ExpressionAttributeValues"] = values
-        try:
-            await self._call("put_item", what, **params)
-            return mark
-        except _ConditionFailed as refused:
-            if refused.item:
-                return _mark(refused.item, period)
-        resp = await self._call(
-            "get_item", what, TableName=self.table, Key=key, ConsistentRead=True
-        )
-        item = resp.get("Item")
-        if item is None:  # (expired or deleted since the refusal)
-            raise StorageUnavailable(f"dynamodb: {what}: not stored; try again")
-        return _mark(item, period)
+        for _ in range(_MARK_TRIES):
+            try:
+                await self._call("put_item", what, **params)
+                return mark
+            except _ConditionFailed as refused:
+                if refused.item:
+                    held: PeriodMark | None = _mark(refused.item, period)
+                else:
+                    resp = await self._call(
+                        "get_item", what, TableName=self.table, Key=key, ConsistentRead=True
+                    )
+                    item = resp.get("Item")
+                    held = None if item is None else _mark(item, period)
+            if (None if held is None else held.state) not in replaces:
+                return held
+        raise StorageUnavailable(f"dynamodb: {what}: the mark kept changing; try again")
 
     # -- credits ledgers (docs/ledger.md) ----------------------------------------------------
 
@@ -1984,7 +2024,7 @@ def _mark(item: dict[str, Any], period: str) -> PeriodMark:
     """A stored period mark item as a mark."""
     try:
         state = str(item["state"]["S"])
-        if state not in (MARK_OPEN, MARK_CLOSED):
+        if state not in MARK_STATES:
             raise ValueError(state)
         return PeriodMark(
             str(item["sk"]["S"]),

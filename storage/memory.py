@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from storage.base import (
     EMPTY,
     MARK_CLOSED,
+    MARK_DRAINED,
     MARK_OPEN,
     Applied,
     BadCursor,
@@ -409,13 +410,25 @@ class MemoryStorage(Storage):
 
     async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark:
         mark = check_period_mark(period, node, at, node, MARK_OPEN)
-        return self.marks.setdefault(period, {}).setdefault(node, mark)
+        marks = self.marks.setdefault(period, {})
+        held = marks.get(node)
+        if held is None or held.state == MARK_DRAINED:
+            held = marks[node] = mark
+        return held
 
     async def mark_period_closed(self, period: str, node: str, at: float, by: str) -> PeriodMark:
         mark = check_period_mark(period, node, at, by, MARK_CLOSED)
         marks = self.marks.setdefault(period, {})
         held = marks.get(node)
         if held is None or held.state != MARK_CLOSED:
+            held = marks[node] = mark
+        return held
+
+    async def mark_period_drained(self, period: str, node: str, at: float) -> PeriodMark | None:
+        mark = check_period_mark(period, node, at, node, MARK_DRAINED)
+        marks = self.marks.get(period, {})
+        held = marks.get(node)
+        if held is not None and held.state == MARK_OPEN:
             held = marks[node] = mark
         return held
 

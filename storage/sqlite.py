@@ -30,7 +30,9 @@ from typing import TypeVar
 from storage.base import (
     EMPTY,
     MARK_CLOSED,
+    MARK_DRAINED,
     MARK_OPEN,
+    MARK_STATES,
     Applied,
     BadCursor,
     BadItems,
@@ -257,8 +259,8 @@ _VALUES_EXPIRY_INDEX = (
     "CREATE INDEX IF NOT EXISTS unique_values_expiry ON unique_values (expires_at)"
 )
 
-#: Period marks (docs/storage.md, "Period marks"): each node's open or closed mark of a
-#: counting period, one row per (period, node), so a period's marks are one range of the
+#: Period marks (docs/storage.md, "Period marks"): each node's open, closed or drained mark of
+#: a counting period, one row per (period, node), so a period's marks are one range of the
 #: primary key in node order. Additive, like ``unique_values``; a period's marks are purged with
 #: the retention once its last counter is gone (never before the period's end plus it).
 _PERIOD_MARKS = """
@@ -271,11 +273,23 @@ CREATE TABLE IF NOT EXISTS period_marks (
     PRIMARY KEY (period, node)
 ) WITHOUT ROWID
 """
-#: A close: written where no mark is, over an open one; a close already there stays.
+#: An open: written where no mark is, over a drained one (the node opening again); an open or
+#: closed mark already there stays.
+_MARK_OPENING = (
+    "INSERT INTO period_marks (period, node, state, at, by) VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT (period, node) DO UPDATE SET state = excluded.state, at = excluded.at,"
+    " by = excluded.by WHERE period_marks.state = 'drained'"
+)
+#: A close: written where no mark is, over an open or drained one; a close already there stays.
 _MARK_CLOSE = (
     "INSERT INTO period_marks (period, node, state, at, by) VALUES (?, ?, ?, ?, ?)"
     " ON CONFLICT (period, node) DO UPDATE SET state = excluded.state, at = excluded.at,"
     " by = excluded.by WHERE period_marks.state <> 'closed'"
+)
+#: A drain: over an open mark only; nothing written where no mark is, or a closed or drained one.
+_MARK_DRAIN = (
+    "UPDATE period_marks SET state = ?, at = ?, by = ?"
+    " WHERE period = ? AND node = ? AND state = 'open'"
 )
 
 _MONTH_RE = re.compile(r"\d{4}-\d{2}")
@@ -822,15 +836,12 @@ class SQLiteStorage(Storage):
     # -- period marks (docs/storage.md, "Period marks") --------------------------------------
 
     async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark:
-        """``INSERT OR IGNORE`` then the mark read back, in one ``BEGIN IMMEDIATE``."""
+        """An upsert that replaces a drained row only, then the mark read back, in one
+        ``BEGIN IMMEDIATE``."""
         mark = check_period_mark(period, node, at, node, MARK_OPEN)
 
         def write(conn: sqlite3.Connection) -> PeriodMark:
-            conn.execute(
-                "INSERT OR IGNORE INTO period_marks (period, node, state, at, by)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (period, node, mark.state, mark.at, mark.by),
-            )
+            conn.execute(_MARK_OPENING, (period, node, mark.state, mark.at, mark.by))
             return self._mark_sync(conn, period, node)
 
         return await self._run(
@@ -848,6 +859,19 @@ class SQLiteStorage(Storage):
 
         return await self._run(
             lambda: self._immediate(write, f"marking {period} closed in {self.path}")
+        )
+
+    async def mark_period_drained(self, period: str, node: str, at: float) -> PeriodMark | None:
+        """An ``UPDATE`` of an open row only, then the mark read back (``None``: no row), in
+        one ``BEGIN IMMEDIATE``."""
+        mark = check_period_mark(period, node, at, node, MARK_DRAINED)
+
+        def write(conn: sqlite3.Connection) -> PeriodMark | None:
+            conn.execute(_MARK_DRAIN, (mark.state, mark.at, mark.by, period, node))
+            return self._mark_or_none(conn, period, node)
+
+        return await self._run(
+            lambda: self._immediate(write, f"marking {period} drained in {self.path}")
         )
 
     async def period_marks(self, period: str) -> list[PeriodMark]:
@@ -873,13 +897,17 @@ class SQLiteStorage(Storage):
         return await self._run(read)
 
     def _mark_sync(self, conn: sqlite3.Connection, period: str, node: str) -> PeriodMark:
+        mark = self._mark_or_none(conn, period, node)
+        if mark is None:
+            raise StoragePermanentError(f"the mark of {node!r} in {period} was not stored")
+        return mark
+
+    def _mark_or_none(self, conn: sqlite3.Connection, period: str, node: str) -> PeriodMark | None:
         row = conn.execute(
             "SELECT node, state, at, by FROM period_marks WHERE period = ? AND node = ?",
             (period, node),
         ).fetchone()
-        if row is None:
-            raise StoragePermanentError(f"the mark of {node!r} in {period} was not stored")
-        return _mark(row, self.path)
+        return None if row is None else _mark(row, self.path)
 
     # -- strict budgets (ADR 0009) -----------------------------------------------------------
 
@@ -1623,7 +1651,7 @@ def _mark(row: Sequence[object], path: Path) -> PeriodMark:
     node, state, at, by = row
     if (
         type(node) is not str
-        or state not in (MARK_OPEN, MARK_CLOSED)
+        or state not in MARK_STATES
         or type(at) is not float
         or type(by) is not str
     ):

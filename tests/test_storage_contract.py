@@ -1139,6 +1139,10 @@ def _closed(node: str, at: float, by: str) -> PeriodMark:
     return PeriodMark(node, "closed", at, by)
 
 
+def _drained(node: str, at: float) -> PeriodMark:
+    return PeriodMark(node, "drained", at, node)
+
+
 async def test_period_mark_open_twice_keeps_the_first(storage: Storage) -> None:
     assert await storage.period_marks(P) == []
     first = await storage.mark_period_open(P, "n1", 1000.25)
@@ -1179,6 +1183,111 @@ async def test_period_mark_close_twice_keeps_the_first_close(storage: Storage) -
     assert await storage.mark_period_closed(P, "n1", 2500.0, "operator") == first
     assert await storage.mark_period_closed(P, "n1", 1.0, "n1") == first
     assert await storage.period_marks(P) == [first]
+
+
+async def test_period_mark_drained_replaces_open(storage: Storage) -> None:
+    await storage.mark_period_open(P, "n1", 1000.0)
+    await storage.mark_period_open(P, "n2", 1000.0)
+    drained = await storage.mark_period_drained(P, "n1", 2000.5)
+    assert drained == _drained("n1", 2000.5)
+    assert await storage.period_marks(P) == [drained, _open("n2", 1000.0)]
+    # A drain already there is kept (a retry, or a later drain).
+    assert await storage.mark_period_drained(P, "n1", 2000.5) == drained
+    assert await storage.mark_period_drained(P, "n1", 3000.0) == drained
+    assert await storage.period_marks(P) == [drained, _open("n2", 1000.0)]
+
+
+async def test_period_mark_open_after_drained_reopens(storage: Storage) -> None:
+    await storage.mark_period_open(P, "n1", 1000.0)
+    await storage.mark_period_drained(P, "n1", 2000.0)
+    reopened = await storage.mark_period_open(P, "n1", 3000.25)
+    assert reopened == _open("n1", 3000.25)  # the new time
+    assert await storage.period_marks(P) == [reopened]
+    assert await storage.mark_period_open(P, "n1", 4000.0) == reopened  # open: kept
+    # Drained and reopened again, as often as the node restarts.
+    assert await storage.mark_period_drained(P, "n1", 5000.0) == _drained("n1", 5000.0)
+    assert await storage.mark_period_open(P, "n1", 6000.0) == _open("n1", 6000.0)
+    assert await storage.period_marks(P) == [_open("n1", 6000.0)]
+
+
+async def test_period_mark_drained_on_a_close_keeps_the_close(storage: Storage) -> None:
+    await storage.mark_period_open(P, "n1", 1000.0)
+    closed = await storage.mark_period_closed(P, "n1", 2000.0, "n1")
+    assert await storage.mark_period_drained(P, "n1", 3000.0) == closed
+    by_hand = await storage.mark_period_closed(P, "n2", 1500.0, "operator")
+    assert await storage.mark_period_drained(P, "n2", 1600.0) == by_hand
+    assert await storage.period_marks(P) == [closed, by_hand]
+
+
+async def test_period_mark_drained_where_none_is_writes_nothing(storage: Storage) -> None:
+    assert await storage.mark_period_drained(P, "n1", 1000.0) is None
+    assert await storage.period_marks(P) == []
+    # Another node's mark, or the node's mark of another period, is not this one.
+    await storage.mark_period_open(P, "n2", 1000.0)
+    await storage.mark_period_open("2026-12", "n1", 1000.0)
+    assert await storage.mark_period_drained(P, "n1", 2000.0) is None
+    assert await storage.period_marks(P) == [_open("n2", 1000.0)]
+    assert await storage.period_marks("2026-12") == [_open("n1", 1000.0)]
+    # Still none: an open afterwards is written as on an empty period.
+    assert await storage.mark_period_open(P, "n1", 3000.0) == _open("n1", 3000.0)
+
+
+async def test_period_mark_close_after_drained_closes(storage: Storage) -> None:
+    await storage.mark_period_open(P, "n1", 1000.0)
+    await storage.mark_period_drained(P, "n1", 2000.0)
+    closed = await storage.mark_period_closed(P, "n1", 3000.0, "n1")
+    assert closed == _closed("n1", 3000.0, "n1")
+    assert await storage.period_marks(P) == [closed]
+    # By hand, too; and the close is never reopened nor drained.
+    await storage.mark_period_open(P, "n2", 1000.0)
+    await storage.mark_period_drained(P, "n2", 2000.0)
+    by_hand = await storage.mark_period_closed(P, "n2", 3500.0, "operator")
+    assert by_hand == _closed("n2", 3500.0, "operator")
+    assert await storage.mark_period_open(P, "n1", 4000.0) == closed
+    assert await storage.mark_period_drained(P, "n2", 4000.0) == by_hand
+    assert await storage.period_marks(P) == [closed, by_hand]
+
+
+async def test_concurrent_period_open_and_drained_leave_one_consistent_mark(
+    storage: Storage,
+) -> None:
+    import asyncio
+
+    await storage.mark_period_open(P, "n1", 1.0)
+    opens = [storage.mark_period_open(P, "n1", 1000.0 + i) for i in range(6)]
+    drains = [storage.mark_period_drained(P, "n1", 2000.0 + i) for i in range(6)]
+    got = await asyncio.gather(*[c for pair in zip(opens, drains, strict=True) for c in pair])
+    marks = await storage.period_marks(P)
+    assert len(marks) == 1 and marks[0].state in ("open", "drained"), marks
+    # An open answers an open mark (its own or one there), a drain a drained one; the mark
+    # that stays is one some call wrote (or the first open, every drain then losing).
+    written = {_open("n1", 1.0)}
+    for i, mark in enumerate(got):
+        assert mark is not None
+        assert mark.state == ("open" if i % 2 == 0 else "drained"), (i, mark)
+        assert mark.node == "n1" and mark.by == "n1"
+        written.add(mark)
+    assert marks[0] in written
+    # With a close among them: the close stays, and every close answers it.
+    await storage.mark_period_open(P, "n2", 1.0)
+    calls = [
+        storage.mark_period_open(P, "n2", 1000.0),
+        storage.mark_period_drained(P, "n2", 2000.0),
+        storage.mark_period_closed(P, "n2", 3000.0, "n2"),
+        storage.mark_period_drained(P, "n2", 2001.0),
+        storage.mark_period_open(P, "n2", 1001.0),
+        storage.mark_period_closed(P, "n2", 3001.0, "operator"),
+        storage.mark_period_open(P, "n2", 1002.0),
+    ]
+    done = await asyncio.gather(*calls)
+    final = (await storage.period_marks(P))[1]
+    assert final.state == "closed" and final in (done[2], done[5])
+    assert done[2] == done[5] == final
+    for mark in (done[0], done[4], done[6]):
+        assert mark is not None and mark.state in ("open", "closed")
+    for mark in (done[1], done[3]):
+        assert mark is not None and mark.state in ("drained", "closed")
+    assert [m.node for m in await storage.period_marks(P)] == ["n1", "n2"]
 
 
 async def test_concurrent_period_marks_close_once(storage: Storage) -> None:
@@ -1250,6 +1359,8 @@ async def test_bad_period_mark_inputs_are_refused_and_write_nothing(storage: Sto
             await storage.mark_period_open(period, node, at)  # type: ignore[arg-type]
         with pytest.raises(StoragePermanentError):
             await storage.mark_period_closed(period, node, at, "n1")  # type: ignore[arg-type]
+        with pytest.raises(StoragePermanentError):
+            await storage.mark_period_drained(period, node, at)  # type: ignore[arg-type]
     bad_by: list[object] = [
         "",
         "x" * 129,
@@ -1303,7 +1414,10 @@ async def test_period_marks_never_show_as_counters(storage: Storage) -> None:
     for period in (P, "2026-11-03"):
         for node in nodes:
             await storage.mark_period_open(period, node, 1.0)
+            await storage.mark_period_drained(period, node, 1.5)
             await storage.mark_period_closed(period, node, 2.0, "operator")
+        await storage.mark_period_open(period, "drained", 1.0)
+        await storage.mark_period_drained(period, "drained", 1.5)
     assert await read() == before
     assert before[0] == {"api_calls": Snapshot(5, {"n1": 1})}
     assert before[2] == [ExportRow("acme", "api_calls", P, 5)]
@@ -1314,7 +1428,7 @@ async def test_period_marks_never_show_as_counters(storage: Storage) -> None:
         month: Snapshot(5, {"n1": 1}),
         ("acme", "n1", P): EMPTY,
     }
-    assert len(await storage.period_marks(P)) == len(nodes)
+    assert len(await storage.period_marks(P)) == len(nodes) + 1
 
 
 async def test_sqlite_purges_period_marks_only_with_the_last_counter_of_their_period(
@@ -1376,6 +1490,8 @@ async def test_dynamodb_period_mark_item_layout_and_ttl(
     await _ok(dynamodb_storage, "n1", ("acme", "users", "2099-11"), 1, 1)
     await dynamodb_storage.mark_period_open("2099-11", "n1", 1000.5)
     await dynamodb_storage.mark_period_closed("2099-11", "n2", 2000.25, "operator")
+    await dynamodb_storage.mark_period_open("2099-11", "n3", 1000.5)
+    await dynamodb_storage.mark_period_drained("2099-11", "n3", 3000.125)
 
     async def item(pk: str, sk: str) -> dict[str, Any]:
         resp = await dynamodb_storage._call(
@@ -1401,6 +1517,9 @@ async def test_dynamodb_period_mark_item_layout_and_ttl(
     closed = await item("#periods#2099-11", "n2")
     assert closed["state"] == {"S": "closed"} and "units" not in closed
     assert closed["by"] == {"S": "operator"} and closed["ttl"] == counter["ttl"]
+    drained = await item("#periods#2099-11", "n3")
+    assert drained["state"] == {"S": "drained"} and float(drained["at"]["N"]) == 3000.125
+    assert drained["by"] == {"S": "n3"} and drained["ttl"] == counter["ttl"]
 
 
 async def test_dynamodb_a_refused_period_mark_is_answered_from_all_old_or_a_read(
@@ -1433,21 +1552,88 @@ async def test_dynamodb_a_refused_period_mark_is_answered_from_all_old_or_a_read
     held = _closed("n1", 5.0, "operator")
     assert await store.mark_period_open(P, "n1", 9.0) == held
     assert [op for op, _ in calls] == ["put_item"]
-    assert calls[0][1]["ConditionExpression"] == "attribute_not_exists(pk)"
+    assert calls[0][1]["ConditionExpression"] == "attribute_not_exists(pk) OR #s = :drained"
     calls.clear()
     old = None
     assert await store.mark_period_closed(P, "n1", 9.0, "n1") == held
     assert [op for op, _ in calls] == ["put_item", "get_item"]
     put = calls[0][1]
-    assert put["ConditionExpression"] == "attribute_not_exists(pk) OR #s = :open"
+    assert put["ConditionExpression"] == "attribute_not_exists(pk) OR #s <> :closed"
+    assert put["ExpressionAttributeNames"] == {"#s": "state"}
+    assert put["ExpressionAttributeValues"] == {":closed": {"S": "closed"}}
+    calls.clear()
+    assert await store.mark_period_drained(P, "n1", 9.0) == held
+    assert [op for op, _ in calls] == ["put_item", "get_item"]
+    put = calls[0][1]
+    assert put["ConditionExpression"] == "#s = :open"
     assert put["ExpressionAttributeNames"] == {"#s": "state"}
     assert put["ExpressionAttributeValues"] == {":open": {"S": "open"}}
+    assert put["Item"]["state"] == {"S": "drained"} and put["Item"]["by"] == {"S": "n1"}
+    calls.clear()
+    old = stored
+    assert await store.mark_period_open(P, "n1", 9.0) == held
+    put = calls[0][1]
+    assert put["ConditionExpression"] == "attribute_not_exists(pk) OR #s = :drained"
+    assert put["ExpressionAttributeValues"] == {":drained": {"S": "drained"}}
     calls.clear()
     with pytest.raises(StoragePermanentError):
         await store.mark_period_open(P, "n#1", 1.0)
     with pytest.raises(StoragePermanentError):
         await store.mark_period_closed("2026-13", "n1", 1.0, "n1")
+    with pytest.raises(StoragePermanentError):
+        await store.mark_period_drained(P, "n1", -1.0)
     assert calls == []
+
+
+async def test_dynamodb_a_refused_drain_where_no_mark_is_answers_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A drain refused with no ``ALL_OLD`` and no item read back answers ``None``; a mark
+    read back that the write replaces (changed since the refusal) has the write tried again,
+    and one that keeps changing is :class:`StorageUnavailable` after a few tries."""
+    from storage.base import StorageUnavailable
+    from storage.dynamodb import DynamoDBStorage, _ConditionFailed
+
+    store = DynamoDBStorage("t")
+    calls: list[str] = []
+    reads: list[dict[str, Any]] = []
+    refusals = [0]
+
+    async def call(op: str, what: str, **params: Any) -> dict[str, Any]:
+        calls.append(op)
+        if op == "put_item":
+            if refusals[0] == 0:
+                return {}
+            refusals[0] -= 1
+            raise _ConditionFailed(None)
+        return reads.pop(0) if reads else {}
+
+    def opened(at: str) -> dict[str, Any]:
+        return {
+            "pk": {"S": "#periods#2026-11"},
+            "sk": {"S": "n1"},
+            "state": {"S": "open"},
+            "at": {"N": at},
+            "by": {"S": "n1"},
+        }
+
+    monkeypatch.setattr(store, "_call", call)
+    refusals[0] = 1
+    assert await store.mark_period_drained(P, "n1", 9.0) is None
+    assert calls == ["put_item", "get_item"]
+    calls.clear()
+    # Refused (no mark then), an open one read back: tried again, and written.
+    refusals[0], reads[:] = 1, [{"Item": opened("5")}]
+    assert await store.mark_period_drained(P, "n1", 9.0) == _drained("n1", 9.0)
+    assert calls == ["put_item", "get_item", "put_item"]
+    calls.clear()
+    # An open refused, no mark read back (deleted in between): tried again, and written.
+    refusals[0] = 1
+    assert await store.mark_period_open(P, "n1", 9.0) == _open("n1", 9.0)
+    assert calls == ["put_item", "get_item", "put_item"]
+    refusals[0], reads[:] = 5, [{"Item": opened(str(i))} for i in range(5)]
+    with pytest.raises(StorageUnavailable):
+        await store.mark_period_drained(P, "n1", 9.0)
 
 
 def test_every_backend_is_every_concern() -> None:
