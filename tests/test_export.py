@@ -168,7 +168,10 @@ def test_meter_export_writes_csv_and_jsonl_that_parse_back(workdir: Path) -> Non
 
     res = cli("export", "--period", "2026-11", env=env)
     assert res.returncode == 0, res.stderr
-    final = "meter: export: 2026-11 is final: every node that counted in it closed it\n"
+    final = (
+        "meter: export: 2026-11 is final: no node marked it (none counted there, or only "
+        "builds before period marks)\n"
+    )
     assert res.stderr == final  # (no node marked it: written straight into storage)
     parsed = list(csv.DictReader(io.StringIO(res.stdout)))
     assert res.stdout.startswith("tenant,feature,period,total,dims,gauge\n")

@@ -8,6 +8,7 @@ import asyncio
 import calendar
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -32,24 +33,29 @@ NOV = "2026-11"
 NOV_END = calendar.timegm((2026, 12, 1, 0, 0, 0))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     st.datetimes(min_value=datetime(2001, 1, 1), max_value=datetime(2098, 12, 31)),
     st.floats(0, 40 * 86400),
+    st.floats(0, 1),
 )
-def test_the_periods_a_node_opens_hold_every_call_it_may_count(at: datetime, grace: float) -> None:
-    """Every period a call at ``now`` (with ``at`` anywhere the grace still lets count)
-    lands in is among those a node marks open at ``now``; each is a real period name."""
+def test_the_periods_a_node_opens_hold_every_call_it_may_count(
+    at: datetime, grace: float, back: float
+) -> None:
+    """The period of every call a node may count at ``now`` (``at`` anywhere from now back
+    to where the grace still lets a call count) is among those it marks open at ``now``,
+    and each of those is a real period name that may still count."""
     now = at.replace(tzinfo=UTC).timestamp()
     opened = periods_to_open(["month", "day"], grace, now)
+    when = now - back * (grace + 62 * 86400)  # (past the grace too: then it is refused)
     for kind in ("month", "day"):
         assert period_start(kind, now) in opened
-        # The period before, if the grace still lets a call count there.
-        before = period_start(kind, period_instant(period_start(kind, now)) - 1)
-        if now < period_closes_at(before, grace):
-            assert before in opened
+        called = period_start(kind, when)
+        if now < period_closes_at(called, grace):  # (the grace lets it count: L06)
+            assert called in opened, (kind, called, opened)
     for name in opened:
         assert period_start("day" if len(name) > 7 else "month", period_instant(name)) == name
+        assert now < period_closes_at(name, grace)
 
 
 def test_recent_periods_go_back_whole_periods() -> None:
@@ -73,6 +79,9 @@ class Held:
 
     def __call__(self) -> list[Key]:
         return list(self.keys)
+
+    def periods(self) -> list[str]:
+        return sorted({k[2] for k in self.keys})
 
 
 async def test_a_node_closes_a_period_once_due_and_nothing_of_it_is_unstored() -> None:
@@ -157,3 +166,93 @@ async def test_the_nodes_loop_opens_and_closes(monkeypatch: pytest.MonkeyPatch) 
         assert month in closer.open
     finally:
         task.cancel()
+
+
+async def test_a_period_held_without_a_mark_is_marked_once_storage_answers() -> None:
+    """Units counted in a period while storage could not take its mark (an outage across
+    its start, past its grace): marked open at the next pass, and closed once stored."""
+    store = MemoryStorage()
+    held = Held()
+    closer = PeriodCloser("n1", store, lambda: ["month"], 60, held)
+    now = NOV_END + 10 * 86400  # (December: November past its grace)
+    held.keys = [("acme", "api", NOV), ("acme", "api", "")]  # (and a credit pool's key)
+    await closer.start(now)
+    assert NOV in closer.open
+    state = await close_state(store, NOV, 60, now)
+    assert state["final"] is False and [n["node"] for n in state["open_nodes"]] == ["n1"]
+    held.keys = []
+    assert await closer.close_due(now) == [NOV]
+    assert (await close_state(store, NOV, 60, now))["final"] is True
+
+
+async def test_a_drained_node_counts_as_closed_and_opens_again_when_back() -> None:
+    store = MemoryStorage()
+    held = Held()
+    closer = PeriodCloser("n1", store, lambda: ["month"], 60, held)
+    await closer.start(NOV_END - 86400)
+    await store.mark_period_open(NOV, "n2", NOV_END - 86400)
+    await closer.drained(NOV_END - 3600)  # (SIGTERM, everything stored: gone for good?)
+    assert closer.open == set()
+    await store.mark_period_closed(NOV, "n2", NOV_END + 61, "n2")
+    assert (await close_state(store, NOV, 60, NOV_END + 61))["final"] is True
+    # Back before the period ended: it opens it again, and the export waits for it.
+    back = PeriodCloser("n1", store, lambda: ["month"], 60, held)
+    await back.start(NOV_END - 1800)
+    assert NOV in back.open
+    state = await close_state(store, NOV, 60, NOV_END + 61)
+    assert state["final"] is False and [n["node"] for n in state["open_nodes"]] == ["n1"]
+
+
+async def test_an_operator_cannot_close_a_running_node() -> None:
+    store = MemoryStorage()
+    now = time.time()
+    await store.mark_period_open(NOV, "n3", NOV_END - 100)
+    await store.claim_owner("n3", "token", lease_s=30, now=now)
+    with pytest.raises(InvalidArgument, match="is running"):
+        await PeriodMethods(store, 60).close_period([NOV, "n3"])
+    assert [m.state for m in await store.period_marks(NOV)] == ["open"]
+
+
+def test_the_overdue_period_is_the_one_that_should_have_closed_first() -> None:
+    closer = PeriodCloser("n1", MemoryStorage(), lambda: ["month", "day"], 60, Held())
+    closer.open = {"2026-11", "2026-11-05", "2026-12"}
+    assert closer.oldest_open() == "2026-11-05"
+    assert closing.overdue_s(closer.oldest_open(), 60, NOV_END) == NOV_END - (
+        calendar.timegm((2026, 11, 6, 0, 0, 0)) + 60
+    )
+
+
+async def test_a_unique_call_waiting_across_the_close_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call with ``at`` on a unique feature that waits for its counter's read while its
+    period closes is refused (``period_closed``), counting nothing."""
+    from meter.config import CounterConfig
+    from meter.core.table import CounterTable
+    from meter.errors import PeriodClosed
+    from meter.node.wiring import build_service
+
+    class Slow(MemoryStorage):
+        gate: asyncio.Event | None = None
+
+        async def load(self, keys: Any) -> Any:
+            if self.gate is not None:
+                await self.gate.wait()
+            return await super().load(keys)
+
+    now = time.time()
+    start = period_instant(period_start("month", now))
+    grace = now - start + 0.3  # (last month closes 0.3 s from now)
+    store = Slow()
+    svc = build_service(CounterTable("n1"), store, CounterConfig(period_grace_s=grace))
+    got = svc.dispatch("set_feature", ["seats", {"aggregation": "unique"}])
+    await got
+    store.gate = asyncio.Event()
+    call = svc.dispatch("track", ["acme", "seats", 1, {"value": "ann", "at": start - 10}])
+    pending = asyncio.ensure_future(call)
+    while time.time() < start + grace:
+        await asyncio.sleep(0.02)
+    store.gate.set()
+    with pytest.raises(PeriodClosed):
+        await pending
+    assert store.items == {} or all(v.total == 0 for v in store.items.values())

@@ -81,4 +81,5 @@ def test_a_node_killed_with_units_of_last_month_keeps_it_open_until_it_restarts(
     for node in nodes:
         error, _ = raw_call(node.socket, "track", "t0", "api", 1, {"at": at})
         assert error is not None and error["code"] == "period_closed", error
-    assert export_all(nodes[1], last) == (state, rows)
+    again, rows_again = export_all(nodes[1], last)
+    assert rows_again == rows and again["final"] is True and again["open_nodes"] == []

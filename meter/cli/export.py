@@ -128,8 +128,11 @@ def final_line(period: str, state: dict[str, Any]) -> str:
     by_hand = state["closed_by_operator"]
     closed = f"; closed by an operator for {', '.join(by_hand)}" if by_hand else ""
     if state["final"]:
+        if not state["nodes"]:
+            return (f"meter: export: {period} is final: no node marked it (none counted there, "
+                    "or only builds before period marks)")  # fmt: skip
         return f"meter: export: {period} is final: every node that counted in it closed it{closed}"
-    if time.time() < state["closes_at"]:
+    if state["read_at"] < state["closes_at"]:
         return (f"meter: export: {period} is NOT final: calls may still count in it until "
                 f"{_when(state['closes_at'])} (its end plus period_grace_s){closed}")  # fmt: skip
     now = time.time()

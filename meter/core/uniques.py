@@ -247,10 +247,15 @@ class Uniques:
         self.fence.check()
         if self.known(key, value) and self.table.is_seeded(key):
             return self._answer(key, self.answer_known(key, idem), detail)
-        return self.track(self.keys.levels(key), value, idem, detail)
+        return self.track(self.keys.levels(key), value, idem, detail, at_s)
 
     async def track(
-        self, keys: list[Key], value: str, idem: tuple[str, int] | None, detail: bool
+        self,
+        keys: list[Key],
+        value: str,
+        idem: tuple[str, int] | None,
+        detail: bool,
+        at_s: float | None = None,
     ) -> Any:
         """A ``track`` of ``value`` on the unique feature of ``keys`` (its levels, the call's
         own first): claimed at every level it is not known claimed at, each level's hard limit
@@ -273,6 +278,8 @@ class Uniques:
                 and not self._claiming(level, value)
             ):
                 await self._claimed(level, value)
+        if at_s is not None:  # (its period may have closed while it waited: L06)
+            self.keys.check_open(key, at_s, time.time())
         fresh = [level for level in keys if not self.known(level, value)]
         for level in fresh:  # judged again, with no await before the claims are opened
             refusal = self.refusal(level)

@@ -551,8 +551,8 @@ class Node:
             )
             self.drained = False
         self.drained = self.drained and gauges_drained
-        if self.closer is not None and self.drained:  # (a period due closes now, not later)
-            await self.closer.close_due(time.time())
+        if self.closer is not None and self.drained:  # (nothing unstored: close or drain)
+            await self.closer.drained(time.time())
         await self.fanout.close()  # alerts being added to the Redis Stream: a moment
         if self.gossip is not None:
             # The drain's announcements are queued: send them and any last gossip, then close.

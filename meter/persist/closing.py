@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
@@ -23,7 +24,14 @@ from meter.core.params import args as check_args
 from meter.core.periods import period_end, period_instant
 from meter.core.ports import Handler
 from meter.errors import InvalidArgument, Unavailable
-from storage.base import Owners, PeriodMarks, StorageError, StoragePermanentError
+from storage.base import (
+    MARK_CLOSED,
+    MARK_OPEN,
+    Owners,
+    PeriodMarks,
+    StorageError,
+    StoragePermanentError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +40,13 @@ log = logging.getLogger(__name__)
 EVERY_S = 1.0
 #: A next period is marked open this long before it begins.
 AHEAD_S = 120.0
+#: Every how many passes the node looks for periods it holds units of but has not marked
+#: (a scan of its unstored keys: about 10 ms at 100,000 keys).
+HELD_EVERY = 10
 #: Who a close by hand is written by (``meter period close``).
 OPERATOR = "operator"
+#: A counting period's name: a UTC month or day (``""``, a credit pool's, is none).
+PERIOD_NAME = re.compile(r"\d{4}-\d{2}(-\d{2})?")
 #: At start, how many periods of each kind before the current one are checked for this
 #: node's open marks (a node down longer is closed by hand: ``meter period close``).
 LOOK_BACK = {"month": 3, "day": 40}
@@ -41,14 +54,19 @@ LOOK_BACK = {"month": 3, "day": 40}
 
 def periods_to_open(kinds: Iterable[PeriodKind], grace_s: float, now: float) -> list[str]:
     """The periods a node may count in now or within :data:`AHEAD_S`: of each kind, the
-    current one, the one before while it is within ``grace_s`` of its end, the next one
-    when it begins within :data:`AHEAD_S`."""
+    current one, every one before it still within ``grace_s`` of its end (a grace longer
+    than a month reaches two back), and the next one when it begins within
+    :data:`AHEAD_S`."""
     out: list[str] = []
     for kind in kinds:
         current = period_start(kind, now)
         start = period_instant(current)
-        if now < start + grace_s:
-            out.append(period_start(kind, start - 1))
+        earlier: list[str] = []
+        while now < start + grace_s:  # (the period before ``start`` ends there)
+            before = period_start(kind, start - 1)
+            earlier.append(before)
+            start = period_instant(before)
+        out.extend(reversed(earlier))
         out.append(current)
         end = period_end(kind, now)
         if end - now <= AHEAD_S:
@@ -96,24 +114,29 @@ class PeriodCloser:
         self.kinds = kinds
         self.grace_s = grace_s
         #: The keys holding units (or holds, or claims) of this node that storage may not
-        #: hold yet: a period with one of them is not closed.
+        #: hold yet: a period with one of them is not closed, and one not marked open
+        #: (counted while storage was unreachable, or replayed from the log) is marked.
         self.unstored = unstored
         #: Periods this node marked open (or found open at start) and has not closed.
         self.open: set[str] = set()
         #: Closes written since the start.
         self.closed_total = 0
+        # Periods found closed by an operator while this node held units of them (said once).
+        self._closed_held: set[str] = set()
+        self._passes = 0
         self._started = False
 
     async def start(self, now: float | None = None) -> None:
         """Find this node's open marks of recent periods (a restart's), and mark the periods
-        it may count in now. Storage unreachable: logged, tried again by :meth:`run`."""
+        it may count in now and those it holds units of. Storage unreachable: logged, tried
+        again by :meth:`run`."""
         now = time.time() if now is None else now
         try:
             for period in recent_periods(self.kinds(), now):
                 if period in self.open:
                     continue
                 for mark in await self.storage.period_marks(period):
-                    if mark.node == self.node and mark.state == "open":
+                    if mark.node == self.node and mark.state == MARK_OPEN:
                         self.open.add(period)
             self._started = True
         except StorageError as exc:
@@ -121,17 +144,34 @@ class PeriodCloser:
         await self.open_due(now)
 
     async def open_due(self, now: float) -> None:
-        """Mark open every period this node may count in now (:func:`periods_to_open`)."""
-        for period in periods_to_open(self.kinds(), self.grace_s, now):
-            if period in self.open:
-                continue
+        """Mark open every period this node may count in now (:func:`periods_to_open`) and,
+        every :data:`HELD_EVERY` passes (and at start), every one it holds something
+        unstored of."""
+        wanted = [p for p in periods_to_open(self.kinds(), self.grace_s, now) if p not in self.open]
+        if self._passes % HELD_EVERY == 0:
+            held = {key[2] for key in self.unstored()}  # (a scan of the table: not each pass)
+            wanted += sorted(
+                p for p in held
+                if p not in self.open and p not in self._closed_held and PERIOD_NAME.fullmatch(p)
+            )  # fmt: skip
+        self._passes += 1
+        for period in dict.fromkeys(wanted):
             try:
                 mark = await self.storage.mark_period_open(period, self.node, now)
             except StorageError as exc:
                 log.warning("period %s not marked open (will try again): %s", period, exc)
-                return
-            if mark.state == "open":
+                continue
+            if mark.state == MARK_OPEN:
                 self.open.add(period)
+            elif mark.by == OPERATOR and period in {key[2] for key in self.unstored()}:
+                # Closed by hand while this node held units of it: they are stored (the
+                # flusher writes them), so the period's export changes. Said loudly.
+                log.error(
+                    "period %s was closed by an operator for this node, which holds units of "
+                    "it not stored yet: storing them changes the period's export",
+                    period,
+                )
+                self._closed_held.add(period)
 
     async def close_due(self, now: float) -> list[str]:
         """Close every open period past its end plus the grace that holds nothing of this
@@ -155,20 +195,37 @@ class PeriodCloser:
             log.info("period %s closed: every unit this node counted there is stored", period)
         return done
 
+    async def drained(self, now: float) -> None:
+        """After a clean drain (nothing unstored): close the periods due, and mark the others
+        drained (counted as closed by an export; this node opens them again if it comes
+        back while they may still count)."""
+        await self.close_due(now)
+        for period in sorted(self.open):
+            try:
+                await self.storage.mark_period_drained(period, self.node, now)
+            except StorageError as exc:
+                log.warning("period %s not marked drained: %s", period, exc)
+                continue
+            self.open.discard(period)
+
     def oldest_open(self) -> str | None:
-        """The oldest period this node has not closed."""
-        return min(self.open, default=None)
+        """The open period that should have closed the longest ago (or, with none overdue,
+        the one that closes first)."""
+        return min(self.open, key=lambda p: period_closes_at(p, self.grace_s), default=None)
 
     async def run(self) -> None:
         """The node's loop: open and close periods every :data:`EVERY_S` seconds."""
         while True:
             await asyncio.sleep(EVERY_S)
             now = time.time()
-            if not self._started:
-                await self.start(now)
-            else:
-                await self.open_due(now)
-            await self.close_due(now)
+            try:
+                if not self._started:
+                    await self.start(now)
+                else:
+                    await self.open_due(now)
+                await self.close_due(now)
+            except Exception:  # (a bug must not end the loop: periods would never close)
+                log.exception("period close: a pass failed (tried again)")
 
 
 def overdue_s(period: str | None, grace_s: float, now: float) -> float:
@@ -182,23 +239,27 @@ def overdue_s(period: str | None, grace_s: float, now: float) -> float:
 async def close_state(
     storage: MarksAndOwners, period: str, grace_s: float, now: float
 ) -> dict[str, Any]:
-    """What an export of ``period`` says of its close: ``final`` (the period has ended plus
-    the grace and every node that marked it open has closed it), ``open_nodes`` (each with
-    when it marked the period open and when its ownership lease of its id ends: past, it is
-    not running), ``closed_by_operator`` (nodes closed by hand) and ``closes_at``."""
+    """What an export of ``period`` says of its close, as of ``now``: ``final`` (the period
+    has ended plus the grace and every node that marked it open has closed it, or drained),
+    ``open_nodes`` (each with when it marked the period open and when its ownership lease of
+    its id ends: past, it is not running), ``closed_by_operator`` (nodes closed by hand),
+    ``nodes`` (how many marked it), ``closes_at`` and ``read_at`` (``now``)."""
     marks = await storage.period_marks(period)
     closes_at = period_closes_at(period, grace_s)
     open_nodes: list[dict[str, Any]] = []
     for mark in marks:
-        if mark.state == "open":
+        if mark.state == MARK_OPEN:
             owner = await storage.owner(mark.node)
             open_nodes.append({"node": mark.node, "opened_at": mark.at,
                                "lease_ends": None if owner is None else owner.expires})  # fmt: skip
+    by_hand = [m.node for m in marks if m.state == MARK_CLOSED and m.by == OPERATOR]
     return {
         "final": now >= closes_at and not open_nodes,
         "open_nodes": open_nodes,
-        "closed_by_operator": [m.node for m in marks if m.state == "closed" and m.by == OPERATOR],
+        "closed_by_operator": by_hand,
+        "nodes": len(marks),
         "closes_at": closes_at,
+        "read_at": now,
     }
 
 
@@ -207,7 +268,7 @@ class PeriodMethods:
     come back (its unstored units, if any, are lost to the period: the export records who
     closed it)."""
 
-    def __init__(self, storage: PeriodMarks, grace_s: float) -> None:
+    def __init__(self, storage: MarksAndOwners, grace_s: float) -> None:
         self.storage = storage
         self.grace_s = grace_s
 
@@ -233,6 +294,13 @@ class PeriodMethods:
 
     async def _close(self, period: str, node: str, now: float) -> dict[str, Any]:
         try:
+            owner = await self.storage.owner(node)
+            if owner is not None and owner.expires > now:
+                raise InvalidArgument(
+                    f"close_period: node {node!r} is running (its id is owned until "
+                    f"{owner.expires:.0f}): it closes the period itself once it has stored "
+                    "everything; nothing changed"
+                )
             mark = await self.storage.mark_period_closed(period, node, now, OPERATOR)
         except StoragePermanentError as exc:
             raise InvalidArgument(f"close_period: {exc}") from None
