@@ -1,5 +1,6 @@
-"""Scenario 13, corrections (docs/protocol.md, ``void``): what a ``void`` costs against the
-``track`` it takes back, side by side in one run.
+"""Scenario 13, corrections and the period close (docs/protocol.md, ``void``;
+docs/invoicing.md): what a ``void`` costs against the ``track`` it takes back, side by side in
+one run; and the latency of calls while a node closes a period it holds 100,000 keys of.
 
 Each of 4 worker processes, one connection each, unpipelined, sends ``track`` calls under
 fresh request ids (the calls a void can take back), then a ``void`` of each of them, every id
@@ -11,6 +12,7 @@ dimension ``model``, so each call counts (and each void takes back) on 4 counter
 
 from __future__ import annotations
 
+import calendar
 import socket
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -19,6 +21,8 @@ from typing import Any
 import msgpack
 
 from bench.harness import NODE_MEMORY, Progress, Row, Services, Sizes, median, node_status
+from bench.loadgen import Load, run_load
+from meter.core.keys import period_start
 
 SCENARIO = "13 corrections (memory storage)"
 WORKERS = 4
@@ -66,7 +70,8 @@ def corrections(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 "rounds_ratio": ratios,
             },
             "measured",
-        )
+        ),
+        close_under_load(svc, sizes, progress),
     ]
 
 
@@ -101,3 +106,80 @@ def _answer(s: socket.socket, unpacker: Any) -> int:
         if not data:
             raise ConnectionError("the node closed the connection")
         unpacker.feed(data)
+
+
+#: Keys of last month the close row's node holds (each a tenant's counter).
+CLOSE_KEYS = 100_000
+#: Calls a frame of the fill carries (pipelined).
+FILL_DEPTH = 1_000
+
+
+def close_under_load(svc: Services, sizes: Sizes, progress: Progress) -> Row:
+    """The close of last month on a node holding ``CLOSE_KEYS`` keys of it, under a load of
+    plain ``track`` calls (4 connections): the load's p99 over a window holding the close,
+    against the same load over a window without one. Last month's grace is set to end a
+    moment after the keys are filled (``at`` in last month) and stored."""
+    now = time.time()
+    month_start = calendar.timegm(time.strptime(period_start("month", now), "%Y-%m"))
+    lead = 40.0 if sizes.name != "smoke" else 20.0
+    closes_at = now + lead
+    node = svc.node("close", METER_PERIOD_GRACE_S=str(closes_at - month_start))
+    try:
+        compiled = bool((node_status(node).get("build") or {}).get("compiled"))
+        progress(f"close: filling {CLOSE_KEYS:,} keys of last month")
+        errors = _fill(str(node.socket), month_start - 3600)
+        while node_status(node)["flush"]["backlog_keys"]:
+            if time.time() > closes_at - 5:
+                raise RuntimeError("close: the fill was not stored before the grace ended")
+            time.sleep(0.2)
+        if time.time() > closes_at - 3:
+            raise RuntimeError("close: the fill took too long for the window")
+        time.sleep(max(0.0, closes_at - 3 - time.time()))
+        window = 10.0
+        progress("close: load over the close")
+        load = Load("meter", str(node.socket), "track", 4, 1, duration=window, warmup=0.0)
+        over = run_load(load)
+        closed = node_status(node)["periods"]["closed"]
+        progress("close: the same load, no close")
+        plain = run_load(load)
+    finally:
+        svc.stop_node(node)
+    ours = over.percentile_us(99) / 1000
+    ref = plain.percentile_us(99) / 1000
+    return Row(
+        SCENARIO,
+        f"p99 of track under load while last month closes ({CLOSE_KEYS:,} keys of it), 4 conn",
+        "ms",
+        ours,
+        ref,
+        ours / ref if ref else 0.0,
+        "<= 100 ms p99",
+        ours <= 100 and closed >= 1 and errors + over.errors + plain.errors == 0 and compiled,
+        {
+            **NODE_MEMORY,
+            "keys_of_last_month": CLOSE_KEYS,
+            "closed_during_window": closed,
+            "window_s": window,
+            "max_ms": max(over.latencies_ns) / 1e6 if over.latencies_ns else 0.0,
+            "reference_max_ms": max(plain.latencies_ns) / 1e6 if plain.latencies_ns else 0.0,
+            "errors": errors + over.errors + plain.errors,
+        },
+        "measured",
+    )
+
+
+def _fill(path: str, at: float) -> int:
+    """``CLOSE_KEYS`` tracks of one unit each, one tenant each, dated ``at``: error answers."""
+    errors = 0
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        unpacker = msgpack.Unpacker(raw=False)
+        for first in range(0, CLOSE_KEYS, FILL_DEPTH):
+            frame = b"".join(
+                msgpack.packb([0, i, "track", [f"c{first + i}", "api", 1, {"at": at}]])
+                for i in range(FILL_DEPTH)
+            )
+            s.sendall(frame)
+            for _ in range(FILL_DEPTH):
+                errors += _answer(s, unpacker)
+    return errors
