@@ -180,6 +180,8 @@ WIRE_ROWS = {
 GROUPS = {"total": 3, "groups": [{"dims": {"m": "x"}, "value": 3}]}
 FEATURE = {"feature": "f", "aggregation": "sum", "dimensions": ["m"], "max_combinations": 9}
 VOIDED = {"voided": 3, "value": 9}
+CLOSE = {"final": False, "open_nodes": [{"node": "n2", "opened_at": 1.0, "lease_ends": None}],
+         "closed_by_operator": [], "nodes": 2, "closes_at": 9.0, "read_at": 5.0}  # fmt: skip
 CLOSED = {"period": "2026-11", "node": "n3", "state": "closed", "by": "operator", "at": 1.0}
 SAMPLES: list[tuple[str, tuple[Any, ...], dict[str, Any], Any, tuple[Any, ...], Any]] = [
     ("track", ("a", "f"), {}, 4, ("track", ["a", "f", 1], False), 4),
@@ -202,6 +204,8 @@ SAMPLES: list[tuple[str, tuple[Any, ...], dict[str, Any], Any, tuple[Any, ...], 
     ("release", ("res",), {}, None, ("release", ["res"], True), None),
     ("release", ("res",), {"id": "r1"}, None, ("release", ["res", {"id": "r1"}], True), None),
     ("void", ("c1",), {}, VOIDED, ("void", ["c1"], True), VOIDED),
+    ("export_state", ("2026-11",), {}, {"rows": [], "cursor": "c", **CLOSE},
+     ("export", ["2026-11", {"limit": 1}], True), CLOSE),
     ("close_period", ("2026-11", "n3"), {}, CLOSED, ("close_period", ["2026-11", "n3"], True),
      CLOSED),
     ("void", ("c1",), {"id": "v1"}, VOIDED, ("void", ["c1", {"id": "v1"}], True), VOIDED),

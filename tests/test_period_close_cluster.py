@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from meter.client import Client
 from meter.core.keys import period_start
 from meter.core.periods import period_instant
 from tests.support.cluster_harness import Fleet, wait_until
@@ -76,6 +77,9 @@ def test_a_node_killed_with_units_of_last_month_keeps_it_open_until_it_restarts(
     state, rows = export_all(nodes[0], last)
     assert state["open_nodes"] == [] and state["closed_by_operator"] == []
     assert rows == acked, (rows, acked)
+    with Client.connect(str(nodes[1].socket)) as client:  # (the typed client says it too)
+        got = client.export_state(last)
+        assert got["final"] is True and got["nodes"] == 3 and got["open_nodes"] == []
     assert nodes[2].call("status")["periods"]["oldest_open"] in (month, None)
     # Final never changes afterwards: a late call is refused, the rows stay.
     for node in nodes:

@@ -520,6 +520,12 @@ class AsyncClient(Retrying):
         (``None`` after the last). A page may be short, even empty, before the last."""
         return await self._run(calls.EXPORT_PAGE, period, cursor, limit)
 
+    async def export_state(self, period: str) -> dict[str, Any]:
+        """Whether ``period``'s export is final, and if not which nodes are still open:
+        ``{final, open_nodes, closed_by_operator, nodes, closes_at, read_at}``
+        (docs/invoicing.md)."""
+        return await self._run(calls.EXPORT_STATE, period)
+
     async def export(self, period: str, limit: int | None = None) -> AsyncIterator[ExportRow]:
         """Every stored counter of ``period``, a page (``limit`` rows) at a time."""
         cursor: str | None = None

@@ -392,6 +392,12 @@ class Client(Retrying):
         (``None`` after the last). A page may be short, even empty, before the last."""
         return self._run(calls.EXPORT_PAGE, period, cursor, limit)
 
+    def export_state(self, period: str) -> dict[str, Any]:
+        """Whether ``period``'s export is final, and if not which nodes are still open:
+        ``{final, open_nodes, closed_by_operator, nodes, closes_at, read_at}``
+        (docs/invoicing.md)."""
+        return self._run(calls.EXPORT_STATE, period)
+
     def export(self, period: str, limit: int | None = None) -> Iterator[ExportRow]:
         """Every stored counter of ``period``, a page (``limit`` rows) at a time."""
         cursor: str | None = None

@@ -342,6 +342,15 @@ def _export(period: str, cursor: str | None, limit: int | None) -> list[Any]:
     return [period, opts] if opts else [period]
 
 
+def _export_state(period: str) -> list[Any]:
+    return [period, {"limit": 1}]
+
+
+def _close_state(answer: Any) -> dict[str, Any]:
+    """An ``export`` answer's close state (docs/invoicing.md), without its rows."""
+    return {k: v for k, v in cast(dict[str, Any], answer).items() if k not in ("rows", "cursor")}
+
+
 def _set_plan(name: str, features: Mapping[str, Mapping[str, Any]]) -> list[Any]:
     return [name, {f: dict(spec) for f, spec in features.items()}]
 
@@ -471,6 +480,7 @@ UNSUBSCRIBE = _plain("unsubscribe", _tenant, _bool, Kind.CHANGE)
 SUBSCRIBE_ALERTS = _plain("subscribe_alerts", _nothing, _ignored, Kind.CHANGE)
 UNSUBSCRIBE_ALERTS = _plain("unsubscribe_alerts", _nothing, _bool, Kind.CHANGE)
 EXPORT_PAGE = _plain("export_page", _export, _export_answer, wire="export")
+EXPORT_STATE = _plain("export_state", _export_state, _close_state, wire="export")
 CHECK = _plain("check", _check, _map)
 SET_PLAN = _plain("set_plan", _set_plan, _version, Kind.CHANGE)  # a plan replaced by the same
 ASSIGN_PLAN = _plain("assign_plan", _assign_plan, _version, Kind.CHANGE)
@@ -507,6 +517,7 @@ TABLE: dict[str, Method[Any, Any]] = {
         SUBSCRIBE_ALERTS,
         UNSUBSCRIBE_ALERTS,
         EXPORT_PAGE,
+        EXPORT_STATE,
         CHECK,
         SET_PLAN,
         ASSIGN_PLAN,
