@@ -580,7 +580,9 @@ class UniqueValues(Protocol):
 class PeriodMarks(Protocol):
     """Each node's open, closed or drained mark of a counting period (docs/storage.md)."""
 
-    async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark: ...
+    async def mark_period_open(
+        self, period: str, node: str, at: float, by: str | None = None
+    ) -> PeriodMark: ...
     async def mark_period_closed(
         self, period: str, node: str, at: float, by: str
     ) -> PeriodMark: ...
@@ -879,7 +881,9 @@ class Storage(abc.ABC):
     # conditional writes only: a close is never reopened, a close never replaced. Kept as long
     # as the period's counters.
 
-    async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark:
+    async def mark_period_open(
+        self, period: str, node: str, at: float, by: str | None = None
+    ) -> PeriodMark:
         """Record that ``node`` counts in ``period``: written where no mark is or over a
         drained one (the node opening again after a drain); an open or closed mark already
         there is kept and returned (conditional write: never reopens a closed period).

@@ -1474,12 +1474,14 @@ class DynamoDBStorage(Storage):
 
     # -- period marks (docs/storage.md, "Period marks") --------------------------------------
 
-    async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark:
+    async def mark_period_open(
+        self, period: str, node: str, at: float, by: str | None = None
+    ) -> PeriodMark:
         """One ``PutItem`` conditioned on ``attribute_not_exists(pk) OR #s = :drained``; a
         refused condition (an open or closed mark there already, perhaps this very call's
         earlier try that ``_call`` sent again) is answered with the stored mark: from
         ``ALL_OLD``, or a consistent ``GetItem`` where none comes back (DynamoDB Local)."""
-        mark = check_period_mark(period, node, at, node, MARK_OPEN)
+        mark = check_period_mark(period, node, at, by or node, MARK_OPEN)
         held = await self._put_mark(
             period,
             mark,

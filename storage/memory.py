@@ -408,8 +408,10 @@ class MemoryStorage(Storage):
 
     # -- period marks --------------------------------------------------------------------------
 
-    async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark:
-        mark = check_period_mark(period, node, at, node, MARK_OPEN)
+    async def mark_period_open(
+        self, period: str, node: str, at: float, by: str | None = None
+    ) -> PeriodMark:
+        mark = check_period_mark(period, node, at, by or node, MARK_OPEN)
         marks = self.marks.setdefault(period, {})
         held = marks.get(node)
         if held is None or held.state == MARK_DRAINED:

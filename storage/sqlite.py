@@ -835,10 +835,12 @@ class SQLiteStorage(Storage):
 
     # -- period marks (docs/storage.md, "Period marks") --------------------------------------
 
-    async def mark_period_open(self, period: str, node: str, at: float) -> PeriodMark:
+    async def mark_period_open(
+        self, period: str, node: str, at: float, by: str | None = None
+    ) -> PeriodMark:
         """An upsert that replaces a drained row only, then the mark read back, in one
         ``BEGIN IMMEDIATE``."""
-        mark = check_period_mark(period, node, at, node, MARK_OPEN)
+        mark = check_period_mark(period, node, at, by or node, MARK_OPEN)
 
         def write(conn: sqlite3.Connection) -> PeriodMark:
             conn.execute(_MARK_OPENING, (period, node, mark.state, mark.at, mark.by))

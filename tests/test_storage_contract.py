@@ -1153,6 +1153,9 @@ async def test_period_mark_open_twice_keeps_the_first(storage: Storage) -> None:
     # An int time is kept as a float.
     assert await storage.mark_period_open(P, "n2", 7) == _open("n2", 7.0)
     assert await storage.period_marks(P) == [first, _open("n2", 7.0)]
+    # Opened by someone other than the node id (its data dir): kept as given.
+    assert await storage.mark_period_open(P, "n3", 8, "d1") == PeriodMark("n3", "open", 8.0, "d1")
+    assert (await storage.period_marks(P))[2].by == "d1"
 
 
 async def test_period_mark_close_after_open(storage: Storage) -> None:

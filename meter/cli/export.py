@@ -135,7 +135,7 @@ def final_line(period: str, state: dict[str, Any]) -> str:
     if state["read_at"] < state["closes_at"]:
         return (f"meter: export: {period} is NOT final: calls may still count in it until "
                 f"{_when(state['closes_at'])} (its end plus period_grace_s){closed}")  # fmt: skip
-    now = time.time()
+    now = state["read_at"]
     nodes = "; ".join(
         f"{n['node']} (open since {_when(n['opened_at'])}, {_running(n['lease_ends'], now)})"
         for n in state["open_nodes"]

@@ -76,6 +76,20 @@ class DataDir:
         """``token`` owns the id now: the earlier tokens are no longer needed."""
         _write_synced(self.path / "owner", token + "\n")
 
+    def marks_id(self) -> str:
+        """This data dir's own id, made once: the period marks it opens carry it, so a
+        restart takes back its own marks and never another data dir's under the same node
+        id (meter.persist.closing)."""
+        file = self.path / "marks-id"
+        try:
+            text = file.read_text().strip()
+        except FileNotFoundError:
+            text = ""
+        if not text:
+            text = secrets.token_hex(8)
+            _write_synced(file, text + "\n")
+        return text
+
     def incarnation(self) -> int:
         """This start's gossip incarnation: ``max(now in ns, the last one + 1)``, kept here.
 

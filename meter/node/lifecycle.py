@@ -253,6 +253,7 @@ class Node:
                 lambda: kinds_in_use(periods),
                 cfg.counters.period_grace_s,
                 self._unstored_keys,
+                self.data_dir.marks_id(),
             )
             # Before the socket opens: the periods it may count in are marked open first.
             await self.closer.start()

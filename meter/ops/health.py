@@ -119,6 +119,7 @@ def status_fields(node: NodeView) -> dict[str, Any]:
         grace = config.counters.period_grace_s
         out["periods"] = {
             "open": sorted(node.closer.open),
+            "foreign": sorted(node.closer.foreign),
             "oldest_open": oldest,
             "overdue_s": round(overdue_s(oldest, grace, now), 3),
             "closed": node.closer.closed_total,

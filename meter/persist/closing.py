@@ -43,6 +43,9 @@ AHEAD_S = 120.0
 #: Every how many passes the node looks for periods it holds units of but has not marked
 #: (a scan of its unstored keys: about 10 ms at 100,000 keys).
 HELD_EVERY = 10
+#: An earlier period the grace still reaches is marked open whatever the node holds once it
+#: closes within this (by then the scan above has had many passes to mark a held one).
+CLOSING_SOON_S = 600.0
 #: Who a close by hand is written by (``meter period close``).
 OPERATOR = "operator"
 #: A counting period's name: a UTC month or day (``""``, a credit pool's, is none).
@@ -53,24 +56,24 @@ LOOK_BACK = {"month": 3, "day": 40}
 
 
 def periods_to_open(kinds: Iterable[PeriodKind], grace_s: float, now: float) -> list[str]:
-    """The periods a node may count in now or within :data:`AHEAD_S`: of each kind, the
-    current one, every one before it still within ``grace_s`` of its end (a grace longer
-    than a month reaches two back), and the next one when it begins within
-    :data:`AHEAD_S`."""
+    """The periods a node marks open whether it holds anything of them or not: of each
+    kind, the current one, the next one when it begins within :data:`AHEAD_S`, and every
+    earlier one its grace still reaches that closes within :data:`CLOSING_SOON_S` (the
+    current first). An earlier period that closes later (a long grace) is marked once the
+    node holds units of it (:meth:`PeriodCloser.open_due`'s scan), well before it closes."""
     out: list[str] = []
     for kind in kinds:
         current = period_start(kind, now)
-        start = period_instant(current)
-        earlier: list[str] = []
-        while now < start + grace_s:  # (the period before ``start`` ends there)
-            before = period_start(kind, start - 1)
-            earlier.append(before)
-            start = period_instant(before)
-        out.extend(reversed(earlier))
         out.append(current)
         end = period_end(kind, now)
         if end - now <= AHEAD_S:
             out.append(period_start(kind, end))
+        start = period_instant(current)
+        while now < start + grace_s:  # (the period before ``start`` ends there)
+            before = period_start(kind, start - 1)
+            if start + grace_s - now <= CLOSING_SOON_S:
+                out.append(before)
+            start = period_instant(before)
     return out
 
 
@@ -108,8 +111,13 @@ class PeriodCloser:
         kinds: Callable[[], list[PeriodKind]],
         grace_s: float,
         unstored: Callable[[], Iterable[Key]],
+        data_dir_id: str,
     ) -> None:
         self.node = node
+        #: This node's data dir (its own id): the marks it opens carry it, so a restart
+        #: takes back its own marks and never those another data dir opened under the same
+        #: node id (whose units it does not hold).
+        self.data_dir_id = data_dir_id
         self.storage = storage
         self.kinds = kinds
         self.grace_s = grace_s
@@ -119,6 +127,9 @@ class PeriodCloser:
         self.unstored = unstored
         #: Periods this node marked open (or found open at start) and has not closed.
         self.open: set[str] = set()
+        #: Periods open under this node id by another data dir: never closed here (an
+        #: operator closes them once that data dir is gone for good).
+        self.foreign: set[str] = set()
         #: Closes written since the start.
         self.closed_total = 0
         # Periods found closed by an operator while this node held units of them (said once).
@@ -137,7 +148,7 @@ class PeriodCloser:
                     continue
                 for mark in await self.storage.period_marks(period):
                     if mark.node == self.node and mark.state == MARK_OPEN:
-                        self.open.add(period)
+                        self._opened(period, mark.by)
             self._started = True
         except StorageError as exc:
             log.warning("period marks not read (will try again): %s", exc)
@@ -157,12 +168,12 @@ class PeriodCloser:
         self._passes += 1
         for period in dict.fromkeys(wanted):
             try:
-                mark = await self.storage.mark_period_open(period, self.node, now)
+                mark = await self.storage.mark_period_open(period, self.node, now, self.data_dir_id)
             except StorageError as exc:
                 log.warning("period %s not marked open (will try again): %s", period, exc)
                 continue
             if mark.state == MARK_OPEN:
-                self.open.add(period)
+                self._opened(period, mark.by)
             elif mark.by == OPERATOR and period in {key[2] for key in self.unstored()}:
                 # Closed by hand while this node held units of it: they are stored (the
                 # flusher writes them), so the period's export changes. Said loudly.
@@ -172,6 +183,19 @@ class PeriodCloser:
                     period,
                 )
                 self._closed_held.add(period)
+
+    def _opened(self, period: str, by: str) -> None:
+        """``period`` is open under this node id, opened by ``by``."""
+        if by == self.data_dir_id:
+            self.open.add(period)
+        elif period not in self.foreign:
+            self.foreign.add(period)
+            log.error(
+                "period %s is open for node id %s from another data dir (%s): this process "
+                "will not close it; once that data dir is gone for good, close it by hand "
+                "(meter period close %s --node %s)",
+                period, self.node, by, period, self.node,
+            )  # fmt: skip
 
     async def close_due(self, now: float) -> list[str]:
         """Close every open period past its end plus the grace that holds nothing of this
@@ -185,10 +209,14 @@ class PeriodCloser:
             if period in held:
                 continue
             try:
-                await self.storage.mark_period_closed(period, self.node, time.time(), self.node)
+                mark = await self.storage.mark_period_closed(
+                    period, self.node, time.time(), self.node
+                )
             except StorageError as exc:
                 log.warning("period %s not closed (will try again): %s", period, exc)
                 continue
+            if mark.by == OPERATOR:
+                log.error("period %s had been closed for this node by an operator", period)
             self.open.discard(period)
             self.closed_total += 1
             done.append(period)
@@ -200,7 +228,8 @@ class PeriodCloser:
         drained (counted as closed by an export; this node opens them again if it comes
         back while they may still count)."""
         await self.close_due(now)
-        for period in sorted(self.open):
+        held = {key[2] for key in self.unstored()}  # (open leases, claims: kept open)
+        for period in sorted(self.open - held):
             try:
                 await self.storage.mark_period_drained(period, self.node, now)
             except StorageError as exc:
