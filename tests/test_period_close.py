@@ -8,7 +8,6 @@ import asyncio
 import calendar
 import time
 from datetime import UTC, datetime
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -28,6 +27,7 @@ from meter.persist.closing import (
     recent_periods,
 )
 from storage.memory import MemoryStorage
+from tests.support.services import SlowLoads
 
 NOV = "2026-11"
 NOV_END = calendar.timegm((2026, 12, 1, 0, 0, 0))
@@ -236,18 +236,10 @@ async def test_a_unique_call_waiting_across_the_close_is_refused(
     from meter.errors import PeriodClosed
     from meter.node.wiring import build_service
 
-    class Slow(MemoryStorage):
-        gate: asyncio.Event | None = None
-
-        async def load(self, keys: Any) -> Any:
-            if self.gate is not None:
-                await self.gate.wait()
-            return await super().load(keys)
-
     now = time.time()
     start = period_instant(period_start("month", now))
     grace = now - start + 0.3  # (last month closes 0.3 s from now)
-    store = Slow()
+    store = SlowLoads()
     svc = build_service(CounterTable("n1"), store, CounterConfig(period_grace_s=grace))
     got = svc.dispatch("set_feature", ["seats", {"aggregation": "unique"}])
     await got

@@ -4,7 +4,6 @@ counters, once (docs/protocol.md, ``void``; ADR 0019; correctness V01-V03)."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import shutil
 from typing import Any
 
@@ -22,22 +21,10 @@ from meter.persist.recovery import recover
 from meter.wal.log import WriteAheadLog
 from storage.memory import MemoryStorage
 from tests.support.nodes import short_tmpdir
-from tests.support.services import logged_service
+from tests.support.services import SlowLoads, logged_service
+from tests.test_dimensions import call, error
 
 MONTH = period_start("month")
-
-
-async def call(svc: Service, method: str, *params: Any) -> Any:
-    result = svc.dispatch(method, list(params))
-    if inspect.isawaitable(result):
-        return await result
-    return result
-
-
-async def error(svc: Service, method: str, *params: Any) -> MeterError:
-    with pytest.raises(MeterError) as info:
-        await call(svc, method, *params)
-    return info.value
 
 
 def service(**config: Any) -> Service:
@@ -196,17 +183,9 @@ async def test_a_void_waiting_for_a_cold_counter_judges_again_after_the_wait(
     """After a restart the counters are cold: a void reads them first; a call undone while
     it waited (its id forgotten) is then not taken back, the other is."""
 
-    class Slow(MemoryStorage):
-        gate: asyncio.Event | None = None
-
-        async def load(self, keys: Any) -> Any:
-            if self.gate is not None:
-                await self.gate.wait()
-            return await super().load(keys)
-
     d = short_tmpdir("voids-")
     try:
-        store = Slow()
+        store = SlowLoads()
         svc, wal = await logged_service(d, store)
         await call(svc, "track", "acme", "api", 5, {"id": "t1"})
         await call(svc, "track", "acme", "api", 6, {"id": "t2"})

@@ -3,8 +3,9 @@ opens (its limits and declarations read first): for tests that restart one in pl
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from meter.config import CounterConfig
 from meter.core.idempotency import RequestIds
@@ -15,6 +16,19 @@ from meter.persist.recovery import recover
 from meter.quotas.store import LimitStore
 from meter.wal.log import WriteAheadLog
 from storage.base import Storage
+from storage.memory import MemoryStorage
+
+
+class SlowLoads(MemoryStorage):
+    """Memory storage whose reads of counters wait for :attr:`gate` while it is set and
+    not open (a slow or stalled storage, for calls that wait on a cold counter)."""
+
+    gate: asyncio.Event | None = None
+
+    async def load(self, keys: Any) -> Any:
+        if self.gate is not None:
+            await self.gate.wait()
+        return await super().load(keys)
 
 
 async def logged_service(
