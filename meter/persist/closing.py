@@ -159,8 +159,9 @@ class PeriodCloser:
         every :data:`HELD_EVERY` passes (and at start), every one it holds something
         unstored of."""
         wanted = [p for p in periods_to_open(self.kinds(), self.grace_s, now) if p not in self.open]
+        held: set[str] | None = None
         if self._passes % HELD_EVERY == 0:
-            held = {key[2] for key in self.unstored()}  # (a scan of the table: not each pass)
+            held = self._held()  # (a scan of the table: not each pass)
             wanted += sorted(
                 p for p in held
                 if p not in self.open and p not in self._closed_held and PERIOD_NAME.fullmatch(p)
@@ -174,7 +175,7 @@ class PeriodCloser:
                 continue
             if mark.state == MARK_OPEN:
                 self._opened(period, mark.by)
-            elif mark.by == OPERATOR and period in {key[2] for key in self.unstored()}:
+            elif mark.by == OPERATOR and period in (held if held is not None else self._held()):
                 # Closed by hand while this node held units of it: they are stored (the
                 # flusher writes them), so the period's export changes. Said loudly.
                 log.error(
@@ -183,6 +184,10 @@ class PeriodCloser:
                     period,
                 )
                 self._closed_held.add(period)
+
+    def _held(self) -> set[str]:
+        """The periods this node holds something of that storage may not hold yet."""
+        return {key[2] for key in self.unstored()}
 
     def _opened(self, period: str, by: str) -> None:
         """``period`` is open under this node id, opened by ``by``."""
@@ -203,7 +208,7 @@ class PeriodCloser:
         due = [p for p in sorted(self.open) if now >= period_closes_at(p, self.grace_s)]
         if not due:
             return []
-        held = {key[2] for key in self.unstored()}
+        held = self._held()
         done: list[str] = []
         for period in due:
             if period in held:
@@ -228,7 +233,7 @@ class PeriodCloser:
         drained (counted as closed by an export; this node opens them again if it comes
         back while they may still count)."""
         await self.close_due(now)
-        held = {key[2] for key in self.unstored()}  # (open leases, claims: kept open)
+        held = self._held()  # (open leases, claims: kept open)
         for period in sorted(self.open - held):
             try:
                 await self.storage.mark_period_drained(period, self.node, now)
