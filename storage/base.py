@@ -28,6 +28,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from storage import periods
+
 Key = tuple[str, ...]
 """``(tenant, feature, period)``; ``period`` is ``YYYY-MM`` or ``YYYY-MM-DD``."""
 
@@ -257,24 +259,14 @@ def decode_cursor(cursor: object, max_len: int = 65_536) -> Any:
         raise BadCursor(f"cursor {cursor[:32]!r} is not one a previous page handed out") from None
 
 
-_PERIOD_RE = re.compile(r"([0-9]{4})-([0-9]{2})(?:-([0-9]{2}))?")  # ASCII digits only
-
-
 def check_period(period: object) -> str:
-    """``period`` if it is a period counters are stored under (``YYYY-MM``, a UTC month, or
-    ``YYYY-MM-DD``, a UTC day, of a real date), else :class:`StoragePermanentError`."""
-    match = _PERIOD_RE.fullmatch(period) if isinstance(period, str) else None
-    if match is not None:
-        year, month, day = (int(g) if g else 1 for g in match.groups())
-        try:
-            datetime.date(year, month, day)
-        except ValueError:
-            match = None
-    if match is None:
-        shown = period[:32] if isinstance(period, str) else type(period).__name__
-        raise StoragePermanentError(
-            f"period {shown!r} is not a UTC month (YYYY-MM) or day (YYYY-MM-DD)"
-        )
+    """``period`` if it names a period counters are stored under (:mod:`storage.periods`: a
+    UTC month ``YYYY-MM`` or day ``YYYY-MM-DD``, a billing cycle's month ``YYYY-MM@D:Zone``
+    or a zone's day ``YYYY-MM-DD@Zone``), else :class:`StoragePermanentError`."""
+    try:
+        periods.parse(period)
+    except (ValueError, TypeError) as exc:
+        raise StoragePermanentError(str(exc)) from None
     assert isinstance(period, str)
     return period
 
@@ -300,8 +292,16 @@ def check_range(first: object, last: object) -> tuple[str, str]:
 def check_day_of(day: str, period: str) -> None:
     """:class:`StoragePermanentError` unless ``day`` is a ``YYYY-MM-DD`` inside the month
     ``period`` (a delta's day bucket)."""
-    if len(period) != 7 or len(check_period(day)) != 10 or not day.startswith(period + "-"):
-        raise StoragePermanentError(f"day {day!r} is not a day of month period {period!r}")
+    if len(period) == 7 and len(day) == 10 and day.startswith(period + "-"):
+        check_period(day)
+        return
+    try:
+        first, last = periods.days(period)
+        inside = len(check_period(day)) == 10 and first <= datetime.date.fromisoformat(day) <= last
+    except (ValueError, TypeError, StoragePermanentError):
+        inside = False
+    if not inside:
+        raise StoragePermanentError(f"day {str(day)[:32]!r} is not a day of period {period!r}")
 
 
 #: Most rows one export page may be asked for (what one page holds in memory).

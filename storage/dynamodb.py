@@ -24,17 +24,14 @@ one ``UpdateItem`` each; ``single`` never batches.
 from __future__ import annotations
 
 import asyncio
-import calendar
 import collections
 import contextlib
-import functools
 import hashlib
 import logging
 import os
 import random
 import time
 from collections.abc import Iterator, Sequence
-from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 from urllib.parse import urlsplit
@@ -53,6 +50,7 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from storage import periods
 from storage.base import (
     EMPTY,
     MARK_CLOSED,
@@ -2050,26 +2048,8 @@ def _reading(item: dict[str, Any]) -> GaugeReading:
 
 
 def _check_period(period: str) -> None:
-    if not _period_ok(period):
-        raise StoragePermanentError(
-            f"dynamodb: period {period[:16]!r} is not YYYY-MM or YYYY-MM-DD"
-        )
-
-
-@functools.lru_cache(maxsize=1024)
-def _period_ok(period: str) -> bool:
-    """Whether ``period`` is ``YYYY-MM`` or ``YYYY-MM-DD`` (remembered: a flush or a seeding
-    read checks the period of every key, strptime took 6-9% of a seeding node's CPU)."""
-    try:
-        if len(period) == 7:
-            datetime.strptime(period, "%Y-%m")
-            return True
-        if len(period) == 10:
-            datetime.strptime(period, "%Y-%m-%d")
-            return True
-    except ValueError:
-        pass
-    return False
+    if not periods.is_period(period):  # (cached: a flush or a seeding read asks per key)
+        raise StoragePermanentError(f"dynamodb: period {period[:80]!r} is not a period name")
 
 
 #: Attribute name prefixes of the units a process admitted onto a budget item, and of its
@@ -2114,14 +2094,7 @@ def _alert_ttl(retention_days: int) -> int:
 def _ttl(period: str, retention_days: int) -> int:
     """Epoch seconds at which DynamoDB may expire the item: the later of the period's end and
     now, plus the retention (a late write to an old period must not expire at once)."""
-    if len(period) == 7:
-        year, month = int(period[:4]), int(period[5:7])
-        # Start + the month's length, never a datetime for the next month: after 9999-12
-        # there is none.
-        start = datetime(year, month, 1, tzinfo=UTC).timestamp()
-        end = start + calendar.monthrange(year, month)[1] * 86400
-    else:
-        end = datetime.strptime(period, "%Y-%m-%d").replace(tzinfo=UTC).timestamp() + 86400
+    end = periods.bounds(period)[1]
     return max(int(end), int(time.time())) + retention_days * 86400
 
 

@@ -13,20 +13,18 @@ connection: calls from many asyncio tasks are queued and run one at a time, in o
 from __future__ import annotations
 
 import asyncio
-import calendar
 import concurrent.futures
 import contextlib
 import functools
 import json
 import logging
-import re
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
+from storage import periods
 from storage.base import (
     EMPTY,
     MARK_CLOSED,
@@ -292,8 +290,6 @@ _MARK_DRAIN = (
     " WHERE period = ? AND node = ? AND state = 'open'"
 )
 
-_MONTH_RE = re.compile(r"\d{4}-\d{2}")
-_DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 #: How long a statement waits for another connection's lock before giving up (busy).
 BUSY_TIMEOUT_S = 5.0
@@ -1569,27 +1565,10 @@ def _check_delta(d: Delta) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=1024)
 def _period_end(period: str) -> int:
-    """The first instant after ``period`` (``YYYY-MM`` or ``YYYY-MM-DD``, UTC), epoch seconds.
-    Cached: every key a flush writes asks (a ``strptime`` each was a tenth of the writer
-    thread's time while a node seeded 100,000 cold keys); a bad period raises, and is not
-    cached.
-
-    Computed as start + length, never as a datetime of the next period: after 9999-12 there is
-    none. Kept here rather than imported: storage must not depend on ``meter``.
-    """
-    try:
-        if _MONTH_RE.fullmatch(period):
-            start = datetime.strptime(period, "%Y-%m").replace(tzinfo=UTC)
-            days = calendar.monthrange(start.year, start.month)[1]
-            return int(start.timestamp()) + days * 86400
-        if _DAY_RE.fullmatch(period):
-            start = datetime.strptime(period, "%Y-%m-%d").replace(tzinfo=UTC)
-            return int(start.timestamp()) + 86400
-    except (ValueError, OverflowError):
-        pass
-    raise ValueError(f"period {period!r} is not a valid YYYY-MM or YYYY-MM-DD period")
+    """The first instant after ``period`` (:mod:`storage.periods`), epoch seconds (cached
+    there: every key a flush writes asks); :class:`ValueError` for a bad period."""
+    return int(periods.bounds(period)[1])
 
 
 def _total(total: object, tenant: str, feature: str, period: str) -> int:

@@ -91,10 +91,10 @@ def test_the_export_method_pages_through_the_nodes_storage(workdir: Path) -> Non
 
         _, first = raw_call(node.socket, "export", month, {"limit": 1})
         bad: list[tuple[list[Any], str]] = [
-            (["2026-13"], "is not a UTC month"),
-            (["2026-11-31"], "is not a UTC month"),
-            (["2026-11#f0"], "is not a UTC month"),
-            ([202611], "is not a UTC month"),
+            (["2026-13"], "is not a period name"),
+            (["2026-11-31"], "is not a period name"),
+            (["2026-11#f0"], "is not a period name"),
+            ([202611], "is not a period name"),
             ([], "export takes 1 to 2 params"),
             ([month, {}, 3], "export takes 1 to 2 params"),
             ([month, "cursor"], "opts must be a map"),
@@ -271,7 +271,7 @@ def test_meter_export_out_is_atomic_and_bad_input_is_refused(workdir: Path) -> N
     assert sorted(p.name for p in workdir.iterdir()) == ["broken", "d", "nov.csv"]
 
     cases: list[tuple[list[str], dict[str, str], int, str]] = [
-        (["--period", "2026-13"], env, 2, "meter: --period: period '2026-13' is not a UTC month"),
+        (["--period", "2026-13"], env, 2, "meter: --period: period '2026-13' is not a period name"),
         (["--period", "2026-11-31"], env, 2, "meter: --period: period '2026-11-31' is not"),
         (["--period", "november"], env, 2, "meter: --period: period 'november' is not"),
         (["--period", "2026-11", "--out", str(workdir / "no" / "x.csv")], env, 2, "no such dir"),

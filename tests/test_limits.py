@@ -183,6 +183,7 @@ async def test_plans_assignments_and_overrides_round_trip(client: AsyncClient) -
     assert got == {
         "tenant": "acme",
         "plan": "pro",
+        "cycle": [],
         "version": v3,
         "limits": {
             "api": {"limit": 7, "kind": "hard", "enforcement": "fast", "source": "override"},
@@ -196,6 +197,7 @@ async def test_plans_assignments_and_overrides_round_trip(client: AsyncClient) -
     assert (await client.limits("nobody")) == {
         "tenant": "nobody",
         "plan": None,
+        "cycle": [],
         "version": v3 + 2,
         "limits": {},
     }

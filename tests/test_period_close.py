@@ -47,7 +47,7 @@ def test_the_periods_a_node_opens_hold_every_call_it_may_count(
     among those it marks open at ``now`` whatever it holds; each of those is a real period
     name that may still count, and there are a few of them whatever the grace."""
     now = at.replace(tzinfo=UTC).timestamp()
-    opened = periods_to_open(["month", "day"], grace, now)
+    opened = periods_to_open(["month", "day"], [None], grace, now)
     when = now - back * (grace + 62 * 86400)  # (past the grace too: then it is refused)
     for kind in ("month", "day"):
         assert period_start(kind, now) in opened
@@ -64,7 +64,7 @@ def test_the_periods_a_node_opens_hold_every_call_it_may_count(
 
 def test_recent_periods_go_back_whole_periods() -> None:
     now = calendar.timegm((2026, 3, 1, 12, 0, 0))
-    got = recent_periods(["month", "day"], now)
+    got = recent_periods(["month", "day"], [None], now)
     assert got[:3] == ["2026-02", "2026-01", "2025-12"]
     assert got[3:6] == ["2026-02-28", "2026-02-27", "2026-02-26"] and len(got) == 43
 
@@ -91,7 +91,7 @@ class Held:
 async def test_a_node_closes_a_period_once_due_and_nothing_of_it_is_unstored() -> None:
     store = MemoryStorage()
     held = Held()
-    closer = PeriodCloser("n1", store, lambda: ["month"], 3600, held, "d1")
+    closer = PeriodCloser("n1", store, lambda: ["month"], lambda: [None], 3600, held, "d1")
     at = NOV_END - 10  # (November, near its end: December read ahead too)
     await closer.start(at)
     assert closer.open == {NOV, "2026-12"}
@@ -110,14 +110,14 @@ async def test_a_node_closes_a_period_once_due_and_nothing_of_it_is_unstored() -
 
 async def test_a_restarted_node_finds_its_open_marks_and_closes_them() -> None:
     store = MemoryStorage()
-    first = PeriodCloser("n1", store, lambda: ["month"], 60, Held(), "d1")
+    first = PeriodCloser("n1", store, lambda: ["month"], lambda: [None], 60, Held(), "d1")
     await first.start(NOV_END - 5)
     # (killed; back two days later, its units stored by its flusher)
-    again = PeriodCloser("n1", store, lambda: ["month"], 60, Held(), "d1")
+    again = PeriodCloser("n1", store, lambda: ["month"], lambda: [None], 60, Held(), "d1")
     await again.start(NOV_END + 2 * 86400)
     assert NOV in again.open and "2026-12" in again.open
     assert await again.close_due(NOV_END + 2 * 86400) == [NOV]
-    other = PeriodCloser("n2", store, lambda: ["month"], 60, Held(), "d2")
+    other = PeriodCloser("n2", store, lambda: ["month"], lambda: [None], 60, Held(), "d2")
     await other.start(NOV_END + 2 * 86400)
     assert NOV not in other.open  # (n2 never counted there)
 
@@ -158,7 +158,7 @@ async def test_the_nodes_loop_opens_and_closes(monkeypatch: pytest.MonkeyPatch) 
     before = period_start("month", start - 1)
     grace = now - start + 0.5  # (the previous month closes half a second from now)
     store = MemoryStorage()
-    closer = PeriodCloser("n1", store, lambda: ["month"], grace, Held(), "d1")
+    closer = PeriodCloser("n1", store, lambda: ["month"], lambda: [None], grace, Held(), "d1")
     task = asyncio.ensure_future(closer.run())
     try:
         deadline = time.monotonic() + 10
@@ -177,7 +177,7 @@ async def test_a_period_held_without_a_mark_is_marked_once_storage_answers() -> 
     its start, past its grace): marked open at the next pass, and closed once stored."""
     store = MemoryStorage()
     held = Held()
-    closer = PeriodCloser("n1", store, lambda: ["month"], 60, held, "d1")
+    closer = PeriodCloser("n1", store, lambda: ["month"], lambda: [None], 60, held, "d1")
     now = NOV_END + 10 * 86400  # (December: November past its grace)
     held.keys = [("acme", "api", NOV), ("acme", "api", "")]  # (and a credit pool's key)
     await closer.start(now)
@@ -192,7 +192,7 @@ async def test_a_period_held_without_a_mark_is_marked_once_storage_answers() -> 
 async def test_a_drained_node_counts_as_closed_and_opens_again_when_back() -> None:
     store = MemoryStorage()
     held = Held()
-    closer = PeriodCloser("n1", store, lambda: ["month"], 60, held, "d1")
+    closer = PeriodCloser("n1", store, lambda: ["month"], lambda: [None], 60, held, "d1")
     await closer.start(NOV_END - 86400)
     await store.mark_period_open(NOV, "n2", NOV_END - 86400)
     await closer.drained(NOV_END - 3600)  # (SIGTERM, everything stored: gone for good?)
@@ -200,7 +200,7 @@ async def test_a_drained_node_counts_as_closed_and_opens_again_when_back() -> No
     await store.mark_period_closed(NOV, "n2", NOV_END + 61, "n2")
     assert (await close_state(store, NOV, 60, NOV_END + 61))["final"] is True
     # Back before the period ended: it opens it again, and the export waits for it.
-    back = PeriodCloser("n1", store, lambda: ["month"], 60, held, "d1")
+    back = PeriodCloser("n1", store, lambda: ["month"], lambda: [None], 60, held, "d1")
     await back.start(NOV_END - 1800)
     assert NOV in back.open
     state = await close_state(store, NOV, 60, NOV_END + 61)
@@ -218,7 +218,9 @@ async def test_an_operator_cannot_close_a_running_node() -> None:
 
 
 def test_the_overdue_period_is_the_one_that_should_have_closed_first() -> None:
-    closer = PeriodCloser("n1", MemoryStorage(), lambda: ["month", "day"], 60, Held(), "d1")
+    closer = PeriodCloser(
+        "n1", MemoryStorage(), lambda: ["month", "day"], lambda: [None], 60, Held(), "d1"
+    )
     closer.open = {"2026-11", "2026-11-05", "2026-12"}
     assert closer.oldest_open() == "2026-11-05"
     assert closing.overdue_s(closer.oldest_open(), 60, NOV_END) == NOV_END - (
@@ -258,9 +260,9 @@ async def test_a_node_id_reused_by_another_data_dir_never_closes_its_marks() -> 
     """A process on a fresh data dir under a killed node's id does not take its open marks
     (it does not hold their units): they stay open for an operator to close."""
     store = MemoryStorage()
-    first = PeriodCloser("n1", store, lambda: ["month"], 60, Held(), "d1")
+    first = PeriodCloser("n1", store, lambda: ["month"], lambda: [None], 60, Held(), "d1")
     await first.start(NOV_END - 100)  # (then killed, holding units of November)
-    other = PeriodCloser("n1", store, lambda: ["month"], 60, Held(), "d9")
+    other = PeriodCloser("n1", store, lambda: ["month"], lambda: [None], 60, Held(), "d9")
     await other.start(NOV_END + 86400)
     assert NOV in other.foreign and NOV not in other.open
     assert await other.close_due(NOV_END + 86400) == []
@@ -271,7 +273,7 @@ async def test_a_node_id_reused_by_another_data_dir_never_closes_its_marks() -> 
 async def test_a_drain_leaves_open_a_period_it_still_holds_a_reservation_of() -> None:
     store = MemoryStorage()
     held = Held()
-    closer = PeriodCloser("n1", store, lambda: ["month"], 60, held, "d1")
+    closer = PeriodCloser("n1", store, lambda: ["month"], lambda: [None], 60, held, "d1")
     await closer.start(NOV_END - 3600)
     held.keys = [("acme", "api", NOV)]  # (an open reservation of November)
     await closer.drained(NOV_END - 1800)

@@ -53,7 +53,6 @@ def test_period_end_is_the_next_period_start() -> None:
 
 
 def test_next_keys_maps_current_keys_of_one_kind_only() -> None:
-    now = ts(2026, 11, 30, 23, 58)
     periods: dict[str, Any] = {"api": "day"}
     keys: list[Key] = [
         ("acme", "seats", "2026-11"),  # month, current: read ahead
@@ -62,8 +61,10 @@ def test_next_keys_maps_current_keys_of_one_kind_only() -> None:
         ("acme", "api", "2026-11-29"),  # an old day: skipped
         ("acme", "seats", "2026-11-30"),  # a month feature under a day period: skipped
     ]
-    assert next_keys(keys, "month", now, periods) == [("acme", "seats", "2026-12")]
-    assert next_keys(keys, "day", now, periods) == [("acme", "api", "2026-12-01")]
+    assert next_keys(keys, "month", "2026-11", "2026-12", periods) == [("acme", "seats", "2026-12")]
+    assert next_keys(keys, "day", "2026-11-30", "2026-12-01", periods) == [
+        ("acme", "api", "2026-12-01")
+    ]
     assert kinds_in_use({}) == ["month"] and kinds_in_use(periods) == ["month", "day"]
 
 

@@ -37,6 +37,21 @@ def add_parsers(sub: Any, common: Common) -> None:
     assign = client(psub, "assign", "put a tenant on a plan")
     assign.add_argument("tenant")
     assign.add_argument("plan")
+    assign.add_argument(
+        "--anchor-day",
+        type=int,
+        metavar="D",
+        help="billing cycle: periods start on day D (1..31) of each month",
+    )
+    assign.add_argument(
+        "--tz", metavar="ZONE", help="billing cycle: in this IANA time zone (default UTC)"
+    )
+    assign.add_argument(
+        "--now",
+        action="store_true",
+        help="the new cycle takes effect now (a minute from now), not at the "
+        "end of the tenant's current period",
+    )
     unassign = client(psub, "unassign", "take a tenant off its plan")
     unassign.add_argument("tenant")
 
@@ -135,7 +150,14 @@ def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
                  plan=args.name, version=version)  # fmt: skip
         else:
             plan = args.plan if args.plan_command == "assign" else None
-            version = client.assign_plan(args.tenant, plan)
+            opts: dict[str, Any] = {}
+            if plan is not None and (args.anchor_day is not None or args.tz is not None):
+                opts = {"anchor_day": args.anchor_day or 1, "tz": args.tz or "UTC",
+                        "effective": "now" if args.now else "next_period"}  # fmt: skip
+            elif plan is not None and args.now:
+                print("meter: plan assign: --now needs --anchor-day or --tz", file=sys.stderr)
+                return 2
+            version = client.assign_plan(args.tenant, plan, opts)
             text = f"{args.tenant} on plan {plan}" if plan else f"{args.tenant} on no plan"
             out(as_json, f"{text} (limits version {version})",
                  tenant=args.tenant, plan=plan, version=version)  # fmt: skip

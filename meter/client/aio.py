@@ -552,9 +552,11 @@ class AsyncClient(Retrying):
         """As :meth:`Client.set_plan`."""
         return await self._run(calls.SET_PLAN, name, features)
 
-    async def assign_plan(self, tenant: str, plan: str | None) -> int:
+    async def assign_plan(
+        self, tenant: str, plan: str | None, opts: Mapping[str, Any] | None = None
+    ) -> int:
         """As :meth:`Client.assign_plan`."""
-        return await self._run(calls.ASSIGN_PLAN, tenant, plan)
+        return await self._run(calls.ASSIGN_PLAN, tenant, plan, opts)
 
     async def set_limit(
         self,

@@ -426,9 +426,12 @@ class Client(Retrying):
         returns the limits' new version."""
         return self._run(calls.SET_PLAN, name, features)
 
-    def assign_plan(self, tenant: str, plan: str | None) -> int:
-        """Put ``tenant`` on ``plan`` (``None``: on none); the limits' new version."""
-        return self._run(calls.ASSIGN_PLAN, tenant, plan)
+    def assign_plan(
+        self, tenant: str, plan: str | None, opts: Mapping[str, Any] | None = None
+    ) -> int:
+        """Put ``tenant`` on ``plan`` (``None``: on none); the limits' new version. ``opts``
+        ``{anchor_day, tz, effective}`` sets its billing cycle (docs/periods.md)."""
+        return self._run(calls.ASSIGN_PLAN, tenant, plan, opts)
 
     def set_limit(
         self,

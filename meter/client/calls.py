@@ -268,8 +268,8 @@ def _key(tenant: str, feature: str) -> list[Any]:
     return [tenant, feature]
 
 
-def _assign_plan(tenant: str, plan: str | None) -> list[Any]:
-    return [tenant, plan]
+def _assign_plan(tenant: str, plan: str | None, opts: Mapping[str, Any] | None = None) -> list[Any]:
+    return [tenant, plan] if not opts else [tenant, plan, dict(opts)]
 
 
 def _counter(tenant: str, feature: str, opts: dict[str, Any]) -> list[Any]:

@@ -7,14 +7,18 @@ every row of a pair shares one key tuple. Pure: no I/O.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from meter.core.cycles import Schedule, period_name
 from meter.core.dims import UNDECLARED, FeatureSpec, Pairs, counter_names, is_dimension
 from meter.core.keys import Key, PeriodKind, check_feature, check_tenant, period_start
-from meter.core.periods import ByFeature, next_keys, period_end
+from meter.core.periods import ByFeature, next_keys
 from meter.errors import InvalidArgument, PeriodClosed, Unavailable
+from storage import periods as named_periods
+from storage.periods import Cycle, bounds, following
 
 #: Most levels of a tenant name with the tenant hierarchy on (``a/b/c/d``).
 MAX_LEVELS = 4
@@ -55,8 +59,8 @@ class KeyCache:
         #: ``acme/alice`` also counts on ``acme`` (ADR 0008): :meth:`levels` spreads keys.
         self.hierarchy = hierarchy
         # (tenant, feature) -> its validated key in the current period. Valid only within
-        # [day_start, day_end): the current UTC day, inside which neither a day nor a month
-        # period changes.
+        # [day_start, day_end): a stretch of the current UTC day inside which no period of
+        # any calendar in use changes (a billing cycle's days start at its zone's midnight).
         self.cache: dict[tuple[str, str], Key] = {}
         self.day_start = 0.0
         self.day_end = 0.0
@@ -81,6 +85,25 @@ class KeyCache:
         # shared by every tenant's keys.
         self._dims: dict[str, DimNode] = {}
         self._dim_nodes = 0
+        #: Tenants with a billing cycle (``assign_plan``): each one's schedule
+        #: (meter.core.cycles); any other tenant's periods are UTC calendar ones.
+        self.cycles: Mapping[str, Schedule] = {}
+        # The calendars those schedules use, and every instant one of them changes.
+        self._calendars: list[Cycle] = []
+        self._changes: list[float] = []
+
+    def new_cycles(self, cycles: Mapping[str, Schedule]) -> None:
+        """Name the periods of the tenants in ``cycles`` by their schedules from now on."""
+        if cycles == self.cycles:
+            return
+        self.cycles = cycles
+        self._calendars = sorted({c for sched in cycles.values() for _, c in sched if c})
+        self._changes = sorted({start for sched in cycles.values() for start, _ in sched})
+        self.day_end = 0.0  # (the next key_for starts the cache over)
+
+    def calendars(self) -> list[Cycle | None]:
+        """The calendars periods may follow: the UTC one and every billing cycle in use."""
+        return [None, *self._calendars]
 
     def new_specs(self, specs: Mapping[str, FeatureSpec]) -> None:
         """Count by the declarations ``specs`` from now on."""
@@ -174,22 +197,40 @@ class KeyCache:
             f = self.features.get(feature)
             if f is None:
                 f = one_copy(self.features, check_feature(feature))
-            key = (t, f, self.day_periods[self.periods.get(f, "month")])
+            kind = self.periods.get(f, "month")
+            schedule = self.cycles.get(t) if self.cycles else None
+            if schedule is None:
+                key = (t, f, self.day_periods[kind])
+            else:
+                key = (t, f, one_copy(self.period_names, self._named(schedule, kind, now)))
             if len(self.cache) >= KEY_CACHE_SIZE:
                 self.cache.clear()
             self.cache[(t, f)] = key
             return key
         t = self.tenant(tenant)
         f = one_copy(self.features, check_feature(feature))
-        period = period_start(self.periods.get(f, "month"), at)
-        return (t, f, one_copy(self.period_names, period))
+        return (t, f, one_copy(self.period_names, self.period_of(t, self.kind_of(f), at)))
+
+    def period_of(self, tenant: str, kind: PeriodKind, at: float | None = None) -> str:
+        """The name of ``tenant``'s period of ``kind`` holding ``at`` (default now)."""
+        schedule = self.cycles.get(tenant) if self.cycles else None
+        if schedule is None:
+            return period_start(kind, at)
+        return self._named(schedule, kind, time.time() if at is None else at)
+
+    @staticmethod
+    def _named(schedule: Schedule, kind: PeriodKind, at: float) -> str:
+        try:
+            return period_name(schedule, kind, at)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
 
     def check_open(self, key: Key, at: float, now: float) -> None:
         """Raise :class:`PeriodClosed` if ``key``'s period (the one holding ``at``) ended
         ``grace_s`` or more before ``now``: a call may count there no more."""
         if at + self.grace_s >= now:
             return  # (its period ends after ``at``: open, whatever its kind; no date math)
-        closes = period_end(self.periods.get(key[1], "month"), at) + self.grace_s
+        closes = bounds(key[2])[1] + self.grace_s
         if now >= closes:
             raise PeriodClosed(
                 f"period {key[2]} of {key[1]!r} closed for calls at {closes:.0f} (its end plus"
@@ -231,12 +272,21 @@ class KeyCache:
         current = self.day_periods
         periods = self.periods
         tenants, features = self.tenants, self.features
+        cycles = self.cycles
+        named: dict[tuple[Schedule, PeriodKind], str] = {}
         out: list[Key] = []
         skipped = 0
         for t, f, p in keys:
             if len(out) >= limit:
                 break
-            period = current[periods.get(f, "month")]
+            kind = periods.get(f, "month")
+            schedule = cycles.get(t) if cycles else None
+            if schedule is None:
+                period = current[kind]
+            else:
+                period = named.get((schedule, kind)) or named.setdefault(
+                    (schedule, kind), self._current(schedule, kind, now)
+                )
             if p != period:
                 skipped += 1
                 continue
@@ -246,23 +296,45 @@ class KeyCache:
             out.append((tenants.get(t) or one_copy(tenants, t), name, period))
         return out, skipped
 
+    def _current(self, schedule: Schedule, kind: PeriodKind, now: float) -> str:
+        try:
+            return one_copy(self.period_names, period_name(schedule, kind, now))
+        except ValueError:
+            return ""  # (no period: no key is of it)
+
     def new_day(self, now: float) -> None:
-        """Start the key cache over for the UTC day containing ``now``."""
+        """Start the key cache over for the stretch of the UTC day containing ``now`` in
+        which no calendar in use changes period."""
         self.cache.clear()
-        self.day_start = now - now % 86400
-        self.day_end = self.day_start + 86400
+        start = now - now % 86400
+        end = start + 86400
+        for c in self._calendars:  # (a cycle's months start at one of its days' start)
+            try:
+                day_start, day_end = bounds(named_periods.name(c, "day", now))
+            except ValueError:
+                continue
+            start, end = max(start, day_start), min(end, day_end)
+        i = bisect.bisect_right(self._changes, now)
+        if i:
+            start = max(start, self._changes[i - 1])
+        if i < len(self._changes):
+            end = min(end, self._changes[i])
+        self.day_start, self.day_end = start, end
         names = self.period_names
         self.day_periods = {
             "month": one_copy(names, period_start("month", now)),
             "day": one_copy(names, period_start("day", now)),
         }
 
-    def next_keys(self, kind: PeriodKind, now: float, keys: Iterable[Key]) -> list[Key]:
-        """The next period's key of each of ``keys`` in the period of ``kind`` containing
-        ``now`` (:mod:`meter.core.periods`), sharing this node's copy of the period name."""
-        upcoming = period_start(kind, period_end(kind, now))
-        one_copy(self.period_names, upcoming)
-        return next_keys(keys, kind, now, self.periods, self.period_names)
+    def next_keys(
+        self, kind: PeriodKind, now: float, keys: Iterable[Key], calendar: Cycle | None = None
+    ) -> list[Key]:
+        """The next period's key of each of ``keys`` in the period of ``kind`` in
+        ``calendar`` (``None``: UTC) holding ``now`` (:mod:`meter.core.periods`), sharing this
+        node's copy of the period name."""
+        current = one_copy(self.period_names, named_periods.name(calendar, kind, now))
+        upcoming = one_copy(self.period_names, following(current))
+        return next_keys(keys, kind, current, upcoming, self.periods)
 
     def levels(self, key: Key) -> list[Key]:
         """``key`` and, with the tenant hierarchy on, the same counter of every ancestor of

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import TypeVar
 
 from meter.core.dims import decode, is_dimension
-from meter.core.keys import Key, PeriodKind, period_start
+from meter.core.keys import Key, PeriodKind
 
 V = TypeVar("V")
 
@@ -49,18 +49,13 @@ def kinds_in_use(feature_periods: Mapping[str, PeriodKind]) -> list[PeriodKind]:
 def next_keys(
     keys: Iterable[Key],
     kind: PeriodKind,
-    now: float,
+    current: str,
+    upcoming: str,
     feature_periods: Mapping[str, PeriodKind],
-    one_copy: Mapping[str, str] | None = None,
 ) -> list[Key]:
-    """The next period's key of each key in ``keys`` that is in the current period of
-    ``kind`` (as of ``now``). Keys of other periods (older ones, named with ``at``) and of
-    features of another kind are skipped. ``one_copy`` maps a period name to the string to
-    use for it (so the new keys share one copy of it with the keys made later)."""
-    current = period_start(kind, now)
-    upcoming = period_start(kind, period_end(kind, now))
-    if one_copy is not None:
-        upcoming = one_copy.get(upcoming, upcoming)
+    """The key of period ``upcoming`` of each key in ``keys`` that is of period ``current``
+    (of ``kind``). Keys of other periods (older ones, named with ``at``, or of another
+    calendar) and of features of another kind are skipped."""
     out: list[Key] = []
     for tenant, feature, period in keys:
         if period == current and feature_periods.get(feature, "month") == kind:

@@ -24,7 +24,7 @@ from meter.core.groups import Groups
 from meter.core.idempotency import RequestIds
 from meter.core.journal import Journal
 from meter.core.keycache import KeyCache
-from meter.core.keys import Key, PeriodKind, check_at, period_start
+from meter.core.keys import Key, PeriodKind, check_at
 from meter.core.leases import Reservations
 from meter.core.params import args as check_args
 from meter.core.params import opts as check_opts
@@ -47,6 +47,7 @@ from meter.core.watch import (
 from meter.errors import InvalidArgument, Unavailable, UnknownMethod
 from meter.wal.log import WalError, WriteAheadLog
 from storage.base import EMPTY, Storage, StorageError, gauge_feature
+from storage.periods import Cycle
 
 _USAGE_OPTS = frozenset({"at"})
 _USAGE_ONE_OPTS = frozenset({"at", "where", "group_by"})
@@ -205,10 +206,13 @@ class Service:
             return True
         return await self.seeder.seed(key)
 
-    def read_ahead(self, kind: PeriodKind, now: float, keys: Iterable[Key]) -> int:
+    def read_ahead(
+        self, kind: PeriodKind, now: float, keys: Iterable[Key], calendar: Cycle | None = None
+    ) -> int:
         """Queue reads of the next period's key of each of ``keys`` that is in the period of
-        ``kind`` containing ``now`` (:mod:`meter.core.periods`); return how many were queued."""
-        return self.seeder.prefetch(self.keys.next_keys(kind, now, keys))
+        ``kind`` in ``calendar`` (``None``: UTC) containing ``now``
+        (:mod:`meter.core.periods`); return how many were queued."""
+        return self.seeder.prefetch(self.keys.next_keys(kind, now, keys, calendar))
 
     # -- the journal and the reservations' expiry ---------------------------------------------
 
@@ -271,7 +275,8 @@ class Service:
         at_f = None if at is None else check_at(at)
         keys = self.keys
         tenant = keys.tenant(tenant)
-        periods = [(kind, keys.period(period_start(kind, at_f))) for kind in sorted(keys.kinds())]
+        periods = [(kind, keys.period(keys.period_of(tenant, kind, at_f)))
+                   for kind in sorted(keys.kinds())]  # fmt: skip
         # The counters loaded now are answered as they are now, as this request arrives, so
         # requests pipelined after it (counted before its listing returns) are not in it.
         known: dict[str, int] = {}
@@ -413,7 +418,7 @@ class Service:
         included); the watched ones (``features``, ``None``: all) are marked used so they stay
         loaded, the others may be evicted as if nobody watched."""
         keys = self.keys
-        periods = [(k, keys.period(period_start(k, None))) for k in sorted(keys.kinds())]
+        periods = [(k, keys.period(keys.period_of(tenant, k))) for k in sorted(keys.kinds())]
         use: bool | frozenset[str] = True if features is None else features
         gauges = self.gate.gauges
 

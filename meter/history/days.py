@@ -19,6 +19,7 @@ from typing import Literal
 from meter.core.keys import period_start
 from meter.core.params import opts as check_opts
 from meter.errors import InvalidArgument
+from storage.periods import day_of, is_period, parse
 
 Granularity = Literal["day", "month"]
 
@@ -38,10 +39,11 @@ _MONTH_RE = re.compile(r"[0-9]{4}-[0-9]{2}")
 
 def flush_day(period: str, now: float) -> str | None:
     """The day bucket a flush at ``now`` (epoch seconds) writes a month key's delta to: the
-    UTC day of ``now`` clamped into the month ``period`` (units counted into November and
-    flushed on December 1 go to November 30, so a month's days sum to the month). ``None``
+    UTC day (a billing cycle's: its zone's day) of ``now`` clamped into the month ``period``
+    (units counted into November and flushed on December 1 go to November 30, so a month's
+    days sum to the month). ``None``
     for a day key: it is its own day bucket."""
-    return clamp_day(period, utc_day(now))
+    return clamp_day(period, utc_day(now), now)
 
 
 def utc_day(now: float) -> str:
@@ -50,10 +52,13 @@ def utc_day(now: float) -> str:
     return f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}"
 
 
-def clamp_day(period: str, today: str) -> str | None:
-    """:func:`flush_day` for the day ``today`` (the flusher dates a whole round at once)."""
+def clamp_day(period: str, today: str, now: float) -> str | None:
+    """:func:`flush_day` for the UTC day ``today`` of ``now`` (the flusher dates a whole
+    round at once). A billing cycle's month dates by its zone's days (storage.periods)."""
     if len(period) != 7:
-        return None
+        if "@" not in period or not is_period(period) or parse(period).kind != "month":
+            return None
+        return day_of(period, now)
     if today.startswith(period):
         return today
     if today < period:  # a key of a later month (counted with ``at``): its first day

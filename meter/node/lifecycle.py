@@ -251,6 +251,7 @@ class Node:
                 node_id,
                 self.storage,
                 lambda: kinds_in_use(periods),
+                service.keys.calendars,
                 cfg.counters.period_grace_s,
                 self._unstored_keys,
                 self.data_dir.marks_id(),

@@ -271,6 +271,7 @@ def assemble(
     def new_book(book: LimitBook) -> None:
         gate.new_limits(book.by_pair, book.alerting)
         keys.new_specs(book.features)
+        keys.new_cycles(book.cycles)
         specs = book.features.items()
         gate.new_aggregations(
             {f: spec.aggregation for f, spec in specs if spec.aggregation in ("max", "latest")},

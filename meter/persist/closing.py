@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
-from meter.core.keys import Key, PeriodKind, check_period, period_start
+from meter.core.keys import Key, PeriodKind, check_period
 from meter.core.params import args as check_args
-from meter.core.periods import period_end, period_instant
 from meter.core.ports import Handler
 from meter.errors import InvalidArgument, Unavailable
 from storage.base import (
@@ -32,6 +30,7 @@ from storage.base import (
     StorageError,
     StoragePermanentError,
 )
+from storage.periods import Cycle, bounds, following, is_period, name, preceding
 
 log = logging.getLogger(__name__)
 
@@ -48,53 +47,64 @@ HELD_EVERY = 10
 CLOSING_SOON_S = 600.0
 #: Who a close by hand is written by (``meter period close``).
 OPERATOR = "operator"
-#: A counting period's name: a UTC month or day (``""``, a credit pool's, is none).
-PERIOD_NAME = re.compile(r"\d{4}-\d{2}(-\d{2})?")
 #: At start, how many periods of each kind before the current one are checked for this
 #: node's open marks (a node down longer is closed by hand: ``meter period close``).
 LOOK_BACK = {"month": 3, "day": 40}
 
 
-def periods_to_open(kinds: Iterable[PeriodKind], grace_s: float, now: float) -> list[str]:
+def periods_to_open(
+    kinds: Iterable[PeriodKind],
+    calendars: Iterable[Cycle | None],
+    grace_s: float,
+    now: float,
+) -> list[str]:
     """The periods a node marks open whether it holds anything of them or not: of each
-    kind, the current one, the next one when it begins within :data:`AHEAD_S`, and every
-    earlier one its grace still reaches that closes within :data:`CLOSING_SOON_S` (the
-    current first). An earlier period that closes later (a long grace) is marked once the
-    node holds units of it (:meth:`PeriodCloser.open_due`'s scan), well before it closes."""
+    kind in each calendar in use (the UTC one and every billing cycle), the current one, the
+    next one when it begins within :data:`AHEAD_S`, and every earlier one its grace still
+    reaches that closes within :data:`CLOSING_SOON_S` (the current first). An earlier period
+    that closes later (a long grace) is marked once the node holds units of it
+    (:meth:`PeriodCloser.open_due`'s scan), well before it closes."""
     out: list[str] = []
     for kind in kinds:
-        current = period_start(kind, now)
-        out.append(current)
-        end = period_end(kind, now)
-        if end - now <= AHEAD_S:
-            out.append(period_start(kind, end))
-        start = period_instant(current)
-        while now < start + grace_s:  # (the period before ``start`` ends there)
-            before = period_start(kind, start - 1)
-            if start + grace_s - now <= CLOSING_SOON_S:
-                out.append(before)
-            start = period_instant(before)
+        for calendar in calendars:
+            try:
+                current = name(calendar, kind, now)
+            except ValueError:  # (past year 9999 in its zone: nothing counts there)
+                continue
+            out.append(current)
+            start, end = bounds(current)
+            if end - now <= AHEAD_S:
+                out.append(following(current))
+            before = current
+            while now < start + grace_s:  # (the period before ``start`` ends there)
+                before = preceding(before)
+                if start + grace_s - now <= CLOSING_SOON_S:
+                    out.append(before)
+                start = bounds(before)[0]
     return out
 
 
-def recent_periods(kinds: Iterable[PeriodKind], now: float) -> list[str]:
-    """The periods before the current one of each kind that a restart checks for its own
-    open marks (:data:`LOOK_BACK`)."""
+def recent_periods(
+    kinds: Iterable[PeriodKind], calendars: Iterable[Cycle | None], now: float
+) -> list[str]:
+    """The periods before the current one of each kind in each calendar that a restart
+    checks for its own open marks (:data:`LOOK_BACK`)."""
     out: list[str] = []
     for kind in kinds:
-        at = period_instant(period_start(kind, now))
-        for _ in range(LOOK_BACK[kind]):
-            at -= 1
-            name = period_start(kind, at)
-            out.append(name)
-            at = period_instant(name)
+        for calendar in calendars:
+            try:
+                period = name(calendar, kind, now)
+            except ValueError:
+                continue
+            for _ in range(LOOK_BACK[kind]):
+                period = preceding(period)
+                out.append(period)
     return out
 
 
 def period_closes_at(period: str, grace_s: float) -> float:
     """When calls may count in ``period`` no more: its end plus the grace."""
-    kind: PeriodKind = "day" if len(period) > 7 else "month"
-    return period_end(kind, period_instant(period)) + grace_s
+    return bounds(period)[1] + grace_s
 
 
 class MarksAndOwners(PeriodMarks, Owners, Protocol):
@@ -109,6 +119,7 @@ class PeriodCloser:
         node: str,
         storage: PeriodMarks,
         kinds: Callable[[], list[PeriodKind]],
+        calendars: Callable[[], list[Cycle | None]],
         grace_s: float,
         unstored: Callable[[], Iterable[Key]],
         data_dir_id: str,
@@ -120,6 +131,8 @@ class PeriodCloser:
         self.data_dir_id = data_dir_id
         self.storage = storage
         self.kinds = kinds
+        #: The calendars periods follow: the UTC one and every billing cycle in use.
+        self.calendars = calendars
         self.grace_s = grace_s
         #: The keys holding units (or holds, or claims) of this node that storage may not
         #: hold yet: a period with one of them is not closed, and one not marked open
@@ -143,7 +156,7 @@ class PeriodCloser:
         again by :meth:`run`."""
         now = time.time() if now is None else now
         try:
-            for period in recent_periods(self.kinds(), now):
+            for period in recent_periods(self.kinds(), self.calendars(), now):
                 if period in self.open:
                     continue
                 for mark in await self.storage.period_marks(period):
@@ -158,13 +171,17 @@ class PeriodCloser:
         """Mark open every period this node may count in now (:func:`periods_to_open`) and,
         every :data:`HELD_EVERY` passes (and at start), every one it holds something
         unstored of."""
-        wanted = [p for p in periods_to_open(self.kinds(), self.grace_s, now) if p not in self.open]
+        wanted = [
+            p
+            for p in periods_to_open(self.kinds(), self.calendars(), self.grace_s, now)
+            if p not in self.open
+        ]
         held: set[str] | None = None
         if self._passes % HELD_EVERY == 0:
             held = self._held()  # (a scan of the table: not each pass)
             wanted += sorted(
                 p for p in held
-                if p not in self.open and p not in self._closed_held and PERIOD_NAME.fullmatch(p)
+                if p not in self.open and p not in self._closed_held and is_period(p)
             )  # fmt: skip
         self._passes += 1
         for period in dict.fromkeys(wanted):

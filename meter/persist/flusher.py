@@ -471,7 +471,8 @@ class Flusher:
     def _take(self, keys: list[Key]) -> list[Delta]:
         """Take each key's delta; with a log, append them to it (in the same step)."""
         deltas: list[Delta] = []
-        today = utc_day(self.clock())
+        now = self.clock()
+        today = utc_day(now)
         days = self._days
         inflight_seq = self.table.inflight_seq
         based_on = self.table.based_on
@@ -494,7 +495,7 @@ class Flusher:
                 else:
                     if held is not None:  # stored without our answer: its bucket may lack it
                         self._add_repair(Delta(key, held[0], held[2], held[1]))
-                    day = clamp_day(key[2], today)
+                    day = clamp_day(key[2], today, now)
                     if day is not None:
                         days[key] = (seq, day, taken[1])
                 # Every REREAD_EVERY-th delta of a key is answered by a read of the item

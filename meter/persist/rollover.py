@@ -14,8 +14,9 @@ import time
 
 from meter.config import CounterConfig
 from meter.core.keys import PeriodKind
-from meter.core.periods import kinds_in_use, period_end
+from meter.core.periods import kinds_in_use
 from meter.core.service import Service
+from storage.periods import Cycle, bounds, name
 
 log = logging.getLogger("meter.node")
 
@@ -42,7 +43,7 @@ class ReadAhead:
         lead = min(c.rollover_read_ahead_s, c.evict_after_s)
         if lead <= 0:
             return
-        done: dict[tuple[str, float], int] = {}  # (kind, period end) -> passes made
+        done: dict[tuple[str, float], int] = {}  # (kind and calendar, period end) -> passes
         while True:
             try:
                 wait = await self.step(time.time(), lead, done)
@@ -59,32 +60,40 @@ class ReadAhead:
         clock may jump, NTP), so a lead shorter than a second is not slept through."""
         wait = 1.0
         for kind in kinds_in_use(self.config.feature_periods):
-            end = period_end(kind, now)
-            passes = done.get((kind, end), 0)
-            if passes < READ_AHEAD_PASSES and now >= end - lead * (1 - passes / 4):
-                for k in [k for k in done if k[0] == kind and k[1] < end]:
-                    del done[k]
-                # Passes whose moment has come already are one.
-                while passes < READ_AHEAD_PASSES and now >= end - lead * (1 - passes / 4):
-                    passes += 1
-                done[(kind, end)] = passes
-                queued = await self.read_ahead(kind, now)
-                log.info(
-                    "%s ends in %.0f s: reading %d keys of the next one ahead",
-                    kind,
-                    end - now,
-                    queued,
-                )
+            for calendar in self.service.keys.calendars():
+                try:
+                    current = name(calendar, kind, now)
+                except ValueError:  # (no period after it: nothing to read ahead)
+                    continue
+                end = bounds(current)[1]
+                tag = kind if calendar is None else f"{kind} {calendar.day}:{calendar.zone}"
+                passes = done.get((tag, end), 0)
+                if passes < READ_AHEAD_PASSES and now >= end - lead * (1 - passes / 4):
+                    for k in [k for k in done if k[0] == tag and k[1] < end]:
+                        del done[k]
+                    # Passes whose moment has come already are one.
+                    while passes < READ_AHEAD_PASSES and now >= end - lead * (1 - passes / 4):
+                        passes += 1
+                    done[(tag, end)] = passes
+                    queued = await self.read_ahead(kind, now, calendar)
+                    log.info(
+                        "%s ends in %.0f s: reading %d keys of the next one ahead",
+                        current,
+                        end - now,
+                        queued,
+                    )
             if passes < READ_AHEAD_PASSES:
                 wait = min(wait, end - lead * (1 - passes / 4) - now)
         return max(wait, 0.001)
 
-    async def read_ahead(self, kind: PeriodKind, now: float) -> int:
-        """Queue the next period's keys of every warm key, a slice per loop pass (a million
-        keys mapped in one go would hold the loop for a good part of a second)."""
+    async def read_ahead(self, kind: PeriodKind, now: float, calendar: Cycle | None = None) -> int:
+        """Queue the next period's keys of every warm key of ``calendar``'s current period of
+        ``kind``, a slice per loop pass (a million keys mapped in one go would hold the loop
+        for a good part of a second)."""
         keys = list(self.service.table.keys())
         queued = 0
         for start in range(0, len(keys), READ_AHEAD_SLICE):
-            queued += self.service.read_ahead(kind, now, keys[start : start + READ_AHEAD_SLICE])
+            chunk = keys[start : start + READ_AHEAD_SLICE]
+            queued += self.service.read_ahead(kind, now, chunk, calendar)
             await asyncio.sleep(0)
         return queued

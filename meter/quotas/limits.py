@@ -20,6 +20,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from meter.core.cycles import Schedule
+from meter.core.cycles import decode as decode_schedule
+from meter.core.cycles import encode as encode_schedule
 from meter.core.dims import FeatureSpec, parse_shown, spec_body, spec_from_body, where_limit
 from meter.core.keys import QTY_MAX, check_feature
 from meter.errors import InvalidArgument
@@ -40,7 +43,8 @@ PLAN = "plan"  # name = plan, feature = "", body = {feature: limit spec} as JSON
 ASSIGN = "assign"  # name = tenant, feature = "", body = plan name
 OVERRIDE = "limit"  # name = tenant, feature = feature, body = limit spec as JSON
 DECLARE = "feature"  # name = feature, feature = "", body = its declaration (meter.core.dims)
-SCOPES = (PLAN, ASSIGN, OVERRIDE, DECLARE)
+CYCLE = "cycle"  # name = tenant, feature = "", body = its schedule (meter.core.cycles)
+SCOPES = (PLAN, ASSIGN, OVERRIDE, DECLARE, CYCLE)
 
 Record = tuple[str, str, str, str]
 """``(scope, name, feature, body)``."""
@@ -249,6 +253,11 @@ def assign_record(tenant: str, plan: str | None) -> tuple[str, str, str, str | N
     return (ASSIGN, tenant, "", plan)
 
 
+def cycle_record(tenant: str, schedule: Schedule) -> Record:
+    """The record of ``tenant``'s billing-cycle schedule (meter.core.cycles)."""
+    return (CYCLE, tenant, "", encode_schedule(schedule))
+
+
 def override_record(
     tenant: str, feature: str, limit: Limit | None
 ) -> tuple[str, str, str, str | None]:
@@ -349,6 +358,8 @@ class LimitBook:
     alerting: bool = False
     #: Declared features (``set_feature``), by name.
     features: dict[str, FeatureSpec] = field(default_factory=dict)
+    #: Tenants with a billing cycle (``assign_plan``'s anchor): each one's schedule.
+    cycles: dict[str, Schedule] = field(default_factory=dict)
 
     @classmethod
     def from_records(cls, version: int, records: Iterable[Record]) -> LimitBook:
@@ -375,6 +386,8 @@ class LimitBook:
                     book.overrides[(name, feature)] = _stored_limit(json.loads(body))
                 elif scope == DECLARE:
                     book.features[name] = spec_from_body(body)
+                elif scope == CYCLE:
+                    book.cycles[name] = decode_schedule(body)
                 else:
                     raise ValueError(f"unknown scope {scope!r}")
             except (ValueError, TypeError) as exc:

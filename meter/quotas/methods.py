@@ -4,18 +4,21 @@ checker (:mod:`meter.core.params`); storage through :class:`~meter.quotas.store.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable
 from typing import Any
 
+from meter.core.cycles import Effective, changed, check_cycle_opts, entries
 from meter.core.dims import shown
 from meter.core.keys import check_feature, check_tenant
 from meter.core.params import args as check_args
 from meter.core.params import opts as check_opts
 from meter.core.ports import Handler
-from meter.errors import NotFound, Unavailable
+from meter.errors import InvalidArgument, NotFound, Unavailable
 from meter.quotas.limits import (
     assign_record,
     check_plan_name,
+    cycle_record,
     limit_feature,
     override_record,
     parse_features,
@@ -23,9 +26,11 @@ from meter.quotas.limits import (
     plan_record,
 )
 from meter.quotas.store import LimitStore
-from storage.base import StorageError
+from storage.base import StorageError, VersionMoved
+from storage.periods import Cycle
 
 _CLEAR_OPTS = frozenset({"where"})
+_ASSIGN_OPTS = frozenset({"anchor_day", "tz", "effective"})
 
 
 class LimitMethods:
@@ -50,17 +55,45 @@ class LimitMethods:
         return self._changed(plan_record(name, limits))
 
     def assign_plan(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
-        tenant, plan = check_args("assign_plan", params, 2, 2)
+        tenant, plan, opts = check_args("assign_plan", params, 2, 3, ({},))
         tenant = check_tenant(tenant)
         plan = None if plan is None else check_plan_name(plan)
-        return self._assign(tenant, plan)
+        opts = check_opts("assign_plan", opts, _ASSIGN_OPTS, nil_is_absent=True)
+        try:
+            cycle = check_cycle_opts(opts)
+        except ValueError as exc:
+            raise InvalidArgument(f"assign_plan: {exc}") from None
+        return self._assign(tenant, plan, cycle)
 
-    async def _assign(self, tenant: str, plan: str | None) -> dict[str, Any]:
+    async def _assign(
+        self, tenant: str, plan: str | None, cycle: tuple[Cycle | None, Effective] | None
+    ) -> dict[str, Any]:
         if plan is not None and plan not in self.store.book.plans:
             await self._fresh()  # the plan may be newer than this node's book
             if plan not in self.store.book.plans:
                 raise NotFound(f"plan {plan!r} does not exist (set_plan it first)")
-        return await self._changed(assign_record(tenant, plan))
+        answer: dict[str, Any] = {}
+        if cycle is not None:
+            answer["cycle"] = await self._new_cycle(tenant, *cycle)
+        answer.update(await self._changed(assign_record(tenant, plan)))
+        return answer
+
+    async def _new_cycle(self, tenant: str, cycle: Cycle | None, effective: Effective) -> Any:
+        """Write ``tenant``'s schedule with ``cycle`` taking effect as ``effective`` asks, on
+        the version it was computed from (another change meanwhile: computed again)."""
+        for _ in range(8):
+            await self._fresh()
+            book = self.store.book
+            now = time.time()
+            before = book.cycles.get(tenant, ())
+            after = changed(before, cycle, now, effective)
+            if after != before:
+                try:
+                    await self.store.change(cycle_record(tenant, after), expect=book.version)
+                except VersionMoved:
+                    continue
+            return entries(after)
+        raise Unavailable("assign_plan: the limits kept changing meanwhile; nothing changed")
 
     def set_limit(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
         tenant, feature, spec = check_args("set_limit", params, 3, 3)
@@ -86,6 +119,7 @@ class LimitMethods:
         return {
             "tenant": tenant,
             "plan": book.assigned.get(tenant),
+            "cycle": entries(book.cycles.get(tenant, ())),
             "version": book.version,
             "limits": {
                 shown(f): eff.to_wire() for f, eff in sorted(book.for_tenant(tenant).items())

@@ -1,0 +1,131 @@
+"""A tenant's billing cycle over time: which calendar its periods follow at any instant. Pure.
+
+A tenant's *schedule* is the list of its anchor changes, each ``(from, cycle)``: from the
+instant ``from`` on, its periods follow ``cycle`` (:class:`storage.periods.Cycle`; ``None``:
+UTC calendar months and days). Before the first change, the UTC calendar. A change set with
+``assign_plan`` takes effect at the end of the period in force (by default) or now, never
+sooner than :data:`NOTICE_S` from when it is made, so every node has read it before it
+counts by it (docs/periods.md, ADR 0021).
+
+Where a change cuts a period short (or starts one late), the period keeps its name: its name
+says a later end (or an earlier start) than the tenant's stretch of it, so the name-derived
+end a node closes it by is never too early.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+from storage.periods import Cycle, PeriodKind, bounds, cycle, name
+
+#: A change takes effect this long after it is made, at the soonest: peers read the limits'
+#: records on a change frame at once and every half second anyway (docs/quotas.md).
+NOTICE_S = 60.0
+#: The most changes a schedule keeps; older ones are dropped (the periods they governed
+#: have long closed: only reads with ``at`` that far back are answered by the next one).
+MAX_CHANGES = 64
+
+Schedule = tuple[tuple[float, Cycle | None], ...]
+Effective = Literal["next_period", "now"]
+
+
+def calendar_at(schedule: Schedule, at: float) -> Cycle | None:
+    """The calendar ``schedule`` follows at the instant ``at``."""
+    if not schedule:
+        return None
+    i = bisect.bisect_right(schedule, at, key=lambda entry: entry[0])
+    return None if i == 0 else schedule[i - 1][1]
+
+
+def period_name(schedule: Schedule, kind: PeriodKind, at: float) -> str:
+    """The name of the tenant's period of ``kind`` holding ``at`` (:class:`ValueError` past
+    year 9999 in its zone)."""
+    return name(calendar_at(schedule, at), kind, at)
+
+
+def next_change(schedule: Schedule, now: float) -> float:
+    """When ``schedule`` next changes calendar after ``now`` (``inf``: never)."""
+    for start, _ in schedule:
+        if start > now:
+            return start
+    return math.inf
+
+
+def periods_between(schedule: Schedule, kind: PeriodKind, start: float, end: float) -> list[str]:
+    """The names of the tenant's periods of ``kind`` that hold an instant in ``[start, end)``,
+    in order (a period cut by a change of calendar is listed once)."""
+    out: list[str] = []
+    at = start
+    while at < end:
+        period = period_name(schedule, kind, at)
+        if not out or out[-1] != period:
+            out.append(period)
+        at = min(bounds(period)[1], next_change(schedule, at))
+    return out
+
+
+def changed(
+    schedule: Schedule, new: Cycle | None, now: float, effective: Effective = "next_period"
+) -> Schedule:
+    """``schedule`` with ``new`` taking effect at the end of the period in force at
+    ``now + NOTICE_S`` (``next_period``) or at ``now + NOTICE_S`` (``now``). A change not in
+    force yet is replaced; a change to the calendar in force is none."""
+    base = tuple(entry for entry in schedule if entry[0] <= now)
+    if calendar_at(base, now) == new:
+        return base
+    soonest = math.ceil(now + NOTICE_S)
+    end_in_force = bounds(period_name(base, "month", soonest))[1]
+    start = float(soonest) if effective == "now" else end_in_force
+    return (*base, (start, new))[-MAX_CHANGES:]
+
+
+def encode(schedule: Schedule) -> str:
+    """The stored body of ``schedule`` (JSON: ``[[from, day, zone], ...]``)."""
+    rows = [[start, *(c if c is not None else (1, "UTC"))] for start, c in schedule]
+    return json.dumps(rows, separators=(",", ":"))
+
+
+def decode(body: str) -> Schedule:
+    """The schedule stored as ``body``; :class:`ValueError` if it is not one."""
+    rows = json.loads(body)
+    if not isinstance(rows, list):
+        raise ValueError("a schedule is a list of [from, day, zone]")
+    out: list[tuple[float, Cycle | None]] = []
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], int | float)):
+            raise ValueError(f"schedule entry {str(row)[:64]} is not [from, day, zone]")
+        if out and row[0] <= out[-1][0]:
+            raise ValueError("schedule entries are not in order")
+        out.append((float(row[0]), cycle(row[1], row[2])))
+    return tuple(out)
+
+
+def describe(c: Cycle | None) -> dict[str, object]:
+    """``c`` as the protocol shows it."""
+    return {"anchor_day": 1, "tz": "UTC"} if c is None else {"anchor_day": c.day, "tz": c.zone}
+
+
+def check_cycle_opts(opts: Mapping[str, object]) -> tuple[Cycle | None, Effective] | None:
+    """The cycle and when it takes effect that ``assign_plan``'s options ask for (``None``:
+    they ask for no change); :class:`ValueError` for bad ones."""
+    if "anchor_day" not in opts and "tz" not in opts:
+        if "effective" in opts:
+            raise ValueError("effective is given without anchor_day or tz")
+        return None
+    day = opts.get("anchor_day", 1)
+    zone_name = opts.get("tz", "UTC")
+    if not isinstance(zone_name, str):
+        raise ValueError(f"tz must be an IANA zone name (a string), got {type(zone_name).__name__}")
+    effective = opts.get("effective", "next_period")
+    if effective not in ("next_period", "now"):
+        raise ValueError(f'effective must be "next_period" or "now", got {str(effective)[:32]!r}')
+    return cycle(day, zone_name), ("now" if effective == "now" else "next_period")  # type: ignore[arg-type]
+
+
+def entries(schedule: Schedule) -> Sequence[dict[str, object]]:
+    """``schedule`` as the protocol shows it: each change's ``from`` and cycle."""
+    return [{"from": start, **describe(c)} for start, c in schedule]

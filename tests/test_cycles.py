@@ -1,0 +1,279 @@
+"""Billing-cycle periods (docs/periods.md, ADR 0021): period names read alone, a tenant's
+schedule of anchor changes, and the node's keys by them (correctness P01-P04)."""
+
+from __future__ import annotations
+
+import calendar
+import itertools
+import zoneinfo
+from datetime import UTC, date, datetime
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meter.core.cycles import (
+    NOTICE_S,
+    calendar_at,
+    changed,
+    check_cycle_opts,
+    decode,
+    encode,
+    period_name,
+    periods_between,
+)
+from meter.core.keycache import KeyCache
+from meter.errors import InvalidArgument, PeriodClosed
+from meter.persist.closing import periods_to_open
+from storage import periods as P
+from storage.base import StoragePermanentError, check_day_of, check_period
+
+NY = "America/New_York"
+ZONES = sorted(zoneinfo.available_timezones() - {"Factory", "localtime"})
+
+
+def ts(*parts: int) -> float:
+    return float(calendar.timegm((*parts, 0, 0, 0, 0, 0, 0)[:6]))
+
+
+# -- the period function: total, contiguous, non-overlapping (P01) ----------------------------
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    day=st.integers(1, 31),
+    zone=st.sampled_from(ZONES),
+    at=st.floats(ts(1971, 1, 1), ts(2100, 1, 1), allow_nan=False),
+    kind=st.sampled_from(["month", "day"]),
+)
+def test_every_instant_is_in_exactly_one_period_and_periods_follow_in_order(
+    day: int, zone: str, at: float, kind: P.PeriodKind
+) -> None:
+    """For any anchor, zone and instant: the period named for the instant holds it, the
+    next period starts exactly where it ends and the one before ends exactly where it
+    starts (no gap, no overlap), its name parses back to itself, and an instant one
+    period later is named after it."""
+    c = P.cycle(day, zone)
+    name = P.name(c, kind, at)
+    start, end = P.bounds(name)
+    assert start <= at < end
+    after, before = P.following(name), P.preceding(name)
+    assert P.bounds(after)[0] == end and P.bounds(before)[1] == start
+    assert P.preceding(after) == name and P.following(before) == name
+    assert P.name(c, kind, end) == after and P.name(c, kind, start) == name
+    assert P.name(c, kind, start - 0.001) == before or P.bounds(before)[0] == start
+    assert P.parse(name).kind == kind
+    if kind == "month":
+        first, last = P.days(name)
+        assert first <= date.fromisoformat(P.day_of(name, at)) <= last
+        assert P.bounds(name)[1] - P.bounds(name)[0] <= 32 * 86400
+
+
+def test_a_short_month_starts_on_its_last_day_and_the_next_on_the_anchor() -> None:
+    """Anchored on the 31st (UTC): February's period starts on the 28th (29th in a leap
+    year), March's on the 31st; anchored on the 30th, a leap February starts on the 29th."""
+    c = P.cycle(31, "Etc/UTC")
+    feb = P.name(c, "month", ts(2027, 3, 1))
+    assert feb == "2027-02@31:Etc/UTC"
+    assert P.bounds(feb) == (ts(2027, 2, 28), ts(2027, 3, 31))
+    assert P.name(c, "month", ts(2027, 3, 30, 23)) == feb
+    assert P.name(c, "month", ts(2028, 2, 29, 12)) == "2028-02@31:Etc/UTC"
+    assert P.bounds("2028-02@30:Etc/UTC") == (ts(2028, 2, 29), ts(2028, 3, 30))
+    assert P.days(feb) == (date(2027, 2, 28), date(2027, 3, 30))
+
+
+def test_a_period_across_a_dst_change_starts_and_ends_at_local_midnight() -> None:
+    """Anchored on the 15th in New York: the period from February 15 (EST, UTC-5) to March
+    15 (EDT, UTC-4) is 28 days less an hour; its local days are 24 hours except March 14's
+    23; November 1's (back to EST) is 25."""
+    c = P.cycle(15, NY)
+    name = P.name(c, "month", ts(2027, 3, 1))
+    assert name == "2027-02@15:America/New_York"
+    assert P.bounds(name) == (ts(2027, 2, 15, 5), ts(2027, 3, 15, 4))
+    assert P.bounds(name)[1] - P.bounds(name)[0] == 28 * 86400 - 3600
+    assert P.name(c, "month", ts(2027, 3, 15, 3, 59)) == name  # (still the 14th in New York)
+    assert P.name(c, "month", ts(2027, 3, 15, 4)) == "2027-03@15:America/New_York"
+    short = P.name(c, "day", ts(2027, 3, 14, 12))
+    assert short == "2027-03-14@America/New_York"
+    assert P.bounds(short)[1] - P.bounds(short)[0] == 23 * 3600
+    long = P.name(c, "day", ts(2026, 11, 1, 12))
+    assert P.bounds(long)[1] - P.bounds(long)[0] == 25 * 3600
+    assert P.day_of(name, ts(2027, 3, 1, 3)) == "2027-02-28"  # (10 pm in New York)
+
+
+def test_only_canonical_names_are_periods() -> None:
+    """Every name a period can have is accepted by storage; the UTC calendar spelled with
+    ``@``, an anchor with a leading zero, an unknown zone, a day with an anchor, a month
+    without one, and a period ending after 9999 are refused with a clear error."""
+    for good in ("2026-11", "2026-11-30", "2026-11@15:America/New_York", "2026-11-30@Asia/Tokyo"):
+        assert check_period(good) == good
+    for bad, why in [
+        ("2026-11@1:UTC", "UTC calendar"),
+        ("2026-11-30@UTC", "UTC calendar"),
+        ("2026-11@05:America/New_York", "not a period name"),
+        ("2026-11@15:Mars/Olympus", "not a known IANA zone"),
+        ("2026-11@15:../../etc/passwd", "not an IANA zone name"),
+        ("2026-11-30@2:Asia/Tokyo", "not a period name"),
+        ("2026-11@Asia/Tokyo", "not a period name"),
+        ("2026-11@32:Asia/Tokyo", "1..31"),
+        ("9999-12@15:Asia/Tokyo", "after year 9999"),
+        ("2026-02-30@Asia/Tokyo", "not a period name"),
+    ]:
+        with pytest.raises(StoragePermanentError, match=why):
+            check_period(bad)
+
+
+def test_a_day_bucket_must_lie_in_its_periods_local_dates() -> None:
+    check_day_of("2026-12-14", "2026-11@15:America/New_York")
+    check_day_of("2026-11-15", "2026-11@15:America/New_York")
+    for bad in ("2026-11-14", "2026-12-15", "2026-W48-1", "2026-11-15@America/New_York"):
+        with pytest.raises(StoragePermanentError, match="is not a day of"):
+            check_day_of(bad, "2026-11@15:America/New_York")
+
+
+# -- a tenant's schedule (P02) --------------------------------------------------------------
+
+
+def test_a_change_takes_effect_at_the_end_of_the_period_in_force() -> None:
+    """From the UTC calendar to the 15th in New York on December 7: December stays a UTC
+    month; from January 1 the tenant's period is the New York one holding it (named
+    ``2026-12@15``, its stretch January 1 to 15); then whole cycles. A second change before
+    the first takes effect replaces it; a change to the calendar in force is none."""
+    now = ts(2026, 12, 7, 10)
+    c = P.cycle(15, NY)
+    schedule = changed((), c, now)
+    assert schedule == ((ts(2027, 1, 1), c),)
+    assert period_name(schedule, "month", ts(2026, 12, 31, 23)) == "2026-12"
+    assert period_name(schedule, "month", ts(2027, 1, 1)) == "2026-12@15:America/New_York"
+    assert period_name(schedule, "month", ts(2027, 1, 20)) == "2027-01@15:America/New_York"
+    assert periods_between(schedule, "month", ts(2026, 12, 10), ts(2027, 2, 1)) == [
+        "2026-12",
+        "2026-12@15:America/New_York",
+        "2027-01@15:America/New_York",
+    ]
+    other = P.cycle(20, "Europe/Paris")
+    assert changed(schedule, other, now) == ((ts(2027, 1, 1), other),)
+    assert changed(schedule, None, now) == ()
+    assert changed(schedule, c, now) == schedule or changed(schedule, c, now)[-1][1] == c
+    assert decode(encode(schedule)) == schedule
+    later = ts(2027, 2, 1)
+    assert changed(schedule, c, later) == schedule  # (in force: nothing to do)
+
+
+def test_a_change_effective_now_waits_the_notice_only() -> None:
+    now = ts(2026, 12, 7, 10)
+    c = P.cycle(7, "Etc/UTC")
+    schedule = changed((), c, now, "now")
+    assert schedule == ((now + NOTICE_S, c),)
+    assert period_name(schedule, "month", now) == "2026-12"
+    assert period_name(schedule, "month", now + NOTICE_S) == "2026-12@7:Etc/UTC"
+    assert calendar_at(schedule, now + NOTICE_S - 1) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    changes=st.lists(
+        st.tuples(
+            st.floats(0, 400 * 86400),
+            st.one_of(st.none(), st.tuples(st.integers(1, 31), st.sampled_from(ZONES[:80]))),
+            st.sampled_from(["next_period", "now"]),
+        ),
+        max_size=5,
+    ),
+    probe=st.floats(0, 500 * 86400),
+)
+def test_any_schedule_names_every_instant_once_and_in_order(
+    changes: list[tuple[float, tuple[int, str] | None, str]], probe: float
+) -> None:
+    """Whatever anchor changes are made (any calendar, any time, either effect): the
+    tenant's periods over a stretch hold every instant once, in order, and each instant's
+    period is the one listed for it."""
+    base = ts(2026, 1, 1)
+    schedule: tuple[tuple[float, P.Cycle | None], ...] = ()
+    clock = base
+    for offset, spec, effective in sorted(changes, key=lambda change: change[0]):
+        clock = max(clock, base + offset)
+        c = None if spec is None else P.cycle(*spec)
+        schedule = changed(schedule, c, clock, "now" if effective == "now" else "next_period")
+    names = periods_between(schedule, "month", base, base + 500 * 86400)
+    assert all(a != b for a, b in itertools.pairwise(names))
+    at = base + probe
+    name = period_name(schedule, "month", at)
+    assert name in names
+    start, end = P.bounds(name)
+    assert start <= at < end  # (a period cut short by a change keeps its name's bounds)
+
+
+def test_bad_cycle_options_are_refused_with_clear_errors() -> None:
+    assert check_cycle_opts({}) is None
+    assert check_cycle_opts({"anchor_day": 15, "tz": NY}) == (P.Cycle(15, NY), "next_period")
+    assert check_cycle_opts({"anchor_day": 1, "tz": "UTC", "effective": "now"}) == (None, "now")
+    bad: list[tuple[dict[str, object], str]] = [
+        ({"anchor_day": 0}, "1..31"),
+        ({"anchor_day": 32}, "1..31"),
+        ({"anchor_day": True}, "1..31"),
+        ({"anchor_day": "15"}, "1..31"),
+        ({"tz": "Nowhere/City"}, "not a known IANA zone"),
+        ({"tz": 5}, "IANA zone name"),
+        ({"tz": NY, "effective": "later"}, "effective must be"),
+        ({"effective": "now"}, "without anchor_day or tz"),
+    ]
+    for opts, why in bad:
+        with pytest.raises(ValueError, match=why):
+            check_cycle_opts(opts)
+    for body in ("{}", "[[1, 15]]", '[[2, 15, "UTC"], [1, 15, "UTC"]]', '[["x", 1, "UTC"]]'):
+        with pytest.raises(ValueError):
+            decode(body)
+
+
+# -- the node's keys (P03) ------------------------------------------------------------------
+
+
+def test_keys_of_an_anchored_tenant_follow_its_schedule_and_others_stay_utc() -> None:
+    keys = KeyCache({"api_daily": "day"}, False, 3600.0)
+    schedule = ((ts(2020, 1, 1), P.cycle(15, NY)),)
+    keys.new_cycles({"acme": schedule})
+    at = ts(2027, 3, 1, 3)  # (February 28, 10 pm in New York)
+    assert keys.key_for("acme", "api", at) == ("acme", "api", "2027-02@15:America/New_York")
+    assert keys.key_for("acme", "api_daily", at) == (
+        "acme",
+        "api_daily",
+        "2027-02-28@America/New_York",
+    )
+    assert keys.key_for("other", "api", at) == ("other", "api", "2027-03")
+    now_key = keys.key_for("acme", "api")
+    assert now_key[2] == P.name(P.cycle(15, NY), "month", keys.day_start)
+    # The cached stretch ends at New York's next midnight at the latest.
+    ny_day_end = P.bounds(P.name(P.cycle(15, NY), "day", keys.day_start))[1]
+    assert keys.day_end <= ny_day_end
+    # The grace is judged by the period's own end (March 15, 04:00 UTC).
+    feb = ("acme", "api", "2027-02@15:America/New_York")
+    keys.check_open(feb, at, ts(2027, 3, 15, 4, 59, 59))
+    with pytest.raises(PeriodClosed):
+        keys.check_open(feb, at, ts(2027, 3, 15, 5))
+
+
+def test_a_new_schedule_starts_the_key_cache_over() -> None:
+    keys = KeyCache({}, False, 3600.0)
+    assert keys.key_for("acme", "api")[2] == P.name(None, "month", keys.day_start)
+    keys.new_cycles({"acme": ((0.0, P.cycle(15, "Asia/Tokyo")),)})
+    assert keys.key_for("acme", "api")[2].endswith("@15:Asia/Tokyo")
+
+
+def test_an_instant_without_a_period_in_the_tenants_zone_is_refused() -> None:
+    keys = KeyCache({}, False, 3600.0)
+    keys.new_cycles({"acme": ((0.0, P.cycle(15, "Pacific/Kiritimati")),)})
+    with pytest.raises(InvalidArgument, match="before year 10000"):
+        keys.key_for("acme", "api", 253402300799.0)
+
+
+def test_the_closer_marks_each_calendars_current_periods() -> None:
+    now = ts(2026, 12, 7, 10)
+    got = periods_to_open(["month"], [None, P.cycle(15, NY)], 3600.0, now)
+    assert got == ["2026-12", "2026-11@15:America/New_York"]
+
+
+def test_zone_days_are_named_by_the_local_date() -> None:
+    moment = ts(2026, 12, 7, 3)  # (December 6, 10 pm in New York)
+    assert P.name(P.cycle(1, NY), "day", moment) == "2026-12-06@America/New_York"
+    assert datetime.fromtimestamp(moment, tz=UTC).date() == date(2026, 12, 7)
