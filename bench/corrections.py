@@ -1,6 +1,8 @@
-"""Scenario 13, corrections and the period close (docs/protocol.md, ``void``;
-docs/invoicing.md): what a ``void`` costs against the ``track`` it takes back, side by side in
-one run; and the latency of calls while a node closes a period it holds 100,000 keys of.
+"""Scenario 13, corrections, the period close and billing cycles (docs/protocol.md, ``void``;
+docs/invoicing.md; docs/periods.md): what a ``void`` costs against the ``track`` it takes
+back, side by side in one run; the latency of calls while a node closes a period it holds
+100,000 keys of; and a ``track`` on a tenant with a billing cycle against one on a UTC tenant,
+side by side.
 
 Each of 4 worker processes, one connection each, unpipelined, sends ``track`` calls under
 fresh request ids (the calls a void can take back), then a ``void`` of each of them, every id
@@ -24,11 +26,24 @@ from bench.harness import NODE_MEMORY, Progress, Row, Services, Sizes, median, n
 from bench.loadgen import Load, run_load
 from meter.core.keys import period_start
 
-SCENARIO = "13 corrections (memory storage)"
+SCENARIO = "13 corrections and billing cycles (memory storage)"
 WORKERS = 4
 
 
 def corrections(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
+    # The billing-cycle row's node first: its tenants' cycles take effect a minute on.
+    cycles_node = svc.node("cycles")
+    try:
+        cycles_from = _anchor(cycles_node)
+        rows = _voids(svc, sizes, progress)
+        rows.append(close_under_load(svc, sizes, progress))
+        rows.append(cycles_vs_utc(cycles_node, cycles_from, sizes, progress))
+    finally:
+        svc.stop_node(cycles_node)
+    return rows
+
+
+def _voids(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     node = svc.node("voids", METER_TENANT_HIERARCHY="true")
     compiled = bool((node_status(node).get("build") or {}).get("compiled"))
     try:
@@ -71,7 +86,6 @@ def corrections(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             },
             "measured",
         ),
-        close_under_load(svc, sizes, progress),
     ]
 
 
@@ -95,6 +109,93 @@ def _worker(path: str, worker: int, round_: int, calls: int) -> tuple[float, flo
                 errors += _answer(s, unpacker)
             seconds.append(time.perf_counter() - start)
     return seconds[0], seconds[1], errors
+
+
+#: The billing cycle of the row's anchored tenants.
+ANCHOR = {"anchor_day": 15, "tz": "America/New_York", "effective": "now"}
+
+
+def _anchor(node: Any) -> float:
+    """Put the anchored tenants (``cyc<worker>``) on a billing cycle; when it takes effect."""
+    node.call("set_plan", "open", {})
+    froms = []
+    for w in range(WORKERS):
+        node.call("assign_plan", f"cyc{w}", "open", ANCHOR)
+        froms.append(node.call("limits", f"cyc{w}")["cycle"][-1]["from"])
+    return float(max(froms))
+
+
+def cycles_vs_utc(node: Any, ready_at: float, sizes: Sizes, progress: Progress) -> Row:
+    """``track`` on a tenant with a billing cycle against one on UTC calendar periods: each
+    of 4 workers sends its calls for both tenants in each round (the order swapped every
+    round); a round's ratio is the anchored tenant's rate over the UTC tenant's."""
+    progress("cycles: waiting for the tenants' cycles to take effect")
+    time.sleep(max(0.0, ready_at + 1 - time.time()))
+    compiled = bool((node_status(node).get("build") or {}).get("compiled"))
+    calls = max(5000, int(20_000 * sizes.duration))
+    ratios: list[float] = []
+    rates: list[float] = []
+    refs: list[float] = []
+    errors = 0
+    with ProcessPoolExecutor(WORKERS) as pool:
+        for r in range(sizes.rounds):
+            progress(f"cycles: anchored vs UTC tenant, round {r + 1}/{sizes.rounds}")
+            jobs = [
+                pool.submit(_tracks, str(node.socket), w, r % 2 == 1, calls) for w in range(WORKERS)
+            ]
+            done = [j.result() for j in jobs]
+            utc_s = max(d[0] for d in done)
+            cyc_s = max(d[1] for d in done)
+            errors += sum(d[2] for d in done)
+            refs.append(WORKERS * calls / utc_s)
+            rates.append(WORKERS * calls / cyc_s)
+            ratios.append(utc_s / cyc_s)
+    # The anchored tenant's calls are in its own period (its month rows are named by it).
+    last = node.call("history", "cyc0", "f", {"granularity": "month"})[-1]
+    in_cycle = last[0].endswith("@15:America/New_York") and last[1] == calls * sizes.rounds
+    ratio = median(ratios)
+    return Row(
+        SCENARIO,
+        "track on a tenant with a billing cycle vs a UTC tenant, 4 conn",
+        "ops/s",
+        median(rates),
+        median(refs),
+        ratio,
+        ">= 0.95x",
+        ratio >= 0.95 and errors == 0 and compiled and in_cycle,
+        {
+            **NODE_MEMORY,
+            "connections": WORKERS,
+            "calls_per_tenant_round": calls,
+            "anchored_period": last,
+            "cycle": ANCHOR,
+            "errors": errors,
+            "rounds_ratio": ratios,
+        },
+        "measured",
+    )
+
+
+def _tracks(path: str, worker: int, anchored_first: bool, calls: int) -> tuple[float, float, int]:
+    """``calls`` tracks for the UTC tenant and as many for the anchored one (in either
+    order); each tenant's seconds, and the error answers."""
+    frames = {
+        tenant: [msgpack.packb([0, i, "track", [tenant, "f", 1]]) for i in range(calls)]
+        for tenant in (f"utc{worker}", f"cyc{worker}")
+    }
+    order = [f"cyc{worker}", f"utc{worker}"] if anchored_first else [f"utc{worker}", f"cyc{worker}"]
+    seconds: dict[str, float] = {}
+    errors = 0
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        unpacker = msgpack.Unpacker(raw=False)
+        for tenant in order:
+            start = time.perf_counter()
+            for frame in frames[tenant]:
+                s.sendall(frame)
+                errors += _answer(s, unpacker)
+            seconds[tenant] = time.perf_counter() - start
+    return seconds[f"utc{worker}"], seconds[f"cyc{worker}"], errors
 
 
 def _answer(s: socket.socket, unpacker: Any) -> int:

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import shutil
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from meter.client import AsyncClient
 from meter.config import NodeConfig, ServerConfig
 from meter.errors import LimitExceeded
 from meter.node.lifecycle import Node
+from storage import periods
 from tests.support.nodes import short_tmpdir
 
 
@@ -85,6 +87,26 @@ async def test_plans_and_limits_from_the_shell(
     }
 
 
+async def test_a_billing_cycle_from_the_shell(
+    sock: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``meter plan assign --anchor-day --tz`` stores the tenant's cycle (shown by
+    ``meter limits --json``), from the end of its current period; ``--now`` a minute on."""
+    assert await meter(sock, "plan", "set", "pro", "api=100") == 0
+    args = ["plan", "assign", "acme", "pro", "--anchor-day", "15", "--tz", "America/New_York"]
+    assert await meter(sock, *args) == 0
+    assert await meter(sock, "plan", "assign", "bob", "pro", "--tz", "Asia/Tokyo", "--now") == 0
+    capsys.readouterr()
+    assert await meter(sock, "limits", "acme", "--json") == 0
+    (change,) = json.loads(capsys.readouterr().out)["cycle"]
+    assert (change["anchor_day"], change["tz"]) == (15, "America/New_York")
+    assert change["from"] == periods.bounds(periods.name(None, "month", time.time() + 60))[1]
+    assert await meter(sock, "limits", "bob", "--json") == 0
+    (change,) = json.loads(capsys.readouterr().out)["cycle"]
+    assert (change["anchor_day"], change["tz"]) == (1, "Asia/Tokyo")
+    assert time.time() + 58 <= change["from"] <= time.time() + 61
+
+
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
@@ -101,6 +123,9 @@ async def test_plans_and_limits_from_the_shell(
         (["plan", "set", "pro", "api=10@"], 2, "alerts after @ must be integer"),
         (["plan", "set", "pro", "api=10:soft@80,80"], 1, "alerts lists 80 twice"),
         (["limit", "set", "acme", "api", "10", "--alert", "0"], 1, "alerts must be 1..1000"),
+        (["plan", "assign", "acme", "pro", "--anchor-day", "32"], 1, "anchor day must be"),
+        (["plan", "assign", "acme", "pro", "--tz", "Mars/Base"], 1, "not a known IANA zone"),
+        (["plan", "assign", "acme", "pro", "--now"], 2, "--now needs --anchor-day or --tz"),
     ],
 )
 async def test_bad_input_from_the_shell_says_what_is_wrong(

@@ -227,7 +227,7 @@ async def test_plans_assignments_and_overrides_round_trip(client: AsyncClient) -
             "invalid_argument",
             "at most 1000 features",
         ),
-        ("assign_plan", ["acme"], "invalid_argument", "takes 2 params"),
+        ("assign_plan", ["acme"], "invalid_argument", "takes 2 to 3 params"),
         ("assign_plan", ["bad tenant", "pro"], "invalid_argument", "tenant"),
         ("assign_plan", ["acme", ""], "invalid_argument", "plan must not be empty"),
         ("assign_plan", ["acme", "missing"], "not_found", "does not exist"),

@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meter.core.keys import Key, period_start
-from meter.core.periods import period_end, period_instant
 from meter.errors import InvalidArgument
 from meter.ops.export import rpc_page
 from meter.persist import closing
@@ -27,6 +26,7 @@ from meter.persist.closing import (
     recent_periods,
 )
 from storage.memory import MemoryStorage
+from storage.periods import bounds
 from tests.support.services import SlowLoads
 
 NOV = "2026-11"
@@ -58,7 +58,7 @@ def test_the_periods_a_node_opens_hold_every_call_it_may_count(
         # (one closing later is marked once held: test_a_period_held_without_a_mark_...)
     assert len(opened) <= 2 * (2 + 2)  # (bounded, whatever the grace)
     for name in opened:
-        assert period_start("day" if len(name) > 7 else "month", period_instant(name)) == name
+        assert period_start("day" if len(name) > 7 else "month", bounds(name)[0]) == name
         assert now < period_closes_at(name, grace)
 
 
@@ -72,7 +72,7 @@ def test_recent_periods_go_back_whole_periods() -> None:
 def test_a_period_closes_at_its_end_plus_the_grace() -> None:
     assert period_closes_at(NOV, 3600) == NOV_END + 3600
     day = "2026-11-30"
-    assert period_closes_at(day, 0) == period_end("day", period_instant(day)) == NOV_END
+    assert period_closes_at(day, 0) == bounds(day)[1] == NOV_END
 
 
 class Held:
@@ -154,7 +154,7 @@ async def test_the_nodes_loop_opens_and_closes(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(closing, "EVERY_S", 0.05)
     now = time.time()
     month = period_start("month", now)
-    start = period_instant(month)
+    start = bounds(month)[0]
     before = period_start("month", start - 1)
     grace = now - start + 0.5  # (the previous month closes half a second from now)
     store = MemoryStorage()
@@ -239,7 +239,7 @@ async def test_a_unique_call_waiting_across_the_close_is_refused(
     from meter.node.wiring import build_service
 
     now = time.time()
-    start = period_instant(period_start("month", now))
+    start = bounds(period_start("month", now))[0]
     grace = now - start + 0.3  # (last month closes 0.3 s from now)
     store = SlowLoads()
     svc = build_service(CounterTable("n1"), store, CounterConfig(period_grace_s=grace))

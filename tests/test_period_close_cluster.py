@@ -13,7 +13,7 @@ import pytest
 
 from meter.client import Client
 from meter.core.keys import period_start
-from meter.core.periods import period_instant
+from storage.periods import bounds
 from tests.support.cluster_harness import Fleet, wait_until
 from tests.support.nodes import NodeProcess, raw_call
 
@@ -45,7 +45,7 @@ def test_a_node_killed_with_units_of_last_month_keeps_it_open_until_it_restarts(
 ) -> None:
     now = time.time()
     month = period_start("month", now)
-    start = period_instant(month)
+    start = bounds(month)[0]
     last = period_start("month", start - 1)
     closes_at = now + 15  # (the grace ends 15 s from now: nodes start, count, one dies)
     grace = str(closes_at - start)

@@ -19,13 +19,14 @@ import pytest
 
 from bench.clockshift import next_month_start, shift_to
 from meter.core.keys import Key, period_start
-from meter.core.periods import kinds_in_use, next_keys, period_end
+from meter.core.periods import kinds_in_use, next_keys
 from meter.core.service import Service
 from meter.core.table import CounterTable
 from meter.node.wiring import build_service
 from storage.base import Snapshot
 from storage.dynamodb import DynamoDBStorage
 from storage.memory import MemoryStorage
+from storage.periods import bounds, name
 from storage.sqlite import SQLiteStorage
 from tests.support.cluster_harness import Conn, Fleet, wait_until
 from tests.support.nodes import NodeProcess, short_tmpdir, wait_for
@@ -38,17 +39,21 @@ def ts(year: int, month: int, day: int, hour: int = 0, minute: int = 0, sec: int
 # -- the pure part --------------------------------------------------------------------------
 
 
+def _end(kind: Any, at: float) -> float:
+    return bounds(name(None, kind, at))[1]
+
+
 def test_period_end_is_the_next_period_start() -> None:
-    assert period_end("month", ts(2026, 11, 30, 23, 59, 59)) == ts(2026, 12, 1)
-    assert period_end("month", ts(2026, 12, 1)) == ts(2027, 1, 1)
-    assert period_end("month", ts(2026, 12, 31, 23, 59, 59)) == ts(2027, 1, 1)
-    assert period_end("month", ts(2028, 2, 10)) == ts(2028, 3, 1)
-    assert period_end("day", ts(2026, 11, 30, 12)) == ts(2026, 12, 1)
-    assert period_end("day", ts(2026, 12, 31)) == ts(2027, 1, 1)
-    assert period_end("day", ts(2027, 1, 1, 0, 0, 1)) == ts(2027, 1, 2)
+    assert _end("month", ts(2026, 11, 30, 23, 59, 59)) == ts(2026, 12, 1)
+    assert _end("month", ts(2026, 12, 1)) == ts(2027, 1, 1)
+    assert _end("month", ts(2026, 12, 31, 23, 59, 59)) == ts(2027, 1, 1)
+    assert _end("month", ts(2028, 2, 10)) == ts(2028, 3, 1)
+    assert _end("day", ts(2026, 11, 30, 12)) == ts(2026, 12, 1)
+    assert _end("day", ts(2026, 12, 31)) == ts(2027, 1, 1)
+    assert _end("day", ts(2027, 1, 1, 0, 0, 1)) == ts(2027, 1, 2)
     for kind in ("month", "day"):
         now = ts(2026, 11, 30, 23, 59, 59)
-        end = period_end(kind, now)
+        end = _end(kind, now)
         assert period_start(kind, end) != period_start(kind, end - 0.001)
 
 
@@ -81,7 +86,7 @@ async def test_read_ahead_seeds_the_next_periods_keys_in_batches() -> None:
     svc = build_service(table, store)
     now = time.time()
     month = period_start("month", now)
-    upcoming = period_start("month", period_end("month", now))
+    upcoming = period_start("month", _end("month", now))
     for i in range(250):
         table.seed((f"t{i}", "api", month), Snapshot(0))
     before = store.loads
@@ -322,7 +327,7 @@ async def test_a_read_ahead_lead_under_a_second_is_not_slept_through() -> None:
             assert node.read_ahead is not None
             node.table.seed(("acme", "api", period_start("month")), Snapshot(0, {}))
             seeder = node.service.seeder
-            end = period_end("month", time.time())
+            end = _end("month", time.time())
             now = end - lead - 0.1  # the loop looks a tenth of a second before the first pass
             done: dict[tuple[str, float], int] = {}
             steps = 0

@@ -16,7 +16,7 @@ from meter.config import CounterConfig
 from meter.core.gauging import Gauging
 from meter.core.idempotency import RequestIds
 from meter.core.keycache import KeyCache
-from meter.core.keys import Key, period_start
+from meter.core.keys import Key
 from meter.core.leases import Lease
 from meter.core.reserving import Reserving, dim_keys, mono, wall
 from meter.core.table import CounterTable
@@ -229,8 +229,7 @@ class Journal:
         if left <= 0:
             return
         now = time.time()
-        current = {kind: period_start(kind, now) for kind in ("month", "day")}
-        periods = self.keys.periods
+        is_current = self.keys.is_current
         already = set(warming) if warming and warm else None
         recently_used = self.table.recently_used
         for source, used in ((warming, None), (warm, True), (warm, False)):
@@ -241,7 +240,7 @@ class Journal:
                     chunk = [k for k, u in zip(chunk, flags, strict=True) if u is used]
                     if already is not None:
                         chunk = [k for k in chunk if k not in already]
-                items = [[*k] for k in chunk if k[2] == current[periods.get(k[1], "month")]]
+                items = [[*k] for k in chunk if is_current(k, now)]
                 if not items:
                     continue
                 if len(items) >= left:

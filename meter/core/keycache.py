@@ -302,6 +302,16 @@ class KeyCache:
         except ValueError:
             return ""  # (no period: no key is of it)
 
+    def is_current(self, key: Key, now: float) -> bool:
+        """Whether ``key`` is of its tenant's current period of its feature's kind."""
+        if not self.day_start <= now < self.day_end:
+            self.new_day(now)
+        kind = self.periods.get(key[1], "month")
+        schedule = self.cycles.get(key[0]) if self.cycles else None
+        if schedule is None:
+            return key[2] == self.day_periods[kind]
+        return key[2] == self._current(schedule, kind, now)
+
     def new_day(self, now: float) -> None:
         """Start the key cache over for the stretch of the UTC day containing ``now`` in
         which no calendar in use changes period."""

@@ -9,33 +9,13 @@ of the new period find their keys seeded. See docs/adr/0005-read-ahead-at-period
 
 from __future__ import annotations
 
-import calendar
 from collections.abc import Iterable, Iterator, Mapping
-from datetime import UTC, datetime
 from typing import TypeVar
 
 from meter.core.dims import decode, is_dimension
 from meter.core.keys import Key, PeriodKind
 
 V = TypeVar("V")
-
-
-def period_end(kind: PeriodKind, now: float) -> float:
-    """The first instant (epoch seconds) after the period of ``kind`` containing ``now``."""
-    moment = datetime.fromtimestamp(now, tz=UTC)
-    if kind == "day":
-        day = datetime(moment.year, moment.month, moment.day, tzinfo=UTC)
-        return day.timestamp() + 86400
-    year, month = (moment.year + 1, 1) if moment.month == 12 else (moment.year, moment.month + 1)
-    return float(calendar.timegm((year, month, 1, 0, 0, 0)))
-
-
-def period_instant(period: str) -> float:
-    """The first instant (epoch seconds, UTC) of the period named ``period`` (``YYYY-MM`` or
-    ``YYYY-MM-DD``)."""
-    year, month = int(period[0:4]), int(period[5:7])
-    day = int(period[8:10]) if len(period) > 7 else 1
-    return float(calendar.timegm((year, month, day, 0, 0, 0)))
 
 
 def kinds_in_use(feature_periods: Mapping[str, PeriodKind]) -> list[PeriodKind]:

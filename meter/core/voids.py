@@ -25,12 +25,12 @@ from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint
 from meter.core.keycache import KeyCache
 from meter.core.params import args as check_args
 from meter.core.params import opts as check_opts
-from meter.core.periods import period_instant
 from meter.core.ports import Handler
 from meter.core.seeder import Seeder
 from meter.core.table import CounterTable
 from meter.errors import InvalidArgument, NotFound
 from meter.wal import records as R
+from storage.periods import bounds
 
 _OPTS = frozenset({"id"})
 
@@ -101,7 +101,7 @@ class Voids:
         now = time.time()
         first = effect.keys[0]  # (a call's keys are all of one period)
         if not (keys.valid_now(now) and first[2] in keys.day_periods.values()):
-            keys.check_open(first, period_instant(first[2]), now)  # (not a current period)
+            keys.check_open(first, bounds(first[2])[0], now)  # (not a current period)
         if effect.priced:
             raise InvalidArgument(
                 f"void: {first[0]}/{first[1]} was priced when the call was counted (it spent "

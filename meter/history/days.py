@@ -66,6 +66,16 @@ def clamp_day(period: str, today: str, now: float) -> str | None:
     return last_day(period)
 
 
+def utc_span(granularity: Granularity, first: str, last: str) -> tuple[float, float]:
+    """The first instant of the UTC day or month ``first`` and the first after ``last``."""
+    start = date.fromisoformat(first if granularity == "day" else f"{first}-01")
+    stop = date.fromisoformat(last if granularity == "day" else last_day(last))
+    return (
+        float(calendar.timegm(start.timetuple())),
+        float(calendar.timegm(stop.timetuple())) + 86400,
+    )
+
+
 def days_between(first: str, last: str) -> list[str]:
     """Every ``YYYY-MM-DD`` from ``first`` to ``last``, inclusive."""
     a, b = date.fromisoformat(first), date.fromisoformat(last)

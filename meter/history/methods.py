@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable
+from datetime import UTC, datetime
 from typing import Any, cast
 
+from meter.core.cycles import Schedule, calendar_at, periods_between
 from meter.core.dims import is_dimension, where_name
 from meter.core.gauging import Gauging
 from meter.core.groups import Groups
@@ -24,8 +26,10 @@ from meter.history.days import (
     last_day,
     months_between,
     parse_range,
+    utc_span,
 )
 from storage.base import GAUGE_MARK, DayBuckets, StorageError
+from storage.periods import days
 
 
 class HistoryMethods:
@@ -59,6 +63,11 @@ class HistoryMethods:
         now = time.time()
         granularity, first, last = parse_range(opts, now)
         gauge = self.gauging.kind(feature)
+        if gauge is not None and tenant in self.keys.cycles:
+            raise InvalidArgument(
+                f"history: {feature!r} is a gauge and {tenant!r} has a billing cycle: read its "
+                "periods with usage and at (gauge history follows UTC calendar periods only)"
+            )
         if gauge is not None:
             if granularity == "day" and self.keys.kind_of(feature) == "month":
                 raise InvalidArgument(
@@ -69,6 +78,9 @@ class HistoryMethods:
         where = opts.get("where") if isinstance(opts, dict) else None
         if where is not None:  # one dimension value's counter (docs/dimensions.md)
             feature = where_name(feature, self.keys.spec(feature), where)
+        schedule = self.keys.cycles.get(tenant)
+        if schedule is not None:
+            return self._cycle_history(tenant, feature, schedule, granularity, first, last, now)
         return self._history(tenant, feature, granularity, first, last, now)
 
     async def _history(
@@ -118,6 +130,92 @@ class HistoryMethods:
                 stored = sums
         return [[b, stored.get(b, 0)] for b in buckets]
 
+    async def _cycle_history(
+        self,
+        tenant: str,
+        feature: str,
+        schedule: Schedule,
+        granularity: Granularity,
+        first: str,
+        last: str,
+        now: float,
+    ) -> list[list[Any]]:
+        """:meth:`_history` of a tenant with a billing cycle (docs/periods.md): day rows are
+        its zone's dates; month rows are its periods (by name) that hold an instant of the
+        UTC months ``first``..``last``."""
+        start, end = utc_span(granularity, first, last)
+        if self.keys.kind_of(feature) == "month":
+            if granularity == "month":
+                periods = periods_between(schedule, "month", start, end)
+                return [[p, await self._period_total(tenant, feature, p, now)] for p in periods]
+            periods = periods_between(schedule, "month", start - 86400, end + 86400)
+            low = min(days(p)[0] for p in periods).isoformat()
+            high = max(days(p)[1] for p in periods).isoformat()
+            try:
+                stored = await self.storage.day_buckets(tenant, feature, low, high)
+            except StorageError as exc:
+                raise Unavailable(f"storage is unreachable: {exc}") from None
+            for period in periods:
+                live = await self._live(tenant, feature, period, now)
+                if live is None:
+                    continue
+                day = flush_day(period, now)
+                assert day is not None
+                a, b = (d.isoformat() for d in days(period))
+                stored[day] = live - sum(v for d, v in stored.items() if a <= d <= b and d != day)
+            return [[d, stored.get(d, 0)] for d in days_between(first, last)]
+        # A day feature: each date is a period of its own, named in the tenant's zone.
+        if granularity == "month":
+            periods = periods_between(schedule, "month", start, end)
+            low = min(days(p)[0] for p in periods).isoformat()
+            high = max(days(p)[1] for p in periods).isoformat()
+        else:
+            periods, low, high = [], first, last
+        by_date = await self._days(tenant, feature, schedule, low, high, now)
+        if granularity == "day":
+            return [[d, by_date.get(d, 0)] for d in days_between(first, last)]
+        rows: list[list[Any]] = []
+        for period in periods:
+            a, b = (d.isoformat() for d in days(period))
+            rows.append([period, sum(v for d, v in by_date.items() if a <= d <= b)])
+        return rows
+
+    async def _period_total(self, tenant: str, feature: str, period: str, now: float) -> int:
+        """A month period's total: this node's where it holds it, else storage's."""
+        live = await self._live(tenant, feature, period, now)
+        if live is not None:
+            return live
+        try:
+            stored = await self.storage.counters_between(tenant, feature, period, period)
+        except StorageError as exc:
+            raise Unavailable(f"storage is unreachable: {exc}") from None
+        return stored.get(period, 0)
+
+    async def _days(
+        self, tenant: str, feature: str, schedule: Schedule, low: str, high: str, now: float
+    ) -> dict[str, int]:
+        """A day feature's totals of the dates ``low``..``high``, by date: each date's period
+        is the tenant's day of that date in the zone its calendar has at the date's noon
+        (UTC); one storage read per zone."""
+        names: dict[str, str] = {}  # period name -> date
+        for day in days_between(low, high):
+            noon = datetime.fromisoformat(day).replace(hour=12, tzinfo=UTC).timestamp()
+            c = calendar_at(schedule, noon)
+            names[day if c is None or c.zone == "UTC" else f"{day}@{c.zone}"] = day
+        by_zone: dict[str, list[str]] = {}
+        for period in names:
+            by_zone.setdefault(period[10:], []).append(period)
+        out: dict[str, int] = {}
+        for group in by_zone.values():
+            try:
+                stored = await self.storage.counters_between(tenant, feature, group[0], group[-1])
+            except StorageError as exc:
+                raise Unavailable(f"storage is unreachable: {exc}") from None
+            for period in group:
+                live = await self._live(tenant, feature, period, now)
+                out[names[period]] = live if live is not None else stored.get(period, 0)
+        return out
+
     async def _gauge_history(
         self,
         tenant: str,
@@ -166,7 +264,7 @@ class HistoryMethods:
         storage if cold), or for any other one this node holds (``None`` if it does not: then
         it has no units of it that storage lacks)."""
         key = (tenant, feature, period)
-        if period in (period_start("day", now), period_start("month", now)):
+        if period == self.keys.period_of(tenant, self.keys.kind_of(feature), now):
             return await self._usage(tenant, feature, now)
         if not self.table.is_seeded(key):
             return None
@@ -176,7 +274,7 @@ class HistoryMethods:
         """What ``usage`` answers for the counter of the current period (``feature``: a
         validated feature, or a dimension counter's name)."""
         keys = self.keys
-        key = (tenant, feature, keys.period(period_start(keys.kind_of(feature), now)))
+        key = (tenant, feature, keys.period(keys.period_of(tenant, keys.kind_of(feature), now)))
         if is_dimension(feature):
             got = self.groups.value(key)
             return cast(int, await got if isinstance(got, Awaitable) else got)

@@ -1,0 +1,137 @@
+"""Billing-cycle periods on real node processes (docs/periods.md; correctness P03, P04): a
+tenant anchored on the 15th in America/New_York, its node's clock moved to just before its
+period ends on the day after a DST change, across a month end; a UTC tenant beside it."""
+
+from __future__ import annotations
+
+import calendar
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.nodes import NodeProcess, short_tmpdir, wait_for
+
+NY = "America/New_York"
+FEB = f"2027-02@15:{NY}"
+MAR = f"2027-03@15:{NY}"
+#: Where FEB ends: March 15, 00:00 in New York, daylight time (UTC-4) since March 14.
+FEB_END = calendar.timegm((2027, 3, 15, 4, 0, 0))
+ENV = {"METER_FLUSH_INTERVAL_MS": "50", "METER_FEATURE_PERIODS": "api_daily=day"}
+
+
+def ts(*parts: int) -> float:
+    return float(calendar.timegm((*parts, 0, 0, 0, 0, 0)[:6]))
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    path = short_tmpdir("cycle-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def node_at(workdir: Path, instant: float, **env: str) -> NodeProcess:
+    """A node whose clock reads ``instant`` now."""
+    node = NodeProcess(workdir, **ENV, **env)
+    node.clock_shift = instant - time.time()
+    return node
+
+
+def export(node: NodeProcess, period: str) -> tuple[dict[str, Any], dict[tuple[str, str], int]]:
+    page = node.call("export", period)
+    assert page["cursor"] is None
+    return page, {(row[0], row[1]): int(row[3]) for row in page["rows"]}
+
+
+def test_an_anchored_tenant_counts_by_its_own_periods_across_dst_and_a_month_end(
+    workdir: Path,
+) -> None:
+    """Set on February 1 (effective a minute later), the anchor splits calls by New York's
+    local midnight of the 15th: calls on February 28 and March 1 (a month end, local and UTC)
+    share one period, a call at 23:59 on March 14 (daylight time, a day of 23 hours) is still
+    in it and one at 00:00 on March 15 is not; the UTC tenant beside it splits at March 1
+    UTC. Then the node's clock runs across FEB's end with calls without ``at``: every call
+    answered before the end is in FEB, every call after in MAR; after the grace the node
+    closes FEB and its export is final with exactly those units; usage, history and export
+    agree."""
+    with node_at(workdir, ts(2027, 2, 1)) as node:
+        node.call("set_plan", "pro", {})
+        node.call("assign_plan", "acme", "pro", {"anchor_day": 15, "tz": NY, "effective": "now"})
+        cycle = node.call("limits", "acme")["cycle"]
+        assert [(c["anchor_day"], c["tz"]) for c in cycle] == [(15, NY)]
+        assert ts(2027, 2, 1) + 60 <= cycle[0]["from"] <= ts(2027, 2, 1) + 62
+        instants = [
+            ts(2027, 2, 28, 23),  # February 28, 18:00 EST (UTC: February)
+            ts(2027, 3, 1, 4, 30),  # February 28, 23:30 EST (UTC: March)
+            ts(2027, 3, 1, 6),  # March 1, 01:00 EST
+            ts(2027, 3, 14, 6, 30),  # March 14, 01:30 EST, before the change to EDT
+            ts(2027, 3, 14, 7, 30),  # March 14, 03:30 EDT, after it
+            FEB_END - 60,  # March 14, 23:59 EDT (UTC: March 15)
+            FEB_END,  # March 15, 00:00 EDT
+        ]
+        for i, at in enumerate(instants):
+            for tenant in ("acme", "plain"):
+                node.call("track", tenant, "api", 10**i, {"at": at})
+                node.call("track", tenant, "api_daily", 10**i, {"at": at})
+        assert node.call("usage", "acme", "api", {"at": ts(2027, 3, 1)}) == 111111
+        assert node.call("usage", "acme", "api", {"at": FEB_END}) == 1000000
+        assert node.call("usage", "plain", "api", {"at": ts(2027, 2, 20)}) == 1
+        assert node.call("usage", "plain", "api", {"at": ts(2027, 3, 20)}) == 1111110
+        # The day of the change to daylight time is one local day of 23 hours.
+        dst_day = {"at": instants[3]}
+        assert node.call("usage", "acme", "api_daily", dst_day) == 1000 + 10000 + 100000
+        assert node.call("usage", "plain", "api_daily", dst_day) == 1000 + 10000
+        assert node.call("usage_all", "acme", dst_day) == {"api": 111111, "api_daily": 111000}
+        wait_for(lambda: export(node, FEB)[1] == {("acme", "api"): 111111}, what="FEB stored")
+        assert export(node, "2027-03")[1][("plain", "api")] == 1111110
+        months = {"granularity": "month", "from": "2027-02", "to": "2027-03"}
+        history = node.call("history", "acme", "api", months)
+        # (the UTC month the anchor was set in, then New York's periods from a minute on)
+        assert history == [
+            ["2027-02", 0],
+            [f"2027-01@15:{NY}", 0],
+            [FEB, 111111],
+            [MAR, 1000000],
+        ]
+        days = {"from": "2027-03-13", "to": "2027-03-15"}
+        daily = node.call("history", "acme", "api_daily", days)
+        assert daily == [["2027-03-13", 0], ["2027-03-14", 111000], ["2027-03-15", 1000000]]
+
+    # The node's own clock across FEB's end, calls without ``at``. A call's period is
+    # judged between its send and its answer: the node's clock read before the send and
+    # after the answer brackets it.
+    with node_at(workdir, FEB_END - 6, METER_PERIOD_GRACE_S="2") as node:
+        shift = node.clock_shift
+        assert shift is not None
+        assert {FEB, MAR} <= set(node.call("status")["periods"]["open"])  # (marked first)
+        before = after = calls = 0
+        deadline = time.monotonic() + 30
+        while after < 5 and time.monotonic() < deadline:
+            sent = time.time() + shift
+            value = node.call("track", "acme", "api", 1)
+            answered = time.time() + shift
+            calls += 1
+            if answered < FEB_END:
+                before += 1
+                assert value == 111111 + before
+            elif sent >= FEB_END:
+                after += 1
+            time.sleep(0.2)
+        assert before >= 5 and after == 5
+        feb_total = node.call("usage", "acme", "api", {"at": FEB_END - 1})
+        mar_total = node.call("usage", "acme", "api", {"at": FEB_END})
+        assert (feb_total - 111111) + (mar_total - 1000000) == calls
+        assert feb_total - 111111 >= before and mar_total - 1000000 >= after
+
+        def closed() -> bool:
+            return FEB not in node.call("status")["periods"]["open"]
+
+        wait_for(closed, timeout=20, what="FEB closed after its end plus the grace")
+        page, rows = export(node, FEB)
+        assert page["final"] is True and page["open_nodes"] == [] and page["nodes"] == 1
+        assert rows == {("acme", "api"): feb_total}
+        assert MAR in node.call("status")["periods"]["open"]
