@@ -102,12 +102,13 @@ class MemoryStorage(Storage):
             raise StorageUnavailable("injected failure before the write")
         out: dict[Key, Applied | StorageError] = {}
         for d in deltas:
-            if d.day is not None:
-                try:
+            try:  # (as the other backends: a key of no period is not stored)
+                check_period(d.key[2])
+                if d.day is not None:
                     check_day_of(d.day, d.key[2])
-                except StorageError as exc:
-                    out[d.key] = exc
-                    continue
+            except StorageError as exc:
+                out[d.key] = exc
+                continue
             current = self.items.get(d.key, EMPTY)
             if current.seq_of(node) >= d.seq:
                 out[d.key] = Applied(current, duplicate=True)

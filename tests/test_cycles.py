@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import calendar
 import itertools
+import time
 import zoneinfo
 from datetime import UTC, date, datetime
 
@@ -25,8 +26,11 @@ from meter.core.cycles import (
 from meter.core.keycache import KeyCache
 from meter.errors import InvalidArgument, PeriodClosed
 from meter.persist.closing import periods_to_open
+from meter.quotas.methods import LimitMethods
+from meter.quotas.store import LimitStore
 from storage import periods as P
 from storage.base import StoragePermanentError, check_day_of, check_period
+from storage.memory import MemoryStorage
 
 NY = "America/New_York"
 ZONES = sorted(zoneinfo.available_timezones() - {"Factory", "localtime"})
@@ -251,6 +255,45 @@ def test_keys_of_an_anchored_tenant_follow_its_schedule_and_others_stay_utc() ->
     keys.check_open(feb, at, ts(2027, 3, 15, 4, 59, 59))
     with pytest.raises(PeriodClosed):
         keys.check_open(feb, at, ts(2027, 3, 15, 5))
+
+
+def test_with_the_hierarchy_every_level_follows_the_accounts_cycle() -> None:
+    """``acme/alice`` counts by ``acme``'s cycle, so its call's levels share one period."""
+    keys = KeyCache({}, True, 3600.0)
+    keys.new_cycles({"acme": ((0.0, P.cycle(15, NY)),)})
+    key = keys.key_for("acme/alice", "api", ts(2027, 3, 1))
+    assert key == ("acme/alice", "api", "2027-02@15:America/New_York")
+    assert {level[2] for level in keys.levels(key)} == {"2027-02@15:America/New_York"}
+    assert keys.key_for("other/bob", "api", ts(2027, 3, 1))[2] == "2027-03"
+
+
+def test_a_calendar_out_of_use_for_longer_than_the_grace_is_no_longer_marked() -> None:
+    keys = KeyCache({}, False, 3600.0)
+    old, new = P.cycle(15, NY), P.cycle(20, "Asia/Tokyo")
+    long_ago = 1_000_000_000.0
+    keys.new_cycles({"acme": ((long_ago, old), (long_ago + 86400 * 60, new))})
+    assert keys.calendars() == [None, new]
+    recent = time.time() - 86400
+    keys.new_cycles({"acme": ((long_ago, old), (recent, new))})
+    assert keys.calendars() == [None, old, new]
+
+
+async def test_with_the_hierarchy_a_cycle_is_set_on_the_account_only() -> None:
+    """A cycle on ``acme/alice`` is refused (changing nothing); on ``acme`` it is stored, and
+    assigning it again changes nothing more."""
+    store = LimitStore(MemoryStorage(), lambda book: None)
+    methods = LimitMethods(store, hierarchy=True)
+    await store.refresh()
+    with pytest.raises(InvalidArgument, match="set it on 'acme'"):
+        await methods.assign_plan(["acme/alice", None, {"anchor_day": 15, "tz": NY}])
+    assert store.book.cycles == {} and store.book.version == 0
+    answer = await methods.assign_plan(["acme", None, {"anchor_day": 15, "tz": NY}])
+    assert [(c["anchor_day"], c["tz"]) for c in answer["cycle"]] == [(15, NY)]
+    version = store.book.version
+    again = await methods.assign_plan(["acme", None, {"anchor_day": 15, "tz": NY}])
+    assert again["cycle"] == answer["cycle"]
+    assert store.book.version == version + 1  # (the assignment's write only)
+    assert store.book.cycles["acme"][0][1] == P.Cycle(15, NY)
 
 
 def test_a_new_schedule_starts_the_key_cache_over() -> None:

@@ -336,6 +336,39 @@ async def test_periods_at_the_ends_of_the_calendar(storage: Storage, period: str
     assert await storage.list_period("edge", period) == {"api": Snapshot(3, {"n1": 1})}
 
 
+async def test_billing_cycle_periods_store_apart_with_their_zones_days(storage: Storage) -> None:
+    """A billing cycle's month and a zone's day (docs/periods.md) store like any period, apart
+    from the UTC ones that share their first characters; a day bucket of a cycle's month is
+    any local date inside it (December 14 is in November 15's period) and no date outside;
+    the export and the history reads of one period hold its counters only."""
+    ny = "2026-11@15:America/New_York"
+    keys: list[Key] = [
+        ("acme", "api", ny),
+        ("acme", "api", "2026-11"),
+        ("acme", "api", "2026-11@15:Asia/Tokyo"),
+        ("acme", "api", "2026-11-20@America/New_York"),
+    ]
+    out = await storage.apply(
+        "n1", [Delta(k, 1, 10**i, "2026-12-14" if i == 0 else None) for i, k in enumerate(keys)]
+    )
+    assert all(isinstance(o, Applied) for o in out.values()), out
+    loaded = await storage.load(keys)
+    assert [loaded[k].total for k in keys] == [1, 10, 100, 1000]
+    assert await storage.list_period("acme", ny) == {"api": Snapshot(1, {"n1": 1})}
+    assert await storage.counters_between("acme", "api", ny, ny) == {ny: 1}
+    assert await storage.day_buckets("acme", "api", "2026-11-01", "2026-12-31") == {"2026-12-14": 1}
+    assert [(r.tenant, r.period, r.total) for r in await _export_all(storage, ny, 10)] == [
+        ("acme", ny, 1)
+    ]
+    for day in ("2026-11-14", "2026-12-15"):
+        bad = await storage.apply("n1", [Delta(keys[0], 2, 5, day)])
+        assert isinstance(bad[keys[0]], StoragePermanentError), (day, bad)
+    assert (await storage.load([keys[0]]))[keys[0]].total == 1
+    for name in ("2026-11@1:UTC", "2026-11@15:Nowhere/City", "2026-11@15"):
+        bad = await storage.apply("n1", [Delta(("acme", "api", name), 1, 1)])
+        assert isinstance(bad[("acme", "api", name)], StoragePermanentError), (name, bad)
+
+
 async def test_outcomes_are_applied_or_storage_errors(storage: Storage) -> None:
     out = await storage.apply("n1", [Delta(K, 1, 1)])
     assert all(isinstance(v, Applied | StorageError) for v in out.values())

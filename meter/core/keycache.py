@@ -30,6 +30,9 @@ NAME_CACHE_SIZE = 262_144
 #: Most steps of the trie of checked dimension maps (:class:`DimNode`); it starts over when
 #: full. A map of two dimensions takes one to two steps beyond those it shares.
 DIM_NODES_SIZE = 131_072
+#: How long, beyond ``period_grace_s``, a calendar no tenant follows any more is still in use
+#: (its last period, cut short by a change, may end by its name up to a month later).
+CALENDAR_KEPT_S = 40 * 86400.0
 
 
 class DimNode:
@@ -97,9 +100,26 @@ class KeyCache:
         if cycles == self.cycles:
             return
         self.cycles = cycles
-        self._calendars = sorted({c for sched in cycles.values() for _, c in sched if c})
+        # (a calendar no tenant has used for longer than its last period and the grace has
+        # no period a call may still count in: its periods are no longer marked nor read)
+        since = time.time() - CALENDAR_KEPT_S - self.grace_s
+        self._calendars = sorted(
+            {
+                c
+                for sched in cycles.values()
+                for i, (_, c) in enumerate(sched)
+                if c is not None and (i + 1 == len(sched) or sched[i + 1][0] > since)
+            }
+        )
         self._changes = sorted({start for sched in cycles.values() for start, _ in sched})
         self.day_end = 0.0  # (the next key_for starts the cache over)
+
+    def schedule(self, tenant: str) -> Schedule | None:
+        """``tenant``'s billing-cycle schedule (``None``: UTC calendar periods); with the
+        hierarchy on, its root account's, so every level of a call counts in one period."""
+        if self.hierarchy and "/" in tenant:
+            tenant = tenant.split("/", 1)[0]
+        return self.cycles.get(tenant)
 
     def calendars(self) -> list[Cycle | None]:
         """The calendars periods may follow: the UTC one and every billing cycle in use."""
@@ -198,7 +218,7 @@ class KeyCache:
             if f is None:
                 f = one_copy(self.features, check_feature(feature))
             kind = self.periods.get(f, "month")
-            schedule = self.cycles.get(t) if self.cycles else None
+            schedule = self.schedule(t) if self.cycles else None
             if schedule is None:
                 key = (t, f, self.day_periods[kind])
             else:
@@ -213,7 +233,7 @@ class KeyCache:
 
     def period_of(self, tenant: str, kind: PeriodKind, at: float | None = None) -> str:
         """The name of ``tenant``'s period of ``kind`` holding ``at`` (default now)."""
-        schedule = self.cycles.get(tenant) if self.cycles else None
+        schedule = self.schedule(tenant) if self.cycles else None
         if schedule is None:
             return period_start(kind, at)
         return self._named(schedule, kind, time.time() if at is None else at)
@@ -280,7 +300,7 @@ class KeyCache:
             if len(out) >= limit:
                 break
             kind = periods.get(f, "month")
-            schedule = cycles.get(t) if cycles else None
+            schedule = self.schedule(t) if cycles else None
             if schedule is None:
                 period = current[kind]
             else:
@@ -307,7 +327,7 @@ class KeyCache:
         if not self.day_start <= now < self.day_end:
             self.new_day(now)
         kind = self.periods.get(key[1], "month")
-        schedule = self.cycles.get(key[0]) if self.cycles else None
+        schedule = self.schedule(key[0]) if self.cycles else None
         if schedule is None:
             return key[2] == self.day_periods[kind]
         return key[2] == self._current(schedule, kind, now)

@@ -63,7 +63,7 @@ class HistoryMethods:
         now = time.time()
         granularity, first, last = parse_range(opts, now)
         gauge = self.gauging.kind(feature)
-        if gauge is not None and tenant in self.keys.cycles:
+        if gauge is not None and self.keys.schedule(tenant) is not None:
             raise InvalidArgument(
                 f"history: {feature!r} is a gauge and {tenant!r} has a billing cycle: read its "
                 "periods with usage and at (gauge history follows UTC calendar periods only)"
@@ -78,7 +78,7 @@ class HistoryMethods:
         where = opts.get("where") if isinstance(opts, dict) else None
         if where is not None:  # one dimension value's counter (docs/dimensions.md)
             feature = where_name(feature, self.keys.spec(feature), where)
-        schedule = self.keys.cycles.get(tenant)
+        schedule = self.keys.schedule(tenant)
         if schedule is not None:
             return self._cycle_history(tenant, feature, schedule, granularity, first, last, now)
         return self._history(tenant, feature, granularity, first, last, now)

@@ -286,7 +286,7 @@ def assemble(
     reserving = Reserving(table, keys, gate, fence, ids, seeder, groups, config)
     journal = Journal(table, keys, ids, reserving, config, gauging, uniques)
     features = {
-        **LimitMethods(limits).handlers(),
+        **LimitMethods(limits, hierarchy=config.tenant_hierarchy).handlers(),
         **FeatureMethods(limits).handlers(),
         **LedgerMethods(ledger_store, shares).handlers(),
         **HistoryMethods(table, keys, seeder, storage, groups, gauging).handlers(),

@@ -36,8 +36,10 @@ _ASSIGN_OPTS = frozenset({"anchor_day", "tz", "effective"})
 class LimitMethods:
     """The handlers, over one node's :class:`LimitStore`."""
 
-    def __init__(self, store: LimitStore) -> None:
+    def __init__(self, store: LimitStore, *, hierarchy: bool = False) -> None:
         self.store = store
+        #: The tenant hierarchy is on: a billing cycle is its root account's, for every level.
+        self.hierarchy = hierarchy
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -63,6 +65,11 @@ class LimitMethods:
             cycle = check_cycle_opts(opts)
         except ValueError as exc:
             raise InvalidArgument(f"assign_plan: {exc}") from None
+        if cycle is not None and self.hierarchy and "/" in tenant:
+            raise InvalidArgument(
+                f"assign_plan: with the tenant hierarchy on, a billing cycle is its account's: "
+                f"set it on {tenant.split('/')[0]!r} (every level follows it); nothing changed"
+            )
         return self._assign(tenant, plan, cycle)
 
     async def _assign(
