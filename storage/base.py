@@ -280,6 +280,11 @@ def check_export_limit(limit: object) -> int:
     return limit
 
 
+#: Ends a read of day buckets ``first``..``last``: a billing cycle's bucket of ``last``
+#: (``last@D:Zone``) sorts after ``last`` and before this.
+DAYS_END = "\x7f"
+
+
 def check_range(first: object, last: object) -> tuple[str, str]:
     """``(first, last)`` if both are periods of the same shape with ``first <= last``, else
     :class:`StoragePermanentError`."""
@@ -290,15 +295,21 @@ def check_range(first: object, last: object) -> tuple[str, str]:
 
 
 def check_day_of(day: str, period: str) -> None:
-    """:class:`StoragePermanentError` unless ``day`` is a ``YYYY-MM-DD`` inside the month
-    ``period`` (a delta's day bucket)."""
+    """:class:`StoragePermanentError` unless ``day`` is a day bucket of the month ``period``
+    (a delta's): a ``YYYY-MM-DD`` inside it, named ``YYYY-MM-DD@D:Zone`` for a billing
+    cycle's month (``storage.periods.day_of``)."""
     if len(period) == 7 and len(day) == 10 and day.startswith(period + "-"):
         check_period(day)
         return
     try:
         first, last = periods.days(period)
-        inside = len(check_period(day)) == 10 and first <= datetime.date.fromisoformat(day) <= last
-    except (ValueError, TypeError, StoragePermanentError):
+        date, _, calendar = day.partition("@")
+        inside = (
+            len(check_period(date)) == 10
+            and first <= datetime.date.fromisoformat(date) <= last
+            and calendar == period.partition("@")[2]  # (a billing cycle's: its own buckets)
+        )
+    except (ValueError, TypeError, AttributeError, StoragePermanentError):
         inside = False
     if not inside:
         raise StoragePermanentError(f"day {str(day)[:32]!r} is not a day of period {period!r}")

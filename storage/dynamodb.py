@@ -52,6 +52,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from storage import periods
 from storage.base import (
+    DAYS_END,
     EMPTY,
     MARK_CLOSED,
     MARK_DRAINED,
@@ -679,8 +680,9 @@ class DynamoDBStorage(Storage):
         parts = [Part(d.key, d.seq, d.delta, None, update(sk))]
         if d.day is not None:
             if len(d.day) != 10 or not d.day.startswith(d.key[2] + "-"):
-                check_day_of(d.day, d.key[2])  # (raises: the cheap test said no)
-            check_period(d.day)
+                check_day_of(d.day, d.key[2])  # (a billing cycle's, or raises)
+            else:
+                check_period(d.day)
             parts.append(Part(d.key, d.seq, d.delta, d.day, update(f"{_DAY_SK}{d.key[1]}#{d.day}")))
         return parts
 
@@ -1069,7 +1071,9 @@ class DynamoDBStorage(Storage):
         if len(first) != 10:
             raise StoragePermanentError(f"day buckets are read by days, got {first!r}")
         prefix = f"{_DAY_SK}{feature}#"
-        items = await self._query_between(tenant, prefix + first, prefix + last, "day buckets")
+        items = await self._query_between(
+            tenant, prefix + first, prefix + last + DAYS_END, "day buckets"
+        )
         out: dict[str, int] = {}
         for item in items:
             day = item["sk"]["S"][len(prefix) :]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from storage.base import (
+    DAYS_END,
     EMPTY,
     MARK_CLOSED,
     MARK_DRAINED,
@@ -164,7 +165,7 @@ class MemoryStorage(Storage):
         return {
             day: snap.total
             for (t, f, day), snap in sorted(self.days.items())
-            if t == tenant and f == feature and first <= day <= last
+            if t == tenant and f == feature and first <= day <= last + DAYS_END
         }
 
     async def counters_between(

@@ -22,7 +22,7 @@ import functools
 import re
 from datetime import UTC, date, datetime, timedelta
 from typing import Literal, NamedTuple
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 PeriodKind = Literal["month", "day"]
 
@@ -54,10 +54,33 @@ class Period(NamedTuple):
     # (A zone's day period has the cycle of day 1 in its zone: only the zone counts.)
 
 
+#: Names of UTC itself: a cycle in one of them is in ``UTC`` (one calendar, one name).
+UTC_NAMES = frozenset(
+    {"UTC", "Etc/UTC", "UCT", "Etc/UCT", "Universal", "Etc/Universal", "Zulu", "Etc/Zulu",
+     "GMT", "Etc/GMT", "GMT0", "Etc/GMT0", "GMT+0", "Etc/GMT+0", "GMT-0", "Etc/GMT-0",
+     "Greenwich", "Etc/Greenwich"}
+)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1)
+def known_zones() -> frozenset[str]:
+    """The IANA zones this machine knows, without the names that are not zones everywhere
+    (``localtime`` is each machine's own setting; ``posixrules``, ``Factory``, and the
+    ``posix/`` and ``right/`` copies)."""
+    return frozenset(
+        z
+        for z in available_timezones()
+        if z not in ("localtime", "posixrules", "Factory")
+        and not z.startswith(("posix/", "right/"))
+    )
+
+
 def zone(name: str) -> ZoneInfo:
     """The IANA zone ``name``; :class:`ValueError` if it is not one."""
     if not isinstance(name, str) or len(name) > MAX_ZONE_CHARS or not ZONE_RE.fullmatch(name):
         raise ValueError(f"time zone {str(name)[:64]!r} is not an IANA zone name")
+    if name not in known_zones() and name != "UTC":
+        raise ValueError(f"time zone {name[:64]!r} is not a known IANA zone")
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError):
@@ -65,11 +88,13 @@ def zone(name: str) -> ZoneInfo:
 
 
 def cycle(day: int, zone_name: str) -> Cycle | None:
-    """The cycle anchored on ``day`` in ``zone_name`` (checked), ``None`` for the UTC calendar
-    (day 1 in ``UTC``); :class:`ValueError` for a bad one."""
+    """The cycle anchored on ``day`` in ``zone_name`` (checked; a name of UTC is ``UTC``),
+    ``None`` for the UTC calendar (day 1 in UTC); :class:`ValueError` for a bad one."""
     if isinstance(day, bool) or not isinstance(day, int) or not 1 <= day <= 31:
         raise ValueError(f"anchor day must be an integer in 1..31, got {day!r}")
     zone(zone_name)
+    if zone_name in UTC_NAMES:
+        zone_name = "UTC"
     if day == 1 and zone_name == "UTC":
         return None
     return Cycle(day, zone_name)
@@ -151,8 +176,10 @@ def parse(period: str) -> Period:
         c = cycle(int(anchor) if anchor else 1, zone_name)
     except ValueError as exc:
         raise ValueError(f"period {period[:80]!r}: {exc}") from None
-    if c is None or (d is not None and zone_name == "UTC"):
+    if c is None or (d is not None and zone_name in UTC_NAMES):
         raise ValueError(f"period {period[:80]!r} is a UTC calendar period: name it without @")
+    if c.zone != zone_name:
+        raise ValueError(f"period {period[:80]!r}: name UTC as UTC (...@{c.day}:UTC)")
     if d is not None:
         out = Period("day", Cycle(1, zone_name), year, month, int(d))
     else:
@@ -231,9 +258,11 @@ def days(period: str) -> tuple[date, date]:
 
 
 def day_of(period: str, at: float) -> str:
-    """The day bucket (``YYYY-MM-DD``, a local date of the period's calendar) of a delta of
-    the month period ``period`` sent at ``at``: the date of ``at``, kept inside the period's
-    dates (a key of a later or earlier period, counted with ``at``, gets its first or last)."""
+    """The day bucket of a delta of the month period ``period`` sent at ``at``: the date of
+    ``at`` in the period's calendar, kept inside the period's dates (a key of a later or
+    earlier period, counted with ``at``, gets its first or last); ``YYYY-MM-DD`` for a UTC
+    month, ``YYYY-MM-DD@D:Zone`` for a billing cycle's (its own bucket: a date of a change
+    of calendar is in two periods, and a bucket keeps one sequence per node)."""
     first, last = days(period)
     p = parse(period)
     tz = UTC if p.cycle is None else zone(p.cycle.zone)
@@ -241,4 +270,10 @@ def day_of(period: str, at: float) -> str:
         today = datetime.fromtimestamp(at, tz=tz).date()
     except (OverflowError, ValueError):
         today = last
-    return min(max(today, first), last).isoformat()
+    day = min(max(today, first), last).isoformat()
+    return day if p.cycle is None else f"{day}@{period[8:]}"
+
+
+def bucket_date(bucket: str) -> str:
+    """The date (``YYYY-MM-DD``) of a day bucket's name (:func:`day_of`)."""
+    return bucket[:10]

@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from storage import periods
 from storage.base import (
+    DAYS_END,
     EMPTY,
     MARK_CLOSED,
     MARK_DRAINED,
@@ -531,7 +532,7 @@ class SQLiteStorage(Storage):
             "SELECT day, total FROM days WHERE tenant = ? AND feature = ?"
             " AND day BETWEEN ? AND ? ORDER BY day"
         )
-        return await self._read_range(sql, (tenant, feature, first, last), len(first))
+        return await self._read_range(sql, (tenant, feature, first, last + DAYS_END), None)
 
     async def counters_between(
         self, tenant: str, feature: str, first: str, last: str
@@ -545,7 +546,9 @@ class SQLiteStorage(Storage):
         )
         return await self._read_range(sql, (tenant, first, last, feature), len(first))
 
-    async def _read_range(self, sql: str, args: tuple[str, ...], shape: int) -> dict[str, int]:
+    async def _read_range(
+        self, sql: str, args: tuple[str, ...], shape: int | None
+    ) -> dict[str, int]:
         def read(connection: Callable[[], sqlite3.Connection]) -> dict[str, int]:
             try:
                 rows = connection().execute(sql, args).fetchall()
@@ -553,7 +556,7 @@ class SQLiteStorage(Storage):
                 raise _map(exc, f"reading history from {self.path}") from exc
             out: dict[str, int] = {}
             for period, total in rows:
-                if len(period) == shape:
+                if shape is None or len(period) == shape:
                     out[period] = _total(total, args[0], "history", period)
             return out
 

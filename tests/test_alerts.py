@@ -21,6 +21,7 @@ from meter.errors import InvalidArgument
 from meter.quotas.alerts import Alert, Alerts, alert_id, crossed, threshold_units
 from meter.quotas.limits import LimitBook, parse_limit, plan_record, plans_from_toml
 from storage.memory import MemoryStorage
+from storage.periods import Cycle, name, preceding
 from tests.support.nodes import ROOT, NodeProcess, short_tmpdir, wait_for
 
 MONTH = period_start("month")
@@ -413,6 +414,15 @@ def test_a_peers_alert_frame_is_delivered_only_if_its_sender_could_fire_it_now()
     assert not from_peer_ok(forged, "n1", now)  # the id is not its fields'
     old = make_alert(("acme", "api", "2025-11"), 80, 800, 1000, 801, "n1")
     assert not from_peer_ok(old, "n1", now)  # a past period
+    # A tenant's billing-cycle period holding now is delivered; its last one is not.
+    cycle = Cycle(15, "America/New_York")
+    current = name(cycle, "month", now)
+    anchored = make_alert(("acme", "api", current), 80, 800, 1000, 801, "n1")
+    assert from_peer_ok(anchored, "n1", now)
+    before = make_alert(("acme", "api", preceding(current)), 80, 800, 1000, 801, "n1")
+    assert not from_peer_ok(before, "n1", now)
+    garbage = make_alert(("acme", "api", "2026-11@15"), 80, 800, 1000, 801, "n1")
+    assert not from_peer_ok(garbage, "n1", now)
 
 
 def test_a_claim_whose_answer_was_lost_is_a_win_even_if_detected_again() -> None:

@@ -1,4 +1,4 @@
-"""Billing-cycle periods on real node processes (docs/periods.md; correctness P03, P04): a
+"""Billing-cycle periods on real node processes (docs/periods.md; correctness Y03, Y04): a
 tenant anchored on the 15th in America/New_York, its node's clock moved to just before its
 period ends on the day after a DST change, across a month end; a UTC tenant beside it."""
 
@@ -36,7 +36,7 @@ def workdir() -> Iterator[Path]:
 
 def node_at(workdir: Path, instant: float, **env: str) -> NodeProcess:
     """A node whose clock reads ``instant`` now."""
-    node = NodeProcess(workdir, **ENV, **env)
+    node = NodeProcess(workdir, **{**ENV, **env})
     node.clock_shift = instant - time.time()
     return node
 
@@ -60,10 +60,13 @@ def test_an_anchored_tenant_counts_by_its_own_periods_across_dst_and_a_month_end
     agree."""
     with node_at(workdir, ts(2027, 2, 1)) as node:
         node.call("set_plan", "pro", {})
+        assert node.clock_shift is not None
+        sent = time.time() + node.clock_shift  # (the node's clock)
         node.call("assign_plan", "acme", "pro", {"anchor_day": 15, "tz": NY, "effective": "now"})
+        answered = time.time() + node.clock_shift
         cycle = node.call("limits", "acme")["cycle"]
         assert [(c["anchor_day"], c["tz"]) for c in cycle] == [(15, NY)]
-        assert ts(2027, 2, 1) + 60 <= cycle[0]["from"] <= ts(2027, 2, 1) + 62
+        assert sent + 60 <= cycle[0]["from"] <= answered + 61  # (a minute on, whole seconds)
         instants = [
             ts(2027, 2, 28, 23),  # February 28, 18:00 EST (UTC: February)
             ts(2027, 3, 1, 4, 30),  # February 28, 23:30 EST (UTC: March)
@@ -135,3 +138,55 @@ def test_an_anchored_tenant_counts_by_its_own_periods_across_dst_and_a_month_end
         assert page["final"] is True and page["open_nodes"] == [] and page["nodes"] == 1
         assert rows == {("acme", "api"): feb_total}
         assert MAR in node.call("status")["periods"]["open"]
+
+
+def test_history_across_a_change_of_calendar_counts_each_stretch_once(workdir: Path) -> None:
+    """A tenant moved from the UTC calendar to New York's 15th a minute after February 1
+    00:00 UTC: a day feature's units of January 31 (UTC) and of New York's January 31 (the
+    first hours of February 1 UTC) are both that date's; each period's month row holds only
+    the tenant's stretch of it; a month feature's day buckets and a gauge's months agree,
+    from the node's memory before any flush and from storage after a drain and restart."""
+    t0 = ts(2027, 2, 1)
+    env = {"METER_FLUSH_INTERVAL_MS": "600000"}
+    instants = [t0 - 3600, t0 + 30, t0 + 1800, t0 + 6 * 3600]  # (the change: t0 + 60)
+    with node_at(workdir, t0, **env) as node:
+        node.call("set_feature", "temp", {"aggregation": "max"})
+        node.call("assign_plan", "acme", None, {"anchor_day": 15, "tz": NY, "effective": "now"})
+        assert node.call("limits", "acme")["cycle"][0]["from"] <= t0 + 62
+        for i, at in enumerate(instants):
+            for feature in ("api", "api_daily"):
+                node.call("track", "acme", feature, 10**i, {"at": at})
+        for at, value in zip(instants[:3], (5, 0, 7), strict=True):
+            node.call("track", "acme", "temp", value, {"at": at})
+        unflushed = _histories(node)
+    node = node_at(workdir, t0 + 120, **env)  # (drained: everything stored)
+    with node:
+        stored = _histories(node)
+    assert unflushed == stored
+    months, days, api_days, temp = stored
+    assert days == [["2027-01-30", 0], ["2027-01-31", 101], ["2027-02-01", 1010], ["2027-02-02", 0]]
+    assert months == [
+        ["2027-01", 1],
+        ["2027-02", 10],
+        [f"2027-01@15:{NY}", 1100],
+        [f"2027-02@15:{NY}", 0],
+    ]
+    # A month counter's day buckets: its units on the day each period's flush dated them (the
+    # UTC January's on its last day, New York's first period's on its January 31).
+    assert api_days == [["2027-01-31", 1101], ["2027-02-01", 10]]
+    assert temp == [
+        ["2027-01", 5],
+        ["2027-02", 0],
+        [f"2027-01@15:{NY}", 7],
+        [f"2027-02@15:{NY}", 0],
+    ]
+
+
+def _histories(node: NodeProcess) -> tuple[Any, ...]:
+    months = {"granularity": "month", "from": "2027-01", "to": "2027-02"}
+    return (
+        node.call("history", "acme", "api_daily", months),
+        node.call("history", "acme", "api_daily", {"from": "2027-01-30", "to": "2027-02-02"}),
+        node.call("history", "acme", "api", {"from": "2027-01-31", "to": "2027-02-01"}),
+        node.call("history", "acme", "temp", months),
+    )

@@ -349,18 +349,28 @@ async def test_billing_cycle_periods_store_apart_with_their_zones_days(storage: 
         ("acme", "api", "2026-11-20@America/New_York"),
     ]
     out = await storage.apply(
-        "n1", [Delta(k, 1, 10**i, "2026-12-14" if i == 0 else None) for i, k in enumerate(keys)]
+        "n1",
+        [
+            Delta(k, 1, 10**i, f"2026-12-14@{ny[8:]}" if i == 0 else None)
+            for i, k in enumerate(keys)
+        ],
     )
     assert all(isinstance(o, Applied) for o in out.values()), out
     loaded = await storage.load(keys)
     assert [loaded[k].total for k in keys] == [1, 10, 100, 1000]
     assert await storage.list_period("acme", ny) == {"api": Snapshot(1, {"n1": 1})}
     assert await storage.counters_between("acme", "api", ny, ny) == {ny: 1}
-    assert await storage.day_buckets("acme", "api", "2026-11-01", "2026-12-31") == {"2026-12-14": 1}
+    # (a date's buckets of two calendars, and a UTC day's beside them, are read together)
+    more = [Delta(("acme", "api", "2026-12"), 1, 7, "2026-12-14")]
+    assert isinstance((await storage.apply("n1", more))[("acme", "api", "2026-12")], Applied)
+    assert await storage.day_buckets("acme", "api", "2026-11-01", "2026-12-14") == {
+        "2026-12-14": 7,
+        f"2026-12-14@{ny[8:]}": 1,
+    }
     assert [(r.tenant, r.period, r.total) for r in await _export_all(storage, ny, 10)] == [
         ("acme", ny, 1)
     ]
-    for day in ("2026-11-14", "2026-12-15"):
+    for day in ("2026-11-14@15:America/New_York", "2026-12-15@15:America/New_York", "2026-12-14"):
         bad = await storage.apply("n1", [Delta(keys[0], 2, 5, day)])
         assert isinstance(bad[keys[0]], StoragePermanentError), (day, bad)
     assert (await storage.load([keys[0]]))[keys[0]].total == 1

@@ -152,8 +152,11 @@ def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
             plan = args.plan if args.plan_command == "assign" else None
             opts: dict[str, Any] = {}
             if plan is not None and (args.anchor_day is not None or args.tz is not None):
-                opts = {"anchor_day": args.anchor_day or 1, "tz": args.tz or "UTC",
-                        "effective": "now" if args.now else "next_period"}  # fmt: skip
+                opts = {
+                    "anchor_day": 1 if args.anchor_day is None else args.anchor_day,
+                    "tz": "UTC" if args.tz is None else args.tz,
+                    "effective": "now" if args.now else "next_period",
+                }
             elif plan is not None and args.now:
                 print("meter: plan assign: --now needs --anchor-day or --tz", file=sys.stderr)
                 return 2

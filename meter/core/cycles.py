@@ -25,8 +25,11 @@ from storage.periods import Cycle, PeriodKind, bounds, cycle, name
 #: A change takes effect this long after it is made, at the soonest: peers read the limits'
 #: records on a change frame at once and every half second anyway (docs/quotas.md).
 NOTICE_S = 60.0
-#: The most changes a schedule keeps; older ones are dropped (the periods they governed
-#: have long closed: only reads with ``at`` that far back are answered by the next one).
+#: How long a change is kept once another has replaced it: past the longest
+#: ``period_grace_s`` (ten years) no call counts in its periods; a read with ``at`` that far
+#: back is answered by UTC calendar periods.
+KEPT_S = 11 * 365 * 86400.0
+#: The most changes a schedule holds (within :data:`KEPT_S`); one more is refused.
 MAX_CHANGES = 64
 
 Schedule = tuple[tuple[float, Cycle | None], ...]
@@ -55,32 +58,57 @@ def next_change(schedule: Schedule, now: float) -> float:
     return math.inf
 
 
-def periods_between(schedule: Schedule, kind: PeriodKind, start: float, end: float) -> list[str]:
-    """The names of the tenant's periods of ``kind`` that hold an instant in ``[start, end)``,
-    in order (a period cut by a change of calendar is listed once)."""
-    out: list[str] = []
+def stretches(
+    schedule: Schedule, kind: PeriodKind, start: float, end: float
+) -> list[tuple[str, float, float]]:
+    """The tenant's periods of ``kind`` over ``[start, end)``, in order, each as ``(name,
+    from, to)``: the stretch of it the tenant spends there (cut by a change of calendar, and
+    by ``start`` and ``end``)."""
+    out: list[tuple[str, float, float]] = []
     at = start
     while at < end:
         period = period_name(schedule, kind, at)
-        if not out or out[-1] != period:
-            out.append(period)
-        at = min(bounds(period)[1], next_change(schedule, at))
+        stop = min(bounds(period)[1], next_change(schedule, at), end)
+        if out and out[-1][0] == period:  # (a change to the calendar in force: one stretch)
+            out[-1] = (period, out[-1][1], stop)
+        else:
+            out.append((period, at, stop))
+        at = stop
     return out
+
+
+def periods_between(schedule: Schedule, kind: PeriodKind, start: float, end: float) -> list[str]:
+    """The names of the tenant's periods of ``kind`` that hold an instant in ``[start, end)``,
+    in order (a period cut by a change of calendar is listed once)."""
+    return list(dict.fromkeys(name for name, _, _ in stretches(schedule, kind, start, end)))
 
 
 def changed(
     schedule: Schedule, new: Cycle | None, now: float, effective: Effective = "next_period"
 ) -> Schedule:
     """``schedule`` with ``new`` taking effect at the end of the period in force at
-    ``now + NOTICE_S`` (``next_period``) or at ``now + NOTICE_S`` (``now``). A change not in
-    force yet is replaced; a change to the calendar in force is none."""
-    base = tuple(entry for entry in schedule if entry[0] <= now)
-    if calendar_at(base, now) == new:
+    ``now + NOTICE_S`` (``next_period``) or at ``now + NOTICE_S`` (``now``): nothing before
+    ``now + NOTICE_S`` changes. A change due after that is replaced; a change to the
+    calendar in force then is none. :class:`ValueError` past :data:`MAX_CHANGES` changes
+    within :data:`KEPT_S`, or where the period in force has no end before year 10000."""
+    # A change due within the notice is fixed: a node may be counting by it already.
+    base = tuple(entry for entry in schedule if entry[0] <= now + NOTICE_S)
+    soonest = float(math.ceil(now + NOTICE_S))
+    if base and base[-1][0] >= soonest:
+        soonest = base[-1][0] + 1  # (changes are one second apart at least)
+    if calendar_at(base, soonest) == new:
         return base
-    soonest = math.ceil(now + NOTICE_S)
-    end_in_force = bounds(period_name(base, "month", soonest))[1]
-    start = float(soonest) if effective == "now" else end_in_force
-    return (*base, (start, new))[-MAX_CHANGES:]
+    start = soonest if effective == "now" else bounds(period_name(base, "month", soonest))[1]
+    out = (*base, (start, new))
+    # Changes whose calendar stopped long before anything may count late (the longest
+    # grace) are dropped: no call can name an instant they govern any more.
+    while len(out) > 1 and out[1][0] < now - KEPT_S:
+        out = out[1:]
+    if len(out) > MAX_CHANGES:
+        raise ValueError(
+            f"a tenant's billing cycle changes at most {MAX_CHANGES} times in 11 years"
+        )
+    return out
 
 
 def encode(schedule: Schedule) -> str:
@@ -102,6 +130,15 @@ def decode(body: str) -> Schedule:
             raise ValueError("schedule entries are not in order")
         out.append((float(row[0]), cycle(row[1], row[2])))
     return tuple(out)
+
+
+def of_kind(calendars: Sequence[Cycle | None], kind: PeriodKind) -> list[Cycle | None]:
+    """``calendars`` as far as periods of ``kind`` tell them apart: a day is its zone's,
+    whatever the anchor (the UTC calendar first)."""
+    if kind == "month":
+        return list(calendars)
+    zones = sorted({c.zone for c in calendars if c is not None and c.zone != "UTC"})
+    return [None, *(Cycle(1, z) for z in zones)]
 
 
 def describe(c: Cycle | None) -> dict[str, object]:

@@ -1,9 +1,11 @@
 """Counter keys, periods and the validation of the names in them.
 
-A key is ``(tenant, feature, period)``. ``period`` is the period's start as an ISO string:
-``"2026-11"`` for a UTC calendar month (the default) and ``"2026-11-30"`` for a UTC day.
-The two shapes never share a prefix, so a storage backend can list "every counter of a tenant
-in a period" with one prefix query. A new period is a new key: roll-over needs no reset.
+A key is ``(tenant, feature, period)``. ``period`` is the period's name
+(:mod:`storage.periods`, docs/periods.md): ``"2026-11"`` for a UTC calendar month (the
+default), ``"2026-11-30"`` for a UTC day, ``"2026-11@15:America/New_York"`` for a billing
+cycle's month and ``"2026-11-30@America/New_York"`` for a zone's day. Storage lists "every
+counter of a tenant in a period" with one query on ``<period>#``. A new period is a new key:
+roll-over needs no reset.
 """
 
 from __future__ import annotations
@@ -108,8 +110,9 @@ def period_start(kind: PeriodKind, at: float | None = None) -> str:
 
 
 def check_period(period: object) -> str:
-    """Return ``period`` if it names a period counters are kept under (``YYYY-MM``, a UTC
-    month, or ``YYYY-MM-DD``, a UTC day), else raise :class:`InvalidArgument`."""
+    """Return ``period`` if it names a period counters are kept under (a UTC month or day, a
+    billing cycle's month or a zone's day: :mod:`storage.periods`), else raise
+    :class:`InvalidArgument`."""
     if isinstance(period, bytes | bytearray):
         try:
             period = bytes(period).decode("utf-8")

@@ -120,8 +120,9 @@ def _parse(field: str, value: object, granularity: Granularity) -> str:
     return value
 
 
-def parse_range(opts: object, now: float) -> tuple[Granularity, str, str]:
-    """The granularity and the first and last bucket of a ``history`` call's options."""
+def parse_range(opts: object, now: float, today: str | None = None) -> tuple[Granularity, str, str]:
+    """The granularity and the first and last bucket of a ``history`` call's options;
+    ``today``: the tenant's date now, if not the UTC one (a billing cycle's zone)."""
     opts = check_opts("history", opts, _OPTS)
     granularity = opts.get("granularity", "day")
     if granularity not in ("day", "month"):
@@ -129,7 +130,7 @@ def parse_range(opts: object, now: float) -> tuple[Granularity, str, str]:
             f'history: granularity must be "day" or "month", got {str(granularity)[:32]!r}'
         )
     g: Granularity = "day" if granularity == "day" else "month"
-    current = period_start(g, now)
+    current = today if g == "day" and today is not None else period_start(g, now)
     last = current if opts.get("to") is None else _parse("to", opts["to"], g)
     if opts.get("from") is not None:
         first = _parse("from", opts["from"], g)

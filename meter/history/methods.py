@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable
-from datetime import UTC, datetime
 from typing import Any, cast
 
-from meter.core.cycles import Schedule, calendar_at, periods_between
+from meter.core.cycles import Schedule, period_name, periods_between, stretches
 from meter.core.dims import is_dimension, where_name
 from meter.core.gauging import Gauging
 from meter.core.groups import Groups
 from meter.core.keycache import KeyCache
-from meter.core.keys import check_feature, check_tenant, period_start
+from meter.core.keys import check_feature, check_tenant
 from meter.core.params import args as check_args
 from meter.core.ports import Handler
 from meter.core.seeder import Seeder
@@ -29,7 +28,7 @@ from meter.history.days import (
     utc_span,
 )
 from storage.base import GAUGE_MARK, DayBuckets, StorageError
-from storage.periods import days
+from storage.periods import bucket_date
 
 
 class HistoryMethods:
@@ -61,13 +60,10 @@ class HistoryMethods:
         tenant = check_tenant(tenant)
         feature = check_feature(feature)
         now = time.time()
-        granularity, first, last = parse_range(opts, now)
+        schedule = self.keys.schedule(tenant)
+        today = None if schedule is None else period_name(schedule, "day", now)[:10]
+        granularity, first, last = parse_range(opts, now, today)
         gauge = self.gauging.kind(feature)
-        if gauge is not None and self.keys.schedule(tenant) is not None:
-            raise InvalidArgument(
-                f"history: {feature!r} is a gauge and {tenant!r} has a billing cycle: read its "
-                "periods with usage and at (gauge history follows UTC calendar periods only)"
-            )
         if gauge is not None:
             if granularity == "day" and self.keys.kind_of(feature) == "month":
                 raise InvalidArgument(
@@ -78,7 +74,6 @@ class HistoryMethods:
         where = opts.get("where") if isinstance(opts, dict) else None
         if where is not None:  # one dimension value's counter (docs/dimensions.md)
             feature = where_name(feature, self.keys.spec(feature), where)
-        schedule = self.keys.schedule(tenant)
         if schedule is not None:
             return self._cycle_history(tenant, feature, schedule, granularity, first, last, now)
         return self._history(tenant, feature, granularity, first, last, now)
@@ -142,78 +137,82 @@ class HistoryMethods:
     ) -> list[list[Any]]:
         """:meth:`_history` of a tenant with a billing cycle (docs/periods.md): day rows are
         its zone's dates; month rows are its periods (by name) that hold an instant of the
-        UTC months ``first``..``last``."""
+        UTC months ``first``..``last``. Only the tenant's own stretch of each period counts
+        (a change of calendar cuts one short)."""
         start, end = utc_span(granularity, first, last)
-        if self.keys.kind_of(feature) == "month":
-            if granularity == "month":
-                periods = periods_between(schedule, "month", start, end)
-                return [[p, await self._period_total(tenant, feature, p, now)] for p in periods]
-            periods = periods_between(schedule, "month", start - 86400, end + 86400)
-            low = min(days(p)[0] for p in periods).isoformat()
-            high = max(days(p)[1] for p in periods).isoformat()
-            try:
-                stored = await self.storage.day_buckets(tenant, feature, low, high)
-            except StorageError as exc:
-                raise Unavailable(f"storage is unreachable: {exc}") from None
-            for period in periods:
-                live = await self._live(tenant, feature, period, now)
-                if live is None:
-                    continue
-                day = flush_day(period, now)
-                assert day is not None
-                a, b = (d.isoformat() for d in days(period))
-                stored[day] = live - sum(v for d, v in stored.items() if a <= d <= b and d != day)
-            return [[d, stored.get(d, 0)] for d in days_between(first, last)]
-        # A day feature: each date is a period of its own, named in the tenant's zone.
         if granularity == "month":
             periods = periods_between(schedule, "month", start, end)
-            low = min(days(p)[0] for p in periods).isoformat()
-            high = max(days(p)[1] for p in periods).isoformat()
+        if self.keys.kind_of(feature) == "month":
+            if granularity == "month":
+                return [[p, await self._period_total(tenant, feature, p, now)] for p in periods]
+            try:
+                buckets = await self.storage.day_buckets(tenant, feature, first, last)
+            except StorageError as exc:
+                raise Unavailable(f"storage is unreachable: {exc}") from None
+            stored: dict[str, int] = {}  # (a date of a change of calendar: two buckets)
+            for bucket, units in buckets.items():
+                stored[bucket_date(bucket)] = stored.get(bucket_date(bucket), 0) + units
+            # What this node holds unstored of each period goes to the day its next flush
+            # writes.
+            for period in periods_between(schedule, "month", start - 86400, end + 86400):
+                live = await self._live(tenant, feature, period, now)
+                day = flush_day(period, now)
+                if live is None or day is None or not first <= bucket_date(day) <= last:
+                    continue
+                held = live - await self._stored_total(tenant, feature, period)
+                stored[bucket_date(day)] = stored.get(bucket_date(day), 0) + held
+            return [[d, stored.get(d, 0)] for d in days_between(first, last)]
+        # A day feature: each of the tenant's days is a period, named in its zone; a date of
+        # a change of zone is two such days.
+        if granularity == "month":  # (the whole stretches of those periods: a month's days)
+            wide = stretches(schedule, "month", start - 32 * 86400, end + 32 * 86400)
+            cut = [(a, b) for p, a, b in wide if p in periods]
+            start, end = min(a for a, _ in cut), max(b for _, b in cut)
         else:
-            periods, low, high = [], first, last
-        by_date = await self._days(tenant, feature, schedule, low, high, now)
+            start, end = start - 86400, end + 86400  # (any zone's days of those dates)
+        days = stretches(schedule, "day", start, end)
+        values = await self._day_values(tenant, feature, [d[0] for d in days], now)
         if granularity == "day":
+            by_date: dict[str, int] = {}
+            for period in values:
+                by_date[period[:10]] = by_date.get(period[:10], 0) + values[period]
             return [[d, by_date.get(d, 0)] for d in days_between(first, last)]
-        rows: list[list[Any]] = []
-        for period in periods:
-            a, b = (d.isoformat() for d in days(period))
-            rows.append([period, sum(v for d, v in by_date.items() if a <= d <= b)])
-        return rows
+        by_period = dict.fromkeys(periods, 0)
+        for period, month in {(p, period_name(schedule, "month", at)) for p, at, _ in days}:
+            if month in by_period:
+                by_period[month] += values[period]
+        return [[p, units] for p, units in by_period.items()]
 
     async def _period_total(self, tenant: str, feature: str, period: str, now: float) -> int:
-        """A month period's total: this node's where it holds it, else storage's."""
+        """A period's total: this node's where it holds it, else storage's."""
         live = await self._live(tenant, feature, period, now)
-        if live is not None:
-            return live
+        return live if live is not None else await self._stored_total(tenant, feature, period)
+
+    async def _stored_total(self, tenant: str, feature: str, period: str) -> int:
         try:
             stored = await self.storage.counters_between(tenant, feature, period, period)
         except StorageError as exc:
             raise Unavailable(f"storage is unreachable: {exc}") from None
         return stored.get(period, 0)
 
-    async def _days(
-        self, tenant: str, feature: str, schedule: Schedule, low: str, high: str, now: float
+    async def _day_values(
+        self, tenant: str, feature: str, periods: list[str], now: float
     ) -> dict[str, int]:
-        """A day feature's totals of the dates ``low``..``high``, by date: each date's period
-        is the tenant's day of that date in the zone its calendar has at the date's noon
-        (UTC); one storage read per zone."""
-        names: dict[str, str] = {}  # period name -> date
-        for day in days_between(low, high):
-            noon = datetime.fromisoformat(day).replace(hour=12, tzinfo=UTC).timestamp()
-            c = calendar_at(schedule, noon)
-            names[day if c is None or c.zone == "UTC" else f"{day}@{c.zone}"] = day
+        """Each of ``periods`` (days, of one zone or more) read: this node's value where it
+        holds it, else storage's; one storage read per zone."""
         by_zone: dict[str, list[str]] = {}
-        for period in names:
+        for period in dict.fromkeys(periods):
             by_zone.setdefault(period[10:], []).append(period)
         out: dict[str, int] = {}
         for group in by_zone.values():
+            group.sort()
             try:
                 stored = await self.storage.counters_between(tenant, feature, group[0], group[-1])
             except StorageError as exc:
                 raise Unavailable(f"storage is unreachable: {exc}") from None
             for period in group:
                 live = await self._live(tenant, feature, period, now)
-                out[names[period]] = live if live is not None else stored.get(period, 0)
+                out[period] = live if live is not None else stored.get(period, 0)
         return out
 
     async def _gauge_history(
@@ -227,20 +226,67 @@ class HistoryMethods:
         now: float,
     ) -> list[list[Any]]:
         """A gauge's periods: each its stored reading, with this node's for the periods it
-        holds; a day gauge's months are their days combined as the gauge is (``max``: the
-        largest, ``latest``: the last day observed). A period never observed reads 0."""
+        holds; a day gauge's months (and, for a tenant with a billing cycle, a date holding
+        two zones' days) are their days combined as the gauge is (``max``: the largest,
+        ``latest``: the last day observed). A period never observed reads 0."""
+        rows = self._gauge_rows(tenant, feature, granularity, first, last)
+        names = list(dict.fromkeys(p for _, periods in rows for p in periods))
+        readings = await self._gauge_readings(tenant, feature, gauge, names, now)
+        out: list[list[Any]] = []
+        for label, periods in rows:
+            value: int | None = None
+            for period in periods:  # (in order: a later day's value replaces for latest)
+                if period in readings:
+                    v = readings[period]
+                    value = v if value is None or gauge == "latest" else max(value, v)
+            out.append([label, 0 if value is None else value])
+        return out
+
+    def _gauge_rows(
+        self, tenant: str, feature: str, granularity: Granularity, first: str, last: str
+    ) -> list[tuple[str, list[str]]]:
+        """Each row of a gauge's history and the periods it combines, in order."""
         daily = self.keys.kind_of(feature) == "day"
-        if daily:
-            months = months_between(first[:7], last[:7]) if granularity == "month" else []
-            low, high = (months[0] + "-01", last_day(months[-1])) if months else (first, last)
-        else:
-            low, high = first, last
-        try:
-            stored = await self.storage.counters_between(tenant, feature + GAUGE_MARK, low, high)
-        except StorageError as exc:
-            raise Unavailable(f"storage is unreachable: {exc}") from None
-        periods = days_between(low, high) if daily else months_between(low, high)
-        current = period_start("day" if daily else "month", now)
+        schedule = self.keys.schedule(tenant)
+        if schedule is None:  # (UTC calendar periods: a row is a month or a day)
+            if not daily or granularity == "day":
+                shown = months_between if granularity == "month" else days_between
+                return [(b, [b]) for b in shown(first, last)]
+            return [(m, days_between(f"{m}-01", last_day(m))) for m in months_between(first, last)]
+        start, end = utc_span(granularity, first, last)
+        if not daily:
+            return [(p, [p]) for p in periods_between(schedule, "month", start, end)]
+        if granularity == "day":
+            days = stretches(schedule, "day", start - 86400, end + 86400)
+            return [(d, [p for p, _, _ in days if p[:10] == d]) for d in days_between(first, last)]
+        periods = periods_between(schedule, "month", start, end)
+        wide = stretches(schedule, "month", start - 32 * 86400, end + 32 * 86400)
+        cut = [(a, b) for p, a, b in wide if p in periods]
+        days = stretches(schedule, "day", min(a for a, _ in cut), max(b for _, b in cut))
+        return [
+            (m, [p for p, at, _ in days if period_name(schedule, "month", at) == m])
+            for m in periods
+        ]
+
+    async def _gauge_readings(
+        self, tenant: str, feature: str, gauge: str, periods: list[str], now: float
+    ) -> dict[str, int]:
+        """The reading of each of ``periods`` observed: storage's, or this node's view where
+        it holds the period (storage's merged with its own); one storage read per calendar."""
+        groups: dict[tuple[int, str], list[str]] = {}
+        for period in periods:
+            cut = 10 if len(period) >= 10 and period[7] == "-" else 7  # (a day, or a month)
+            groups.setdefault((cut, period[cut:]), []).append(period)
+        stored: dict[str, int] = {}
+        for group in groups.values():
+            try:
+                got = await self.storage.counters_between(
+                    tenant, feature + GAUGE_MARK, min(group), max(group)
+                )
+            except StorageError as exc:
+                raise Unavailable(f"storage is unreachable: {exc}") from None
+            stored.update((p, v) for p, v in got.items() if p in group)
+        current = self.keys.period_of(tenant, self.keys.kind_of(feature), now)
         table = self.gauging.table
         for period in periods:
             key = (tenant, feature, period)
@@ -249,15 +295,7 @@ class HistoryMethods:
             reading = table.reading(key)
             if reading is not None:  # (this node's view: storage's merged with its own)
                 stored[period] = reading[0]
-        if not (daily and granularity == "month"):
-            return [[b, stored.get(b, 0)] for b in periods]
-        by_month: dict[str, int] = {}
-        for day in periods:  # (in order: a later day's value replaces for latest)
-            if day in stored:
-                value, month = stored[day], day[:7]
-                held = by_month.get(month)
-                by_month[month] = value if held is None or gauge == "latest" else max(held, value)
-        return [[m, by_month.get(m, 0)] for m in months]
+        return stored
 
     async def _live(self, tenant: str, feature: str, period: str, now: float) -> int | None:
         """What ``usage`` says of the counter of ``period``: for the current period (read from

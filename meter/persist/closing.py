@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+from meter.core.cycles import of_kind
 from meter.core.keys import Key, PeriodKind, check_period
 from meter.core.params import args as check_args
 from meter.core.ports import Handler
@@ -54,7 +55,7 @@ LOOK_BACK = {"month": 3, "day": 40}
 
 def periods_to_open(
     kinds: Iterable[PeriodKind],
-    calendars: Iterable[Cycle | None],
+    calendars: Sequence[Cycle | None],
     grace_s: float,
     now: float,
 ) -> list[str]:
@@ -66,7 +67,7 @@ def periods_to_open(
     (:meth:`PeriodCloser.open_due`'s scan), well before it closes."""
     out: list[str] = []
     for kind in kinds:
-        for calendar in calendars:
+        for calendar in of_kind(calendars, kind):
             try:
                 current = name(calendar, kind, now)
             except ValueError:  # (past year 9999 in its zone: nothing counts there)
@@ -85,13 +86,13 @@ def periods_to_open(
 
 
 def recent_periods(
-    kinds: Iterable[PeriodKind], calendars: Iterable[Cycle | None], now: float
+    kinds: Iterable[PeriodKind], calendars: Sequence[Cycle | None], now: float
 ) -> list[str]:
     """The periods before the current one of each kind in each calendar that a restart
     checks for its own open marks (:data:`LOOK_BACK`)."""
     out: list[str] = []
     for kind in kinds:
-        for calendar in calendars:
+        for calendar in of_kind(calendars, kind):
             try:
                 period = name(calendar, kind, now)
             except ValueError:

@@ -13,6 +13,7 @@ import logging
 import time
 
 from meter.config import CounterConfig
+from meter.core.cycles import of_kind
 from meter.core.keys import PeriodKind
 from meter.core.periods import kinds_in_use
 from meter.core.service import Service
@@ -60,7 +61,7 @@ class ReadAhead:
         clock may jump, NTP), so a lead shorter than a second is not slept through."""
         wait = 1.0
         for kind in kinds_in_use(self.config.feature_periods):
-            for calendar in self.service.keys.calendars():
+            for calendar in of_kind(self.service.keys.calendars(), kind):
                 try:
                     current = name(calendar, kind, now)
                 except ValueError:  # (no period after it: nothing to read ahead)
@@ -82,8 +83,8 @@ class ReadAhead:
                         end - now,
                         queued,
                     )
-            if passes < READ_AHEAD_PASSES:
-                wait = min(wait, end - lead * (1 - passes / 4) - now)
+                if passes < READ_AHEAD_PASSES:
+                    wait = min(wait, end - lead * (1 - passes / 4) - now)
         return max(wait, 0.001)
 
     async def read_ahead(self, kind: PeriodKind, now: float, calendar: Cycle | None = None) -> int:

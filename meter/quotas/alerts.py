@@ -30,6 +30,7 @@ from typing import Any
 
 from meter.core.dims import decode, name_of
 from storage.base import StorageError
+from storage.periods import bounds
 
 log = logging.getLogger("meter.alerts")
 
@@ -159,16 +160,20 @@ class Alert:
 
 def from_peer_ok(alert: Alert, sender: str, now: float) -> bool:
     """Whether a peer's ``alert`` frame is one ``sender`` could have fired now: its own claim,
-    under the id of its fields, of the current UTC month or day (or of a minute ago: a frame
-    sent just before a boundary). A signed frame replayed later, or from another node, is not."""
+    under the id of its fields, of a period (of any calendar, docs/periods.md) holding now
+    (or a minute ago: a frame sent just before a boundary). A signed frame replayed later, or
+    from another node, is not."""
     if alert.node != sender:
         return False
     if alert.id != alert_id(alert.tenant, alert.feature, alert.period, alert.threshold):
         return False
     if alert.feature == BALANCE:  # (named by a ledger entry, not a period)
         return True
-    moments = (time.gmtime(now), time.gmtime(now - 60))
-    return alert.period in {time.strftime(f, t) for t in moments for f in ("%Y-%m", "%Y-%m-%d")}
+    try:
+        start, end = bounds(alert.period)
+    except (ValueError, TypeError):
+        return False
+    return start <= now < end or start <= now - 60 < end
 
 
 def make_alert(key: Key, pct: int, units: int, limit: int, value: int, node: str) -> Alert:

@@ -93,7 +93,10 @@ class LimitMethods:
             book = self.store.book
             now = time.time()
             before = book.cycles.get(tenant, ())
-            after = changed(before, cycle, now, effective)
+            try:
+                after = changed(before, cycle, now, effective)
+            except ValueError as exc:
+                raise InvalidArgument(f"assign_plan: {exc}; nothing changed") from None
             if after != before:
                 try:
                     await self.store.change(cycle_record(tenant, after), expect=book.version)
