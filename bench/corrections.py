@@ -15,8 +15,10 @@ dimension ``model``, so each call counts (and each void takes back) on 4 counter
 from __future__ import annotations
 
 import calendar
+import functools
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -49,21 +51,8 @@ def _voids(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     try:
         node.call("set_feature", "f", {"dimensions": ["model"]})
         calls = max(2000, int(10_000 * sizes.duration))
-        ratios: list[float] = []
-        tracks: list[float] = []
-        voids: list[float] = []
-        errors = 0
-        with ProcessPoolExecutor(WORKERS) as pool:
-            for r in range(sizes.rounds):
-                progress(f"void vs track, round {r + 1}/{sizes.rounds}")
-                jobs = [pool.submit(_worker, str(node.socket), w, r, calls) for w in range(WORKERS)]
-                done = [j.result() for j in jobs]
-                track_s = max(d[0] for d in done)
-                void_s = max(d[1] for d in done)
-                errors += sum(d[2] for d in done)
-                tracks.append(WORKERS * calls / track_s)
-                voids.append(WORKERS * calls / void_s)
-                ratios.append(track_s / void_s)
+        work = functools.partial(_worker, str(node.socket))
+        tracks, voids, ratios, errors = _side_by_side(sizes, progress, "void vs track", work, calls)
     finally:
         svc.stop_node(node)
     ratio = median(ratios)
@@ -135,23 +124,9 @@ def cycles_vs_utc(node: Any, ready_at: float, sizes: Sizes, progress: Progress) 
     time.sleep(max(0.0, ready_at + 1 - time.time()))
     compiled = bool((node_status(node).get("build") or {}).get("compiled"))
     calls = max(5000, int(20_000 * sizes.duration))
-    ratios: list[float] = []
-    rates: list[float] = []
-    refs: list[float] = []
-    errors = 0
-    with ProcessPoolExecutor(WORKERS) as pool:
-        for r in range(sizes.rounds):
-            progress(f"cycles: anchored vs UTC tenant, round {r + 1}/{sizes.rounds}")
-            jobs = [
-                pool.submit(_tracks, str(node.socket), w, r % 2 == 1, calls) for w in range(WORKERS)
-            ]
-            done = [j.result() for j in jobs]
-            utc_s = max(d[0] for d in done)
-            cyc_s = max(d[1] for d in done)
-            errors += sum(d[2] for d in done)
-            refs.append(WORKERS * calls / utc_s)
-            rates.append(WORKERS * calls / cyc_s)
-            ratios.append(utc_s / cyc_s)
+    work = functools.partial(_tracks, str(node.socket))
+    what = "cycles: anchored vs UTC tenant"
+    refs, rates, ratios, errors = _side_by_side(sizes, progress, what, work, calls)
     # The anchored tenant's calls are in its own period (its month rows are named by it).
     rows = node.call("history", "cyc0", "f", {"granularity": "month"})
     counted = [row for row in rows if row[1]]
@@ -184,10 +159,39 @@ def cycles_vs_utc(node: Any, ready_at: float, sizes: Sizes, progress: Progress) 
 STRETCH = 250
 
 
-def _tracks(path: str, worker: int, anchored_first: bool, calls: int) -> tuple[float, float, int]:
+def _side_by_side(
+    sizes: Sizes,
+    progress: Progress,
+    what: str,
+    work: Callable[[int, int, int], tuple[float, float, int]],
+    calls: int,
+) -> tuple[list[float], list[float], list[float], int]:
+    """Rounds of ``work(worker, round, calls)`` on each of :data:`WORKERS` processes at once,
+    each answering (the reference's seconds, ours, error answers): per round the reference's
+    rate and ours (calls per second over all workers) and ours over the reference; and the
+    error answers."""
+    refs: list[float] = []
+    ours: list[float] = []
+    ratios: list[float] = []
+    errors = 0
+    with ProcessPoolExecutor(WORKERS) as pool:
+        for r in range(sizes.rounds):
+            progress(f"{what}, round {r + 1}/{sizes.rounds}")
+            done = [j.result() for j in [pool.submit(work, w, r, calls) for w in range(WORKERS)]]
+            ref_s = max(d[0] for d in done)
+            our_s = max(d[1] for d in done)
+            errors += sum(d[2] for d in done)
+            refs.append(WORKERS * calls / ref_s)
+            ours.append(WORKERS * calls / our_s)
+            ratios.append(ref_s / our_s)
+    return refs, ours, ratios, errors
+
+
+def _tracks(path: str, worker: int, round_: int, calls: int) -> tuple[float, float, int]:
     """``calls`` tracks for the UTC tenant and as many for the anchored one, alternating
-    every :data:`STRETCH` calls (either first); each tenant's seconds, and the error
-    answers."""
+    every :data:`STRETCH` calls (the anchored one first in odd rounds); each tenant's
+    seconds, and the error answers."""
+    anchored_first = round_ % 2 == 1
     utc, cyc = f"utc{worker}", f"cyc{worker}"
     frames = {
         tenant: [msgpack.packb([0, i, "track", [tenant, "f", 1]]) for i in range(calls)]
