@@ -87,6 +87,26 @@ async def test_plans_and_limits_from_the_shell(
     }
 
 
+async def test_prices_from_the_shell(sock: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``meter plan set --price`` and ``meter limit set --price`` set a feature's price in
+    credits a unit, with or without a limit; the node then charges it (no credits:
+    ``insufficient_balance``, exit 1); ``meter limits`` shows it."""
+    assert await meter(sock, "plan", "set", "pro", "api=100", "--price", "gpu=5") == 0
+    assert await meter(sock, "plan", "assign", "acme", "pro") == 0
+    assert await meter(sock, "limit", "set", "acme", "api", "50", "--price", "2") == 0
+    assert await meter(sock, "limit", "set", "acme", "tokens", "--price", "3", "--json") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert json.loads(out[-1])["price"] == 3
+    assert await meter(sock, "limits", "acme", "--json") == 0
+    got = json.loads(capsys.readouterr().out)["limits"]
+    assert (got["gpu"]["price"], got["api"]["price"], got["tokens"]["price"]) == (5, 2, 3)
+    assert got["api"]["limit"] == 50 and got["gpu"]["source"] == "plan:pro"
+    assert await meter(sock, "limits", "acme") == 0
+    assert "price 5 credits a unit" in capsys.readouterr().out
+    assert await meter(sock, "track", "acme", "gpu", "1") == 1
+    assert "insufficient_balance" in capsys.readouterr().err
+
+
 async def test_a_billing_cycle_from_the_shell(
     sock: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -105,6 +125,8 @@ async def test_a_billing_cycle_from_the_shell(
     (change,) = json.loads(capsys.readouterr().out)["cycle"]
     assert (change["anchor_day"], change["tz"]) == (1, "Asia/Tokyo")
     assert time.time() + 58 <= change["from"] <= time.time() + 61
+    assert await meter(sock, "limits", "acme") == 0
+    assert ", billing cycle day 15 America/New_York from " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -126,6 +148,12 @@ async def test_a_billing_cycle_from_the_shell(
         (["plan", "assign", "acme", "pro", "--anchor-day", "32"], 1, "anchor day must be"),
         (["plan", "assign", "acme", "pro", "--tz", "Mars/Base"], 1, "not a known IANA zone"),
         (["plan", "assign", "acme", "pro", "--now"], 2, "--now needs --anchor-day or --tz"),
+        (["plan", "set", "pro", "--price", "gpu"], 2, "expected FEATURE=CREDITS"),
+        (["plan", "set", "pro", "--price", "gpu=x"], 2, "CREDITS must be an integer"),
+        (["plan", "set", "pro"], 2, "at least one FEATURE=LIMIT or --price"),
+        (["plan", "set", "pro", "--price", "gpu=0"], 1, "price must be 1.."),
+        (["limit", "set", "acme", "api"], 2, "give a LIMIT, a --price, or both"),
+        (["limit", "set", "acme", "api", "--price", "-1"], 1, "price must be 1.."),
     ],
 )
 async def test_bad_input_from_the_shell_says_what_is_wrong(

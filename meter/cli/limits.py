@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from meter.cli.common import Common, client_parser, out
@@ -29,10 +30,18 @@ def add_parsers(sub: Any, common: Common) -> None:
     pset.add_argument("name")
     pset.add_argument(
         "limits",
-        nargs="+",
+        nargs="*",
         metavar="FEATURE=LIMIT[:soft|:strict][@PCT,...]",
         help="e.g. api_calls=100000@80,100 gpu=60:soft credits=500:strict (@: alerts, "
         "percent); 'tokens{model=gpt-4}=5000' limits one dimension value",
+    )
+    pset.add_argument(
+        "--price",
+        action="append",
+        default=[],
+        metavar="FEATURE=CREDITS",
+        help="the feature costs CREDITS credits a unit (repeat for several; a limit is then "
+        "optional; docs/ledger.md)",
     )
     assign = client(psub, "assign", "put a tenant on a plan")
     assign.add_argument("tenant")
@@ -60,7 +69,10 @@ def add_parsers(sub: Any, common: Common) -> None:
     lset = client(lsub, "set", "set a tenant's limit on a feature")
     lset.add_argument("tenant")
     lset.add_argument("feature")
-    lset.add_argument("limit", type=int)
+    lset.add_argument("limit", type=int, nargs="?", help="units (optional with --price)")
+    lset.add_argument(
+        "--price", type=int, metavar="CREDITS", help="the feature costs CREDITS credits a unit"
+    )
     lset.add_argument("--soft", action="store_true", help="count past it and report (no refusal)")
     lset.add_argument("--strict", action="store_true", help="zero overshoot, fleet-wide")
     lset.add_argument("--where", metavar="NAME=VALUE", help=WHERE_LIMIT)
@@ -96,6 +108,21 @@ def _where(text: str | None) -> dict[str, str] | None:
     if not eq or not name:
         raise ValueError(f"--where {text!r}: expected NAME=VALUE")
     return {name: value}
+
+
+def _add_prices(features: dict[str, dict[str, Any]], words: list[str]) -> None:
+    """``--price FEATURE=CREDITS`` words into a plan's ``features``; ValueError names a bad
+    one (the node checks the price's range); a plan with no feature at all is one too."""
+    for word in words:
+        feature, eq, credits = word.partition("=")
+        if not eq or not feature:
+            raise ValueError(f"--price {word!r}: expected FEATURE=CREDITS")
+        try:
+            features.setdefault(feature, {})["price"] = int(credits)
+        except ValueError:
+            raise ValueError(f"--price {word!r}: CREDITS must be an integer") from None
+    if not features:
+        raise ValueError("give at least one FEATURE=LIMIT or --price FEATURE=CREDITS")
 
 
 def _parse_plan_limits(words: list[str]) -> dict[str, dict[str, Any]]:
@@ -142,6 +169,7 @@ def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
         if args.plan_command == "set":
             try:
                 features = _parse_plan_limits(args.limits)
+                _add_prices(features, args.price)
             except ValueError as exc:
                 print(f"meter: plan set: {exc}", file=sys.stderr)
                 return 2
@@ -174,14 +202,19 @@ def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
             except ValueError as exc:
                 print(f"meter: limit set: {exc}", file=sys.stderr)
                 return 2
-            version = client.set_limit(
-                args.tenant, args.feature, args.limit, kind, enforcement, alerts, where=where
-            )
+            if args.limit is None and args.price is None:
+                print("meter: limit set: give a LIMIT, a --price, or both", file=sys.stderr)
+                return 2
+            version = client.set_limit(args.tenant, args.feature, args.limit, kind, enforcement,
+                                       alerts, where=where, price=args.price)  # fmt: skip
             shown = args.feature + (f"{{{args.where}}}" if where else "")
-            out(as_json, f"{args.tenant} {shown}: {kind} limit {args.limit} "
+            what = [] if args.limit is None else [f"{kind} limit {args.limit}"]
+            what += [] if args.price is None else [f"price {args.price} credits a unit"]
+            priced = {} if args.price is None else {"price": args.price}
+            out(as_json, f"{args.tenant} {shown}: {', '.join(what)} "
                  f"(limits version {version})", tenant=args.tenant, feature=args.feature,
                  limit=args.limit, kind=kind, enforcement=enforcement, alerts=alerts or [],
-                 version=version, **({"where": where} if where else {}))  # fmt: skip
+                 version=version, **priced, **({"where": where} if where else {}))  # fmt: skip
         else:
             try:
                 where = _where(args.where)
@@ -206,6 +239,10 @@ def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
 def _limits_table(got: dict[str, Any]) -> str:
     head = f"tenant {got.get('tenant')}, plan {got.get('plan') or '(none)'}, "
     head += f"limits version {got.get('version')}"
+    cycle = got.get("cycle") or []
+    if cycle:  # (its billing cycle: the change in force or the next one, docs/periods.md)
+        c = cycle[-1]
+        head += f", billing cycle day {c['anchor_day']} {c['tz']} from {_utc(c['from'])}"
     limits: dict[str, dict[str, Any]] = got.get("limits") or {}
     if not limits:
         return head + "\n(no limits)"
@@ -214,9 +251,14 @@ def _limits_table(got: dict[str, Any]) -> str:
     rows += [
         f"{f:<{width}}  {lim.get('limit'):>20}  {lim.get('kind'):<4}  {lim.get('source')}"
         + (f"  alerts at {','.join(map(str, lim['alerts']))} %" if lim.get("alerts") else "")
+        + (f"  price {lim['price']} credits a unit" if lim.get("price") else "")
         for f, lim in sorted(limits.items())
     ]
     return "\n".join(rows)
+
+
+def _utc(at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
 
 
 def _check_text(got: dict[str, Any], qty: int) -> str:

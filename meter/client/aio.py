@@ -562,16 +562,17 @@ class AsyncClient(Retrying):
         self,
         tenant: str,
         feature: str,
-        limit: int,
+        limit: int | None,
         kind: str = "hard",
         enforcement: str = "fast",
         alerts: Sequence[int] | None = None,
         *,
         where: Mapping[str, str] | None = None,
+        price: int | None = None,
     ) -> int:
         """As :meth:`Client.set_limit`."""
         return await self._run(
-            calls.SET_LIMIT, tenant, feature, limit, kind, enforcement, alerts, where
+            calls.SET_LIMIT, tenant, feature, limit, kind, enforcement, alerts, where, price
         )
 
     async def clear_limit(

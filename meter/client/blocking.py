@@ -437,16 +437,20 @@ class Client(Retrying):
         self,
         tenant: str,
         feature: str,
-        limit: int,
+        limit: int | None,
         kind: str = "hard",
         enforcement: str = "fast",
         alerts: Sequence[int] | None = None,
         *,
         where: Mapping[str, str] | None = None,
+        price: int | None = None,
     ) -> int:
-        """Override ``tenant``'s limit on ``feature`` (``alerts``: threshold percentages);
-        the limits' new version."""
-        return self._run(calls.SET_LIMIT, tenant, feature, limit, kind, enforcement, alerts, where)
+        """Override ``tenant``'s limit on ``feature`` (``alerts``: threshold percentages;
+        ``price``: credits a unit, ``limit`` then optional, docs/ledger.md); the limits' new
+        version."""
+        return self._run(
+            calls.SET_LIMIT, tenant, feature, limit, kind, enforcement, alerts, where, price
+        )
 
     def clear_limit(
         self, tenant: str, feature: str, *, where: Mapping[str, str] | None = None

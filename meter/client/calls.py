@@ -358,13 +358,18 @@ def _set_plan(name: str, features: Mapping[str, Mapping[str, Any]]) -> list[Any]
 def _set_limit(
     tenant: str,
     feature: str,
-    limit: int,
+    limit: int | None,
     kind: str,
     enforcement: str,
     alerts: Sequence[int] | None,
     where: Mapping[str, str] | None,
+    price: int | None = None,
 ) -> list[Any]:
-    spec: dict[str, Any] = {"limit": limit, "kind": kind, "enforcement": enforcement}
+    spec: dict[str, Any] = {"kind": kind, "enforcement": enforcement}
+    if limit is not None:
+        spec["limit"] = limit
+    if price is not None:
+        spec["price"] = price
     if alerts:
         spec["alerts"] = list(alerts)
     if where is not None:
