@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import abc
 import base64
-import datetime
 import json
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -302,13 +301,8 @@ def check_day_of(day: str, period: str) -> None:
         check_period(day)
         return
     try:
-        first, last = periods.days(period)
-        date, _, calendar = day.partition("@")
-        inside = (
-            len(check_period(date)) == 10
-            and first <= datetime.date.fromisoformat(date) <= last
-            and calendar == period.partition("@")[2]  # (a billing cycle's: its own buckets)
-        )
+        # (a billing cycle's month: its own buckets, named by its calendar)
+        inside = len(check_period(day[:10])) == 10 and periods.bucket_of(day, period)
     except (ValueError, TypeError, AttributeError, StoragePermanentError):
         inside = False
     if not inside:

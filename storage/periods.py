@@ -277,3 +277,17 @@ def day_of(period: str, at: float) -> str:
 def bucket_date(bucket: str) -> str:
     """The date (``YYYY-MM-DD``) of a day bucket's name (:func:`day_of`)."""
     return bucket[:10]
+
+
+def bucket_of(bucket: str, period: str) -> bool:
+    """Whether ``bucket`` (a day bucket's name) is one of the month period ``period``'s:
+    one of its dates, under its calendar's name (none for a UTC month)."""
+    date, at, calendar = bucket.partition("@")
+    suffix = period.partition("@")[2]
+    if (at == "@") != bool(suffix) or calendar != suffix or len(date) != 10:
+        return False
+    try:
+        first, last = days(period)
+        return first <= datetime.strptime(date, "%Y-%m-%d").date() <= last
+    except ValueError:
+        return False

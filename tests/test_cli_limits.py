@@ -96,13 +96,18 @@ async def test_prices_from_the_shell(sock: str, capsys: pytest.CaptureFixture[st
     assert await meter(sock, "limit", "set", "acme", "api", "50", "--price", "2") == 0
     assert await meter(sock, "limit", "set", "acme", "tokens", "--price", "3", "--json") == 0
     out = capsys.readouterr().out.splitlines()
-    assert json.loads(out[-1])["price"] == 3
+    assert json.loads(out[-1])["price"] == 3 and json.loads(out[-1])["kind"] is None
+    words = ["tokens{model=gpt-4}=5000", "--price", "tokens{model=gpt-4}=7", "--price", "gpu=1"]
+    assert await meter(sock, "plan", "set", "dims", *words) == 0
+    capsys.readouterr()
     assert await meter(sock, "limits", "acme", "--json") == 0
     got = json.loads(capsys.readouterr().out)["limits"]
     assert (got["gpu"]["price"], got["api"]["price"], got["tokens"]["price"]) == (5, 2, 3)
     assert got["api"]["limit"] == 50 and got["gpu"]["source"] == "plan:pro"
     assert await meter(sock, "limits", "acme") == 0
-    assert "price 5 credits a unit" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "price 5 credits a unit" in table
+    assert [line.split()[1] for line in table.splitlines() if line.startswith("tokens")] == ["-"]
     assert await meter(sock, "track", "acme", "gpu", "1") == 1
     assert "insufficient_balance" in capsys.readouterr().err
 
@@ -150,6 +155,7 @@ async def test_a_billing_cycle_from_the_shell(
         (["plan", "assign", "acme", "pro", "--now"], 2, "--now needs --anchor-day or --tz"),
         (["plan", "set", "pro", "--price", "gpu"], 2, "expected FEATURE=CREDITS"),
         (["plan", "set", "pro", "--price", "gpu=x"], 2, "CREDITS must be an integer"),
+        (["plan", "set", "pro", "--price", "gpu=1", "--price", "gpu=2"], 2, "given twice"),
         (["plan", "set", "pro"], 2, "at least one FEATURE=LIMIT or --price"),
         (["plan", "set", "pro", "--price", "gpu=0"], 1, "price must be 1.."),
         (["limit", "set", "acme", "api"], 2, "give a LIMIT, a --price, or both"),

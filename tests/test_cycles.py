@@ -145,8 +145,9 @@ def test_a_day_bucket_must_lie_in_its_periods_local_dates() -> None:
     ):
         with pytest.raises(StoragePermanentError, match="is not a day of"):
             check_day_of(bad, "2026-11@15:America/New_York")
-    with pytest.raises(StoragePermanentError, match="is not a day of"):
-        check_day_of("2026-11-30@15:America/New_York", "2026-11")
+    for bad in ("2026-11-30@15:America/New_York", "2026-11-20@", "2026-11-20@@"):
+        with pytest.raises(StoragePermanentError, match="is not a day of"):
+            check_day_of(bad, "2026-11")
 
 
 # -- a tenant's schedule (P02) --------------------------------------------------------------

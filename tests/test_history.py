@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import calendar
 import json
+import sqlite3
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,9 +23,11 @@ from meter.errors import InvalidArgument
 from meter.history.days import MAX_DAYS, MAX_MONTHS, flush_day, history_args, parse_range, render
 from meter.node.lifecycle import Node
 from meter.persist.flusher import Flusher
+from meter.quotas.limits import cycle_record
 from storage.base import Applied, Delta, Snapshot, StorageError
 from storage.dynamodb import DynamoDBStorage
 from storage.memory import MemoryStorage
+from storage.periods import Cycle
 from storage.sqlite import SQLiteStorage
 from tests.support.nodes import BACKFILL_GRACE_S
 
@@ -479,3 +482,31 @@ def _item_bytes(item: dict[str, dict[str, str]]) -> int:
             digits = value["N"].lstrip("-").lstrip("0") or "0"
             size += (len(digits.rstrip("0") or "0") + 1) // 2 + 1
     return size
+
+
+async def test_a_cycle_tenants_days_sum_to_usage_with_a_bucket_write_missing(tmp: Path) -> None:
+    """A tenant with a billing cycle (docs/periods.md): its current day's row takes what the
+    node holds beyond the period's stored buckets, so its days sum to ``usage`` also while a
+    bucket's write is missing (a repair still waiting), as a UTC tenant's do."""
+    cfg = _config(tmp)
+    async with Node(cfg) as node:
+        assert node.flusher is not None and node.parts is not None
+        tokyo = ((0.0, Cycle(15, "Asia/Tokyo")),)
+        await node.parts.limits.change(cycle_record("acme", tokyo))
+        client = await AsyncClient.connect(cfg.server.socket)
+        try:
+            for tenant in ("acme", "utc"):
+                await client.track(tenant, "api", 4)
+            assert await node.flusher.flush_once()
+            with sqlite3.connect(tmp / "data" / "counters.sqlite3") as db:  # (the lost write)
+                assert db.execute("DELETE FROM days").rowcount == 2
+            for tenant in ("acme", "utc"):
+                await client.track(tenant, "api", 3)
+                days = await client.history(tenant, "api")
+                assert sum(v for _, v in days) == await client.usage(tenant, "api") == 7
+            (period,) = [
+                p for p, v in await client.history("acme", "api", granularity="month") if v
+            ]
+            assert period.endswith("@15:Asia/Tokyo")
+        finally:
+            await client.close()

@@ -113,10 +113,18 @@ def _where(text: str | None) -> dict[str, str] | None:
 def _add_prices(features: dict[str, dict[str, Any]], words: list[str]) -> None:
     """``--price FEATURE=CREDITS`` words into a plan's ``features``; ValueError names a bad
     one (the node checks the price's range); a plan with no feature at all is one too."""
+    priced: set[str] = set()
     for word in words:
-        feature, eq, credits = word.partition("=")
+        if "{" in word and "}=" in word:  # feature{name=value}=CREDITS: one dimension value
+            cut = word.index("}=") + 1
+            feature, eq, credits = word[:cut], "=", word[cut + 1 :]
+        else:
+            feature, eq, credits = word.partition("=")
         if not eq or not feature:
             raise ValueError(f"--price {word!r}: expected FEATURE=CREDITS")
+        if feature in priced:
+            raise ValueError(f"--price: {feature!r} given twice")
+        priced.add(feature)
         try:
             features.setdefault(feature, {})["price"] = int(credits)
         except ValueError:
@@ -210,11 +218,15 @@ def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
             shown = args.feature + (f"{{{args.where}}}" if where else "")
             what = [] if args.limit is None else [f"{kind} limit {args.limit}"]
             what += [] if args.price is None else [f"price {args.price} credits a unit"]
-            priced = {} if args.price is None else {"price": args.price}
+            priced: dict[str, Any] = {} if args.price is None else {"price": args.price}
+            # (a price alone sets no unit limit: no kind nor enforcement to show)
+            shown_kind = None if args.limit is None else kind
+            shown_enforcement = None if args.limit is None else enforcement
             out(as_json, f"{args.tenant} {shown}: {', '.join(what)} "
                  f"(limits version {version})", tenant=args.tenant, feature=args.feature,
-                 limit=args.limit, kind=kind, enforcement=enforcement, alerts=alerts or [],
-                 version=version, **priced, **({"where": where} if where else {}))  # fmt: skip
+                 limit=args.limit, kind=shown_kind, enforcement=shown_enforcement,
+                 alerts=alerts or [], version=version, **priced,
+                 **({"where": where} if where else {}))  # fmt: skip
         else:
             try:
                 where = _where(args.where)
@@ -249,12 +261,17 @@ def _limits_table(got: dict[str, Any]) -> str:
     width = max(len("FEATURE"), *(len(f) for f in limits))
     rows = [head, f"{'FEATURE':<{width}}  {'LIMIT':>20}  KIND  SOURCE"]
     rows += [
-        f"{f:<{width}}  {lim.get('limit'):>20}  {lim.get('kind'):<4}  {lim.get('source')}"
+        f"{f:<{width}}  {_limit_shown(lim):>20}  {lim.get('kind'):<4}  {lim.get('source')}"
         + (f"  alerts at {','.join(map(str, lim['alerts']))} %" if lim.get("alerts") else "")
         + (f"  price {lim['price']} credits a unit" if lim.get("price") else "")
         for f, lim in sorted(limits.items())
     ]
     return "\n".join(rows)
+
+
+def _limit_shown(lim: dict[str, Any]) -> str:
+    """A limit as the table shows it: ``-`` for a priced feature's (no unit limit)."""
+    return "-" if lim.get("price") and lim.get("limit") == 2**63 - 1 else str(lim.get("limit"))
 
 
 def _utc(at: float) -> str:

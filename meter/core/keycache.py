@@ -119,7 +119,7 @@ class KeyCache:
         hierarchy on, its root account's, so every level of a call counts in one period."""
         if self.hierarchy and "/" in tenant:
             tenant = tenant.split("/", 1)[0]
-        return self.cycles.get(tenant)
+        return self.cycles.get(tenant) or None  # (no change kept: the UTC calendar)
 
     def calendars(self) -> list[Cycle | None]:
         """The calendars periods may follow: the UTC one and every billing cycle in use."""

@@ -28,7 +28,7 @@ from meter.history.days import (
     utc_span,
 )
 from storage.base import GAUGE_MARK, DayBuckets, StorageError
-from storage.periods import bucket_date
+from storage.periods import bucket_date, bucket_of, days
 
 
 class HistoryMethods:
@@ -145,22 +145,33 @@ class HistoryMethods:
         if self.keys.kind_of(feature) == "month":
             if granularity == "month":
                 return [[p, await self._period_total(tenant, feature, p, now)] for p in periods]
+            # Every period whose dates meet the range, cut short by a change or not (a
+            # period is at most 32 days: its stretch lies within that of the range).
+            near = periods_between(schedule, "month", start - 33 * 86400, end + 33 * 86400)
+            dates = {p: days(p) for p in near}
+            meet = [
+                p
+                for p in near
+                if dates[p][0].isoformat() <= last and dates[p][1].isoformat() >= first
+            ]
+            low = min([first, *(dates[p][0].isoformat() for p in meet)])
+            high = max([last, *(dates[p][1].isoformat() for p in meet)])
             try:
-                buckets = await self.storage.day_buckets(tenant, feature, first, last)
+                buckets = await self.storage.day_buckets(tenant, feature, low, high)
             except StorageError as exc:
                 raise Unavailable(f"storage is unreachable: {exc}") from None
+            # What this node holds of a period that storage does not have yet goes to the
+            # day its next flush writes, so the period's days sum to usage (as _history).
+            for period in meet:
+                live = await self._live(tenant, feature, period, now)
+                day = flush_day(period, now)
+                if live is None or day is None:
+                    continue
+                own = [b for b in buckets if bucket_of(b, period)]
+                buckets[day] = live - sum(buckets[b] for b in own if b != day)
             stored: dict[str, int] = {}  # (a date of a change of calendar: two buckets)
             for bucket, units in buckets.items():
                 stored[bucket_date(bucket)] = stored.get(bucket_date(bucket), 0) + units
-            # What this node holds unstored of each period goes to the day its next flush
-            # writes.
-            for period in periods_between(schedule, "month", start - 86400, end + 86400):
-                live = await self._live(tenant, feature, period, now)
-                day = flush_day(period, now)
-                if live is None or day is None or not first <= bucket_date(day) <= last:
-                    continue
-                held = live - await self._stored_total(tenant, feature, period)
-                stored[bucket_date(day)] = stored.get(bucket_date(day), 0) + held
             return [[d, stored.get(d, 0)] for d in days_between(first, last)]
         # A day feature: each of the tenant's days is a period, named in its zone; a date of
         # a change of zone is two such days.
@@ -170,15 +181,15 @@ class HistoryMethods:
             start, end = min(a for a, _ in cut), max(b for _, b in cut)
         else:
             start, end = start - 86400, end + 86400  # (any zone's days of those dates)
-        days = stretches(schedule, "day", start, end)
-        values = await self._day_values(tenant, feature, [d[0] for d in days], now)
+        spans = stretches(schedule, "day", start, end)
+        values = await self._day_values(tenant, feature, [d[0] for d in spans], now)
         if granularity == "day":
             by_date: dict[str, int] = {}
             for period in values:
                 by_date[period[:10]] = by_date.get(period[:10], 0) + values[period]
             return [[d, by_date.get(d, 0)] for d in days_between(first, last)]
         by_period = dict.fromkeys(periods, 0)
-        for period, month in {(p, period_name(schedule, "month", at)) for p, at, _ in days}:
+        for period, month in {(p, period_name(schedule, "month", at)) for p, at, _ in spans}:
             if month in by_period:
                 by_period[month] += values[period]
         return [[p, units] for p, units in by_period.items()]
@@ -257,14 +268,14 @@ class HistoryMethods:
         if not daily:
             return [(p, [p]) for p in periods_between(schedule, "month", start, end)]
         if granularity == "day":
-            days = stretches(schedule, "day", start - 86400, end + 86400)
-            return [(d, [p for p, _, _ in days if p[:10] == d]) for d in days_between(first, last)]
+            spans = stretches(schedule, "day", start - 86400, end + 86400)
+            return [(d, [p for p, _, _ in spans if p[:10] == d]) for d in days_between(first, last)]
         periods = periods_between(schedule, "month", start, end)
         wide = stretches(schedule, "month", start - 32 * 86400, end + 32 * 86400)
         cut = [(a, b) for p, a, b in wide if p in periods]
-        days = stretches(schedule, "day", min(a for a, _ in cut), max(b for _, b in cut))
+        spans = stretches(schedule, "day", min(a for a, _ in cut), max(b for _, b in cut))
         return [
-            (m, [p for p, at, _ in days if period_name(schedule, "month", at) == m])
+            (m, [p for p, at, _ in spans if period_name(schedule, "month", at) == m])
             for m in periods
         ]
 
