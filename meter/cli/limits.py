@@ -110,16 +110,21 @@ def _where(text: str | None) -> dict[str, str] | None:
     return {name: value}
 
 
+def _feature_word(word: str) -> tuple[str, str, str]:
+    """``FEATURE=VALUE`` split as ``str.partition`` does, ``feature{name=value}=VALUE`` (one
+    dimension value's) at the ``=`` after its ``}``."""
+    if "{" in word and "}=" in word:
+        cut = word.index("}=") + 1
+        return word[:cut], "=", word[cut + 1 :]
+    return word.partition("=")
+
+
 def _add_prices(features: dict[str, dict[str, Any]], words: list[str]) -> None:
     """``--price FEATURE=CREDITS`` words into a plan's ``features``; ValueError names a bad
     one (the node checks the price's range); a plan with no feature at all is one too."""
     priced: set[str] = set()
     for word in words:
-        if "{" in word and "}=" in word:  # feature{name=value}=CREDITS: one dimension value
-            cut = word.index("}=") + 1
-            feature, eq, credits = word[:cut], "=", word[cut + 1 :]
-        else:
-            feature, eq, credits = word.partition("=")
+        feature, eq, credits = _feature_word(word)
         if not eq or not feature:
             raise ValueError(f"--price {word!r}: expected FEATURE=CREDITS")
         if feature in priced:
@@ -139,11 +144,7 @@ def _parse_plan_limits(words: list[str]) -> dict[str, dict[str, Any]]:
     the percentages' range)."""
     out: dict[str, dict[str, Any]] = {}
     for word in words:
-        if "{" in word and "}=" in word:  # feature{name=value}=LIMIT: one dimension value
-            cut = word.index("}=") + 1
-            feature, eq, rest = word[:cut], "=", word[cut + 1 :]
-        else:
-            feature, eq, rest = word.partition("=")
+        feature, eq, rest = _feature_word(word)
         rest, at, pcts = rest.partition("@")
         number, _, kind = rest.partition(":")
         if not eq or not feature or kind not in ("", "soft", "hard", "strict"):
