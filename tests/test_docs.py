@@ -4,6 +4,7 @@ guarantee id is named once."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -11,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 INDEX = ROOT / "docs" / "correctness.md"
 
 
+@functools.cache  # (hundreds of citations name a few dozen files)
 def _defined(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     names: set[str] = set()
