@@ -1061,17 +1061,24 @@ async def test_sqlite_purges_unique_values_with_the_counters(tmp_path: Path) -> 
         await store.close()
 
 
-async def test_sqlite_a_file_of_the_older_layout_gets_the_values_table(tmp_path: Path) -> None:
+async def _older_layout(path: Path, table: str) -> tuple[SQLiteStorage, int]:
+    """A SQLite file holding one counter (``U``: 3), ``table`` dropped as a build before it
+    left the file; the store (closed) and the file's schema version."""
     import sqlite3
 
-    path = tmp_path / "m.db"
     store = SQLiteStorage(path)
     await store.open()
     await _ok(store, "n1", U, 1, 3)
     await store.close()
-    conn = sqlite3.connect(path)  # as a build before unique values left it
-    conn.execute("DROP TABLE unique_values")
+    conn = sqlite3.connect(path)
+    conn.execute(f"DROP TABLE {table}")
+    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
     conn.close()
+    return store, version
+
+
+async def test_sqlite_a_file_of_the_older_layout_gets_the_values_table(tmp_path: Path) -> None:
+    store, _ = await _older_layout(tmp_path / "m.db", "unique_values")
     await store.open()
     try:
         assert await store.claim_value(U, "u1", "c") == "c"
@@ -1508,14 +1515,7 @@ async def test_sqlite_a_file_of_the_older_layout_gets_the_period_marks_table(
     import sqlite3
 
     path = tmp_path / "m.db"
-    store = SQLiteStorage(path)
-    await store.open()
-    await _ok(store, "n1", U, 1, 3)
-    await store.close()
-    conn = sqlite3.connect(path)  # as a build before period marks left it
-    conn.execute("DROP TABLE period_marks")
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
-    conn.close()
+    store, version = await _older_layout(path, "period_marks")
     await store.open()
     try:
         assert await store.mark_period_open(P, "n1", 1.0) == _open("n1", 1.0)
