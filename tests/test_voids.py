@@ -1,20 +1,24 @@
 """``void``: a counted call taken back by its request id, exactly its units on exactly its
-counters, once (docs/protocol.md, ``void``; ADR 0019; correctness V01-V03)."""
+counters, once (docs/protocol.md, ``void``; ADR 0019; correctness V01-V04)."""
 
 from __future__ import annotations
 
 import asyncio
+import calendar
 import shutil
+import time
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from meter.config import CounterConfig
-from meter.core.idempotency import RequestIds
+from meter.core.idempotency import Effect, RequestIds
 from meter.core.keys import period_start
 from meter.core.service import Service
 from meter.core.table import CounterTable
-from meter.errors import Conflict, InvalidArgument, MeterError, NotFound
+from meter.errors import Conflict, InvalidArgument, MeterError, NotFound, PeriodClosed
 from meter.node.wiring import build_service
 from meter.persist import recovery
 from meter.persist.recovery import recover
@@ -23,8 +27,10 @@ from storage.memory import MemoryStorage
 from tests.support.nodes import short_tmpdir
 from tests.support.services import SlowLoads, logged_service
 from tests.test_dimensions import call, error
+from tests.test_wal_service import broken, disk_full, settle
 
 MONTH = period_start("month")
+KEY = ("acme", "api", MONTH)
 
 
 def service(**config: Any) -> Service:
@@ -116,9 +122,14 @@ async def test_bad_voids_are_refused_and_change_nothing(
     assert await call(svc, "void", "t1") == {"voided": 10, "value": 5}
 
 
-async def test_a_call_priced_when_counted_is_not_voided() -> None:
-    """Judged by the price when the call was counted (it spent credits), not the price now;
-    also after a restart from the log and from a checkpoint."""
+async def available(svc: Service, tenant: str = "acme") -> int:
+    return int((await call(svc, "balance", tenant))["available"])
+
+
+async def test_a_void_gives_back_the_credits_its_call_spent_once() -> None:
+    """Exactly the credits the call spent at the price when it was counted (not the price
+    now), once however often the void is repeated: before a restart, after one from the log's
+    records and after one from a checkpoint (correctness V04)."""
     d = short_tmpdir("voids-")
     try:
         store = MemoryStorage()
@@ -131,15 +142,250 @@ async def test_a_call_priced_when_counted_is_not_voided() -> None:
         await call(svc, "set_limit", "acme", "api", {"limit": 10**6})  # (no price from now)
         await call(svc, "track", "acme", "api", 4, {"id": "free"})
         await call(svc, "set_limit", "acme", "api", {"price": 3})  # (priced again)
-        for final in (False, True):
-            for rid in ("paid", "paid-item"):
-                err = await error(svc, "void", rid)
-                assert isinstance(err, InvalidArgument) and "priced" in str(err), err
-            assert await call(svc, "usage", "acme", "api") == 15
+        assert await available(svc) == 1000 - 22
+        assert await call(svc, "void", "free") == {"voided": 4, "value": 11}
+        assert await available(svc) == 1000 - 22  # (it spent nothing)
+        given = {"paid": 20, "paid-item": 2}
+        left = 1000 - 22
+        for final, rid in ((False, "paid"), (True, "paid-item")):
+            value = await call(svc, "usage", "acme", "api") - given[rid] // 2
+            first = await call(svc, "void", rid, {"id": f"v-{rid}"})
+            assert first == {"voided": given[rid] // 2, "value": value, "credits": given[rid]}
+            left += given[rid]
+            assert await call(svc, "void", rid, {"id": f"v-{rid}"}) == first  # (a retry)
+            assert await call(svc, "void", rid) == {"voided": 0, "value": value, "credits": 0}
+            assert await available(svc) == left
             await wal.durable()
             await wal.close(final_checkpoint=final)
             svc, wal = await logged_service(d, store)
-        assert await call(svc, "void", "free") == {"voided": 4, "value": 11}
+            assert await available(svc) == left
+            assert await call(svc, "void", rid) == {"voided": 0, "value": value, "credits": 0}
+            assert await available(svc) == left
+        assert left == 1000 and await call(svc, "usage", "acme", "api") == 0
+        await wal.close()
+    finally:
+        shutil.rmtree(d)
+
+
+async def test_a_void_gives_credits_back_to_every_level_that_paid() -> None:
+    """With the hierarchy, a call on ``acme/bob`` spent from his pool and from ``acme``'s at
+    each level's own price: the void gives each back its own."""
+    svc = service(tenant_hierarchy=True)
+    for tenant, price in (("acme", 5), ("acme/bob", 2)):
+        await call(svc, "grant", tenant, 100)
+        await call(svc, "set_limit", tenant, "api", {"price": price})
+    await call(svc, "track", "acme/bob", "api", 3, {"id": "t1"})
+    assert (await available(svc, "acme"), await available(svc, "acme/bob")) == (85, 94)
+    assert await call(svc, "void", "t1") == {"voided": 3, "value": 0, "credits": 21}
+    assert (await available(svc, "acme"), await available(svc, "acme/bob")) == (100, 100)
+
+
+async def test_a_void_of_a_call_whose_credits_an_older_build_logged_is_refused() -> None:
+    """An older build logged only that a call spent credits: not how many, so a void cannot
+    give them back; refused, nothing changed."""
+    svc = service()
+    await call(svc, "track", "acme", "api", 5)
+    svc.ids.put("old", 1, 5, time.time() + 60, time.time(), Effect(5, (KEY,), credits=None))
+    err = await error(svc, "void", "old")
+    assert isinstance(err, InvalidArgument) and "older build" in str(err), err
+    assert await call(svc, "usage", "acme", "api") == 5
+
+
+async def test_a_call_in_a_closed_period_is_not_voided() -> None:
+    """Counted inside the grace, voided inside it; refused once the period's end plus the
+    grace has passed (judged when the void comes), changing nothing."""
+    start = calendar.timegm(time.strptime(MONTH, "%Y-%m"))
+    grace = time.time() - start + 1.5  # (last month closes in 1.5 s)
+    svc = service(period_grace_s=grace)
+    late = {"at": start - 10}
+    await call(svc, "track", "acme", "api", 4, {**late, "id": "old1"})
+    await call(svc, "track", "acme", "api", 6, {**late, "id": "old2"})
+    assert await call(svc, "void", "old1") == {"voided": 4, "value": 6}
+    deadline = time.monotonic() + 10
+    while time.time() < start + grace:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    err = await error(svc, "void", "old2", {"id": "v2"})
+    assert isinstance(err, PeriodClosed), err
+    assert await call(svc, "usage", "acme", "api", {"at": start - 10}) == 6
+    err = await error(svc, "void", "old2", {"id": "v2"})  # (and its retry: nothing remembered)
+    assert isinstance(err, PeriodClosed), err
+
+
+async def test_voids_come_back_from_the_log() -> None:
+    d = short_tmpdir("voids-")
+    config = CounterConfig(tenant_hierarchy=True)
+    try:
+        store = MemoryStorage()
+        svc, wal = await logged_service(d, store, config=config)
+        await call(svc, "track", "acme/bob", "api", 5, {"id": "t1"})
+        items = [["acme/bob", "api", 2, {"id": "i1"}], ["acme/ann", "api", 3, {"id": "i2"}]]
+        await call(svc, "track_many", items)
+        await call(svc, "void", "i1", {"id": "v1"})
+        await wal.durable()
+        await wal.close(final_checkpoint=False)  # (the records themselves are replayed)
+        svc, wal = await logged_service(d, store, config=config)
+        assert await call(svc, "usage", "acme", "api") == 8
+        assert await call(svc, "void", "i1", {"id": "v1"}) == {"voided": 2, "value": 5}
+        assert await call(svc, "void", "i1") == {"voided": 0, "value": 5}
+        assert await call(svc, "void", "t1") == {"voided": 5, "value": 0}  # (both levels)
+        assert await call(svc, "usage", "acme", "api") == 3
+        await wal.durable()
+        await wal.close()  # (a checkpoint restates what each call counted, and if voided)
+        svc, wal = await logged_service(d, store, config=config)
+        assert await call(svc, "usage", "acme", "api") == 3
+        assert await call(svc, "void", "i2") == {"voided": 3, "value": 0}
+        assert await call(svc, "void", "t1") == {"voided": 0, "value": 0}
+        await wal.close()
+    finally:
+        shutil.rmtree(d)
+
+
+# Calls under ids: each id always names the same call (a reused id is a retry). ``gpu`` is
+# priced: 3 credits a unit from ``acme/bob``'s pool, 2 from ``acme``'s.
+CALLS_BY_ID: dict[str, tuple[str, str, int, dict[str, str]]] = {
+    "t0": ("acme/bob", "tokens", 5, {"model": "a", "region": "x"}),
+    "t1": ("acme/ann", "tokens", 7, {"model": "b"}),
+    "t2": ("acme", "tokens", 11, {}),
+    "t3": ("acme/bob", "tokens", 2, {"region": "y"}),
+    "t4": ("other", "tokens", 3, {"model": "a"}),
+    "p0": ("acme/bob", "gpu", 4, {}),
+    "p1": ("acme", "gpu", 3, {}),
+}
+PRICES = {"acme": 2, "acme/bob": 3}
+GRANT = 10_000
+TENANTS = ["acme", "acme/bob", "acme/ann", "other"]
+OP = st.one_of(
+    st.tuples(st.just("track"), st.sampled_from(sorted(CALLS_BY_ID))),
+    st.tuples(st.just("plain"), st.sampled_from(TENANTS[1:]), st.integers(1, 9)),
+    st.tuples(st.just("many"), st.lists(st.sampled_from(sorted(CALLS_BY_ID)), max_size=3)),
+    st.tuples(
+        st.just("void"),
+        st.sampled_from([*CALLS_BY_ID, "t9"]),
+        st.sampled_from([None, "v0", "v1", "v2"]),
+    ),
+    st.tuples(st.just("crash")),
+    st.tuples(st.just("restart")),
+)
+
+
+def under(tenant: str, level: str) -> bool:
+    return tenant == level or tenant.startswith(level + "/")
+
+
+async def _calls_voids_and_restarts(ops: list[tuple[Any, ...]]) -> None:
+    d = short_tmpdir("voids-")
+    config = CounterConfig(tenant_hierarchy=True)
+    store = MemoryStorage()
+    try:
+        svc, wal = await logged_service(d, store, config=config)
+        await call(svc, "set_feature", "tokens", {"dimensions": ["model", "region"]})
+        for tenant, price in PRICES.items():
+            await call(svc, "grant", tenant, GRANT)
+            await call(svc, "set_limit", tenant, "gpu", {"price": price})
+        counted: set[str] = set()
+        voided: set[str] = set()
+        void_ids: dict[str, tuple[str, Any]] = {}
+        plain: dict[str, int] = {}
+        for op in ops:
+            if op[0] == "track":
+                tenant, feature, qty, dims_ = CALLS_BY_ID[op[1]]
+                opts: dict[str, Any] = {"dims": dims_} if dims_ else {}
+                await call(svc, "track", tenant, feature, qty, {**opts, "id": op[1]})
+                counted.add(op[1])
+            elif op[0] == "plain":
+                await call(svc, "track", op[1], "tokens", op[2])
+                plain[op[1]] = plain.get(op[1], 0) + op[2]
+            elif op[0] == "many":
+                items = []
+                for r in op[1]:
+                    tenant, feature, qty, dims_ = CALLS_BY_ID[r]
+                    opts = {"dims": dims_} if dims_ else {}
+                    items.append([tenant, feature, qty, {**opts, "id": r}])
+                answers = await call(svc, "track_many", items)
+                assert all(type(a) is int for a in answers), answers
+                counted.update(op[1])
+            elif op[0] == "void":
+                _, rid, vid = op
+                with_id = [{"id": vid}] if vid else []
+                if vid is not None and vid in void_ids and void_ids[vid][0] != rid:
+                    err = await error(svc, "void", rid, {"id": vid})
+                    assert isinstance(err, Conflict), err
+                    continue
+                if vid is not None and vid in void_ids:
+                    assert await call(svc, "void", rid, {"id": vid}) == void_ids[vid][1]
+                    continue
+                if rid not in counted:
+                    err = await error(svc, "void", rid, *with_id)
+                    assert isinstance(err, NotFound), err
+                    continue
+                got = await call(svc, "void", rid, *with_id)
+                want = 0 if rid in voided else CALLS_BY_ID[rid][2]
+                assert got["voided"] == want, (op, got)
+                voided.add(rid)
+                if vid is not None:
+                    void_ids[vid] = (rid, got)
+            else:
+                await wal.durable()
+                await wal.close(final_checkpoint=op[0] == "restart")
+                svc, wal = await logged_service(d, store, config=config)
+        live = [CALLS_BY_ID[r] for r in counted - voided]
+        for tenant in TENANTS:
+            want = sum(q for t, f, q, _ in live if f == "tokens" and under(t, tenant))
+            want += sum(q for t, q in plain.items() if under(t, tenant))
+            assert await call(svc, "usage", tenant, "tokens") == want, tenant
+            got = await call(svc, "usage", tenant, "tokens", {"group_by": ["model"]})
+            by_model: dict[Any, int] = {}
+            for t, f, q, dims_ in live:
+                if f == "tokens" and under(t, tenant):
+                    by_model[dims_.get("model")] = by_model.get(dims_.get("model"), 0) + q
+            for t, q in plain.items():
+                if under(t, tenant):
+                    by_model[None] = by_model.get(None, 0) + q
+            have = {g["dims"]["model"]: g["value"] for g in got["groups"]}
+            assert have == {m: q for m, q in by_model.items() if q}, (tenant, have, by_model)
+        for tenant, price in PRICES.items():  # every credit of a call not voided spent, once
+            spent = sum(q for t, f, q, _ in live if f == "gpu" and under(t, tenant))
+            assert await available(svc, tenant) == GRANT - price * spent, tenant
+        await wal.close()
+    finally:
+        shutil.rmtree(d)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(OP, min_size=5, max_size=25))
+def test_whatever_the_calls_voids_and_restarts_each_call_counts_until_voided_once(
+    ops: list[tuple[Any, ...]],
+) -> None:
+    """Tracks (under ids, plain, batched; some priced), voids (under void ids or none,
+    repeated, of unknown ids) and restarts from the log (its records alone, or a checkpoint):
+    every level of every tenant holds exactly the calls counted and not voided, and every
+    pool that paid has spent exactly their credits; a void answers its units once, and its
+    retry as it first did."""
+    asyncio.run(_calls_voids_and_restarts(ops))
+
+
+async def test_a_void_whose_log_write_fails_is_undone_and_may_be_sent_again() -> None:
+    """The log cannot write the void: its units are counted again, the call is not voided,
+    and the void's id is not remembered; once the log writes again, the void takes back."""
+    d = short_tmpdir("voids-")
+    try:
+        config = CounterConfig(tenant_hierarchy=True)
+        svc, wal = await logged_service(d, MemoryStorage(), config=config)
+        await call(svc, "track", "acme/bob", "api", 5, {"id": "t1"})
+        await call(svc, "track", "acme/bob", "api", 2)
+        await settle()
+        with disk_full(wal):
+            assert await call(svc, "void", "t1", {"id": "v1"}) == {"voided": 5, "value": 2}
+            await settle()  # the commit fails: the void is undone
+            assert broken(wal) is not None
+        deadline = time.monotonic() + 10
+        while broken(wal) is not None:
+            assert time.monotonic() < deadline, "the log did not come back"
+            await asyncio.sleep(0.05)
+        assert await call(svc, "usage", "acme", "api") == 7
+        assert await call(svc, "void", "t1", {"id": "v1"}) == {"voided": 5, "value": 2}
+        assert await call(svc, "usage", "acme", "api") == 2
         await wal.close()
     finally:
         shutil.rmtree(d)

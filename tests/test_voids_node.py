@@ -1,6 +1,6 @@
-"""``void`` on real node processes (correctness V02): a void retried 10 times, with the node
-killed (``kill -9``) right after some of the attempts are sent, takes back once; the units
-taken back reach storage; the CLI's ``meter void``."""
+"""``void`` on real node processes (correctness V02, V04): a void retried 10 times, with the
+node killed (``kill -9``) right after some of the attempts are sent, takes back once, the
+credits its call spent included; the units taken back reach storage; the CLI's ``meter void``."""
 
 from __future__ import annotations
 
@@ -37,14 +37,23 @@ def send_only(sock: Path, method: str, *params: object) -> None:
 def test_a_void_retried_across_kill_9s_takes_back_once_and_reaches_storage(
     workdir: Path,
 ) -> None:
-    node = NodeProcess(workdir, METER_TENANT_HIERARCHY="true", **FLUSH).start()
+    node = NodeProcess(
+        workdir, METER_TENANT_HIERARCHY="true", METER_DURABILITY="fsync", **FLUSH
+    ).start()
     node.call("set_feature", "tokens", {"dimensions": ["model"]})
     calls = {f"t{i}": 1 + i % 7 for i in range(30)}
     for rid, qty in calls.items():
         node.call("track", "acme/bob", "tokens", qty, {"id": rid, "dims": {"model": "a"}})
     total = sum(calls.values())
-    voided = ["t3", "t11", "t20"]
-    for rid in voided:
+    # A priced feature: 3 credits a unit from bob's pool, 1 from acme's.
+    for tenant, price in (("acme", 1), ("acme/bob", 3)):
+        node.call("grant", tenant, 1000)
+        node.call("set_limit", tenant, "gpu", {"price": price})
+    paid = {f"g{i}": 1 + i for i in range(5)}
+    for rid, qty in paid.items():
+        node.call("track", "acme/bob", "gpu", qty, {"id": rid})
+    calls.update(paid)
+    for rid in ("t3", "t11", "t20", "g1", "g4"):
         answers = []
         for attempt in range(10):
             if attempt in (1, 4, 7):  # sent, then the node killed before or after it lands
@@ -55,7 +64,14 @@ def test_a_void_retried_across_kill_9s_takes_back_once_and_reaches_storage(
             answers.append(node.call("void", rid, {"id": f"v-{rid}"}))
         assert all(a == answers[0] for a in answers), answers
         assert answers[0]["voided"] == calls[rid], answers
+        if rid in paid:
+            assert answers[0]["credits"] == 4 * paid[rid], answers
+    voided = ["t3", "t11", "t20"]
     left = total - sum(calls[r] for r in voided)
+    spent = sum(paid.values()) - paid["g1"] - paid["g4"]
+    assert node.call("usage", "acme/bob", "gpu") == spent
+    assert node.call("balance", "acme/bob")["available"] == 1000 - 3 * spent
+    assert node.call("balance", "acme")["available"] == 1000 - spent
     assert node.call("usage", "acme/bob", "tokens") == left
     assert node.call("usage", "acme", "tokens") == left
     got = node.call("usage", "acme", "tokens", {"group_by": ["model"]})
@@ -102,6 +118,12 @@ def test_the_cli_voids_a_call(workdir: Path) -> None:
         assert json.loads(done.stdout) == {"call_id": "call-1", "voided": 9, "value": 1}
         again = cli("void", "call-1")
         assert again.returncode == 0 and again.stdout.strip() == "voided 0, total 1", again
+        node.call("grant", "acme", 100)
+        node.call("set_limit", "acme", "gpu", {"price": 4})
+        node.call("track", "acme", "gpu", 5, {"id": "paid"})
+        paid = cli("void", "paid")
+        assert paid.stdout.strip() == "voided 5, total 0, 20 credits given back", paid
+        assert node.call("balance", "acme")["available"] == 100
         missing = cli("void", "nope")
         assert missing.returncode != 0 and "not_found" in missing.stderr, missing
         wait_for(lambda: node.call("usage", "acme", "api") == 1, what="the total")

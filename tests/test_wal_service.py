@@ -558,6 +558,7 @@ _OP = st.one_of(
     st.tuples(st.just("commit"), st.integers(0, 2), st.integers(0, 3)),
     st.tuples(st.just("release"), st.integers(0, 2)),
     st.tuples(st.just("expire")),
+    st.tuples(st.just("void"), st.integers(0, 2)),
 )
 
 
@@ -572,6 +573,8 @@ async def _failed_batch_leaves_the_node_as_it_was(ops: list[tuple[Any, ...]]) ->
         await call(svc, "track", "acme", "gpu", 1)
         await call(svc, "track", "acme", "api", 1)
         leases = [await call(svc, "reserve", "acme", "api", 5) for _ in range(3)]
+        for n in range(3):  # priced calls a void gives credits back for
+            await call(svc, "track", "acme", "gpu", n + 1, {"id": f"p{n}"})
         await settle()
         shares = svc.gate.shares
         assert isinstance(shares, Shares)
@@ -584,6 +587,7 @@ async def _failed_batch_leaves_the_node_as_it_was(ops: list[tuple[Any, ...]]) ->
                 dict(shares.held),
                 sorted(lease.id for lease in svc.reservations.held()),
                 len(svc.ids),
+                [effect.voided for n in range(3) if (effect := svc.ids.effect(f"p{n}"))],
             )
 
         before = state()
@@ -608,6 +612,8 @@ async def _failed_batch_leaves_the_node_as_it_was(ops: list[tuple[Any, ...]]) ->
                     kind = "track_many"
                 elif kind == "reserve":
                     params = ["acme", "api", op[1], {"id": f"r{n}"}]
+                elif kind == "void":
+                    params = [f"p{op[1]}"]
                 elif kind == "commit":
                     params = [leases[op[1]], 5 + op[2], {"id": f"c{n}"}]
                 else:
@@ -633,9 +639,10 @@ def test_a_batch_the_log_cannot_write_leaves_units_shares_leases_and_ids_as_they
     ops: list[tuple[Any, ...]],
 ) -> None:
     """Whatever mix of priced and strict tracks (plain, under ids, the pipelined fast path,
-    batches), strict reservations, commits above their reservation, releases and expiries a
-    failed write undoes: the table, the strict shares' and credit pool's admitted units, the held
-    units, the open leases and the ids are exactly as before it."""
+    batches), strict reservations, commits above their reservation, releases, expiries and
+    voids of priced calls a failed write undoes: the table, the strict shares' and credit
+    pool's admitted units, the held units, the open leases, the ids and the voided calls are
+    exactly as before it."""
     asyncio.run(_failed_batch_leaves_the_node_as_it_was(ops))
 
 

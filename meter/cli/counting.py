@@ -209,6 +209,8 @@ def run(args: argparse.Namespace, client: Client, as_json: bool, prepared: Prepa
         got = client.void(args.call_id, id=rid)
         total = got["value"]
         text = f"voided {got['voided']}, total {NOT_KNOWN if total is None else total}"
+        if "credits" in got:
+            text += f", {got['credits']} credits given back"
         out(as_json, text, call_id=args.call_id, **got)
     elif args.command == "track-many":
         return _track_many(client, prepared.items, as_json)

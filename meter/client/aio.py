@@ -433,7 +433,8 @@ class AsyncClient(Retrying):
     async def void(self, call_id: str, *, id: str | None = None) -> dict[str, Any]:
         """Take back the call counted under request id ``call_id`` (a track, a track_many
         item or a commit), on every counter it counted on: ``{"voided": units taken back
-        now (0: taken back before), "value": the feature's total after}``."""
+        now (0: taken back before), "value": the feature's total after}``, and
+        ``"credits"`` given back if the call spent any."""
         return await self._run(calls.VOID, call_id, id)
 
     async def ping(self) -> str:

@@ -288,7 +288,8 @@ class Client(Retrying):
     def void(self, call_id: str, *, id: str | None = None) -> dict[str, Any]:
         """Take back the call counted under request id ``call_id`` (a track, a track_many
         item or a commit), on every counter it counted on: ``{"voided": units taken back
-        now (0: taken back before), "value": the feature's total after}``."""
+        now (0: taken back before), "value": the feature's total after}``, and
+        ``"credits"`` given back if the call spent any."""
         return self._run(calls.VOID, call_id, id)
 
     def ping(self) -> str:

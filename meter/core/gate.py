@@ -19,6 +19,7 @@ from typing import Any
 from meter.config import CounterConfig
 from meter.core.dims import FeatureSpec, check_dims, shown
 from meter.core.groups import Groups
+from meter.core.idempotency import Spent
 from meter.core.keycache import NAME_CACHE_SIZE, KeyCache
 from meter.core.keys import QTY_MAX, Key, check_at, check_qty
 from meter.core.params import args as check_args
@@ -151,16 +152,34 @@ class Gate:
         limited = self.limited
         return limited.get((key[0], key[1])) if limited else None
 
-    def priced(self, keys: Iterable[Key]) -> bool:
-        """Whether a price applies to one of ``keys`` now (a count there spends credits)."""
+    def spent(self, keys: Iterable[Key], qty: int) -> Spent:
+        """The credits a count of ``qty`` on each of ``keys`` spent at today's prices, by the
+        tenant whose pool paid (as :meth:`count_levels` takes them): what a void gives back."""
         limited = self.limited
-        if not limited:
-            return False
+        if not limited or qty <= 0:
+            return ()
+        out: dict[str, int] = {}
         for key in keys:
             eff = limited.get((key[0], key[1]))
             if eff is not None and eff.price:
-                return True
-        return False
+                out[key[0]] = out.get(key[0], 0) + eff.price * qty
+        return tuple(out.items())
+
+    def refund(self, credits: Spent) -> None:
+        """Give ``credits`` back to the pools that paid them (a void; the caller checked
+        :meth:`refundable`): unspent again in this node's shares of them."""
+        for tenant, n in credits or ():
+            self.shares.free(pool_key(tenant), n)
+
+    def refundable(self, credits: Spent) -> str | None:
+        """Why ``credits`` cannot be given back now (None: they can): each pool that paid
+        needs this node's share of it in memory, holding at least what it gives back."""
+        if credits is None:
+            return "an older build logged that it spent credits, not how many"
+        for tenant, n in credits:
+            if self.shares.admitted(pool_key(tenant)) < n:
+                return f"this node's share of {tenant}'s credit pool is not in memory"
+        return None
 
     def held_elsewhere(self, key: Key) -> int:
         """Units peers hold on ``key`` in open reservations."""

@@ -25,25 +25,47 @@ Entry = tuple[int, Any, float]
 """``(fingerprint, answer, expires)``."""
 
 
+#: Credits a call spent, by the tenant whose pool paid: ``((tenant, credits), ...)``; None
+#: when an older build logged only that it spent some (then a void cannot give them back).
+Spent = tuple[tuple[str, int], ...] | None
+
+
 class Effect:
     """What a call counted under a request id, for ``void`` (meter.core.voids): ``qty`` units
     on each of ``keys`` (the feature's counter first, then its other levels and dimension
-    counters), whether a void took them back already, and whether a price applied to one
-    of them when it was counted (it spent credits: a void does not give them back)."""
+    counters), whether a void took them back already, and the credits it spent at the prices
+    that applied when it was counted (a void gives them back to the pools that paid)."""
 
-    __slots__ = ("keys", "priced", "qty", "voided")
+    __slots__ = ("credits", "keys", "qty", "voided")
 
     def __init__(
-        self, qty: int, keys: tuple[Key, ...], voided: bool = False, priced: bool = False
+        self, qty: int, keys: tuple[Key, ...], voided: bool = False, credits: Spent = ()
     ) -> None:
         self.qty = qty
         self.keys = keys
         self.voided = voided
-        self.priced = priced
+        self.credits = credits
 
     def to_log(self) -> list[Any]:
-        """``[qty, [[t, f, p], ...], voided, priced]``: as a checkpoint restates it."""
-        return [self.qty, [list(k) for k in self.keys], self.voided, self.priced]
+        """``[qty, [[t, f, p], ...], voided, credits]``: as a checkpoint restates it."""
+        return [self.qty, [list(k) for k in self.keys], self.voided, spent_to_log(self.credits)]
+
+
+def spent_to_log(credits: Spent) -> Any:
+    """How a log record carries ``credits``: ``false`` (none), ``[[tenant, n], ...]``, or
+    ``true`` (some, not known how many: as an older build wrote it)."""
+    if credits is None:
+        return True
+    return [list(c) for c in credits] if credits else False
+
+
+def spent_from_log(raw: Any) -> Spent:
+    """The inverse of :func:`spent_to_log` (an absent field is read as ``false``)."""
+    if raw is True:
+        return None
+    if not raw:
+        return ()
+    return tuple((str(t), int(n)) for t, n in raw)
 
 
 def check_id(rid: object) -> str:

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from meter.config import CounterConfig
+from meter.core.gate import pool_key
 from meter.core.gauging import Gauging
-from meter.core.idempotency import RequestIds
+from meter.core.idempotency import RequestIds, spent_from_log
 from meter.core.keycache import KeyCache
 from meter.core.keys import Key
 from meter.core.leases import Lease
@@ -93,6 +94,8 @@ class Journal:
                 effect = self.ids.effect(rid)
                 if effect is not None and qty:  # (a repeat, qty 0, voided nothing)
                     self.ids.count_again(effect)
+                for t, n in spent_from_log(rec[8] if len(rec) > 8 else False) or ():
+                    shares.readmit(pool_key(t), n, 0)  # (spent again)
                 if rec[4] is not None:
                     self.ids.forget(rec[4])
             elif kind == R.GAUGE:

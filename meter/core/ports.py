@@ -132,6 +132,10 @@ class Budgets(Protocol):
         """Give ``qty`` admitted units back to this node's share (never used)."""
         ...
 
+    def admitted(self, key: Key) -> int:
+        """What this node's share of ``key`` in memory counts as admitted (0: none there)."""
+        ...
+
     def admitted_changes(self) -> list[list[Any]]:
         """The shares whose admitted count changed since the last call, for the log."""
         ...

@@ -17,7 +17,7 @@ from meter.core.dims import Pairs, check_dims, shown
 from meter.core.fence import Fence
 from meter.core.gate import Gate, Short, pool_key, soft_crossing
 from meter.core.groups import Groups
-from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint
+from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint, spent_to_log
 from meter.core.keycache import KeyCache
 from meter.core.keys import Key, check_at, check_qty
 from meter.core.leases import Lease, Reservations
@@ -290,15 +290,16 @@ class Reserving:
         self.reservations.close(lease_id)
         done_exp = self.done.remember(lease_id, COMMITTED, [actual, value], now)
         counted = (lease.key, *dim_keys(lease))
-        priced = idem is not None and self.gate.priced(counted)
+        # (only units past the reservation spend credits: a priced feature takes none)
+        spent = () if idem is None else self.gate.spent((lease.key,), actual - lease.qty)
         rid, fp, expires = self._remember_finish(
-            idem, value, now, Effect(actual, counted, priced=priced)
+            idem, value, now, Effect(actual, counted, credits=spent)
         )
         if self.wal is not None:
             rec = [R.COMMIT, lease_id, *lease.key, lease.qty, wall(lease.deadline), actual,
                    value, done_exp, rid, fp, expires, *_listed(lease.dims)]  # fmt: skip
-            if priced:  # (after the dims, which it then always lists)
-                rec[13:] = [list(lease.dims), True]
+            if spent:  # (after the dims, which it then always lists)
+                rec[13:] = [list(lease.dims), spent_to_log(spent)]
             self.wal.append(rec)
         return value
 

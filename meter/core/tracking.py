@@ -24,7 +24,7 @@ from meter.core.fence import Fence, log_down
 from meter.core.gate import Gate, Short
 from meter.core.gauging import Gauging
 from meter.core.groups import Groups
-from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint
+from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint, spent_to_log
 from meter.core.keycache import DimNode, KeyCache
 from meter.core.keys import QTY_MAX, Key, check_at, check_qty, in_range
 from meter.core.params import args as check_args
@@ -406,13 +406,13 @@ class Tracking:
         else:
             leaf = [*keys[0], qty]
             if idem is not None:
-                priced = self.gate.priced(keys)
-                effect = Effect(qty, tuple(keys), priced=priced)
+                spent = self.gate.spent(keys, qty)
+                effect = Effect(qty, tuple(keys), credits=spent)
                 expires = self.ids.remember(idem[0], idem[1], value, time.time(), effect)
                 # (the other keys it counted on: a void takes them back too)
                 leaf += [idem[0], idem[1], value, expires, [[*k] for k in keys[1:]]]
-                if priced:
-                    leaf.append(True)
+                if spent:
+                    leaf.append(spent_to_log(spent))
             if self.wal is not None:  # one record: a torn log keeps all levels or none
                 self.wal.append([R.TRACK_MANY, [leaf, *log_items]])
         return self.gate.detail(keys[0], value, 0) if detail else value
@@ -429,13 +429,13 @@ class Tracking:
             if self.wal is not None:
                 self.wal.append([R.TRACK, key[0], key[1], key[2], qty])
             return value
-        priced = self.gate.priced((key,))
-        effect = Effect(qty, (key,), priced=priced)
+        spent = self.gate.spent((key,), qty)
+        effect = Effect(qty, (key,), credits=spent)
         expires = self.ids.remember(idem[0], idem[1], value, time.time(), effect)
         if self.wal is not None:
             rec = [R.TRACK_ID, *key, qty, idem[0], idem[1], value, expires]
-            if priced:  # (it spent credits: a void refuses it)
-                rec.append(True)
+            if spent:  # (what a void gives back)
+                rec.append(spent_to_log(spent))
             self.wal.append(rec)
         return value
 
@@ -821,13 +821,13 @@ class Tracking:
             else:
                 keys = batch.levels.get(n)
                 counted = (key,) if keys is None else tuple(keys)
-                priced = self.gate.priced(counted)
-                effect = Effect(qty, counted, priced=priced)
+                spent = self.gate.spent(counted, qty)
+                effect = Effect(qty, counted, credits=spent)
                 expires = self.ids.remember(idem[0], idem[1], value, now, effect)
                 others = [] if keys is None else [[*k] for k in keys[1:]]
                 item = [*key, qty, idem[0], idem[1], value, expires, others]
-                if priced:
-                    item.append(True)
+                if spent:
+                    item.append(spent_to_log(spent))
                 logged.append(item)
         for i, n in batch.dups:
             out[i] = values[n]

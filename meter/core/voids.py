@@ -7,11 +7,14 @@ its tenant's other levels and its dimension counters included). A void counts mi
 units on exactly those counters, once: the effect is marked voided in the same step and in
 the same log record, so a repeat (under its own id or another) takes back nothing more. The
 units taken back are ordinary counts: logged, flushed, gossiped and exported like any.
+Credits the call spent (at the prices that applied when it was counted) go back, in the same
+step, to this node's shares of the pools that paid: unspent again, logged with the void (the
+shares' admitted counts end the same log commit).
 
 A void is answered by the node that counted the call, while it remembers the id (the
 idempotency window); anything else is ``not_found``. A call in a period past its end plus
-the grace is ``period_closed``; a call on a feature priced when it was counted (it spent
-credits: a void does not give them back) and a call that took units away are refused.
+the grace is ``period_closed``; a call that took units away, and one whose credits an older
+build logged without their amount, are refused.
 """
 
 from __future__ import annotations
@@ -20,16 +23,17 @@ import time
 from typing import Any
 
 from meter.core.fence import Fence
-from meter.core.gate import Gate
-from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint
+from meter.core.gate import Gate, pool_key
+from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint, spent_to_log
 from meter.core.keycache import KeyCache
 from meter.core.params import args as check_args
 from meter.core.params import opts as check_opts
-from meter.core.ports import Handler
+from meter.core.ports import POOL, Handler, NoBudget
 from meter.core.seeder import Seeder
 from meter.core.table import CounterTable
-from meter.errors import InvalidArgument, NotFound
+from meter.errors import InvalidArgument, NotFound, Unavailable
 from meter.wal import records as R
+from storage.base import StorageError
 from storage.periods import bounds
 
 _OPTS = frozenset({"id"})
@@ -73,7 +77,7 @@ class Voids:
         effect = self._effect(rid)
         self._check(effect)
         self.fence.check()
-        if all(self.table.is_seeded(k) for k in effect.keys):
+        if all(self.table.is_seeded(k) for k in effect.keys) and self._refundable(effect):
             return self._take_back(rid, effect, idem)
         return self._take_back_cold(rid, effect, idem)
 
@@ -96,16 +100,17 @@ class Voids:
 
     def _check(self, effect: Effect) -> None:
         """Refuse (changing nothing) a void of ``effect`` in a closed period, of a call that
-        spent credits, or of one that took units away."""
+        took units away, or of one whose credits are not known."""
         keys = self.keys
         now = time.time()
         first = effect.keys[0]  # (a call's keys are all of one period)
         if not (keys.valid_now(now) and first[2] in keys.day_periods.values()):
             keys.check_open(first, bounds(first[2])[0], now)  # (not a current period)
-        if effect.priced:
+        if effect.credits is None:
             raise InvalidArgument(
-                f"void: {first[0]}/{first[1]} was priced when the call was counted (it spent "
-                "credits), and a void does not give credits back; nothing changed"
+                f"void: {first[0]}/{first[1]} was priced when the call was counted, by an "
+                "older build that logged that it spent credits but not how many, so they "
+                "cannot be given back; nothing changed"
             )
         if effect.qty < 0:
             raise InvalidArgument(
@@ -113,8 +118,20 @@ class Voids:
                 "(a void never adds units); nothing changed"
             )
 
+    def _refundable(self, effect: Effect) -> bool:
+        """Whether the credits ``effect`` spent can go back now (none, or voided already)."""
+        return effect.voided or not effect.credits or self.gate.refundable(effect.credits) is None
+
     async def _take_back_cold(self, rid: str, effect: Effect, idem: tuple[str, int] | None) -> Any:
         await self.seeder.seed_many(list(effect.keys))
+        if not self._refundable(effect):  # this node's share of a pool that paid: back first
+            try:
+                for tenant, _ in effect.credits or ():
+                    await self.gate.shares.ensure(pool_key(tenant), 0, POOL, 0)
+            except NoBudget as exc:  # (no pool record: nothing was ever spent from it)
+                raise Unavailable(f"void: a credit pool that paid is not there: {exc}") from None
+            except StorageError as exc:
+                raise Unavailable(f"void: the credit pool cannot be read: {exc}") from None
         if idem is not None:  # (another void may have answered meanwhile)
             entry = self.ids.lookup(idem[0], idem[1], time.time())
             if entry is not None:
@@ -125,19 +142,27 @@ class Voids:
             raise NotFound(f"void: the call with id {rid[:64]!r} is no longer remembered")
         self._check(effect)
         self.fence.check()
+        why = None if effect.voided or not effect.credits else self.gate.refundable(effect.credits)
+        if why is not None:
+            raise Unavailable(f"void: the credits it spent cannot be given back now ({why}); retry")
         return self._take_back(rid, effect, idem)
 
     def _take_back(self, rid: str, effect: Effect, idem: tuple[str, int] | None) -> Any:
-        """Count ``-qty`` on every key of ``effect`` (all or none), mark it voided, log it."""
+        """Count ``-qty`` on every key of ``effect`` (all or none), give back the credits it
+        spent, mark it voided, log it."""
         qty = 0 if effect.voided else effect.qty
         keys = list(effect.keys)
+        credits = effect.credits or ()
         if qty:
             values, _ = self.gate.count_levels(keys, -qty)
             value = values[0]
+            self.gate.refund(credits)
             self.ids.take_back(effect)
         else:
             value = self.table.value(keys[0])
-        answer = {"voided": qty, "value": value}
+        answer: dict[str, Any] = {"voided": qty, "value": value}
+        if credits:  # (given back now, or by the void that took the units back)
+            answer["credits"] = sum(n for _, n in credits) if qty else 0
         vid: str | None = None
         fp: int | None = None
         expires: float | None = None
@@ -146,5 +171,8 @@ class Voids:
             expires = self.ids.remember(vid, fp, answer, time.time())
         wal = self.fence.wal
         if wal is not None and (qty or vid is not None):
-            wal.append([R.VOID, rid, qty, [[*k] for k in keys], vid, fp, answer, expires])
+            rec = [R.VOID, rid, qty, [[*k] for k in keys], vid, fp, answer, expires]
+            if qty and credits:  # (what an undo takes from the pools again)
+                rec.append(spent_to_log(credits))
+            wal.append(rec)
         return answer

@@ -223,6 +223,11 @@ class Shares:
         else:  # the share went back with them counted: off the next one's count
             self._owed[key] = self._owed.get(key, 0) + qty
 
+    def admitted(self, key: Key) -> int:
+        """What this node's share of ``key`` in memory counts as admitted (0: none there)."""
+        loc = self.local.get(key)
+        return 0 if loc is None else loc.a
+
     def readmit(self, key: Key, qty: int, held: int) -> bool:
         """Count ``qty`` units as admitted again, room or not, and ``held`` as held (a
         reservation's end whose log write failed is taken back); False, changing nothing, if

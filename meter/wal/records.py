@@ -35,20 +35,20 @@ NOOP: Final = 0
 SEGMENT: Final = 1
 #: ``[TRACK, t, f, p, qty]``
 TRACK: Final = 2
-#: ``[TRACK_ID, t, f, p, qty, id, fingerprint, answer, expires, priced?]`` (``priced``
-#: true: the call spent credits)
+#: ``[TRACK_ID, t, f, p, qty, id, fingerprint, answer, expires, credits?]`` (``credits``: what
+#: the call spent, ``[[tenant, n], ...]``; ``true`` from older builds: some, not how many)
 TRACK_ID: Final = 3
 #: ``[TRACK_MANY, [item, ...]]``, each item a TRACK or TRACK_ID record without its type; an
 #: item with an id ends with ``[[t, f, p], ...]``, the other keys its call counted the same
 #: ``qty`` on (levels, dimension counters: counted by their own items; what a void takes
-#: back), then ``true`` if it spent credits.
+#: back), then the credits it spent (as in TRACK_ID) if any.
 TRACK_MANY: Final = 4
 #: ``[RESERVE, lease, t, f, p, qty, deadline, id, fingerprint, expires, dims?]`` (id may be
 #: nil; ``dims``: the names of the dimension counters a commit counts on too, when given)
 RESERVE: Final = 5
 #: ``[COMMIT, lease, t, f, p, qty, deadline, actual, answer, done_expires, id, fp, expires,
-#: dims?, priced?]`` (``actual`` counted on each of ``dims`` too; ``priced`` true: spent
-#: credits, and then ``dims`` is there, perhaps empty)
+#: dims?, credits?]`` (``actual`` counted on each of ``dims`` too; ``credits`` as in TRACK_ID,
+#: and then ``dims`` is there, perhaps empty)
 COMMIT: Final = 6
 #: ``[RELEASE, lease, t, f, p, qty, deadline, done_expires, id, fp, expires, dims?]``
 RELEASE: Final = 7
@@ -57,7 +57,7 @@ FLUSH: Final = 8
 #: ``[STATE, [[t, f, p, seq, inflight, pending], ...]]``: a key's unstored units, absolute.
 STATE: Final = 9
 #: ``[IDS, [[id, fingerprint, answer, expires, effect?], ...]]``: remembered request ids;
-#: ``effect``, ``[qty, [[t, f, p], ...], voided, priced]``, what a counting call counted.
+#: ``effect``, ``[qty, [[t, f, p], ...], voided, credits]``, what a counting call counted.
 IDS: Final = 10
 #: ``[LEASES, [[lease, t, f, p, qty, deadline, dims?], ...]]``: open reservations.
 LEASES: Final = 11
@@ -101,8 +101,9 @@ CLAIMED: Final = 22
 #: ``[CLAIMS, [[t, f, p, value, claimant], ...]]``: claims without an outcome (a checkpoint's
 #: restatement).
 CLAIMS: Final = 23
-#: ``[VOID, id, qty, [[t, f, p], ...], void_id, fingerprint, answer, expires]``: the call
-#: counted under ``id`` taken back: ``-qty`` on each key (``void_id`` nil without one).
+#: ``[VOID, id, qty, [[t, f, p], ...], void_id, fingerprint, answer, expires, credits?]``: the
+#: call counted under ``id`` taken back: ``-qty`` on each key (``void_id`` nil without one),
+#: and ``credits`` (as in TRACK_ID) given back to the pools that paid them.
 VOID: Final = 24
 
 FORMAT: Final = 2

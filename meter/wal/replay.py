@@ -22,13 +22,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from meter.core.idempotency import Spent, spent_from_log
 from meter.core.keys import Key
 from meter.wal import records as R
 from storage.base import GaugeReading as Reading
 from storage.base import reading_wins
 
-Counted = tuple[int, tuple[Key, ...], bool, bool]
-"""What a call under a request id counted: ``(qty, keys, voided, priced)``."""
+Counted = tuple[int, tuple[Key, ...], bool, Spent]
+"""What a call under a request id counted: ``(qty, keys, voided, credits)``."""
 
 
 @dataclass(slots=True)
@@ -70,7 +71,7 @@ class Replay:
     leases: dict[str, LeaseState] = field(default_factory=dict)
     ids: dict[str, IdEntry] = field(default_factory=dict)
     #: What the calls under ``ids`` counted (those a void may take back), by request id:
-    #: ``(qty, keys, voided, priced)`` (meter.core.idempotency.Effect).
+    #: ``(qty, keys, voided, credits)`` (meter.core.idempotency.Effect).
     effects: dict[str, Counted] = field(default_factory=dict)
     done: dict[str, IdEntry] = field(default_factory=dict)
     records: int = 0
@@ -132,8 +133,8 @@ class Replay:
             if rid is not None:
                 names = lease_dims(rec, 13)
                 keys = ((t, f, p), *((t, n, p) for n in names))
-                priced = len(rec) > 14 and bool(rec[14])
-                self._id(rid, (fp, answer, expires), (actual, keys, False, priced))
+                spent = spent_from_log(rec[14] if len(rec) > 14 else False)
+                self._id(rid, (fp, answer, expires), (actual, keys, False, spent))
         elif kind == R.RELEASE:
             lease, t, f, p, qty, deadline, done_exp, rid, fp, expires = rec[1:11]
             self.leases.pop(lease, None)
@@ -177,8 +178,9 @@ class Replay:
                 rid, fp, answer, expires = item[:4]
                 counted: Counted | None = None
                 if len(item) > 4:  # (what its call counted: a void may take it back)
-                    qty, keys, voided, priced = item[4]
-                    counted = (qty, tuple((t, f, p) for t, f, p in keys), voided, priced)
+                    qty, keys, voided, spent = item[4]
+                    keyed = tuple((t, f, p) for t, f, p in keys)
+                    counted = (qty, keyed, voided, spent_from_log(spent))
                 self._id(rid, (fp, answer, expires), counted)
         elif kind == R.VOID:
             rid, qty, keys, vid, fp, answer, expires = rec[1:8]
@@ -229,12 +231,13 @@ class Replay:
         if len(rec) > at + 4:
             rid, fp, answer, expires = rec[at + 4 : at + 8]
             counted: Counted | None = None
-            if at == 1:  # a TRACK_ID record: its one key (then whether it spent credits)
-                counted = (qty, ((t, f, p),), False, len(rec) > 9 and bool(rec[9]))
+            if at == 1:  # a TRACK_ID record: its one key (then the credits it spent)
+                spent = spent_from_log(rec[9] if len(rec) > 9 else False)
+                counted = (qty, ((t, f, p),), False, spent)
             elif len(rec) > at + 8:  # an item that names the other keys it counted on
                 others = tuple((t2, f2, p2) for t2, f2, p2 in rec[at + 8])
-                priced = len(rec) > at + 9 and bool(rec[at + 9])
-                counted = (qty, ((t, f, p), *others), False, priced)
+                spent = spent_from_log(rec[at + 9] if len(rec) > at + 9 else False)
+                counted = (qty, ((t, f, p), *others), False, spent)
             # (an item an older build wrote, without them: not known, so never voided)
             self._id(rid, (fp, answer, expires), counted)
 
