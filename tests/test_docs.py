@@ -38,6 +38,22 @@ def test_every_cited_test_exists() -> None:
     assert not missing, f"docs/correctness.md cites tests that do not exist: {missing}"
 
 
+def test_every_test_named_alone_exists_in_the_file_cited_before_it() -> None:
+    """A name cited without its file (``test_x.py::test_a``, then ``test_b``) is a test of the
+    last file its line cited."""
+    missing = []
+    for line in INDEX.read_text().splitlines():
+        file = None
+        for cited_file, name in re.findall(r"`(?:(test_\w+\.py)(?:::\w+)?|(test_\w+))`", line):
+            if cited_file:
+                file = cited_file
+            elif file is None:
+                missing.append(f"{name} (no file cited before it)")
+            elif (ROOT / "tests" / file).exists() and name not in _defined(ROOT / "tests" / file):
+                missing.append(f"{file}::{name}")
+    assert not missing, f"docs/correctness.md cites tests that do not exist: {missing}"
+
+
 def test_guarantee_ids_are_unique() -> None:
     ids = re.findall(r"^\| ([A-Z]\d\d) \|", INDEX.read_text(), flags=re.M)
     assert ids and len(ids) == len(set(ids)), ids
