@@ -139,10 +139,23 @@ class WriteStats:
 @dataclass(frozen=True, slots=True)
 class Owner:
     """Who owns a node id: the holder's token and the end of its lease (epoch seconds, kept to
-    the millisecond)."""
+    the millisecond), and the note its last renewal left (opaque here: what the node says of
+    its state for others to read; "" if none)."""
 
     token: str
     expires: float
+    note: str = ""
+
+
+#: Longest note a renewal leaves on a node id's owner record, in UTF-8 bytes.
+MAX_OWNER_NOTE_BYTES = 4096
+
+
+def check_owner_note(note: str | None) -> None:
+    """:class:`StoragePermanentError` unless ``note`` is None or at most
+    :data:`MAX_OWNER_NOTE_BYTES` of UTF-8."""
+    if note is not None and len(note.encode("utf-8")) > MAX_OWNER_NOTE_BYTES:
+        raise StoragePermanentError(f"owner note over {MAX_OWNER_NOTE_BYTES} bytes")
 
 
 def lease_end_ms(now: float, lease_s: float) -> int:
@@ -502,7 +515,7 @@ class Owners(Protocol):
         self, node: str, token: str, *, lease_s: float, now: float, accept: Sequence[str] = ()
     ) -> Owner: ...
     async def renew_owner(
-        self, node: str, token: str, *, lease_s: float, now: float
+        self, node: str, token: str, *, lease_s: float, now: float, note: str | None = None
     ) -> Owner | None: ...
     async def owner(self, node: str) -> Owner | None: ...
 
@@ -695,11 +708,13 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     async def renew_owner(
-        self, node: str, token: str, *, lease_s: float, now: float
+        self, node: str, token: str, *, lease_s: float, now: float, note: str | None = None
     ) -> Owner | None:
         """Move the end of ``token``'s lease on ``node`` to ``now + lease_s`` if ``token`` still
-        owns it (whatever its lease says); ``lease_s = 0`` releases it. Returns the owner after
-        the call: another token (or ``None``, no owner) means ``token`` lost the id.
+        owns it (whatever its lease says); ``lease_s = 0`` releases it. ``note`` (at most
+        :data:`MAX_OWNER_NOTE_BYTES`) replaces the record's note in the same write (None: kept).
+        Returns the owner after the call: another token (or ``None``, no owner) means ``token``
+        lost the id.
         """
 
     @abc.abstractmethod

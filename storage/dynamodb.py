@@ -81,6 +81,7 @@ from storage.base import (
     WriteStats,
     check_day_of,
     check_export_limit,
+    check_owner_note,
     check_period,
     check_period_mark,
     check_range,
@@ -1726,10 +1727,13 @@ class DynamoDBStorage(Storage):
         return owner
 
     async def renew_owner(
-        self, node: str, token: str, *, lease_s: float, now: float
+        self, node: str, token: str, *, lease_s: float, now: float, note: str | None = None
     ) -> Owner | None:
-        """One conditional ``UpdateItem``: only the holder's token moves the lease."""
-        return await self._set_owner(node, token, now, lease_s, "#tok = :a0", {":a0": {"S": token}})
+        """One conditional ``UpdateItem``: only the holder's token moves the lease (and sets
+        the note, in the same write)."""
+        check_owner_note(note)
+        values = {":a0": {"S": token}}
+        return await self._set_owner(node, token, now, lease_s, "#tok = :a0", values, note)
 
     async def owner(self, node: str) -> Owner | None:
         """A consistent ``GetItem`` of the id's owner item."""
@@ -1750,16 +1754,23 @@ class DynamoDBStorage(Storage):
         lease_s: float,
         condition: str,
         values: dict[str, Any],
+        note: str | None = None,
     ) -> Owner | None:
+        update = "SET #tok = :tok, #exp = :exp"
+        names = {"#tok": "tok", "#exp": "exp"}
+        if note is not None:
+            update += ", #note = :note"
+            names["#note"] = "note"
+            values = {**values, ":note": {"S": note}}
         try:
             resp = await self._call(
                 "update_item",
                 f"owner of {node[:64]!r}",
                 TableName=self.table,
                 Key=_owner_key(node),
-                UpdateExpression="SET #tok = :tok, #exp = :exp",
+                UpdateExpression=update,
                 ConditionExpression=condition,
-                ExpressionAttributeNames={"#tok": "tok", "#exp": "exp"},
+                ExpressionAttributeNames=names,
                 ExpressionAttributeValues={
                     **values,
                     ":tok": {"S": token},
@@ -2127,7 +2138,8 @@ def _owner_key(node: str) -> dict[str, Any]:
 def _owner(item: dict[str, Any] | None) -> Owner | None:
     if item is None or "tok" not in item:
         return None
-    return Owner(item["tok"]["S"], _number(item["exp"]) / 1000)
+    note = item.get("note")
+    return Owner(item["tok"]["S"], _number(item["exp"]) / 1000, "" if note is None else note["S"])
 
 
 def _scan_states(state: Any, period: str) -> list[Any]:

@@ -32,6 +32,7 @@ from storage.base import (
     VersionMoved,
     check_day_of,
     check_export_limit,
+    check_owner_note,
     check_period,
     check_period_mark,
     check_range,
@@ -61,6 +62,8 @@ class MemoryStorage(Storage):
         self.readings: dict[Key, GaugeReading] = {}
         #: Node id -> (owner token, end of its lease in ms).
         self.owners: dict[str, tuple[str, int]] = {}
+        #: Node id -> the note its owner's last renewal left.
+        self.owner_notes: dict[str, str] = {}
         self.fail_next = 0
         self.lose_next_ack = 0
         self.writes = 0
@@ -239,19 +242,29 @@ class MemoryStorage(Storage):
         held = self.owners.get(node)
         if held is None or held[0] == token or held[0] in accept or held[1] <= now * 1000:
             held = self.owners[node] = (token, lease_end_ms(now, lease_s))
-        return Owner(held[0], held[1] / 1000)
+        owner = self._owner(node)
+        assert owner is not None
+        return owner
 
     async def renew_owner(
-        self, node: str, token: str, *, lease_s: float, now: float
+        self, node: str, token: str, *, lease_s: float, now: float, note: str | None = None
     ) -> Owner | None:
+        check_owner_note(note)
         held = self.owners.get(node)
         if held is not None and held[0] == token:
-            held = self.owners[node] = (token, lease_end_ms(now, lease_s))
-        return None if held is None else Owner(held[0], held[1] / 1000)
+            self.owners[node] = (token, lease_end_ms(now, lease_s))
+            if note is not None:
+                self.owner_notes[node] = note
+        return self._owner(node)
 
     async def owner(self, node: str) -> Owner | None:
+        return self._owner(node)
+
+    def _owner(self, node: str) -> Owner | None:
         held = self.owners.get(node)
-        return None if held is None else Owner(held[0], held[1] / 1000)
+        if held is None:
+            return None
+        return Owner(held[0], held[1] / 1000, self.owner_notes.get(node, ""))
 
     # -- limits ------------------------------------------------------------------------------
 

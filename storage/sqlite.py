@@ -51,6 +51,7 @@ from storage.base import (
     VersionMoved,
     check_day_of,
     check_export_limit,
+    check_owner_note,
     check_period,
     check_period_mark,
     check_range,
@@ -132,6 +133,15 @@ CREATE TABLE IF NOT EXISTS owners (
     node       TEXT    NOT NULL PRIMARY KEY,
     token      TEXT    NOT NULL,
     expires_ms INTEGER NOT NULL
+) WITHOUT ROWID
+"""
+
+#: The note each owner's last renewal left (what the node says of its state): an additive table
+#: beside ``owners``, written in the renewal's transaction.
+_OWNER_NOTES = """
+CREATE TABLE IF NOT EXISTS owner_notes (
+    node TEXT NOT NULL PRIMARY KEY,
+    note TEXT NOT NULL
 ) WITHOUT ROWID
 """
 
@@ -655,28 +665,25 @@ class SQLiteStorage(Storage):
         return held
 
     async def renew_owner(
-        self, node: str, token: str, *, lease_s: float, now: float
+        self, node: str, token: str, *, lease_s: float, now: float, note: str | None = None
     ) -> Owner | None:
-        """Renew ``token``'s lease on ``node`` in one ``BEGIN IMMEDIATE`` transaction."""
+        """Renew ``token``'s lease on ``node`` (and its note) in one ``BEGIN IMMEDIATE``
+        transaction."""
+        check_owner_note(note)
 
         def may(held: tuple[str, int] | None) -> bool:
             return held is not None and held[0] == token
 
-        return await self._run(lambda: self._set_owner_sync(node, token, now, lease_s, may))
+        return await self._run(lambda: self._set_owner_sync(node, token, now, lease_s, may, note))
 
     async def owner(self, node: str) -> Owner | None:
         """The owner of ``node``, read from the committed state."""
 
         def read() -> Owner | None:
             try:
-                row = (
-                    self._connection()
-                    .execute("SELECT token, expires_ms FROM owners WHERE node = ?", (node,))
-                    .fetchone()
-                )
+                return _read_owner(self._connection(), node)
             except sqlite3.Error as exc:
                 raise _map(exc, f"reading the owner of {node!r} in {self.path}") from exc
-            return None if row is None else Owner(str(row[0]), int(row[1]) / 1000)
 
         return await self._run(read)
 
@@ -1180,6 +1187,7 @@ class SQLiteStorage(Storage):
             conn.execute(_SCHEMA)
             conn.execute(_EXPIRY_INDEX)
             conn.execute(_OWNERS)
+            conn.execute(_OWNER_NOTES)
             conn.execute(_LIMITS)
             conn.execute(_LIMITS_VERSION)
             conn.execute(_BUDGETS)
@@ -1387,9 +1395,10 @@ class SQLiteStorage(Storage):
         now: float,
         lease_s: float,
         may: Callable[[tuple[str, int] | None], bool],
+        note: str | None = None,
     ) -> Owner | None:
-        """Set ``node``'s owner to ``token`` (lease to ``now + lease_s``) if ``may(held)``, in
-        one write transaction; return the owner after it."""
+        """Set ``node``'s owner to ``token`` (lease to ``now + lease_s``, and its ``note`` if
+        given) if ``may(held)``, in one write transaction; return the owner after it."""
         conn = self._connection()
         try:
             conn.execute("BEGIN IMMEDIATE")
@@ -1406,6 +1415,13 @@ class SQLiteStorage(Storage):
                         " token = excluded.token, expires_ms = excluded.expires_ms",
                         (node, *held),
                     )
+                    if note is not None:
+                        conn.execute(
+                            "INSERT INTO owner_notes (node, note) VALUES (?, ?)"
+                            " ON CONFLICT (node) DO UPDATE SET note = excluded.note",
+                            (node, note),
+                        )
+                owner = _read_owner(conn, node)
                 conn.execute("COMMIT")
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
@@ -1414,7 +1430,7 @@ class SQLiteStorage(Storage):
                 raise
         except sqlite3.Error as exc:
             raise _map(exc, f"claiming node id {node!r} in {self.path}") from exc
-        return None if held is None else Owner(held[0], held[1] / 1000)
+        return owner
 
     def _expires_at(self, period: str) -> int:
         # From the later of the period's end and now: a late write to an old period must not
@@ -1628,6 +1644,15 @@ def _map(exc: sqlite3.Error, doing: str) -> StorageError:
     ):
         return StoragePermanentError(message)
     return StorageUnavailable(message)
+
+
+def _read_owner(conn: sqlite3.Connection, node: str) -> Owner | None:
+    row = conn.execute(
+        "SELECT o.token, o.expires_ms, n.note FROM owners o"
+        " LEFT JOIN owner_notes n ON n.node = o.node WHERE o.node = ?",
+        (node,),
+    ).fetchone()
+    return None if row is None else Owner(str(row[0]), int(row[1]) / 1000, str(row[2] or ""))
 
 
 def _mark(row: Sequence[object], path: Path) -> PeriodMark:

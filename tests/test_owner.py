@@ -28,10 +28,10 @@ class Unreachable(MemoryStorage):
         return await super().claim_owner(node, token, lease_s=lease_s, now=now, accept=accept)
 
     async def renew_owner(
-        self, node: str, token: str, *, lease_s: float, now: float
+        self, node: str, token: str, *, lease_s: float, now: float, note: str | None = None
     ) -> Owner | None:
         self._check()
-        return await super().renew_owner(node, token, lease_s=lease_s, now=now)
+        return await super().renew_owner(node, token, lease_s=lease_s, now=now, note=note)
 
     async def owner(self, node: str) -> Owner | None:
         self._check()

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meter.cli.export import final_line
 from meter.core.keys import Key, period_start
 from meter.errors import InvalidArgument
 from meter.ops.export import rpc_page
@@ -25,6 +26,7 @@ from meter.persist.closing import (
     periods_to_open,
     recent_periods,
 )
+from storage.base import MAX_OWNER_NOTE_BYTES
 from storage.memory import MemoryStorage
 from storage.periods import bounds
 from tests.support.services import SlowLoads
@@ -279,3 +281,47 @@ async def test_a_drain_leaves_open_a_period_it_still_holds_a_reservation_of() ->
     await closer.drained(NOV_END - 1800)
     assert closer.open == {NOV}
     assert {m.state for m in await store.period_marks(NOV)} == {"open"}
+
+
+def test_a_nodes_note_says_its_backlog_of_each_period_it_holds() -> None:
+    """The note a renewal leaves: keys and units per period held not stored; a period the note
+    does not list is zeros when it lists every one, unknown (None) when it left some out or is
+    not a note; every note fits the owner record."""
+    held: list[tuple[Key, int]] = [
+        (("a", "api", NOV), 5), (("b", "api", NOV), 7), (("a", "api", "2026-11-30"), 2),
+    ]  # fmt: skip
+    note = closing.backlog_note(held, 1000.25)
+    assert closing.noted_backlog(note, NOV) == (1000.25, {"keys": 2, "units": 12})
+    assert closing.noted_backlog(note, "2026-11-30") == (1000.25, {"keys": 1, "units": 2})
+    assert closing.noted_backlog(note, "2026-10") == (1000.25, {"keys": 0, "units": 0})
+    for bad in ("", "not json", "[1]", '{"at": true}'):
+        assert closing.noted_backlog(bad, NOV) == (None, None), bad
+    # Many periods, long names: the ones that close first, within the record's bound.
+    zone = "America/Argentina/ComodRivadavia"
+    many = [((f"t{d}", "api", f"2026-11-{d:02d}@{zone}"), 10**15) for d in range(1, 31)]
+    many += [((f"t{d}", "api", f"2026-10-{d:02d}@{zone}"), 10**15) for d in range(1, 32)]
+    note = closing.backlog_note(many, 5.0)
+    assert len(note.encode()) <= MAX_OWNER_NOTE_BYTES
+    assert closing.noted_backlog(note, f"2026-10-01@{zone}")[1] == {"keys": 1, "units": 10**15}
+    assert closing.noted_backlog(note, f"2026-11-30@{zone}") == (5.0, None)  # (left out)
+
+
+async def test_an_export_names_each_open_nodes_last_known_backlog() -> None:
+    store = MemoryStorage()
+    await store.mark_period_open(NOV, "n1", NOV_END - 100)
+    await store.mark_period_open(NOV, "n2", NOV_END - 100)
+    await store.claim_owner("n1", "t1", lease_s=30, now=NOV_END)
+    note = closing.backlog_note([(("a", "api", NOV), 9)], NOV_END + 5)
+    await store.renew_owner("n1", "t1", lease_s=30, now=NOV_END + 5, note=note)
+    state = await close_state(store, NOV, 0.0, NOV_END + 10)
+    assert state["open_nodes"] == [
+        {"node": "n1", "opened_at": NOV_END - 100, "lease_ends": NOV_END + 35,
+         "seen_at": NOV_END + 5, "backlog": {"keys": 1, "units": 9}},
+        {"node": "n2", "opened_at": NOV_END - 100, "lease_ends": None, "seen_at": None,
+         "backlog": None},
+    ]  # fmt: skip
+    line = final_line(NOV, state)
+    assert (
+        "n1 (open since 2026-11-30T23:58:20Z, running, 9 units in 1 keys not stored as of "
+        "2026-12-01T00:00:05Z); n2 (open since 2026-11-30T23:58:20Z, not running)" in line
+    ), line

@@ -2,7 +2,8 @@
 Local table and one redis-server count into last month with ``at`` (its grace made to end a
 few seconds later); one is killed (``kill -9``) holding units of it not stored. The export
 says ``final: false`` naming that node until it restarts from its data dir, stores them and
-closes; then ``final: true``, with every acknowledged unit, and it stays so."""
+closes; then ``final: true``, with every acknowledged unit, and it stays so. While open, each
+node's last known backlog of the period (the note of its last renewal) is in ``open_nodes``."""
 
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ def test_a_node_killed_with_units_of_last_month_keeps_it_open_until_it_restarts(
     last = period_start("month", start - 1)
     closes_at = now + 15  # (the grace ends 15 s from now: nodes start, count, one dies)
     grace = str(closes_at - start)
-    nodes = fleet(3, METER_PERIOD_GRACE_S=grace, each={2: {"METER_FLUSH_INTERVAL_MS": "600000"}})
+    # n2 never flushes; its owner lease is renewed every second (the note: its backlog).
+    slow = {"METER_FLUSH_INTERVAL_MS": "600000", "METER_OWNER_LEASE_S": "3"}
+    nodes = fleet(3, METER_PERIOD_GRACE_S=grace, each={2: slow})
     at = start - 3600  # (last month)
     acked: dict[tuple[str, str], int] = {}
     for i, node in enumerate(nodes):
@@ -57,7 +60,15 @@ def test_a_node_killed_with_units_of_last_month_keeps_it_open_until_it_restarts(
             tenant, qty = f"t{n % 3}", 1 + i + n
             node.call("track", tenant, "api", qty, {"at": at, "id": f"c{i}-{n}"})
             acked[(tenant, "api")] = acked.get((tenant, "api"), 0) + qty
+    held = {"keys": 3, "units": sum(1 + 2 + n for n in range(6))}
+
+    def n2_noted() -> bool:
+        noted = {n["node"]: n for n in export_all(nodes[0], last)[0]["open_nodes"]}
+        return noted["n2"]["backlog"] == held and noted["n2"]["seen_at"] is not None
+
+    wait_until(n2_noted, 10, "n2's renewal notes its backlog of last month", nodes)
     nodes[2].kill()  # (its units of last month: in its log, not in storage)
+    killed_at = time.time()
     wait_until(lambda: time.time() > closes_at, 30, "last month's grace ends", nodes)
     # The two live nodes close within 10 s (they flushed); the killed one stays open.
     wait_until(
@@ -70,6 +81,7 @@ def test_a_node_killed_with_units_of_last_month_keeps_it_open_until_it_restarts(
     assert state["final"] is False
     (open_node,) = state["open_nodes"]
     assert open_node["node"] == "n2" and open_node["lease_ends"] is not None
+    assert open_node["backlog"] == held and open_node["seen_at"] <= killed_at, open_node
     assert sum(rows.values()) < sum(acked.values())
     nodes[2].env["METER_FLUSH_INTERVAL_MS"] = "100"
     nodes[2].start(timeout=60)

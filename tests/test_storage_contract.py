@@ -431,6 +431,34 @@ async def test_only_the_holder_renews_its_lease(storage: Storage) -> None:
     assert await storage.owner("ghost") is None
 
 
+async def test_a_renewal_leaves_its_note_on_the_owner_record(storage: Storage) -> None:
+    """Set by the holder's renewal only, kept by a renewal without one and by a claim; too
+    long is refused, changing nothing."""
+    await storage.claim_owner("n1", "t1", lease_s=30, now=1000.0)
+    assert (await storage.owner("n1")) == Owner("t1", 1030.0, "")
+    note = '{"at": 1010.0, "backlog": {"2026-11": [3, 42]}} é'
+    assert await storage.renew_owner("n1", "t1", lease_s=30, now=1010.0, note=note) == Owner(
+        "t1", 1040.0, note
+    )
+    assert await storage.renew_owner("n1", "t1", lease_s=30, now=1011.0) == Owner(
+        "t1", 1041.0, note
+    )
+    # Another token's renewal changes nothing, its note included.
+    other = await storage.renew_owner("n1", "t9", lease_s=30, now=1012.0, note="x")
+    assert other is not None and other.note == note
+    with pytest.raises(StoragePermanentError):
+        await storage.renew_owner("n1", "t1", lease_s=30, now=1013.0, note="x" * 4097)
+    assert await storage.owner("n1") == Owner("t1", 1041.0, note)
+    # A new holder's claim keeps the note until its own first renewal replaces it.
+    assert await storage.claim_owner("n1", "t2", lease_s=30, now=1041.0) == Owner(
+        "t2", 1071.0, note
+    )
+    big = "y" * 4096
+    assert await storage.renew_owner("n1", "t2", lease_s=30, now=1042.0, note=big) == Owner(
+        "t2", 1072.0, big
+    )
+
+
 async def test_limits_records_are_kept_and_every_change_bumps_the_version(
     storage: Storage,
 ) -> None:

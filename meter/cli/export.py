@@ -141,7 +141,8 @@ def final_line(period: str, state: dict[str, Any]) -> str:
                 f"{_when(state['closes_at'])} (its end plus period_grace_s){closed}")  # fmt: skip
     now = state["read_at"]
     nodes = "; ".join(
-        f"{n['node']} (open since {_when(n['opened_at'])}, {_running(n['lease_ends'], now)})"
+        f"{n['node']} (open since {_when(n['opened_at'])}, {_running(n['lease_ends'], now)}"
+        f"{_backlog(n.get('backlog'), n.get('seen_at'))})"
         for n in state["open_nodes"]
     )
     return f"meter: export: {period} is NOT final: nodes still open: {nodes}{closed}"
@@ -149,6 +150,14 @@ def final_line(period: str, state: dict[str, Any]) -> str:
 
 def _running(lease_ends: float | None, now: float) -> str:
     return "running" if lease_ends is not None and lease_ends >= now else "not running"
+
+
+def _backlog(backlog: dict[str, int] | None, seen_at: float | None) -> str:
+    """A node's last known backlog of the period (docs/invoicing.md), or nothing if unknown."""
+    if backlog is None or seen_at is None:
+        return ""
+    return (f", {backlog['units']} units in {backlog['keys']} keys not stored as of "
+            f"{_when(seen_at)}")  # fmt: skip
 
 
 def _when(at: float) -> str:

@@ -256,16 +256,19 @@ class CounterTable:
         """Keys holding units storage does not have, each once (dirty keys, and unseeded ones
         with units that are not dirty), but those in ``exclude``; and their units. One walk
         under one lock (``status`` and the metrics read it at 100,000s of keys)."""
+        held = self.unflushed_units(exclude)
+        return [key for key, _ in held], sum(n for _, n in held)
+
+    def unflushed_units(self, exclude: Container[Key]) -> list[tuple[Key, int]]:
+        """:meth:`unflushed`'s keys, each with its units."""
         with self._lock:
             rows = self._rows
             self._dirty = _compact(self._dirty, rows, DIRTY)
-            keys: list[Key] = []
-            units = 0
+            out: list[tuple[Key, int]] = []
             for key in self._dirty:
                 if key not in exclude:
                     row = rows[key]
-                    keys.append(key)
-                    units += row.inflight + row.pending_flush
+                    out.append((key, row.inflight + row.pending_flush))
             for key in self._unseeded:
                 cold = rows.get(key)
                 # (An unseeded key is usually dirty too: counted above, not twice.)
@@ -273,9 +276,8 @@ class CounterTable:
                     continue
                 n = cold.inflight + cold.pending_flush
                 if n:
-                    keys.append(key)
-                    units += n
-            return keys, units
+                    out.append((key, n))
+            return out
 
     def columns(self, key: Key) -> dict[str, int] | None:
         """Every column of a row, for diagnostics and tests."""

@@ -40,7 +40,7 @@ from meter.node.gc import tune_gc
 from meter.node.push import AlertFanout, UsagePush
 from meter.ops import health
 from meter.ops.http import Endpoints, HttpEndpoints
-from meter.persist.closing import PeriodCloser
+from meter.persist.closing import PeriodCloser, backlog_note
 from meter.persist.flusher import Flusher
 from meter.persist.gauges import GaugeFlusher
 from meter.persist.owner import Ownership, State
@@ -157,6 +157,7 @@ class Node:
                 lease_s=cfg.owner.lease_s,
                 on_state=self._owner_state,
                 on_claimed=lambda: self.data_dir.owner_claimed(token),
+                note=self._owner_note,
             )
             await self.owner.claim()
             # Alone, nobody would take the gossip columns: the table does not keep them.
@@ -425,6 +426,13 @@ class Node:
     def _push_notifications(self) -> None:
         if self.server is not None:
             self.server.push_notifications()
+
+    def _owner_note(self) -> str | None:
+        """What each renewal of the node id says of this node for exports: the units of each
+        period it holds not stored (:func:`~meter.persist.closing.backlog_note`)."""
+        if self.table is None:
+            return None
+        return backlog_note(self.table.unflushed_units(()), time.time())
 
     def _owner_state(self, state: State, settled: bool = False) -> None:
         """Follow the node's hold on its id: count, flush and gossip only while it owns it.

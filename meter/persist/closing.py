@@ -13,6 +13,7 @@ them and closes; an operator closes a node that will never come back by hand.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -26,6 +27,7 @@ from meter.errors import InvalidArgument, Unavailable
 from storage.base import (
     MARK_CLOSED,
     MARK_OPEN,
+    MAX_OWNER_NOTE_BYTES,
     Owners,
     PeriodMarks,
     StorageError,
@@ -101,6 +103,56 @@ def recent_periods(
                 period = preceding(period)
                 out.append(period)
     return out
+
+
+#: Periods a node's backlog note lists at most (those that close first).
+NOTE_PERIODS = 32
+
+
+def backlog_note(held: Iterable[tuple[Key, int]], now: float) -> str:
+    """The note a node's owner renewals leave for exports to read (:func:`close_state`):
+    ``{"at": now, "backlog": {period: [keys, units], ...}, "more": bool}``, the keys and units
+    it holds not stored of each period (the :data:`NOTE_PERIODS` that close first; ``more``:
+    others were left out)."""
+    per: dict[str, list[int]] = {}
+    for key, units in held:
+        entry = per.get(key[2])
+        if entry is None:
+            entry = per[key[2]] = [0, 0]
+        entry[0] += 1
+        entry[1] += units
+    listed = sorted((p for p in per if is_period(p)), key=lambda p: bounds(p)[1])
+    while True:  # (within the owner record's note: fewer periods if long names pass it)
+        shown = listed[:NOTE_PERIODS]
+        note = json.dumps(
+            {"at": round(now, 3), "backlog": {p: per[p] for p in shown},
+             "more": len(shown) < len(per)},
+            separators=(",", ":"),
+        )  # fmt: skip
+        if len(note) <= MAX_OWNER_NOTE_BYTES or not listed:
+            return note
+        listed = listed[: len(shown) // 2]
+
+
+def noted_backlog(note: str, period: str) -> tuple[float | None, dict[str, int] | None]:
+    """What a node's note (:func:`backlog_note`) says of ``period``: when it was written, and
+    the keys and units it held not stored (zeros if none; None if the note does not say, or
+    is not one)."""
+    try:
+        raw = json.loads(note) if note else None
+    except ValueError:
+        raw = None
+    if not isinstance(raw, dict):
+        return None, None
+    at = raw.get("at")
+    seen = float(at) if isinstance(at, int | float) and not isinstance(at, bool) else None
+    backlog = raw.get("backlog")
+    if not isinstance(backlog, dict):
+        return seen, None
+    entry = backlog.get(period)
+    if isinstance(entry, list) and len(entry) == 2 and all(type(n) is int for n in entry):
+        return seen, {"keys": entry[0], "units": entry[1]}
+    return seen, (None if raw.get("more") is not False else {"keys": 0, "units": 0})
 
 
 def period_closes_at(period: str, grace_s: float) -> float:
@@ -293,17 +345,21 @@ async def close_state(
 ) -> dict[str, Any]:
     """What an export of ``period`` says of its close, as of ``now``: ``final`` (the period
     has ended plus the grace and every node that marked it open has closed it, or drained),
-    ``open_nodes`` (each with when it marked the period open and when its ownership lease of
-    its id ends: past, it is not running), ``closed_by_operator`` (nodes closed by hand),
-    ``nodes`` (how many marked it), ``closes_at`` and ``read_at`` (``now``)."""
+    ``open_nodes`` (each with when it marked the period open, when its ownership lease of its
+    id ends: past, it is not running; and its last known state, from the note of its last
+    renewal: ``seen_at`` and ``backlog``, the keys and units of the period it held not
+    stored), ``closed_by_operator`` (nodes closed by hand), ``nodes`` (how many marked it),
+    ``closes_at`` and ``read_at`` (``now``)."""
     marks = await storage.period_marks(period)
     closes_at = period_closes_at(period, grace_s)
     open_nodes: list[dict[str, Any]] = []
     for mark in marks:
         if mark.state == MARK_OPEN:
             owner = await storage.owner(mark.node)
+            seen, backlog = noted_backlog("" if owner is None else owner.note, period)
             open_nodes.append({"node": mark.node, "opened_at": mark.at,
-                               "lease_ends": None if owner is None else owner.expires})  # fmt: skip
+                               "lease_ends": None if owner is None else owner.expires,
+                               "seen_at": seen, "backlog": backlog})  # fmt: skip
     by_hand = [m.node for m in marks if m.state == MARK_CLOSED and m.by == OPERATOR]
     return {
         "final": now >= closes_at and not open_nodes,

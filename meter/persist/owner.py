@@ -38,7 +38,8 @@ class Ownership:
 
     ``accept`` are the earlier tokens of the same data dir. ``on_state`` is called with every
     new state; ``on_claimed`` once the claim succeeded (the data dir then forgets the earlier
-    tokens).
+    tokens); ``note`` makes the note each renewal leaves on the owner record (what the node
+    says of its state for exports to read; None: the note stays as it is).
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class Ownership:
         clock: Callable[[], float] = time.time,
         on_state: Callable[[State], None] | None = None,
         on_claimed: Callable[[], None] | None = None,
+        note: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.storage = storage
         self.node = node
@@ -61,6 +63,7 @@ class Ownership:
         self.clock = clock
         self.on_state = on_state
         self.on_claimed = on_claimed
+        self.note = note
         self.state: State = "unknown"
         #: The end of our lease as last stored (owned).
         self.expires = 0.0
@@ -167,7 +170,9 @@ class Ownership:
             if self.state != "owned":
                 return
             try:
-                await self.storage.renew_owner(self.node, self.token, lease_s=0, now=self.clock())
+                await self.storage.renew_owner(
+                    self.node, self.token, lease_s=0, now=self.clock(), note=self._note()
+                )
             except StorageError as exc:
                 log.warning("owner: could not release node id %r: %s", self.node, exc)
             else:
@@ -211,7 +216,7 @@ class Ownership:
         now = self.clock()
         try:
             owner = await self.storage.renew_owner(
-                self.node, self.token, lease_s=self.lease_s, now=now
+                self.node, self.token, lease_s=self.lease_s, now=now, note=self._note()
             )
         except StorageError as exc:
             self.last_error = f"renewing: {exc}"
@@ -222,6 +227,15 @@ class Ownership:
             self.last_error = None
         else:
             self._lose(owner)
+
+    def _note(self) -> str | None:
+        """The note for this renewal; None (the stored one kept) if making it failed: a bug
+        there must not cost the lease."""
+        try:
+            return self.note()
+        except Exception:
+            log.exception("owner: the renewal's note could not be made (the last one stays)")
+            return None
 
     def _lose(self, owner: Owner | None) -> None:
         self.holder = owner
