@@ -107,8 +107,7 @@ def test_unflushed_lists_each_key_with_units_once() -> None:
     t.incr(a, 2)
     t.incr(cold, 4, check=False)  # counted before its stored total is known
     t.restore(restored, 7, 6, 0)  # replayed from the log: in flight, unseeded
-    keys, units = t.unflushed({parked})
-    assert sorted(keys) == sorted([a, cold, restored])
-    assert units == 5 + 4 + 6 == sum(t.pending(k) for k in (a, cold, restored))
-    every, total = t.unflushed(())
-    assert sorted(every) == sorted([a, parked, cold, restored]) and total == 24  # b: nothing
+    held = dict(t.unflushed({parked}))
+    assert held == {a: 5, cold: 4, restored: 6}  # (each key's units: in flight and pending)
+    assert sum(held.values()) == sum(t.pending(k) for k in (a, cold, restored))
+    assert dict(t.unflushed(())) == {**held, parked: 9}  # b: nothing

@@ -19,7 +19,6 @@ from typing import Any
 from meter.config import CounterConfig
 from meter.core.dims import FeatureSpec, check_dims, shown
 from meter.core.groups import Groups
-from meter.core.idempotency import Spent
 from meter.core.keycache import NAME_CACHE_SIZE, KeyCache
 from meter.core.keys import QTY_MAX, Key, check_at, check_qty
 from meter.core.params import args as check_args
@@ -37,6 +36,7 @@ from meter.core.seeder import Seeder
 from meter.core.table import CounterTable
 from meter.errors import InsufficientBalance, InvalidArgument, LimitExceeded, Unavailable
 from meter.wal.log import WriteAheadLog
+from meter.wal.records import Spent
 from storage.base import StorageError
 
 log = logging.getLogger("meter.service")

@@ -17,17 +17,13 @@ import msgpack
 
 from meter.core.keys import Key
 from meter.errors import Conflict, InvalidArgument
+from meter.wal.records import Spent, spent_to_log
 
 #: Longest request id, in UTF-8 bytes.
 MAX_ID_BYTES = 128
 
 Entry = tuple[int, Any, float]
 """``(fingerprint, answer, expires)``."""
-
-
-#: Credits a call spent, by the tenant whose pool paid: ``((tenant, credits), ...)``; None
-#: when an older build logged only that it spent some (then a void cannot give them back).
-Spent = tuple[tuple[str, int], ...] | None
 
 
 class Effect:
@@ -49,23 +45,6 @@ class Effect:
     def to_log(self) -> list[Any]:
         """``[qty, [[t, f, p], ...], voided, credits]``: as a checkpoint restates it."""
         return [self.qty, [list(k) for k in self.keys], self.voided, spent_to_log(self.credits)]
-
-
-def spent_to_log(credits: Spent) -> Any:
-    """How a log record carries ``credits``: ``false`` (none), ``[[tenant, n], ...]``, or
-    ``true`` (some, not known how many: as an older build wrote it)."""
-    if credits is None:
-        return True
-    return [list(c) for c in credits] if credits else False
-
-
-def spent_from_log(raw: Any) -> Spent:
-    """The inverse of :func:`spent_to_log` (an absent field is read as ``false``)."""
-    if raw is True:
-        return None
-    if not raw:
-        return ()
-    return tuple((str(t), int(n)) for t, n in raw)
 
 
 def check_id(rid: object) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 from meter.config import CounterConfig
 from meter.core.gate import pool_key
 from meter.core.gauging import Gauging
-from meter.core.idempotency import RequestIds, spent_from_log
+from meter.core.idempotency import RequestIds
 from meter.core.keycache import KeyCache
 from meter.core.keys import Key
 from meter.core.leases import Lease
@@ -23,6 +23,7 @@ from meter.core.reserving import Reserving, dim_keys, mono, wall
 from meter.core.table import CounterTable
 from meter.core.uniques import Uniques
 from meter.wal import records as R
+from meter.wal.records import spent_from_log
 from meter.wal.replay import lease_dims
 
 #: Items per record when the state is restated in a checkpoint.

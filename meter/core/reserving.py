@@ -17,7 +17,7 @@ from meter.core.dims import Pairs, check_dims, shown
 from meter.core.fence import Fence
 from meter.core.gate import Gate, Short, pool_key, soft_crossing
 from meter.core.groups import Groups
-from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint, spent_to_log
+from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint
 from meter.core.keycache import KeyCache
 from meter.core.keys import Key, check_at, check_qty
 from meter.core.leases import Lease, Reservations
@@ -28,6 +28,7 @@ from meter.core.seeder import Seeder
 from meter.core.table import CounterTable
 from meter.errors import Conflict, InvalidArgument, LimitExceeded, NotFound, Unavailable
 from meter.wal import records as R
+from meter.wal.records import spent_to_log
 from meter.wal.replay import COMMITTED, RELEASED
 
 _RESERVE_OPTS = frozenset({"limit", "ttl_ms", "at", "id", "dims"})

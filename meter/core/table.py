@@ -252,15 +252,10 @@ class CounterTable:
                     total += row.inflight + row.pending_flush
         return total
 
-    def unflushed(self, exclude: Container[Key]) -> tuple[list[Key], int]:
+    def unflushed(self, exclude: Container[Key]) -> list[tuple[Key, int]]:
         """Keys holding units storage does not have, each once (dirty keys, and unseeded ones
-        with units that are not dirty), but those in ``exclude``; and their units. One walk
-        under one lock (``status`` and the metrics read it at 100,000s of keys)."""
-        held = self.unflushed_units(exclude)
-        return [key for key, _ in held], sum(n for _, n in held)
-
-    def unflushed_units(self, exclude: Container[Key]) -> list[tuple[Key, int]]:
-        """:meth:`unflushed`'s keys, each with its units."""
+        with units that are not dirty), but those in ``exclude``, each with those units. One
+        walk under one lock (``status`` and the metrics read it at 100,000s of keys)."""
         with self._lock:
             rows = self._rows
             self._dirty = _compact(self._dirty, rows, DIRTY)

@@ -24,7 +24,7 @@ from meter.core.fence import Fence, log_down
 from meter.core.gate import Gate, Short
 from meter.core.gauging import Gauging
 from meter.core.groups import Groups
-from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint, spent_to_log
+from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint
 from meter.core.keycache import DimNode, KeyCache
 from meter.core.keys import QTY_MAX, Key, check_at, check_qty, in_range
 from meter.core.params import args as check_args
@@ -35,6 +35,7 @@ from meter.core.table import CounterTable, PartlyRefused
 from meter.core.uniques import Uniques
 from meter.errors import Conflict, InvalidArgument, MeterError, Unavailable
 from meter.wal import records as R
+from meter.wal.records import spent_to_log
 
 #: Longest ``track_many`` batch.
 MAX_BATCH_ITEMS = 10_000

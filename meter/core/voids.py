@@ -24,7 +24,7 @@ from typing import Any
 
 from meter.core.fence import Fence
 from meter.core.gate import Gate, pool_key
-from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint, spent_to_log
+from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint
 from meter.core.keycache import KeyCache
 from meter.core.params import args as check_args
 from meter.core.params import opts as check_opts
@@ -33,6 +33,7 @@ from meter.core.seeder import Seeder
 from meter.core.table import CounterTable
 from meter.errors import InvalidArgument, NotFound, Unavailable
 from meter.wal import records as R
+from meter.wal.records import spent_to_log
 from storage.base import StorageError
 from storage.periods import bounds
 

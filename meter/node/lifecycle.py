@@ -432,7 +432,7 @@ class Node:
         period it holds not stored (:func:`~meter.persist.closing.backlog_note`)."""
         if self.table is None:
             return None
-        return backlog_note(self.table.unflushed_units(()), time.time())
+        return backlog_note(self.table.unflushed(()), time.time())
 
     def _owner_state(self, state: State, settled: bool = False) -> None:
         """Follow the node's hold on its id: count, flush and gossip only while it owns it.

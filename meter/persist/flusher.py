@@ -317,11 +317,12 @@ class Flusher:
     def backlog_keys(self) -> list[Key]:
         """Keys still holding units the store does not have, each once (poisoned keys
         excluded)."""
-        return self.table.unflushed(self.stats.poisoned)[0]
+        return [key for key, _ in self.table.unflushed(self.stats.poisoned)]
 
     def backlog(self) -> tuple[list[Key], int]:
         """:meth:`backlog_keys` and the units they hold, in one walk of the table."""
-        return self.table.unflushed(self.stats.poisoned)
+        held = self.table.unflushed(self.stats.poisoned)
+        return [key for key, _ in held], sum(units for _, units in held)
 
     async def _may_write(self) -> bool | None:
         """Whether this round may write: this node holds its id (and, after it (re)gained it,

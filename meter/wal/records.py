@@ -108,6 +108,29 @@ VOID: Final = 24
 
 FORMAT: Final = 2
 
+#: Credits a call spent (logged with it: TRACK_ID, TRACK_MANY items, COMMIT, VOID, IDS), by
+#: the tenant whose pool paid: ``((tenant, credits), ...)``; None when an older build logged
+#: only that it spent some (then a void cannot give them back).
+Spent = tuple[tuple[str, int], ...] | None
+
+
+def spent_to_log(credits: Spent) -> Any:
+    """How a log record carries ``credits``: ``false`` (none), ``[[tenant, n], ...]``, or
+    ``true`` (some, not known how many: as an older build wrote it)."""
+    if credits is None:
+        return True
+    return [list(c) for c in credits] if credits else False
+
+
+def spent_from_log(raw: Any) -> Spent:
+    """The inverse of :func:`spent_to_log` (an absent field is read as ``false``)."""
+    if raw is True:
+        return None
+    if not raw:
+        return ()
+    return tuple((str(t), int(n)) for t, n in raw)
+
+
 _crc = zlib.crc32
 _packb = msgpack.Packer(use_bin_type=True).pack
 

@@ -22,9 +22,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from meter.core.idempotency import Spent, spent_from_log
 from meter.core.keys import Key
 from meter.wal import records as R
+from meter.wal.records import Spent, spent_from_log
 from storage.base import GaugeReading as Reading
 from storage.base import reading_wins
 
