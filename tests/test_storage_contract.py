@@ -1116,6 +1116,20 @@ async def test_sqlite_a_file_of_the_older_layout_gets_the_values_table(tmp_path:
         await store.close()
 
 
+async def test_sqlite_a_file_of_the_older_layout_gets_the_owner_notes_table(
+    tmp_path: Path,
+) -> None:
+    store, _ = await _older_layout(tmp_path / "o.db", "owner_notes")
+    await store.open()
+    try:
+        await store.claim_owner("n1", "t1", lease_s=30, now=1000.0)
+        assert await store.owner("n1") == Owner("t1", 1030.0, "")
+        got = await store.renew_owner("n1", "t1", lease_s=30, now=1001.0, note="x")
+        assert got == Owner("t1", 1031.0, "x") == await store.owner("n1")
+    finally:
+        await store.close()
+
+
 @pytest.mark.dynamodb
 async def test_dynamodb_value_item_layout_and_ttl(dynamodb_storage: DynamoDBStorage) -> None:
     """The value item's sort key, claimant and TTL: its counter's."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import calendar
+import inspect
 import shutil
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meter.config import CounterConfig
+from meter.core.gate import pool_key
 from meter.core.idempotency import Effect, RequestIds
 from meter.core.keys import period_start
 from meter.core.service import Service
@@ -22,6 +24,7 @@ from meter.errors import Conflict, InvalidArgument, MeterError, NotFound, Period
 from meter.node.wiring import build_service
 from meter.persist import recovery
 from meter.persist.recovery import recover
+from meter.quotas.shares import Shares
 from meter.wal.log import WriteAheadLog
 from storage.memory import MemoryStorage
 from tests.support.nodes import short_tmpdir
@@ -178,6 +181,48 @@ async def test_a_void_gives_credits_back_to_every_level_that_paid() -> None:
     assert (await available(svc, "acme"), await available(svc, "acme/bob")) == (85, 94)
     assert await call(svc, "void", "t1") == {"voided": 3, "value": 0, "credits": 21}
     assert (await available(svc, "acme"), await available(svc, "acme/bob")) == (100, 100)
+
+
+async def test_a_void_after_the_pool_share_went_back_takes_it_again_and_gives_back_once() -> None:
+    """The node gave its share of the pool back while idle (and the pool's unspent credits to
+    the ledger): the void takes a share again first; voids racing on that path (under one void
+    id and without one) give the credits back once."""
+    svc = service()
+    await call(svc, "grant", "acme", 1000)
+    await call(svc, "set_limit", "acme", "gpu", {"price": 3})
+    shares = svc.gate.shares
+    assert isinstance(shares, Shares)
+    pool = pool_key("acme")
+    for n, qty in enumerate((5, 7)):
+        await call(svc, "track", "acme", "gpu", qty, {"id": f"p{n}"})
+        shares.local[pool].used_at -= 10**6  # (idle for long: given back at the next pass)
+        await shares.step()
+        assert pool not in shares.local
+    assert await available(svc) == 1000 - 36
+    assert await call(svc, "void", "p0", {"id": "v0"}) == {"voided": 5, "value": 7,
+                                                           "credits": 15}  # fmt: skip
+    assert await available(svc) == 1000 - 21
+    shares.local[pool].used_at -= 10**6
+    await shares.step()
+    assert pool not in shares.local
+    racing = [svc.dispatch("void", ["p1", *opts]) for opts in ([{"id": "v1"}], [], [{"id": "v1"}])]
+    answers = [await a if inspect.isawaitable(a) else a for a in racing]
+    assert sorted(a["credits"] for a in answers) == [0, 21, 21], answers
+    assert answers[0] == answers[2]  # (one void id: one answer)
+    assert await available(svc) == 1000 and await call(svc, "usage", "acme", "gpu") == 0
+
+
+async def test_a_void_of_a_commit_gives_back_what_its_units_past_the_reservation_spent() -> None:
+    """A reservation made before the feature was priced: its commit spent credits only for
+    the units past what it held, and a void gives back exactly those."""
+    svc = service()
+    await call(svc, "grant", "acme", 1000)
+    lease = await call(svc, "reserve", "acme", "gpu", 5)
+    await call(svc, "set_limit", "acme", "gpu", {"price": 3})
+    assert await call(svc, "commit", lease, 8, {"id": "c1"}) == 8
+    assert await available(svc) == 1000 - 9
+    assert await call(svc, "void", "c1") == {"voided": 8, "value": 0, "credits": 9}
+    assert await available(svc) == 1000
 
 
 async def test_a_void_of_a_call_whose_credits_an_older_build_logged_is_refused() -> None:

@@ -132,8 +132,8 @@ def test_replay_of_tracks_flushes_and_states() -> None:
 
 
 def test_the_credits_a_call_spent_are_read_from_every_record_that_carries_them() -> None:
-    """Written now: per tenant; an older build's ``true``: spent, amount unknown (None);
-    absent: none spent."""
+    """Written now: per tenant, or ``false`` (none); an older build's ``true`` or no field:
+    not known how many (None: a void refuses the call)."""
     key = ("acme", "api", "2026-11")
     paid = [["acme", 6], ["acme/bob", 2]]
     r = Replay()
@@ -141,7 +141,8 @@ def test_the_credits_a_call_spent_are_read_from_every_record_that_carries_them()
         [
             [R.TRACK_ID, *key, 3, "new", 1, 3, 9e9, paid],
             [R.TRACK_ID, *key, 3, "old", 2, 6, 9e9, True],
-            [R.TRACK_ID, *key, 3, "free", 3, 9, 9e9],
+            [R.TRACK_ID, *key, 3, "free", 3, 9, 9e9, False],
+            [R.TRACK_ID, *key, 3, "unsaid", 3, 9, 9e9],  # (an older build's: how many unknown)
             [R.TRACK_MANY, [[*key, 1, "item", 4, 10, 9e9, [], paid]]],
             [R.COMMIT, "l1", *key, 2, 9e9, 3, 13, 9e9, "c", 5, 9e9, [], paid],
             [R.IDS, [["ck", 6, 1, 9e9, [1, [list(key)], True, paid]]]],
@@ -150,7 +151,8 @@ def test_the_credits_a_call_spent_are_read_from_every_record_that_carries_them()
     spent = {rid: counted[3] for rid, counted in r.effects.items()}
     expected = (("acme", 6), ("acme/bob", 2))
     assert spent == {
-        "new": expected, "old": None, "free": (), "item": expected, "c": expected, "ck": expected
+        "new": expected, "old": None, "free": (), "unsaid": None, "item": expected,
+        "c": expected, "ck": expected,
     }  # fmt: skip
     assert r.effects["ck"][2] is True  # (voided, as the checkpoint said)
 

@@ -95,8 +95,12 @@ class Journal:
                 effect = self.ids.effect(rid)
                 if effect is not None and qty:  # (a repeat, qty 0, voided nothing)
                     self.ids.count_again(effect)
-                for t, n in spent_from_log(rec[8] if len(rec) > 8 else False) or ():
-                    shares.readmit(pool_key(t), n, 0)  # (spent again)
+                # The credits it gave back are spent again; those whose pool share left memory
+                # meanwhile stay given back, and the call keeps none of them to give again.
+                given = spent_from_log(rec[8] if len(rec) > 8 else False) or ()
+                kept = [t for t, n in given if not shares.readmit(pool_key(t), n, 0)]
+                if kept and effect is not None and effect.credits:
+                    effect.credits = tuple(c for c in effect.credits if c[0] not in kept)
                 if rec[4] is not None:
                     self.ids.forget(rec[4])
             elif kind == R.GAUGE:

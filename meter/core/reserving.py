@@ -299,7 +299,7 @@ class Reserving:
         if self.wal is not None:
             rec = [R.COMMIT, lease_id, *lease.key, lease.qty, wall(lease.deadline), actual,
                    value, done_exp, rid, fp, expires, *_listed(lease.dims)]  # fmt: skip
-            if spent:  # (after the dims, which it then always lists)
+            if rid is not None:  # (the credits it spent, none or some, after the dims)
                 rec[13:] = [list(lease.dims), spent_to_log(spent)]
             self.wal.append(rec)
         return value

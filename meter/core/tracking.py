@@ -411,9 +411,8 @@ class Tracking:
                 effect = Effect(qty, tuple(keys), credits=spent)
                 expires = self.ids.remember(idem[0], idem[1], value, time.time(), effect)
                 # (the other keys it counted on: a void takes them back too)
-                leaf += [idem[0], idem[1], value, expires, [[*k] for k in keys[1:]]]
-                if spent:
-                    leaf.append(spent_to_log(spent))
+                leaf += [idem[0], idem[1], value, expires, [[*k] for k in keys[1:]],
+                         spent_to_log(spent)]  # fmt: skip
             if self.wal is not None:  # one record: a torn log keeps all levels or none
                 self.wal.append([R.TRACK_MANY, [leaf, *log_items]])
         return self.gate.detail(keys[0], value, 0) if detail else value
@@ -434,9 +433,8 @@ class Tracking:
         effect = Effect(qty, (key,), credits=spent)
         expires = self.ids.remember(idem[0], idem[1], value, time.time(), effect)
         if self.wal is not None:
-            rec = [R.TRACK_ID, *key, qty, idem[0], idem[1], value, expires]
-            if spent:  # (what a void gives back)
-                rec.append(spent_to_log(spent))
+            # (with the credits it spent, none or some: what a void gives back)
+            rec = [R.TRACK_ID, *key, qty, idem[0], idem[1], value, expires, spent_to_log(spent)]
             self.wal.append(rec)
         return value
 
@@ -826,10 +824,9 @@ class Tracking:
                 effect = Effect(qty, counted, credits=spent)
                 expires = self.ids.remember(idem[0], idem[1], value, now, effect)
                 others = [] if keys is None else [[*k] for k in keys[1:]]
-                item = [*key, qty, idem[0], idem[1], value, expires, others]
-                if spent:
-                    item.append(spent_to_log(spent))
-                logged.append(item)
+                logged.append(
+                    [*key, qty, idem[0], idem[1], value, expires, others, spent_to_log(spent)]
+                )
         for i, n in batch.dups:
             out[i] = values[n]
         if self.wal is not None and logged:

@@ -36,19 +36,20 @@ SEGMENT: Final = 1
 #: ``[TRACK, t, f, p, qty]``
 TRACK: Final = 2
 #: ``[TRACK_ID, t, f, p, qty, id, fingerprint, answer, expires, credits?]`` (``credits``: what
-#: the call spent, ``[[tenant, n], ...]``; ``true`` from older builds: some, not how many)
+#: the call spent, ``[[tenant, n], ...]`` or ``false``; ``true``, or no field, from older
+#: builds: not known how many)
 TRACK_ID: Final = 3
 #: ``[TRACK_MANY, [item, ...]]``, each item a TRACK or TRACK_ID record without its type; an
 #: item with an id ends with ``[[t, f, p], ...]``, the other keys its call counted the same
 #: ``qty`` on (levels, dimension counters: counted by their own items; what a void takes
-#: back), then the credits it spent (as in TRACK_ID) if any.
+#: back), then the credits it spent (as in TRACK_ID).
 TRACK_MANY: Final = 4
 #: ``[RESERVE, lease, t, f, p, qty, deadline, id, fingerprint, expires, dims?]`` (id may be
 #: nil; ``dims``: the names of the dimension counters a commit counts on too, when given)
 RESERVE: Final = 5
 #: ``[COMMIT, lease, t, f, p, qty, deadline, actual, answer, done_expires, id, fp, expires,
-#: dims?, credits?]`` (``actual`` counted on each of ``dims`` too; ``credits`` as in TRACK_ID,
-#: and then ``dims`` is there, perhaps empty)
+#: dims?, credits?]`` (``actual`` counted on each of ``dims`` too; with an id, ``credits`` as
+#: in TRACK_ID, and then ``dims`` is there, perhaps empty)
 COMMIT: Final = 6
 #: ``[RELEASE, lease, t, f, p, qty, deadline, done_expires, id, fp, expires, dims?]``
 RELEASE: Final = 7
@@ -112,6 +113,11 @@ FORMAT: Final = 2
 #: the tenant whose pool paid: ``((tenant, credits), ...)``; None when an older build logged
 #: only that it spent some (then a void cannot give them back).
 Spent = tuple[tuple[str, int], ...] | None
+
+
+#: What a record of a call under an id that an older build wrote (no credits field) says of the
+#: credits it spent: not how many (so a void refuses it, rather than give back none).
+UNSAID = True
 
 
 def spent_to_log(credits: Spent) -> Any:

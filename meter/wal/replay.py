@@ -24,7 +24,7 @@ from typing import Any
 
 from meter.core.keys import Key
 from meter.wal import records as R
-from meter.wal.records import Spent, spent_from_log
+from meter.wal.records import UNSAID, Spent, spent_from_log
 from storage.base import GaugeReading as Reading
 from storage.base import reading_wins
 
@@ -133,7 +133,7 @@ class Replay:
             if rid is not None:
                 names = lease_dims(rec, 13)
                 keys = ((t, f, p), *((t, n, p) for n in names))
-                spent = spent_from_log(rec[14] if len(rec) > 14 else False)
+                spent = spent_from_log(rec[14] if len(rec) > 14 else UNSAID)
                 self._id(rid, (fp, answer, expires), (actual, keys, False, spent))
         elif kind == R.RELEASE:
             lease, t, f, p, qty, deadline, done_exp, rid, fp, expires = rec[1:11]
@@ -232,11 +232,11 @@ class Replay:
             rid, fp, answer, expires = rec[at + 4 : at + 8]
             counted: Counted | None = None
             if at == 1:  # a TRACK_ID record: its one key (then the credits it spent)
-                spent = spent_from_log(rec[9] if len(rec) > 9 else False)
+                spent = spent_from_log(rec[9] if len(rec) > 9 else UNSAID)
                 counted = (qty, ((t, f, p),), False, spent)
             elif len(rec) > at + 8:  # an item that names the other keys it counted on
                 others = tuple((t2, f2, p2) for t2, f2, p2 in rec[at + 8])
-                spent = spent_from_log(rec[at + 9] if len(rec) > at + 9 else False)
+                spent = spent_from_log(rec[at + 9] if len(rec) > at + 9 else UNSAID)
                 counted = (qty, ((t, f, p), *others), False, spent)
             # (an item an older build wrote, without them: not known, so never voided)
             self._id(rid, (fp, answer, expires), counted)
