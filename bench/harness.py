@@ -90,6 +90,17 @@ class QuotaSizes:
 
 
 @dataclass(frozen=True)
+class FanoutSizes:
+    """Scenario 14 (``fanout``, :mod:`bench.fanout`)."""
+
+    peers: tuple[int, ...]  # simulated peers, one run each
+    keys: int  # the pool of keys the node holds warm
+    touched: int  # keys each peer touches a tick
+    tick_ms: int
+    seconds: float  # of load, per run
+
+
+@dataclass(frozen=True)
 class Sizes:
     """How long and how big: ``full``, ``quick`` (about a minute) or ``smoke`` (seconds)."""
 
@@ -107,6 +118,7 @@ class Sizes:
     durable_configs: tuple[tuple[int, int], ...]  # (connections, depth) for ``durable``
     scale: ScaleSizes
     quotas: QuotaSizes
+    fanout: FanoutSizes
     #: Keys a round for the flush CPU per key (batched vs single) and for the batched flush
     #: vs a bare TransactWriteItems loop and the track p99 during a round.
     flush_cpu_keys: int = 2_000
@@ -131,6 +143,7 @@ FULL = Sizes(
         10_000, 5, 100_000, 3, 10_000, 2.0, 30.0, 25.0, 10.0, 5.0, 1, True, conv_seconds=30.0
     ),
     QuotaSizes(((4, 1), (4, 16)), ((6, 1), (6, 16)), 10_000, 4, 20_000, 2, (25, 100, 1000), 100, 5),
+    FanoutSizes((10, 30, 100), 10_000, 100, 100, 10.0),
 )
 QUICK = Sizes(
     "quick",
@@ -147,6 +160,7 @@ QUICK = Sizes(
     ((1, 1), (4, 1), (16, 1), (4, 16)),
     ScaleSizes(5_000, 3, 20_000, 3, 3_000, 2.0, 25.0, 12.0, 7.0, 5.0, 1, False, conv_seconds=10.0),
     QuotaSizes(((4, 1), (4, 16)), ((6, 1),), 10_000, 4, 5_000, 2, (25, 1000), 100),
+    FanoutSizes((10, 30, 100), 10_000, 100, 100, 5.0),
 )
 SMOKE = Sizes(
     "smoke",
@@ -163,6 +177,7 @@ SMOKE = Sizes(
     ((2, 4),),
     ScaleSizes(400, 1, 1_000, 1, 200, 1.0, 6.0, 4.0, 2.0, 2.0, 1, True, 200, 400, 2_000.0, 2.0),
     QuotaSizes(((2, 1),), ((3, 1),), 1_000, 2, 1_000, 2, (100,), 100, 1),
+    FanoutSizes((3,), 200, 20, 100, 1.0),
     flush_cpu_keys=100,
     flush_tx_keys=200,
     flush_p99_seconds=0.5,

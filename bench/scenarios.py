@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench import corrections, dimensions, ledger_cost, metrics_cost, quotas, scale
+from bench import corrections, dimensions, fanout, ledger_cost, metrics_cost, quotas, scale
 from bench.harness import (
     ALTERNATING,
     NODE_MEMORY,
@@ -1087,4 +1087,5 @@ SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "ledger": ledger_cost.ledger,
     "dimensions": dimensions.dimensions,
     "corrections": corrections.corrections,
+    "fanout": fanout.fanout,
 }

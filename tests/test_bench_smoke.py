@@ -1,4 +1,5 @@
-"""The bench runs end to end for about a second and produces its table and JSON; scenario 8
+"""The bench runs end to end for about a second and produces its table and JSON (scenario 14,
+``fanout``, for a few seconds); scenario 8
 (``scale``), which needs DynamoDB Local and three clustered nodes, for about a minute, and
 scenario 10 (``quotas``, the same) for about half a minute.
 
@@ -19,6 +20,7 @@ import pytest
 import meter
 from bench import report
 from bench.cli import run
+from bench.fanout import SCENARIO as FANOUT
 from bench.harness import SMOKE, Row, in_turn
 from bench.loadgen import Load, meter_frames, redis_frames
 from bench.metrics_cost import METRICS
@@ -336,3 +338,23 @@ def test_smoke_quotas_admits_exactly(tmp_path: Path) -> None:
             r["detail"]["ours"]["admitted"] == [r["detail"]["ours"]["admitted"][0]] * q.near_rounds
         )
         assert r["detail"]["ours"]["calls"] > r["detail"]["ours"]["admitted"][0]  # refusals timed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_smoke_fanout_receives_every_simulated_peers_frames(tmp_path: Path) -> None:
+    """Scenario 14 at smoke size: the node received the simulated peers' frames signed and in
+    sequence (no gap, none refused), applied every delta to its warm keys, showed every probe
+    unit, and the three rows of each peer count are there."""
+    fs = SMOKE.fanout
+    doc = run(SMOKE, ["fanout"], results_dir=tmp_path, out=io.StringIO())
+    assert doc["failures"] == {}
+    rows = doc["rows"]
+    assert {r["scenario"] for r in rows} == {FANOUT} and len(rows) == 3 * len(fs.peers)
+    for r in rows[::3]:
+        d = r["detail"]
+        assert d["peers"] in fs.peers and d["gaps"] == 0 and not any(d["rejected"].values()), d
+        assert d["deltas_skipped"] == 0 and d["deltas_per_s"] > 0 and d["simulator_kept_up"], d
+        seen, sent = d["probes"]
+        assert sent > 0 and seen == sent, d
+    assert all(r["ours"] is not None and r["reference"] > 0 for r in rows)
