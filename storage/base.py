@@ -508,6 +508,32 @@ class Counters(Protocol):
     def write_stats(self) -> WriteStats: ...
 
 
+LedgerRow = tuple[int, str, int]
+"""A ledger entry as written: ``(seq, body, at_ms)``."""
+
+_POSITION_RE = re.compile(r"\d{15}#[^#]{1,512}#\d{20}")
+
+
+def timeline_position(at_ms: int, tenant: str, seq: int) -> str:
+    """Where an entry sits in the timeline of every tenant's ledger: ordered as strings,
+    positions order entries by time, then tenant, then sequence (tenants hold no ``#``)."""
+    return f"{at_ms:015d}#{tenant}#{seq:020d}"
+
+
+def check_timeline_position(after: object) -> str | None:
+    """``after`` if it is a timeline position (or None), else :class:`BadCursor`."""
+    if after is None:
+        return None
+    if isinstance(after, str) and _POSITION_RE.fullmatch(after):
+        return after
+    raise BadCursor("not a ledger timeline cursor")
+
+
+def next_position(after: str) -> str:
+    """The least position after ``after`` (its sequence plus one: nothing lies between)."""
+    return f"{after[:-20]}{int(after[-20:]) + 1:020d}"
+
+
 class Owners(Protocol):
     """Who owns each node id (ADR 0004)."""
 
@@ -555,13 +581,16 @@ class LedgerRecords(Protocol):
         tenant: str,
         version: int,
         body: str,
-        entries: Sequence[tuple[int, str]],
+        entries: Sequence[LedgerRow],
         refs: Sequence[tuple[str, str]] = (),
     ) -> bool: ...
     async def ledger_ref(self, tenant: str, ref: str) -> str | None: ...
     async def ledger_entries(
         self, tenant: str, after: int, limit: int
     ) -> list[tuple[int, str]]: ...
+    async def ledger_timeline(
+        self, start_ms: int, end_ms: int, after: str | None, limit: int
+    ) -> tuple[list[tuple[str, int, str]], str | None]: ...
 
 
 class GaugeRecords(Protocol):
@@ -799,11 +828,12 @@ class Storage(abc.ABC):
         tenant: str,
         version: int,
         body: str,
-        entries: Sequence[tuple[int, str]],
+        entries: Sequence[LedgerRow],
         refs: Sequence[tuple[str, str]] = (),
     ) -> bool:
         """In one atomic write: store ``body`` as version ``version + 1``, add each entry
-        ``(seq, body)`` and each ref record ``(ref, body)``, if the stored version is
+        ``(seq, body, at_ms)`` (to the tenant's entries, and to the timeline of every tenant's
+        at ``at_ms``) and each ref record ``(ref, body)``, if the stored version is
         ``version`` (0: none stored) and none of the refs or entry sequences exists yet.
         ``False`` (nothing written) otherwise. A write whose answer was lost may have landed:
         after ``False`` or :class:`StorageUnavailable` the caller reads again to tell (its ref
@@ -818,6 +848,15 @@ class Storage(abc.ABC):
     async def ledger_entries(self, tenant: str, after: int, limit: int) -> list[tuple[int, str]]:
         """Up to ``limit`` entries ``(seq, body)`` of ``tenant``'s ledger with a sequence above
         ``after``, in sequence order. A consistent read."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep ledgers")
+
+    async def ledger_timeline(
+        self, start_ms: int, end_ms: int, after: str | None, limit: int
+    ) -> tuple[list[tuple[str, int, str]], str | None]:
+        """Every tenant's ledger entries written at ``start_ms <= at_ms < end_ms``, in the
+        order of :func:`timeline_position` (time, then tenant, then sequence): up to ``limit``
+        ``(tenant, seq, body)`` past the position ``after`` (None: from the start), and the
+        position to go on from (None: no more). A consistent read."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep ledgers")
 
     # -- gauges (docs/dimensions.md) -----------------------------------------------------------

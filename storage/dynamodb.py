@@ -31,6 +31,7 @@ import logging
 import os
 import random
 import time
+import zlib
 from collections.abc import Iterator, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -70,6 +71,7 @@ from storage.base import (
     ExportRow,
     GaugeReading,
     Key,
+    LedgerRow,
     Owner,
     PeriodMark,
     Snapshot,
@@ -85,6 +87,7 @@ from storage.base import (
     check_period,
     check_period_mark,
     check_range,
+    check_timeline_position,
     check_unique,
     check_value_of,
     check_values_key,
@@ -93,7 +96,9 @@ from storage.base import (
     encode_cursor,
     gauge_key,
     lease_end_ms,
+    next_position,
     next_values_cursor,
+    timeline_position,
     values_cursor,
 )
 from storage.dynamodb_wire import NoCredentials, Wire, WireError
@@ -176,6 +181,14 @@ _ALERT_SK = "alert#"
 #: balance record ``#l#bal`` with ``v`` (N, its version) and ``b`` (S); each entry
 #: ``#l#e#<seq, 20 digits>`` with ``b`` (S), so a Query on the prefix reads them in order;
 #: each ref record ``#l#r#<ref>`` with ``b`` (S). No ``ttl``: a ledger is kept for good.
+#: Every tenant's ledger entries in time order (docs/ledger.md, "Timeline"): each entry is also
+#: the item ``pk = "#tl#<k>", sk = <timeline position>`` with ``t`` (S, tenant), ``s`` (N, seq)
+#: and ``b`` (S), written in the entry's transaction; ``k``, the tenant's CRC-32 modulo
+#: :data:`TIMELINE_PARTITIONS`, scatters a busy time over partitions (a time-ordered key in one
+#: partition would put every write of the moment on one). A page queries each partition's
+#: range and merges them. No tenant holds ``#``: no tenant's query meets them.
+_TIMELINE_PK = "#tl#"
+TIMELINE_PARTITIONS = 16
 _LEDGER_BALANCE_SK = "#l#bal"
 _LEDGER_ENTRY_SK = "#l#e#"
 _LEDGER_REF_SK = "#l#r#"
@@ -1618,13 +1631,14 @@ class DynamoDBStorage(Storage):
         tenant: str,
         version: int,
         body: str,
-        entries: Sequence[tuple[int, str]],
+        entries: Sequence[LedgerRow],
         refs: Sequence[tuple[str, str]] = (),
     ) -> bool:
         """One ``TransactWriteItems``: the balance item on the condition of its version, each
-        ref and entry item on the condition that it does not exist. A cancellation for those
-        conditions (or a conflicting transaction) is ``False``; any other reason is raised."""
-        if 1 + len(entries) + len(refs) > TRANSACT_LIMIT:
+        ref, entry and timeline item on the condition that it does not exist. A cancellation
+        for those conditions (or a conflicting transaction) is ``False``; any other reason is
+        raised."""
+        if 1 + 2 * len(entries) + len(refs) > TRANSACT_LIMIT:
             raise StoragePermanentError(
                 f"dynamodb: a ledger write of {len(entries)} entries is too large"
             )
@@ -1646,8 +1660,12 @@ class DynamoDBStorage(Storage):
         ops = [balance]
         for ref, ref_body in refs:
             ops.append(_put_new(self.table, _ledger_key(tenant, _LEDGER_REF_SK + ref), ref_body))
-        for seq, entry_body in entries:
+        for seq, entry_body, at_ms in entries:
             ops.append(_put_new(self.table, _ledger_key(tenant, _entry_sk(seq)), entry_body))
+            where = {"pk": {"S": _timeline_pk(tenant)},
+                     "sk": {"S": timeline_position(at_ms, tenant, seq)},
+                     "t": {"S": tenant}, "s": {"N": str(seq)}}  # fmt: skip
+            ops.append(_put_new(self.table, where, entry_body))
         try:
             await self._call(
                 "transact_write_items",
@@ -1678,6 +1696,56 @@ class DynamoDBStorage(Storage):
             return str(item["b"]["S"])
         except (KeyError, TypeError) as exc:
             raise StoragePermanentError(f"dynamodb: undecodable ledger ref {ref!r}") from exc
+
+    async def ledger_timeline(
+        self, start_ms: int, end_ms: int, after: str | None, limit: int
+    ) -> tuple[list[tuple[str, int, str]], str | None]:
+        """A consistent ``Query`` of each timeline partition's range (at once), merged: the
+        first ``limit`` of them."""
+        after = check_timeline_position(after)
+        lo = timeline_position(start_ms, "", 0)
+        if after is not None:
+            lo = max(lo, next_position(after))
+        hi = f"{end_ms:015d}"  # (every position at end_ms sorts after it: not included)
+        if lo >= hi:
+            return [], None
+        parts = await asyncio.gather(
+            *(self._timeline_part(k, lo, hi, limit + 1) for k in range(TIMELINE_PARTITIONS))
+        )
+        merged = sorted(row for part in parts for row in part)
+        page = [(t, s, b) for _, t, s, b in merged[:limit]]
+        return page, (merged[limit - 1][0] if len(merged) > limit else None)
+
+    async def _timeline_part(
+        self, k: int, lo: str, hi: str, limit: int
+    ) -> list[tuple[str, str, int, str]]:
+        """Up to ``limit`` items of timeline partition ``k`` in ``lo .. hi``: ``(position,
+        tenant, seq, body)``."""
+        query: dict[str, Any] = {
+            "TableName": self.table,
+            "KeyConditionExpression": "pk = :pk AND sk BETWEEN :lo AND :hi",
+            "ExpressionAttributeValues": {
+                ":pk": {"S": f"{_TIMELINE_PK}{k}"},
+                ":lo": {"S": lo},
+                ":hi": {"S": hi},
+            },
+            "ConsistentRead": True,
+        }
+        out: list[tuple[str, str, int, str]] = []
+        while len(out) < limit:
+            query["Limit"] = limit - len(out)
+            resp = await self._call("query", "ledger timeline", **query)
+            for item in resp.get("Items", []):
+                try:
+                    out.append((item["sk"]["S"], item["t"]["S"], int(item["s"]["N"]),
+                                item["b"]["S"]))  # fmt: skip
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise StoragePermanentError("dynamodb: undecodable timeline item") from exc
+            last = resp.get("LastEvaluatedKey")
+            if not last:
+                break
+            query["ExclusiveStartKey"] = last
+        return out
 
     async def ledger_entries(self, tenant: str, after: int, limit: int) -> list[tuple[int, str]]:
         """A consistent ``Query`` of the entry items after ``after``, in sort key order."""
@@ -1952,6 +2020,10 @@ def _ledger_key(tenant: str, sk: str) -> dict[str, Any]:
     if not tenant or len(tenant.encode("utf-8")) > MAX_PK_BYTES:
         raise StoragePermanentError("dynamodb: ledger tenant is empty or too long")
     return {"pk": {"S": tenant}, "sk": {"S": sk}}
+
+
+def _timeline_pk(tenant: str) -> str:
+    return f"{_TIMELINE_PK}{zlib.crc32(tenant.encode()) % TIMELINE_PARTITIONS}"
 
 
 def _entry_sk(seq: int) -> str:

@@ -7,6 +7,7 @@ the case exactly-once flushing exists for.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from storage.base import (
@@ -23,6 +24,7 @@ from storage.base import (
     ExportRow,
     GaugeReading,
     Key,
+    LedgerRow,
     Owner,
     PeriodMark,
     Snapshot,
@@ -36,6 +38,7 @@ from storage.base import (
     check_period,
     check_period_mark,
     check_range,
+    check_timeline_position,
     check_unique,
     check_value_of,
     check_values_key,
@@ -44,8 +47,10 @@ from storage.base import (
     encode_cursor,
     gauge_key,
     lease_end_ms,
+    next_position,
     next_values_cursor,
     reading_wins,
+    timeline_position,
     values_cursor,
 )
 
@@ -81,6 +86,8 @@ class MemoryStorage(Storage):
         #: Ledgers (docs/ledger.md) by tenant: (version, balance body), entries by seq, refs.
         self.ledgers: dict[str, tuple[int, str]] = {}
         self.ledger_entries_: dict[str, dict[int, str]] = {}
+        #: Every tenant's entries by timeline position: ``(position, tenant, seq)``, sorted.
+        self.ledger_timeline_: list[tuple[str, str, int]] = []
         self.ledger_refs: dict[str, dict[str, str]] = {}
         #: Ledger writes to fail before writing, and to write and then fail (answer lost);
         #: ledger reads to fail (storage down while it is non-zero).
@@ -363,7 +370,7 @@ class MemoryStorage(Storage):
         tenant: str,
         version: int,
         body: str,
-        entries: Sequence[tuple[int, str]],
+        entries: Sequence[LedgerRow],
         refs: Sequence[tuple[str, str]] = (),
     ) -> bool:
         self._ledger_up()
@@ -375,11 +382,15 @@ class MemoryStorage(Storage):
         known = self.ledger_refs.setdefault(tenant, {})
         if (0 if held is None else held[0]) != version:
             return False
-        if any(r in known for r, _ in refs) or any(s in stored for s, _ in entries):
+        if any(r in known for r, _ in refs) or any(s in stored for s, _, _ in entries):
             return False
         self.ledgers[tenant] = (version + 1, body)
-        stored.update(entries)
+        stored.update((s, b) for s, b, _ in entries)
         known.update(refs)
+        for seq, _, at_ms in entries:
+            bisect.insort(
+                self.ledger_timeline_, (timeline_position(at_ms, tenant, seq), tenant, seq)
+            )
         if self.ledger_lose_next > 0:
             self.ledger_lose_next -= 1
             raise StorageUnavailable("injected loss of the answer after the ledger write")
@@ -393,6 +404,22 @@ class MemoryStorage(Storage):
         self._ledger_up()
         stored = self.ledger_entries_.get(tenant, {})
         return [(s, stored[s]) for s in sorted(s for s in stored if s > after)[:limit]]
+
+    async def ledger_timeline(
+        self, start_ms: int, end_ms: int, after: str | None, limit: int
+    ) -> tuple[list[tuple[str, int, str]], str | None]:
+        self._ledger_up()
+        after = check_timeline_position(after)
+        line = self.ledger_timeline_
+        lo = timeline_position(start_ms, "", 0)
+        i = bisect.bisect_left(line, (max(lo, next_position(after)) if after else lo,))
+        hi = f"{end_ms:015d}"
+        page = [(t, s) for pos, t, s in line[i : i + limit + 1] if pos < hi]
+        more = len(page) > limit
+        page = page[:limit]
+        rows = [(t, s, self.ledger_entries_[t][s]) for t, s in page]
+        cursor = line[i + limit - 1][0] if more else None
+        return rows, cursor
 
     # -- unique values -------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from storage.base import (
     ExportRow,
     GaugeReading,
     Key,
+    LedgerRow,
     Owner,
     PeriodMark,
     Snapshot,
@@ -55,6 +56,7 @@ from storage.base import (
     check_period,
     check_period_mark,
     check_range,
+    check_timeline_position,
     check_unique,
     check_value_of,
     check_values_key,
@@ -65,6 +67,7 @@ from storage.base import (
     lease_end_ms,
     next_values_cursor,
     reading_wins,
+    timeline_position,
     values_cursor,
 )
 
@@ -225,6 +228,23 @@ CREATE TABLE IF NOT EXISTS ledger_refs (
     PRIMARY KEY (tenant, ref)
 ) WITHOUT ROWID
 """,
+)
+
+#: Every tenant's ledger entries in time order (docs/ledger.md, "Timeline"): one row per entry
+#: at its time, so a page of the timeline is one range of the primary key. Additive; a file
+#: of an earlier layout gets it filled from its entries when it is added.
+_LEDGER_TIMELINE = """
+CREATE TABLE IF NOT EXISTS ledger_timeline (
+    at_ms  INTEGER NOT NULL,
+    tenant TEXT    NOT NULL,
+    seq    INTEGER NOT NULL,
+    PRIMARY KEY (at_ms, tenant, seq)
+) WITHOUT ROWID
+"""
+_LEDGER_TIMELINE_FILL = (
+    "INSERT OR IGNORE INTO ledger_timeline (at_ms, tenant, seq)"
+    " SELECT CAST(round(json_extract(body, '$.t') * 1000) AS INTEGER), tenant, seq"
+    " FROM ledger_entries"
 )
 
 #: Day buckets of month counters (docs/history.md): the units a counter's flushes added on each
@@ -1020,7 +1040,7 @@ class SQLiteStorage(Storage):
         tenant: str,
         version: int,
         body: str,
-        entries: Sequence[tuple[int, str]],
+        entries: Sequence[LedgerRow],
         refs: Sequence[tuple[str, str]] = (),
     ) -> bool:
         """One ``BEGIN IMMEDIATE``: compare the version and the refs, write everything."""
@@ -1035,7 +1055,7 @@ class SQLiteStorage(Storage):
                     "SELECT 1 FROM ledger_refs WHERE tenant = ? AND ref = ?", (tenant, ref)
                 ).fetchone()
                 done = done and hit is None
-            for seq, _ in entries if done else ():
+            for seq, _, _ in entries if done else ():
                 hit = conn.execute(
                     "SELECT 1 FROM ledger_entries WHERE tenant = ? AND seq = ?",
                     (tenant, seq),
@@ -1050,7 +1070,11 @@ class SQLiteStorage(Storage):
                 )
                 conn.executemany(
                     "INSERT INTO ledger_entries (tenant, seq, body) VALUES (?, ?, ?)",
-                    [(tenant, seq, b) for seq, b in entries],
+                    [(tenant, seq, b) for seq, b, _ in entries],
+                )
+                conn.executemany(
+                    "INSERT INTO ledger_timeline (at_ms, tenant, seq) VALUES (?, ?, ?)",
+                    [(at_ms, tenant, seq) for seq, _, at_ms in entries],
                 )
                 conn.executemany(
                     "INSERT INTO ledger_refs (tenant, ref, body) VALUES (?, ?, ?)",
@@ -1091,6 +1115,39 @@ class SQLiteStorage(Storage):
             except sqlite3.Error as exc:
                 raise _map(exc, f"reading ledger entries from {self.path}") from exc
             return [(int(a), str(b)) for a, b in rows]
+
+        return await self._run(read)
+
+    async def ledger_timeline(
+        self, start_ms: int, end_ms: int, after: str | None, limit: int
+    ) -> tuple[list[tuple[str, int, str]], str | None]:
+        """One range of the ``ledger_timeline`` primary key, each row's body from its entry."""
+        after = check_timeline_position(after)
+        lo = (start_ms, "", 0)
+        if after is not None:
+            at, tenant, seq = after.split("#")
+            lo = max(lo, (int(at), tenant, int(seq) + 1))
+
+        def read() -> tuple[list[tuple[str, int, str]], str | None]:
+            try:
+                rows = (
+                    self._connection()
+                    .execute(
+                        "SELECT t.at_ms, t.tenant, t.seq, e.body FROM ledger_timeline t"
+                        " JOIN ledger_entries e ON e.tenant = t.tenant AND e.seq = t.seq"
+                        " WHERE (t.at_ms, t.tenant, t.seq) >= (?, ?, ?) AND t.at_ms < ?"
+                        " ORDER BY t.at_ms, t.tenant, t.seq LIMIT ?",
+                        (*lo, end_ms, limit + 1),
+                    )
+                    .fetchall()
+                )
+            except sqlite3.Error as exc:
+                raise _map(exc, f"reading the ledger timeline from {self.path}") from exc
+            page = [(str(t), int(s), str(b)) for _, t, s, b in rows[:limit]]
+            if len(rows) <= limit:
+                return page, None
+            at, t, s, _ = rows[limit - 1]
+            return page, timeline_position(int(at), str(t), int(s))
 
         return await self._run(read)
 
@@ -1195,6 +1252,11 @@ class SQLiteStorage(Storage):
             conn.execute(_ALERTS)
             for statement in _LEDGERS:
                 conn.execute(statement)
+            if not conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE name = 'ledger_timeline'"
+            ).fetchone():  # (added to a file of an earlier layout: its entries put in)
+                conn.execute(_LEDGER_TIMELINE)
+                conn.execute(_LEDGER_TIMELINE_FILL)
             conn.execute(_DAYS)
             conn.execute(_DAYS_EXPIRY_INDEX)
             conn.execute(_VALUES)

@@ -259,6 +259,10 @@ SAMPLES: list[tuple[str, tuple[Any, ...], dict[str, Any], Any, tuple[Any, ...], 
     ("balance", ("a",), {}, {"available": 5}, ("balance", ["a"], True), {"available": 5}),
     ("ledger_page", ("a",), {"after": 3}, {"entries": []}, ("ledger", ["a", {"after": 3}], True),
      {"entries": []}),
+    ("ledger_timeline_page", (5.0,), {"cursor": "c", "limit": 2}, {"entries": []},
+     ("ledger_timeline", [{"from": 5.0, "cursor": "c", "limit": 2}], True), {"entries": []}),
+    ("ledger_timeline_page", (), {}, {"entries": []}, ("ledger_timeline", [], True),
+     {"entries": []}),
 ]  # fmt: skip
 #: Rows whose method keeps state of its own around the call (tested with a node elsewhere:
 #: tests/test_subscribe.py, tests/test_alerts.py), and the wire form of one call of each.

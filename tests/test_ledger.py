@@ -197,6 +197,15 @@ async def test_the_blocking_client_too(tmp: Path) -> None:
         ("ledger", ["acme", {"limit": 0}], "limit"),
         ("ledger", ["acme", {"limit": 1001}], "limit"),
         ("ledger", ["acme", {"limit": "9"}], "limit"),
+        ("ledger_timeline", [{"from": -1}], "ledger_timeline: from"),
+        ("ledger_timeline", [{"to": "now"}], "ledger_timeline: to"),
+        ("ledger_timeline", [{"to": 10**12}], "ledger_timeline: to"),
+        ("ledger_timeline", [{"from": 5, "to": 4}], "ledger_timeline: to"),
+        ("ledger_timeline", [{"cursor": 5}], "ledger_timeline: cursor"),
+        ("ledger_timeline", [{"cursor": "nope"}], "ledger_timeline: cursor"),
+        ("ledger_timeline", [{"limit": 0}], "limit"),
+        ("ledger_timeline", [{"tenant": "acme"}], "ledger_timeline: unknown option"),
+        ("ledger_timeline", [{}, {}], "ledger_timeline takes 0 to 1 params"),
     ],
 )
 async def test_bad_inputs_are_invalid_arguments_naming_the_field(
@@ -204,6 +213,35 @@ async def test_bad_inputs_are_invalid_arguments_naming_the_field(
 ) -> None:
     with pytest.raises(InvalidArgument, match=f"^{field}"):
         await client.call(method, *params)
+
+
+async def test_the_timeline_pages_every_tenants_entries_in_time_order(
+    client: AsyncClient,
+) -> None:
+    """Every tenant's changes (grants, a credit pool's funding) in the order they were
+    written (to the millisecond), each with its tenant, paged without loss or repeat; ``from``
+    and ``to`` bound it by the entries' times."""
+    await client.set_limit("gpu", "api", None, price=2)
+    written = []
+    for n in range(9):
+        tenant = ["acme", "beta", "acme/bob"][n % 3]
+        got = await client.grant(tenant, 100 + n)
+        written.append((tenant, got["seq"], "grant"))
+        if n == 4:
+            middle = time.time()
+            await asyncio.sleep(0.01)
+    await client.grant("gpu", 50)
+    await client.track("gpu", "api", 3)  # (the pool's funding: a metered debit of gpu's)
+    entries = [e async for e in client.ledger_timeline(page_size=2)]
+    # In time order, entries of one millisecond by tenant, then sequence.
+    order = [(e["time"], e["tenant"], e["seq"]) for e in entries]
+    assert order == sorted(order) and len(set(order)) == len(order)
+    assert sorted((e["tenant"], e["seq"], e["kind"]) for e in entries[:9]) == sorted(written)
+    assert [(e["tenant"], e["kind"]) for e in entries[9:]] == [("gpu", "grant"), ("gpu", "metered")]
+    later = [e async for e in client.ledger_timeline(start=middle)]
+    assert later == [e for e in entries if e["time"] >= middle] and 0 < len(later) < len(entries)
+    page = await client.ledger_timeline_page(end=middle, limit=100)
+    assert page == {"entries": [e for e in entries if e["time"] < middle], "cursor": None}
 
 
 async def test_storage_down_is_unavailable_and_the_retry_lands_once() -> None:
@@ -280,6 +318,14 @@ def test_cli_commands(tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
                 assert [e["seq"] for e in page["entries"]] == [1] and page["cursor"] == 1
                 code, out = cli("ledger", "acme", "--after", "1")
                 assert code == 0 and "debit" in out and "d1" in out
+                code, out = cli("ledger", "--all", "--from", "0")
+                lines = out.splitlines()
+                assert code == 0 and lines[0].startswith("TIME") and len(lines) == 3, out
+                assert "acme" in lines[1] and "grant" in lines[1] and "debit" in lines[2], out
+                code, out = cli("ledger", "--all", "--json", "--to", "1")
+                assert code == 0 and out == ""  # (nothing written before 1970-01-01T00:00:01)
+                assert cli("ledger", "acme", "--all")[0] == 2
+                assert cli("ledger", "--from", "5")[0] == 2
                 assert cli("debit", "acme", "31")[0] == 1  # insufficient_balance
                 assert cli("grant", "acme", "0")[0] == 1  # invalid_argument
 

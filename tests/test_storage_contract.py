@@ -702,19 +702,20 @@ async def test_ledger_write_compares_version_and_refs(storage: Storage) -> None:
     assert await storage.ledger_read("acme") == (0, None)
     assert await storage.ledger_ref("acme", "r1") is None
     assert await storage.ledger_entries("acme", 0, 10) == []
-    assert not await storage.ledger_write("acme", 1, "x", [(1, "e1")])  # nothing at version 1
-    assert await storage.ledger_write("acme", 0, "b1", [(1, "e1")], [("r1", "a1")])
+    assert not await storage.ledger_write("acme", 1, "x", [(1, "e1", 9)])  # nothing at version 1
+    assert await storage.ledger_write("acme", 0, "b1", [(1, "e1", 9)], [("r1", "a1")])
     assert await storage.ledger_read("acme") == (1, "b1")
     assert await storage.ledger_ref("acme", "r1") == "a1"
-    assert not await storage.ledger_write("acme", 0, "late", [(1, "x")], [("r9", "x")])
+    assert not await storage.ledger_write("acme", 0, "late", [(1, "x", 9)], [("r9", "x")])
     # The version matches but the ref was used: nothing of it is written.
-    assert not await storage.ledger_write("acme", 1, "b2", [(2, "e2")], [("r1", "other")])
+    assert not await storage.ledger_write("acme", 1, "b2", [(2, "e2", 9)], [("r1", "other")])
     assert await storage.ledger_read("acme") == (1, "b1")
     assert await storage.ledger_ref("acme", "r1") == "a1"
     assert await storage.ledger_entries("acme", 0, 10) == [(1, "e1")]
     # Several entries in one write; refs are per tenant.
-    assert await storage.ledger_write("acme", 1, "b2", [(2, "e2"), (3, "e3")], [("r2", "a2")])
-    assert await storage.ledger_write("beta", 0, "c1", [(1, "f1")], [("r1", "other")])
+    two = [(2, "e2", 9), (3, "e3", 9)]
+    assert await storage.ledger_write("acme", 1, "b2", two, [("r2", "a2")])
+    assert await storage.ledger_write("beta", 0, "c1", [(1, "f1", 9)], [("r1", "other")])
     assert await storage.ledger_read("acme") == (2, "b2")
     assert await storage.ledger_ref("beta", "r1") == "other"
     assert await storage.ledger_entries("beta", 0, 10) == [(1, "f1")]
@@ -722,17 +723,53 @@ async def test_ledger_write_compares_version_and_refs(storage: Storage) -> None:
 
 async def test_ledger_entries_are_paged_in_sequence_order(storage: Storage) -> None:
     for seq in range(1, 26):  # past 9 and 10: ordered as numbers, not strings
-        assert await storage.ledger_write("acme", seq - 1, f"b{seq}", [(seq, f"e{seq}")])
+        assert await storage.ledger_write("acme", seq - 1, f"b{seq}", [(seq, f"e{seq}", 9)])
     assert await storage.ledger_entries("acme", 0, 3) == [(1, "e1"), (2, "e2"), (3, "e3")]
     assert await storage.ledger_entries("acme", 9, 2) == [(10, "e10"), (11, "e11")]
     assert [s for s, _ in await storage.ledger_entries("acme", 20, 100)] == [21, 22, 23, 24, 25]
     assert await storage.ledger_entries("acme", 25, 10) == []
 
 
+async def test_the_ledger_timeline_pages_every_tenants_entries_in_time_order(
+    storage: Storage,
+) -> None:
+    """Ordered by time, then tenant, then sequence; bounded by [start, end); paged with no
+    entry lost or repeated whatever the page size; an entry of a refused write is not in it;
+    a bad cursor is refused."""
+    written = []
+    versions: dict[str, int] = {}
+    for n in range(40):
+        tenant = ["acme", "beta", "acme/bob", "z"][n % 4]
+        at = 5_000 + (n // 3) * 7  # (several entries at one time, across tenants)
+        seq = versions.get(tenant, 0) + 1
+        body = f"{tenant}-{seq}"
+        assert await storage.ledger_write(tenant, seq - 1, "b", [(seq, body, at)])
+        versions[tenant] = seq
+        written.append((at, tenant, seq, body))
+    assert not await storage.ledger_write("acme", 0, "late", [(99, "never", 5_000)])
+    want = [(t, s, b) for _, t, s, b in sorted(written)]
+    for size in (1, 3, 7, 100):
+        got: list[tuple[str, int, str]] = []
+        cursor = None
+        while True:
+            page, cursor = await storage.ledger_timeline(0, 10**12, cursor, size)
+            assert len(page) <= size
+            got += page
+            if cursor is None:
+                break
+        assert got == want, size
+    inside = [(t, s, b) for at, t, s, b in sorted(written) if 5_007 <= at < 5_028]
+    assert (await storage.ledger_timeline(5_007, 5_028, None, 100)) == (inside, None)
+    assert await storage.ledger_timeline(5_028, 5_028, None, 10) == ([], None)
+    for bad in ("x", "5000#acme#1", "0" * 15 + "#a#b#" + "0" * 20):
+        with pytest.raises(BadCursor):
+            await storage.ledger_timeline(0, 10**12, bad, 10)
+
+
 async def test_ledger_items_never_show_as_counters(storage: Storage) -> None:
     await _ok(storage, "n1", K, 1, 5)
     await storage.budget_swap(K, 0, "budget")
-    assert await storage.ledger_write(K[0], 0, "b", [(1, "e")], [("2026-11#api_calls", "x")])
+    assert await storage.ledger_write(K[0], 0, "b", [(1, "e", 1000)], [("2026-11#api_calls", "x")])
     assert await storage.list_period(K[0], K[2]) == {"api_calls": Snapshot(5, {"n1": 1})}
     page = await storage.export_page(K[2], None, 100)
     rows = list(page.rows)
@@ -1112,6 +1149,28 @@ async def test_sqlite_a_file_of_the_older_layout_gets_the_values_table(tmp_path:
         assert await store.claim_value(U, "u1", "c") == "c"
         assert await store.values_page(U, None, 10) == (["u1"], None)
         assert (await store.load([U]))[U].total == 3
+    finally:
+        await store.close()
+
+
+async def test_sqlite_a_file_of_the_older_layout_gets_its_ledger_timeline_filled(
+    tmp_path: Path,
+) -> None:
+    """The timeline table added to a file that holds entries is filled from them (each at
+    its body's time, ``t`` seconds, as meter.ledger.model writes it)."""
+    path = tmp_path / "l.db"
+    store = SQLiteStorage(path)
+    await store.open()
+    bodies = ['{"s":1,"t":12.5,"k":"grant"}', '{"s":2,"t":3.25,"k":"debit"}']
+    assert await store.ledger_write("acme", 0, "b", [(1, bodies[0], 12_500)])
+    assert await store.ledger_write("acme", 1, "b", [(2, bodies[1], 3_250)])
+    await store.close()
+    store, _ = await _older_layout(path, "ledger_timeline")
+    await store.open()
+    try:
+        page = await store.ledger_timeline(0, 10**12, None, 10)
+        assert page == ([("acme", 2, bodies[1]), ("acme", 1, bodies[0])], None)
+        assert await store.ledger_timeline(3_251, 12_500, None, 10) == ([], None)
     finally:
         await store.close()
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -15,11 +17,14 @@ COMMANDS = ("grant", "debit", "balance", "ledger")
 def add_parsers(sub: Any, common: Any) -> None:
     """The ledger commands' parsers, under ``meter``'s subcommands."""
 
-    def client(name: str, text: str) -> argparse.ArgumentParser:
+    def client(name: str, text: str, tenant: str | None = None) -> argparse.ArgumentParser:
         sp: argparse.ArgumentParser = sub.add_parser(name, help=text)
         common(sp)
         sp.add_argument("--json", action="store_true", help="print JSON, for scripts")
-        sp.add_argument("tenant")
+        if tenant is None:
+            sp.add_argument("tenant")
+        else:
+            sp.add_argument("tenant", nargs="?", help=tenant)
         return sp
 
     grant = client("grant", "credit a tenant's ledger (opens a grant)")
@@ -31,9 +36,18 @@ def add_parsers(sub: Any, common: Any) -> None:
     debit.add_argument("amount", type=int)
     debit.add_argument("--ref", help="idempotency ref (1..128 chars): a repeat lands once")
     client("balance", "show a tenant's available credits and open grants")
-    page = client("ledger", "list a tenant's ledger entries, a page at a time")
+    page = client(
+        "ledger",
+        "list a tenant's ledger entries, a page at a time (or every tenant's: --all)",
+        tenant="the tenant (none with --all)",
+    )
     page.add_argument("--after", type=int, help="entries after this sequence (a cursor)")
     page.add_argument("--limit", type=int, help="entries per page (1..1000, default 100)")
+    page.add_argument(
+        "--all", action="store_true", help="every tenant's entries in time order (the timeline)"
+    )
+    page.add_argument("--from", dest="start", type=float, help="with --all: epoch seconds (0)")
+    page.add_argument("--to", dest="end", type=float, help="with --all: epoch seconds (now)")
 
 
 def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
@@ -54,11 +68,39 @@ def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
     elif args.command == "balance":
         got = client.balance(args.tenant)
         text = _balance_text(got)
+    elif args.all:
+        return _timeline(args, client, as_json)
     else:
+        if args.tenant is None or args.start is not None or args.end is not None:
+            return _usage("meter ledger: give a tenant, or --all (--from and --to go with it)")
         got = client.ledger_page(args.tenant, args.after, args.limit)
         text = _page_text(got)
     print(json.dumps(got, sort_keys=True) if as_json else text)
     return 0
+
+
+def _timeline(args: argparse.Namespace, client: Client, as_json: bool) -> int:
+    """``meter ledger --all``: every tenant's entries from ``--from`` until ``--to``, page by
+    page, one line each (JSON lines with ``--json``)."""
+    if args.tenant is not None or args.after is not None:
+        return _usage("meter ledger --all: no tenant and no --after (it reads every tenant)")
+    if not as_json:
+        print(f"{'TIME':<24}  {'TENANT':<20}  {'SEQ':>6}  {'KIND':<8}  {'AMOUNT':>14}  REF")
+    for e in client.ledger_timeline(args.start, args.end, args.limit or 100):
+        if as_json:
+            print(json.dumps(e, sort_keys=True))
+            continue
+        when = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(e["time"]))
+        print(
+            f"{when}.{round(e['time'] * 1000) % 1000:03d}Z  {e['tenant']:<20}  {e['seq']:>6}  "
+            f"{e['kind']:<8}  {e['amount']:>+14d}  {e['ref'] or '-'}"
+        )
+    return 0
+
+
+def _usage(message: str) -> int:
+    print(message, file=sys.stderr)
+    return 2
 
 
 def _entry_text(e: dict[str, Any]) -> str:

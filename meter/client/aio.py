@@ -644,6 +644,29 @@ class AsyncClient(Retrying):
             if after is None:
                 return
 
+    async def ledger_timeline_page(
+        self,
+        start: float | None = None,
+        end: float | None = None,
+        cursor: str | None = None,
+        limit: int | None = None,
+    ) -> dict[str, Any]:
+        """As :meth:`Client.ledger_timeline_page`."""
+        return await self._run(calls.LEDGER_TIMELINE_PAGE, start, end, cursor, limit)
+
+    async def ledger_timeline(
+        self, start: float | None = None, end: float | None = None, page_size: int = 100
+    ) -> AsyncIterator[dict[str, Any]]:
+        """As :meth:`Client.ledger_timeline`."""
+        cursor: str | None = None
+        while True:
+            page = await self.ledger_timeline_page(start, end, cursor, page_size)
+            for entry in page["entries"]:
+                yield entry
+            cursor = page["cursor"]
+            if cursor is None:
+                return
+
 
 def _watched(inbox: Inbox) -> None:
     """Give ``inbox`` the event its iterators wait on (made with its first subscription)."""

@@ -522,6 +522,30 @@ class Client(Retrying):
             if after is None:
                 return
 
+    def ledger_timeline_page(
+        self,
+        start: float | None = None,
+        end: float | None = None,
+        cursor: str | None = None,
+        limit: int | None = None,
+    ) -> dict[str, Any]:
+        """One page of every tenant's ledger entries written from ``start`` until ``end``
+        (epoch seconds; default 0 and now) in time order: ``{entries, cursor}``, each entry
+        with its ``tenant``."""
+        return self._run(calls.LEDGER_TIMELINE_PAGE, start, end, cursor, limit)
+
+    def ledger_timeline(
+        self, start: float | None = None, end: float | None = None, page_size: int = 100
+    ) -> Iterator[dict[str, Any]]:
+        """Every tenant's ledger entries from ``start`` until ``end``, page by page."""
+        cursor: str | None = None
+        while True:
+            page = self.ledger_timeline_page(start, end, cursor, page_size)
+            yield from page["entries"]
+            cursor = page["cursor"]
+            if cursor is None:
+                return
+
 
 def _until_none(step: Callable[[], T | None]) -> Iterator[T]:
     """What ``step`` gives, until it gives ``None``."""

@@ -402,6 +402,14 @@ def _ledger_page(tenant: str, after: int | None, limit: int | None) -> list[Any]
     return [tenant, opts] if opts else [tenant]
 
 
+def _ledger_timeline(
+    start: float | None, end: float | None, cursor: str | None, limit: int | None
+) -> list[Any]:
+    given = (("from", start), ("to", end), ("cursor", cursor), ("limit", limit))
+    opts = {k: v for k, v in given if v is not None}
+    return [opts] if opts else []
+
+
 # -- answers -----------------------------------------------------------------------------------
 # Most answers are returned as the node sends them: these only give them their type.
 
@@ -499,6 +507,9 @@ GRANT = _plain("grant", _grant, _map, Kind.CHANGE)  # once per ref (the client m
 DEBIT = _plain("debit", _debit, _map, Kind.CHANGE)
 BALANCE = _plain("balance", _tenant, _map)
 LEDGER_PAGE = _plain("ledger_page", _ledger_page, _map, wire="ledger")
+LEDGER_TIMELINE_PAGE = _plain(
+    "ledger_timeline_page", _ledger_timeline, _map, wire="ledger_timeline"
+)
 
 #: Every row, by the name of its method on both clients.
 TABLE: dict[str, Method[Any, Any]] = {
@@ -536,5 +547,6 @@ TABLE: dict[str, Method[Any, Any]] = {
         DEBIT,
         BALANCE,
         LEDGER_PAGE,
+        LEDGER_TIMELINE_PAGE,
     )
 }

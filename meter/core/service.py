@@ -69,6 +69,7 @@ READS = frozenset(
         "get_feature",
         "balance",
         "ledger",
+        "ledger_timeline",
     }
 )
 

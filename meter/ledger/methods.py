@@ -5,6 +5,8 @@ Every answer follows a storage write or read."""
 
 from __future__ import annotations
 
+import math
+import time
 import uuid
 from collections.abc import Awaitable
 from typing import Any
@@ -21,6 +23,9 @@ from storage.base import StorageError
 _GRANT_OPTS = frozenset({"ref", "expires_at", "priority"})
 _DEBIT_OPTS = frozenset({"ref"})
 _PAGE_OPTS = frozenset({"after", "limit"})
+_TIMELINE_OPTS = frozenset({"from", "to", "cursor", "limit"})
+#: The latest ``to`` a timeline takes: epoch seconds whose milliseconds fit a 15-digit position.
+MAX_TIMELINE_S = 10**11
 
 #: Refs the node writes itself (credit pools' fundings, docs/ledger.md): refused from clients,
 #: so no client call can take or jam a funding's ref.
@@ -44,6 +49,7 @@ class LedgerMethods:
             "debit": self.debit,
             "balance": self.balance,
             "ledger": self.ledger,
+            "ledger_timeline": self.ledger_timeline,
         }
 
     def grant(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
@@ -98,6 +104,36 @@ class LedgerMethods:
         o = check_opts("ledger", opts, _PAGE_OPTS, nil_is_absent=True)
         after, limit = check_page(o.get("after"), o.get("limit"))
         return self.store.page(tenant, after, limit)
+
+    def ledger_timeline(self, params: list[Any]) -> Awaitable[dict[str, Any]]:
+        """``ledger_timeline({from, to, cursor, limit})``: every tenant's entries written from
+        ``from`` (epoch seconds, default 0) until ``to`` (default now), in time order, a page
+        at a time (docs/ledger.md, "Timeline")."""
+        (opts,) = check_args("ledger_timeline", params, 0, 1, ({},))
+        o = check_opts("ledger_timeline", opts, _TIMELINE_OPTS, nil_is_absent=True)
+        start = _seconds(o.get("from", 0), "from")
+        end = _seconds(o["to"], "to") if o.get("to") is not None else time.time()
+        if end < start:
+            raise InvalidArgument(f"ledger_timeline: to ({end}) is before from ({start})")
+        cursor = o.get("cursor")
+        if cursor is not None and not isinstance(cursor, str):
+            raise InvalidArgument("ledger_timeline: cursor must be a string from a page")
+        _, limit = check_page(None, o.get("limit"))
+        # (from is inclusive, to exclusive, to the millisecond entries are stamped with)
+        return self.store.timeline(math.ceil(start * 1000), math.ceil(end * 1000), cursor, limit)
+
+
+def _seconds(value: object, what: str) -> float:
+    """An epoch time in seconds, checked: a number in 0 .. :data:`MAX_TIMELINE_S`."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (0 <= value <= MAX_TIMELINE_S)
+    ):
+        raise InvalidArgument(
+            f"ledger_timeline: {what} must be epoch seconds (0..{MAX_TIMELINE_S}), got {value!r}"
+        )
+    return float(value)
 
 
 def new_ref() -> str:

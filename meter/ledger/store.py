@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from meter.errors import Internal, MeterError, Unavailable
+from meter.errors import Internal, InvalidArgument, MeterError, Unavailable
 from meter.ledger import model as ledger
 from meter.ledger.model import Op, State
-from storage.base import LedgerRecords, StorageError, StorageUnavailable
+from storage.base import BadCursor, LedgerRecords, StorageError, StorageUnavailable
 
 log = logging.getLogger("meter.ledger")
 
@@ -132,6 +132,22 @@ class LedgerStore:
         cursor = entries[-1]["seq"] if more and entries else None
         return {"tenant": tenant, "entries": entries, "cursor": cursor}
 
+    async def timeline(
+        self, start_ms: int, end_ms: int, after: str | None, limit: int
+    ) -> dict[str, Any]:
+        """Every tenant's entries written in ``[start_ms, end_ms)``, in time order (then
+        tenant, then sequence), up to ``limit`` past the cursor ``after``, and the next
+        page's cursor (``None`` after the last). Expiries are in it once written (at the
+        tenant's next ledger read or write after the grant expired)."""
+        try:
+            rows, cursor = await self.storage.ledger_timeline(start_ms, end_ms, after, limit)
+        except BadCursor as exc:
+            raise InvalidArgument(f"ledger_timeline: cursor: {exc}") from None
+        except StorageError as exc:
+            raise _unavailable("every tenant", exc) from None
+        entries = [{"tenant": t, **ledger.decode_entry(body).to_wire()} for t, _, body in rows]
+        return {"entries": entries, "cursor": cursor}
+
     # -- the write loop ----------------------------------------------------------------------
 
     async def _apply(self, tenant: str, op: Op) -> dict[str, Any]:
@@ -172,7 +188,7 @@ class LedgerStore:
     async def _write(self, tenant: str, version: int, step: ledger.Write) -> str:
         """Write ``step`` on ``version``: ``ok``, ``refused`` (nothing written) or ``lost``
         (it may have landed: read again to tell)."""
-        entries = [(e.seq, ledger.encode_entry(e)) for e in step.entries]
+        entries = [(e.seq, ledger.encode_entry(e), round(e.time * 1000)) for e in step.entries]
         refs = [] if step.ref is None or step.ref_body is None else [(step.ref, step.ref_body)]
         body = ledger.encode_state(step.state)
         try:
