@@ -34,7 +34,80 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT = 30.0
 
 
-class Client(Retrying):
+class _Ledger:
+    """The credits ledger's methods of :class:`Client` (docs/ledger.md): a part of its own, so
+    the client class stays a size one can read."""
+
+    def _run(self, method: Method[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        raise NotImplementedError  # (the client's own)
+
+    def grant(
+        self,
+        tenant: str,
+        amount: int,
+        *,
+        ref: str | None = None,
+        expires_at: int | None = None,
+        priority: int | None = None,
+    ) -> dict[str, Any]:
+        """Credit ``amount`` to ``tenant``'s ledger; the entry written (or, for a ref seen
+        before with the same request, its first answer). Without ``ref`` one is made up, so
+        the client's own retries land once."""
+        return self._run(calls.GRANT, tenant, amount, ref, expires_at, priority)
+
+    def debit(self, tenant: str, amount: int, *, ref: str | None = None) -> dict[str, Any]:
+        """Spend ``amount`` from ``tenant``'s ledger (``InsufficientBalance`` if it does not
+        fit: nothing changed); the entry written."""
+        return self._run(calls.DEBIT, tenant, amount, ref)
+
+    def balance(self, tenant: str) -> dict[str, Any]:
+        """``{tenant, available, ledger_available, pool, seq, grants}``: ``available`` is the
+        ledger's ``ledger_available`` (what :meth:`debit` can take) plus the credit pool's
+        unspent credits (docs/protocol.md)."""
+        return self._run(calls.BALANCE, tenant)
+
+    def ledger_page(
+        self, tenant: str, after: int | None = None, limit: int | None = None
+    ) -> dict[str, Any]:
+        """One page of entries after sequence ``after``: ``{tenant, entries, cursor}``."""
+        return self._run(calls.LEDGER_PAGE, tenant, after, limit)
+
+    def ledger_entries(self, tenant: str, page_size: int = 100) -> Iterator[dict[str, Any]]:
+        """Every entry of ``tenant``'s ledger, page by page."""
+        after: int | None = None
+        while True:
+            page = self.ledger_page(tenant, after, page_size)
+            yield from page["entries"]
+            after = page["cursor"]
+            if after is None:
+                return
+
+    def ledger_timeline_page(
+        self,
+        start: float | None = None,
+        end: float | None = None,
+        cursor: str | None = None,
+        limit: int | None = None,
+    ) -> dict[str, Any]:
+        """One page of every tenant's ledger entries written from ``start`` until ``end``
+        (epoch seconds; default 0 and now) in time order: ``{entries, cursor}``, each entry
+        with its ``tenant``."""
+        return self._run(calls.LEDGER_TIMELINE_PAGE, start, end, cursor, limit)
+
+    def ledger_timeline(
+        self, start: float | None = None, end: float | None = None, page_size: int = 100
+    ) -> Iterator[dict[str, Any]]:
+        """Every tenant's ledger entries from ``start`` until ``end``, page by page."""
+        cursor: str | None = None
+        while True:
+            page = self.ledger_timeline_page(start, end, cursor, page_size)
+            yield from page["entries"]
+            cursor = page["cursor"]
+            if cursor is None:
+                return
+
+
+class Client(_Ledger, Retrying):
     """A blocking client over one connection (re-opened after a failure when the client
     knows its socket path, as one made by :meth:`connect` does). Not thread-safe: one per
     thread.
@@ -478,73 +551,6 @@ class Client(Retrying):
     def limits(self, tenant: str) -> dict[str, Any]:
         """``{tenant, plan, version, limits: {feature: {limit, kind, enforcement, source}}}``."""
         return self._run(calls.LIMITS, tenant)
-
-    # -- credits ledgers (docs/ledger.md) ---------------------------------------------------
-
-    def grant(
-        self,
-        tenant: str,
-        amount: int,
-        *,
-        ref: str | None = None,
-        expires_at: int | None = None,
-        priority: int | None = None,
-    ) -> dict[str, Any]:
-        """Credit ``amount`` to ``tenant``'s ledger; the entry written (or, for a ref seen
-        before with the same request, its first answer). Without ``ref`` one is made up, so
-        the client's own retries land once."""
-        return self._run(calls.GRANT, tenant, amount, ref, expires_at, priority)
-
-    def debit(self, tenant: str, amount: int, *, ref: str | None = None) -> dict[str, Any]:
-        """Spend ``amount`` from ``tenant``'s ledger (``InsufficientBalance`` if it does not
-        fit: nothing changed); the entry written."""
-        return self._run(calls.DEBIT, tenant, amount, ref)
-
-    def balance(self, tenant: str) -> dict[str, Any]:
-        """``{tenant, available, ledger_available, pool, seq, grants}``: ``available`` is the
-        ledger's ``ledger_available`` (what :meth:`debit` can take) plus the credit pool's
-        unspent credits (docs/protocol.md)."""
-        return self._run(calls.BALANCE, tenant)
-
-    def ledger_page(
-        self, tenant: str, after: int | None = None, limit: int | None = None
-    ) -> dict[str, Any]:
-        """One page of entries after sequence ``after``: ``{tenant, entries, cursor}``."""
-        return self._run(calls.LEDGER_PAGE, tenant, after, limit)
-
-    def ledger_entries(self, tenant: str, page_size: int = 100) -> Iterator[dict[str, Any]]:
-        """Every entry of ``tenant``'s ledger, page by page."""
-        after: int | None = None
-        while True:
-            page = self.ledger_page(tenant, after, page_size)
-            yield from page["entries"]
-            after = page["cursor"]
-            if after is None:
-                return
-
-    def ledger_timeline_page(
-        self,
-        start: float | None = None,
-        end: float | None = None,
-        cursor: str | None = None,
-        limit: int | None = None,
-    ) -> dict[str, Any]:
-        """One page of every tenant's ledger entries written from ``start`` until ``end``
-        (epoch seconds; default 0 and now) in time order: ``{entries, cursor}``, each entry
-        with its ``tenant``."""
-        return self._run(calls.LEDGER_TIMELINE_PAGE, start, end, cursor, limit)
-
-    def ledger_timeline(
-        self, start: float | None = None, end: float | None = None, page_size: int = 100
-    ) -> Iterator[dict[str, Any]]:
-        """Every tenant's ledger entries from ``start`` until ``end``, page by page."""
-        cursor: str | None = None
-        while True:
-            page = self.ledger_timeline_page(start, end, cursor, page_size)
-            yield from page["entries"]
-            cursor = page["cursor"]
-            if cursor is None:
-                return
 
 
 def _until_none(step: Callable[[], T | None]) -> Iterator[T]:
