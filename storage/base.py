@@ -511,7 +511,7 @@ class Counters(Protocol):
 LedgerRow = tuple[int, str, int]
 """A ledger entry as written: ``(seq, body, at_ms)``."""
 
-_POSITION_RE = re.compile(r"\d{15}#[^#]{1,512}#\d{20}")
+_POSITION_RE = re.compile(r"[0-9]{15}#[^#]{1,512}#[0-9]{20}")
 
 
 def timeline_position(at_ms: int, tenant: str, seq: int) -> str:
@@ -575,6 +575,8 @@ class AlertClaims(Protocol):
 class LedgerRecords(Protocol):
     """Credits ledgers (docs/ledger.md)."""
 
+    @property
+    def ledger_max_entries(self) -> int: ...
     async def ledger_read(self, tenant: str) -> tuple[int, str | None]: ...
     async def ledger_write(
         self,
@@ -646,6 +648,8 @@ class Storage(abc.ABC):
     kind: str = "abstract"
     #: Keys per :meth:`load` call when seeding cold keys (one request or query each).
     load_chunk: int = 100
+    #: Most entries one :meth:`ledger_write` may hold (DynamoDB: what a transaction takes).
+    ledger_max_entries: int = 1_000
     #: Seeding reads kept in flight at once.
     load_concurrency: int = 4
 

@@ -332,6 +332,9 @@ class DynamoDBStorage(Storage):
         #: loopback endpoint).
         local = endpoint_url is not None and _is_loopback(endpoint_url)
         self.transact_items = transact_items or (LOCAL_TRANSACT_LIMIT if local else TRANSACT_LIMIT)
+        #: Entries one ledger write may hold: two items each (the entry and its timeline
+        #: item) beside the balance and a ref, in what this endpoint's transactions take.
+        self.ledger_max_entries = ((LOCAL_TRANSACT_LIMIT if local else TRANSACT_LIMIT) - 2) // 2
         #: ``auto``: keys that met a conflicting write, and until when (monotonic) they are
         #: written alone.
         self._hot = HotKeys(HOT_S)
@@ -1638,7 +1641,7 @@ class DynamoDBStorage(Storage):
         ref, entry and timeline item on the condition that it does not exist. A cancellation
         for those conditions (or a conflicting transaction) is ``False``; any other reason is
         raised."""
-        if 1 + 2 * len(entries) + len(refs) > TRANSACT_LIMIT:
+        if len(entries) > self.ledger_max_entries or len(refs) > 1:
             raise StoragePermanentError(
                 f"dynamodb: a ledger write of {len(entries)} entries is too large"
             )
@@ -1700,8 +1703,11 @@ class DynamoDBStorage(Storage):
     async def ledger_timeline(
         self, start_ms: int, end_ms: int, after: str | None, limit: int
     ) -> tuple[list[tuple[str, int, str]], str | None]:
-        """A consistent ``Query`` of each timeline partition's range (at once), merged: the
-        first ``limit`` of them."""
+        """A consistent ``Query`` of each timeline partition's range (at once), a share of the
+        page each (twice ``limit`` over the partitions), merged. Up to a partition that may
+        hold more (it filled its share), the merge is complete: the page stops at the first
+        such partition's last item, so a page may hold fewer than ``limit`` (never none while
+        more remain); a page reads about twice ``limit`` items, whatever the partitions."""
         after = check_timeline_position(after)
         lo = timeline_position(start_ms, "", 0)
         if after is not None:
@@ -1709,12 +1715,18 @@ class DynamoDBStorage(Storage):
         hi = f"{end_ms:015d}"  # (every position at end_ms sorts after it: not included)
         if lo >= hi:
             return [], None
+        share = max(2, -(-2 * (limit + 1) // TIMELINE_PARTITIONS))
         parts = await asyncio.gather(
-            *(self._timeline_part(k, lo, hi, limit + 1) for k in range(TIMELINE_PARTITIONS))
+            *(self._timeline_part(k, lo, hi, share) for k in range(TIMELINE_PARTITIONS))
         )
+        # (a partition that filled its share may hold more past its last item)
+        frontier = min((part[-1][0] for part in parts if len(part) >= share), default=None)
         merged = sorted(row for part in parts for row in part)
+        if frontier is not None:
+            merged = [row for row in merged if row[0] <= frontier]
         page = [(t, s, b) for _, t, s, b in merged[:limit]]
-        return page, (merged[limit - 1][0] if len(merged) > limit else None)
+        more = frontier is not None or len(merged) > limit
+        return page, (merged[len(page) - 1][0] if more else None)
 
     async def _timeline_part(
         self, k: int, lo: str, hi: str, limit: int

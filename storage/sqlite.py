@@ -244,7 +244,7 @@ CREATE TABLE IF NOT EXISTS ledger_timeline (
 _LEDGER_TIMELINE_FILL = (
     "INSERT OR IGNORE INTO ledger_timeline (at_ms, tenant, seq)"
     " SELECT CAST(round(json_extract(body, '$.t') * 1000) AS INTEGER), tenant, seq"
-    " FROM ledger_entries"
+    " FROM ledger_entries WHERE json_valid(body)"
 )
 
 #: Day buckets of month counters (docs/history.md): the units a counter's flushes added on each
@@ -1118,6 +1118,23 @@ class SQLiteStorage(Storage):
 
         return await self._run(read)
 
+    @staticmethod
+    def _add_timeline(conn: sqlite3.Connection) -> None:
+        """Add ``ledger_timeline`` to a file without it, filled from its entries, in one
+        transaction (a failure or a crash in between leaves neither: tried again at the
+        next open). An entry whose body is not JSON is left out of it."""
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ledger_timeline'").fetchone():
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute(_LEDGER_TIMELINE)
+            conn.execute(_LEDGER_TIMELINE_FILL)
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise
+
     async def ledger_timeline(
         self, start_ms: int, end_ms: int, after: str | None, limit: int
     ) -> tuple[list[tuple[str, int, str]], str | None]:
@@ -1252,11 +1269,7 @@ class SQLiteStorage(Storage):
             conn.execute(_ALERTS)
             for statement in _LEDGERS:
                 conn.execute(statement)
-            if not conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE name = 'ledger_timeline'"
-            ).fetchone():  # (added to a file of an earlier layout: its entries put in)
-                conn.execute(_LEDGER_TIMELINE)
-                conn.execute(_LEDGER_TIMELINE_FILL)
+            self._add_timeline(conn)
             conn.execute(_DAYS)
             conn.execute(_DAYS_EXPIRY_INDEX)
             conn.execute(_VALUES)

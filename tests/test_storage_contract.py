@@ -7,6 +7,7 @@ fixtures (a server, a temp dir) are pulled in there with ``request.getfixtureval
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -766,6 +767,41 @@ async def test_the_ledger_timeline_pages_every_tenants_entries_in_time_order(
             await storage.ledger_timeline(0, 10**12, bad, 10)
 
 
+async def test_a_ledger_writes_many_expiries_within_what_the_backend_takes(
+    storage: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """12 grants expiring at once, then a grant and a debit: the ledger writes the expiries
+    in writes no larger than the backend takes (DynamoDB Local: 4 entries, so several), and
+    the timeline holds every entry once."""
+    from meter.ledger import model as ledger
+    from meter.ledger.store import LedgerStore
+
+    now = [1000.0]
+    book = LedgerStore(storage, clock=lambda: now[0])
+    sizes: list[int] = []
+    write = storage.ledger_write
+
+    async def counted(*args: Any, **kwargs: Any) -> bool:
+        sizes.append(len(args[3]))
+        return await write(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "ledger_write", counted)
+    for n in range(12):
+        await book.apply("acme", ledger.credit(10, f"g{n}", expires_at=1100))
+    now[0] = 1200.0
+    await book.apply("acme", ledger.credit(5, "late"))
+    got = await book.apply("acme", ledger.debit(5, "d"))
+    assert got["balance_after"] == 0
+    assert max(sizes) <= storage.ledger_max_entries, sizes
+    # (more expiries than fit beside the grant's entry: written first, as many as fit alone)
+    alone = min(20, storage.ledger_max_entries)
+    with_op = max(1, min(20, (storage.ledger_max_entries - 1) // 2))
+    assert len(sizes) == 12 + 2 + (0 if with_op >= 12 else -(-12 // alone)), sizes
+    rows, cursor = await storage.ledger_timeline(0, 10**12, None, 1000)
+    kinds = [json.loads(body)["k"] for _, _, body in rows]
+    assert cursor is None and sorted(kinds) == sorted(["grant"] * 13 + ["expire"] * 12 + ["debit"])
+
+
 async def test_ledger_items_never_show_as_counters(storage: Storage) -> None:
     await _ok(storage, "n1", K, 1, 5)
     await storage.budget_swap(K, 0, "budget")
@@ -1157,13 +1193,15 @@ async def test_sqlite_a_file_of_the_older_layout_gets_its_ledger_timeline_filled
     tmp_path: Path,
 ) -> None:
     """The timeline table added to a file that holds entries is filled from them (each at
-    its body's time, ``t`` seconds, as meter.ledger.model writes it)."""
+    its body's time, ``t`` seconds, as meter.ledger.model writes it); a body that is not JSON
+    is left out, and does not keep the file from opening."""
     path = tmp_path / "l.db"
     store = SQLiteStorage(path)
     await store.open()
     bodies = ['{"s":1,"t":12.5,"k":"grant"}', '{"s":2,"t":3.25,"k":"debit"}']
     assert await store.ledger_write("acme", 0, "b", [(1, bodies[0], 12_500)])
     assert await store.ledger_write("acme", 1, "b", [(2, bodies[1], 3_250)])
+    assert await store.ledger_write("beta", 0, "b", [(1, "not json", 5_000)])
     await store.close()
     store, _ = await _older_layout(path, "ledger_timeline")
     await store.open()

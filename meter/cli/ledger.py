@@ -86,7 +86,9 @@ def _timeline(args: argparse.Namespace, client: Client, as_json: bool) -> int:
         return _usage("meter ledger --all: no tenant and no --after (it reads every tenant)")
     if not as_json:
         print(f"{'TIME':<24}  {'TENANT':<20}  {'SEQ':>6}  {'KIND':<8}  {'AMOUNT':>14}  REF")
-    for e in client.ledger_timeline(args.start, args.end, args.limit or 100):
+    for e in client.ledger_timeline(
+        args.start, args.end, 100 if args.limit is None else args.limit
+    ):
         if as_json:
             print(json.dumps(e, sort_keys=True))
             continue

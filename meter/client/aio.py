@@ -185,6 +185,7 @@ class _Ledger:
     ) -> AsyncIterator[dict[str, Any]]:
         """As :meth:`Client.ledger_timeline`."""
         cursor: str | None = None
+        end = time.time() if end is None else end  # (one range for every page)
         while True:
             page = await self.ledger_timeline_page(start, end, cursor, page_size)
             for entry in page["entries"]:

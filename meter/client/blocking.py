@@ -99,6 +99,7 @@ class _Ledger:
     ) -> Iterator[dict[str, Any]]:
         """Every tenant's ledger entries from ``start`` until ``end``, page by page."""
         cursor: str | None = None
+        end = time.time() if end is None else end  # (one range for every page)
         while True:
             page = self.ledger_timeline_page(start, end, cursor, page_size)
             yield from page["entries"]

@@ -5,7 +5,6 @@ Every answer follows a storage write or read."""
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections.abc import Awaitable
@@ -112,7 +111,8 @@ class LedgerMethods:
         (opts,) = check_args("ledger_timeline", params, 0, 1, ({},))
         o = check_opts("ledger_timeline", opts, _TIMELINE_OPTS, nil_is_absent=True)
         start = _seconds(o.get("from", 0), "from")
-        end = _seconds(o["to"], "to") if o.get("to") is not None else time.time()
+        # (default: now, and the millisecond an entry written just now may be stamped with)
+        end = _seconds(o["to"], "to") if o.get("to") is not None else time.time() + 0.001
         if end < start:
             raise InvalidArgument(f"ledger_timeline: to ({end}) is before from ({start})")
         cursor = o.get("cursor")
@@ -120,7 +120,7 @@ class LedgerMethods:
             raise InvalidArgument("ledger_timeline: cursor must be a string from a page")
         _, limit = check_page(None, o.get("limit"))
         # (from is inclusive, to exclusive, to the millisecond entries are stamped with)
-        return self.store.timeline(math.ceil(start * 1000), math.ceil(end * 1000), cursor, limit)
+        return self.store.timeline(round(start * 1000), round(end * 1000), cursor, limit)
 
 
 def _seconds(value: object, what: str) -> float:

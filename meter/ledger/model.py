@@ -313,17 +313,24 @@ def _without(grants: tuple[Grant, ...], gone: list[Grant]) -> tuple[Grant, ...]:
     )
 
 
-def next_write(state: State, op: Op, now: float) -> Write:
+def next_write(
+    state: State,
+    op: Op,
+    now: float,
+    most: int = MAX_EXPIRE_PER_WRITE,
+    alone: int = MAX_EXPIRE_PER_WRITE,
+) -> Write:
     """The write that applies ``op`` to ``state`` at ``now``.
 
     If grants have expired, the write holds first their expiry entries - with the op's own entry
-    after them when they are few enough for one write, else alone (``done=False``: decide again
-    on the state after it). Raises :class:`InsufficientBalance` when a debit does not fit in
-    what is left after the expiries, and ``InvalidArgument`` when a credit would take the
-    balance past :data:`MAX_AMOUNT` or open too many grants."""
-    pre = expiry_write(state, now, MAX_EXPIRE_PER_WRITE + 1)
-    if pre is not None and len(pre.entries) > MAX_EXPIRE_PER_WRITE:
-        return expiry_write(state, now) or pre  # (the first is never None here)
+    after them when they are at most ``most``, else ``alone`` of them alone (``done=False``:
+    decide again on the state after it); a write holds at most ``2 * most + 1`` entries.
+    Raises :class:`InsufficientBalance` when a debit does not fit in what is left after the
+    expiries, and ``InvalidArgument`` when a credit would take the balance past
+    :data:`MAX_AMOUNT` or open too many grants."""
+    pre = expiry_write(state, now, most + 1)
+    if pre is not None and len(pre.entries) > most:
+        return expiry_write(state, now, alone) or pre  # (the first is never None here)
     base = state if pre is None else pre.state
     before = () if pre is None else pre.entries
     t = _ms(now)
@@ -349,7 +356,7 @@ def next_write(state: State, op: Op, now: float) -> Write:
             seq, t, op.kind, op.amount, balance, op.ref, tuple(back), op.priority, op.expires_at
         )
         if back:  # restored credits of a grant past its expiry expire at once
-            due = expiry_write(State(seq, balance, grants), now)
+            due = expiry_write(State(seq, balance, grants), now, most)
             if due is not None:
                 seq, balance, grants = due.state.seq, due.state.balance, due.state.grants
                 after_op = due.entries

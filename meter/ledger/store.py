@@ -63,6 +63,11 @@ class LedgerStore:
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
         self.on_entries = on_entries
+        # Expiries per write: a write alone of them (at most what storage takes in one write),
+        # and beside an op (its entry, and the expiries it may cause after it, fit too).
+        most = storage.ledger_max_entries
+        self.expiries_alone = max(1, min(ledger.MAX_EXPIRE_PER_WRITE, most))
+        self.expiries_with_op = max(1, min(ledger.MAX_EXPIRE_PER_WRITE, (most - 1) // 2))
         # Tenant -> (version, state) last read or written here: the compare-and-swap base of
         # the next write (a stale one only costs a refused write and a read).
         self._known: dict[str, tuple[int, State]] = {}
@@ -88,7 +93,7 @@ class LedgerStore:
         async with self._lock(tenant):
             version, state = await self._read(tenant)
             for attempt in range(self.attempts):
-                step = ledger.expiry_write(state, self.clock())
+                step = ledger.expiry_write(state, self.clock(), self.expiries_alone)
                 if step is None:
                     return version, state
                 if await self._write(tenant, version, step) == "ok":
@@ -144,7 +149,7 @@ class LedgerStore:
         except BadCursor as exc:
             raise InvalidArgument(f"ledger_timeline: cursor: {exc}") from None
         except StorageError as exc:
-            raise _unavailable("every tenant", exc) from None
+            raise _timeline_unavailable(exc) from None
         entries = [{"tenant": t, **ledger.decode_entry(body).to_wire()} for t, _, body in rows]
         return {"entries": entries, "cursor": cursor}
 
@@ -156,7 +161,9 @@ class LedgerStore:
         version, state = known if known is not None else await self._read(tenant)
         for attempt in range(self.attempts):
             try:
-                step = ledger.next_write(state, op, self.clock())
+                step = ledger.next_write(
+                    state, op, self.clock(), self.expiries_with_op, self.expiries_alone
+                )
             except MeterError:
                 if not fresh:  # refused on a cached state: decide on the stored one
                     version, state = await self._read(tenant)
@@ -273,6 +280,12 @@ class _TenantLock:
         else:
             del book._waiting[tenant]
             del book._locks[tenant]
+
+
+def _timeline_unavailable(exc: StorageError) -> MeterError:
+    if not exc.retryable:
+        return Internal(f"ledger timeline: {exc}")
+    return Unavailable(f"ledger timeline: storage unreachable: {exc}")
 
 
 def _unavailable(tenant: str, exc: StorageError) -> MeterError:
