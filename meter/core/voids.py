@@ -78,7 +78,7 @@ class Voids:
         effect = self._effect(rid)
         self._check(effect)
         self.fence.check()
-        if all(self.table.is_seeded(k) for k in effect.keys) and self._refundable(effect):
+        if all(self.table.is_seeded(k) for k in effect.keys) and self._unrefundable(effect) is None:
             return self._take_back(rid, effect, idem)
         return self._take_back_cold(rid, effect, idem)
 
@@ -119,13 +119,16 @@ class Voids:
                 "(a void never adds units); nothing changed"
             )
 
-    def _refundable(self, effect: Effect) -> bool:
-        """Whether the credits ``effect`` spent can go back now (none, or voided already)."""
-        return effect.voided or not effect.credits or self.gate.refundable(effect.credits) is None
+    def _unrefundable(self, effect: Effect) -> str | None:
+        """Why the credits ``effect`` spent cannot go back now (None: they can, or there are
+        none to give: none spent, or voided already)."""
+        if effect.voided or not effect.credits:
+            return None
+        return self.gate.refundable(effect.credits)
 
     async def _take_back_cold(self, rid: str, effect: Effect, idem: tuple[str, int] | None) -> Any:
         await self.seeder.seed_many(list(effect.keys))
-        if not self._refundable(effect):  # this node's share of a pool that paid: back first
+        if self._unrefundable(effect) is not None:  # a pool share that paid: taken first
             try:
                 for tenant, _ in effect.credits or ():
                     await self.gate.shares.ensure(pool_key(tenant), 0, POOL, 0)
@@ -143,7 +146,7 @@ class Voids:
             raise NotFound(f"void: the call with id {rid[:64]!r} is no longer remembered")
         self._check(effect)
         self.fence.check()
-        why = None if effect.voided or not effect.credits else self.gate.refundable(effect.credits)
+        why = self._unrefundable(effect)
         if why is not None:
             raise Unavailable(f"void: the credits it spent cannot be given back now ({why}); retry")
         return self._take_back(rid, effect, idem)
