@@ -333,8 +333,9 @@ class DynamoDBStorage(Storage):
         local = endpoint_url is not None and _is_loopback(endpoint_url)
         self.transact_items = transact_items or (LOCAL_TRANSACT_LIMIT if local else TRANSACT_LIMIT)
         #: Entries one ledger write may hold: two items each (the entry and its timeline
-        #: item) beside the balance and a ref, in what this endpoint's transactions take.
-        self.ledger_max_entries = ((LOCAL_TRANSACT_LIMIT if local else TRANSACT_LIMIT) - 2) // 2
+        #: item) beside the balance and a ref, in what this endpoint's transactions take (a
+        #: ledger needs 3 at least: 8 items).
+        self.ledger_max_entries = max(3, (self.transact_items - 2) // 2)
         #: ``auto``: keys that met a conflicting write, and until when (monotonic) they are
         #: written alone.
         self._hot = HotKeys(HOT_S)
@@ -1716,11 +1717,10 @@ class DynamoDBStorage(Storage):
         if lo >= hi:
             return [], None
         share = max(2, -(-2 * (limit + 1) // TIMELINE_PARTITIONS))
-        parts = await asyncio.gather(
-            *(self._timeline_part(k, lo, hi, share) for k in range(TIMELINE_PARTITIONS))
-        )
-        # (a partition that filled its share may hold more past its last item)
-        frontier = min((part[-1][0] for part in parts if len(part) >= share), default=None)
+        parts = await asyncio.gather(  # (one more than the share: a partition that has it
+            *(self._timeline_part(k, lo, hi, share + 1) for k in range(TIMELINE_PARTITIONS))
+        )  # holds more past its share's last item, which is its frontier)
+        frontier = min((part[share - 1][0] for part in parts if len(part) > share), default=None)
         merged = sorted(row for part in parts for row in part)
         if frontier is not None:
             merged = [row for row in merged if row[0] <= frontier]

@@ -185,7 +185,8 @@ class _Ledger:
     ) -> AsyncIterator[dict[str, Any]]:
         """As :meth:`Client.ledger_timeline`."""
         cursor: str | None = None
-        end = time.time() if end is None else end  # (one range for every page)
+        # (one range for every page; the node stamps an entry to the nearest millisecond)
+        end = time.time() + 0.001 if end is None else end
         while True:
             page = await self.ledger_timeline_page(start, end, cursor, page_size)
             for entry in page["entries"]:

@@ -99,7 +99,8 @@ class _Ledger:
     ) -> Iterator[dict[str, Any]]:
         """Every tenant's ledger entries from ``start`` until ``end``, page by page."""
         cursor: str | None = None
-        end = time.time() if end is None else end  # (one range for every page)
+        # (one range for every page; the node stamps an entry to the nearest millisecond)
+        end = time.time() + 0.001 if end is None else end
         while True:
             page = self.ledger_timeline_page(start, end, cursor, page_size)
             yield from page["entries"]

@@ -66,8 +66,10 @@ class LedgerStore:
         # Expiries per write: a write alone of them (at most what storage takes in one write),
         # and beside an op (its entry, and the expiries it may cause after it, fit too).
         most = storage.ledger_max_entries
-        self.expiries_alone = max(1, min(ledger.MAX_EXPIRE_PER_WRITE, most))
-        self.expiries_with_op = max(1, min(ledger.MAX_EXPIRE_PER_WRITE, (most - 1) // 2))
+        if most < 3:  # (an op's entry, with an expiry before it and one after)
+            raise ValueError(f"a ledger needs writes of 3 entries at least; storage takes {most}")
+        self.expiries_alone = min(ledger.MAX_EXPIRE_PER_WRITE, most)
+        self.expiries_with_op = min(ledger.MAX_EXPIRE_PER_WRITE, (most - 1) // 2)
         # Tenant -> (version, state) last read or written here: the compare-and-swap base of
         # the next write (a stale one only costs a refused write and a read).
         self._known: dict[str, tuple[int, State]] = {}
@@ -92,14 +94,16 @@ class LedgerStore:
         """The ledger read from storage now, with every expiry due written first."""
         async with self._lock(tenant):
             version, state = await self._read(tenant)
-            for attempt in range(self.attempts):
+            failed = 0  # (writes that landed are progress: only the others count)
+            while failed < self.attempts:
                 step = ledger.expiry_write(state, self.clock(), self.expiries_alone)
                 if step is None:
                     return version, state
                 if await self._write(tenant, version, step) == "ok":
                     version, state = version + 1, step.state
                 else:
-                    await self._pause(attempt)
+                    await self._pause(failed)
+                    failed += 1
                     version, state = await self._read(tenant)
             raise Unavailable(f"ledger of {tenant!r}: the balance kept changing; retry")
 
@@ -159,7 +163,8 @@ class LedgerStore:
         known = self._known.get(tenant)
         fresh = known is None
         version, state = known if known is not None else await self._read(tenant)
-        for attempt in range(self.attempts):
+        attempt = 0  # (writes that landed are progress: only the others count)
+        while attempt < self.attempts:
             try:
                 step = ledger.next_write(
                     state, op, self.clock(), self.expiries_with_op, self.expiries_alone
@@ -168,6 +173,7 @@ class LedgerStore:
                 if not fresh:  # refused on a cached state: decide on the stored one
                     version, state = await self._read(tenant)
                     fresh = True
+                    attempt += 1
                     continue
                 # A retry of a change that already landed is answered from its ref record
                 # (the balance may have moved since); else the refusal stands, nothing written.
@@ -188,6 +194,7 @@ class LedgerStore:
                 if first is not None:
                     return first
             await self._pause(attempt)
+            attempt += 1
             version, state = await self._read(tenant)
             fresh = True
         raise Unavailable(f"ledger of {tenant!r}: the balance kept changing; retry")
