@@ -529,9 +529,15 @@ def check_timeline_position(after: object) -> str | None:
     raise BadCursor("not a ledger timeline cursor")
 
 
-def next_position(after: str) -> str:
-    """The least position after ``after`` (its sequence plus one: nothing lies between)."""
-    return f"{after[:-20]}{int(after[-20:]) + 1:020d}"
+def timeline_range(start_ms: int, end_ms: int, after: object) -> tuple[str, str]:
+    """Where a page of the timeline reads: from the least position at ``start_ms`` or past
+    the cursor ``after`` (checked: :class:`BadCursor`), whichever is later, up to the first
+    position at ``end_ms`` (not included: every position at ``end_ms`` sorts after it)."""
+    lo = timeline_position(start_ms, "", 0)
+    cursor = check_timeline_position(after)
+    if cursor is not None:  # (its sequence plus one: nothing lies between)
+        lo = max(lo, f"{cursor[:-20]}{int(cursor[-20:]) + 1:020d}")
+    return lo, f"{end_ms:015d}"
 
 
 class Owners(Protocol):

@@ -87,7 +87,6 @@ from storage.base import (
     check_period,
     check_period_mark,
     check_range,
-    check_timeline_position,
     check_unique,
     check_value_of,
     check_values_key,
@@ -96,9 +95,9 @@ from storage.base import (
     encode_cursor,
     gauge_key,
     lease_end_ms,
-    next_position,
     next_values_cursor,
     timeline_position,
+    timeline_range,
     values_cursor,
 )
 from storage.dynamodb_wire import NoCredentials, Wire, WireError
@@ -1709,11 +1708,7 @@ class DynamoDBStorage(Storage):
         hold more (it filled its share), the merge is complete: the page stops at the first
         such partition's last item, so a page may hold fewer than ``limit`` (never none while
         more remain); a page reads about twice ``limit`` items, whatever the partitions."""
-        after = check_timeline_position(after)
-        lo = timeline_position(start_ms, "", 0)
-        if after is not None:
-            lo = max(lo, next_position(after))
-        hi = f"{end_ms:015d}"  # (every position at end_ms sorts after it: not included)
+        lo, hi = timeline_range(start_ms, end_ms, after)
         if lo >= hi:
             return [], None
         share = max(2, -(-2 * (limit + 1) // TIMELINE_PARTITIONS))

@@ -38,7 +38,6 @@ from storage.base import (
     check_period,
     check_period_mark,
     check_range,
-    check_timeline_position,
     check_unique,
     check_value_of,
     check_values_key,
@@ -47,10 +46,10 @@ from storage.base import (
     encode_cursor,
     gauge_key,
     lease_end_ms,
-    next_position,
     next_values_cursor,
     reading_wins,
     timeline_position,
+    timeline_range,
     values_cursor,
 )
 
@@ -409,11 +408,9 @@ class MemoryStorage(Storage):
         self, start_ms: int, end_ms: int, after: str | None, limit: int
     ) -> tuple[list[tuple[str, int, str]], str | None]:
         self._ledger_up()
-        after = check_timeline_position(after)
+        lo, hi = timeline_range(start_ms, end_ms, after)
         line = self.ledger_timeline_
-        lo = timeline_position(start_ms, "", 0)
-        i = bisect.bisect_left(line, (max(lo, next_position(after)) if after else lo,))
-        hi = f"{end_ms:015d}"
+        i = bisect.bisect_left(line, (lo,))
         page = [(t, s) for pos, t, s in line[i : i + limit + 1] if pos < hi]
         more = len(page) > limit
         page = page[:limit]

@@ -56,7 +56,6 @@ from storage.base import (
     check_period,
     check_period_mark,
     check_range,
-    check_timeline_position,
     check_unique,
     check_value_of,
     check_values_key,
@@ -68,6 +67,7 @@ from storage.base import (
     next_values_cursor,
     reading_wins,
     timeline_position,
+    timeline_range,
     values_cursor,
 )
 
@@ -1139,11 +1139,9 @@ class SQLiteStorage(Storage):
         self, start_ms: int, end_ms: int, after: str | None, limit: int
     ) -> tuple[list[tuple[str, int, str]], str | None]:
         """One range of the ``ledger_timeline`` primary key, each row's body from its entry."""
-        after = check_timeline_position(after)
-        lo = (start_ms, "", 0)
-        if after is not None:
-            at, tenant, seq = after.split("#")
-            lo = max(lo, (int(at), tenant, int(seq) + 1))
+        start, _ = timeline_range(start_ms, end_ms, after)
+        at, tenant, seq = start.split("#")  # (tenants hold no #)
+        lo = (int(at), tenant, int(seq))
 
         def read() -> tuple[list[tuple[str, int, str]], str | None]:
             try:
