@@ -34,20 +34,19 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import random
-import socket
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-import msgpack
-
 from bench.harness import Progress, Row, Services, Sizes, median, node_status, percentile
 from bench.scale_converge import _cpu_s
 from cluster.bus import channel_name
 from cluster.codec import Codec, Header
+from meter.client import Client
 from meter.core.keys import period_start
 from meter.core.table import CounterTable
+from meter.errors import MeterError
 from storage.base import EMPTY
 from tests.support.nodes import NodeProcess
 
@@ -201,34 +200,21 @@ def _poll_and_load(node: NodeProcess, base: int, seen: list[float], stop: thread
     connection (what the node spends on them is measured idle and taken off)."""
     want = base + 1
     own_due = time.monotonic()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(str(node.socket))
-        unpacker = msgpack.Unpacker(raw=False)
-
-        def call(method: str, *params: Any) -> Any:
-            conn.sendall(msgpack.packb([0, 1, method, list(params)]))
-            while True:
-                for msg in unpacker:
-                    return msg[3]
-                data = conn.recv(65536)
-                if not data:
-                    raise ConnectionError("the node closed the connection")
-                unpacker.feed(data)
-
-        try:
+    try:
+        with Client.connect(str(node.socket), auto_ids=False, retry_timeout=0) as client:
             while not stop.is_set():
                 now = time.monotonic()
                 if now >= own_due:
-                    call("track", "own", FEATURE, 1)
+                    client.track("own", FEATURE, 1)
                     own_due = now + OWN_EVERY_S
-                value = call("usage", PROBE_TENANT, PROBE_FEATURE)
+                value = client.usage(PROBE_TENANT, PROBE_FEATURE)
                 now = time.monotonic()
-                while isinstance(value, int) and value >= want:
+                while value >= want:
                     seen.append(now)
                     want += 1
                 time.sleep(POLL_S)
-        except OSError:  # (the node stopped: a failed run's cleanup)
-            return
+    except (OSError, MeterError):  # (the node stopped: a failed run's cleanup)
+        return
 
 
 def simulate(
