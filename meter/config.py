@@ -4,10 +4,14 @@ variables and command-line flags, in that order of precedence (later wins).
 Every setting has one name used everywhere: the TOML key ``flush_interval_ms`` is the variable
 ``METER_FLUSH_INTERVAL_MS`` and the flag ``--flush-interval-ms``. A bad value raises
 :class:`~meter.errors.ConfigError` naming the setting.
+
+Why one module: a setting's name, variable, parser and dataclass field are read together
+(the table ``_SETTINGS`` names each once), and the dataclasses are small.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import tomllib
@@ -198,6 +202,19 @@ class MetricsConfig:
     feature_labels: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """The HTTP/JSON API (docs/http.md): on a Unix socket of its own, and on a TCP address."""
+
+    #: The API's Unix socket (mode 0600); ``None``: none.
+    socket: Path | None = None
+    #: ``(host, port)`` of the API on TCP; ``None``: none. A host that is not a loopback
+    #: address needs ``token``.
+    address: tuple[str, int] | None = None
+    #: With it, every request on ``address`` must send ``Authorization: Bearer <token>``.
+    token: str | None = None
+
+
 #: Most features ``metrics_feature_labels`` may label (each is a series on every scrape).
 MAX_FEATURE_LABELS = 1000
 
@@ -220,6 +237,7 @@ class NodeConfig:
     durability: DurabilityConfig = field(default_factory=DurabilityConfig)
     owner: OwnerConfig = field(default_factory=OwnerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
 
 def _str(setting: str, raw: Any) -> str:
@@ -236,6 +254,11 @@ def _opt_str(setting: str, raw: Any) -> str | None:
 
 def _path(setting: str, raw: Any) -> Path:
     return Path(_str(setting, raw))
+
+
+def _opt_path(setting: str, raw: Any) -> Path | None:
+    value = _opt_str(setting, raw)
+    return None if value is None else Path(value)
 
 
 def _bool(setting: str, raw: Any) -> bool:
@@ -375,6 +398,16 @@ def _address(setting: str, raw: Any) -> tuple[str, int] | None:
     return host, int(port)
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name that may resolve anywhere
+
+
 def _balance_alerts(setting: str, raw: Any) -> tuple[int, ...]:
     """``[1000, 100]`` in TOML, or ``1000,100`` in env/flags: credit amounts, each 1..2^63-1."""
     if isinstance(raw, str):
@@ -472,6 +505,9 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "owner_lease_s": ("owner", "lease_s", _float(1, 86400)),
     "metrics_address": ("metrics", "address", _address),
     "metrics_feature_labels": ("metrics", "feature_labels", _int(0, MAX_FEATURE_LABELS)),
+    "http_socket": ("http", "socket", _opt_path),
+    "http_address": ("http", "address", _address),
+    "http_token": ("http", "token", _opt_str),
 }
 
 #: Every setting name (TOML key; ``METER_`` + upper case is its environment variable).
@@ -540,6 +576,7 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         "durability": {},
         "owner": {},
         "metrics": {},
+        "http": {},
     }
     for setting, raw in values.items():
         if setting not in _SETTINGS:
@@ -556,9 +593,19 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         durability=DurabilityConfig(**parts["durability"]),
         owner=OwnerConfig(**parts["owner"]),
         metrics=MetricsConfig(**parts["metrics"]),
+        http=HttpConfig(**parts["http"]),
     )
-    if len(str(cfg.server.socket).encode()) > 100:
-        raise ConfigError("socket", "path longer than 100 bytes (the AF_UNIX limit is 107)")
+    for setting, path in (("socket", cfg.server.socket), ("http_socket", cfg.http.socket)):
+        if path is not None and len(str(path).encode()) > 100:
+            raise ConfigError(setting, "path longer than 100 bytes (the AF_UNIX limit is 107)")
+    if cfg.http.socket is not None and cfg.http.socket == cfg.server.socket:
+        raise ConfigError("http_socket", "must differ from socket (each has its own protocol)")
+    address = cfg.http.address
+    if address is not None and cfg.http.token is None and not _loopback(address[0]):
+        raise ConfigError(
+            "http_address",
+            f"{address[0]} is not a loopback address: set http_token too (docs/deployment.md)",
+        )
     c = cfg.cluster
     if c.peer_timeout_ms <= 2 * c.heartbeat_ms:
         # An idle peer speaks once per heartbeat: with one heartbeat lost (or late) it must

@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "meter.ledger": 4,
     "meter.history": 4,
     "meter.ops": 4,
+    "meter.http": 4,
     "meter.catalog": 4,
     "meter.node": 5,
     "meter.client": 6,

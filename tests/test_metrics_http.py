@@ -63,6 +63,13 @@ def raw_http(address: str, data: bytes, timeout: float = 10) -> bytes:
     return out
 
 
+def raw_status(address: str, data: bytes) -> int:
+    """The status of the answer to ``data`` sent as is."""
+    line = raw_http(address, data).split(b"\r\n", 1)[0]
+    assert line.startswith(b"HTTP/1."), line
+    return int(line.split()[1])
+
+
 def metrics_address(node: NodeProcess) -> str:
     address = node.call("status")["metrics"]["address"]
     assert isinstance(address, str)
@@ -222,7 +229,7 @@ def test_table_counts_are_walked_at_most_once_a_second(workdir: Path) -> None:
 
 @pytest.mark.quiet
 def test_health_endpoints_and_bad_http_requests(workdir: Path) -> None:
-    """/healthz and /readyz answer; a bad request gets its status (404, 405, 400, 431, 408 for
+    """/healthz and /readyz answer; a bad request gets its status (404, 405, 400, 408 for
     a client that sends nothing) and the listener keeps serving others meanwhile."""
     with NodeProcess(workdir, METER_METRICS_ADDRESS="127.0.0.1:0") as node:
         address = metrics_address(node)
@@ -234,10 +241,11 @@ def test_health_endpoints_and_bad_http_requests(workdir: Path) -> None:
         assert http(address, "/nope")[0] == 404
         assert http(address, "/metrics", method="POST")[0] == 405
         assert http(address, "/healthz", method="HEAD") == (200, "")
-        assert raw_http(address, b"garbage\r\n\r\n").startswith(b"HTTP/1.1 400 ")
-        assert raw_http(address, b"GET /\xff HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+        assert raw_status(address, b"garbage\r\n\r\n") == 400
+        assert raw_status(address, b"GET /\xff HTTP/1.1\r\n\r\n") == 400
+        # A header line over 8 KiB: 400 (aiohttp's answer; the hand-written listener said 431).
         huge = b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n"
-        assert raw_http(address, huge).startswith(b"HTTP/1.1 431 ")
+        assert raw_status(address, huge) == 400
         host, port = address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as silent:
             # A client that sends nothing holds nobody else up...

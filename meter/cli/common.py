@@ -24,6 +24,12 @@ NODE_FLAGS: list[tuple[str, str]] = [
         "host:port for /metrics, /healthz, /readyz over HTTP (METER_METRICS_ADDRESS; "
         "port 0: any free port; unset: no listener)",
     ),
+    ("--http-socket", "the HTTP/JSON API's Unix socket (METER_HTTP_SOCKET; unset: none)"),
+    (
+        "--http-address",
+        "host:port for the HTTP/JSON API (METER_HTTP_ADDRESS; a non-loopback host needs "
+        "METER_HTTP_TOKEN)",
+    ),
 ]
 
 #: What a counting answer says when the node counted but could not tell the total.

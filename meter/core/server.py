@@ -821,14 +821,7 @@ class RpcServer:
         self._unlink()
 
     def _unlink(self) -> None:
-        # Only our own socket file: a newer server may already have taken the path.
-        try:
-            st = os.lstat(self.path)
-        except FileNotFoundError:
-            return
-        # The ctime too: a replacement file may reuse the inode number.
-        if (st.st_dev, st.st_ino, st.st_ctime_ns) == self._inode and stat.S_ISSOCK(st.st_mode):
-            os.unlink(self.path)
+        unlink_own(self.path, self._inode)
 
     async def __aenter__(self) -> RpcServer:
         return self
@@ -837,7 +830,7 @@ class RpcServer:
         await self.close()
 
 
-async def _clear_stale(path: str) -> None:
+async def clear_stale(path: str) -> None:
     """Remove a socket file nobody listens on; refuse a live one or a non-socket file."""
     try:
         st = os.lstat(path)
@@ -860,6 +853,43 @@ async def _clear_stale(path: str) -> None:
         probe.close()
     log.info("replacing stale socket file %s", path)
     with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+#: A socket file's identity: ``(device, inode, ctime ns)`` (a new file may reuse an inode).
+Inode = tuple[int, int, int]
+
+
+def bind_unix(path: str, mode: int, gid: int | None = None) -> tuple[socket.socket, Inode]:
+    """A non-blocking Unix socket bound to ``path`` (not listening yet) with file ``mode``
+    (and group ``gid``), and the socket file's identity for :func:`unlink_own`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bound = False
+    try:
+        sock.bind(path)
+        bound = True
+        # Nobody can connect before listen(), so fixing the mode here leaves no window.
+        if gid is not None:
+            os.chown(path, -1, gid)
+        os.chmod(path, mode)
+        st = os.lstat(path)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        if bound:
+            os.unlink(path)
+        raise
+    return sock, (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+def unlink_own(path: str, inode: Inode | None) -> None:
+    """Remove the socket file at ``path`` if it is still the one bound as ``inode``: a newer
+    server may already have taken the path."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (st.st_dev, st.st_ino, st.st_ctime_ns) == inode and stat.S_ISSOCK(st.st_mode):
         os.unlink(path)
 
 
@@ -908,7 +938,7 @@ async def start_server(
     if mode is None:
         mode = 0o660 if group is not None else 0o600
     gid = _gid(group) if group is not None else None
-    await _clear_stale(spath)
+    await clear_stale(spath)
     server = RpcServer(
         spath,
         dispatcher,
@@ -924,18 +954,8 @@ async def start_server(
         request_stats=request_stats,
         reads=reads,
     )
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    bound = False
+    sock, server._inode = bind_unix(spath, mode, gid)
     try:
-        sock.bind(spath)
-        bound = True
-        # Nobody can connect before listen(), so fixing the mode here leaves no window.
-        if gid is not None:
-            os.chown(spath, -1, gid)
-        os.chmod(spath, mode)
-        st = os.lstat(spath)
-        server._inode = (st.st_dev, st.st_ino, st.st_ctime_ns)
-        sock.setblocking(False)
         server._server = await asyncio.get_running_loop().create_unix_server(
             # (a native class under mypyc: the loop takes any object with the protocol's methods)
             lambda: cast(asyncio.Protocol, _Connection(server)),
@@ -944,8 +964,7 @@ async def start_server(
         )
     except BaseException:
         sock.close()
-        if bound:
-            os.unlink(spath)
+        unlink_own(spath, server._inode)
         raise
     log.info("listening on %s (mode %o)", spath, mode)
     return server

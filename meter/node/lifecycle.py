@@ -34,12 +34,14 @@ from meter.core.service import Service
 from meter.core.table import CounterTable
 from meter.core.uniques import KnownValues
 from meter.errors import ConfigError, Unavailable
-from meter.node import loops, wiring
+from meter.http.api import Api
+from meter.http.listener import Listener
+from meter.http.probes import Endpoints
+from meter.node import loops, web, wiring
 from meter.node.datadir import DataDir
 from meter.node.gc import tune_gc
 from meter.node.push import AlertFanout, UsagePush
 from meter.ops import health
-from meter.ops.http import Endpoints, HttpEndpoints
 from meter.persist.closing import PeriodCloser, backlog_note
 from meter.persist.flusher import Flusher
 from meter.persist.gauges import GaugeFlusher
@@ -80,7 +82,10 @@ class Node:
         self.wal: WriteAheadLog | None = None
         self.owner: Ownership | None = None
         #: The HTTP listener for metrics and probes (``metrics_address``; ``None``: none).
-        self.http: HttpEndpoints | None = None
+        self.http: Listener | None = None
+        #: The HTTP/JSON API (``http_socket``, ``http_address``), and its listeners.
+        self.api: Api | None = None
+        self.api_listeners: list[Listener] = []
         self.push: UsagePush | None = None
         self.fanout: AlertFanout | None = None
         self.read_ahead: ReadAhead | None = None
@@ -278,9 +283,14 @@ class Node:
                 raise ConfigError(
                     "socket", f"cannot listen on {cfg.server.socket}: {exc.strerror or exc}"
                 ) from None
+            self.api = await web.start_api(
+                cfg, service, self.wal, request_stats, self.api_listeners
+            )
         except BaseException:
-            if self.http is not None:
-                await self.http.close()
+            for listener in [*self.api_listeners, *([self.http] if self.http else [])]:
+                await listener.close()
+            if self.server is not None:
+                await self.server.close(drain_timeout=0)
             if self.wal is not None:
                 await self.wal.close(final_checkpoint=False)
             self.data_dir.release()
@@ -341,21 +351,12 @@ class Node:
         assert cfg.address is not None and self.service is not None
         requests = RequestStats(self.service.methods)
         registry = build_registry(self, requests, units)
-        self.http = HttpEndpoints(
-            Endpoints(
-                metrics=lambda: exposition(registry),
-                metrics_content_type=CONTENT_TYPE_LATEST,
-                checks=self.health_checks,
-            )
+        endpoints = Endpoints(
+            metrics=lambda: exposition(registry),
+            metrics_content_type=CONTENT_TYPE_LATEST,
+            checks=self.health_checks,
         )
-        host, port = cfg.address
-        try:
-            bound = await self.http.start(host, port)
-        except OSError as exc:
-            self.http = None
-            raise ConfigError(
-                "metrics_address", f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-            ) from None
+        self.http, bound = await web.start_probes(cfg.address, endpoints)
         log.info("metrics and probes on http://%s (/metrics, /healthz, /readyz)", bound)
         return requests
 
@@ -426,6 +427,8 @@ class Node:
     def _push_notifications(self) -> None:
         if self.server is not None:
             self.server.push_notifications()
+        if self.api is not None:
+            self.api.push()
 
     def _owner_note(self) -> str | None:
         """What each renewal of the node id says of this node for exports: the units of each
@@ -499,7 +502,12 @@ class Node:
         assert self.parts is not None and self.push is not None and self.fanout is not None
         self.push.stop()  # no more usage push ticks or timers
         self.server.stop_accepting()
-        await self.server.close(drain_timeout=self.config.server.request_drain_timeout_s)
+        if self.api is not None:
+            self.api.close()  # calls from now on are refused; event streams end
+        await asyncio.gather(
+            self.server.close(drain_timeout=self.config.server.request_drain_timeout_s),
+            *(listener.close() for listener in self.api_listeners),
+        )
         if self._claimed_task is not None:
             self._tasks.append(self._claimed_task)
         for task in self._tasks:

@@ -17,6 +17,8 @@ from meter.config import NodeConfig
 from meter.core.server import RpcServer
 from meter.core.service import Service
 from meter.core.table import CounterTable
+from meter.http.api import Api
+from meter.http.listener import Listener
 from meter.persist.closing import PeriodCloser, overdue_s
 from meter.persist.flusher import Flusher
 from meter.persist.gauges import GaugeFlusher
@@ -60,6 +62,10 @@ class NodeView(Protocol):
 
     @property
     def closer(self) -> PeriodCloser | None: ...
+
+    #: The HTTP/JSON API (``None``: not configured) and its listeners.
+    api: Api | None
+    api_listeners: list[Listener]
 
     @property
     def stopping(self) -> bool:
@@ -147,6 +153,12 @@ def status_fields(node: NodeView) -> dict[str, Any]:
     out["metrics"] = {
         "address": node.metrics_address,
         "feature_labels": config.metrics.feature_labels,
+    }
+    socket = None if config.http.socket is None else str(config.http.socket)
+    out["http"] = {  # where the API listens, its calls and event streams
+        "socket": socket,
+        "address": next((x.address for x in node.api_listeners if x.address != socket), None),
+        **({} if node.api is None else node.api.stats()),
     }
     return out
 

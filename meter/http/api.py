@@ -1,0 +1,279 @@
+"""The HTTP/JSON API: every wire method as ``POST /v1/<method>``, live usage and alerts as
+Server-Sent Events on ``GET /v1/subscribe``, the OpenAPI document on ``GET /openapi.json``
+(docs/http.md).
+
+A call goes through the same dispatch as a MessagePack-RPC one, by the table of
+:mod:`meter.http.signatures`, and its answer leaves once the write-ahead log holds what it did,
+as on the socket. Each answer is ``{"result": ...}``, or ``{"error": {"code", "message"}}``
+with the code's HTTP status (:data:`~meter.http.signatures.STATUS`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from inspect import isawaitable
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from meter.core.protocol import RESPONSE
+from meter.core.server import Dispatcher
+from meter.core.watch import Bind, Subscriber, Watch, check_features
+from meter.errors import InvalidArgument, MeterError, Unavailable, UnknownMethod
+from meter.http.openapi import document
+from meter.http.signatures import SIGNATURES, STATUS, to_json, wire_params
+
+if TYPE_CHECKING:
+    from meter.core.counts import RequestStats
+    from meter.wal.log import WriteAheadLog
+
+log = logging.getLogger("meter.http")
+
+#: An event stream with nothing to send writes a comment this often (proxies, dead peers).
+KEEPALIVE_S = 15.0
+#: Notifications written to a stream at a time.
+EVENT_BATCH = 256
+_JSON = "application/json"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def error_response(code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    """The answer of an error ``code``: its status and ``{"error": {code, message}}``."""
+    return web.Response(
+        status=STATUS.get(code, 500),
+        text=_dumps({"error": {"code": code, "message": message}}),
+        content_type=_JSON,
+        headers=headers,
+    )
+
+
+class Api:
+    """The API's handlers over one node's dispatch, log and watch."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        *,
+        wal: WriteAheadLog | None,
+        watch: Watch,
+        request_stats: RequestStats | None = None,
+    ) -> None:
+        self._dispatch = dispatcher.dispatch
+        self.wal = wal
+        self.watch = watch
+        self.request_stats = request_stats
+        #: Open event streams: each one's subscriber, and the event that wakes its writer.
+        self._streams: dict[Subscriber, asyncio.Event] = {}
+        self._openapi = _dumps(document())
+        self.closing = False
+        #: Calls answered, and those answered with an error.
+        self.calls = 0
+        self.errors = 0
+
+    def stats(self) -> dict[str, int]:
+        """Counters for ``status``."""
+        return {"calls": self.calls, "errors": self.errors, "streams": len(self._streams)}
+
+    def app(self, first: Any, max_body: int, token: str | None = None) -> web.Application:
+        """An application serving the API; ``first`` runs first (the listener's limits);
+        a body is at most ``max_body`` bytes; with ``token`` every request must carry
+        ``Authorization: Bearer <token>``."""
+        middlewares: list[Any] = [first]
+        if token is not None:
+            middlewares.append(_bearer(token))
+        app = web.Application(middlewares=middlewares, client_max_size=max_body)
+        app.router.add_post("/v1/{method}", self.call)
+        app.router.add_get("/v1/subscribe", self.subscribe)
+        app.router.add_get("/openapi.json", self.openapi)
+        return app
+
+    # -- calls ----------------------------------------------------------------------------
+
+    async def call(self, request: web.Request) -> web.Response:
+        """``POST /v1/<method>``."""
+        method = request.match_info["method"]
+        t0 = perf_counter()
+        code: str | None = None
+        try:
+            result = await self._call(method, request)
+            body = _dumps({"result": to_json(result)})
+        except MeterError as exc:
+            code = exc.code
+            return error_response(exc.code, str(exc))
+        except ValueError as exc:  # what JSON cannot carry
+            code = "internal"
+            log.error("unencodable result of %.64r answered as internal: %s", method, exc)
+            return error_response("internal", "internal error")
+        except Exception:
+            code = "internal"
+            log.exception("internal error in %.64r", method)
+            return error_response("internal", "internal error")
+        finally:
+            self.calls += 1
+            if code is not None:
+                self.errors += 1
+            stats = self.request_stats
+            if stats is not None and method in SIGNATURES:
+                stats.one(stats.label(method), code, perf_counter() - t0)
+        return web.Response(text=body, content_type=_JSON)
+
+    async def _call(self, method: str, request: web.Request) -> Any:
+        sig = SIGNATURES.get(method)
+        if sig is None:
+            raise UnknownMethod(f"unknown method {method[:64]!r}: see /openapi.json")
+        if self.closing:
+            raise Unavailable("the node is shutting down")
+        raw = await _read_body(request)
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"{method}: the body is not JSON: {exc}") from None
+        params = wire_params(sig, body, request.headers.get("Idempotency-Key"))
+        result = self._dispatch(method, params)
+        if isawaitable(result):
+            result = await result
+        return await self._committed(result)
+
+    async def _committed(self, result: Any) -> Any:
+        """``result`` once the log holds what the call did (as the socket answers)."""
+        wal = self.wal
+        if wal is None or not wal.dirty:
+            return result
+        done: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+
+        def send(arrays: list[list[Any]], error: str | None) -> None:
+            if not done.done():
+                done.set_result(arrays[0])
+
+        wal.hold(send, [[RESPONSE, 0, None, result]])
+        _, _, error, result = await done
+        if error is not None:
+            raise Unavailable(str(error.get("message", "the write-ahead log failed")))
+        return result
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """``GET /openapi.json``."""
+        return web.Response(text=self._openapi, content_type=_JSON)
+
+    # -- event streams --------------------------------------------------------------------
+
+    async def subscribe(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/subscribe?tenant=T&features=a,b&alerts=true``: the watched counters now
+        (``usage`` events), then each change and each alert as it happens."""
+        q = request.query
+        tenants = q.getall("tenant", [])
+        alerts = q.get("alerts", "false")
+        if self.closing:
+            return error_response("unavailable", "the node is shutting down")
+        if alerts not in ("true", "false") or (not tenants and alerts != "true"):
+            return error_response(
+                "invalid_argument",
+                "subscribe: give tenant=T (repeat for more), alerts=true, or both",
+            )
+        raw = q.get("features")
+        sub = Subscriber()
+        rows: list[list[Any]] = []
+        try:
+            features = None if raw is None else check_features([f for f in raw.split(",") if f])
+            for tenant in tenants:
+                rows.extend(await self._bound("subscribe", [tenant, features], sub))
+            if alerts == "true":
+                await self._bound("subscribe_alerts", [], sub)
+        except MeterError as exc:
+            self.watch.remove(sub)
+            return error_response(exc.code, str(exc))
+        wake = self._streams[sub] = asyncio.Event()
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store"}
+        )
+        try:
+            await resp.prepare(request)
+            await resp.write(b"".join(_usage_event(r) for r in rows) or b": watching\n\n")
+            while not self.closing:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), KEEPALIVE_S)
+                wake.clear()
+                if not sub.has_pending:
+                    await resp.write(b": keep-alive\n\n")
+                while sub.alerts:
+                    await resp.write(
+                        b"".join(_event("alert", a) for a in sub.take_alerts(EVENT_BATCH))
+                    )
+                while sub.pending:
+                    await resp.write(b"".join(_usage_event(r) for r in sub.take(EVENT_BATCH)))
+        except (ConnectionError, asyncio.CancelledError):
+            pass  # the client went away, or the listener is closing
+        finally:
+            del self._streams[sub]
+            self.watch.remove(sub)
+        return resp
+
+    async def _bound(self, method: str, params: list[Any], sub: Subscriber) -> Any:
+        bind = self._dispatch(method, params)
+        assert type(bind) is Bind
+        result = bind.run(sub)
+        return await result if isawaitable(result) else result
+
+    def push(self) -> None:
+        """Wake every stream with notifications waiting (the node's usage push)."""
+        for sub, wake in self._streams.items():
+            if sub.has_pending:
+                wake.set()
+
+    def close(self) -> None:
+        """Refuse calls from now on (the node drains); end every stream."""
+        self.closing = True
+        for wake in self._streams.values():
+            wake.set()
+
+
+async def _read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise _TooLarge(exc.text or "the body is too large") from None
+
+
+class _TooLarge(MeterError):
+    """A body over the listener's ``max_body`` (HTTP only: the socket has ``max_frame_bytes``)."""
+
+    code = "payload_too_large"
+
+
+def _event(kind: str, data: Any) -> bytes:
+    return f"event: {kind}\ndata: {_dumps(to_json(data))}\n\n".encode()
+
+
+def _usage_event(row: list[Any]) -> bytes:
+    """A usage notification (``[tenant, feature, value, period, dims?]``) as an event."""
+    data: dict[str, Any] = {"tenant": row[0], "feature": row[1], "value": row[2], "period": row[3]}
+    if len(row) > 4:
+        data["dimensions"] = row[4]
+    return _event("usage", data)
+
+
+def _bearer(token: str) -> Any:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return error_response(
+                "unauthenticated",
+                "send Authorization: Bearer <http_token>",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await handler(request)
+
+    return check

@@ -1,0 +1,200 @@
+"""An aiohttp application served on a TCP address or a Unix socket, with limits on clients.
+
+aiohttp parses and answers; what it does not do, this does: at most ``max_connections`` at
+once (a connection past it takes the place of the oldest one that has not sent a whole request
+yet, else of the oldest idle one, else of the oldest), and a connection that has not sent a
+whole request within ``head_timeout_s`` of connecting is answered 408 and closed, so idle or
+trickling clients cannot keep a probe or a call out. Idle keep-alive connections close after
+``keepalive_s``. A request head is at most 8 KiB a line (aiohttp answers 400 past it), a
+body at most ``max_body`` bytes (413).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from meter.core.server import bind_unix, clear_stale, unlink_own
+
+_TIMEOUT = (
+    b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Content-Length: 34\r\nConnection: close\r\n\r\nrequest head not received in time\n"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one listener allows its clients."""
+
+    max_connections: int
+    #: Seconds a new connection has to send its first whole request head.
+    head_timeout_s: float
+    #: Seconds an idle keep-alive connection is kept.
+    keepalive_s: float
+    #: Largest request body, bytes.
+    max_body: int
+    #: Seconds the close waits for requests being answered.
+    shutdown_s: float = 5.0
+
+
+class _Guard:
+    """The connections of one listener: which have started a request, which are busy."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        #: Open connections, oldest first -> whether one of its requests was read.
+        self._conns: dict[RequestHandler, bool] = {}
+        self._busy: set[RequestHandler] = set()
+        #: Connections closed to make room for a newer one, or for a late request head.
+        self.evicted = 0
+        self.timed_out = 0
+
+    def factory(self, server: web.Server) -> Callable[[], RequestHandler]:
+        def make() -> RequestHandler:
+            conns = self._conns
+            for h in [h for h in conns if h.transport is None]:  # closed since
+                del conns[h]
+                self._busy.discard(h)
+            if len(conns) >= self.limits.max_connections:
+                self._make_room()
+            handler = server()
+            conns[handler] = False
+            asyncio.get_running_loop().call_later(
+                self.limits.head_timeout_s, self._head_timeout, handler
+            )
+            return handler
+
+        return make
+
+    def _make_room(self) -> None:
+        conns = self._conns
+        victim = next((h for h, started in conns.items() if not started), None)
+        if victim is None:
+            victim = next((h for h in conns if h not in self._busy), next(iter(conns)))
+        del conns[victim]
+        self._busy.discard(victim)
+        self.evicted += 1
+        if victim.transport is not None:
+            victim.transport.abort()
+
+    def _head_timeout(self, handler: RequestHandler) -> None:
+        if self._conns.get(handler) is False and handler.transport is not None:
+            self.timed_out += 1
+            transport = handler.transport
+            transport.write(_TIMEOUT)
+            transport.close()
+
+    @web.middleware
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        conn = request.protocol
+        if conn in self._conns:
+            self._conns[conn] = True
+        self._busy.add(conn)
+        try:
+            return await handler(request)
+        finally:
+            self._busy.discard(conn)
+
+
+class Listener:
+    """One aiohttp application on one address; :meth:`start_tcp` or :meth:`start_unix`,
+    then :meth:`close`. The application is built with :meth:`middleware` first."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self._guard = _Guard(limits)
+        self._runner: web.AppRunner | None = None
+        self._path: str | None = None
+        self._inode: tuple[int, int, int] | None = None
+        #: ``host:port`` bound (TCP), or the socket's path.
+        self.address: str | None = None
+
+    @property
+    def middleware(self) -> Any:
+        """The middleware that tells the limits which connections are at work."""
+        return self._guard.middleware
+
+    @property
+    def evicted(self) -> int:
+        return self._guard.evicted + self._guard.timed_out
+
+    async def _serve(self, app: web.Application, sock: Any) -> None:
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            keepalive_timeout=self.limits.keepalive_s,
+            shutdown_timeout=self.limits.shutdown_s,
+        )
+        await runner.setup()
+        self._runner = runner
+        site = _Site(runner, sock, self._guard)
+        await site.start()
+
+    async def start_tcp(self, app: web.Application, host: str, port: int) -> str:
+        """Serve ``app`` on ``host:port``; return the bound ``host:port``. OSError if not."""
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, type_, proto, _, addr = infos[0]
+        sock = socket.socket(family, type_, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.setblocking(False)
+            await self._serve(app, sock)
+        except BaseException:
+            sock.close()
+            raise
+        bound = sock.getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        self.address = f"{shown}:{bound[1]}"
+        return self.address
+
+    async def start_unix(self, app: web.Application, path: str, mode: int = 0o600) -> str:
+        """Serve ``app`` on the Unix socket ``path`` (file ``mode``); a stale socket file is
+        replaced, a live one is OSError(EADDRINUSE), another file FileExistsError."""
+        await clear_stale(path)
+        sock, inode = bind_unix(path, mode)
+        try:
+            await self._serve(app, sock)
+        except BaseException:
+            sock.close()
+            unlink_own(path, inode)
+            raise
+        self._path, self._inode, self.address = path, inode, path
+        return path
+
+    async def close(self) -> None:
+        """Stop listening, finish the requests being answered (within ``shutdown_s``), close
+        every connection."""
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return
+        with contextlib.suppress(Exception):
+            await runner.cleanup()
+        if self._path is not None:
+            unlink_own(self._path, self._inode)
+
+
+class _Site(web.SockSite):
+    """A listening socket whose connections go through the guard."""
+
+    def __init__(self, runner: web.AppRunner, sock: Any, guard: _Guard) -> None:
+        super().__init__(runner, sock, backlog=1024)
+        self._guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # (registers the site with its runner)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self._guard.factory(server), sock=self._sock, backlog=self._backlog
+        )

@@ -1,0 +1,85 @@
+"""The node's HTTP listeners started from its settings: the probes (``metrics_address``) and
+the HTTP/JSON API (``http_socket``, ``http_address``; docs/http.md)."""
+
+from __future__ import annotations
+
+import logging
+
+from meter.config import NodeConfig
+from meter.core.counts import RequestStats
+from meter.core.service import Service
+from meter.errors import ConfigError
+from meter.http.api import Api
+from meter.http.listener import Limits, Listener
+from meter.http.probes import LIMITS, Endpoints, probe_app
+from meter.wal.log import WriteAheadLog
+
+log = logging.getLogger("meter.node")
+
+#: The API's listeners: connections at once (a new one past it closes an idle one), seconds
+#: a new connection has to send a request head, seconds an idle keep-alive one is kept.
+API_MAX_CONNECTIONS = 1024
+API_HEAD_TIMEOUT_S = 10.0
+API_KEEPALIVE_S = 75.0
+
+
+async def start_probes(address: tuple[str, int], endpoints: Endpoints) -> tuple[Listener, str]:
+    """The probes' listener on ``address``, and the ``host:port`` it bound; ConfigError
+    naming ``metrics_address`` if it cannot listen."""
+    listener = Listener(LIMITS)
+    host, port = address
+    try:
+        bound = await listener.start_tcp(probe_app(endpoints, listener.middleware), host, port)
+    except OSError as exc:
+        raise ConfigError(
+            "metrics_address", f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from None
+    return listener, bound
+
+
+async def start_api(
+    config: NodeConfig,
+    service: Service,
+    wal: WriteAheadLog | None,
+    request_stats: RequestStats | None,
+    listeners: list[Listener],
+) -> Api | None:
+    """The API over ``service``, served on the socket and the address ``config`` names
+    (``None``: neither is set), each listener added to ``listeners`` before it starts (so the
+    caller closes what started); ConfigError naming the setting if one cannot listen."""
+    h = config.http
+    if h.socket is None and h.address is None:
+        return None
+    api = Api(service, wal=wal, watch=service.watch, request_stats=request_stats)
+    limits = Limits(
+        max_connections=API_MAX_CONNECTIONS,
+        head_timeout_s=API_HEAD_TIMEOUT_S,
+        keepalive_s=API_KEEPALIVE_S,
+        max_body=config.server.max_frame_bytes,
+        shutdown_s=config.server.request_drain_timeout_s,
+    )
+    if h.socket is not None:
+        listener = Listener(limits)
+        listeners.append(listener)
+        try:
+            await listener.start_unix(api.app(listener.middleware, limits.max_body), str(h.socket))
+        except FileExistsError:
+            raise ConfigError("http_socket", f"{h.socket} exists and is not a socket") from None
+        except OSError as exc:
+            raise ConfigError(
+                "http_socket", f"cannot listen on {h.socket}: {exc.strerror or exc}"
+            ) from None
+        log.info("HTTP/JSON API on unix:%s", h.socket)
+    if h.address is not None:
+        listener = Listener(limits)
+        listeners.append(listener)
+        host, port = h.address
+        app = api.app(listener.middleware, limits.max_body, h.token)
+        try:
+            bound = await listener.start_tcp(app, host, port)
+        except OSError as exc:
+            raise ConfigError(
+                "http_address", f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from None
+        log.info("HTTP/JSON API on http://%s%s", bound, " (bearer token)" if h.token else "")
+    return api
