@@ -11,7 +11,6 @@ with the code's HTTP status (:data:`~meter.http.signatures.STATUS`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
@@ -24,7 +23,7 @@ from aiohttp import web
 
 from meter.core.protocol import RESPONSE
 from meter.core.server import Dispatcher
-from meter.core.watch import Bind, Subscriber, Watch, check_features
+from meter.core.watch import Bind, Subscriber, Watch
 from meter.errors import InvalidArgument, MeterError, Unavailable, UnknownMethod
 from meter.http.openapi import document
 from meter.http.signatures import SIGNATURES, STATUS, to_json, wire_params
@@ -37,6 +36,8 @@ log = logging.getLogger("meter.http")
 
 #: An event stream with nothing to send writes a comment this often (proxies, dead peers).
 KEEPALIVE_S = 15.0
+#: A stream looks this often whether its client is still there.
+CHECK_S = 1.0
 #: Notifications written to a stream at a time.
 EVENT_BATCH = 256
 _JSON = "application/json"
@@ -184,7 +185,7 @@ class Api:
         sub = Subscriber()
         rows: list[list[Any]] = []
         try:
-            features = None if raw is None else check_features([f for f in raw.split(",") if f])
+            features = None if raw is None else [f for f in raw.split(",") if f]
             for tenant in tenants:
                 rows.extend(await self._bound("subscribe", [tenant, features], sub))
             if alerts == "true":
@@ -199,12 +200,21 @@ class Api:
         try:
             await resp.prepare(request)
             await resp.write(b"".join(_usage_event(r) for r in rows) or b": watching\n\n")
+            quiet = 0.0
             while not self.closing:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), KEEPALIVE_S)
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    break  # the client went away (nothing to write tells it otherwise)
+                try:
+                    await asyncio.wait_for(wake.wait(), CHECK_S)
+                except TimeoutError:
+                    quiet += CHECK_S
+                    if quiet >= KEEPALIVE_S:
+                        quiet = 0.0
+                        await resp.write(b": keep-alive\n\n")
+                    continue
                 wake.clear()
-                if not sub.has_pending:
-                    await resp.write(b": keep-alive\n\n")
+                quiet = 0.0
                 while sub.alerts:
                     await resp.write(
                         b"".join(_event("alert", a) for a in sub.take_alerts(EVENT_BATCH))

@@ -52,14 +52,14 @@ def _obj(**props: Schema) -> Schema:
 
 #: A plan's limit of one feature (``set_plan``).
 LIMIT_SPEC: Schema = _obj(limit=INT, kind=STR, enforcement=STR, alerts=ALERTS, price=INT)
-#: One ``track_many`` item: ``[tenant, feature, qty]`` or with ``{id, dims}`` (or an id).
+#: One ``track_many`` item: ``[tenant, feature, qty]`` or with ``{id, dims}``.
 TRACK_ITEM: Schema = {
     "type": "array",
     "prefixItems": [
         STR,
         STR,
         INT,
-        {"oneOf": [STR, {"type": "null"}, _obj(id=STR, dims=DIMS)]},
+        {"oneOf": [{"type": "null"}, _obj(id=STR, dims=DIMS)]},
     ],
     "minItems": 3,
     "maxItems": 4,
@@ -93,6 +93,9 @@ class Signature:
     params: tuple[Param, ...] = ()
     #: The trailing map's fields; ``None``: the method takes no trailing map.
     fields: tuple[Param, ...] | None = None
+    #: The node needs the trailing map, even empty (``set_limit``'s spec); the API always
+    #: sends it.
+    map_required: bool = False
     key: str | None = None
     #: It changes nothing (a read).
     read: bool = False
@@ -209,6 +212,7 @@ SIGNATURES: dict[str, Signature] = {
                 Param("price", INT, doc="credits a unit"),
                 Param("where", DIMS, doc="one dimension value"),
             ),
+            map_required=True,
         ),
         Signature(
             "clear_limit",
