@@ -39,8 +39,16 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from bench.harness import Progress, Row, Services, Sizes, median, node_status, percentile
-from bench.scale_converge import _cpu_s
+from bench.harness import (
+    Progress,
+    Row,
+    Services,
+    Sizes,
+    cpu_seconds,
+    median,
+    node_status,
+    percentile,
+)
 from cluster.bus import channel_name
 from cluster.codec import Codec, Header
 from meter.client import Client
@@ -105,18 +113,18 @@ def _one(
         side.start()
         # The node's CPU with its own load and the probe's polls but no peers: taken off.
         time.sleep(SETTLE_S)  # (after the warm-up's writes)
-        idle0, t_idle = _cpu_s(pid), time.monotonic()
+        idle0, t_idle = cpu_seconds(pid), time.monotonic()
         time.sleep(IDLE_S)
-        idle_rate = (_cpu_s(pid) - idle0) / (time.monotonic() - t_idle)
+        idle_rate = (cpu_seconds(pid) - idle0) / (time.monotonic() - t_idle)
         # (spawned, not forked: the polling thread runs; started before the window opens)
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
             ex.submit(time.sleep, 0).result()
-            before, cpu0, t0 = node_status(node), _cpu_s(pid), time.monotonic()
+            before, cpu0, t0 = node_status(node), cpu_seconds(pid), time.monotonic()
             sim = ex.submit(
                 simulate, str(svc.redis().socket), peers, keys, touched, tick_ms, seconds
             ).result()
             wall = time.monotonic() - t0
-            cpu = _cpu_s(pid) - cpu0
+            cpu = cpu_seconds(pid) - cpu0
             after = node_status(node)
         time.sleep(0.3)  # (the last probe lands)
     finally:

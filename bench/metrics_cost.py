@@ -17,7 +17,6 @@ measure. Per shape:
 
 from __future__ import annotations
 
-import os
 import threading
 import urllib.request
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from bench.harness import (
     Row,
     Services,
     Sizes,
+    cpu_seconds,
     in_turn,
     median,
     ratios,
@@ -89,24 +89,17 @@ class _Round:
         return self.cpu_s / self.requests * 1e6 if self.requests else 0.0
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _measured(node: NodeProcess, load: Load, scraper: _Scraper | None) -> _Round:
     assert node.proc is not None
     pid = node.proc.pid
     before = node.call("status")["server"]["requests"]
-    cpu = _cpu_s(pid)
+    cpu = cpu_seconds(pid)
     if scraper is None:
         result = run_load(load)
     else:
         with scraper:
             result = run_load(load)
-    cpu = _cpu_s(pid) - cpu
+    cpu = cpu_seconds(pid) - cpu
     requests = node.call("status")["server"]["requests"] - before - 1  # (this status)
     return _Round(result, cpu, requests)
 

@@ -28,7 +28,16 @@ from typing import Any
 
 import msgpack
 
-from bench.harness import Progress, Row, Services, Sizes, median, node_status, percentile
+from bench.harness import (
+    Progress,
+    Row,
+    Services,
+    Sizes,
+    cpu_seconds,
+    median,
+    node_status,
+    percentile,
+)
 from bench.scale import (
     CONNS,
     SCALE,
@@ -52,18 +61,6 @@ POLL_S = 0.002
 PROBE_TENANT, PROBE_FEATURE = "probe", "visible"
 #: Slack over the tick allowed at the target load (issue 14).
 SLACK_MS = 30.0
-
-
-def _cpu_s(pid: int | None) -> float:
-    """User + system CPU seconds of process ``pid`` (0.0 if unknown)."""
-    if pid is None:
-        return 0.0
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _rpc(
@@ -294,7 +291,7 @@ def scale_convergence(
 
         def snap(name: str) -> Any:
             def take() -> None:
-                cpus[name] = [_cpu_s(p.proc.pid if p.proc else None) for p in nodes]
+                cpus[name] = [cpu_seconds(p.proc.pid if p.proc else None) for p in nodes]
                 snaps[name] = [node_status(p) for p in nodes]
 
             return take
