@@ -10,6 +10,7 @@ trip. Workers run for a fixed time and stop by themselves.
 from __future__ import annotations
 
 import array
+import json
 import multiprocessing as mp
 import socket
 import time
@@ -27,8 +28,8 @@ SOCKET_TIMEOUT = 10.0
 class Load:
     """What every worker of one step sends."""
 
-    proto: str  # "meter" or "redis"
-    path: str  # Unix socket path
+    proto: str  # "meter", "redis" or "http" (HTTP/1.1 keep-alive, pipelined by ``depth``)
+    path: str  # Unix socket path, or ``tcp:host:port``
     method: str  # "track", "track_many" or "incr"
     connections: int
     depth: int  # requests per round trip (1: unpipelined)
@@ -48,6 +49,9 @@ class Load:
     #: A unique feature's value (feature ``u``, declared ``unique``): every ``track`` gives
     #: it (met once, then known: the already-seen path).
     value: str = ""
+    #: ``http``: the request target; ``track`` POSTs its JSON params there, any other
+    #: method is sent as the request's method with no body (``GET`` a probe).
+    target: str = "/v1/track"
 
     def socket_of(self, worker: int) -> str:
         """The socket worker ``worker`` connects to."""
@@ -117,6 +121,50 @@ def _dims(n: int, j: int) -> dict[str, str]:
     return dict(list({"model": f"m{j % 10}", "region": f"r{j // 10 % 10}"}.items())[:n])
 
 
+def http_frames(load: Load, worker: int) -> bytes:
+    """``depth`` HTTP/1.1 keep-alive requests in one buffer: a ``track`` as the JSON API
+    takes it (docs/http.md), or a bare ``GET`` of ``load.target``."""
+    if load.method != "track":
+        one = f"{load.method} {load.target} HTTP/1.1\r\nHost: bench\r\n\r\n".encode()
+        return one * load.depth
+    out = bytearray()
+    tenant = load.tenant.format(i=worker)
+    for j in range(load.depth):
+        body = json.dumps({"tenant": tenant, "feature": _feature(load, j), "qty": 1}).encode()
+        out += (
+            f"POST {load.target} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+    return bytes(out)
+
+
+class _HttpAnswers:
+    """Counts whole HTTP/1.1 answers (each with a Content-Length) in a byte stream."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.errors = 0
+
+    def feed(self, data: bytes) -> int:
+        buf = self.buf + data
+        n = 0
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                break
+            head = buf[:end].lower() + b"\r\n"
+            at = head.find(b"content-length:") + 15
+            length = int(head[at : head.find(b"\r\n", at)])
+            if len(buf) < end + 4 + length:
+                break
+            if not buf.startswith(b"HTTP/1.1 200"):
+                self.errors += 1
+            buf = buf[end + 4 + length :]
+            n += 1
+        self.buf = buf
+        return n
+
+
 def redis_frames(load: Load, worker: int) -> bytes:
     """``depth`` RESP ``INCR`` commands in one buffer, on the node's names joined by ``:``
     (``bench-<worker>:f`` with the default ``load.tenant``, or ``bench-<worker>:f0`` ..
@@ -138,16 +186,23 @@ def _worker(load: Load, index: int, ready: Any, go: Any, out: Connection) -> Non
 
 
 def _run(load: Load, index: int, ready: Any, go: Any) -> tuple[Any, ...]:
-    frames = meter_frames(load, index) if load.proto == "meter" else redis_frames(load, index)
+    build = {"meter": meter_frames, "redis": redis_frames, "http": http_frames}[load.proto]
+    frames = build(load, index)
     depth = load.depth
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    where = load.socket_of(index)
+    if where.startswith("tcp:"):
+        host, port = where[4:].rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)))
+    else:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(where)
     sock.settimeout(SOCKET_TIMEOUT)
-    sock.connect(load.socket_of(index))
     ready.release()
     if not go.wait(60):
         sock.close()
         return ("error", "never started")
     is_redis = load.proto == "redis"
+    http = _HttpAnswers() if load.proto == "http" else None
     unpacker = msgpack.Unpacker(raw=False)
     lat = array.array("q")
     now = time.perf_counter_ns
@@ -165,7 +220,9 @@ def _run(load: Load, index: int, ready: Any, go: Any) -> tuple[Any, ...]:
             data = recv(262144)
             if not data:
                 raise ConnectionError("server closed the connection")
-            if is_redis:
+            if http is not None:
+                got += http.feed(data)
+            elif is_redis:
                 got += data.count(b"\n")
                 if b"-" in data:
                     errors += data.count(b"-")
@@ -180,6 +237,8 @@ def _run(load: Load, index: int, ready: Any, go: Any) -> tuple[Any, ...]:
             ops += depth
             lat.append(t1 - t0)
     sock.close()
+    if http is not None:
+        errors += http.errors
     return ("ok", ops, errors, lat.tobytes())
 
 

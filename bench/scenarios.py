@@ -22,7 +22,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench import corrections, dimensions, fanout, ledger_cost, metrics_cost, quotas, scale
+from bench import (
+    corrections,
+    dimensions,
+    fanout,
+    http_cost,
+    ledger_cost,
+    metrics_cost,
+    quotas,
+    scale,
+)
 from bench.harness import (
     ALTERNATING,
     NODE_MEMORY,
@@ -1088,4 +1097,5 @@ SCENARIOS: dict[str, Callable[[Services, Sizes, Progress], list[Row]]] = {
     "dimensions": dimensions.dimensions,
     "corrections": corrections.corrections,
     "fanout": fanout.fanout,
+    "http": http_cost.http_cost,
 }

@@ -14,7 +14,6 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable
 from inspect import isawaitable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -24,9 +23,10 @@ from aiohttp import web
 from meter.core.protocol import RESPONSE
 from meter.core.server import Dispatcher
 from meter.core.watch import Bind, Subscriber, Watch
-from meter.errors import InvalidArgument, MeterError, Unavailable, UnknownMethod
+from meter.errors import InvalidArgument, MeterError, Unavailable
+from meter.http.listener import Handler
 from meter.http.openapi import document
-from meter.http.signatures import SIGNATURES, STATUS, to_json, wire_params
+from meter.http.signatures import JSON_SAFE_INT, SIGNATURES, STATUS, to_json, wire_params
 
 if TYPE_CHECKING:
     from meter.core.counts import RequestStats
@@ -41,17 +41,22 @@ CHECK_S = 1.0
 #: Notifications written to a stream at a time.
 EVENT_BATCH = 256
 _JSON = "application/json"
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Results of these types are answered at once; anything else is checked for awaitability.
+_PLAIN = frozenset({int, str, dict, list, type(None), bool})
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_dumps = _ENCODER.encode
+_DECODER = json.JSONDecoder()
 
 
-def error_response(code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    """The answer of an error ``code``: its status and ``{"error": {code, message}}``."""
+def error_response(
+    code: str, message: str, headers: dict[str, str] | None = None, status: int | None = None
+) -> web.Response:
+    """The answer of an error ``code``: its status (or ``status``) and ``{"error": {code,
+    message}}``."""
     return web.Response(
-        status=STATUS.get(code, 500),
+        status=status or STATUS.get(code, 500),
         text=_dumps({"error": {"code": code, "message": message}}),
         content_type=_JSON,
         headers=headers,
@@ -85,71 +90,103 @@ class Api:
         """Counters for ``status``."""
         return {"calls": self.calls, "errors": self.errors, "streams": len(self._streams)}
 
-    def app(self, first: Any, max_body: int, token: str | None = None) -> web.Application:
-        """An application serving the API; ``first`` runs first (the listener's limits);
-        a body is at most ``max_body`` bytes; with ``token`` every request must carry
-        ``Authorization: Bearer <token>``."""
-        middlewares: list[Any] = [first]
-        if token is not None:
-            middlewares.append(_bearer(token))
-        app = web.Application(middlewares=middlewares, client_max_size=max_body)
-        app.router.add_post("/v1/{method}", self.call)
-        app.router.add_get("/v1/subscribe", self.subscribe)
-        app.router.add_get("/openapi.json", self.openapi)
-        return app
+    def handler(self, token: str | None = None) -> Handler:
+        """The API's handler; with ``token`` every request must carry ``Authorization:
+        Bearer <token>``."""
+        calls = {f"/v1/{method}": self._method(method) for method in SIGNATURES}
+        gets = {"/v1/subscribe": self.subscribe, "/openapi.json": self.openapi}
+        expected = None if token is None else f"Bearer {token}".encode()
 
-    # -- calls ----------------------------------------------------------------------------
+        async def handle(request: web.BaseRequest) -> web.StreamResponse:
+            if expected is not None:
+                given = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return error_response(
+                        "unauthenticated",
+                        "send Authorization: Bearer <http_token>",
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
+            path = request.path
+            if request.method == "POST":
+                call = calls.get(path)
+                if call is not None:
+                    return await call(request)
+            elif request.method in ("GET", "HEAD"):
+                get = gets.get(path)
+                if get is not None:
+                    return await get(request)
+            return self.unknown(request)
 
-    async def call(self, request: web.Request) -> web.Response:
-        """``POST /v1/<method>``."""
-        method = request.match_info["method"]
-        t0 = perf_counter()
-        code: str | None = None
-        try:
-            result = await self._call(method, request)
-            body = _dumps({"result": to_json(result)})
-        except MeterError as exc:
-            code = exc.code
-            return error_response(exc.code, str(exc))
-        except ValueError as exc:  # what JSON cannot carry
-            code = "internal"
-            log.error("unencodable result of %.64r answered as internal: %s", method, exc)
-            return error_response("internal", "internal error")
-        except Exception:
-            code = "internal"
-            log.exception("internal error in %.64r", method)
-            return error_response("internal", "internal error")
-        finally:
-            self.calls += 1
-            if code is not None:
-                self.errors += 1
-            stats = self.request_stats
-            if stats is not None and method in SIGNATURES:
-                stats.one(stats.label(method), code, perf_counter() - t0)
-        return web.Response(text=body, content_type=_JSON)
+        return handle
 
-    async def _call(self, method: str, request: web.Request) -> Any:
-        sig = SIGNATURES.get(method)
-        if sig is None:
-            raise UnknownMethod(f"unknown method {method[:64]!r}: see /openapi.json")
-        if self.closing:
-            raise Unavailable("the node is shutting down")
-        raw = await _read_body(request)
-        try:
-            body = json.loads(raw) if raw.strip() else {}
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidArgument(f"{method}: the body is not JSON: {exc}") from None
-        params = wire_params(sig, body, request.headers.get("Idempotency-Key"))
-        result = self._dispatch(method, params)
-        if isawaitable(result):
-            result = await result
-        return await self._committed(result)
+    def unknown(self, request: web.BaseRequest) -> web.Response:
+        """What no route answers: a method called with another verb is 405, an unknown
+        method ``unknown_method`` (404), another path ``not_found``."""
+        path = request.path
+        method = path.removeprefix("/v1/")
+        if f"/v1/{method}" == path and method in SIGNATURES:
+            return error_response(
+                "invalid_argument", f"{method}: send it as POST", {"Allow": "POST"}, status=405
+            )
+        if path.startswith("/v1/"):
+            return error_response(
+                "unknown_method", f"unknown method {method[:64]!r}: see /openapi.json"
+            )
+        return error_response("not_found", f"no such path {path[:64]!r}: see /openapi.json")
 
-    async def _committed(self, result: Any) -> Any:
-        """``result`` once the log holds what the call did (as the socket answers)."""
-        wal = self.wal
-        if wal is None or not wal.dirty:
-            return result
+    def _method(self, method: str) -> Handler:
+        """The handler of ``POST /v1/<method>`` (one coroutine: each level is a cost)."""
+        sig = SIGNATURES[method]
+
+        async def call(request: web.BaseRequest) -> web.Response:
+            t0 = perf_counter()
+            code: str | None = None
+            try:
+                if self.closing:
+                    raise Unavailable("the node is shutting down")
+                try:
+                    raw = await request.read()
+                    text = raw.decode()
+                    body = _DECODER.decode(text) if text.strip() else {}
+                except web.HTTPRequestEntityTooLarge as exc:
+                    raise _TooLarge(exc.text or "the body is too large") from None
+                except ValueError as exc:  # (UnicodeDecodeError is one)
+                    raise InvalidArgument(f"{method}: the body is not JSON: {exc}") from None
+                params = wire_params(sig, body, request.headers.get("Idempotency-Key"))
+                result = self._dispatch(method, params)
+                if type(result) not in _PLAIN and isawaitable(result):
+                    result = await result
+                wal = self.wal
+                if wal is not None and wal.dirty:
+                    result = await self._committed(wal, result)
+                if type(result) is int and -JSON_SAFE_INT <= result <= JSON_SAFE_INT:
+                    answer = f'{{"result":{result}}}'  # (a counter's value: most answers)
+                else:
+                    answer = _dumps({"result": to_json(result)})
+            except MeterError as exc:
+                code = exc.code
+                return error_response(exc.code, str(exc))
+            except ValueError as exc:  # what JSON cannot carry
+                code = "internal"
+                log.error("unencodable result of %.64r answered as internal: %s", method, exc)
+                return error_response("internal", "internal error")
+            except Exception:
+                code = "internal"
+                log.exception("internal error in %.64r", method)
+                return error_response("internal", "internal error")
+            finally:
+                self.calls += 1
+                if code is not None:
+                    self.errors += 1
+                stats = self.request_stats
+                if stats is not None:
+                    stats.one(stats.label(method), code, perf_counter() - t0)
+            return web.Response(text=answer, content_type=_JSON)
+
+        return call
+
+    async def _committed(self, wal: WriteAheadLog, result: Any) -> Any:
+        """``result`` once ``wal`` holds what the call did (as the socket answers)."""
         done: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
 
         def send(arrays: list[list[Any]], error: str | None) -> None:
@@ -162,13 +199,13 @@ class Api:
             raise Unavailable(str(error.get("message", "the write-ahead log failed")))
         return result
 
-    async def openapi(self, request: web.Request) -> web.Response:
+    async def openapi(self, request: web.BaseRequest) -> web.Response:
         """``GET /openapi.json``."""
         return web.Response(text=self._openapi, content_type=_JSON)
 
     # -- event streams --------------------------------------------------------------------
 
-    async def subscribe(self, request: web.Request) -> web.StreamResponse:
+    async def subscribe(self, request: web.BaseRequest) -> web.StreamResponse:
         """``GET /v1/subscribe?tenant=T&features=a,b&alerts=true``: the watched counters now
         (``usage`` events), then each change and each alert as it happens."""
         q = request.query
@@ -247,13 +284,6 @@ class Api:
             wake.set()
 
 
-async def _read_body(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise _TooLarge(exc.text or "the body is too large") from None
-
-
 class _TooLarge(MeterError):
     """A body over the listener's ``max_body`` (HTTP only: the socket has ``max_frame_bytes``)."""
 
@@ -270,20 +300,3 @@ def _usage_event(row: list[Any]) -> bytes:
     if len(row) > 4:
         data["dimensions"] = row[4]
     return _event("usage", data)
-
-
-def _bearer(token: str) -> Any:
-    expected = f"Bearer {token}".encode()
-
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            return error_response(
-                "unauthenticated",
-                "send Authorization: Bearer <http_token>",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        return await handler(request)
-
-    return check

@@ -2,11 +2,14 @@
 
 aiohttp parses and answers; what it does not do, this does: at most ``max_connections`` at
 once (a connection past it takes the place of the oldest one that has not sent a whole request
-yet, else of the oldest idle one, else of the oldest), and a connection that has not sent a
-whole request within ``head_timeout_s`` of connecting is answered 408 and closed, so idle or
-trickling clients cannot keep a probe or a call out. Idle keep-alive connections close after
-``keepalive_s``. A request head is at most 8 KiB a line (aiohttp answers 400 past it), a
-body at most ``max_body`` bytes (413).
+yet, else of the oldest one), and a connection that has not sent a whole request within
+``head_timeout_s`` of connecting is answered 408 and closed, so idle or trickling clients
+cannot keep a probe or a call out. Idle keep-alive connections close after ``keepalive_s``.
+
+The listener serves one handler on aiohttp's low-level server (``web.Server``): the API and
+the probes route by a dict of paths themselves, which costs less per request than an
+application's router, signals and middlewares. A request head is at most 8 KiB a line
+(aiohttp answers 400 past it), a body at most ``max_body`` bytes (413).
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ _TIMEOUT = (
 )
 
 
+#: A listener's handler: every request, answered.
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """What one listener allows its clients."""
@@ -45,13 +52,12 @@ class Limits:
 
 
 class _Guard:
-    """The connections of one listener: which have started a request, which are busy."""
+    """The connections of one listener, and which have sent a whole request."""
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         #: Open connections, oldest first -> whether one of its requests was read.
         self._conns: dict[RequestHandler, bool] = {}
-        self._busy: set[RequestHandler] = set()
         #: Connections closed to make room for a newer one, or for a late request head.
         self.evicted = 0
         self.timed_out = 0
@@ -61,7 +67,6 @@ class _Guard:
             conns = self._conns
             for h in [h for h in conns if h.transport is None]:  # closed since
                 del conns[h]
-                self._busy.discard(h)
             if len(conns) >= self.limits.max_connections:
                 self._make_room()
             handler = server()
@@ -75,11 +80,8 @@ class _Guard:
 
     def _make_room(self) -> None:
         conns = self._conns
-        victim = next((h for h, started in conns.items() if not started), None)
-        if victim is None:
-            victim = next((h for h in conns if h not in self._busy), next(iter(conns)))
+        victim = next((h for h, started in conns.items() if not started), next(iter(conns)))
         del conns[victim]
-        self._busy.discard(victim)
         self.evicted += 1
         if victim.transport is not None:
             victim.transport.abort()
@@ -91,56 +93,64 @@ class _Guard:
             transport.write(_TIMEOUT)
             transport.close()
 
-    @web.middleware
-    async def middleware(
-        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        conn = request.protocol
-        if conn in self._conns:
+    def started(self, conn: RequestHandler) -> None:
+        if self._conns.get(conn) is False:
             self._conns[conn] = True
-        self._busy.add(conn)
-        try:
-            return await handler(request)
-        finally:
-            self._busy.discard(conn)
 
 
 class Listener:
-    """One aiohttp application on one address; :meth:`start_tcp` or :meth:`start_unix`,
-    then :meth:`close`. The application is built with :meth:`middleware` first."""
+    """One handler served on one address; :meth:`start_tcp` or :meth:`start_unix`, then
+    :meth:`close`."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, handler: Handler) -> None:
         self.limits = limits
+        self.handler = handler
         self._guard = _Guard(limits)
-        self._runner: web.AppRunner | None = None
+        self._runner: web.ServerRunner | None = None
         self._path: str | None = None
         self._inode: tuple[int, int, int] | None = None
         #: ``host:port`` bound (TCP), or the socket's path.
         self.address: str | None = None
 
     @property
-    def middleware(self) -> Any:
-        """The middleware that tells the limits which connections are at work."""
-        return self._guard.middleware
-
-    @property
     def evicted(self) -> int:
         return self._guard.evicted + self._guard.timed_out
 
-    async def _serve(self, app: web.Application, sock: Any) -> None:
-        runner = web.AppRunner(
-            app,
-            access_log=None,
-            keepalive_timeout=self.limits.keepalive_s,
-            shutdown_timeout=self.limits.shutdown_s,
+    def _request(
+        self,
+        message: Any,
+        payload: Any,
+        protocol: RequestHandler,
+        writer: Any,
+        task: asyncio.Task[None],
+    ) -> web.BaseRequest:
+        """aiohttp's request factory: each request read whole spares its connection from the
+        head timeout and the eviction."""
+        self._guard.started(protocol)
+        return web.BaseRequest(
+            message,
+            payload,
+            protocol,
+            writer,
+            task,
+            asyncio.get_running_loop(),
+            client_max_size=self.limits.max_body,
         )
+
+    async def _serve(self, sock: socket.socket) -> None:
+        server = web.Server(
+            self.handler,
+            request_factory=self._request,
+            keepalive_timeout=self.limits.keepalive_s,
+            access_log=None,
+        )
+        runner = web.ServerRunner(server, shutdown_timeout=self.limits.shutdown_s)
         await runner.setup()
         self._runner = runner
-        site = _Site(runner, sock, self._guard)
-        await site.start()
+        await _Site(runner, sock, self._guard).start()
 
-    async def start_tcp(self, app: web.Application, host: str, port: int) -> str:
-        """Serve ``app`` on ``host:port``; return the bound ``host:port``. OSError if not."""
+    async def start_tcp(self, host: str, port: int) -> str:
+        """Serve on ``host:port``; return the bound ``host:port``. OSError if not."""
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family, type_, proto, _, addr = infos[0]
@@ -149,7 +159,7 @@ class Listener:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(addr)
             sock.setblocking(False)
-            await self._serve(app, sock)
+            await self._serve(sock)
         except BaseException:
             sock.close()
             raise
@@ -158,13 +168,13 @@ class Listener:
         self.address = f"{shown}:{bound[1]}"
         return self.address
 
-    async def start_unix(self, app: web.Application, path: str, mode: int = 0o600) -> str:
-        """Serve ``app`` on the Unix socket ``path`` (file ``mode``); a stale socket file is
+    async def start_unix(self, path: str, mode: int = 0o600) -> str:
+        """Serve on the Unix socket ``path`` (file ``mode``); a stale socket file is
         replaced, a live one is OSError(EADDRINUSE), another file FileExistsError."""
         await clear_stale(path)
         sock, inode = bind_unix(path, mode)
         try:
-            await self._serve(app, sock)
+            await self._serve(sock)
         except BaseException:
             sock.close()
             unlink_own(path, inode)
@@ -187,7 +197,7 @@ class Listener:
 class _Site(web.SockSite):
     """A listening socket whose connections go through the guard."""
 
-    def __init__(self, runner: web.AppRunner, sock: Any, guard: _Guard) -> None:
+    def __init__(self, runner: web.ServerRunner, sock: Any, guard: _Guard) -> None:
         super().__init__(runner, sock, backlog=1024)
         self._guard = guard
 

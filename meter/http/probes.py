@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 
-from meter.http.listener import Limits
+from meter.http.listener import Handler, Limits
 
 #: The probes' listener: few connections, short waits (a probe sends its request at once).
 LIMITS = Limits(max_connections=64, head_timeout_s=2.0, keepalive_s=2.0, max_body=0)
@@ -31,19 +30,20 @@ class Endpoints:
     counting_checks: tuple[str, ...] = ("counting", "log")
 
 
-def probe_app(endpoints: Endpoints, first: Any) -> web.Application:
-    """The probes' application; ``first`` runs first (the listener's limits)."""
+def probe_handler(endpoints: Endpoints) -> Handler:
+    """The probes' handler: ``GET`` (or ``HEAD``) ``/metrics``, ``/healthz``, ``/readyz``;
+    another method is 405, another path 404."""
 
-    async def metrics(request: web.Request) -> web.Response:
+    def metrics(request: web.BaseRequest) -> web.Response:
         # (the content type carries its own parameters: set as a header, not content_type)
         return web.Response(
             body=endpoints.metrics(), headers={"Content-Type": endpoints.metrics_content_type}
         )
 
-    async def healthz(request: web.Request) -> web.Response:
+    def healthz(request: web.BaseRequest) -> web.Response:
         return web.Response(text="ok\n")
 
-    async def readyz(request: web.Request) -> web.Response:
+    def readyz(request: web.BaseRequest) -> web.Response:
         checks = endpoints.checks()
         if "counting" in request.query:
             checks = {name: checks[name] for name in endpoints.counting_checks}
@@ -54,8 +54,16 @@ def probe_app(endpoints: Endpoints, first: Any) -> web.Application:
         )
         return web.Response(status=503 if failed else 200, text=body)
 
-    app = web.Application(middlewares=[first], client_max_size=LIMITS.max_body or 1)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    return app
+    paths = {"/metrics": metrics, "/healthz": healthz, "/readyz": readyz}
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        answer = paths.get(request.path)
+        if answer is None:
+            return web.Response(status=404, text="not found: try /metrics, /healthz or /readyz\n")
+        if request.method not in ("GET", "HEAD"):
+            return web.Response(
+                status=405, text="method not allowed: GET or HEAD\n", headers={"Allow": "GET, HEAD"}
+            )
+        return answer(request)
+
+    return handle

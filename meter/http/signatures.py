@@ -100,10 +100,12 @@ class Signature:
     #: It changes nothing (a read).
     read: bool = False
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Every name the JSON object may hold."""
-        return tuple(p.name for p in (*self.params, *(self.fields or ())))
+    #: Every name the JSON object may hold, in order (filled from the params).
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = tuple(p.name for p in (*self.params, *(self.fields or ())))
+        object.__setattr__(self, "names", names)  # (derived once: read on every call)
 
 
 _TENANT = need("tenant", STR, "tenant name (with tenant_hierarchy: acme/alice)")
@@ -314,15 +316,18 @@ def wire_params(sig: Signature, body: object, key: str | None = None) -> list[An
             raise InvalidArgument(f"{method}: Idempotency-Key and {sig.key} differ")
         body = {**body, sig.key: key}
     out: list[Any] = []
+    given = 0
     for p in sig.params:
         if p.name in body:
             out.append(coerce(p.schema, body[p.name]))
+            given += 1
         elif p.required:
             raise InvalidArgument(f"{method}: {p.name} is missing")
         else:
             out.append(p.default)
     if sig.fields is not None:
-        out.append({f.name: coerce(f.schema, body[f.name]) for f in sig.fields if f.name in body})
+        fields = sig.fields if len(body) > given else ()  # (the rest of the body is fields)
+        out.append({f.name: coerce(f.schema, body[f.name]) for f in fields if f.name in body})
     return out
 
 

@@ -11,7 +11,7 @@ from meter.core.service import Service
 from meter.errors import ConfigError
 from meter.http.api import Api
 from meter.http.listener import Limits, Listener
-from meter.http.probes import LIMITS, Endpoints, probe_app
+from meter.http.probes import LIMITS, Endpoints, probe_handler
 from meter.wal.log import WriteAheadLog
 
 log = logging.getLogger("meter.node")
@@ -26,10 +26,10 @@ API_KEEPALIVE_S = 75.0
 async def start_probes(address: tuple[str, int], endpoints: Endpoints) -> tuple[Listener, str]:
     """The probes' listener on ``address``, and the ``host:port`` it bound; ConfigError
     naming ``metrics_address`` if it cannot listen."""
-    listener = Listener(LIMITS)
+    listener = Listener(LIMITS, probe_handler(endpoints))
     host, port = address
     try:
-        bound = await listener.start_tcp(probe_app(endpoints, listener.middleware), host, port)
+        bound = await listener.start_tcp(host, port)
     except OSError as exc:
         raise ConfigError(
             "metrics_address", f"cannot listen on {host}:{port}: {exc.strerror or exc}"
@@ -59,10 +59,10 @@ async def start_api(
         shutdown_s=config.server.request_drain_timeout_s,
     )
     if h.socket is not None:
-        listener = Listener(limits)
+        listener = Listener(limits, api.handler())
         listeners.append(listener)
         try:
-            await listener.start_unix(api.app(listener.middleware, limits.max_body), str(h.socket))
+            await listener.start_unix(str(h.socket))
         except FileExistsError:
             raise ConfigError("http_socket", f"{h.socket} exists and is not a socket") from None
         except OSError as exc:
@@ -71,12 +71,11 @@ async def start_api(
             ) from None
         log.info("HTTP/JSON API on unix:%s", h.socket)
     if h.address is not None:
-        listener = Listener(limits)
+        listener = Listener(limits, api.handler(h.token))
         listeners.append(listener)
         host, port = h.address
-        app = api.app(listener.middleware, limits.max_body, h.token)
         try:
-            bound = await listener.start_tcp(app, host, port)
+            bound = await listener.start_tcp(host, port)
         except OSError as exc:
             raise ConfigError(
                 "http_address", f"cannot listen on {host}:{port}: {exc.strerror or exc}"
