@@ -22,6 +22,7 @@ from bench import report
 from bench.cli import run
 from bench.fanout import SCENARIO as FANOUT
 from bench.harness import SMOKE, Row, in_turn
+from bench.http_cost import CONFIGS, HTTP
 from bench.loadgen import Load, meter_frames, redis_frames
 from bench.metrics_cost import METRICS
 from bench.quotas import QUOTAS
@@ -358,3 +359,23 @@ def test_smoke_fanout_receives_every_simulated_peers_frames(tmp_path: Path) -> N
         seen, sent = d["probes"]
         assert sent > 0 and seen == sent, d
     assert all(r["ours"] is not None and r["reference"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_smoke_http_measures_the_api_beside_a_bare_aiohttp_server(tmp_path: Path) -> None:
+    """Scenario 15 at smoke size: every shape's rows (HTTP vs bare, CPU per request, HTTP vs
+    RPC) and the probes' rows, no request answered with an error on any side, each side's
+    CPU per request measured."""
+    doc = run(SMOKE, ["http"], results_dir=tmp_path, out=io.StringIO())
+    assert doc["failures"] == {}
+    rows = doc["rows"]
+    assert {r["scenario"] for r in rows} == {HTTP}
+    shapes = CONFIGS["smoke"]
+    assert len(rows) == 3 * len(shapes) + 2
+    for r in rows[: 3 * len(shapes)]:
+        d = r["detail"]
+        assert d["errors"] == 0, d
+        assert all(x > 0 for x in d["rounds_http_cpu_us"] + d["rounds_bare_cpu_us"]), d
+        assert r["ours"] > 0 and r["reference"] > 0
+    assert rows[-2]["detail"]["errors"] == 0 and rows[-1]["detail"]["errors"] == 0
+    assert rows[-1]["ours"] > 0  # /metrics scrapes
