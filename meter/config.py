@@ -215,6 +215,20 @@ class HttpConfig:
     token: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class WebhookConfig:
+    """Signed webhooks of alerts (docs/quotas.md, "Webhooks")."""
+
+    #: ``(url, kinds)`` each; none: no webhooks.
+    urls: tuple[tuple[str, frozenset[str]], ...] = ()
+    #: The HMAC-SHA256 key every body is signed with (needed with ``urls``).
+    secret: str | None = None
+    #: A delivery is tried for this long, then given up (counted ``failed``).
+    max_age_s: float = 86_400.0
+    #: One try's time limit.
+    timeout_s: float = 10.0
+
+
 #: Most features ``metrics_feature_labels`` may label (each is a series on every scrape).
 MAX_FEATURE_LABELS = 1000
 
@@ -238,6 +252,7 @@ class NodeConfig:
     owner: OwnerConfig = field(default_factory=OwnerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    webhooks: WebhookConfig = field(default_factory=WebhookConfig)
 
 
 def _str(setting: str, raw: Any) -> str:
@@ -398,6 +413,28 @@ def _address(setting: str, raw: Any) -> tuple[str, int] | None:
     return host, int(port)
 
 
+#: The kinds of alert a webhook URL may be limited to (``https://...#balance``).
+WEBHOOK_KINDS = frozenset({"threshold", "balance"})
+
+
+def _webhook_urls(setting: str, raw: Any) -> tuple[tuple[str, frozenset[str]], ...]:
+    """``url,url#balance,...`` (a list in TOML): each an http(s) URL, its fragment (never
+    sent) the kinds it gets: ``threshold``, ``balance``, joined by ``+``; none: both."""
+    items = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise ConfigError(setting, f"must be comma-separated URLs, got {raw!r}")
+    out = []
+    for item in (x.strip() for x in items if x.strip()):
+        url, _, selector = item.partition("#")
+        if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
+            raise ConfigError(setting, f"{item!r} is not an http:// or https:// URL")
+        kinds = frozenset(selector.split("+")) if selector else WEBHOOK_KINDS
+        if not kinds <= WEBHOOK_KINDS:
+            raise ConfigError(setting, f"{item!r}: kinds are balance and threshold, joined by +")
+        out.append((url, kinds))
+    return tuple(out)
+
+
 def _loopback(host: str) -> bool:
     """Whether ``host`` names only this machine (``localhost``, 127.0.0.0/8, ``::1``)."""
     if host == "localhost":
@@ -508,6 +545,10 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "http_socket": ("http", "socket", _opt_path),
     "http_address": ("http", "address", _address),
     "http_token": ("http", "token", _opt_str),
+    "webhook_urls": ("webhooks", "urls", _webhook_urls),
+    "webhook_secret": ("webhooks", "secret", _opt_str),
+    "webhook_max_age_s": ("webhooks", "max_age_s", _float(1, 30 * 86_400)),
+    "webhook_timeout_s": ("webhooks", "timeout_s", _float(0.1, 600)),
 }
 
 #: Every setting name (TOML key; ``METER_`` + upper case is its environment variable).
@@ -577,6 +618,7 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         "owner": {},
         "metrics": {},
         "http": {},
+        "webhooks": {},
     }
     for setting, raw in values.items():
         if setting not in _SETTINGS:
@@ -594,12 +636,15 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         owner=OwnerConfig(**parts["owner"]),
         metrics=MetricsConfig(**parts["metrics"]),
         http=HttpConfig(**parts["http"]),
+        webhooks=WebhookConfig(**parts["webhooks"]),
     )
     for setting, path in (("socket", cfg.server.socket), ("http_socket", cfg.http.socket)):
         if path is not None and len(str(path).encode()) > 100:
             raise ConfigError(setting, "path longer than 100 bytes (the AF_UNIX limit is 107)")
     if cfg.http.socket is not None and cfg.http.socket == cfg.server.socket:
         raise ConfigError("http_socket", "must differ from socket (each has its own protocol)")
+    if cfg.webhooks.urls and cfg.webhooks.secret is None:
+        raise ConfigError("webhook_secret", "webhook_urls needs a secret to sign with")
     address = cfg.http.address
     if address is not None and cfg.http.token is None and not _loopback(address[0]):
         raise ConfigError(

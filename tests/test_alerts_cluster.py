@@ -20,6 +20,7 @@ from tests.support.cluster_harness import KEY_TENANT, Fleet, wait_until
 from tests.support.dynamodb_proxy import DynamoDBProxy
 from tests.support.nodes import NodeProcess
 from tests.support.redis_server import RedisServer
+from tests.support.webhook_receiver import WebhookReceiver
 
 pytestmark = [pytest.mark.slow, pytest.mark.dynamodb, pytest.mark.redis]
 
@@ -152,3 +153,45 @@ def test_each_threshold_fires_once_across_four_nodes(
 def _stream(r: Any, stream: str) -> list[dict[str, str]]:
     """The stream's entries' fields, oldest first (``XRANGE - +``)."""
     return [dict(fields) for _, fields in r.xrange(stream)]
+
+
+def test_three_nodes_crossing_one_threshold_send_one_webhook(fleet: Fleet) -> None:
+    """Signed webhooks (docs/quotas.md): 3 nodes count on one counter past 50 % of its limit
+    at once; exactly one of them (the claim's winner) POSTs the alert, once."""
+    with WebhookReceiver() as receiver:
+        nodes = fleet(3, METER_WEBHOOK_URLS=receiver.url, METER_WEBHOOK_SECRET="s3")
+        feature = "hooked"
+        with Client.connect(nodes[0].socket, timeout=10) as c:
+            version = c.set_limit(KEY_TENANT, feature, 30, "soft", alerts=[50])
+        wait_until(
+            lambda: all(p.call("limits", KEY_TENANT)["version"] >= version for p in nodes),
+            5,
+            "every node holds the limit",
+            nodes,
+        )
+
+        def load(p: NodeProcess) -> None:
+            with Client.connect(p.socket, timeout=10) as c:
+                for _ in range(8):
+                    c.track(KEY_TENANT, feature, 1)
+
+        threads = [threading.Thread(target=load, args=(p,)) for p in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+
+        def settled() -> bool:
+            statuses = [p.call("status") for p in nodes]
+            return (
+                sum(st["alerts"]["fired"] for st in statuses) == 1
+                and all(st["alerts"]["pending"] == 0 for st in statuses)
+                and all(st["webhooks"]["pending"] == 0 for st in statuses)
+                and sum(st["webhooks"]["delivered"] for st in statuses) == 1
+            )
+
+        wait_until(settled, 30, "one claim won and its webhook delivered", nodes)
+        want = alert_id(KEY_TENANT, feature, period_start("month"), 50)
+        assert [e["id"] for e in receiver.events()] == [want]
+        (event,) = receiver.events()
+        assert event["type"] == "alert.threshold" and event["data"]["threshold"] == 50

@@ -8,6 +8,10 @@ if storage could not take everything within the drain timeout; the log says how 
 The node holds every part, so it is where parts that need each other meet: gossip, the
 limits, the alerts and the owner's claim call the node's own methods below, which pass what
 they hear on to the part that acts on it.
+
+Why one module: the start builds the parts in an order the drain undoes, and both must be read
+side by side (what was started is what a failed start closes); the listeners and webhooks
+are built in :mod:`meter.node.web`, the parts in :mod:`meter.node.wiring`.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from meter.persist.rollover import ReadAhead
 from meter.quotas.alerts import Alert, Alerts
 from meter.quotas.holds import STALE_AFTER_HEARTBEATS
 from meter.quotas.shares import Shares
+from meter.quotas.webhooks import Webhooks
 from meter.wal.log import WriteAheadLog
 from storage.base import Snapshot, Storage, StorageError
 
@@ -86,6 +91,8 @@ class Node:
         #: The HTTP/JSON API (``http_socket``, ``http_address``), and its listeners.
         self.api: Api | None = None
         self.api_listeners: list[Listener] = []
+        #: The alerts' webhooks and their outbox (``webhook_urls``; ``None``: none).
+        self.webhooks: Webhooks | None = None
         self.push: UsagePush | None = None
         self.fanout: AlertFanout | None = None
         self.read_ahead: ReadAhead | None = None
@@ -215,6 +222,7 @@ class Node:
                 wal=self.wal,
             )
             owner = self.owner
+            self.webhooks = web.webhooks(cfg.webhooks, self.data_dir.path)
             self.parts = wiring.assemble(
                 self.table,
                 self.storage,
@@ -231,6 +239,7 @@ class Node:
                 publish_limits=None if self.gossip is None else self.gossip.limits_changed,
                 on_alert_fired=self._alert_fired,
                 on_alert_deliver=self._deliver_alert,
+                alert_journal=self.webhooks,
                 peer_holds_max_age=STALE_AFTER_HEARTBEATS * cfg.cluster.heartbeat_ms / 1000,
             )
             self.service = service = self.parts.service
@@ -291,6 +300,8 @@ class Node:
                 await listener.close()
             if self.server is not None:
                 await self.server.close(drain_timeout=0)
+            if self.webhooks is not None:
+                self.webhooks.close()
             if self.wal is not None:
                 await self.wal.close(final_checkpoint=False)
             self.data_dir.release()
@@ -317,6 +328,7 @@ class Node:
             asyncio.create_task(parts.alerts.run(), name="alerts"),
             asyncio.create_task(loops.resolve_claims(service.uniques), name="unique-claims"),
             asyncio.create_task(self.closer.run(), name="period-close"),
+            *web.deliver_webhooks(self.webhooks, parts.alerts),
         ]
         if warm:
             # Right after the socket opens: requests arriving meanwhile are read first.
@@ -584,6 +596,8 @@ class Node:
         if self.http is not None:
             # Last: until here /readyz answered 503 (draining) to a probe that asked.
             await self.http.close()
+        if self.webhooks is not None:
+            self.webhooks.close()
         self.data_dir.release()
         log.info("node stopped (%s)", "drained" if self.drained else "NOT drained")
         return 0 if self.drained else 1

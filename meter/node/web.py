@@ -1,17 +1,22 @@
-"""The node's HTTP listeners started from its settings: the probes (``metrics_address``) and
-the HTTP/JSON API (``http_socket``, ``http_address``; docs/http.md)."""
+"""The node's HTTP side started from its settings: the probes (``metrics_address``), the
+HTTP/JSON API (``http_socket``, ``http_address``; docs/http.md) and the alerts' webhooks
+(``webhook_urls``; docs/quotas.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from pathlib import Path
 
-from meter.config import NodeConfig
+from meter.config import NodeConfig, WebhookConfig
 from meter.core.counts import RequestStats
 from meter.core.service import Service
 from meter.errors import ConfigError
 from meter.http.api import Api
 from meter.http.listener import Limits, Listener
 from meter.http.probes import LIMITS, Endpoints, probe_handler
+from meter.quotas.alerts import Alerts
+from meter.quotas.webhooks import Webhooks
 from meter.wal.log import WriteAheadLog
 
 log = logging.getLogger("meter.node")
@@ -82,3 +87,28 @@ async def start_api(
             ) from None
         log.info("HTTP/JSON API on http://%s%s", bound, " (bearer token)" if h.token else "")
     return api
+
+
+def webhooks(config: WebhookConfig, data_dir: Path) -> Webhooks | None:
+    """The webhooks' outbox in ``data_dir``, if ``webhook_urls`` names any URL."""
+    if not config.urls:
+        return None
+    assert config.secret is not None  # (checked with the settings)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return Webhooks(
+        config.urls,
+        config.secret,
+        data_dir,
+        max_age_s=config.max_age_s,
+        timeout_s=config.timeout_s,
+    )
+
+
+def deliver_webhooks(hooks: Webhooks | None, alerts: Alerts) -> list[asyncio.Task[None]]:
+    """The alerts the outbox holds unclaimed claimed again, and its sender's task."""
+    if hooks is None:
+        return []
+    resumed = hooks.resume(alerts)
+    if resumed:
+        log.info("webhooks: %d alerts' claims resumed from the outbox", resumed)
+    return [asyncio.create_task(hooks.run(), name="webhooks")]

@@ -46,7 +46,7 @@ from meter.ledger.methods import LedgerMethods
 from meter.ledger.store import LedgerStore
 from meter.ops.export import ExportMethod
 from meter.persist.closing import PeriodMethods
-from meter.quotas.alerts import Alert, Alerts
+from meter.quotas.alerts import Alert, Alerts, ClaimJournal
 from meter.quotas.holds import PeerHolds
 from meter.quotas.limits import LimitBook
 from meter.quotas.methods import LimitMethods
@@ -211,6 +211,7 @@ def assemble(
     publish_limits: Callable[[int], None] | None = None,
     on_alert_fired: Callable[[Alert], None] | None = None,
     on_alert_deliver: Callable[[Alert], None] | None = None,
+    alert_journal: ClaimJournal | None = None,
     peer_holds_max_age: float = 3.0,
 ) -> Parts:
     """Every part of a node's request path and the features it serves, wired.
@@ -236,7 +237,11 @@ def assemble(
         return "this process does not own its node id (yet)"
 
     alerts = Alerts(
-        table.node, storage.claim_alert, on_fired=on_alert_fired, on_deliver=on_alert_deliver
+        table.node,
+        storage.claim_alert,
+        on_fired=on_alert_fired,
+        on_deliver=on_alert_deliver,
+        journal=alert_journal,
     )
     amounts = config.balance_alerts
     ledger_store = LedgerStore(

@@ -25,6 +25,7 @@ from meter.persist.gauges import GaugeFlusher
 from meter.persist.owner import Ownership
 from meter.quotas.alerts import Alerts
 from meter.quotas.shares import Shares
+from meter.quotas.webhooks import Webhooks
 from meter.wal.log import WriteAheadLog
 from storage.base import Snapshot
 
@@ -66,6 +67,8 @@ class NodeView(Protocol):
     #: The HTTP/JSON API (``None``: not configured) and its listeners.
     api: Api | None
     api_listeners: list[Listener]
+    #: The alerts' webhooks (``None``: no ``webhook_urls``).
+    webhooks: Webhooks | None
 
     @property
     def stopping(self) -> bool:
@@ -155,6 +158,8 @@ def status_fields(node: NodeView) -> dict[str, Any]:
         "feature_labels": config.metrics.feature_labels,
     }
     socket = None if config.http.socket is None else str(config.http.socket)
+    if node.webhooks is not None:
+        out["webhooks"] = node.webhooks.status()
     out["http"] = {  # where the API listens, its calls and event streams
         "socket": socket,
         "address": next((x.address for x in node.api_listeners if x.address != socket), None),

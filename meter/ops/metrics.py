@@ -75,6 +75,9 @@ STRICT_SHARES = "meter_strict_shares"
 STRICT_WRITES = "meter_strict_budget_writes_total"
 ALERTS = "meter_alerts_total"
 ALERTS_PENDING = "meter_alerts_pending"
+WEBHOOKS = "meter_webhooks_total"
+WEBHOOKS_PENDING = "meter_webhooks_pending"
+WEBHOOKS_OLDEST = "meter_webhooks_oldest_pending_seconds"
 UNIQUE_CLAIMS = "meter_unique_claims_total"
 UNIQUE_UNRESOLVED = "meter_unique_claims_unresolved"
 VOIDS = "meter_voids_total"
@@ -94,7 +97,8 @@ METRIC_NAMES: tuple[str, ...] = (
     GOSSIP_PEERS, GOSSIP_LAG, GOSSIP_MESSAGES, GOSSIP_REJECTED, GOSSIP_GAPS, RESERVATIONS_OPEN,
     RESERVATIONS_EXPIRED, STRICT_SHARES, STRICT_WRITES, READY, DEGRADED, BUILD_INFO,
     RESERVATIONS_EXPIRED, ALERTS, ALERTS_PENDING, READY, DEGRADED, BUILD_INFO,
-    UNIQUE_CLAIMS, UNIQUE_UNRESOLVED, VOIDS, PERIOD_OVERDUE,
+    UNIQUE_CLAIMS, UNIQUE_UNRESOLVED, VOIDS, PERIOD_OVERDUE, WEBHOOKS, WEBHOOKS_PENDING,
+    WEBHOOKS_OLDEST,
 )  # fmt: skip
 
 
@@ -247,6 +251,17 @@ class NodeCollector(Collector):
             yield alerts
             yield _gauge(ALERTS_PENDING, "Threshold crossings waiting for their claim.",
                          len(al.pending))  # fmt: skip
+        if node.webhooks is not None:
+            wh = node.webhooks.status()
+            hooks = _counter(
+                WEBHOOKS, "Webhook deliveries: delivered (2xx), failed (given up).", ["result"]
+            )
+            hooks.add_metric(["delivered"], wh["delivered"])
+            hooks.add_metric(["failed"], wh["failed"])
+            yield hooks
+            yield _gauge(WEBHOOKS_PENDING, "Webhook deliveries waiting.", wh["pending"])
+            yield _gauge(WEBHOOKS_OLDEST, "Age of the oldest waiting webhook delivery.",
+                         wh["oldest_pending_s"])  # fmt: skip
         if node.wal is not None:
             yield from self._wal()
         if node.gossip is not None:

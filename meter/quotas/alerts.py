@@ -22,11 +22,12 @@ import hashlib
 import json
 import logging
 import os
+import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from meter.core.dims import decode, name_of
 from storage.base import StorageError
@@ -49,6 +50,16 @@ MAX_DELIVERED = 10_000
 RETRY_S = 1.0
 
 Key = tuple[str, ...]
+
+
+class ClaimJournal(Protocol):
+    """Told around each claim (the webhooks' outbox: :mod:`meter.quotas.webhooks`)."""
+
+    def claiming(self, alert: Alert, claim: str) -> None:
+        """Before the claim of ``alert`` with body ``claim``; raising keeps it pending."""
+
+    def claimed(self, alert: Alert, won: bool) -> None:
+        """The claim was answered: won by this node, or by another."""
 
 
 def threshold_units(limit: int, pct: int) -> int:
@@ -207,6 +218,7 @@ class Alerts:
         retry_s: float = RETRY_S,
         on_fired: Callable[[Alert], None] | None = None,
         on_deliver: Callable[[Alert], None] | None = None,
+        journal: ClaimJournal | None = None,
     ) -> None:
         self.node = node
         #: This process (claims name it: see _claim_body).
@@ -217,6 +229,9 @@ class Alerts:
         self.retry_s = retry_s
         self.on_fired = on_fired
         self.on_deliver = on_deliver
+        self.journal = journal
+        #: The claim bodies of crossings resumed from the journal (an earlier process's).
+        self._bodies: dict[str, str] = {}
         #: Crossings detected, not claimed yet (oldest first).
         self.pending: OrderedDict[str, Alert] = OrderedDict()
         self._known: OrderedDict[str, None] = OrderedDict()
@@ -270,6 +285,7 @@ class Alerts:
         if len(pending) >= self.max_pending:
             old, _ = pending.popitem(last=False)
             self._known.pop(old, None)
+            self._bodies.pop(old, None)
             self.dropped += 1
         pending[alert.id] = alert
         if self._wake is not None:
@@ -291,9 +307,12 @@ class Alerts:
         is left stays pending)."""
         while self.pending:
             aid, alert = next(iter(self.pending.items()))
+            body = self._bodies.get(aid) or self._claim_body(alert)
             try:
-                won = await self.claim(aid, self._claim_body(alert))
-            except StorageError as exc:
+                if self.journal is not None:
+                    self.journal.claiming(alert, body)
+                won = await self.claim(aid, body)
+            except (StorageError, OSError, sqlite3.Error) as exc:
                 self.failures += 1
                 if self.last_error is None:
                     log.warning("alerts: storage did not answer a claim (kept, retried): %s", exc)
@@ -301,6 +320,12 @@ class Alerts:
                 return False
             self.last_error = None
             self.pending.pop(aid, None)
+            self._bodies.pop(aid, None)
+            if self.journal is not None:
+                try:
+                    self.journal.claimed(alert, won)
+                except (OSError, sqlite3.Error):  # (the next start claims it again: kept)
+                    log.exception("alerts: the outcome of %s's claim not journaled", aid)
             if not won:
                 self.claimed_elsewhere += 1
                 continue
@@ -320,6 +345,12 @@ class Alerts:
                 except Exception:  # a delivery bug must not stop the claims
                     log.exception("alerts: delivering %s failed", aid)
         return True
+
+    def resume(self, alert: Alert, claim: str) -> None:
+        """Queue ``alert``'s claim again with the body ``claim`` an earlier process tried it
+        with (the journal holds no outcome): storage answers won if that process won it."""
+        self._bodies[alert.id] = claim
+        self.queue(alert)
 
     def _claim_body(self, alert: Alert) -> str:
         """What a claim stores: the crossing and its claimant (this node and process), not

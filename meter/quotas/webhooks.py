@@ -1,0 +1,246 @@
+"""Signed webhooks: every threshold and balance alert this node fires, POSTed as JSON to the
+configured URLs from a durable outbox (docs/quotas.md, "Webhooks").
+
+Exactly one node of the fleet sends an alert: the one whose claim of it stored its body
+(:mod:`meter.quotas.alerts`). So a crash cannot lose one, this node writes the deliveries to its
+outbox (``webhooks.sqlite`` in the data dir, synced) *before* it claims the alert, with the
+claim's body: a claim won but not yet marked in the outbox is claimed again at the next start
+with that same body, which storage recognises as this node's (:meth:`Alerts.resume`). A claim
+lost removes the deliveries. Each delivery is tried until the receiver answers 2xx: again after
+1 s, doubling up to :data:`MAX_RETRY_S`, for ``max_age_s`` (then counted failed and dropped).
+
+Every body carries the alert's stable ``id``; a receiver that dedupes by it sees each alert once
+(a delivery answered 2xx whose answer was lost is sent again). Each request is signed:
+``Meter-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>" under the secret>``
+(:func:`signature`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from meter.quotas.alerts import BALANCE, Alert
+
+log = logging.getLogger("meter.webhooks")
+
+#: The first retry after this many seconds, then twice as long each time, at most...
+FIRST_RETRY_S = 1.0
+#: ...this long between tries.
+MAX_RETRY_S = 300.0
+#: Deliveries sent at once.
+CONCURRENCY = 8
+#: The signature's header.
+HEADER = "Meter-Signature"
+
+
+def kind_of(alert: Alert) -> str:
+    """``balance`` for a balance alert, else ``threshold``."""
+    return "balance" if alert.feature == BALANCE else "threshold"
+
+
+def event_body(alert: Alert) -> str:
+    """The JSON body of ``alert``'s webhook: ``{"id", "type", "created_at", "data"}``."""
+    event = {
+        "id": alert.id,
+        "type": f"alert.{kind_of(alert)}",
+        "created_at": alert.at,
+        "data": alert.to_wire(),
+    }
+    return json.dumps(event, sort_keys=True, separators=(",", ":"))
+
+
+def signature(secret: str, t: int, body: str) -> str:
+    """The ``Meter-Signature`` header of ``body`` sent at ``t`` (unix seconds)."""
+    mac = hmac.new(secret.encode(), f"{t}.{body}".encode(), hashlib.sha256).hexdigest()
+    return f"t={t},v1={mac}"
+
+
+def retry_after(attempts: int) -> float:
+    """Seconds before the next try after ``attempts`` failed ones (1, 2, 4, ... capped)."""
+    return float(min(MAX_RETRY_S, FIRST_RETRY_S * 2 ** min(attempts - 1, 30)))
+
+
+class Resumable(Protocol):
+    """What the outbox gives its unclaimed alerts back to at start (:class:`Alerts`)."""
+
+    def resume(self, alert: Alert, claim: str) -> None: ...
+
+
+class Webhooks:
+    """The outbox and its sender: :meth:`claiming` and :meth:`claimed` are called by
+    :class:`~meter.quotas.alerts.Alerts` around each claim; :meth:`run` delivers."""
+
+    def __init__(
+        self,
+        targets: Iterable[tuple[str, frozenset[str]]],
+        secret: str,
+        data_dir: Path,
+        *,
+        max_age_s: float,
+        timeout_s: float,
+    ) -> None:
+        self.targets = tuple(targets)
+        self.secret = secret
+        self.max_age_s = max_age_s
+        self.timeout_s = timeout_s
+        self.path = data_dir / "webhooks.sqlite"
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS deliveries (alert_id TEXT NOT NULL, url TEXT NOT NULL,"
+            " alert TEXT NOT NULL, claim TEXT NOT NULL, body TEXT NOT NULL,"
+            " state TEXT NOT NULL, attempts INTEGER NOT NULL, next_at REAL NOT NULL,"
+            " created_at REAL NOT NULL, last_error TEXT, PRIMARY KEY (alert_id, url))"
+        )
+        self._wake = asyncio.Event()
+        #: Deliveries answered 2xx, and those given up after ``max_age_s``.
+        self.delivered = 0
+        self.failed = 0
+        self.last_error: str | None = None
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[None]:
+        """One transaction (the connection is in autocommit mode: each write its own)."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # -- around a claim (Alerts' journal) ---------------------------------------------------
+
+    def claiming(self, alert: Alert, claim: str) -> None:
+        """Before ``alert`` is claimed with body ``claim``: its deliveries, written and synced
+        (``sqlite3.Error`` if they cannot be: the claim waits)."""
+        kind = kind_of(alert)
+        rows = [url for url, kinds in self.targets if kind in kinds]
+        if not rows:
+            return
+        wire, body, now = json.dumps(alert.to_wire()), event_body(alert), time.time()
+        with self._tx():
+            self._db.executemany(
+                "INSERT OR IGNORE INTO deliveries VALUES (?, ?, ?, ?, ?, 'claiming', 0, ?, ?,"
+                " NULL)",
+                [(alert.id, url, wire, claim, body, now, now) for url in rows],
+            )
+
+    def claimed(self, alert: Alert, won: bool) -> None:
+        """``alert``'s claim was answered: this node sends it (``won``), or another does."""
+        with self._tx():
+            if won:
+                self._db.execute(
+                    "UPDATE deliveries SET state = 'due' WHERE alert_id = ? AND state = 'claiming'",
+                    (alert.id,),
+                )
+            else:
+                self._db.execute("DELETE FROM deliveries WHERE alert_id = ?", (alert.id,))
+        if won:
+            self._wake.set()
+
+    def resume(self, alerts: Resumable) -> int:
+        """Give every alert whose claim has no outcome here yet back to ``alerts`` (claimed
+        again with its body); how many."""
+        rows = self._db.execute(
+            "SELECT DISTINCT alert, claim FROM deliveries WHERE state = 'claiming'"
+        ).fetchall()
+        for wire, claim in rows:
+            alert = Alert.from_wire(json.loads(wire))
+            if alert is not None:
+                alerts.resume(alert, claim)
+        return len(rows)
+
+    # -- delivery ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Deliver what is due, whenever something is; until cancelled."""
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                self._wake.clear()
+                due = self._db.execute(
+                    "SELECT alert_id, url, body, attempts, created_at FROM deliveries"
+                    " WHERE state = 'due' AND next_at <= ? ORDER BY next_at LIMIT 64",
+                    (time.time(),),
+                ).fetchall()
+                if due:
+                    gate = asyncio.Semaphore(CONCURRENCY)
+                    await asyncio.gather(*(self._send(session, gate, *row) for row in due))
+                    continue
+                nxt = self._db.execute(
+                    "SELECT MIN(next_at) FROM deliveries WHERE state = 'due'"
+                ).fetchone()[0]
+                wait = 60.0 if nxt is None else max(0.0, min(60.0, nxt - time.time()))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+
+    async def _send(
+        self,
+        session: aiohttp.ClientSession,
+        gate: asyncio.Semaphore,
+        alert_id: str,
+        url: str,
+        body: str,
+        attempts: int,
+        created_at: float,
+    ) -> None:
+        async with gate:
+            t = int(time.time())
+            headers = {"Content-Type": "application/json", HEADER: signature(self.secret, t, body)}
+            try:
+                async with session.post(url, data=body.encode(), headers=headers) as resp:
+                    await resp.read()
+                    error = None if 200 <= resp.status < 300 else f"HTTP {resp.status}"
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        key = (alert_id, url)
+        with self._tx():
+            if error is None:
+                self._db.execute("DELETE FROM deliveries WHERE alert_id = ? AND url = ?", key)
+                self.delivered += 1
+                log.info("webhook %s delivered to %s", alert_id, url)
+                return
+            self.last_error = f"{url}: {error}"
+            if time.time() - created_at >= self.max_age_s:
+                self._db.execute("DELETE FROM deliveries WHERE alert_id = ? AND url = ?", key)
+                self.failed += 1
+                log.error("webhook %s to %s given up after %d tries: %s",
+                          alert_id, url, attempts + 1, error)  # fmt: skip
+                return
+            self._db.execute(
+                "UPDATE deliveries SET attempts = ?, next_at = ?, last_error = ?"
+                " WHERE alert_id = ? AND url = ?",
+                (attempts + 1, time.time() + retry_after(attempts + 1), error, *key),
+            )
+        if attempts == 0:
+            log.warning("webhook %s to %s failed (retried): %s", alert_id, url, error)
+
+    def status(self) -> dict[str, Any]:
+        """Counts for ``status`` and the metrics."""
+        pending, oldest = self._db.execute(
+            "SELECT COUNT(*), MIN(created_at) FROM deliveries WHERE state = 'due'"
+        ).fetchone()
+        return {
+            "pending": pending,
+            "delivered": self.delivered,
+            "failed": self.failed,
+            "oldest_pending_s": 0.0 if oldest is None else max(0.0, time.time() - oldest),
+            "last_error": self.last_error,
+        }
+
+    def close(self) -> None:
+        self._db.close()

@@ -1,0 +1,203 @@
+"""Signed webhooks of alerts (docs/quotas.md, "Webhooks") against a real HTTP receiver: the
+signature verifies; a receiver answering 500 three times then 200 gets the alert once by id,
+retried 1 s then doubling; a claim lost sends nothing; a claim made by a process that died
+before it marked the outcome is claimed again at the next start with the same body and sent
+(or dropped when another node won it); a real node killed with a delivery pending delivers it
+after its restart; bad settings are refused."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from meter.config import load
+from meter.errors import ConfigError
+from meter.quotas.alerts import Alerts, make_alert
+from meter.quotas.webhooks import Webhooks, event_body, retry_after, signature
+from storage.memory import MemoryStorage
+from tests.support.nodes import NodeProcess, short_tmpdir, wait_for
+from tests.support.webhook_receiver import Received, WebhookReceiver, free_port
+
+SECRET = "whsec-test"
+KEY = ("acme", "api", "2026-12")
+
+
+def verify(r: Received, secret: str = SECRET, now: float | None = None) -> bool:
+    """What docs/quotas.md tells a receiver to do: recompute the HMAC of ``t.body``, compare
+    in constant time, and refuse a ``t`` older than 5 minutes."""
+    parts = dict(p.split("=", 1) for p in r.headers["meter-signature"].split(","))
+    t = int(parts["t"])
+    mac = hmac.new(secret.encode(), f"{t}.{r.body}".encode(), hashlib.sha256).hexdigest()
+    fresh = abs((now or time.time()) - t) <= 300
+    return fresh and hmac.compare_digest(mac, parts["v1"])
+
+
+def hooks(
+    tmp_path: Path, url: str, kinds: frozenset[str] = frozenset({"threshold", "balance"})
+) -> Webhooks:
+    return Webhooks([(url, kinds)], SECRET, tmp_path, max_age_s=3600, timeout_s=5)
+
+
+async def wait_async(cond: object, what: str, timeout: float = 20.0) -> None:
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def test_the_signature_and_the_retry_schedule() -> None:
+    body = '{"id":"x"}'
+    mac = hmac.new(SECRET.encode(), f"1700000000.{body}".encode(), hashlib.sha256).hexdigest()
+    assert signature(SECRET, 1700000000, body) == f"t=1700000000,v1={mac}"
+    assert [retry_after(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
+    assert retry_after(20) == retry_after(1000) == 300.0
+    alert = make_alert(KEY, 80, 8, 10, 9, "n1")
+    event = json.loads(event_body(alert))
+    assert event["id"] == alert.id and event["type"] == "alert.threshold"
+    assert event["data"]["tenant"] == "acme" and event["data"]["threshold"] == 80
+
+
+async def test_500_three_times_then_200_delivers_once_by_id(tmp_path: Path) -> None:
+    import asyncio
+
+    with WebhookReceiver() as receiver:
+        receiver.fail(500, 500, 500)
+        wh = hooks(tmp_path, receiver.url)
+        alerts = Alerts("n1", MemoryStorage().claim_alert, journal=wh)
+        sender = asyncio.create_task(wh.run())
+        try:
+            alert = make_alert(KEY, 80, 8, 10, 9, "n1")
+            alerts.queue(alert)
+            t0 = time.monotonic()
+            assert await alerts.claim_pending()
+            assert wh.status()["pending"] == 1
+            await wait_async(lambda: wh.status()["delivered"] == 1, "the delivery")
+            took = time.monotonic() - t0
+            got = receiver.received
+            assert len(got) == 4 and {r.event["id"] for r in got} == {alert.id}
+            assert all(verify(r) for r in got)
+            assert 1 + 2 + 4 - 0.5 <= took < 7 + 5  # retried after 1 s, 2 s, 4 s
+            assert wh.status() == {**wh.status(), "pending": 0, "delivered": 1, "failed": 0}
+            assert not verify(got[0], "wrong secret")
+            assert not verify(got[0], now=time.time() + 301)  # a replay past the window
+        finally:
+            sender.cancel()
+            wh.close()
+
+
+async def test_a_claim_lost_sends_nothing_and_kinds_are_picked(tmp_path: Path) -> None:
+    store = MemoryStorage()
+    alert = make_alert(KEY, 80, 8, 10, 9, "n1")
+    assert await store.claim_alert(alert.id, "another node's claim")
+    wh = hooks(tmp_path, "http://127.0.0.1:9/never")
+    alerts = Alerts("n1", store.claim_alert, journal=wh)
+    alerts.queue(alert)
+    assert await alerts.claim_pending()
+    assert alerts.claimed_elsewhere == 1 and wh.status()["pending"] == 0
+    (tmp_path / "b").mkdir()
+    balance_only = hooks(tmp_path / "b", "http://127.0.0.1:9/never", frozenset({"balance"}))
+    balance_only.claiming(alert, "c")
+    assert balance_only._db.execute("SELECT COUNT(*) FROM deliveries").fetchone()[0] == 0
+    wh.close()
+    balance_only.close()
+
+
+@pytest.mark.parametrize("won_by_the_dead_process", [True, False])
+async def test_a_claim_without_its_outcome_is_claimed_again_at_the_next_start(
+    tmp_path: Path, won_by_the_dead_process: bool
+) -> None:
+    """A process wrote its deliveries, claimed, and died before it marked the outcome: the
+    next one claims again with the journaled body and sends the alert only if the dead
+    process had won it."""
+    import asyncio
+
+    store = MemoryStorage()
+    alert = make_alert(KEY, 80, 8, 10, 9, "n1")
+    with WebhookReceiver() as receiver:
+        dead = hooks(tmp_path, receiver.url)
+        dead_alerts = Alerts("n1", store.claim_alert, journal=dead)
+        claim = dead_alerts._claim_body(alert)
+        dead.claiming(alert, claim)  # ...and then the process died (before or after its claim)
+        if won_by_the_dead_process:
+            assert await store.claim_alert(alert.id, claim)
+        else:
+            assert await store.claim_alert(alert.id, "n2's claim")
+        dead.close()
+        wh = hooks(tmp_path, receiver.url)
+        alerts = Alerts("n1", store.claim_alert, journal=wh)  # a new process: a new claim body
+        assert alerts._claim_body(alert) != claim
+        assert wh.resume(alerts) == 1
+        sender = asyncio.create_task(wh.run())
+        try:
+            assert await alerts.claim_pending()
+            if won_by_the_dead_process:
+                await wait_async(lambda: wh.status()["delivered"] == 1, "the delivery")
+                assert [r.event["id"] for r in receiver.received] == [alert.id]
+            else:
+                assert alerts.claimed_elsewhere == 1 and wh.status()["pending"] == 0
+                assert receiver.received == []
+        finally:
+            sender.cancel()
+            wh.close()
+
+
+def test_a_node_killed_with_a_delivery_pending_delivers_it_after_restart() -> None:
+    workdir = short_tmpdir()
+    port = free_port()
+    env = {
+        "METER_WEBHOOK_URLS": f"http://127.0.0.1:{port}/hooks",
+        "METER_WEBHOOK_SECRET": SECRET,
+    }
+    try:
+        node = NodeProcess(workdir, **env).start()
+        node.call("set_limit", "acme", "api", {"limit": 10, "kind": "soft", "alerts": [50]})
+        node.call("track", "acme", "api", 6)  # past 50 %: fired; the receiver is not up
+        wait_for(
+            lambda: (
+                node.call("status")["webhooks"]["pending"] == 1
+                and node.call("status")["webhooks"]["last_error"] is not None
+            ),
+            what="a delivery tried and pending",
+        )
+        node.kill()
+        with WebhookReceiver(port) as receiver, NodeProcess(workdir, **env) as again:
+            wait_for(lambda: len(receiver.received) >= 1, what="the delivery after restart")
+            (r,) = receiver.received
+            assert verify(r) and r.event["type"] == "alert.threshold"
+            assert r.event["data"]["tenant"] == "acme" and r.event["data"]["threshold"] == 50
+            wait_for(lambda: again.call("status")["webhooks"]["pending"] == 0, what="cleared")
+            assert again.call("status")["webhooks"]["delivered"] == 1
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_webhook_settings_are_checked() -> None:
+    cfg = load(
+        env={
+            "METER_WEBHOOK_URLS": "https://a.example/x, http://b.example/y#balance",
+            "METER_WEBHOOK_SECRET": "s",
+            "METER_WEBHOOK_MAX_AGE_S": "60",
+        }
+    ).webhooks
+    assert cfg.urls == (
+        ("https://a.example/x", frozenset({"threshold", "balance"})),
+        ("http://b.example/y", frozenset({"balance"})),
+    )
+    assert cfg.max_age_s == 60
+    for env, what in [
+        ({"METER_WEBHOOK_URLS": "https://a.example/x"}, "webhook_secret"),
+        ({"METER_WEBHOOK_URLS": "ftp://a/x", "METER_WEBHOOK_SECRET": "s"}, "not an http"),
+        ({"METER_WEBHOOK_URLS": "https://a/x#usage", "METER_WEBHOOK_SECRET": "s"}, "kinds"),
+        ({"METER_WEBHOOK_MAX_AGE_S": "0"}, "webhook_max_age_s"),
+    ]:
+        with pytest.raises(ConfigError, match=what):
+            load(env=env)
