@@ -7,11 +7,13 @@ after its restart; bad settings are refused."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,11 +46,9 @@ def hooks(
     return Webhooks([(url, kinds)], SECRET, tmp_path, max_age_s=3600, timeout_s=5)
 
 
-async def wait_async(cond: object, what: str, timeout: float = 20.0) -> None:
-    import asyncio
-
+async def wait_async(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
+    while not cond():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
@@ -67,8 +67,6 @@ def test_the_signature_and_the_retry_schedule() -> None:
 
 
 async def test_500_three_times_then_200_delivers_once_by_id(tmp_path: Path) -> None:
-    import asyncio
-
     with WebhookReceiver() as receiver:
         receiver.fail(500, 500, 500)
         wh = hooks(tmp_path, receiver.url)
@@ -118,8 +116,6 @@ async def test_a_claim_without_its_outcome_is_claimed_again_at_the_next_start(
     """A process wrote its deliveries, claimed, and died before it marked the outcome: the
     next one claims again with the journaled body and sends the alert only if the dead
     process had won it."""
-    import asyncio
-
     store = MemoryStorage()
     alert = make_alert(KEY, 80, 8, 10, 9, "n1")
     with WebhookReceiver() as receiver:

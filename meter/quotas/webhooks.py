@@ -171,22 +171,31 @@ class Webhooks:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
-                self._wake.clear()
-                due = self._db.execute(
-                    "SELECT alert_id, url, body, attempts, created_at FROM deliveries"
-                    " WHERE state = 'due' AND next_at <= ? ORDER BY next_at LIMIT 64",
-                    (time.time(),),
-                ).fetchall()
-                if due:
-                    gate = asyncio.Semaphore(CONCURRENCY)
-                    await asyncio.gather(*(self._send(session, gate, *row) for row in due))
-                    continue
-                nxt = self._db.execute(
-                    "SELECT MIN(next_at) FROM deliveries WHERE state = 'due'"
-                ).fetchone()[0]
-                wait = 60.0 if nxt is None else max(0.0, min(60.0, nxt - time.time()))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), wait)
+                try:
+                    await self._round(session)
+                except (sqlite3.Error, OSError) as exc:  # the outbox: kept, tried again
+                    self.last_error = f"outbox: {exc}"
+                    log.error("webhooks: the outbox failed (tried again in 1 s): %s", exc)
+                    await asyncio.sleep(1.0)
+
+    async def _round(self, session: aiohttp.ClientSession) -> None:
+        """Send what is due; with nothing due, wait until something is (or is woken)."""
+        self._wake.clear()
+        due = self._db.execute(
+            "SELECT alert_id, url, body, attempts, created_at FROM deliveries"
+            " WHERE state = 'due' AND next_at <= ? ORDER BY next_at LIMIT 64",
+            (time.time(),),
+        ).fetchall()
+        if due:
+            gate = asyncio.Semaphore(CONCURRENCY)
+            await asyncio.gather(*(self._send(session, gate, *row) for row in due))
+            return
+        nxt = self._db.execute(
+            "SELECT MIN(next_at) FROM deliveries WHERE state = 'due'"
+        ).fetchone()[0]
+        wait = 60.0 if nxt is None else max(0.0, min(60.0, nxt - time.time()))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), wait)
 
     async def _send(
         self,
