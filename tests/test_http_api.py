@@ -92,7 +92,7 @@ def curl(target: list[str], path: str, body: str, headers: dict[str, str]) -> An
     """One POST by curl; ``target`` is ``["--unix-socket", path]`` or ``[]``, ``path`` the
     whole URL."""
     args = ["curl", "-sS", "-X", "POST", *target, "--data-binary", "@-", "-w", "\n%{http_code}"]
-    for k, v in headers.items():
+    for k, v in {"Content-Type": "application/json", **headers}.items():
         args += ["-H", f"{k}: {v}"]
     out = subprocess.run([*args, path], input=body.encode(), capture_output=True, check=True)
     text, status = out.stdout.decode().rsplit("\n", 1)
@@ -111,7 +111,10 @@ def curl_tcp(node: NodeProcess) -> Send:
 
 def node_js(base: str, sock: str, calls: list[tuple[str, str, dict[str, str]]]) -> list[Answer]:
     """Every call through one Node.js process, in order."""
-    script = [{"path": f"/v1/{m}", "body": b, "headers": h} for m, b, h in calls]
+    script = [
+        {"path": f"/v1/{m}", "body": b, "headers": {"Content-Type": "application/json", **h}}
+        for m, b, h in calls
+    ]
     out = subprocess.run(
         ["node", "-e", NODE_CLIENT, base, sock],
         input=json.dumps(script).encode(),
@@ -208,10 +211,12 @@ def cases(t: str) -> list[Case]:
         ("track", {"tenant": t, "feature": 7}, {}, err(400, "invalid_argument")),
         ("track", {"tenant": t, "feature": "api", "bogus": 1}, {}, err(400, "invalid_argument")),
         ("track", {"feature": "api"}, {}, err(400, "invalid_argument")),  # missing tenant
-        ("usage", {"tenant": t, "feature": "api"}, k, err(400, "invalid_argument")),  # no key
+        # A read ignores an Idempotency-Key (client middleware may add one to every POST).
+        ("usage", {"tenant": t, "feature": "api"}, k, ok(lambda r: r == 4)),
         ("track", {"tenant": t, "feature": "api", "id": "other"}, k, err(400, "invalid_argument")),
+        ("usage", {"tenant": t, "feature": "api", "at": "soon"}, {}, err(400, "invalid_argument")),
         ("commit", {"reservation_id": "no-such"}, {}, err(404, "not_found")),
-        ("track", {"tenant": t, "feature": "web"}, k, err(409, "conflict")),  # 40: k1 is api's
+        ("track", {"tenant": t, "feature": "web"}, k, err(409, "conflict")),  # k1 is api's
         (
             "track",
             {"tenant": t, "feature": "api", "at": 1_000_000_000},
@@ -292,7 +297,7 @@ def test_a_track_over_rpc_reaches_an_event_stream(node: NodeProcess) -> None:
     node.call("track", "sse", "api", 3)
     host, port = api_address(node).rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"GET /v1/subscribe?tenant=sse&features=api HTTP/1.1\r\nHost: m\r\n\r\n")
+        s.sendall(b"GET /v1/subscribe?tenant=sse&features=api HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         got = b""
 
         def has(text: bytes) -> bool:
@@ -340,7 +345,7 @@ def test_the_bearer_token_guards_tcp_and_non_loopback_needs_one() -> None:
         load(env={"METER_SOCKET": "/tmp/a.sock", "METER_HTTP_SOCKET": "/tmp/a.sock"})
 
 
-def test_a_drain_ends_streams_and_answers_in_flight_calls(tmp_path: Path) -> None:
+def test_a_drain_ends_streams_and_removes_the_socket(tmp_path: Path) -> None:
     """SIGTERM: an open event stream ends, the API's socket file goes, the node drains."""
     workdir = short_tmpdir()
     try:
@@ -381,3 +386,84 @@ def test_an_answered_http_track_survives_kill_9() -> None:
             assert again.call("usage", "k9", "f") == 20
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _raw(node: NodeProcess, request: bytes) -> tuple[int, bytes]:
+    """``(status, body)`` of one request sent as is (with ``Connection: close``) on the API's
+    TCP address."""
+    host, port = api_address(node).rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(request)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    head, _, body = out.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def test_web_pages_cannot_call_the_api(node: NodeProcess) -> None:
+    """A browser's page may POST to a loopback port, but not with ``Content-Type:
+    application/json`` without a preflight (never answered), not without ``Origin``, and (DNS
+    rebinding) not with a loopback ``Host``: each is refused and counts nothing; HEAD does not
+    open a stream."""
+    body = json.dumps({"tenant": "web", "feature": "f"}).encode()
+
+    def post(headers: bytes) -> tuple[int, bytes]:
+        return _raw(
+            node,
+            b"POST /v1/track HTTP/1.1\r\nContent-Length: %d\r\nConnection: close\r\n%s\r\n%s"
+            % (len(body), headers, body),
+        )
+
+    assert post(b"Host: 127.0.0.1\r\nContent-Type: text/plain\r\n")[0] == 415
+    assert post(b"Host: 127.0.0.1\r\n")[0] == 415
+    origin = b"Host: 127.0.0.1\r\nContent-Type: application/json\r\nOrigin: http://evil.example\r\n"
+    assert post(origin)[0] == 403
+    rebound = b"Host: evil.example:8080\r\nContent-Type: application/json\r\n"
+    assert post(rebound)[0] == 403
+    status, got = post(b"Host: localhost:1\r\nContent-Type: application/json; charset=utf-8\r\n")
+    assert (status, json.loads(got)) == (200, {"result": 1})
+    assert node.call("usage", "web", "f") == 1  # only the last one counted
+    head = b"HEAD /v1/subscribe?tenant=web HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    status, _ = _raw(node, head)
+    assert status == 405
+    assert node.call("status")["http"]["streams"] == 0
+
+
+async def test_an_answer_waits_for_the_log_and_a_failed_write_is_unavailable(
+    tmp_path: Path,
+) -> None:
+    """In process, on a real log: with the log's disk full, an HTTP ``track`` (and an error
+    answer behind it) is answered 503 and counts nothing, where an answer sent before the
+    commit would have said 200."""
+    import aiohttp
+
+    from meter.http.api import Api
+    from meter.http.listener import Limits, Listener
+    from storage.memory import MemoryStorage
+    from tests.support.services import logged_service
+    from tests.test_wal_service import disk_full
+
+    svc, wal = await logged_service(tmp_path / "wal", MemoryStorage())
+    api = Api(svc, wal=wal, watch=svc.watch)
+    listener = Listener(Limits(8, 5.0, 5.0, 1 << 20), api.handler())
+    sock = str(tmp_path / "h.sock")
+    await listener.start_unix(sock)
+    hdr = {"Content-Type": "application/json"}
+    try:
+        conn = aiohttp.UnixConnector(path=sock)
+        async with aiohttp.ClientSession(connector=conn) as session:
+
+            async def track(qty: int) -> tuple[int, Any]:
+                body = {"tenant": "w", "feature": "f", "qty": qty}
+                async with session.post("http://m/v1/track", json=body, headers=hdr) as r:
+                    return r.status, await r.json()
+
+            assert await track(2) == (200, {"result": 2})
+            with disk_full(wal):
+                status, got = await track(5)
+                assert (status, got["error"]["code"]) == (503, "unavailable")
+            assert svc.table.value(("w", "f", svc.key_for("w", "f")[2])) == 2
+    finally:
+        await listener.close()
+        await wal.close(final_checkpoint=False)

@@ -111,7 +111,8 @@ def test_docs_openapi_json_is_the_document() -> None:
 
 def test_named_params_become_the_wire_params() -> None:
     track = SIGNATURES["track"]
-    assert wire_params(track, {"tenant": "a", "feature": "f"}) == ["a", "f", 1, {}]
+    assert wire_params(track, {"tenant": "a", "feature": "f"}) == ["a", "f", 1]
+    assert wire_params(SIGNATURES["set_limit"], {"tenant": "a", "feature": "f"}) == ["a", "f", {}]
     assert wire_params(track, {"tenant": "a", "feature": "f", "at": 5}, "k") == [
         "a",
         "f",

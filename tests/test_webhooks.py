@@ -13,6 +13,7 @@ import hmac
 import json
 import shutil
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -165,13 +166,19 @@ def test_a_node_killed_with_a_delivery_pending_delivers_it_after_restart() -> No
             what="a delivery tried and pending",
         )
         node.kill()
-        with WebhookReceiver(port) as receiver, NodeProcess(workdir, **env) as again:
+        metrics = {"METER_METRICS_ADDRESS": "127.0.0.1:0"}
+        with WebhookReceiver(port) as receiver, NodeProcess(workdir, **env, **metrics) as again:
             wait_for(lambda: len(receiver.received) >= 1, what="the delivery after restart")
             (r,) = receiver.received
             assert verify(r) and r.event["type"] == "alert.threshold"
             assert r.event["data"]["tenant"] == "acme" and r.event["data"]["threshold"] == 50
             wait_for(lambda: again.call("status")["webhooks"]["pending"] == 0, what="cleared")
             assert again.call("status")["webhooks"]["delivered"] == 1
+            address = again.call("status")["metrics"]["address"]
+            with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+            assert 'meter_webhooks_total{result="delivered"} 1.0' in text
+            assert "meter_webhooks_pending 0.0" in text
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

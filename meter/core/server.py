@@ -893,7 +893,8 @@ def unlink_own(path: str, inode: Inode | None) -> None:
         os.unlink(path)
 
 
-def _gid(group: str | int) -> int:
+def group_id(group: str | int) -> int:
+    """The id of group ``group`` (a name, or a number); ConfigError naming ``socket_group``."""
     if isinstance(group, int):
         return group
     try:
@@ -937,7 +938,7 @@ async def start_server(
     spath = os.fspath(path)
     if mode is None:
         mode = 0o660 if group is not None else 0o600
-    gid = _gid(group) if group is not None else None
+    gid = group_id(group) if group is not None else None
     await clear_stale(spath)
     server = RpcServer(
         spath,

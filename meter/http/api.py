@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from meter.core.protocol import RESPONSE
 from meter.core.server import Dispatcher
 from meter.core.watch import Bind, Subscriber, Watch
 from meter.errors import InvalidArgument, MeterError, Unavailable
@@ -90,28 +89,25 @@ class Api:
         """Counters for ``status``."""
         return {"calls": self.calls, "errors": self.errors, "streams": len(self._streams)}
 
-    def handler(self, token: str | None = None) -> Handler:
+    def handler(self, token: str | None = None, *, tcp: bool = False) -> Handler:
         """The API's handler; with ``token`` every request must carry ``Authorization:
-        Bearer <token>``."""
+        Bearer <token>``. On ``tcp`` without a token, only requests naming a loopback host
+        in ``Host`` are served (a web page's DNS rebinding names its own)."""
         calls = {f"/v1/{method}": self._method(method) for method in SIGNATURES}
         gets = {"/v1/subscribe": self.subscribe, "/openapi.json": self.openapi}
-        expected = None if token is None else f"Bearer {token}".encode()
+        expected = None if token is None else token.encode("utf-8", "surrogateescape")
+        check_host = tcp and token is None
 
         async def handle(request: web.BaseRequest) -> web.StreamResponse:
-            if expected is not None:
-                given = request.headers.get("Authorization", "").encode()
-                if not hmac.compare_digest(given, expected):
-                    return error_response(
-                        "unauthenticated",
-                        "send Authorization: Bearer <http_token>",
-                        headers={"WWW-Authenticate": "Bearer"},
-                    )
+            refused = _refused(request, expected, check_host)
+            if refused is not None:
+                return refused
             path = request.path
             if request.method == "POST":
                 call = calls.get(path)
                 if call is not None:
                     return await call(request)
-            elif request.method in ("GET", "HEAD"):
+            elif request.method == "GET" or (request.method == "HEAD" and path != "/v1/subscribe"):
                 get = gets.get(path)
                 if get is not None:
                     return await get(request)
@@ -120,10 +116,15 @@ class Api:
         return handle
 
     def unknown(self, request: web.BaseRequest) -> web.Response:
-        """What no route answers: a method called with another verb is 405, an unknown
-        method ``unknown_method`` (404), another path ``not_found``."""
+        """What no route answers: a path called with a verb it does not take is 405 (code
+        ``invalid_argument``), an unknown method ``unknown_method`` (404), another path
+        ``not_found``."""
         path = request.path
         method = path.removeprefix("/v1/")
+        if path in ("/v1/subscribe", "/openapi.json"):
+            return error_response(
+                "invalid_argument", f"{path}: send it as GET", {"Allow": "GET"}, status=405
+            )
         if f"/v1/{method}" == path and method in SIGNATURES:
             return error_response(
                 "invalid_argument", f"{method}: send it as POST", {"Allow": "POST"}, status=405
@@ -152,19 +153,26 @@ class Api:
                     raise _TooLarge(exc.text or "the body is too large") from None
                 except ValueError as exc:  # (UnicodeDecodeError is one)
                     raise InvalidArgument(f"{method}: the body is not JSON: {exc}") from None
-                params = wire_params(sig, body, request.headers.get("Idempotency-Key"))
-                result = self._dispatch(method, params)
+                key = None if sig.read else request.headers.get("Idempotency-Key")
+                result = self._dispatch(method, wire_params(sig, body, key))
                 if type(result) not in _PLAIN and isawaitable(result):
                     result = await result
                 wal = self.wal
                 if wal is not None and wal.dirty:
-                    result = await self._committed(wal, result)
+                    await self._committed(wal)
                 if type(result) is int and -JSON_SAFE_INT <= result <= JSON_SAFE_INT:
                     answer = f'{{"result":{result}}}'  # (a counter's value: most answers)
                 else:
                     answer = _dumps({"result": to_json(result)})
             except MeterError as exc:
                 code = exc.code
+                wal = self.wal
+                if wal is not None and wal.dirty:  # (as the socket: every answer, errors too)
+                    try:
+                        await self._committed(wal)
+                    except Unavailable as failed:
+                        code = failed.code
+                        return error_response(failed.code, str(failed))
                 return error_response(exc.code, str(exc))
             except ValueError as exc:  # what JSON cannot carry
                 code = "internal"
@@ -185,19 +193,19 @@ class Api:
 
         return call
 
-    async def _committed(self, wal: WriteAheadLog, result: Any) -> Any:
-        """``result`` once ``wal`` holds what the call did (as the socket answers)."""
-        done: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+    async def _committed(self, wal: WriteAheadLog) -> None:
+        """Return once ``wal`` holds what was appended so far (the socket holds its answers
+        so); :class:`Unavailable` if that write failed (its records were undone)."""
+        done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
 
         def send(arrays: list[list[Any]], error: str | None) -> None:
             if not done.done():
-                done.set_result(arrays[0])
+                done.set_result(error)
 
-        wal.hold(send, [[RESPONSE, 0, None, result]])
-        _, _, error, result = await done
+        wal.hold(send, [])
+        error = await done
         if error is not None:
-            raise Unavailable(str(error.get("message", "the write-ahead log failed")))
-        return result
+            raise Unavailable(f"the write-ahead log failed, nothing was done: {error}")
 
     async def openapi(self, request: web.BaseRequest) -> web.Response:
         """``GET /openapi.json``."""
@@ -221,15 +229,22 @@ class Api:
         raw = q.get("features")
         sub = Subscriber()
         rows: list[list[Any]] = []
+        streaming = False
         try:
             features = None if raw is None else [f for f in raw.split(",") if f]
             for tenant in tenants:
                 rows.extend(await self._bound("subscribe", [tenant, features], sub))
             if alerts == "true":
                 await self._bound("subscribe_alerts", [], sub)
+            wal = self.wal
+            if wal is not None and wal.dirty:  # (values the log holds: none a crash undoes)
+                await self._committed(wal)
+            streaming = True
         except MeterError as exc:
-            self.watch.remove(sub)
             return error_response(exc.code, str(exc))
+        finally:
+            if not streaming:
+                self.watch.remove(sub)
         wake = self._streams[sub] = asyncio.Event()
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store"}
@@ -258,8 +273,8 @@ class Api:
                     )
                 while sub.pending:
                     await resp.write(b"".join(_usage_event(r) for r in sub.take(EVENT_BATCH)))
-        except (ConnectionError, asyncio.CancelledError):
-            pass  # the client went away, or the listener is closing
+        except ConnectionError:
+            pass  # the client went away
         finally:
             del self._streams[sub]
             self.watch.remove(sub)
@@ -300,3 +315,46 @@ def _usage_event(row: list[Any]) -> bytes:
     if len(row) > 4:
         data["dimensions"] = row[4]
     return _event("usage", data)
+
+
+#: ``Host`` names a request on a TCP listener without a token may carry (with any port).
+_LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
+
+
+def _refused(
+    request: web.BaseRequest, token: bytes | None, check_host: bool
+) -> web.Response | None:
+    """Why ``request`` is not served, as its answer, or ``None``. A browser's page may send a
+    request to a loopback port; it cannot send one with ``Content-Type: application/json``
+    (without a preflight the API never answers), with no ``Origin``, nor (DNS rebinding)
+    with a loopback ``Host``."""
+    headers = request.headers
+    if token is not None:
+        scheme, _, given = headers.get("Authorization", "").partition(" ")
+        raw = given.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(raw, token):
+            return error_response(
+                "unauthenticated",
+                "send Authorization: Bearer <http_token>",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+    if "Origin" in headers:
+        return error_response(
+            "invalid_argument", "requests from web pages (with an Origin) are refused", status=403
+        )
+    if check_host:
+        host = headers.get("Host", "")
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        if name not in _LOOPBACK_HOSTS and not name.startswith("127."):
+            return error_response(
+                "invalid_argument", f"Host {host[:64]!r} is not this machine", status=403
+            )
+    if request.method == "POST":
+        kind = headers.get("Content-Type", "").partition(";")[0].strip().lower()
+        if kind != "application/json":
+            return error_response(
+                "invalid_argument",
+                "send the params as Content-Type: application/json",
+                status=415,
+            )
+    return None

@@ -79,12 +79,20 @@ class _Guard:
         return make
 
     def _make_room(self) -> None:
+        """Close the oldest connection that has not sent a whole request (nothing runs on it:
+        at once), else ask the oldest one to close once the request it serves, if any, is
+        answered (aiohttp's graceful ``close``: a call at work is never cut off)."""
         conns = self._conns
-        victim = next((h for h, started in conns.items() if not started), next(iter(conns)))
-        del conns[victim]
+        victim = next((h for h, started in conns.items() if not started), None)
         self.evicted += 1
-        if victim.transport is not None:
-            victim.transport.abort()
+        if victim is not None:
+            del conns[victim]
+            if victim.transport is not None:
+                victim.transport.abort()
+            return
+        victim = next(iter(conns))
+        del conns[victim]
+        victim.close()
 
     def _head_timeout(self, handler: RequestHandler) -> None:
         if self._conns.get(handler) is False and handler.transport is not None:
@@ -144,35 +152,55 @@ class Listener:
             keepalive_timeout=self.limits.keepalive_s,
             access_log=None,
         )
-        runner = web.ServerRunner(server, shutdown_timeout=self.limits.shutdown_s)
-        await runner.setup()
-        self._runner = runner
-        await _Site(runner, sock, self._guard).start()
+        if self._runner is None:
+            # (aiohttp waits shutdown_timeout for handlers, then as long again once it has
+            # cancelled them: half of it each keeps a close within ``shutdown_s``)
+            runner = web.ServerRunner(server, shutdown_timeout=self.limits.shutdown_s / 2)
+            await runner.setup()
+            self._runner = runner
+        try:
+            await _Site(self._runner, sock, self._guard).start()
+        except BaseException:
+            await self.close()
+            raise
 
     async def start_tcp(self, host: str, port: int) -> str:
-        """Serve on ``host:port``; return the bound ``host:port``. OSError if not."""
+        """Serve on ``host:port``, every address it resolves to (``localhost``: IPv4 and
+        IPv6, as asyncio's servers do); return the first bound ``host:port``. OSError if
+        one cannot be bound."""
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, type_, proto, _, addr = infos[0]
-        sock = socket.socket(family, type_, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.setblocking(False)
-            await self._serve(sock)
-        except BaseException:
-            sock.close()
-            raise
-        bound = sock.getsockname()
-        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-        self.address = f"{shown}:{bound[1]}"
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        seen: set[Any] = set()
+        for family, type_, proto, _, addr in infos:
+            if addr in seen:
+                continue
+            seen.add(addr)
+            sock = socket.socket(family, type_, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                if self.address is not None:  # (port 0: every address on the first's port)
+                    addr = (addr[0], int(self.address.rsplit(":", 1)[1]), *addr[2:])
+                sock.bind(addr)
+                sock.setblocking(False)
+                await self._serve(sock)
+            except BaseException:
+                sock.close()
+                await self.close()
+                raise
+            if self.address is None:
+                bound = sock.getsockname()
+                shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+                self.address = f"{shown}:{bound[1]}"
+        assert self.address is not None
         return self.address
 
-    async def start_unix(self, path: str, mode: int = 0o600) -> str:
-        """Serve on the Unix socket ``path`` (file ``mode``); a stale socket file is
-        replaced, a live one is OSError(EADDRINUSE), another file FileExistsError."""
+    async def start_unix(self, path: str, mode: int = 0o600, gid: int | None = None) -> str:
+        """Serve on the Unix socket ``path`` (file ``mode``, group ``gid``); a stale socket
+        file is replaced, a live one is OSError(EADDRINUSE), another file FileExistsError."""
         await clear_stale(path)
-        sock, inode = bind_unix(path, mode)
+        sock, inode = bind_unix(path, mode, gid)
         try:
             await self._serve(sock)
         except BaseException:

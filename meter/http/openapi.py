@@ -135,6 +135,8 @@ def document() -> dict[str, Any]:
             "/v1/<method> with its params by name (docs/http.md, docs/protocol.md).",
         },
         "paths": paths,
+        # A token only on ``http_address`` with ``http_token`` set (docs/http.md).
+        "security": [{}, {"bearer": []}],
         "components": {
             "schemas": {"Error": _ERROR},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

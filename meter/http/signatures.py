@@ -327,7 +327,9 @@ def wire_params(sig: Signature, body: object, key: str | None = None) -> list[An
             out.append(p.default)
     if sig.fields is not None:
         fields = sig.fields if len(body) > given else ()  # (the rest of the body is fields)
-        out.append({f.name: coerce(f.schema, body[f.name]) for f in fields if f.name in body})
+        opts = {f.name: coerce(f.schema, body[f.name]) for f in fields if f.name in body}
+        if opts or sig.map_required:  # (none: left out, as a client does: the fast path)
+            out.append(opts)
     return out
 
 

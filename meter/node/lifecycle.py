@@ -276,6 +276,10 @@ class Node:
             request_stats = (
                 await self._start_metrics(units) if cfg.metrics.address and units else None
             )
+            # Before the socket: a setting it cannot listen on stops the node before any call.
+            self.api = await web.start_api(
+                cfg, service, self.wal, request_stats, self.api_listeners
+            )
             try:
                 self.server = await wiring.serve(
                     cfg.server.socket,
@@ -292,9 +296,6 @@ class Node:
                 raise ConfigError(
                     "socket", f"cannot listen on {cfg.server.socket}: {exc.strerror or exc}"
                 ) from None
-            self.api = await web.start_api(
-                cfg, service, self.wal, request_stats, self.api_listeners
-            )
         except BaseException:
             for listener in [*self.api_listeners, *([self.http] if self.http else [])]:
                 await listener.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from meter.config import NodeConfig, WebhookConfig
 from meter.core.counts import RequestStats
+from meter.core.server import group_id
 from meter.core.service import Service
 from meter.errors import ConfigError
 from meter.http.api import Api
@@ -66,8 +67,10 @@ async def start_api(
     if h.socket is not None:
         listener = Listener(limits, api.handler())
         listeners.append(listener)
+        group = config.server.socket_group  # (the RPC socket's: 0660 for it, else 0600)
+        gid = None if group is None else group_id(group)
         try:
-            await listener.start_unix(str(h.socket))
+            await listener.start_unix(str(h.socket), 0o600 if gid is None else 0o660, gid)
         except FileExistsError:
             raise ConfigError("http_socket", f"{h.socket} exists and is not a socket") from None
         except OSError as exc:
@@ -76,7 +79,7 @@ async def start_api(
             ) from None
         log.info("HTTP/JSON API on unix:%s", h.socket)
     if h.address is not None:
-        listener = Listener(limits, api.handler(h.token))
+        listener = Listener(limits, api.handler(h.token, tcp=True))
         listeners.append(listener)
         host, port = h.address
         try:
