@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from meter.compiled import PURE_ENV
 from meter.core.keys import FEATURE_RE, PeriodKind
@@ -426,7 +427,13 @@ def _webhook_urls(setting: str, raw: Any) -> tuple[tuple[str, frozenset[str]], .
     out = []
     for item in (x.strip() for x in items if x.strip()):
         url, _, selector = item.partition("#")
-        if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
+        parts = urlsplit(url)
+        try:
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+            (parts.hostname or "").encode("idna")  # (a label over 63 characters: no host)
+        except (UnicodeError, ValueError):
+            ok = False
+        if not ok:
             raise ConfigError(setting, f"{item!r} is not an http:// or https:// URL")
         kinds = frozenset(selector.split("+")) if selector else WEBHOOK_KINDS
         if not kinds <= WEBHOOK_KINDS:
@@ -643,7 +650,7 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
             raise ConfigError(setting, "path longer than 100 bytes (the AF_UNIX limit is 107)")
     if cfg.http.socket is not None and cfg.http.socket == cfg.server.socket:
         raise ConfigError("http_socket", "must differ from socket (each has its own protocol)")
-    if cfg.webhooks.urls and cfg.webhooks.secret is None:
+    if cfg.webhooks.urls and not (cfg.webhooks.secret or "").strip():
         raise ConfigError("webhook_secret", "webhook_urls needs a secret to sign with")
     address = cfg.http.address
     if address is not None and cfg.http.token is None and not _loopback(address[0]):

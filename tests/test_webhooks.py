@@ -41,6 +41,11 @@ def verify(r: Received, secret: str = SECRET, now: float | None = None) -> bool:
     return fresh and hmac.compare_digest(mac, parts["v1"])
 
 
+def rows(wh: Webhooks) -> list[tuple[str, str, str]]:
+    """The outbox's deliveries: ``(alert id, url, state)``."""
+    return list(wh._db.execute("SELECT alert_id, url, state FROM deliveries ORDER BY url"))
+
+
 def hooks(
     tmp_path: Path, url: str, kinds: frozenset[str] = frozenset({"threshold", "balance"})
 ) -> Webhooks:
@@ -101,11 +106,16 @@ async def test_a_claim_lost_sends_nothing_and_kinds_are_picked(tmp_path: Path) -
     alerts = Alerts("n1", store.claim_alert, journal=wh)
     alerts.queue(alert)
     assert await alerts.claim_pending()
-    assert alerts.claimed_elsewhere == 1 and wh.status()["pending"] == 0
+    assert alerts.claimed_elsewhere == 1
+    assert rows(wh) == []  # nothing left to send, nothing waiting for a claim
     (tmp_path / "b").mkdir()
-    balance_only = hooks(tmp_path / "b", "http://127.0.0.1:9/never", frozenset({"balance"}))
-    balance_only.claiming(alert, "c")
-    assert balance_only._db.execute("SELECT COUNT(*) FROM deliveries").fetchone()[0] == 0
+    balance_only = hooks(tmp_path / "b", "http://127.0.0.1:9/b", frozenset({"balance"}))
+    balance = Alerts("n1", store.claim_alert, journal=balance_only)
+    balance.queue(alert)
+    balance.balance_entry("acme", 7, 150, 90, (100,))  # below 100: a balance alert
+    assert await balance.claim_pending()
+    ((aid, url, state),) = rows(balance_only)  # only the balance alert, to its URL
+    assert url == "http://127.0.0.1:9/b" and state == "due" and aid != alert.id
     wh.close()
     balance_only.close()
 
@@ -123,7 +133,7 @@ async def test_a_claim_without_its_outcome_is_claimed_again_at_the_next_start(
         dead = hooks(tmp_path, receiver.url)
         dead_alerts = Alerts("n1", store.claim_alert, journal=dead)
         claim = dead_alerts._claim_body(alert)
-        dead.claiming(alert, claim)  # ...and then the process died (before or after its claim)
+        dead.claiming([(alert, claim)])  # ...and the process died (before or after its claim)
         if won_by_the_dead_process:
             assert await store.claim_alert(alert.id, claim)
         else:
@@ -204,3 +214,55 @@ def test_webhook_settings_are_checked() -> None:
     ]:
         with pytest.raises(ConfigError, match=what):
             load(env=env)
+
+
+async def test_an_alert_detected_again_after_a_restart_keeps_the_earlier_win(
+    tmp_path: Path,
+) -> None:
+    """A process won an alert whose delivery is still due; the next one detects the crossing
+    again (a gauge's first reading, a limit raised): its own claim is lost to the earlier
+    one, and the earlier win's delivery stays and is sent."""
+    store = MemoryStorage()
+    alert = make_alert(KEY, 80, 8, 10, 9, "n1")
+    with WebhookReceiver() as receiver:
+        first = hooks(tmp_path, receiver.url)
+        won = Alerts("n1", store.claim_alert, journal=first)
+        won.queue(alert)
+        assert await won.claim_pending() and won.fired == 1
+        first.close()  # (stopped before sending it)
+        wh = hooks(tmp_path, receiver.url)
+        again = Alerts("n1", store.claim_alert, journal=wh)
+        assert wh.resume(again) == 0
+        again.queue(make_alert(KEY, 80, 8, 10, 9, "n1"))
+        assert await again.claim_pending() and again.claimed_elsewhere == 1
+        assert [state for _, _, state in rows(wh)] == ["due"]
+        sender = asyncio.create_task(wh.run())
+        try:
+            await wait_async(lambda: wh.status()["delivered"] == 1, "the earlier win's delivery")
+            assert [r.event["id"] for r in receiver.received] == [alert.id]
+        finally:
+            sender.cancel()
+            wh.close()
+
+
+async def test_a_redirect_is_not_followed_and_an_old_delivery_is_given_up(tmp_path: Path) -> None:
+    """A 301 is a failed try (never re-sent as a bodiless GET elsewhere); a delivery still
+    failing ``webhook_max_age_s`` after its alert is given up, counted ``failed``."""
+    with WebhookReceiver() as receiver:
+        receiver.fail(301, 500)
+        wh = Webhooks(
+            [(receiver.url, frozenset({"threshold"}))], SECRET, tmp_path, max_age_s=0.5, timeout_s=5
+        )
+        alerts = Alerts("n1", MemoryStorage().claim_alert, journal=wh)
+        alerts.queue(make_alert(KEY, 80, 8, 10, 9, "n1"))
+        assert await alerts.claim_pending()
+        sender = asyncio.create_task(wh.run())
+        try:
+            await wait_async(lambda: wh.status()["failed"] == 1, "the delivery given up")
+            assert wh.status()["delivered"] == 0 and rows(wh) == []
+            # Two POSTs with the body (the 301 not followed as a GET), the second past the age.
+            assert [(r.method, r.body != "") for r in receiver.received] == [("POST", True)] * 2
+            assert "HTTP 500" in (wh.status()["last_error"] or "")
+        finally:
+            sender.cancel()
+            wh.close()

@@ -55,8 +55,10 @@ Key = tuple[str, ...]
 class ClaimJournal(Protocol):
     """Told around each claim (the webhooks' outbox: :mod:`meter.quotas.webhooks`)."""
 
-    def claiming(self, alert: Alert, claim: str) -> None:
-        """Before the claim of ``alert`` with body ``claim``; raising keeps it pending."""
+    def claiming(self, alerts: list[tuple[Alert, str]]) -> None:
+        """Before any of ``alerts`` is claimed, each with its claim's body: every crossing
+        pending is journaled at once (a crash while storage is down loses none); raising
+        keeps them pending."""
 
     def claimed(self, alert: Alert, won: bool) -> None:
         """The claim was answered: won by this node, or by another."""
@@ -230,7 +232,8 @@ class Alerts:
         self.on_fired = on_fired
         self.on_deliver = on_deliver
         self.journal = journal
-        #: The claim bodies of crossings resumed from the journal (an earlier process's).
+        #: The claim bodies of pending crossings, as journaled (a resumed one's: an earlier
+        #: process's).
         self._bodies: dict[str, str] = {}
         #: Crossings detected, not claimed yet (oldest first).
         self.pending: OrderedDict[str, Alert] = OrderedDict()
@@ -305,14 +308,25 @@ class Alerts:
     async def claim_pending(self) -> bool:
         """Claim every pending crossing, oldest first; False if storage did not answer (what
         is left stays pending)."""
+        fresh = [a for aid, a in self.pending.items() if aid not in self._bodies]
+        for alert in fresh:  # (the body an alert is journaled with is the one it is claimed with)
+            self._bodies[alert.id] = self._claim_body(alert)
+        if self.journal is not None and fresh:
+            try:
+                self.journal.claiming([(a, self._bodies[a.id]) for a in fresh])
+            except (OSError, sqlite3.Error) as exc:
+                for alert in fresh:
+                    self._bodies.pop(alert.id, None)
+                self.failures += 1
+                self.last_error = f"journal: {exc}"
+                log.error("alerts: the webhooks' outbox failed (claims wait): %s", exc)
+                return False
         while self.pending:
             aid, alert = next(iter(self.pending.items()))
-            body = self._bodies.get(aid) or self._claim_body(alert)
+            body = self._bodies[aid]
             try:
-                if self.journal is not None:
-                    self.journal.claiming(alert, body)
                 won = await self.claim(aid, body)
-            except (StorageError, OSError, sqlite3.Error) as exc:
+            except StorageError as exc:
                 self.failures += 1
                 if self.last_error is None:
                     log.warning("alerts: storage did not answer a claim (kept, retried): %s", exc)
@@ -370,6 +384,7 @@ class Alerts:
         _bounded_add(self._delivered, alert.id, MAX_DELIVERED)
         _bounded_add(self._known, alert.id, self.max_known)  # claimed: never claim it here
         self.pending.pop(alert.id, None)
+        self._bodies.pop(alert.id, None)
         self.delivered += 1
         if self.on_deliver is not None:
             self.on_deliver(alert)

@@ -96,7 +96,9 @@ class Webhooks:
         self.max_age_s = max_age_s
         self.timeout_s = timeout_s
         self.path = data_dir / "webhooks.sqlite"
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        # (on the event loop: a write is a claim's or a delivery's, rare; a short busy
+        # timeout bounds a stall behind another process holding the file's lock)
+        self._db = sqlite3.connect(self.path, isolation_level=None, timeout=1.0)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(
@@ -113,34 +115,46 @@ class Webhooks:
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[None]:
-        """One transaction (the connection is in autocommit mode: each write its own)."""
+        """One transaction (the connection is in autocommit mode: each write its own); a
+        failed one, its COMMIT included, is rolled back, so the next can begin."""
         self._db.execute("BEGIN IMMEDIATE")
         try:
             yield
+            self._db.execute("COMMIT")
         except BaseException:
-            self._db.execute("ROLLBACK")
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
             raise
-        self._db.execute("COMMIT")
 
     # -- around a claim (Alerts' journal) ---------------------------------------------------
 
-    def claiming(self, alert: Alert, claim: str) -> None:
-        """Before ``alert`` is claimed with body ``claim``: its deliveries, written and synced
-        (``sqlite3.Error`` if they cannot be: the claim waits)."""
-        kind = kind_of(alert)
-        rows = [url for url, kinds in self.targets if kind in kinds]
+    def claiming(self, alerts: list[tuple[Alert, str]]) -> None:
+        """Before ``alerts`` are claimed, each with its claim's body: their deliveries, written
+        and synced in one transaction (``sqlite3.Error`` if they cannot be: the claims wait).
+        Rows already there (an earlier detection, an earlier process) are kept."""
+        now = time.time()
+        rows = []
+        for alert, claim in alerts:
+            kind = kind_of(alert)
+            wire, body = json.dumps(alert.to_wire()), event_body(alert)
+            rows += [
+                (alert.id, url, wire, claim, body, now, now)
+                for url, kinds in self.targets
+                if kind in kinds
+            ]
         if not rows:
             return
-        wire, body, now = json.dumps(alert.to_wire()), event_body(alert), time.time()
         with self._tx():
             self._db.executemany(
                 "INSERT OR IGNORE INTO deliveries VALUES (?, ?, ?, ?, ?, 'claiming', 0, ?, ?,"
                 " NULL)",
-                [(alert.id, url, wire, claim, body, now, now) for url in rows],
+                rows,
             )
 
     def claimed(self, alert: Alert, won: bool) -> None:
-        """``alert``'s claim was answered: this node sends it (``won``), or another does."""
+        """``alert``'s claim was answered: this node sends it (``won``), or another does. A
+        claim lost drops only deliveries still waiting for their claim: those an earlier
+        process of this node won (the alert detected again since) stay due."""
         with self._tx():
             if won:
                 self._db.execute(
@@ -148,7 +162,10 @@ class Webhooks:
                     (alert.id,),
                 )
             else:
-                self._db.execute("DELETE FROM deliveries WHERE alert_id = ?", (alert.id,))
+                self._db.execute(
+                    "DELETE FROM deliveries WHERE alert_id = ? AND state = 'claiming'",
+                    (alert.id,),
+                )
         if won:
             self._wake.set()
 
@@ -173,9 +190,9 @@ class Webhooks:
             while True:
                 try:
                     await self._round(session)
-                except (sqlite3.Error, OSError) as exc:  # the outbox: kept, tried again
+                except Exception as exc:  # the outbox, or a bug: kept, tried again
                     self.last_error = f"outbox: {exc}"
-                    log.error("webhooks: the outbox failed (tried again in 1 s): %s", exc)
+                    log.exception("webhooks: a round failed (tried again in 1 s)")
                     await asyncio.sleep(1.0)
 
     async def _round(self, session: aiohttp.ClientSession) -> None:
@@ -188,7 +205,8 @@ class Webhooks:
         ).fetchall()
         if due:
             gate = asyncio.Semaphore(CONCURRENCY)
-            await asyncio.gather(*(self._send(session, gate, *row) for row in due))
+            sends = (self._send(session, gate, *row) for row in due)
+            await asyncio.gather(*sends, return_exceptions=True)
             return
         nxt = self._db.execute(
             "SELECT MIN(next_at) FROM deliveries WHERE state = 'due'"
@@ -211,40 +229,51 @@ class Webhooks:
             t = int(time.time())
             headers = {"Content-Type": "application/json", HEADER: signature(self.secret, t, body)}
             try:
-                async with session.post(url, data=body.encode(), headers=headers) as resp:
+                # (a redirect is not followed: aiohttp would send a POST's 301 on as a GET
+                # without its body, and the signature to wherever it points)
+                post = session.post(url, data=body.encode(), headers=headers, allow_redirects=False)
+                async with post as resp:
                     await resp.read()
                     error = None if 200 <= resp.status < 300 else f"HTTP {resp.status}"
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                    if 300 <= resp.status < 400:
+                        where = resp.headers.get("Location", "?")[:200]
+                        error = f"HTTP {resp.status} to {where} (not followed)"
+            except Exception as exc:  # every failure of a try is a failed try
                 error = f"{type(exc).__name__}: {exc}"
         key = (alert_id, url)
+        gone = error is None or time.time() - created_at >= self.max_age_s
         with self._tx():
-            if error is None:
+            if gone:
                 self._db.execute("DELETE FROM deliveries WHERE alert_id = ? AND url = ?", key)
-                self.delivered += 1
-                log.info("webhook %s delivered to %s", alert_id, url)
-                return
-            self.last_error = f"{url}: {error}"
-            if time.time() - created_at >= self.max_age_s:
-                self._db.execute("DELETE FROM deliveries WHERE alert_id = ? AND url = ?", key)
-                self.failed += 1
-                log.error("webhook %s to %s given up after %d tries: %s",
-                          alert_id, url, attempts + 1, error)  # fmt: skip
-                return
-            self._db.execute(
-                "UPDATE deliveries SET attempts = ?, next_at = ?, last_error = ?"
-                " WHERE alert_id = ? AND url = ?",
-                (attempts + 1, time.time() + retry_after(attempts + 1), error, *key),
-            )
-        if attempts == 0:
+            else:
+                self._db.execute(
+                    "UPDATE deliveries SET attempts = ?, next_at = ?, last_error = ?"
+                    " WHERE alert_id = ? AND url = ?",
+                    (attempts + 1, time.time() + retry_after(attempts + 1), error, *key),
+                )
+        # (counted once the outbox says so)
+        if error is None:
+            self.delivered += 1
+            log.info("webhook %s delivered to %s", alert_id, url)
+            return
+        self.last_error = f"{url}: {error}"
+        if gone:
+            self.failed += 1
+            log.error("webhook %s to %s given up after %d tries: %s",
+                      alert_id, url, attempts + 1, error)  # fmt: skip
+        elif attempts == 0:
             log.warning("webhook %s to %s failed (retried): %s", alert_id, url, error)
 
     def status(self) -> dict[str, Any]:
-        """Counts for ``status`` and the metrics."""
-        pending, oldest = self._db.execute(
-            "SELECT COUNT(*), MIN(created_at) FROM deliveries WHERE state = 'due'"
-        ).fetchone()
+        """Counts for ``status`` and the metrics: ``pending`` deliveries this node sends,
+        ``unclaimed`` ones waiting for their alert's claim (storage, or the next start)."""
+        rows = dict(
+            self._db.execute("SELECT state, COUNT(*) FROM deliveries GROUP BY state").fetchall()
+        )
+        (oldest,) = self._db.execute("SELECT MIN(created_at) FROM deliveries").fetchone()
         return {
-            "pending": pending,
+            "pending": rows.get("due", 0),
+            "unclaimed": rows.get("claiming", 0),
             "delivered": self.delivered,
             "failed": self.failed,
             "oldest_pending_s": 0.0 if oldest is None else max(0.0, time.time() - oldest),
@@ -252,4 +281,9 @@ class Webhooks:
         }
 
     def close(self) -> None:
+        """Close the outbox; what it holds is sent at the next start (logged)."""
+        left = sum(self._db.execute("SELECT COUNT(*) FROM deliveries").fetchone())
+        if left:
+            log.error("webhooks: %d deliveries not made yet stay in %s for the next start",
+                      left, self.path)  # fmt: skip
         self._db.close()

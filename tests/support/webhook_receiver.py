@@ -16,8 +16,9 @@ from aiohttp import web
 
 @dataclass(frozen=True)
 class Received:
-    """One request: its headers (lower-case names), raw body and parsed JSON."""
+    """One request: its method, headers (lower-case names), raw body and parsed JSON."""
 
+    method: str
     headers: dict[str, str]
     body: str
     event: Any
@@ -54,15 +55,17 @@ class WebhookReceiver:
     async def _handle(self, request: web.Request) -> web.Response:
         body = (await request.read()).decode()
         with self._lock:
-            self.received.append(
-                Received({k.lower(): v for k, v in request.headers.items()}, body, json.loads(body))
-            )
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            event = json.loads(body) if body else None
+            self.received.append(Received(request.method, headers, body, event))
             status = self._statuses.popleft() if self._statuses else 200
-        return web.Response(status=status, text="ok")
+        # (a redirect names this URL again: a client that follows it comes back as a GET)
+        location = {"Location": self.url} if 300 <= status < 400 else None
+        return web.Response(status=status, text="ok", headers=location)
 
     async def _start(self) -> None:
         app = web.Application()
-        app.router.add_post("/hooks", self._handle)
+        app.router.add_route("*", "/hooks", self._handle)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
