@@ -28,6 +28,21 @@ LIMIT = 400
 PER_NODE = 120  # 4 x 120 = 480: past 100 %
 
 
+def track_on_each(nodes: list[NodeProcess], feature: str, units: int) -> None:
+    """``units`` tracks of one unit on every node at once (a thread each)."""
+
+    def load(p: NodeProcess) -> None:
+        with Client.connect(p.socket, timeout=10) as c:
+            for _ in range(units):
+                c.track(KEY_TENANT, feature, 1)
+
+    threads = [threading.Thread(target=load, args=(p,)) for p in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
 @pytest.fixture
 def proxy(dynamodb_local: str) -> Iterator[DynamoDBProxy]:
     """A proxy in front of DynamoDB Local on its own event loop thread (the test is blocking)."""
@@ -70,16 +85,7 @@ def test_each_threshold_fires_once_across_four_nodes(
         for s in subs[:4]:
             s.subscribe_alerts()
 
-        def load(p: NodeProcess) -> None:
-            with Client.connect(p.socket, timeout=10) as c:
-                for _ in range(PER_NODE):
-                    c.track(KEY_TENANT, feature, 1)
-
-        threads = [threading.Thread(target=load, args=(p,)) for p in nodes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        track_on_each(nodes, feature, PER_NODE)
         month = period_start("month")
         want = {alert_id(KEY_TENANT, feature, month, pct): pct for pct in (80, 100)}
         for i, s in enumerate(subs[:4]):
@@ -170,16 +176,7 @@ def test_three_nodes_crossing_one_threshold_send_one_webhook(fleet: Fleet) -> No
             nodes,
         )
 
-        def load(p: NodeProcess) -> None:
-            with Client.connect(p.socket, timeout=10) as c:
-                for _ in range(8):
-                    c.track(KEY_TENANT, feature, 1)
-
-        threads = [threading.Thread(target=load, args=(p,)) for p in nodes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        track_on_each(nodes, feature, 8)
 
         def settled() -> bool:
             statuses = [p.call("status") for p in nodes]

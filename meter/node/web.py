@@ -33,14 +33,18 @@ async def start_probes(address: tuple[str, int], endpoints: Endpoints) -> tuple[
     """The probes' listener on ``address``, and the ``host:port`` it bound; ConfigError
     naming ``metrics_address`` if it cannot listen."""
     listener = Listener(LIMITS, probe_handler(endpoints))
+    return listener, await _listen_tcp(listener, "metrics_address", address)
+
+
+async def _listen_tcp(listener: Listener, setting: str, address: tuple[str, int]) -> str:
+    """``listener`` on ``address``; ConfigError naming ``setting`` if it cannot listen."""
     host, port = address
     try:
-        bound = await listener.start_tcp(host, port)
+        return await listener.start_tcp(host, port)
     except OSError as exc:
         raise ConfigError(
-            "metrics_address", f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+            setting, f"cannot listen on {host}:{port}: {exc.strerror or exc}"
         ) from None
-    return listener, bound
 
 
 async def start_api(
@@ -81,13 +85,7 @@ async def start_api(
     if h.address is not None:
         listener = Listener(limits, api.handler(h.token, tcp=True))
         listeners.append(listener)
-        host, port = h.address
-        try:
-            bound = await listener.start_tcp(host, port)
-        except OSError as exc:
-            raise ConfigError(
-                "http_address", f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-            ) from None
+        bound = await _listen_tcp(listener, "http_address", h.address)
         log.info("HTTP/JSON API on http://%s%s", bound, " (bearer token)" if h.token else "")
     return api
 
