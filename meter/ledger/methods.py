@@ -5,6 +5,7 @@ Every answer follows a storage write or read."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Awaitable
@@ -119,8 +120,15 @@ class LedgerMethods:
         if cursor is not None and not isinstance(cursor, str):
             raise InvalidArgument("ledger_timeline: cursor must be a string from a page")
         _, limit = check_page(None, o.get("limit"))
-        # (from is inclusive, to exclusive, to the millisecond entries are stamped with)
-        return self.store.timeline(round(start * 1000), round(end * 1000), cursor, limit)
+        return self.store.timeline(_stamp(start), _stamp(end), cursor, limit)
+
+
+def _stamp(seconds: float) -> int:
+    """The first millisecond stamp at or after ``seconds``: ``from`` takes entries stamped at
+    or after it, ``to`` those stamped before it, exactly (an instant inside a millisecond
+    leaves that millisecond's entries out of ``from``'s side). A time read back from an entry
+    is its own stamp (the float's last digits are rounded away first)."""
+    return math.ceil(round(seconds * 1000, 6))
 
 
 def _seconds(value: object, what: str) -> float:
