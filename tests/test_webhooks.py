@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import json
 import shutil
+import socket
 import time
 import urllib.request
 from collections.abc import Callable
@@ -263,6 +264,30 @@ async def test_a_redirect_is_not_followed_and_an_old_delivery_is_given_up(tmp_pa
             # Two POSTs with the body (the 301 not followed as a GET), the second past the age.
             assert [(r.method, r.body != "") for r in receiver.received] == [("POST", True)] * 2
             assert "HTTP 500" in (wh.status()["last_error"] or "")
+        finally:
+            sender.cancel()
+            wh.close()
+
+
+async def test_a_url_that_never_answers_holds_up_no_other(tmp_path: Path) -> None:
+    """Ten alerts to a URL whose server never answers and to one that does: the second gets
+    all ten while the first's tries still wait for their time limit (5 s here)."""
+    with socket.create_server(("127.0.0.1", 0)) as silent, WebhookReceiver() as receiver:
+        dead = f"http://127.0.0.1:{silent.getsockname()[1]}/hooks"
+        both = frozenset({"threshold"})
+        wh = Webhooks(
+            [(dead, both), (receiver.url, both)], SECRET, tmp_path, max_age_s=60, timeout_s=5
+        )
+        alerts = Alerts("n1", MemoryStorage().claim_alert, journal=wh)
+        for pct in range(10, 110, 10):
+            alerts.queue(make_alert(KEY, pct, pct, 100, 100, "n1"))
+        assert await alerts.claim_pending() and alerts.fired == 10
+        sender = asyncio.create_task(wh.run())
+        try:
+            t0 = time.monotonic()
+            await wait_async(lambda: len(receiver.received) == 10, "the answering URL's ten", 4.5)
+            assert time.monotonic() - t0 < 5  # (before any try to the silent URL has ended)
+            assert wh.status()["delivered"] == 10 and wh.status()["pending"] == 10
         finally:
             sender.cancel()
             wh.close()

@@ -93,6 +93,10 @@ async def start_api(
 def webhooks(config: WebhookConfig, data_dir: Path) -> Webhooks | None:
     """The webhooks' outbox in ``data_dir``, if ``webhook_urls`` names any URL."""
     if not config.urls:
+        outbox = data_dir / "webhooks.sqlite"
+        if outbox.exists():
+            log.warning("webhooks: %s is left unread without webhook_urls (its deliveries "
+                        "wait until it is set again)", outbox)  # fmt: skip
         return None
     assert config.secret is not None  # (checked with the settings)
     data_dir.mkdir(parents=True, exist_ok=True)

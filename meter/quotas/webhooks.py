@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -39,8 +40,9 @@ log = logging.getLogger("meter.webhooks")
 FIRST_RETRY_S = 1.0
 #: ...this long between tries.
 MAX_RETRY_S = 300.0
-#: Deliveries sent at once.
-CONCURRENCY = 8
+#: Tries in flight at once, and to one URL.
+CONCURRENCY = 32
+PER_URL = 4
 #: The signature's header.
 HEADER = "Meter-Signature"
 
@@ -184,62 +186,92 @@ class Webhooks:
     # -- delivery ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Deliver what is due, whenever something is; until cancelled."""
+        """Deliver what is due, whenever something is; until cancelled (tries in flight are
+        cancelled with it: their deliveries stay due)."""
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        flying: dict[tuple[str, str], asyncio.Task[None]] = {}
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            while True:
-                try:
-                    await self._round(session)
-                except Exception as exc:  # the outbox, or a bug: kept, tried again
-                    self.last_error = f"outbox: {exc}"
-                    log.exception("webhooks: a round failed (tried again in 1 s)")
-                    await asyncio.sleep(1.0)
+            try:
+                while True:
+                    try:
+                        await self._round(session, flying)
+                    except Exception as exc:  # the outbox, or a bug: kept, tried again
+                        self.last_error = f"outbox: {exc}"
+                        log.exception("webhooks: a round failed (tried again in 1 s)")
+                        await asyncio.sleep(1.0)
+            finally:
+                for task in flying.values():
+                    task.cancel()
 
-    async def _round(self, session: aiohttp.ClientSession) -> None:
-        """Send what is due; with nothing due, wait until something is (or is woken)."""
+    async def _round(
+        self, session: aiohttp.ClientSession, flying: dict[tuple[str, str], asyncio.Task[None]]
+    ) -> None:
+        """Start the tries that are due (at most :data:`CONCURRENCY` in flight, at most
+        :data:`PER_URL` to one URL, so a URL that does not answer holds up no other), then
+        wait until one ends, another is due, or one is woken."""
         self._wake.clear()
-        due = self._db.execute(
-            "SELECT alert_id, url, body, attempts, created_at FROM deliveries"
-            " WHERE state = 'due' AND next_at <= ? ORDER BY next_at LIMIT 64",
-            (time.time(),),
-        ).fetchall()
-        if due:
-            gate = asyncio.Semaphore(CONCURRENCY)
-            sends = (self._send(session, gate, *row) for row in due)
-            await asyncio.gather(*sends, return_exceptions=True)
-            return
-        nxt = self._db.execute(
-            "SELECT MIN(next_at) FROM deliveries WHERE state = 'due'"
-        ).fetchone()[0]
-        wait = 60.0 if nxt is None else max(0.0, min(60.0, nxt - time.time()))
+        now = time.time()
+        per_url: dict[str, int] = {}
+        for _, url in flying:
+            per_url[url] = per_url.get(url, 0) + 1
+        nxt: float | None = None
+        rows = self._db.execute(
+            "SELECT alert_id, url, body, attempts, created_at, next_at FROM deliveries"
+            " WHERE state = 'due' ORDER BY next_at LIMIT 1000"
+        )
+        for alert_id, url, body, attempts, created_at, next_at in rows:
+            key = (alert_id, url)
+            if key in flying or per_url.get(url, 0) >= PER_URL:
+                continue
+            if next_at > now or len(flying) >= CONCURRENCY:
+                nxt = next_at if nxt is None else min(nxt, next_at)
+                continue
+            task = asyncio.create_task(
+                self._send(session, alert_id, url, body, attempts, created_at)
+            )
+            flying[key] = task
+            per_url[url] = per_url.get(url, 0) + 1
+            task.add_done_callback(functools.partial(self._landed, flying, key))
+        wait = 60.0 if nxt is None else max(0.0, min(60.0, nxt - now))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), wait)
+
+    def _landed(
+        self,
+        flying: dict[tuple[str, str], asyncio.Task[None]],
+        key: tuple[str, str],
+        task: asyncio.Task[None],
+    ) -> None:
+        flying.pop(key, None)
+        self._wake.set()  # (a slot is free: start the next)
+        if not task.cancelled() and task.exception() is not None:  # (the outbox's write)
+            self.last_error = f"outbox: {task.exception()}"
+            log.error("webhooks: noting a try of %s failed (tried again)", key[0],
+                      exc_info=task.exception())  # fmt: skip
 
     async def _send(
         self,
         session: aiohttp.ClientSession,
-        gate: asyncio.Semaphore,
         alert_id: str,
         url: str,
         body: str,
         attempts: int,
         created_at: float,
     ) -> None:
-        async with gate:
-            t = int(time.time())
-            headers = {"Content-Type": "application/json", HEADER: signature(self.secret, t, body)}
-            try:
-                # (a redirect is not followed: aiohttp would send a POST's 301 on as a GET
-                # without its body, and the signature to wherever it points)
-                post = session.post(url, data=body.encode(), headers=headers, allow_redirects=False)
-                async with post as resp:
-                    await resp.read()
-                    error = None if 200 <= resp.status < 300 else f"HTTP {resp.status}"
-                    if 300 <= resp.status < 400:
-                        where = resp.headers.get("Location", "?")[:200]
-                        error = f"HTTP {resp.status} to {where} (not followed)"
-            except Exception as exc:  # every failure of a try is a failed try
-                error = f"{type(exc).__name__}: {exc}"
+        t = int(time.time())
+        headers = {"Content-Type": "application/json", HEADER: signature(self.secret, t, body)}
+        try:
+            # (a redirect is not followed: aiohttp would send a POST's 301 on as a GET
+            # without its body, and the signature to wherever it points)
+            post = session.post(url, data=body.encode(), headers=headers, allow_redirects=False)
+            async with post as resp:
+                await resp.read()
+                error = None if 200 <= resp.status < 300 else f"HTTP {resp.status}"
+                if 300 <= resp.status < 400:
+                    where = resp.headers.get("Location", "?")[:200]
+                    error = f"HTTP {resp.status} to {where} (not followed)"
+        except Exception as exc:  # every failure of a try is a failed try
+            error = f"{type(exc).__name__}: {exc}"
         key = (alert_id, url)
         gone = error is None or time.time() - created_at >= self.max_age_s
         with self._tx():
