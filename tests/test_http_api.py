@@ -467,3 +467,55 @@ async def test_an_answer_waits_for_the_log_and_a_failed_write_is_unavailable(
     finally:
         await listener.close()
         await wal.close(final_checkpoint=False)
+
+
+async def test_a_listener_full_of_working_connections_never_cuts_a_call_off(
+    tmp_path: Path,
+) -> None:
+    """A connection past the limit, with every connection past its first request, asks the
+    oldest to close once its call is answered: the call at work there still gets its answer
+    (a reset would make a client retry a call that counted), and the new one is served."""
+    import asyncio
+
+    from aiohttp import web
+
+    from meter.http.listener import Limits, Listener
+
+    working = asyncio.Event()
+    finish = asyncio.Event()
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        if request.path == "/slow":
+            working.set()
+            await finish.wait()
+        return web.Response(text="ok")
+
+    listener = Listener(Limits(2, 5.0, 5.0, 1024), handle)
+    sock = str(tmp_path / "l.sock")
+    await listener.start_unix(sock)
+
+    async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_unix_connection(sock)
+
+    async def answer(reader: asyncio.StreamReader) -> bytes:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        return head.split(b" ")[1] + b" " + await reader.readexactly(length)
+
+    try:
+        a = await connect()
+        a[1].write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(working.wait(), 10)
+        b = await connect()
+        b[1].write(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await answer(b[0]) == b"200 ok"
+        c = await connect()  # a third: room is made (a and b have both sent a request)
+        c[1].write(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await answer(c[0]) == b"200 ok"
+        finish.set()
+        assert await answer(a[0]) == b"200 ok"  # answered, then closed
+        assert await asyncio.wait_for(a[0].read(), 10) == b""
+        for _, writer in (a, b, c):
+            writer.close()
+    finally:
+        await listener.close()
