@@ -58,9 +58,6 @@ class _Guard:
         self.limits = limits
         #: Open connections, oldest first -> whether one of its requests was read.
         self._conns: dict[RequestHandler, bool] = {}
-        #: Connections closed to make room for a newer one, or for a late request head.
-        self.evicted = 0
-        self.timed_out = 0
 
     def factory(self, server: web.Server) -> Callable[[], RequestHandler]:
         def make() -> RequestHandler:
@@ -84,7 +81,6 @@ class _Guard:
         answered (aiohttp's graceful ``close``: a call at work is never cut off)."""
         conns = self._conns
         victim = next((h for h, started in conns.items() if not started), None)
-        self.evicted += 1
         if victim is not None:
             del conns[victim]
             if victim.transport is not None:
@@ -96,7 +92,6 @@ class _Guard:
 
     def _head_timeout(self, handler: RequestHandler) -> None:
         if self._conns.get(handler) is False and handler.transport is not None:
-            self.timed_out += 1
             transport = handler.transport
             transport.write(_TIMEOUT)
             transport.close()
@@ -119,10 +114,6 @@ class Listener:
         self._inode: tuple[int, int, int] | None = None
         #: ``host:port`` bound (TCP), or the socket's path.
         self.address: str | None = None
-
-    @property
-    def evicted(self) -> int:
-        return self._guard.evicted + self._guard.timed_out
 
     def _request(
         self,
