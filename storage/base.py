@@ -297,6 +297,36 @@ def check_export_limit(limit: object) -> int:
 DAYS_END = "\x7f"
 
 
+#: Most children one :meth:`Storage.children_page` answers.
+MAX_CHILDREN_PAGE = 1_000
+
+
+def check_children(
+    parent: object, feature: object, period: object, after: object, limit: object
+) -> None:
+    """Refuse (:class:`StoragePermanentError`) arguments of :meth:`Storage.children_page` no
+    backend takes: an empty parent or feature, a bad period, an ``after`` that is not a
+    direct child of ``parent``, a limit outside 1..:data:`MAX_CHILDREN_PAGE`."""
+    if not isinstance(parent, str) or not parent or not isinstance(feature, str) or not feature:
+        raise StoragePermanentError("children: parent and feature must be non-empty strings")
+    check_period(period)
+    if after is not None and not (
+        isinstance(after, str)
+        and after.startswith(parent + "/")
+        and len(after) > len(parent) + 1
+        and "/" not in after[len(parent) + 1 :]
+    ):
+        raise StoragePermanentError(f"children: after must be a child of {parent[:80]!r}")
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_CHILDREN_PAGE:
+        raise StoragePermanentError(f"children: limit must be in 1..{MAX_CHILDREN_PAGE}")
+
+
+def parent_of(tenant: str) -> str | None:
+    """The tenant one level up (``acme`` of ``acme/alice``), ``None`` at the top."""
+    cut = tenant.rfind("/")
+    return tenant[:cut] if cut > 0 else None
+
+
 def check_range(first: object, last: object) -> tuple[str, str]:
     """``(first, last)`` if both are periods of the same shape with ``first <= last``, else
     :class:`StoragePermanentError`."""
@@ -504,6 +534,9 @@ class Counters(Protocol):
     ) -> dict[str, Snapshot]: ...
     async def export_page(self, period: str, cursor: str | None, limit: int) -> ExportPage: ...
     def export(self, period: str, page_size: int = ...) -> AsyncIterator[ExportPage]: ...
+    async def children_page(
+        self, parent: str, feature: str, period: str, after: str | None, limit: int
+    ) -> tuple[list[tuple[str, int]], bool]: ...
     async def purge_expired(self, now: float | None = None) -> int: ...
     def write_stats(self) -> WriteStats: ...
 
@@ -719,6 +752,17 @@ class Storage(abc.ABC):
         nothing is written to the period). Raises :class:`BadCursor` for a cursor this backend
         did not hand out for ``period``, :class:`StoragePermanentError` for a bad period or
         limit, and only :class:`StorageError` subclasses otherwise."""
+
+    @abc.abstractmethod
+    async def children_page(
+        self, parent: str, feature: str, period: str, after: str | None, limit: int
+    ) -> tuple[list[tuple[str, int]], bool]:
+        """Up to ``limit`` (1..:data:`MAX_CHILDREN_PAGE`) stored counters of ``feature`` in
+        ``period`` whose tenant is a direct child of ``parent`` (``parent/x``, no further
+        ``/``), as ``(tenant, total)`` in tenant order after ``after`` (``None``: from the
+        first); and whether more may follow. One range read (DynamoDB: one ``Query`` of the
+        ``children`` index, eventually consistent). Bad arguments raise
+        :class:`StoragePermanentError` (:func:`check_children`)."""
 
     async def export(
         self, period: str, page_size: int = MAX_EXPORT_PAGE

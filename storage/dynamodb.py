@@ -81,6 +81,7 @@ from storage.base import (
     StorageUnavailable,
     VersionMoved,
     WriteStats,
+    check_children,
     check_day_of,
     check_export_limit,
     check_owner_note,
@@ -96,6 +97,7 @@ from storage.base import (
     gauge_key,
     lease_end_ms,
     next_values_cursor,
+    parent_of,
     timeline_position,
     timeline_range,
     values_cursor,
@@ -219,6 +221,14 @@ _CLAIM_CONDITION = "attribute_not_exists(#tok) OR #exp <= :now OR #tok IN ({})"
 # The TTL is set on every write: it only grows (later of period end and now), so a counter
 # still being written is never expired.
 _UPDATE_EXPRESSION = "ADD #t :d SET #s = :seq, #ttl = :ttl"
+#: A counter of a tenant below an account (``acme/alice``), with ``children`` on, also sets
+#: ``cp`` (S, ``<parent>#<feature>``) and ``cs`` (S, ``<period>#<tenant>``), the keys of the
+#: sparse global secondary index :data:`CHILDREN_INDEX` (projecting ``t``): an account's
+#: users of one counter in one period are one ``Query`` (``cp = :cp AND cs BETWEEN``). No
+#: tenant holds ``#``, so ``<parent>#`` ends the parent; a period holds none either, and
+#: ``<period>$`` (``$`` follows ``#``) ends the period's range, before any longer period name.
+_CHILD_UPDATE_EXPRESSION = _UPDATE_EXPRESSION + ", cp = :cp, cs = :cs"
+CHILDREN_INDEX = "children"
 _CONDITION = "attribute_not_exists(#s) OR #s < :seq"
 
 
@@ -267,6 +277,7 @@ class DynamoDBStorage(Storage):
         export_segments: int = 8,
         flush_mode: str = "auto",
         transact_items: int | None = None,
+        children: bool = False,
     ) -> None:
         if flush_mode not in FLUSH_MODES:
             raise ValueError(f"flush_mode must be one of {', '.join(FLUSH_MODES)}")
@@ -281,6 +292,9 @@ class DynamoDBStorage(Storage):
         if retries < 0 or retention_days < 0:
             raise ValueError("retries and retention_days must not be negative")
         self.table = table
+        #: Whether counters of tenants below an account are written to the ``children``
+        #: index (``tenant_hierarchy`` on; :data:`_CHILD_UPDATE_EXPRESSION`).
+        self.children = children
         #: Segments of an export's parallel Scan.
         self.export_segments = export_segments
         self.endpoint_url = endpoint_url
@@ -462,9 +476,38 @@ class DynamoDBStorage(Storage):
             status = desc["Table"]["TableStatus"]
         else:
             raise StorageUnavailable(f"dynamodb: table {self.table} is still {status}")
+        index = await self._add_children_index()
         ttl = await self._enable_ttl()
         verb = "created" if created else "exists"
-        return f"dynamodb: table {self.table} {verb} (ACTIVE); {ttl}"
+        return f"dynamodb: table {self.table} {verb} (ACTIVE); {index}; {ttl}"
+
+    async def _add_children_index(self) -> str:
+        """Add the ``children`` index to a table made by a build without it, and wait until
+        it is ACTIVE (DynamoDB fills it from the items already holding ``cp``)."""
+        desc = await self._call("describe_table", "describe table", TableName=self.table)
+        verb = "exists"
+        if not _index_status(desc):
+            try:
+                await self._call(
+                    "update_table",
+                    "add the children index",
+                    TableName=self.table,
+                    AttributeDefinitions=_CHILDREN_ATTRIBUTES,
+                    GlobalSecondaryIndexUpdates=[{"Create": _CHILDREN_GSI}],
+                )
+            except StoragePermanentError:
+                # Another process may have added it between our describe and update.
+                desc = await self._call("describe_table", "describe table", TableName=self.table)
+                if not _index_status(desc):
+                    raise
+            verb = "added"
+        for _ in range(1500):  # (a large table's backfill takes a while; bound the wait)
+            status = _index_status(desc)
+            if status == "ACTIVE":
+                return f"index {CHILDREN_INDEX} {verb} (ACTIVE)"
+            await asyncio.sleep(0.2)
+            desc = await self._call("describe_table", "describe table", TableName=self.table)
+        raise StorageUnavailable(f"dynamodb: index {CHILDREN_INDEX} is still {status}")
 
     async def _create_table(self) -> dict[str, Any]:
         try:
@@ -480,7 +523,9 @@ class DynamoDBStorage(Storage):
                 AttributeDefinitions=[
                     {"AttributeName": "pk", "AttributeType": "S"},
                     {"AttributeName": "sk", "AttributeType": "S"},
+                    *_CHILDREN_ATTRIBUTES,
                 ],
+                GlobalSecondaryIndexes=[_CHILDREN_GSI],
             )
         except StoragePermanentError as exc:
             # Another process created it between our describe and create: that is fine.
@@ -694,7 +739,9 @@ class DynamoDBStorage(Storage):
                 "ExpressionAttributeValues": values,
             }
 
-        parts = [Part(d.key, d.seq, d.delta, None, update(sk))]
+        counter = update(sk)
+        self._index_child(d.key, counter)
+        parts = [Part(d.key, d.seq, d.delta, None, counter)]
         if d.day is not None:
             if len(d.day) != 10 or not d.day.startswith(d.key[2] + "-"):
                 check_day_of(d.day, d.key[2])  # (a billing cycle's, or raises)
@@ -702,6 +749,20 @@ class DynamoDBStorage(Storage):
                 check_period(d.day)
             parts.append(Part(d.key, d.seq, d.delta, d.day, update(f"{_DAY_SK}{d.key[1]}#{d.day}")))
         return parts
+
+    def _index_child(self, key: Key, update: dict[str, Any]) -> None:
+        """Make a counter's ``update`` also set its ``children`` index keys, when the index
+        is kept and its tenant is below an account (values shared: a copy is made)."""
+        parent = parent_of(key[0]) if self.children else None
+        if parent is None:
+            return
+        tenant, feature, period = key
+        update["UpdateExpression"] = _CHILD_UPDATE_EXPRESSION
+        update["ExpressionAttributeValues"] = {
+            **update["ExpressionAttributeValues"],
+            ":cp": {"S": f"{parent}#{feature}"},
+            ":cs": {"S": f"{period}#{tenant}"},
+        }
 
     async def _transact(
         self, node: str, group: list[Part]
@@ -846,22 +907,22 @@ class DynamoDBStorage(Storage):
             ttl = _ttl(d.key[2], self.retention_days)
             self.write_units += 1
             self.flush_updates += 1
-            resp = await self._call(
-                "update_item",
-                _describe(d.key),
-                TableName=self.table,
-                Key={"pk": {"S": pk}, "sk": {"S": sk}},
-                UpdateExpression=_UPDATE_EXPRESSION,
-                ConditionExpression=_CONDITION,
-                ExpressionAttributeNames={"#t": "t", "#s": attr, "#ttl": "ttl"},
-                ExpressionAttributeValues={
+            update: dict[str, Any] = {
+                "TableName": self.table,
+                "Key": {"pk": {"S": pk}, "sk": {"S": sk}},
+                "UpdateExpression": _UPDATE_EXPRESSION,
+                "ConditionExpression": _CONDITION,
+                "ExpressionAttributeNames": {"#t": "t", "#s": attr, "#ttl": "ttl"},
+                "ExpressionAttributeValues": {
                     ":d": {"N": str(d.delta)},
                     ":seq": {"N": str(d.seq)},
                     ":ttl": {"N": str(ttl)},
                 },
-                ReturnValues="ALL_NEW",
-                ReturnValuesOnConditionCheckFailure="ALL_OLD",
-            )
+                "ReturnValues": "ALL_NEW",
+                "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
+            }
+            self._index_child(d.key, update)
+            resp = await self._call("update_item", _describe(d.key), **update)
             self.items_written += 1
             return Applied(_snapshot(resp["Attributes"]))
         except _ConditionFailed as failed:
@@ -1700,6 +1761,42 @@ class DynamoDBStorage(Storage):
         except (KeyError, TypeError) as exc:
             raise StoragePermanentError(f"dynamodb: undecodable ledger ref {ref!r}") from exc
 
+    async def children_page(
+        self, parent: str, feature: str, period: str, after: str | None, limit: int
+    ) -> tuple[list[tuple[str, int]], bool]:
+        """One ``Query`` of the ``children`` index (eventually consistent, as every global
+        secondary index is: a write shows there within about a second), in pages of
+        DynamoDB's own until ``limit`` + 1 items are read or the range ends."""
+        check_children(parent, feature, period, after, limit)
+        low = f"{period}#{after}" if after is not None else f"{period}#"
+        query: dict[str, Any] = {
+            "TableName": self.table,
+            "IndexName": CHILDREN_INDEX,
+            "KeyConditionExpression": "cp = :cp AND cs BETWEEN :lo AND :hi",
+            "ExpressionAttributeValues": {
+                ":cp": {"S": f"{parent}#{feature}"},
+                ":lo": {"S": low},
+                ":hi": {"S": f"{period}$"},
+            },
+        }
+        out: list[tuple[str, int]] = []
+        while len(out) <= limit:
+            query["Limit"] = limit + 1 - len(out) + (after is not None)
+            resp = await self._call("query", f"the children of {parent[:80]}", **query)
+            for item in resp.get("Items", []):
+                try:
+                    tenant = item["cs"]["S"][len(period) + 1 :]
+                    total = _number(item["t"])
+                except (KeyError, TypeError) as exc:
+                    raise StoragePermanentError("dynamodb: undecodable children item") from exc
+                if tenant != after:  # (BETWEEN takes in the item after names)
+                    out.append((tenant, total))
+            last = resp.get("LastEvaluatedKey")
+            if not last:
+                break
+            query["ExclusiveStartKey"] = last
+        return out[:limit], len(out) > limit
+
     async def ledger_timeline(
         self, start_ms: int, end_ms: int, after: str | None, limit: int
     ) -> tuple[list[tuple[str, int, str]], str | None]:
@@ -2075,6 +2172,28 @@ def _code(exc: ClientError) -> str:
 def _is_loopback(url: str) -> bool:
     host = urlsplit(url).hostname or ""
     return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+_CHILDREN_ATTRIBUTES = [
+    {"AttributeName": "cp", "AttributeType": "S"},
+    {"AttributeName": "cs", "AttributeType": "S"},
+]
+_CHILDREN_GSI: dict[str, Any] = {
+    "IndexName": CHILDREN_INDEX,
+    "KeySchema": [
+        {"AttributeName": "cp", "KeyType": "HASH"},
+        {"AttributeName": "cs", "KeyType": "RANGE"},
+    ],
+    "Projection": {"ProjectionType": "INCLUDE", "NonKeyAttributes": ["t"]},
+}
+
+
+def _index_status(desc: dict[str, Any]) -> str | None:
+    """The ``children`` index's status in a ``DescribeTable`` answer (``None``: none)."""
+    for index in desc["Table"].get("GlobalSecondaryIndexes", ()):
+        if index.get("IndexName") == CHILDREN_INDEX:
+            return str(index.get("IndexStatus", "ACTIVE"))
+    return None
 
 
 def _describe(key: Key) -> str:

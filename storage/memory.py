@@ -32,6 +32,7 @@ from storage.base import (
     StorageError,
     StorageUnavailable,
     VersionMoved,
+    check_children,
     check_day_of,
     check_export_limit,
     check_owner_note,
@@ -241,6 +242,24 @@ class MemoryStorage(Storage):
         more = len(names) > limit
         next_cursor = encode_cursor(["m", period, *names[limit - 1]]) if more else None
         return ExportPage(rows, next_cursor, 1, 0 if more else 1)
+
+    async def children_page(
+        self, parent: str, feature: str, period: str, after: str | None, limit: int
+    ) -> tuple[list[tuple[str, int]], bool]:
+        check_children(parent, feature, period, after, limit)
+        start = parent + "/"
+        names = sorted(
+            t
+            for (t, f, p) in self.items
+            if f == feature
+            and p == period
+            and t.startswith(start)
+            and "/" not in t[len(start) :]
+            and (after is None or t > after)
+        )
+        return [(t, self.items[(t, feature, period)].total) for t in names[:limit]], (
+            len(names) > limit
+        )
 
     async def claim_owner(
         self, node: str, token: str, *, lease_s: float, now: float, accept: Sequence[str] = ()

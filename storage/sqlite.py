@@ -50,6 +50,7 @@ from storage.base import (
     StoragePermanentError,
     StorageUnavailable,
     VersionMoved,
+    check_children,
     check_day_of,
     check_export_limit,
     check_owner_note,
@@ -129,6 +130,19 @@ def _load_days_query(n: int) -> str:
 
 # For the retention purge (purge_expired), which deletes by expiry.
 _EXPIRY_INDEX = "CREATE INDEX IF NOT EXISTS counters_expiry ON counters (expires_at)"
+#: For ``children_page``: the counters of tenants below an account, by (period, feature,
+#: tenant), so an account's users of one counter are one range. Partial: other tenants'
+#: rows are not in it. Additive (files of this layout open in builds that ignore it).
+_CHILDREN_WHERE = "instr(tenant, '/') > 0"
+_CHILDREN_INDEX = (
+    "CREATE INDEX IF NOT EXISTS counters_children ON counters (period, feature, tenant)"
+    f" WHERE {_CHILDREN_WHERE}"
+)
+_CHILDREN_QUERY = (
+    "SELECT tenant, total FROM counters"
+    f" WHERE {_CHILDREN_WHERE} AND period = ? AND feature = ? AND tenant > ? AND tenant < ?"
+    " AND instr(substr(tenant, ?), '/') = 0 ORDER BY tenant LIMIT ?"
+)
 #: Who owns each node id (ADR 0004): an additive table, so files of this layout still open in
 #: builds that do not know it (they ignore it) and the schema version is unchanged.
 _OWNERS = """
@@ -1258,6 +1272,7 @@ class SQLiteStorage(Storage):
                 )
             conn.execute(_SCHEMA)
             conn.execute(_EXPIRY_INDEX)
+            conn.execute(_CHILDREN_INDEX)
             conn.execute(_OWNERS)
             conn.execute(_OWNER_NOTES)
             conn.execute(_LIMITS)
@@ -1615,6 +1630,27 @@ class SQLiteStorage(Storage):
         if bad:
             raise BadItems(out, bad)
         return out
+
+    async def children_page(
+        self, parent: str, feature: str, period: str, after: str | None, limit: int
+    ) -> tuple[list[tuple[str, int]], bool]:
+        """One range of the ``counters_children`` index, on the reader's connection; deeper
+        levels in the range are passed over by the query."""
+        check_children(parent, feature, period, after, limit)
+        # ('0' follows '/': every tenant below parent sorts before parent + '0'.)
+        args = (period, feature, after or parent + "/", parent + "0", len(parent) + 2, limit + 1)
+
+        def read(connection: Callable[[], sqlite3.Connection]) -> list[tuple[str, int]]:
+            try:
+                rows = connection().execute(_CHILDREN_QUERY, args).fetchall()
+                return [(tenant, int(total)) for tenant, total in rows]
+            except sqlite3.Error as exc:
+                raise _map(exc, f"listing the children of {parent[:80]} in {self.path}") from exc
+            except ValueError as exc:
+                raise StoragePermanentError(f"bad stored item in {self.path}: {exc}") from exc
+
+        rows = await self._on_reader(read)
+        return rows[:limit], len(rows) > limit
 
     def _list_sync(
         self, tenant: str, period: str, between: tuple[str, str] | None = None

@@ -65,7 +65,9 @@ def _make(backend: str, request: pytest.FixtureRequest) -> Storage:
         # A fresh table per test in the session's DynamoDB Local; the fixture creates it.
         endpoint: str = request.getfixturevalue("dynamodb_local")
         mode = "single" if backend == "dynamodb-single" else "auto"
-        return DynamoDBStorage(new_table_name(), endpoint_url=endpoint, flush_mode=mode)
+        return DynamoDBStorage(
+            new_table_name(), endpoint_url=endpoint, flush_mode=mode, children=True
+        )
     raise AssertionError(f"unknown backend {backend}")
 
 
@@ -767,6 +769,64 @@ async def test_the_ledger_timeline_pages_every_tenants_entries_in_time_order(
             await storage.ledger_timeline(0, 10**12, bad, 10)
 
 
+async def test_an_accounts_children_are_one_range_in_tenant_order(storage: Storage) -> None:
+    """Only direct children of the account, of that feature and period (not a day, another
+    calendar's period, a deeper level, the account itself, a look-alike account), in tenant
+    order, paged with none lost or repeated whatever the page size; bad arguments refused."""
+    f, p = "calls", "2026-11"
+    want = [(f"acme/u{n:02d}", n * 10 - 25) for n in range(12)]
+    want.append(("acme/zz", 2**70))
+    deltas = [Delta((t, f, p), 1, v) for t, v in want]
+    others = [
+        ("acme", f, p),
+        ("acme/team/dave", f, p),
+        ("acme-b/x", f, p),
+        ("acmeb/x", f, p),
+        ("acme/u01", "other", p),
+        ("acme/u01", f, "2026-12"),
+        ("acme/u01", f, "2026-11-03"),
+        ("acme/u01", f, "2026-11@15:America/New_York"),
+        ("ac/me", f, p),
+    ]
+    deltas += [Delta(k, 1, 7) for k in others]
+    out = await storage.apply("n1", deltas)
+    assert all(isinstance(r, Applied) for r in out.values())
+    assert await storage.children_page("acme", f, p, None, 100) == (want, False)
+    for size in (1, 4, 13):
+        got: list[tuple[str, int]] = []
+        after = None
+        while True:
+            page, more = await storage.children_page("acme", f, p, after, size)
+            assert len(page) <= size and (page or not more)
+            got += page
+            if not more:
+                break
+            after = page[-1][0]
+        assert got == want, size
+    assert await storage.children_page("acme", f, p, "acme/u11", 5) == ([want[-1]], False)
+    assert await storage.children_page("acme/team", f, p, None, 5) == (
+        [("acme/team/dave", 7)],
+        False,
+    )
+    assert await storage.children_page("acme", f, "2026-11-03", None, 5) == (
+        [("acme/u01", 7)],
+        False,
+    )
+    assert await storage.children_page("nobody", f, p, None, 5) == ([], False)
+    for bad in (
+        ("", f, p, None, 5),
+        ("acme", "", p, None, 5),
+        ("acme", f, "2026-13", None, 5),
+        ("acme", f, p, "beta/x", 5),
+        ("acme", f, p, "acme/team/dave", 5),
+        ("acme", f, p, "acme/", 5),
+        ("acme", f, p, None, 0),
+        ("acme", f, p, None, 1001),
+    ):
+        with pytest.raises(StoragePermanentError):
+            await storage.children_page(*bad)  # type: ignore[arg-type]
+
+
 async def test_a_ledger_writes_many_expiries_within_what_the_backend_takes(
     storage: Storage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1224,6 +1284,50 @@ async def test_sqlite_a_file_of_the_older_layout_gets_the_owner_notes_table(
         got = await store.renew_owner("n1", "t1", lease_s=30, now=1001.0, note="x")
         assert got == Owner("t1", 1031.0, "x") == await store.owner("n1")
     finally:
+        await store.close()
+
+
+@pytest.mark.dynamodb
+async def test_dynamodb_init_adds_the_children_index_to_a_table_without_it(
+    dynamodb_local: str,
+) -> None:
+    """A table a build before the index made gets it at ``storage init``, filled from the
+    items written meanwhile; a second init finds it; without ``children`` the flush writes
+    no index keys."""
+    from storage.dynamodb import CHILDREN_INDEX, DynamoDBStorage
+    from tests.support.fixtures_dynamodb import new_table_name
+
+    name = new_table_name()
+    store = DynamoDBStorage(name, endpoint_url=dynamodb_local, children=True)
+    plain = DynamoDBStorage(name, endpoint_url=dynamodb_local)
+    await store.open()
+    await plain.open()
+    try:
+        await store._call(
+            "create_table",
+            "test",
+            TableName=name,
+            BillingMode="PAY_PER_REQUEST",
+            KeySchema=[
+                {"AttributeName": "pk", "KeyType": "HASH"},
+                {"AttributeName": "sk", "KeyType": "RANGE"},
+            ],
+            AttributeDefinitions=[
+                {"AttributeName": "pk", "AttributeType": "S"},
+                {"AttributeName": "sk", "AttributeType": "S"},
+            ],
+        )
+        await _ok(store, "n1", ("acme/bob", "f", "2026-11"), 1, 4)
+        await _ok(plain, "n1", ("acme/eve", "f", "2026-11"), 1, 5)
+        with pytest.raises(StorageError):
+            await store.children_page("acme", "f", "2026-11", None, 10)
+        assert f"index {CHILDREN_INDEX} added (ACTIVE)" in await store.init_schema()
+        assert f"index {CHILDREN_INDEX} exists (ACTIVE)" in await store.init_schema()
+        await _ok(store, "n1", ("acme/al", "f", "2026-11"), 1, 3)
+        page = await store.children_page("acme", "f", "2026-11", None, 10)
+        assert page == ([("acme/al", 3), ("acme/bob", 4)], False)
+    finally:
+        await plain.close()
         await store.close()
 
 
