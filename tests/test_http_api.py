@@ -76,6 +76,7 @@ def node() -> Iterator[NodeProcess]:
         METER_HTTP_SOCKET=str(workdir / "http.sock"),
         METER_HTTP_ADDRESS="127.0.0.1:0",
         METER_MAX_FRAME_BYTES="65536",
+        METER_TENANT_HIERARCHY="true",
     )
     with n:
         yield n
@@ -226,6 +227,25 @@ def cases(t: str) -> list[Case]:
         ("track", {"tenant": t, "feature": "x" * 70_000}, {}, err(413, "payload_too_large")),
         ("usage", {"tenant": t, "feature": "api"}, {}, ok(lambda r: r == 4)),
         ("usage", {"tenant": t, "feature": "web"}, {}, ok(lambda r: r == 0)),
+        ("track", {"tenant": f"{t}/al", "feature": "api", "qty": 3}, {}, ok(lambda r: r == 3)),
+        (
+            "usage_children",
+            {"account": t, "feature": "api"},
+            {},
+            ok(
+                lambda r: (
+                    r
+                    == {"total": 7, "children": [{"tenant": f"{t}/al", "value": 3}]}
+                    | {"cursor": None}
+                )
+            ),
+        ),
+        (
+            "usage_children",
+            {"account": t, "feature": "api", "limit": 0},
+            {},
+            err(400, "invalid_argument"),
+        ),
     ]
 
 

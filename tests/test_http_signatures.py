@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: call gets as far as its arity and option checks.
 VALID: dict[str, Any] = {
     "tenant": "t",
+    "account": "t",
     "feature": "f",
     "qty": 1,
     "reservation_id": "r",

@@ -111,6 +111,12 @@ def add_parsers(sub: Any, common: Common) -> None:
         help="sum the feature by the values of this dimension (repeat for several)",
     )
     usage.add_argument("--where", metavar="NAME=VALUE", help=WHERE_HELP)
+    usage.add_argument(
+        "--children",
+        action="store_true",
+        help="every user of the account with its value, and the account's total "
+        "(tenant_hierarchy; give the feature)",
+    )
 
     history = client(
         "history", "a counter's units per UTC day (or month), with a bar chart (docs/history.md)"
@@ -215,6 +221,12 @@ def run(args: argparse.Namespace, client: Client, as_json: bool, prepared: Prepa
     elif args.command == "track-many":
         return _track_many(client, prepared.items, as_json)
     elif args.command == "usage":
+        if args.children:
+            if args.feature is None or args.where is not None or args.group_by:
+                print("meter: usage: --children takes a feature, and no --where or --group-by",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            return _children(client, args.tenant, args.feature, args.at, as_json)
         if args.feature is None:
             counters = client.usage_all(args.tenant, **opts)
             out(as_json, _table(counters), tenant=args.tenant, usage=counters)
@@ -295,6 +307,32 @@ def _groups(got: dict[str, Any], names: list[str]) -> str:
             for r in [head, *cells]]  # fmt: skip
     rows.append(f"total {got.get('total')} ('-': calls that gave no value of it)")
     return "\n".join(rows)
+
+
+def _children(client: Client, account: str, feature: str, at: float | None, as_json: bool) -> int:
+    """``usage --children``: every page, the users as they come (a large account is not held)."""
+    at = time.time() if at is None else at  # (every page of the same period)
+    cursor: str | None = None
+    children: list[dict[str, Any]] = []
+    total: int | None = None
+    while True:
+        page = client.usage_children_page(account, feature, at, cursor, 1000)
+        if total is None:
+            total = page["total"]
+            if not as_json:
+                print(f"{account} {feature}: {total}")
+                print(f"{'TENANT':<24}  VALUE" if page["children"] else "(no users in this period)")
+        if as_json:
+            children += page["children"]
+        else:
+            for child in page["children"]:
+                print(f"{child['tenant']:<24}  {child['value']}")
+        cursor = page["cursor"]
+        if cursor is None:
+            break
+    if as_json:
+        out(True, "", tenant=account, feature=feature, total=total, children=children)
+    return 0
 
 
 def _table(counters: dict[str, int]) -> str:

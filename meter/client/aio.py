@@ -456,6 +456,31 @@ class AsyncClient(_Ledger, Retrying):
         """Every feature's value for ``tenant`` in the period."""
         return await self._run(calls.USAGE_ALL, tenant, opts)
 
+    async def usage_children_page(
+        self,
+        account: str,
+        feature: str,
+        at: float | None = None,
+        cursor: str | None = None,
+        limit: int | None = None,
+    ) -> dict[str, Any]:
+        """As :meth:`Client.usage_children_page`."""
+        return await self._run(calls.USAGE_CHILDREN_PAGE, account, feature, at, cursor, limit)
+
+    async def usage_children(
+        self, account: str, feature: str, at: float | None = None, page_size: int = 100
+    ) -> AsyncIterator[dict[str, Any]]:
+        """As :meth:`Client.usage_children`."""
+        cursor: str | None = None
+        at = time.time() if at is None else at  # (every page of the same period)
+        while True:
+            page = await self.usage_children_page(account, feature, at, cursor, page_size)
+            for child in page["children"]:
+                yield child
+            cursor = page["cursor"]
+            if cursor is None:
+                return
+
     async def history(
         self,
         tenant: str,

@@ -312,6 +312,32 @@ class Client(_Ledger, Retrying):
         """Every feature's value for ``tenant`` in the period."""
         return self._run(calls.USAGE_ALL, tenant, opts)
 
+    def usage_children_page(
+        self,
+        account: str,
+        feature: str,
+        at: float | None = None,
+        cursor: str | None = None,
+        limit: int | None = None,
+    ) -> dict[str, Any]:
+        """One page of ``account``'s users' counters of ``feature`` in the period holding
+        ``at`` (default now): ``{total, children: [{tenant, value}], cursor}``; ``total`` is
+        the account's own counter (tenant_hierarchy)."""
+        return self._run(calls.USAGE_CHILDREN_PAGE, account, feature, at, cursor, limit)
+
+    def usage_children(
+        self, account: str, feature: str, at: float | None = None, page_size: int = 100
+    ) -> Iterator[dict[str, Any]]:
+        """Every user of ``account`` with its value (``{tenant, value}``), page by page."""
+        cursor: str | None = None
+        at = time.time() if at is None else at  # (every page of the same period)
+        while True:
+            page = self.usage_children_page(account, feature, at, cursor, page_size)
+            yield from page["children"]
+            cursor = page["cursor"]
+            if cursor is None:
+                return
+
     def history(
         self,
         tenant: str,

@@ -280,6 +280,13 @@ def _counters(tenant: str, opts: dict[str, Any]) -> list[Any]:
     return _with_opts([tenant], opts)
 
 
+def _children(
+    account: str, feature: str, at: float | None, cursor: str | None, limit: int | None
+) -> list[Any]:
+    given = (("at", at), ("cursor", cursor), ("limit", limit))
+    return _with_opts([account, feature], {k: v for k, v in given if v is not None})
+
+
 def _check(tenant: str, feature: str, qty: int, opts: dict[str, Any]) -> list[Any]:
     return _with_opts([tenant, feature, qty], opts)
 
@@ -485,6 +492,7 @@ VOID = _with_ids("void", _void, _map, Kind.CHANGE)  # a call is taken back once
 USAGE = _plain("usage", _counter, _int)
 USAGE_ALL = _plain("usage_all", _counters, _values)
 USAGE_BY = _plain("usage_by", _grouped, _map, wire="usage")
+USAGE_CHILDREN_PAGE = _plain("usage_children_page", _children, _map, wire="usage_children")
 HISTORY = _plain("history", _history, _history_answer)
 PING = _plain("ping", _nothing, _str)
 STATUS = _plain("status", _nothing, _map)
@@ -525,6 +533,7 @@ TABLE: dict[str, Method[Any, Any]] = {
         USAGE,
         USAGE_ALL,
         USAGE_BY,
+        USAGE_CHILDREN_PAGE,
         HISTORY,
         PING,
         STATUS,

@@ -59,6 +59,7 @@ READS = frozenset(
     {
         "usage",
         "usage_all",
+        "usage_children",
         "check",
         "ping",
         "status",

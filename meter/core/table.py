@@ -188,6 +188,8 @@ class CounterTable:
         self._lock = threading.Lock()
         self._rows: dict[Key, Row] = {}
         self._by_period: dict[tuple[str, str], list[str]] = {}
+        #: (account, period) -> its direct children (``acme/alice``) with a row in the period.
+        self._below: dict[tuple[str, str], set[str]] = {}
         self._dirty: list[Key] = []
         self._touched: list[Key] = []
         self._unseeded: set[Key] = set()
@@ -227,12 +229,6 @@ class CounterTable:
         with self._lock:
             row = self._rows.get(key)
             return 0 if row is None else row.inflight_seq
-
-    def remote_since_rebase(self, key: Key) -> int:
-        """Units of ``value`` that came from peers and are not in the base yet."""
-        with self._lock:
-            row = self._rows.get(key)
-            return row.ext.remote_total if row is not None and row.ext is not None else 0
 
     def pending(self, key: Key) -> int:
         """This node's units for ``key`` not yet known to be stored (in flight + pending)."""
@@ -315,6 +311,19 @@ class CounterTable:
                         row.flags |= USED
             return out
 
+    def children_of(self, parent: str, feature: str, period: str) -> list[tuple[str, int | None]]:
+        """``(tenant, value)`` of each warm counter of ``feature`` in ``period`` whose tenant
+        is a direct child of ``parent``, in tenant order (``None``: not seeded); each is
+        marked used, as a read would."""
+        with self._lock:
+            out: list[tuple[str, int | None]] = []
+            for child in sorted(self._below.get((parent, period), ())):
+                row = self._rows.get((child, feature, period))
+                if row is not None:
+                    row.flags |= USED
+                    out.append((child, row.value() if row.flags & SEEDED else None))
+            return out
+
     def unseeded_features(self, tenant: str, period: str) -> list[str]:
         """The features of ``tenant``'s unseeded counters in ``period``."""
         with self._lock:
@@ -368,6 +377,7 @@ class CounterTable:
             features = self._by_period.get((tenant, period))
             if features is None:
                 self._by_period[(tenant, period)] = [feature]
+                _list_below(self._below, tenant, period)
             else:
                 features.append(feature)
         else:
@@ -460,6 +470,7 @@ class CounterTable:
                 features = by_period.get((tenant, period))
                 if features is None:
                     by_period[(tenant, period)] = [feature]
+                    _list_below(self._below, tenant, period)
                 else:
                     features.append(feature)
             return seeded, []
@@ -1067,6 +1078,7 @@ class CounterTable:
                     self._by_period[(tenant, period)] = features
                 else:
                     del self._by_period[(tenant, period)]
+                    _unlist_below(self._below, tenant, period)
             return len(doomed)
 
     def keys(self) -> list[Key]:
@@ -1092,6 +1104,28 @@ class PartlyRefused(Exception):
     def __init__(self, answers: list[int | InvalidArgument]) -> None:
         super().__init__(f"{sum(isinstance(a, InvalidArgument) for a in answers)} items refused")
         self.answers = answers
+
+
+def _list_below(below: dict[tuple[str, str], set[str]], tenant: str, period: str) -> None:
+    """``tenant`` has its first row in ``period``: listed under its account, if any."""
+    cut = tenant.rfind("/")
+    if cut > 0:
+        children = below.get((tenant[:cut], period))
+        if children is None:
+            below[(tenant[:cut], period)] = {tenant}
+        else:
+            children.add(tenant)
+
+
+def _unlist_below(below: dict[tuple[str, str], set[str]], tenant: str, period: str) -> None:
+    """``tenant``'s last row in ``period`` was dropped."""
+    cut = tenant.rfind("/")
+    if cut > 0:
+        children = below.get((tenant[:cut], period))
+        if children is not None:
+            children.discard(tenant)
+            if not children:
+                del below[(tenant[:cut], period)]
 
 
 def _refusal(key: Key, row: Row, qty: int) -> InvalidArgument | None:

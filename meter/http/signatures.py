@@ -154,6 +154,13 @@ SIGNATURES: dict[str, Signature] = {
             read=True,
         ),
         Signature(
+            "usage_children",
+            "An account's users' counters of a feature in the period, a page at a time.",
+            (need("account", STR), _FEATURE),
+            (Param("at", AT), Param("cursor", STR), Param("limit", INT)),
+            read=True,
+        ),
+        Signature(
             "reserve",
             "Hold qty units (not counted) until commit, release or the lease's end.",
             (_TENANT, _FEATURE, need("qty", INT)),

@@ -20,6 +20,7 @@ from cluster.gossip import Gossip, GossipSettings, Listener
 from cluster.redis_bus import RedisBus
 from meter.catalog.methods import FeatureMethods
 from meter.config import CounterConfig, NodeConfig
+from meter.core.children import ChildrenMethod
 from meter.core.fence import Fence
 from meter.core.gate import Gate
 from meter.core.gauges import GaugeTable
@@ -81,6 +82,7 @@ def build_storage(cfg: NodeConfig) -> Storage:
             retention_days=s.retention_days,
             flush_mode=s.flush_mode,
             transact_items=s.dynamodb_transact_items,
+            children=cfg.counters.tenant_hierarchy,
         )
     raise ConfigError("storage", f"unknown storage kind {s.kind!r}")
 
@@ -298,6 +300,9 @@ def assemble(
         **ExportMethod(storage, config.period_grace_s).handlers(),
         **PeriodMethods(storage, config.period_grace_s).handlers(),
         **Voids(table, keys, gate, fence, ids, seeder).handlers(),
+        **ChildrenMethod(
+            table, keys, seeder, storage, gate, fence, hierarchy=config.tenant_hierarchy
+        ).handlers(),
     }
     service = Service(
         table,
