@@ -24,7 +24,7 @@ from meter.node.lifecycle import Node
 from storage import periods
 from storage.base import Applied, Delta
 from storage.sqlite import SQLiteStorage
-from tests.support.nodes import short_tmpdir
+from tests.support.nodes import NodeProcess, short_tmpdir
 
 F = "calls"
 
@@ -189,3 +189,33 @@ async def test_the_cli_lists_an_accounts_users(
         assert capsys.readouterr().out.splitlines() == [f"beta {F}: 0", "(no users in this period)"]
         assert await meter("acme", "--children") == 2
         assert "--children takes a feature" in capsys.readouterr().err
+
+
+@pytest.mark.dynamodb
+def test_nodes_on_dynamodb_keep_and_read_the_children_index(
+    dynamodb_local: str, dynamodb_table: str
+) -> None:
+    """A node with the hierarchy on writes its users' counters to the index as it flushes;
+    another node, holding none of them, reads them from it (and its own, warm)."""
+    env = {
+        "METER_STORAGE": "dynamodb",
+        "METER_DYNAMODB_ENDPOINT": dynamodb_local,
+        "METER_DYNAMODB_TABLE": dynamodb_table,
+        "METER_TENANT_HIERARCHY": "true",
+    }
+    d = short_tmpdir("mchd")
+    try:
+        with NodeProcess(d, "a", METER_NODE_ID="a", **env) as a:
+            a.call("track", "acme/b", F, 4)
+            a.call("track", "acme/a", F, 3)
+        with NodeProcess(d, "b", METER_NODE_ID="b", **env) as b:
+            b.call("track", "acme/c", F, 5)
+            want = [("acme/a", 3), ("acme/b", 4), ("acme/c", 5)]
+            page = b.call("usage_children", "acme", F, {"limit": 2})
+            assert page["total"] == 12, page
+            assert [(c["tenant"], c["value"]) for c in page["children"]] == want[:2]
+            rest = b.call("usage_children", "acme", F, {"cursor": page["cursor"]})
+            assert [(c["tenant"], c["value"]) for c in rest["children"]] == want[2:]
+            assert rest["cursor"] is None
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
