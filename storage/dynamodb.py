@@ -482,32 +482,31 @@ class DynamoDBStorage(Storage):
         return f"dynamodb: table {self.table} {verb} (ACTIVE); {index}; {ttl}"
 
     async def _add_children_index(self) -> str:
-        """Add the ``children`` index to a table made by a build without it, and wait until
-        it is ACTIVE (DynamoDB fills it from the items already holding ``cp``)."""
+        """Add the ``children`` index to a table made by a build without it. Not waited for:
+        DynamoDB fills a new index from the items already holding ``cp`` (minutes on a large
+        table), and ``usage_children`` is ``unavailable`` until it has; the report says
+        which state it is in."""
         desc = await self._call("describe_table", "describe table", TableName=self.table)
-        verb = "exists"
-        if not _index_status(desc):
-            try:
-                await self._call(
-                    "update_table",
-                    "add the children index",
-                    TableName=self.table,
-                    AttributeDefinitions=_CHILDREN_ATTRIBUTES,
-                    GlobalSecondaryIndexUpdates=[{"Create": _CHILDREN_GSI}],
-                )
-            except StoragePermanentError:
-                # Another process may have added it between our describe and update.
-                desc = await self._call("describe_table", "describe table", TableName=self.table)
-                if not _index_status(desc):
-                    raise
-            verb = "added"
-        for _ in range(1500):  # (a large table's backfill takes a while; bound the wait)
-            status = _index_status(desc)
-            if status == "ACTIVE":
-                return f"index {CHILDREN_INDEX} {verb} (ACTIVE)"
-            await asyncio.sleep(0.2)
+        status = _index_status(desc)
+        if status is not None:
+            return f"index {CHILDREN_INDEX} exists ({status})"
+        try:
+            await self._call(
+                "update_table",
+                "add the children index",
+                TableName=self.table,
+                AttributeDefinitions=_CHILDREN_ATTRIBUTES,
+                GlobalSecondaryIndexUpdates=[{"Create": _CHILDREN_GSI}],
+            )
+        except StoragePermanentError:
+            # Another process may have added it between our describe and update.
             desc = await self._call("describe_table", "describe table", TableName=self.table)
-        raise StorageUnavailable(f"dynamodb: index {CHILDREN_INDEX} is still {status}")
+            if _index_status(desc) is None:
+                raise
+        return (
+            f"index {CHILDREN_INDEX} added (DynamoDB fills it from the items written so far; "
+            "usage_children answers once it is ACTIVE: run storage init again to see)"
+        )
 
     async def _create_table(self) -> dict[str, Any]:
         try:
@@ -1782,7 +1781,16 @@ class DynamoDBStorage(Storage):
         out: list[tuple[str, int]] = []
         while len(out) <= limit:
             query["Limit"] = limit + 1 - len(out) + (after is not None)
-            resp = await self._call("query", f"the children of {parent[:80]}", **query)
+            try:
+                resp = await self._call("query", f"the children of {parent[:80]}", **query)
+            except StoragePermanentError as exc:
+                if "index" not in str(exc):
+                    raise
+                raise StorageUnavailable(
+                    f"dynamodb: the {CHILDREN_INDEX} index of table {self.table} cannot be "
+                    f"read yet ({exc}): run `meter storage init`, and wait until it reports "
+                    "the index ACTIVE"
+                ) from exc
             for item in resp.get("Items", []):
                 try:
                     tenant = item["cs"]["S"][len(period) + 1 :]

@@ -6,6 +6,7 @@ fixtures (a server, a temp dir) are pulled in there with ``request.getfixtureval
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator
@@ -824,7 +825,7 @@ async def test_an_accounts_children_are_one_range_in_tenant_order(storage: Stora
         ("acme", f, p, None, 1001),
     ):
         with pytest.raises(StoragePermanentError):
-            await storage.children_page(*bad)  # type: ignore[arg-type]
+            await storage.children_page(*bad)
 
 
 async def test_a_ledger_writes_many_expiries_within_what_the_backend_takes(
@@ -1289,24 +1290,32 @@ async def test_sqlite_a_file_of_the_older_layout_gets_the_owner_notes_table(
 
 @pytest.mark.dynamodb
 async def test_dynamodb_init_adds_the_children_index_to_a_table_without_it(
-    dynamodb_local: str,
+    dynamodb_local_home: Path,
 ) -> None:
-    """A table a build before the index made gets it at ``storage init``, filled from the
-    items written meanwhile; a second init finds it; without ``children`` the flush writes
-    no index keys."""
+    """A table a build before the index made gets it at ``storage init`` (not waited for),
+    filled from the items written meanwhile; until then a read is ``unavailable`` saying
+    what to do; without ``children`` the flush writes no index keys. (A DynamoDB Local of
+    its own: one holding many tables takes minutes to fill a new index. Writes one key at a
+    time: DynamoDB Local fails transactions writing the keys of an index added later.)"""
+    from storage.base import StorageUnavailable
     from storage.dynamodb import CHILDREN_INDEX, DynamoDBStorage
-    from tests.support.fixtures_dynamodb import new_table_name
+    from tests.support.dynamodb_local import TEST_JAVA_OPTIONS, DynamoDBLocal
+    from tests.support.nodes import wait_for
 
-    name = new_table_name()
-    store = DynamoDBStorage(name, endpoint_url=dynamodb_local, children=True)
-    plain = DynamoDBStorage(name, endpoint_url=dynamodb_local)
+    server = DynamoDBLocal(dynamodb_local_home, java_options=TEST_JAVA_OPTIONS)
+    await asyncio.to_thread(server.start)
+    loop = asyncio.get_running_loop()
+    store = DynamoDBStorage(
+        "meter_before", endpoint_url=server.endpoint, children=True, flush_mode="single"
+    )
+    plain = DynamoDBStorage("meter_before", endpoint_url=server.endpoint)
     await store.open()
     await plain.open()
     try:
         await store._call(
             "create_table",
             "test",
-            TableName=name,
+            TableName="meter_before",
             BillingMode="PAY_PER_REQUEST",
             KeySchema=[
                 {"AttributeName": "pk", "KeyType": "HASH"},
@@ -1317,18 +1326,31 @@ async def test_dynamodb_init_adds_the_children_index_to_a_table_without_it(
                 {"AttributeName": "sk", "AttributeType": "S"},
             ],
         )
+        for _ in range(100):  # (a fresh table is ACTIVE within a second)
+            got = await store._call("describe_table", "test", TableName="meter_before")
+            if got["Table"]["TableStatus"] == "ACTIVE":
+                break
+            await asyncio.sleep(0.1)
         await _ok(store, "n1", ("acme/bob", "f", "2026-11"), 1, 4)
         await _ok(plain, "n1", ("acme/eve", "f", "2026-11"), 1, 5)
-        with pytest.raises(StorageError):
+        with pytest.raises(StorageUnavailable, match="meter storage init"):
             await store.children_page("acme", "f", "2026-11", None, 10)
-        assert f"index {CHILDREN_INDEX} added (ACTIVE)" in await store.init_schema()
-        assert f"index {CHILDREN_INDEX} exists (ACTIVE)" in await store.init_schema()
+        assert f"index {CHILDREN_INDEX} added" in await store.init_schema()
+        await asyncio.to_thread(
+            wait_for,
+            lambda: (
+                "(ACTIVE)" in asyncio.run_coroutine_threadsafe(store.init_schema(), loop).result()
+            ),
+            60,
+            "the index ACTIVE",
+        )
         await _ok(store, "n1", ("acme/al", "f", "2026-11"), 1, 3)
         page = await store.children_page("acme", "f", "2026-11", None, 10)
         assert page == ([("acme/al", 3), ("acme/bob", 4)], False)
     finally:
         await plain.close()
         await store.close()
+        await asyncio.to_thread(server.stop)
 
 
 @pytest.mark.dynamodb
