@@ -207,6 +207,7 @@ def cases(t: str) -> list[Case]:
         # Errors: each changes nothing (the usage below is still 4).
         ("nope", {}, {}, err(404, "unknown_method")),  # 30
         ("track", '{"tenant": ', {}, err(400, "invalid_argument")),  # malformed JSON
+        ("track", "[" * 5000, {}, err(400, "invalid_argument")),  # nested too deeply
         ("track", [t, "api", 1], {}, err(400, "invalid_argument")),  # not an object
         ("track", {"tenant": t, "feature": "api", "qty": "x"}, {}, err(400, "invalid_argument")),
         ("track", {"tenant": t, "feature": 7}, {}, err(400, "invalid_argument")),

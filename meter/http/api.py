@@ -14,10 +14,12 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 from inspect import isawaitable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from aiohttp import web
 
 from meter.core.server import Dispatcher
@@ -47,6 +49,25 @@ _PLAIN = frozenset({int, str, dict, list, type(None), bool})
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 _dumps = _ENCODER.encode
 _DECODER = json.JSONDecoder()
+#: A number of 19 digits or more: orjson reads an integer past 64 bits as a float (inexact),
+#: so a body holding one is read by the standard decoder.
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+
+
+def read_json(raw: bytes) -> Any:
+    """A call's JSON body (empty: ``{}``), by orjson (5x the standard decoder on a call's
+    body) where it reads exactly what the standard one does; ``ValueError`` if not JSON (or
+    nested past the interpreter's recursion limit)."""
+    if _LONG_NUMBER.search(raw) is None:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass  # (empty, NaN, bad UTF-8: the standard decoder's answer and message)
+    text = raw.decode()
+    try:
+        return _DECODER.decode(text) if text.strip() else {}
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def error_response(
@@ -138,6 +159,8 @@ class Api:
     def _method(self, method: str) -> Handler:
         """The handler of ``POST /v1/<method>`` (one coroutine: each level is a cost)."""
         sig = SIGNATURES[method]
+        stats = self.request_stats
+        label = None if stats is None else stats.label(method)
 
         async def call(request: web.BaseRequest) -> web.Response:
             t0 = perf_counter()
@@ -147,8 +170,7 @@ class Api:
                     raise Unavailable("the node is shutting down")
                 try:
                     raw = await request.read()
-                    text = raw.decode()
-                    body = _DECODER.decode(text) if text.strip() else {}
+                    body = read_json(raw)
                 except web.HTTPRequestEntityTooLarge as exc:
                     raise _TooLarge(exc.text or "the body is too large") from None
                 except ValueError as exc:  # (UnicodeDecodeError is one)
@@ -186,9 +208,9 @@ class Api:
                 self.calls += 1
                 if code is not None:
                     self.errors += 1
-                stats = self.request_stats
                 if stats is not None:
-                    stats.one(stats.label(method), code, perf_counter() - t0)
+                    assert label is not None
+                    stats.one(label, code, perf_counter() - t0)
             return web.Response(text=answer, content_type=_JSON)
 
         return call
@@ -329,6 +351,13 @@ def _refused(
     (without a preflight the API never answers), with no ``Origin``, nor (DNS rebinding)
     with a loopback ``Host``."""
     headers = request.headers
+    if (
+        token is None
+        and not check_host
+        and headers.get("Content-Type") == _JSON
+        and "Origin" not in headers
+    ):
+        return None  # (what every call of a client looks like: the checks below pass)
     if token is not None:
         scheme, _, given = headers.get("Authorization", "").partition(" ")
         raw = given.strip().encode("utf-8", "surrogateescape")

@@ -102,10 +102,13 @@ class Signature:
 
     #: Every name the JSON object may hold, in order (filled from the params).
     names: tuple[str, ...] = ()
+    #: The same, as a set (looked up for every name a call gives).
+    known: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         names = tuple(p.name for p in (*self.params, *(self.fields or ())))
         object.__setattr__(self, "names", names)  # (derived once: read on every call)
+        object.__setattr__(self, "known", frozenset(names))
 
 
 _TENANT = need("tenant", STR, "tenant name (with tenant_hierarchy: acme/alice)")
@@ -310,10 +313,10 @@ def wire_params(sig: Signature, body: object, key: str | None = None) -> list[An
     method = sig.method
     if not isinstance(body, dict):
         raise InvalidArgument(f"{method}: the body must be a JSON object of named params")
-    names = sig.names
+    known = sig.known
     for name in body:
-        if name not in names:
-            allowed = ", ".join(names) or "none"
+        if name not in known:
+            allowed = ", ".join(sig.names) or "none"
             raise InvalidArgument(f"{method}: unknown param {name[:32]!r} (allowed: {allowed})")
     if key is not None:
         if sig.key is None:
@@ -326,7 +329,10 @@ def wire_params(sig: Signature, body: object, key: str | None = None) -> list[An
     given = 0
     for p in sig.params:
         if p.name in body:
-            out.append(coerce(p.schema, body[p.name]))
+            value = body[p.name]
+            # (a string or a boolean is what the node checks: only numbers and containers
+            # may hold a decimal string to read)
+            out.append(value if p.schema is STR or p.schema is BOOL else coerce(p.schema, value))
             given += 1
         elif p.required:
             raise InvalidArgument(f"{method}: {p.name} is missing")
