@@ -476,10 +476,12 @@ class DynamoDBStorage(Storage):
             status = desc["Table"]["TableStatus"]
         else:
             raise StorageUnavailable(f"dynamodb: table {self.table} is still {status}")
-        index = await self._add_children_index()
+        index = await self._add_children_index() if self.children else ""
+        if self.children and not created:
+            index += f", {await self._backfill_children()} users' counters written to it"
         ttl = await self._enable_ttl()
         verb = "created" if created else "exists"
-        return f"dynamodb: table {self.table} {verb} (ACTIVE); {index}; {ttl}"
+        return f"dynamodb: table {self.table} {verb} (ACTIVE); {index and index + '; '}{ttl}"
 
     async def _add_children_index(self) -> str:
         """Add the ``children`` index to a table made by a build without it. Not waited for:
@@ -490,13 +492,20 @@ class DynamoDBStorage(Storage):
         status = _index_status(desc)
         if status is not None:
             return f"index {CHILDREN_INDEX} exists ({status})"
+        create = dict(_CHILDREN_GSI)
+        throughput = desc["Table"].get("ProvisionedThroughput") or {}
+        if throughput.get("ReadCapacityUnits"):  # (a table of provisioned capacity: its own)
+            create["ProvisionedThroughput"] = {
+                "ReadCapacityUnits": throughput["ReadCapacityUnits"],
+                "WriteCapacityUnits": throughput["WriteCapacityUnits"],
+            }
         try:
             await self._call(
                 "update_table",
                 "add the children index",
                 TableName=self.table,
                 AttributeDefinitions=_CHILDREN_ATTRIBUTES,
-                GlobalSecondaryIndexUpdates=[{"Create": _CHILDREN_GSI}],
+                GlobalSecondaryIndexUpdates=[{"Create": create}],
             )
         except StoragePermanentError:
             # Another process may have added it between our describe and update.
@@ -507,6 +516,51 @@ class DynamoDBStorage(Storage):
             f"index {CHILDREN_INDEX} added (DynamoDB fills it from the items written so far; "
             "usage_children answers once it is ACTIVE: run storage init again to see)"
         )
+
+    async def _backfill_children(self) -> int:
+        """Give every counter of a user (a tenant with ``/``) that lacks them its index keys
+        (written by an earlier build, or with the hierarchy off): one ``Scan`` of the table,
+        an ``UpdateItem`` each (32 at once); how many. Logged every 10,000."""
+        scan: dict[str, Any] = {
+            "TableName": self.table,
+            "ProjectionExpression": "pk, sk",
+            "FilterExpression": (
+                "contains(pk, :slash) AND attribute_not_exists(cp) AND NOT begins_with(sk, :h)"
+            ),
+            "ExpressionAttributeValues": {":slash": {"S": "/"}, ":h": {"S": "#"}},
+        }
+        done = 0
+
+        async def one(tenant: str, sk: str) -> None:
+            period, _, feature = sk.partition("#")
+            parent = parent_of(tenant)
+            if parent is None or tenant.startswith("#") or not feature:
+                return
+            await self._call(
+                "update_item",
+                "index a user's counter",
+                TableName=self.table,
+                Key={"pk": {"S": tenant}, "sk": {"S": sk}},
+                UpdateExpression="SET cp = :cp, cs = :cs",
+                ConditionExpression="attribute_exists(pk)",
+                ExpressionAttributeValues={
+                    ":cp": {"S": f"{parent}#{feature}"},
+                    ":cs": {"S": f"{period}#{tenant}"},
+                },
+            )
+
+        while True:
+            resp = await self._call("scan", "find users' counters to index", **scan)
+            items = [(i["pk"]["S"], i["sk"]["S"]) for i in resp.get("Items", [])]
+            for at in range(0, len(items), 32):
+                await asyncio.gather(*(one(t, sk) for t, sk in items[at : at + 32]))
+                if (done + at) // 10_000 != (done + at + 32) // 10_000:
+                    log.info("dynamodb: %d users' counters indexed so far", done + at + 32)
+            done += len(items)
+            last = resp.get("LastEvaluatedKey")
+            if not last:
+                return done
+            scan["ExclusiveStartKey"] = last
 
     async def _create_table(self) -> dict[str, Any]:
         try:
@@ -1784,7 +1838,8 @@ class DynamoDBStorage(Storage):
             try:
                 resp = await self._call("query", f"the children of {parent[:80]}", **query)
             except StoragePermanentError as exc:
-                if "index" not in str(exc):
+                text = str(exc).lower()
+                if "specified index" not in text and "backfilling" not in text:
                     raise
                 raise StorageUnavailable(
                     f"dynamodb: the {CHILDREN_INDEX} index of table {self.table} cannot be "

@@ -11,20 +11,26 @@ import os
 import shutil
 import time
 from collections.abc import AsyncIterator
+from inspect import isawaitable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meter.cli.main import main
 from meter.client import AsyncClient
 from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig
+from meter.core.table import CounterTable
 from meter.errors import InvalidArgument
 from meter.node.lifecycle import Node
+from meter.node.wiring import build_service
 from storage import periods
 from storage.base import Applied, Delta
 from storage.sqlite import SQLiteStorage
 from tests.support.nodes import NodeProcess, short_tmpdir
+from tests.support.stores import DownStorage
 
 F = "calls"
 
@@ -219,3 +225,67 @@ def test_nodes_on_dynamodb_keep_and_read_the_children_index(
             assert rest["cursor"] is None
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+_USERS = [f"acme/u{n}" for n in range(8)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    stored=st.dictionaries(st.sampled_from(_USERS), st.integers(-3, 9), max_size=8),
+    tracks=st.lists(
+        st.tuples(st.sampled_from(_USERS), st.integers(-3, 5), st.booleans()), max_size=20
+    ),
+    size=st.integers(1, 4),
+)
+def test_pages_hold_every_user_once_whatever_is_stored_warm_or_unseeded(
+    stored: dict[str, int], tracks: list[tuple[str, int, bool]], size: int
+) -> None:
+    """A model: users stored by another node, tracked here with storage up (warm, seeded) or
+    down (warm, unseeded: read at the page), to 0 too; every page size lists each user that
+    is stored or not at 0 once, in order, with stored + tracked, and the account's total."""
+
+    async def run() -> tuple[int, list[tuple[str, int]]]:
+        store = DownStorage()
+        month = periods.name(None, "month", time.time())
+        got = await store.apply(
+            "old",
+            [Delta((t, F, month), 1, v) for t, v in stored.items()]
+            + [Delta(("acme", F, month), 1, sum(stored.values()))],
+        )
+        assert all(isinstance(r, Applied) for r in got.values())
+        svc = build_service(CounterTable("n1"), store, CounterConfig(tenant_hierarchy=True))
+        for user, qty, down in tracks:
+            store.down = down
+            result = svc.dispatch("track", [user, F, qty])
+            if isawaitable(result):
+                await result
+        store.down = False
+        total: int | None = None
+        out: list[tuple[str, int]] = []
+        cursor = None
+        while True:
+            opts: dict[str, Any] = {"limit": size}
+            if cursor is not None:
+                opts["cursor"] = cursor
+            page = svc.dispatch("usage_children", ["acme", F, opts])
+            page = await page if isawaitable(page) else page
+            total = page["total"] if total is None else total
+            assert total == page["total"]
+            out += [(c["tenant"], c["value"]) for c in page["children"]]
+            cursor = page["cursor"]
+            if cursor is None:
+                assert total is not None
+                return total, out
+
+    total, listed = asyncio.run(run())
+    tracked: dict[str, int] = {}
+    for user, qty, _ in tracks:
+        tracked[user] = tracked.get(user, 0) + qty
+    want = sorted(
+        (u, stored.get(u, 0) + tracked.get(u, 0))
+        for u in set(stored) | set(tracked)
+        if u in stored or tracked.get(u, 0) != 0
+    )
+    assert listed == want
+    assert total == sum(stored.values()) + sum(tracked.values())

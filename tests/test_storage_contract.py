@@ -1293,8 +1293,9 @@ async def test_dynamodb_init_adds_the_children_index_to_a_table_without_it(
     dynamodb_local_home: Path,
 ) -> None:
     """A table a build before the index made gets it at ``storage init`` (not waited for),
-    filled from the items written meanwhile; until then a read is ``unavailable`` saying
-    what to do; without ``children`` the flush writes no index keys. (A DynamoDB Local of
+    filled from the items written meanwhile, users' counters written without their index
+    keys (an earlier build, the hierarchy off) given them; until then a read is
+    ``unavailable`` saying what to do. (A DynamoDB Local of
     its own: one holding many tables takes minutes to fill a new index. Writes one key at a
     time: DynamoDB Local fails transactions writing the keys of an index added later.)"""
     from storage.base import StorageUnavailable
@@ -1331,11 +1332,16 @@ async def test_dynamodb_init_adds_the_children_index_to_a_table_without_it(
             if got["Table"]["TableStatus"] == "ACTIVE":
                 break
             await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the table never became ACTIVE")
         await _ok(store, "n1", ("acme/bob", "f", "2026-11"), 1, 4)
         await _ok(plain, "n1", ("acme/eve", "f", "2026-11"), 1, 5)
         with pytest.raises(StorageUnavailable, match="meter storage init"):
             await store.children_page("acme", "f", "2026-11", None, 10)
-        assert f"index {CHILDREN_INDEX} added" in await store.init_schema()
+        await _ok(plain, "n1", ("acme", "f", "2026-11"), 1, 9)  # (the account: not a user)
+        report = await store.init_schema()
+        assert f"index {CHILDREN_INDEX} added" in report, report
+        assert "1 users' counters written to it" in report, report
         await asyncio.to_thread(
             wait_for,
             lambda: (
@@ -1344,9 +1350,11 @@ async def test_dynamodb_init_adds_the_children_index_to_a_table_without_it(
             60,
             "the index ACTIVE",
         )
+        assert "0 users' counters written" in await store.init_schema()
         await _ok(store, "n1", ("acme/al", "f", "2026-11"), 1, 3)
         page = await store.children_page("acme", "f", "2026-11", None, 10)
-        assert page == ([("acme/al", 3), ("acme/bob", 4)], False)
+        assert page == ([("acme/al", 3), ("acme/bob", 4), ("acme/eve", 5)], False)
+        assert "index" not in await plain.init_schema()  # (no hierarchy: left alone)
     finally:
         await plain.close()
         await store.close()

@@ -310,7 +310,8 @@ def _groups(got: dict[str, Any], names: list[str]) -> str:
 
 
 def _children(client: Client, account: str, feature: str, at: float | None, as_json: bool) -> int:
-    """``usage --children``: every page, the users as they come (a large account is not held)."""
+    """``usage --children``: every page, the users printed as they come (``--json`` holds
+    them all, for one object)."""
     at = time.time() if at is None else at  # (every page of the same period)
     cursor: str | None = None
     children: list[dict[str, Any]] = []

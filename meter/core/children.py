@@ -102,14 +102,17 @@ class ChildrenMethod:
             stored, more = await self.storage.children_page(account, feature, period, cursor, limit)
         except StorageError as exc:
             raise Unavailable(f"storage is unreachable: {exc}") from None
-        # Up to the last stored child of a page that has more, the merge is complete.
+        # Up to the last stored child of a page that has more, the merge is complete; and
+        # up to the last warm one examined, when ``limit`` of them were (more may follow).
         frontier = stored[-1][0] if more else None
         values = dict(stored)
+        warm = self.table.children_of(account, feature, period, cursor, frontier, limit)
+        if sum(1 for _, value in warm if value != 0) == limit:
+            frontier = warm[-1][0] if frontier is None else min(frontier, warm[-1][0])
+            more = True
         cold: list[Key] = []
-        for child, value in self.table.children_of(account, feature, period):
-            if (cursor is not None and child <= cursor) or (
-                frontier is not None and child > frontier
-            ):
+        for child, value in warm:
+            if frontier is not None and child > frontier:
                 continue
             if value is None:
                 cold.append((child, feature, period))
@@ -126,10 +129,13 @@ class ChildrenMethod:
         total = self.table.value(key)
         if total is None:
             raise Unavailable("storage is unreachable and this account's total is not known")
-        names = sorted(values)
+        names = sorted(t for t in values if frontier is None or t <= frontier)
         page = names[:limit]
+        if len(names) > limit:
+            more, frontier = True, page[-1]
         return {
             "total": total,
             "children": [{"tenant": t, "value": values[t]} for t in page],
-            "cursor": page[-1] if more or len(names) > limit else None,
+            # (a page cut short by a warm user whose total was 0 still names where it ended)
+            "cursor": frontier if more else None,
         }

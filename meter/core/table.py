@@ -45,6 +45,7 @@ across modules, a row's arithmetic would be written in several places that must 
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Container, Iterable, Sequence
 from collections.abc import Set as AbstractSet
@@ -188,8 +189,9 @@ class CounterTable:
         self._lock = threading.Lock()
         self._rows: dict[Key, Row] = {}
         self._by_period: dict[tuple[str, str], list[str]] = {}
-        #: (account, period) -> its direct children (``acme/alice``) with a row in the period.
-        self._below: dict[tuple[str, str], set[str]] = {}
+        #: (account, period) -> its direct children (``acme/alice``) with a row in the period,
+        #: sorted (a page of them is one bisection).
+        self._below: dict[tuple[str, str], list[str]] = {}
         self._dirty: list[Key] = []
         self._touched: list[Key] = []
         self._unseeded: set[Key] = set()
@@ -311,17 +313,28 @@ class CounterTable:
                         row.flags |= USED
             return out
 
-    def children_of(self, parent: str, feature: str, period: str) -> list[tuple[str, int | None]]:
-        """``(tenant, value)`` of each warm counter of ``feature`` in ``period`` whose tenant
-        is a direct child of ``parent``, in tenant order (``None``: not seeded); each is
-        marked used, as a read would."""
+    def children_of(
+        self, parent: str, feature: str, period: str, after: str | None, upto: str | None, n: int
+    ) -> list[tuple[str, int | None]]:
+        """``(tenant, value)`` of warm counters of ``feature`` in ``period`` of ``parent``'s
+        direct children after ``after`` up to ``upto`` (``None``: no bound), in tenant order,
+        until ``n`` of them are unseeded (``None``) or not 0; each marked used, as by a read."""
         with self._lock:
             out: list[tuple[str, int | None]] = []
-            for child in sorted(self._below.get((parent, period), ())):
+            below = self._below.get((parent, period), [])
+            start = 0 if after is None else bisect.bisect_right(below, after)
+            end = len(below) if upto is None else bisect.bisect_right(below, upto)
+            counted = 0
+            for i in range(start, end):  # (no copy of a long list)
+                child = below[i]
                 row = self._rows.get((child, feature, period))
                 if row is not None:
                     row.flags |= USED
-                    out.append((child, row.value() if row.flags & SEEDED else None))
+                    value = row.value() if row.flags & SEEDED else None
+                    out.append((child, value))
+                    counted += value != 0
+                    if counted == n:
+                        break
             return out
 
     def unseeded_features(self, tenant: str, period: str) -> list[str]:
@@ -377,7 +390,7 @@ class CounterTable:
             features = self._by_period.get((tenant, period))
             if features is None:
                 self._by_period[(tenant, period)] = [feature]
-                _list_below(self._below, tenant, period)
+                _list_below(self._below, tenant, period, True)
             else:
                 features.append(feature)
         else:
@@ -470,7 +483,7 @@ class CounterTable:
                 features = by_period.get((tenant, period))
                 if features is None:
                     by_period[(tenant, period)] = [feature]
-                    _list_below(self._below, tenant, period)
+                    _list_below(self._below, tenant, period, True)
                 else:
                     features.append(feature)
             return seeded, []
@@ -1078,7 +1091,7 @@ class CounterTable:
                     self._by_period[(tenant, period)] = features
                 else:
                     del self._by_period[(tenant, period)]
-                    _unlist_below(self._below, tenant, period)
+                    _list_below(self._below, tenant, period, False)
             return len(doomed)
 
     def keys(self) -> list[Key]:
@@ -1106,26 +1119,22 @@ class PartlyRefused(Exception):
         self.answers = answers
 
 
-def _list_below(below: dict[tuple[str, str], set[str]], tenant: str, period: str) -> None:
-    """``tenant`` has its first row in ``period``: listed under its account, if any."""
+def _list_below(
+    below: dict[tuple[str, str], list[str]], tenant: str, period: str, listed: bool
+) -> None:
+    """``tenant`` has its first row in ``period`` (``listed``), or its last went: listed under
+    its account, if any, or no longer."""
     cut = tenant.rfind("/")
-    if cut > 0:
-        children = below.get((tenant[:cut], period))
-        if children is None:
-            below[(tenant[:cut], period)] = {tenant}
-        else:
-            children.add(tenant)
-
-
-def _unlist_below(below: dict[tuple[str, str], set[str]], tenant: str, period: str) -> None:
-    """``tenant``'s last row in ``period`` was dropped."""
-    cut = tenant.rfind("/")
-    if cut > 0:
-        children = below.get((tenant[:cut], period))
-        if children is not None:
-            children.discard(tenant)
-            if not children:
-                del below[(tenant[:cut], period)]
+    if cut <= 0:
+        return
+    children = below.setdefault((tenant[:cut], period), [])
+    i = bisect.bisect_left(children, tenant)
+    if listed:
+        children.insert(i, tenant)
+    elif i < len(children) and children[i] == tenant:
+        del children[i]
+    if not children:
+        del below[(tenant[:cut], period)]
 
 
 def _refusal(key: Key, row: Row, qty: int) -> InvalidArgument | None:
