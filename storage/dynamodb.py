@@ -569,15 +569,8 @@ class DynamoDBStorage(Storage):
                 "create table",
                 TableName=self.table,
                 BillingMode="PAY_PER_REQUEST",
-                KeySchema=[
-                    {"AttributeName": "pk", "KeyType": "HASH"},
-                    {"AttributeName": "sk", "KeyType": "RANGE"},
-                ],
-                AttributeDefinitions=[
-                    {"AttributeName": "pk", "AttributeType": "S"},
-                    {"AttributeName": "sk", "AttributeType": "S"},
-                    *_CHILDREN_ATTRIBUTES,
-                ],
+                KeySchema=TABLE_KEYS,
+                AttributeDefinitions=[*TABLE_ATTRIBUTES, *_CHILDREN_ATTRIBUTES],
                 GlobalSecondaryIndexes=[_CHILDREN_GSI],
             )
         except StoragePermanentError as exc:
@@ -2237,6 +2230,15 @@ def _is_loopback(url: str) -> bool:
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
+#: The table's key, and its attributes' types (the index's are added to them).
+TABLE_KEYS = [
+    {"AttributeName": "pk", "KeyType": "HASH"},
+    {"AttributeName": "sk", "KeyType": "RANGE"},
+]
+TABLE_ATTRIBUTES = [
+    {"AttributeName": "pk", "AttributeType": "S"},
+    {"AttributeName": "sk", "AttributeType": "S"},
+]
 _CHILDREN_ATTRIBUTES = [
     {"AttributeName": "cp", "AttributeType": "S"},
     {"AttributeName": "cs", "AttributeType": "S"},

@@ -1299,7 +1299,7 @@ async def test_dynamodb_init_adds_the_children_index_to_a_table_without_it(
     its own: one holding many tables takes minutes to fill a new index. Writes one key at a
     time: DynamoDB Local fails transactions writing the keys of an index added later.)"""
     from storage.base import StorageUnavailable
-    from storage.dynamodb import CHILDREN_INDEX, DynamoDBStorage
+    from storage.dynamodb import CHILDREN_INDEX, TABLE_ATTRIBUTES, TABLE_KEYS, DynamoDBStorage
     from tests.support.dynamodb_local import TEST_JAVA_OPTIONS, DynamoDBLocal
     from tests.support.nodes import wait_for
 
@@ -1318,14 +1318,8 @@ async def test_dynamodb_init_adds_the_children_index_to_a_table_without_it(
             "test",
             TableName="meter_before",
             BillingMode="PAY_PER_REQUEST",
-            KeySchema=[
-                {"AttributeName": "pk", "KeyType": "HASH"},
-                {"AttributeName": "sk", "KeyType": "RANGE"},
-            ],
-            AttributeDefinitions=[
-                {"AttributeName": "pk", "AttributeType": "S"},
-                {"AttributeName": "sk", "AttributeType": "S"},
-            ],
+            KeySchema=TABLE_KEYS,
+            AttributeDefinitions=TABLE_ATTRIBUTES,  # (as a build before the index made it)
         )
         for _ in range(100):  # (a fresh table is ACTIVE within a second)
             got = await store._call("describe_table", "test", TableName="meter_before")
