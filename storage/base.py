@@ -316,9 +316,14 @@ def check_children(
         and len(after) > len(parent) + 1
         and "/" not in after[len(parent) + 1 :]
     ):
-        raise StoragePermanentError(f"children: after must be a child of {parent[:80]!r}")
+        raise StoragePermanentError(
+            f"children: the cursor (after) must be a direct child of {parent[:80]!r} from a "
+            f"page, got {str(after)[:80]!r}"
+        )
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_CHILDREN_PAGE:
-        raise StoragePermanentError(f"children: limit must be in 1..{MAX_CHILDREN_PAGE}")
+        raise StoragePermanentError(
+            f"children: limit must be an integer in 1..{MAX_CHILDREN_PAGE}, got {limit!r}"
+        )
 
 
 def parent_of(tenant: str) -> str | None:

@@ -554,8 +554,8 @@ class DynamoDBStorage(Storage):
             items = [(i["pk"]["S"], i["sk"]["S"]) for i in resp.get("Items", [])]
             for at in range(0, len(items), 32):
                 await asyncio.gather(*(one(t, sk) for t, sk in items[at : at + 32]))
-                if (done + at) // 10_000 != (done + at + 32) // 10_000:
-                    log.info("dynamodb: %d users' counters indexed so far", done + at + 32)
+            if done // 10_000 != (done + len(items)) // 10_000:
+                log.info("dynamodb: %d users' counters indexed so far", done + len(items))
             done += len(items)
             last = resp.get("LastEvaluatedKey")
             if not last:
