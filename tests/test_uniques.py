@@ -661,9 +661,9 @@ async def test_a_call_whose_parent_level_fails_leaves_every_level_to_be_resolved
 
 
 async def test_the_cache_of_known_values_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from meter.core import uniques
+    from meter.core import knownvalues
 
-    monkeypatch.setattr(uniques, "MAX_CACHED_VALUES", 10)
+    monkeypatch.setattr(knownvalues, "MAX_CACHED_VALUES", 10)
     store = MemoryStorage()
     svc = await declared(service(store))
     for n in range(50):
@@ -768,7 +768,7 @@ async def test_a_failed_log_write_of_an_outcome_takes_its_count_back(tmp: Path) 
 
 
 def test_known_values_tell_their_own_claims_and_learn_peers_for_held_keys_only() -> None:
-    from meter.core.uniques import KnownValues
+    from meter.core.knownvalues import KnownValues
 
     held = {("t", "seats", "p")}
     known = KnownValues(gossip=True, warm=held.__contains__)

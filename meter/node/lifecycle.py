@@ -32,11 +32,11 @@ from meter.core.counts import FeatureUnits, RequestStats
 from meter.core.gauges import GaugeTable
 from meter.core.idempotency import RequestIds
 from meter.core.keys import Key
+from meter.core.knownvalues import KnownValues
 from meter.core.periods import kinds_in_use
 from meter.core.server import RpcServer
 from meter.core.service import Service
 from meter.core.table import CounterTable
-from meter.core.uniques import KnownValues
 from meter.errors import ConfigError, Unavailable
 from meter.http.api import Api
 from meter.http.listener import Listener

@@ -30,13 +30,14 @@ from meter.core.idempotency import RequestIds
 from meter.core.journal import Journal
 from meter.core.keycache import KeyCache
 from meter.core.keys import Key
+from meter.core.knownvalues import KnownValues
 from meter.core.reserving import Reserving
 from meter.core.seeder import Seeder
 from meter.core.server import RpcServer, start_server
 from meter.core.service import Service
 from meter.core.table import CounterTable
 from meter.core.tracking import Tracking
-from meter.core.uniques import KnownValues, Uniques
+from meter.core.uniques import Uniques
 from meter.core.voids import Voids
 from meter.core.watch import Watch
 from meter.errors import ConfigError
