@@ -665,6 +665,7 @@ class UniqueValues(Protocol):
 
     async def claim_value(self, key: Key, value: str, claimant: str) -> str: ...
     async def claimant_of(self, key: Key, value: str) -> str | None: ...
+    async def void_value(self, key: Key, value: str, claimant: str) -> str | None: ...
     async def values_page(
         self, key: Key, cursor: str | None, limit: int
     ) -> tuple[list[str], str | None]: ...
@@ -983,13 +984,24 @@ class Storage(abc.ABC):
         key or value :func:`check_value_of` refuses."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep unique values")
 
+    async def void_value(self, key: Key, value: str, claimant: str) -> str | None:
+        """Mark ``value`` of ``key`` voided if ``claimant`` holds it (a ``void`` took back the
+        call that counted it): it stays claimed (a later claim of it is lost) and
+        :meth:`values_page` leaves it out. Marking again changes nothing. The claimant holding
+        it (``None``: nobody; another claimant: nothing marked). :class:`StoragePermanentError`
+        for what :func:`check_unique` refuses; :class:`StorageUnavailable` if storage cannot
+        tell (the caller marks again)."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep unique values")
+
     async def values_page(
         self, key: Key, cursor: str | None, limit: int
     ) -> tuple[list[str], str | None]:
-        """Up to ``limit`` (1..:data:`MAX_VALUES_PAGE`) values claimed in ``key``, in code
-        point order, after where ``cursor`` (``None``: the start) left off; and the cursor of
-        the next page (``None``: no more). One range read (one DynamoDB Query, one SQLite index
-        range), consistent. :class:`BadCursor` for a cursor no page handed out."""
+        """Up to ``limit`` (1..:data:`MAX_VALUES_PAGE`) values claimed in ``key`` and not
+        voided, in code point order, after where ``cursor`` (``None``: the start) left off; and
+        the cursor of the next page (``None``: no more). One range read (one DynamoDB Query,
+        one SQLite index range), consistent; a page may hold fewer than ``limit`` values with
+        a cursor after it (voided ones read and left out). :class:`BadCursor` for a cursor no
+        page handed out."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep unique values")
 
     # -- period marks (docs/storage.md, "Period marks") ----------------------------------------

@@ -1571,12 +1571,37 @@ class DynamoDBStorage(Storage):
         item = resp.get("Item")
         return None if item is None else _claimant(item, what)
 
+    async def void_value(self, key: Key, value: str, claimant: str) -> str | None:
+        """One ``UpdateItem`` setting ``v`` conditioned on ``c = :claimant``; a refused
+        condition (no item, or another claimant's) is answered with what is stored: from
+        ``ALL_OLD``, or a consistent ``GetItem`` where none comes back."""
+        check_unique(key, value, claimant)
+        pk, prefix = _values_prefix(key)
+        what = f"value void {_describe(key)}"
+        try:
+            await self._call(
+                "update_item",
+                what,
+                TableName=self.table,
+                Key={"pk": {"S": pk}, "sk": {"S": prefix + value}},
+                UpdateExpression="SET v = :one",
+                ConditionExpression="c = :c",
+                ExpressionAttributeValues={":one": {"N": "1"}, ":c": {"S": claimant}},
+                ReturnValuesOnConditionCheckFailure="ALL_OLD",
+            )
+            return claimant
+        except _ConditionFailed as refused:
+            if refused.item:
+                return _claimant(refused.item, what)
+        return await self.claimant_of(key, value)
+
     async def values_page(
         self, key: Key, cursor: str | None, limit: int
     ) -> tuple[list[str], str | None]:
         """One consistent Query: ``pk = :t AND begins_with(sk, "#u#<period>#<feature>\\x1f")``
         from after the cursor's value, ``Limit`` one more than asked for (whether a next page
-        has any). A page cut short by DynamoDB's 1 MB holds fewer values and a cursor."""
+        has any), voided values filtered out. A page cut short by DynamoDB's 1 MB, or holding
+        voided values, holds fewer values and a cursor."""
         check_values_limit(limit)
         after = values_cursor(cursor)
         pk, prefix = _values_prefix(key)
@@ -1585,18 +1610,23 @@ class DynamoDBStorage(Storage):
             "KeyConditionExpression": "pk = :pk AND begins_with(sk, :p)",
             "ExpressionAttributeValues": {":pk": {"S": pk}, ":p": {"S": prefix}},
             "ProjectionExpression": "sk",
+            "FilterExpression": "attribute_not_exists(v)",
             "ConsistentRead": True,
             "Limit": limit + 1,
         }
         if after:  # (inside the key's range, and the sort-key limit: _values_prefix)
             query["ExclusiveStartKey"] = {"pk": {"S": pk}, "sk": {"S": prefix + after}}
         resp = await self._call("query", f"values of {_describe(key)}", **query)
+        last = resp.get("LastEvaluatedKey")
         try:
             got = [str(item["sk"]["S"])[len(prefix) :] for item in resp.get("Items", [])]
+            read_to = str(last["sk"]["S"])[len(prefix) :] if last else None
         except (KeyError, TypeError) as exc:
             raise StoragePermanentError(f"dynamodb: undecodable value of {_describe(key)}") from exc
-        more = len(got) > limit or bool(resp.get("LastEvaluatedKey"))
-        return got[:limit], next_values_cursor(got[:limit], more)
+        if len(got) > limit:
+            return got[:limit], next_values_cursor(got[:limit], True)
+        # (the last value read, voided or not: a page of voided values only goes on from it)
+        return got, next_values_cursor([read_to], True) if read_to else None
 
     # -- period marks (docs/storage.md, "Period marks") --------------------------------------
 

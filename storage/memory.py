@@ -104,6 +104,8 @@ class MemoryStorage(Storage):
         #: Unique values (docs/storage.md) by key: value -> its claimant. Never purged (nor
         #: are the counters here).
         self.values: dict[Key, dict[str, str]] = {}
+        #: Values marked voided (:meth:`void_value`), by key.
+        self.voided_values: dict[Key, set[str]] = {}
         #: Period marks (docs/storage.md) by period: node -> its mark. Never purged.
         self.marks: dict[str, dict[str, PeriodMark]] = {}
 
@@ -454,14 +456,27 @@ class MemoryStorage(Storage):
         check_value_of(key, value)
         return self.values.get(key, {}).get(value)
 
+    async def void_value(self, key: Key, value: str, claimant: str) -> str | None:
+        check_unique(key, value, claimant)
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise StorageUnavailable("injected failure before the write")
+        held = self.values.get(key, {}).get(value)
+        if held == claimant:
+            self.voided_values.setdefault(key, set()).add(value)
+        return held
+
     async def values_page(
         self, key: Key, cursor: str | None, limit: int
     ) -> tuple[list[str], str | None]:
         check_values_key(key)
         check_values_limit(limit)
         after = values_cursor(cursor)
+        voided = self.voided_values.get(key, ())
         # One more than asked for: whether a next page has any.
-        got = sorted(v for v in self.values.get(key, ()) if v > after)[: limit + 1]
+        got = sorted(v for v in self.values.get(key, ()) if v > after and v not in voided)[
+            : limit + 1
+        ]
         return got[:limit], next_values_cursor(got[:limit], len(got) > limit)
 
     # -- period marks --------------------------------------------------------------------------

@@ -295,6 +295,7 @@ CREATE TABLE IF NOT EXISTS unique_values (
     value      TEXT    NOT NULL,
     claimant   TEXT    NOT NULL,
     expires_at INTEGER NOT NULL,
+    voided     INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (tenant, feature, period, value)
 ) WITHOUT ROWID
 """
@@ -830,6 +831,23 @@ class SQLiteStorage(Storage):
 
         return await self._run(read)
 
+    async def void_value(self, key: Key, value: str, claimant: str) -> str | None:
+        """``UPDATE ... SET voided = 1`` where ``claimant`` holds it, then read the claimant
+        back, in one ``BEGIN IMMEDIATE``."""
+        check_unique(key, value, claimant)
+
+        def mark(conn: sqlite3.Connection) -> str | None:
+            conn.execute(
+                "UPDATE unique_values SET voided = 1 WHERE tenant = ? AND feature = ?"
+                " AND period = ? AND value = ? AND claimant = ?",
+                (*key, value, claimant),
+            )
+            return self._claimant_sync(conn, key, value)
+
+        return await self._run(
+            lambda: self._immediate(mark, f"marking a unique value voided in {self.path}")
+        )
+
     def _claimant_sync(self, conn: sqlite3.Connection, key: Key, value: str) -> str | None:
         """The claimant of ``value`` of ``key`` read on ``conn`` (``None``: no row)."""
         row = conn.execute(
@@ -859,7 +877,7 @@ class SQLiteStorage(Storage):
                     connection()
                     .execute(
                         "SELECT value FROM unique_values WHERE tenant = ? AND feature = ?"
-                        " AND period = ? AND value > ? ORDER BY value LIMIT ?",
+                        " AND period = ? AND value > ? AND voided = 0 ORDER BY value LIMIT ?",
                         (*key, after, limit + 1),
                     )
                     .fetchall()
@@ -1149,6 +1167,29 @@ class SQLiteStorage(Storage):
                 conn.execute("ROLLBACK")
             raise
 
+    @staticmethod
+    def _add_voided(conn: sqlite3.Connection) -> None:
+        """Add ``unique_values.voided`` to a file an older build made (its values none
+        voided); judged again under the write lock, as another process may add it first."""
+
+        def has_it() -> bool:
+            columns = conn.execute("PRAGMA table_info(unique_values)").fetchall()
+            return any(c[1] == "voided" for c in columns)
+
+        if has_it():
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if not has_it():
+                conn.execute(
+                    "ALTER TABLE unique_values ADD COLUMN voided INTEGER NOT NULL DEFAULT 0"
+                )
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise
+
     async def ledger_timeline(
         self, start_ms: int, end_ms: int, after: str | None, limit: int
     ) -> tuple[list[tuple[str, int, str]], str | None]:
@@ -1286,6 +1327,7 @@ class SQLiteStorage(Storage):
             conn.execute(_DAYS)
             conn.execute(_DAYS_EXPIRY_INDEX)
             conn.execute(_VALUES)
+            self._add_voided(conn)
             conn.execute(_VALUES_EXPIRY_INDEX)
             conn.execute(_PERIOD_MARKS)
             if version < SCHEMA_VERSION:

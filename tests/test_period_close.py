@@ -325,3 +325,69 @@ async def test_an_export_names_each_open_nodes_last_known_backlog() -> None:
         "n1 (open since 2026-11-30T23:58:20Z, running, 9 units in 1 keys not stored as of "
         "2026-12-01T00:00:05Z); n2 (open since 2026-11-30T23:58:20Z, not running)" in line
     ), line
+
+
+class MarksFail(MemoryStorage):
+    """Memory storage that does not answer marks of voided values while ``failing``."""
+
+    failing = False
+    tries = 0
+
+    async def void_value(self, key: Key, value: str, claimant: str) -> str | None:
+        self.tries += 1
+        if self.failing:
+            from storage.base import StorageUnavailable
+
+            raise StorageUnavailable("injected: the mark is not written")
+        return await super().void_value(key, value, claimant)
+
+
+async def test_a_voided_value_not_marked_keeps_its_period_open() -> None:
+    """A node holding a voided unique value whose mark storage did not take does not close the
+    value's period (its units stored); once its own loop writes the mark, it does, and the
+    export's values leave the value out (correctness V05)."""
+    import tempfile
+    from pathlib import Path
+
+    from meter.client import AsyncClient
+    from meter.config import CounterConfig, FlushConfig, NodeConfig, ServerConfig
+    from meter.node.lifecycle import Node
+
+    store = MarksFail()
+    with tempfile.TemporaryDirectory() as d:
+        cfg = NodeConfig(
+            data_dir=Path(d) / "data",
+            node_id="n1",
+            server=ServerConfig(socket=Path(d) / "m.sock"),
+            flush=FlushConfig(interval_ms=3_600_000),  # rounds are driven by the test
+            counters=CounterConfig(period_grace_s=60),
+        )
+        async with Node(cfg, storage=store) as node:
+            assert node.flusher is not None and node.closer is not None
+            client = await AsyncClient.connect(cfg.server.socket)
+            try:
+                await client.call("set_feature", "seats", {"aggregation": "unique"})
+                for value in ("ann", "bea"):
+                    await client.track("acme", "seats", 1, value=value, id=f"u-{value}")
+                store.failing = True
+                assert await client.call("void", "u-ann") == {"voided": 1, "value": 1}
+                assert await node.flusher.flush_once()
+                key = ("acme", "seats", period_start("month"))
+                assert store.items[key].total == 1
+                month = key[2]
+                due = bounds(month)[1] + 60
+                deadline = time.monotonic() + 10
+                while store.tries < 2:  # (the loop tried twice: the mark waits)
+                    assert time.monotonic() < deadline, "the node's loop never tried the mark"
+                    await asyncio.sleep(0.05)
+                assert (await client.status())["uniques"]["voided_unmarked"] == 1
+                assert await node.closer.close_due(due) == []
+                store.failing = False
+                deadline = time.monotonic() + 10
+                while (await client.status())["uniques"]["voided_unmarked"]:
+                    assert time.monotonic() < deadline, "the node's loop never wrote the mark"
+                    await asyncio.sleep(0.05)
+                assert await node.closer.close_due(due) == [month]
+                assert await store.values_page(key, None, 10) == (["bea"], None)
+            finally:
+                await client.close()

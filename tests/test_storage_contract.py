@@ -1047,6 +1047,44 @@ async def test_values_are_paged_in_code_point_order_without_loss_or_repeat(
     assert await storage.values_page(("acme", "users", "2026-10"), None, 5) == ([], None)
 
 
+async def test_a_voided_value_stays_claimed_and_is_left_out_of_the_values(
+    storage: Storage,
+) -> None:
+    import asyncio
+
+    values = [f"user-{i:03}" for i in range(40)]
+    await asyncio.gather(*(storage.claim_value(U, v, f"n1.{v}") for v in values))
+    voided = set(values[3:30]) | {values[0], values[-1]}  # runs longer than a page, both ends
+    # Only the claimant holding a value marks it; marking again changes nothing.
+    assert await storage.void_value(U, "user-001", "n2.other") == "n1.user-001"
+    assert await storage.void_value(U, "nobody", "n1.nobody") is None
+    for v in sorted(voided):
+        assert await storage.void_value(U, v, f"n1.{v}") == f"n1.{v}"
+    assert await storage.void_value(U, values[0], f"n1.{values[0]}") == f"n1.{values[0]}"
+    want = [v for v in values if v not in voided]
+    for limit in (1, 2, 5, 1000):
+        got: list[str] = []
+        cursor: str | None = None
+        for _ in range(200):
+            page, cursor = await storage.values_page(U, cursor, limit)
+            assert len(page) <= limit
+            got += page
+            if cursor is None:
+                break
+        assert got == want, limit
+    # Still claimed: a later claim of a voided value is lost to its first claimant.
+    assert await storage.claim_value(U, values[5], "n3.late") == f"n1.{values[5]}"
+    assert await storage.claimant_of(U, values[5]) == f"n1.{values[5]}"
+    # Another key's value of the same name is not voided with it.
+    other: Key = ("acme", "users", "2026-12")
+    assert await storage.claim_value(other, values[5], "n1.x") == "n1.x"
+    assert await storage.values_page(other, None, 10) == ([values[5]], None)
+    with pytest.raises(StoragePermanentError):
+        await storage.void_value(("acme", "users", "2026-13"), "v", "c")
+    with pytest.raises(StoragePermanentError):
+        await storage.void_value(U, "", "c")
+
+
 #: Keys beside ``("acme", "users", "2026-11")``: another period (and its shape), feature
 #: or tenant whose name is a prefix or an extension of its.
 NEAR_KEYS: list[Key] = [
@@ -1248,6 +1286,40 @@ async def test_sqlite_a_file_of_the_older_layout_gets_the_values_table(tmp_path:
         assert (await store.load([U]))[U].total == 3
     finally:
         await store.close()
+
+
+async def test_sqlite_a_values_table_without_the_voided_column_gets_it(tmp_path: Path) -> None:
+    """A file whose ``unique_values`` an older build made (no ``voided``) keeps its values,
+    none voided, and marks voids from then on."""
+    import sqlite3
+
+    path = tmp_path / "v.db"
+    store, _ = await _older_layout(path, "unique_values")
+    conn = sqlite3.connect(path)
+    conn.execute(
+        "CREATE TABLE unique_values (tenant TEXT NOT NULL, feature TEXT NOT NULL, period TEXT"
+        " NOT NULL, value TEXT NOT NULL, claimant TEXT NOT NULL, expires_at INTEGER NOT NULL,"
+        " PRIMARY KEY (tenant, feature, period, value)) WITHOUT ROWID"
+    )
+    conn.executemany(
+        "INSERT INTO unique_values VALUES (?, ?, ?, ?, ?, ?)",
+        [(*U, v, "c", 2**40) for v in ("u1", "u2")],
+    )
+    conn.commit()
+    conn.close()
+    await store.open()
+    try:
+        assert await store.values_page(U, None, 10) == (["u1", "u2"], None)
+        assert await store.void_value(U, "u1", "c") == "c"
+        assert await store.values_page(U, None, 10) == (["u2"], None)
+    finally:
+        await store.close()
+    again = SQLiteStorage(path)  # (opened again: the column is there, nothing changes)
+    await again.open()
+    try:
+        assert await again.values_page(U, None, 10) == (["u2"], None)
+    finally:
+        await again.close()
 
 
 async def test_sqlite_a_file_of_the_older_layout_gets_its_ledger_timeline_filled(

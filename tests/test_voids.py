@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from meter.config import CounterConfig
@@ -95,7 +95,7 @@ async def test_a_retried_void_answers_as_the_first_and_takes_back_once() -> None
         (["r1"], NotFound, "counted nothing a void takes back"),  # a reserve's id
         (["g1"], NotFound, "counted nothing a void takes back"),  # a gauge's observation
         (["rel1"], NotFound, "counted nothing a void takes back"),  # a release's id
-        (["u1"], NotFound, "counted nothing a void takes back"),  # a unique value's call
+        (["u1"], NotFound, "counted nothing a void takes back"),  # a value counted before
         (["neg1"], InvalidArgument, "took 3 units away"),
         ([], InvalidArgument, "void"),
         ([7], InvalidArgument, "id must be a string"),
@@ -115,7 +115,8 @@ async def test_bad_voids_are_refused_and_change_nothing(
     await call(svc, "track", "acme", "temp", 40, {"id": "g1"})
     await call(svc, "release", await call(svc, "reserve", "acme", "api", 2), {"id": "rel1"})
     await call(svc, "set_feature", "seats", {"aggregation": "unique"})
-    await call(svc, "track", "acme", "seats", 1, {"value": "ann", "id": "u1"})
+    await call(svc, "track", "acme", "seats", 1, {"value": "ann"})
+    await call(svc, "track", "acme", "seats", 1, {"value": "ann", "id": "u1"})  # (counted before)
     await call(svc, "track", "acme", "other", -3, {"id": "neg1"})
     err = await error(svc, "void", *params)
     assert isinstance(err, kind) and message in str(err), err
@@ -297,6 +298,14 @@ CALLS_BY_ID: dict[str, tuple[str, str, int, dict[str, str]]] = {
     "p0": ("acme/bob", "gpu", 4, {}),
     "p1": ("acme", "gpu", 3, {}),
 }
+#: Calls on the unique feature ``seats`` under ids: (tenant, value).
+UNIQUE_BY_ID: dict[str, tuple[str, str]] = {
+    "u0": ("acme/bob", "x"),
+    "u1": ("acme/ann", "x"),
+    "u2": ("acme/bob", "y"),
+    "u3": ("acme", "y"),
+    "u4": ("other", "x"),
+}
 PRICES = {"acme": 2, "acme/bob": 3}
 GRANT = 10_000
 TENANTS = ["acme", "acme/bob", "acme/ann", "other"]
@@ -304,11 +313,14 @@ OP = st.one_of(
     st.tuples(st.just("track"), st.sampled_from(sorted(CALLS_BY_ID))),
     st.tuples(st.just("plain"), st.sampled_from(TENANTS[1:]), st.integers(1, 9)),
     st.tuples(st.just("many"), st.lists(st.sampled_from(sorted(CALLS_BY_ID)), max_size=3)),
+    st.tuples(st.just("unique"), st.sampled_from(sorted(UNIQUE_BY_ID))),
+    st.tuples(st.just("value"), st.sampled_from(TENANTS), st.sampled_from(["x", "y"])),
     st.tuples(
         st.just("void"),
-        st.sampled_from([*CALLS_BY_ID, "t9"]),
+        st.sampled_from([*CALLS_BY_ID, *UNIQUE_BY_ID, "t9"]),
         st.sampled_from([None, "v0", "v1", "v2"]),
     ),
+    st.tuples(st.just("mark")),
     st.tuples(st.just("crash")),
     st.tuples(st.just("restart")),
 )
@@ -318,6 +330,11 @@ def under(tenant: str, level: str) -> bool:
     return tenant == level or tenant.startswith(level + "/")
 
 
+def levels(tenant: str) -> list[str]:
+    parts = tenant.split("/")
+    return ["/".join(parts[:n]) for n in range(len(parts), 0, -1)]
+
+
 async def _calls_voids_and_restarts(ops: list[tuple[Any, ...]]) -> None:
     d = short_tmpdir("voids-")
     config = CounterConfig(tenant_hierarchy=True)
@@ -325,6 +342,9 @@ async def _calls_voids_and_restarts(ops: list[tuple[Any, ...]]) -> None:
     try:
         svc, wal = await logged_service(d, store, config=config)
         await call(svc, "set_feature", "tokens", {"dimensions": ["model", "region"]})
+        await call(svc, "set_feature", "seats", {"aggregation": "unique"})
+        # (level, value) -> the call under an id that claimed it first there (None: plain)
+        claimed: dict[tuple[str, str], str | None] = {}
         for tenant, price in PRICES.items():
             await call(svc, "grant", tenant, GRANT)
             await call(svc, "set_limit", tenant, "gpu", {"price": price})
@@ -338,6 +358,18 @@ async def _calls_voids_and_restarts(ops: list[tuple[Any, ...]]) -> None:
                 opts: dict[str, Any] = {"dims": dims_} if dims_ else {}
                 await call(svc, "track", tenant, feature, qty, {**opts, "id": op[1]})
                 counted.add(op[1])
+            elif op[0] in ("unique", "value"):
+                rid = op[1] if op[0] == "unique" else None
+                tenant, value = UNIQUE_BY_ID[op[1]] if rid else op[1:]
+                await call(svc, "track", tenant, "seats", 1, {"value": value, "id": rid})
+                if rid is not None and any(w == rid for w in claimed.values()):
+                    continue  # a retry
+                for level in levels(tenant):
+                    claimed.setdefault((level, value), rid)
+                if rid is not None and claimed[(tenant, value)] == rid:
+                    counted.add(rid)  # (won at its own level: a void takes it back)
+            elif op[0] == "mark":
+                await svc.uniques.voids.mark()
             elif op[0] == "plain":
                 await call(svc, "track", op[1], "tokens", op[2])
                 plain[op[1]] = plain.get(op[1], 0) + op[2]
@@ -365,7 +397,8 @@ async def _calls_voids_and_restarts(ops: list[tuple[Any, ...]]) -> None:
                     assert isinstance(err, NotFound), err
                     continue
                 got = await call(svc, "void", rid, *with_id)
-                want = 0 if rid in voided else CALLS_BY_ID[rid][2]
+                qty = 1 if rid in UNIQUE_BY_ID else CALLS_BY_ID[rid][2]
+                want = 0 if rid in voided else qty
                 assert got["voided"] == want, (op, got)
                 voided.add(rid)
                 if vid is not None:
@@ -374,7 +407,7 @@ async def _calls_voids_and_restarts(ops: list[tuple[Any, ...]]) -> None:
                 await wal.durable()
                 await wal.close(final_checkpoint=op[0] == "restart")
                 svc, wal = await logged_service(d, store, config=config)
-        live = [CALLS_BY_ID[r] for r in counted - voided]
+        live = [CALLS_BY_ID[r] for r in counted - voided if r in CALLS_BY_ID]
         for tenant in TENANTS:
             want = sum(q for t, f, q, _ in live if f == "tokens" and under(t, tenant))
             want += sum(q for t, q in plain.items() if under(t, tenant))
@@ -392,6 +425,13 @@ async def _calls_voids_and_restarts(ops: list[tuple[Any, ...]]) -> None:
         for tenant, price in PRICES.items():  # every credit of a call not voided spent, once
             spent = sum(q for t, f, q, _ in live if f == "gpu" and under(t, tenant))
             assert await available(svc, tenant) == GRANT - price * spent, tenant
+        # A unique value counts at each level until the call that claimed it there is voided
+        # (tracked again after, it counts 0); storage lists the same values once marked.
+        assert await svc.uniques.voids.mark() == 0
+        for tenant in TENANTS:
+            kept = sorted(v for (t, v), w in claimed.items() if t == tenant and w not in voided)
+            assert await call(svc, "usage", tenant, "seats") == len(kept), tenant
+            assert await store.values_page((tenant, "seats", MONTH), None, 10) == (kept, None)
         await wal.close()
     finally:
         shutil.rmtree(d)
@@ -399,14 +439,29 @@ async def _calls_voids_and_restarts(ops: list[tuple[Any, ...]]) -> None:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(OP, min_size=5, max_size=25))
+@example(  # unique values voided after a restart from the log's records, and from a checkpoint
+    [
+        ("unique", "u0"),
+        ("unique", "u1"),
+        ("crash",),
+        ("void", "u0", None),
+        ("unique", "u2"),
+        ("restart",),
+        ("void", "u2", "v0"),
+        ("void", "u1", None),
+        ("crash",),
+        ("value", "acme/bob", "x"),
+    ]
+)
 def test_whatever_the_calls_voids_and_restarts_each_call_counts_until_voided_once(
     ops: list[tuple[Any, ...]],
 ) -> None:
-    """Tracks (under ids, plain, batched; some priced), voids (under void ids or none,
-    repeated, of unknown ids) and restarts from the log (its records alone, or a checkpoint):
-    every level of every tenant holds exactly the calls counted and not voided, and every
-    pool that paid has spent exactly their credits; a void answers its units once, and its
-    retry as it first did."""
+    """Tracks (under ids, plain, batched; some priced; unique values), voids (under void ids
+    or none, repeated, of unknown ids) and restarts from the log (its records alone, or a
+    checkpoint): every level of every tenant holds exactly the calls counted and not voided,
+    every pool that paid has spent exactly their credits, and each level counts and storage
+    lists the unique values whose claim there was not voided; a void answers its units once,
+    and its retry as it first did."""
     asyncio.run(_calls_voids_and_restarts(ops))
 
 
@@ -431,6 +486,47 @@ async def test_a_void_whose_log_write_fails_is_undone_and_may_be_sent_again() ->
         assert await call(svc, "usage", "acme", "api") == 7
         assert await call(svc, "void", "t1", {"id": "v1"}) == {"voided": 5, "value": 2}
         assert await call(svc, "usage", "acme", "api") == 2
+        await wal.close()
+    finally:
+        shutil.rmtree(d)
+
+
+async def test_a_void_of_a_unique_value_whose_log_write_fails_is_not_marked() -> None:
+    """Undone, a void of a unique value leaves it counted and unmarked in storage, at every
+    level (its mark is written only once its log record is on disk); sent again once the log
+    writes, it takes back and the value is marked; storage that does not answer the mark
+    leaves it waiting, with its key among those the node holds unstored (correctness V05)."""
+    d = short_tmpdir("voids-")
+    try:
+        config = CounterConfig(tenant_hierarchy=True)
+        store = MemoryStorage()
+        svc, wal = await logged_service(d, store, config=config)
+        await call(svc, "set_feature", "seats", {"aggregation": "unique"})
+        await call(svc, "track", "acme/bob", "seats", 1, {"value": "ann", "id": "u1"})
+        await call(svc, "track", "acme/bob", "seats", 1, {"value": "bea"})
+        await settle()
+        keys = [("acme/bob", "seats", MONTH), ("acme", "seats", MONTH)]
+        with disk_full(wal):
+            assert await call(svc, "void", "u1", {"id": "v1"}) == {"voided": 1, "value": 1}
+            # The mark waits for the log, whose commit fails: the void is undone, unmarked.
+            assert await svc.uniques.voids.mark() == 0
+            assert broken(wal) is not None
+        assert svc.uniques.voids.unmarked == {}
+        for key in keys:
+            assert await store.values_page(key, None, 10) == (["ann", "bea"], None)
+        deadline = time.monotonic() + 10
+        while broken(wal) is not None:
+            assert time.monotonic() < deadline, "the log did not come back"
+            await asyncio.sleep(0.05)
+        assert await call(svc, "usage", "acme", "seats") == 2
+        assert await call(svc, "void", "u1", {"id": "v1"}) == {"voided": 1, "value": 1}
+        store.fail_next = 1  # (the first mark is not written: it waits for the next pass)
+        assert await svc.uniques.voids.mark() == 2
+        assert sorted(svc.uniques.voids.keys()) == sorted(keys)
+        assert await svc.uniques.voids.mark() == 0
+        for key in keys:
+            assert await store.values_page(key, None, 10) == (["bea"], None)
+        assert await call(svc, "usage", "acme", "seats") == 1
         await wal.close()
     finally:
         shutil.rmtree(d)

@@ -17,7 +17,7 @@ import msgpack
 
 from meter.core.keys import Key
 from meter.errors import Conflict, InvalidArgument
-from meter.wal.records import Spent, spent_to_log
+from meter.wal.records import Spent, Won, spent_to_log
 
 #: Longest request id, in UTF-8 bytes.
 MAX_ID_BYTES = 128
@@ -30,17 +30,25 @@ class Effect:
     """What a call counted under a request id, for ``void`` (meter.core.voids): ``qty`` units
     on each of ``keys`` (the feature's counter first, then its other levels and dimension
     counters), whether a void took them back already, and the credits it spent at the prices
-    that applied when it was counted (a void gives them back to the pools that paid)."""
+    that applied when it was counted (a void gives them back to the pools that paid). A call
+    on a unique feature counted 1 on each of ``keys`` whose claim it won: ``unique`` is its
+    value and the claimant that won each (storage marks the value voided)."""
 
-    __slots__ = ("credits", "keys", "qty", "voided")
+    __slots__ = ("credits", "keys", "qty", "unique", "voided")
 
     def __init__(
-        self, qty: int, keys: tuple[Key, ...], voided: bool = False, credits: Spent = ()
+        self,
+        qty: int,
+        keys: tuple[Key, ...],
+        voided: bool = False,
+        credits: Spent = (),
+        unique: Won | None = None,
     ) -> None:
         self.qty = qty
         self.keys = keys
         self.voided = voided
         self.credits = credits
+        self.unique = unique
 
     def to_log(self) -> list[Any]:
         """``[qty, [[t, f, p], ...], voided, credits]``: as a checkpoint restates it."""

@@ -103,6 +103,9 @@ class Journal:
                     effect.credits = tuple(c for c in effect.credits if c[0] not in kept)
                 if rec[4] is not None:
                     self.ids.forget(rec[4])
+                if qty and len(rec) > 9:  # a unique value: not to be marked voided
+                    for t, f, p in keys:
+                        self.uniques.voids.unvoided((t, f, p), rec[9][0])
             elif kind == R.GAUGE:
                 self.gauging.undo(rec)
             elif kind == R.CLAIMED:
@@ -194,6 +197,9 @@ class Journal:
             items = self.uniques.restated(claims[start : start + CHECKPOINT_ITEMS])
             if items:
                 yield [R.CLAIMS, items]
+        unmarked = self.uniques.voids.restated()
+        for start in range(0, len(unmarked), CHECKPOINT_ITEMS):
+            yield [R.VALUE_VOIDS, unmarked[start : start + CHECKPOINT_ITEMS]]
         for start in range(0, len(leases), CHECKPOINT_ITEMS):
             items = []
             for lease_id in leases[start : start + CHECKPOINT_ITEMS]:
@@ -222,8 +228,11 @@ class Journal:
                         effect = registry.effect(rid)
                         if effect is None:
                             items.append([rid, *entry])
-                        else:
+                        elif effect.unique is None:
                             items.append([rid, *entry, effect.to_log()])
+                        else:
+                            value, won_by = effect.unique
+                            items.append([rid, *entry, effect.to_log(), [value, list(won_by)]])
                 if items:
                     yield [kind, items]
         yield from self._warm_records(warming, warm)

@@ -25,12 +25,13 @@ from typing import Any
 from meter.core.dims import MAX_DIM_VALUE_BYTES
 from meter.core.fence import Fence
 from meter.core.gate import Gate, soft_crossing
-from meter.core.idempotency import RequestIds, check_id, fingerprint
+from meter.core.idempotency import Effect, RequestIds, check_id, fingerprint
 from meter.core.keycache import KeyCache
 from meter.core.keys import Key
 from meter.core.knownvalues import KnownValues
 from meter.core.seeder import Seeder
 from meter.core.table import CounterTable
+from meter.core.valuevoids import ValueVoids
 from meter.errors import InvalidArgument, LimitExceeded, Unavailable
 from meter.wal import records as R
 from meter.wal.errors import WalError
@@ -74,6 +75,7 @@ class Uniques:
         seeder: Seeder,
         storage: UniqueValues,
         known: KnownValues | None = None,
+        voids: ValueVoids | None = None,
     ) -> None:
         self.table = table
         self.keys = keys
@@ -85,6 +87,8 @@ class Uniques:
         self.storage = storage
         #: Values known claimed, by key (a cache: see the module docstring).
         self.values = known if known is not None else KnownValues()
+        #: Values a void took back, until storage marks them voided.
+        self.voids = voids if voids is not None else ValueVoids(storage, fence.wal)
         #: Claims sent by a call waiting on their answer, and claims whose outcome is not
         #: known (a failed write, a restart): the latter are claimed again by :meth:`resolve`.
         self.flying: Claims = {}
@@ -323,7 +327,9 @@ class Uniques:
         fenced = self.fence.reason
         answer: int | None = None
         error: BaseException | None = None
-        for (level, claimant), outcome in zip(claims, got, strict=True):
+        won: list[tuple[Key, str]] = []  # (the other levels this call won, for a void)
+        # The call's own level last: its outcome, logged with its request id, names them.
+        for (level, claimant), outcome in [*zip(claims, got, strict=True)][::-1]:
             del self.flying[claimant]
             if isinstance(outcome, StoragePermanentError):  # never stored: nothing counted
                 self._abandon(level, value, claimant)
@@ -342,24 +348,28 @@ class Uniques:
                         or f"{level[0]}/{level[1]}: storage is unreachable ({outcome}); whether "
                         "this value is new is decided when it answers, and counted at most once"
                     )
+            elif level is levels[0]:
+                answer = self._settle(level, value, claimant, outcome == claimant, idem, won)
             else:
-                after = self._settle(
-                    level,
-                    value,
-                    claimant,
-                    outcome == claimant,
-                    idem if level is levels[0] else None,
-                )
-                if level is levels[0]:
-                    answer = after
+                self._settle(level, value, claimant, outcome == claimant, None)
+                if outcome == claimant:
+                    won.append((level, claimant))
         if error is not None:
             raise error
         return answer
 
     def _settle(
-        self, key: Key, value: str, claimant: str, won: bool, idem: tuple[str, int] | None
+        self,
+        key: Key,
+        value: str,
+        claimant: str,
+        won: bool,
+        idem: tuple[str, int] | None,
+        others: list[tuple[Key, str]] | None = None,
     ) -> int | None:
-        """A claim's outcome: counted if won, logged with the count (one record), remembered."""
+        """A claim's outcome: counted if won, logged with the count (one record), remembered;
+        with ``idem``, won, what a void takes back: this level and ``others`` (the call's other
+        levels it won, with their claimants)."""
         self._closed(key)
         gate = self.gate
         if won:
@@ -375,11 +385,20 @@ class Uniques:
             after = self.table.value(key)
         self.values.add(key, value)
         rid = fp = expires = None
+        effect: Effect | None = None
         if idem is not None:
             rid, fp = idem
-            expires = self.ids.remember(rid, fp, after, time.time())
+            if won:
+                others = others or []
+                keys = (key, *(level for level, _ in others))
+                won_by = (claimant, *(c for _, c in others))
+                effect = Effect(1, keys, unique=(value, won_by))
+            expires = self.ids.remember(rid, fp, after, time.time(), effect)
         if self.wal is not None:
-            self.wal.append([R.CLAIMED, *key, value, claimant, won, rid, fp, after, expires])
+            rec: list[Any] = [R.CLAIMED, *key, value, claimant, won, rid, fp, after, expires]
+            if effect is not None:
+                rec.append([[*level, c] for level, c in others or ()])
+            self.wal.append(rec)
         return after
 
     def _abandon(self, key: Key, value: str, claimant: str) -> None:
@@ -498,4 +517,6 @@ class Uniques:
             "claims_undone": self.undone,
             "claims_in_flight": len(self.flying),
             "claims_unresolved": len(self.pending),
+            "voided_marked": self.voids.marked,
+            "voided_unmarked": len(self.voids.unmarked),
         }

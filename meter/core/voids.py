@@ -9,7 +9,9 @@ the same log record, so a repeat (under its own id or another) takes back nothin
 units taken back are ordinary counts: logged, flushed, gossiped and exported like any.
 Credits the call spent (at the prices that applied when it was counted) go back, in the same
 step, to this node's shares of the pools that paid: unspent again, logged with the void (the
-shares' admitted counts end the same log commit).
+shares' admitted counts end the same log commit). A call that counted a unique value is taken
+back at every level whose claim it won; the value stays claimed in its period (tracked again,
+it counts 0), and storage marks it voided (meter.core.valuevoids; ADR 0022).
 
 A void is answered by the node that counted the call, while it remembers the id (the
 idempotency window); anything else is ``not_found``. A call in a period past its end plus
@@ -31,6 +33,7 @@ from meter.core.params import opts as check_opts
 from meter.core.ports import POOL, Handler, NoBudget
 from meter.core.seeder import Seeder
 from meter.core.table import CounterTable
+from meter.core.valuevoids import ValueVoids
 from meter.errors import InvalidArgument, NotFound, Unavailable
 from meter.wal import records as R
 from meter.wal.records import spent_to_log
@@ -51,6 +54,7 @@ class Voids:
         fence: Fence,
         ids: RequestIds,
         seeder: Seeder,
+        values: ValueVoids,
     ) -> None:
         self.table = table
         self.keys = keys
@@ -58,6 +62,7 @@ class Voids:
         self.fence = fence
         self.ids = ids
         self.seeder = seeder
+        self.values = values
 
     def handlers(self) -> dict[str, Handler]:
         """The methods by name, for the node's dispatch table."""
@@ -94,8 +99,8 @@ class Voids:
         if effect is None:
             raise NotFound(
                 f"void: the call with id {rid[:64]!r} counted nothing a void takes back (a "
-                "reserve, a release, a gauge observation, a unique value, or a call logged by "
-                "an older build)"
+                "reserve, a release, a gauge observation, a unique value counted before it, or "
+                "a call logged by an older build)"
             )
         return effect
 
@@ -157,11 +162,15 @@ class Voids:
         qty = 0 if effect.voided else effect.qty
         keys = list(effect.keys)
         credits = effect.credits or ()
+        unique = effect.unique if qty else None
         if qty:
             values, _ = self.gate.count_levels(keys, -qty)
             value = values[0]
             self.gate.refund(credits)
             self.ids.take_back(effect)
+            if unique is not None:
+                for key, claimant in zip(keys, unique[1], strict=True):
+                    self.values.voided(key, unique[0], claimant)
         else:
             value = self.table.value(keys[0])
         answer: dict[str, Any] = {"voided": qty, "value": value}
@@ -176,7 +185,9 @@ class Voids:
         wal = self.fence.wal
         if wal is not None and (qty or vid is not None):
             rec = [R.VOID, rid, qty, [[*k] for k in keys], vid, fp, answer, expires]
-            if qty and credits:  # (what an undo takes from the pools again)
+            if qty and (credits or unique):  # (what an undo takes from the pools again)
                 rec.append(spent_to_log(credits))
+            if unique is not None:  # (marked voided in storage, after a restart too)
+                rec.append([unique[0], list(unique[1])])
             wal.append(rec)
         return answer

@@ -105,7 +105,8 @@ class Node:
 
     def _unstored_keys(self) -> Iterator[Key]:
         """Keys of everything this node holds that storage may not hold yet: units, open
-        reservations, claims of unique values without an outcome, gauges' readings."""
+        reservations, claims of unique values without an outcome, voided values not marked,
+        gauges' readings."""
         assert self.table is not None and self.parts is not None
         service = self.parts.service
         yield from self.table.unstored_keys()
@@ -114,6 +115,7 @@ class Node:
         uniques = service.uniques
         for t, f, p, *_ in uniques.restated(uniques.unresolved()):
             yield (t, f, p)
+        yield from uniques.voids.keys()
         for key, _, _ in service.gauging.table.dirty():
             yield key
 
@@ -547,6 +549,15 @@ class Node:
                     "drain: %d claims of unique values unresolved (they stay in the "
                     "write-ahead log, if it is on)",
                     len(uniques.pending),
+                )
+        if uniques.voids.unmarked:  # (a voided value's mark: stored before the node goes)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(uniques.voids.mark(), drain_s)
+            if uniques.voids.unmarked:
+                log.error(
+                    "drain: %d voided unique values not marked in storage (they stay in the "
+                    "write-ahead log, if it is on)",
+                    len(uniques.voids.unmarked),
                 )
         assert self.gauge_flusher is not None
         # (the same deadline: storage that takes one takes the other)

@@ -81,7 +81,8 @@ RESOLVE_EVERY_S = 0.5
 
 async def resolve_claims(uniques: Uniques) -> None:
     """Claim again, until storage answers, every claim of a unique value whose outcome is not
-    known (a failed write, a restart): each is counted once it is known won."""
+    known (a failed write, a restart): each is counted once it is known won. And mark voided
+    in storage the values voids took back."""
     while True:
         if uniques.pending:
             try:
@@ -91,6 +92,14 @@ async def resolve_claims(uniques: Uniques) -> None:
             else:
                 if left:
                     log.debug("unique values: %d claims still unresolved", left)
+        if uniques.voids.unmarked:
+            try:
+                left = await uniques.voids.mark()
+            except Exception:  # (as above)
+                log.exception("unique values: marking voided values failed")
+            else:
+                if left:
+                    log.debug("unique values: %d voided values not marked yet", left)
         await asyncio.sleep(RESOLVE_EVERY_S)
 
 

@@ -38,6 +38,7 @@ from meter.core.service import Service
 from meter.core.table import CounterTable
 from meter.core.tracking import Tracking
 from meter.core.uniques import Uniques
+from meter.core.valuevoids import ValueVoids
 from meter.core.voids import Voids
 from meter.core.watch import Watch
 from meter.errors import ConfigError
@@ -289,7 +290,8 @@ def assemble(
     limits = LimitStore(storage, new_book, poll_s=limits_poll_s, publish=publish_limits)
     gauges = gauges if gauges is not None else GaugeTable(table.node, gossip=table.gossip)
     gauging = Gauging(gauges, keys, gate, fence, ids, storage)
-    uniques = Uniques(table, keys, gate, fence, ids, seeder, storage, known_values)
+    value_voids = ValueVoids(storage, fence.wal)
+    uniques = Uniques(table, keys, gate, fence, ids, seeder, storage, known_values, value_voids)
     tracking = Tracking(table, keys, gate, fence, ids, seeder, groups, gauging, uniques)
     reserving = Reserving(table, keys, gate, fence, ids, seeder, groups, config)
     journal = Journal(table, keys, ids, reserving, config, gauging, uniques)
@@ -300,7 +302,7 @@ def assemble(
         **HistoryMethods(table, keys, seeder, storage, groups, gauging).handlers(),
         **ExportMethod(storage, config.period_grace_s).handlers(),
         **PeriodMethods(storage, config.period_grace_s).handlers(),
-        **Voids(table, keys, gate, fence, ids, seeder).handlers(),
+        **Voids(table, keys, gate, fence, ids, seeder, value_voids).handlers(),
         **ChildrenMethod(
             table, keys, seeder, storage, gate, fence, hierarchy=config.tenant_hierarchy
         ).handlers(),

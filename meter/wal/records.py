@@ -96,16 +96,24 @@ GAUGES: Final = 20
 #: ``[CLAIM, t, f, p, value, claimant]``: a unique feature's value about to be claimed in
 #: storage under ``claimant`` (on disk before the claim is sent; ADR 0018).
 CLAIM: Final = 21
-#: ``[CLAIMED, t, f, p, value, claimant, won, id, fingerprint, answer, expires]``: the claim's
-#: outcome; ``won``: the value counted 1 on the key (``id`` nil without a request id).
+#: ``[CLAIMED, t, f, p, value, claimant, won, id, fingerprint, answer, expires, others?]``: the
+#: claim's outcome; ``won``: the value counted 1 on the key (``id`` nil without a request id);
+#: ``others``, with an id and won: ``[[t, f, p, claimant], ...]``, the call's other levels
+#: whose claims it won (what a void takes back with it; no field from older builds: never
+#: voided).
 CLAIMED: Final = 22
 #: ``[CLAIMS, [[t, f, p, value, claimant], ...]]``: claims without an outcome (a checkpoint's
 #: restatement).
 CLAIMS: Final = 23
-#: ``[VOID, id, qty, [[t, f, p], ...], void_id, fingerprint, answer, expires, credits?]``: the
-#: call counted under ``id`` taken back: ``-qty`` on each key (``void_id`` nil without one),
-#: and ``credits`` (as in TRACK_ID) given back to the pools that paid them.
+#: ``[VOID, id, qty, [[t, f, p], ...], void_id, fingerprint, answer, expires, credits?,
+#: unique?]``: the call counted under ``id`` taken back: ``-qty`` on each key (``void_id`` nil
+#: without one), ``credits`` (as in TRACK_ID) given back to the pools that paid them, and for
+#: a unique value, ``unique``: ``[value, [claimant, ...]]`` (the claimant of each key), each
+#: to be marked voided in storage.
 VOID: Final = 24
+#: ``[VALUE_VOIDS, [[t, f, p, value, claimant], ...]]``: voided values not known marked in
+#: storage (a checkpoint's restatement).
+VALUE_VOIDS: Final = 25
 
 FORMAT: Final = 2
 
@@ -113,6 +121,10 @@ FORMAT: Final = 2
 #: the tenant whose pool paid: ``((tenant, credits), ...)``; None when an older build logged
 #: only that it spent some (then a void cannot give them back).
 Spent = tuple[tuple[str, int], ...] | None
+
+#: A unique value a call counted, and the claimant that won it at each key it counted on
+#: (logged with it: CLAIMED, VOID, IDS).
+Won = tuple[str, tuple[str, ...]]
 
 
 #: What a record of a call under an id that an older build wrote (no credits field) says of the

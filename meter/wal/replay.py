@@ -24,12 +24,12 @@ from typing import Any
 
 from meter.core.keys import Key
 from meter.wal import records as R
-from meter.wal.records import UNSAID, Spent, spent_from_log
+from meter.wal.records import UNSAID, Spent, Won, spent_from_log
 from storage.base import GaugeReading as Reading
 from storage.base import reading_wins
 
-Counted = tuple[int, tuple[Key, ...], bool, Spent]
-"""What a call under a request id counted: ``(qty, keys, voided, credits)``."""
+Counted = tuple[int, tuple[Key, ...], bool, Spent, Won | None]
+"""What a call under a request id counted: ``(qty, keys, voided, credits, unique)``."""
 
 
 @dataclass(slots=True)
@@ -86,6 +86,8 @@ class Replay:
     gauges: dict[Key, tuple[str, Reading]] = field(default_factory=dict)
     #: Claims of unique values without a logged outcome: ``(key, value)`` by claimant.
     claims: dict[str, tuple[Key, str]] = field(default_factory=dict)
+    #: Voided unique values not known marked in storage: claimant by ``(key, value)``.
+    unmarked: dict[tuple[Key, str], str] = field(default_factory=dict)
     _segment: int = 0
     _listed_in: int = -1
     _mode: str | None = None
@@ -134,7 +136,7 @@ class Replay:
                 names = lease_dims(rec, 13)
                 keys = ((t, f, p), *((t, n, p) for n in names))
                 spent = spent_from_log(rec[14] if len(rec) > 14 else UNSAID)
-                self._id(rid, (fp, answer, expires), (actual, keys, False, spent))
+                self._id(rid, (fp, answer, expires), (actual, keys, False, spent, None))
         elif kind == R.RELEASE:
             lease, t, f, p, qty, deadline, done_exp, rid, fp, expires = rec[1:11]
             self.leases.pop(lease, None)
@@ -159,16 +161,24 @@ class Replay:
             self.claims[claimant] = ((t, f, p), value)
             self._row((t, f, p))
         elif kind == R.CLAIMED:
-            t, f, p, _, claimant, won, rid, fp, answer, expires = rec[1:11]
+            t, f, p, value, claimant, won, rid, fp, answer, expires = rec[1:11]
             self.claims.pop(claimant, None)
             row = self._row((t, f, p))
             if won:
                 row.pending += 1
             if rid is not None:
-                self._id(rid, (fp, answer, expires))
+                won_it: Counted | None = None
+                if won and len(rec) > 11:  # (the levels it won: a void takes them back)
+                    keys = ((t, f, p), *((t2, f2, p2) for t2, f2, p2, _ in rec[11]))
+                    won_by = (claimant, *(str(c) for *_, c in rec[11]))
+                    won_it = (1, keys, False, (), (value, won_by))
+                self._id(rid, (fp, answer, expires), won_it)
         elif kind == R.CLAIMS:
             for t, f, p, value, claimant in rec[1]:
                 self.claims[claimant] = ((t, f, p), value)
+        elif kind == R.VALUE_VOIDS:
+            for t, f, p, value, claimant in rec[1]:
+                self.unmarked[((t, f, p), value)] = claimant
         elif kind == R.SHARES:
             if self._mode == "fsync":  # (an interval segment may have lost answered ones)
                 for t, f, p, run, admitted in rec[1]:
@@ -180,7 +190,10 @@ class Replay:
                 if len(item) > 4:  # (what its call counted: a void may take it back)
                     qty, keys, voided, spent = item[4]
                     keyed = tuple((t, f, p) for t, f, p in keys)
-                    counted = (qty, keyed, voided, spent_from_log(spent))
+                    unique: Won | None = None
+                    if len(item) > 5:  # (a unique value: it, and the claimant of each key)
+                        unique = (item[5][0], tuple(item[5][1]))
+                    counted = (qty, keyed, voided, spent_from_log(spent), unique)
                 self._id(rid, (fp, answer, expires), counted)
         elif kind == R.VOID:
             rid, qty, keys, vid, fp, answer, expires = rec[1:8]
@@ -188,7 +201,11 @@ class Replay:
                 self._row((t, f, p)).pending -= qty
             voided = self.effects.get(rid)
             if voided is not None:
-                self.effects[rid] = (voided[0], voided[1], True, voided[3])
+                self.effects[rid] = (*voided[:2], True, *voided[3:])
+            if qty and len(rec) > 9:  # a unique value: marked voided in storage
+                value, claimants = rec[9]
+                for (t, f, p), claimant in zip(keys, claimants, strict=True):
+                    self.unmarked[((t, f, p), value)] = claimant
             if vid is not None:
                 self._id(vid, (fp, answer, expires))
         elif kind == R.LEASES:
@@ -233,11 +250,11 @@ class Replay:
             counted: Counted | None = None
             if at == 1:  # a TRACK_ID record: its one key (then the credits it spent)
                 spent = spent_from_log(rec[9] if len(rec) > 9 else UNSAID)
-                counted = (qty, ((t, f, p),), False, spent)
+                counted = (qty, ((t, f, p),), False, spent, None)
             elif len(rec) > at + 8:  # an item that names the other keys it counted on
                 others = tuple((t2, f2, p2) for t2, f2, p2 in rec[at + 8])
                 spent = spent_from_log(rec[at + 9] if len(rec) > at + 9 else UNSAID)
-                counted = (qty, ((t, f, p), *others), False, spent)
+                counted = (qty, ((t, f, p), *others), False, spent, None)
             # (an item an older build wrote, without them: not known, so never voided)
             self._id(rid, (fp, answer, expires), counted)
 
