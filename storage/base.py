@@ -479,6 +479,9 @@ class PeriodMark:
     at: float
     #: Who wrote it: the node id itself, or ``operator`` for a close by hand.
     by: str
+    #: A node's close or drain: the units it counted in the period, by feature (``None``:
+    #: not said: an open mark, a close by hand, a node without a log or of an older build).
+    units: dict[str, int] | None = None
 
 
 def check_node(node: object) -> str:
@@ -491,12 +494,13 @@ def check_node(node: object) -> str:
 
 
 def check_period_mark(
-    period: object, node: object, at: object, by: object, state: str
+    period: object, node: object, at: object, by: object, state: str, units: object = None
 ) -> PeriodMark:
     """The mark of ``node`` in ``period`` to write (``at`` a float to the microsecond), if
     every input may be kept: a period (:func:`check_period`), a node id (:func:`check_node`),
-    ``at`` a number in ``0..2**53``, ``by`` 1..128 printable UTF-8 bytes; else
-    :class:`StoragePermanentError`."""
+    ``at`` a number in ``0..2**53``, ``by`` 1..128 printable UTF-8 bytes, ``units`` ``None``
+    or at most :data:`MAX_MARK_UNITS` features (names as :func:`check_feature_name`) to
+    int64s; else :class:`StoragePermanentError`."""
     check_period(period)
     check_node(node)
     assert isinstance(node, str)
@@ -513,7 +517,40 @@ def check_period_mark(
         raise StoragePermanentError(f"mark's writer {by[:32]!r} is not printable")
     if state not in MARK_STATES:
         raise StoragePermanentError(f"mark state must be open, closed or drained, got {state!r}")
-    return PeriodMark(node, state, round(when, 6), by)
+    return PeriodMark(node, state, round(when, 6), by, _mark_units(units))
+
+
+#: Most features a mark's units may name.
+MAX_MARK_UNITS = 1000
+
+
+def _mark_units(units: object) -> dict[str, int] | None:
+    if units is None:
+        return None
+    if not isinstance(units, dict) or len(units) > MAX_MARK_UNITS:
+        raise StoragePermanentError(f"mark units must be a map of at most {MAX_MARK_UNITS}")
+    for feature, n in units.items():
+        _check_text("mark units' feature", feature, 128)
+        if type(n) is not int or not -(2**63) <= n < 2**63:
+            raise StoragePermanentError(f"mark units of {str(feature)[:32]!r}: not an int64")
+    return dict(units)
+
+
+def mark_units_to_text(units: dict[str, int] | None) -> str | None:
+    """A mark's units as backends store them: a JSON object (``None``: not said)."""
+    return None if units is None else json.dumps(units, sort_keys=True, separators=(",", ":"))
+
+
+def mark_units_from_text(text: object) -> dict[str, int] | None:
+    """The inverse of :func:`mark_units_to_text`; :class:`StoragePermanentError` for
+    anything else."""
+    if text is None:
+        return None
+    try:
+        units = json.loads(text) if isinstance(text, str) else None
+        return _mark_units(units)
+    except (ValueError, StoragePermanentError):
+        raise StoragePermanentError("a stored mark's units are not readable") from None
 
 
 # -- the concerns, one Protocol each (a backend implements them all: Storage) -----------------
@@ -678,9 +715,11 @@ class PeriodMarks(Protocol):
         self, period: str, node: str, at: float, by: str | None = None
     ) -> PeriodMark: ...
     async def mark_period_closed(
-        self, period: str, node: str, at: float, by: str
+        self, period: str, node: str, at: float, by: str, units: dict[str, int] | None = None
     ) -> PeriodMark: ...
-    async def mark_period_drained(self, period: str, node: str, at: float) -> PeriodMark | None: ...
+    async def mark_period_drained(
+        self, period: str, node: str, at: float, units: dict[str, int] | None = None
+    ) -> PeriodMark | None: ...
     async def period_marks(self, period: str) -> list[PeriodMark]: ...
 
 
@@ -1021,15 +1060,21 @@ class Storage(abc.ABC):
         :func:`check_period_mark` refuses."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep period marks")
 
-    async def mark_period_closed(self, period: str, node: str, at: float, by: str) -> PeriodMark:
-        """Record ``node``'s close of ``period`` (overwrites an open or drained mark, or writes
-        one where none was; a close already there is kept and returned unchanged)."""
+    async def mark_period_closed(
+        self, period: str, node: str, at: float, by: str, units: dict[str, int] | None = None
+    ) -> PeriodMark:
+        """Record ``node``'s close of ``period``, with the ``units`` it counted there by
+        feature if it says (overwrites an open or drained mark, or writes one where none was;
+        a close already there is kept and returned unchanged)."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep period marks")
 
-    async def mark_period_drained(self, period: str, node: str, at: float) -> PeriodMark | None:
-        """Record that ``node`` drained cleanly with ``period`` open (``by`` the node): replaces
-        an ``open`` mark only (conditional write). A closed or drained mark is kept and
-        returned unchanged; where no mark is, nothing is written and ``None`` answered."""
+    async def mark_period_drained(
+        self, period: str, node: str, at: float, units: dict[str, int] | None = None
+    ) -> PeriodMark | None:
+        """Record that ``node`` drained cleanly with ``period`` open (``by`` the node), with
+        its ``units`` so far: replaces an ``open`` mark only (conditional write). A closed or
+        drained mark is kept and returned unchanged; where no mark is, nothing is written and
+        ``None`` answered."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep period marks")
 
     async def period_marks(self, period: str) -> list[PeriodMark]:

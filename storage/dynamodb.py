@@ -96,6 +96,8 @@ from storage.base import (
     encode_cursor,
     gauge_key,
     lease_end_ms,
+    mark_units_from_text,
+    mark_units_to_text,
     next_values_cursor,
     parent_of,
     timeline_position,
@@ -1649,10 +1651,12 @@ class DynamoDBStorage(Storage):
         assert held is not None  # (where no mark is, an open is written)
         return held
 
-    async def mark_period_closed(self, period: str, node: str, at: float, by: str) -> PeriodMark:
+    async def mark_period_closed(
+        self, period: str, node: str, at: float, by: str, units: dict[str, int] | None = None
+    ) -> PeriodMark:
         """One ``PutItem`` conditioned on ``attribute_not_exists(pk) OR #s <> :closed``; a
         refused condition is answered with the stored (closed) mark, as an open's is."""
-        mark = check_period_mark(period, node, at, by, MARK_CLOSED)
+        mark = check_period_mark(period, node, at, by, MARK_CLOSED, units)
         held = await self._put_mark(
             period,
             mark,
@@ -1664,10 +1668,12 @@ class DynamoDBStorage(Storage):
         assert held is not None  # (where no mark is, a close is written)
         return held
 
-    async def mark_period_drained(self, period: str, node: str, at: float) -> PeriodMark | None:
+    async def mark_period_drained(
+        self, period: str, node: str, at: float, units: dict[str, int] | None = None
+    ) -> PeriodMark | None:
         """One ``PutItem`` conditioned on ``#s = :open``; a refused condition is answered with
         the stored (closed or drained) mark as an open's is, or ``None`` where no mark is."""
-        mark = check_period_mark(period, node, at, node, MARK_DRAINED)
+        mark = check_period_mark(period, node, at, node, MARK_DRAINED, units)
         return await self._put_mark(
             period,
             mark,
@@ -1726,6 +1732,9 @@ class DynamoDBStorage(Storage):
             "ConditionExpression": condition,
             "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
         }
+        units = mark_units_to_text(mark.units)
+        if units is not None:
+            params["Item"]["u"] = {"S": units}
         if "#s" in condition:
             params["ExpressionAttributeNames"] = {"#s": "state"}
         if values:
@@ -2339,6 +2348,7 @@ def _mark(item: dict[str, Any], period: str) -> PeriodMark:
             state,
             float(item["at"]["N"]),
             str(item["by"]["S"]),
+            mark_units_from_text(item["u"]["S"]) if "u" in item else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise StoragePermanentError(f"dynamodb: undecodable period mark in {period}") from exc

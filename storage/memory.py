@@ -491,16 +491,20 @@ class MemoryStorage(Storage):
             held = marks[node] = mark
         return held
 
-    async def mark_period_closed(self, period: str, node: str, at: float, by: str) -> PeriodMark:
-        mark = check_period_mark(period, node, at, by, MARK_CLOSED)
+    async def mark_period_closed(
+        self, period: str, node: str, at: float, by: str, units: dict[str, int] | None = None
+    ) -> PeriodMark:
+        mark = check_period_mark(period, node, at, by, MARK_CLOSED, units)
         marks = self.marks.setdefault(period, {})
         held = marks.get(node)
         if held is None or held.state != MARK_CLOSED:
             held = marks[node] = mark
         return held
 
-    async def mark_period_drained(self, period: str, node: str, at: float) -> PeriodMark | None:
-        mark = check_period_mark(period, node, at, node, MARK_DRAINED)
+    async def mark_period_drained(
+        self, period: str, node: str, at: float, units: dict[str, int] | None = None
+    ) -> PeriodMark | None:
+        mark = check_period_mark(period, node, at, node, MARK_DRAINED, units)
         marks = self.marks.get(period, {})
         held = marks.get(node)
         if held is not None and held.state == MARK_OPEN:

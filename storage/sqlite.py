@@ -65,6 +65,8 @@ from storage.base import (
     encode_cursor,
     gauge_key,
     lease_end_ms,
+    mark_units_from_text,
+    mark_units_to_text,
     next_values_cursor,
     reading_wins,
     timeline_position,
@@ -314,6 +316,7 @@ CREATE TABLE IF NOT EXISTS period_marks (
     state  TEXT    NOT NULL,
     at     REAL    NOT NULL,
     by     TEXT    NOT NULL,
+    units  TEXT,
     PRIMARY KEY (period, node)
 ) WITHOUT ROWID
 """
@@ -322,17 +325,17 @@ CREATE TABLE IF NOT EXISTS period_marks (
 _MARK_OPENING = (
     "INSERT INTO period_marks (period, node, state, at, by) VALUES (?, ?, ?, ?, ?)"
     " ON CONFLICT (period, node) DO UPDATE SET state = excluded.state, at = excluded.at,"
-    " by = excluded.by WHERE period_marks.state = 'drained'"
+    " by = excluded.by, units = NULL WHERE period_marks.state = 'drained'"
 )
 #: A close: written where no mark is, over an open or drained one; a close already there stays.
 _MARK_CLOSE = (
-    "INSERT INTO period_marks (period, node, state, at, by) VALUES (?, ?, ?, ?, ?)"
+    "INSERT INTO period_marks (period, node, state, at, by, units) VALUES (?, ?, ?, ?, ?, ?)"
     " ON CONFLICT (period, node) DO UPDATE SET state = excluded.state, at = excluded.at,"
-    " by = excluded.by WHERE period_marks.state <> 'closed'"
+    " by = excluded.by, units = excluded.units WHERE period_marks.state <> 'closed'"
 )
 #: A drain: over an open mark only; nothing written where no mark is, or a closed or drained one.
 _MARK_DRAIN = (
-    "UPDATE period_marks SET state = ?, at = ?, by = ?"
+    "UPDATE period_marks SET state = ?, at = ?, by = ?, units = ?"
     " WHERE period = ? AND node = ? AND state = 'open'"
 )
 
@@ -908,26 +911,32 @@ class SQLiteStorage(Storage):
             lambda: self._immediate(write, f"marking {period} open in {self.path}")
         )
 
-    async def mark_period_closed(self, period: str, node: str, at: float, by: str) -> PeriodMark:
+    async def mark_period_closed(
+        self, period: str, node: str, at: float, by: str, units: dict[str, int] | None = None
+    ) -> PeriodMark:
         """An upsert that leaves a closed row as it is, then the mark read back, in one
         ``BEGIN IMMEDIATE``."""
-        mark = check_period_mark(period, node, at, by, MARK_CLOSED)
+        mark = check_period_mark(period, node, at, by, MARK_CLOSED, units)
+        text = mark_units_to_text(mark.units)
 
         def write(conn: sqlite3.Connection) -> PeriodMark:
-            conn.execute(_MARK_CLOSE, (period, node, mark.state, mark.at, mark.by))
+            conn.execute(_MARK_CLOSE, (period, node, mark.state, mark.at, mark.by, text))
             return self._mark_sync(conn, period, node)
 
         return await self._run(
             lambda: self._immediate(write, f"marking {period} closed in {self.path}")
         )
 
-    async def mark_period_drained(self, period: str, node: str, at: float) -> PeriodMark | None:
+    async def mark_period_drained(
+        self, period: str, node: str, at: float, units: dict[str, int] | None = None
+    ) -> PeriodMark | None:
         """An ``UPDATE`` of an open row only, then the mark read back (``None``: no row), in
         one ``BEGIN IMMEDIATE``."""
-        mark = check_period_mark(period, node, at, node, MARK_DRAINED)
+        mark = check_period_mark(period, node, at, node, MARK_DRAINED, units)
+        text = mark_units_to_text(mark.units)
 
         def write(conn: sqlite3.Connection) -> PeriodMark | None:
-            conn.execute(_MARK_DRAIN, (mark.state, mark.at, mark.by, period, node))
+            conn.execute(_MARK_DRAIN, (mark.state, mark.at, mark.by, text, period, node))
             return self._mark_or_none(conn, period, node)
 
         return await self._run(
@@ -944,7 +953,7 @@ class SQLiteStorage(Storage):
                 rows = (
                     self._connection()
                     .execute(
-                        "SELECT node, state, at, by FROM period_marks WHERE period = ?"
+                        "SELECT node, state, at, by, units FROM period_marks WHERE period = ?"
                         " ORDER BY node",
                         (period,),
                     )
@@ -964,7 +973,7 @@ class SQLiteStorage(Storage):
 
     def _mark_or_none(self, conn: sqlite3.Connection, period: str, node: str) -> PeriodMark | None:
         row = conn.execute(
-            "SELECT node, state, at, by FROM period_marks WHERE period = ? AND node = ?",
+            "SELECT node, state, at, by, units FROM period_marks WHERE period = ? AND node = ?",
             (period, node),
         ).fetchone()
         return None if row is None else _mark(row, self.path)
@@ -1168,22 +1177,21 @@ class SQLiteStorage(Storage):
             raise
 
     @staticmethod
-    def _add_voided(conn: sqlite3.Connection) -> None:
-        """Add ``unique_values.voided`` to a file an older build made (its values none
-        voided); judged again under the write lock, as another process may add it first."""
+    def _add_column(conn: sqlite3.Connection, table: str, column: str, declared: str) -> None:
+        """Add ``column`` to ``table`` of a file an older build made (its rows get the
+        column's default); judged again under the write lock, as another process may add it
+        first."""
 
         def has_it() -> bool:
-            columns = conn.execute("PRAGMA table_info(unique_values)").fetchall()
-            return any(c[1] == "voided" for c in columns)
+            columns = conn.execute(f"PRAGMA table_info({table})").fetchall()
+            return any(c[1] == column for c in columns)
 
         if has_it():
             return
         conn.execute("BEGIN IMMEDIATE")
         try:
             if not has_it():
-                conn.execute(
-                    "ALTER TABLE unique_values ADD COLUMN voided INTEGER NOT NULL DEFAULT 0"
-                )
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declared}")
             conn.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
@@ -1327,9 +1335,10 @@ class SQLiteStorage(Storage):
             conn.execute(_DAYS)
             conn.execute(_DAYS_EXPIRY_INDEX)
             conn.execute(_VALUES)
-            self._add_voided(conn)
+            self._add_column(conn, "unique_values", "voided", "INTEGER NOT NULL DEFAULT 0")
             conn.execute(_VALUES_EXPIRY_INDEX)
             conn.execute(_PERIOD_MARKS)
+            self._add_column(conn, "period_marks", "units", "TEXT")
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
@@ -1807,8 +1816,8 @@ def _read_owner(conn: sqlite3.Connection, node: str) -> Owner | None:
 
 
 def _mark(row: Sequence[object], path: Path) -> PeriodMark:
-    """A stored ``period_marks`` row (node, state, at, by) as a mark."""
-    node, state, at, by = row
+    """A stored ``period_marks`` row (node, state, at, by, units) as a mark."""
+    node, state, at, by, units = row
     if (
         type(node) is not str
         or state not in MARK_STATES
@@ -1817,7 +1826,7 @@ def _mark(row: Sequence[object], path: Path) -> PeriodMark:
     ):
         raise StoragePermanentError(f"bad stored period mark {str(node)[:64]!r} in {path}")
     assert isinstance(state, str)
-    return PeriodMark(node, state, at, by)
+    return PeriodMark(node, state, at, by, mark_units_from_text(units))
 
 
 def _budget_item(conn: sqlite3.Connection, key: Key) -> BudgetItem:

@@ -89,6 +89,10 @@ def test_a_node_killed_with_units_of_last_month_keeps_it_open_until_it_restarts(
     state, rows = export_all(nodes[0], last)
     assert state["open_nodes"] == [] and state["closed_by_operator"] == []
     assert rows == acked, (rows, acked)
+    # Each close says what its node counted there (n2's kept by its log across the kill):
+    # together, every row's total.
+    said = {n["node"]: n["units"] for n in state["closed_nodes"]}
+    assert said == {f"n{i}": {"api": sum(1 + i + n for n in range(6))} for i in range(3)}, said
     with Client.connect(str(nodes[1].socket)) as client:  # (the typed client says it too)
         got = client.export_state(last)
         assert got["final"] is True and got["nodes"] == 3 and got["open_nodes"] == []

@@ -1682,6 +1682,56 @@ async def test_concurrent_period_open_and_drained_leave_one_consistent_mark(
     assert [m.node for m in await storage.period_marks(P)] == ["n1", "n2"]
 
 
+async def test_a_close_or_a_drain_keeps_the_units_its_node_counted(storage: Storage) -> None:
+    units = {"api": 12, "tokens": 2**63 - 1, "neg": -3, "é" * 40: 0}
+    await storage.mark_period_open(P, "n1", 1.0)
+    closed = await storage.mark_period_closed(P, "n1", 2.0, "n1", units)
+    assert closed == PeriodMark("n1", "closed", 2.0, "n1", units)
+    # A close already there is kept, its units too.
+    assert await storage.mark_period_closed(P, "n1", 3.0, "n1", {"api": 1}) == closed
+    await storage.mark_period_open(P, "n2", 1.0)
+    drained = await storage.mark_period_drained(P, "n2", 2.0, {"api": 5})
+    assert drained == PeriodMark("n2", "drained", 2.0, "n2", {"api": 5})
+    assert await storage.period_marks(P) == [closed, drained]
+    # Opened again, a drained mark says nothing more; closed by hand, nothing either.
+    assert await storage.mark_period_open(P, "n2", 4.0) == _open("n2", 4.0)
+    assert await storage.mark_period_closed(P, "n2", 5.0, "operator") == _closed(
+        "n2", 5.0, "operator"
+    )
+    assert await storage.period_marks(P) == [closed, _closed("n2", 5.0, "operator")]
+    for bad in ({"api": 1.5}, {"api": 2**63}, {"": 1}, {"x" * 129: 1}, ["api"], {"api": True}):
+        with pytest.raises(StoragePermanentError):
+            await storage.mark_period_closed(P, "n3", 1.0, "n3", bad)  # type: ignore[arg-type]
+    too_many = {f"f{i}": i for i in range(1001)}
+    with pytest.raises(StoragePermanentError):
+        await storage.mark_period_closed(P, "n3", 1.0, "n3", too_many)
+    assert [m.node for m in await storage.period_marks(P)] == ["n1", "n2"]
+
+
+async def test_sqlite_a_marks_table_without_units_gets_them(tmp_path: Path) -> None:
+    """A ``period_marks`` table an older build made (no ``units``) keeps its marks, none
+    saying units, and keeps them from then on."""
+    import sqlite3
+
+    path = tmp_path / "m.db"
+    store, _ = await _older_layout(path, "period_marks")
+    conn = sqlite3.connect(path)
+    conn.execute(
+        "CREATE TABLE period_marks (period TEXT NOT NULL, node TEXT NOT NULL, state TEXT NOT"
+        " NULL, at REAL NOT NULL, by TEXT NOT NULL, PRIMARY KEY (period, node)) WITHOUT ROWID"
+    )
+    conn.execute("INSERT INTO period_marks VALUES (?, 'n1', 'closed', 1.0, 'n1')", (P,))
+    conn.commit()
+    conn.close()
+    await store.open()
+    try:
+        assert await store.period_marks(P) == [_closed("n1", 1.0, "n1")]
+        got = await store.mark_period_closed(P, "n2", 2.0, "n2", {"api": 3})
+        assert (await store.period_marks(P))[1] == got and got.units == {"api": 3}
+    finally:
+        await store.close()
+
+
 async def test_concurrent_period_marks_close_once(storage: Storage) -> None:
     import asyncio
 

@@ -36,6 +36,7 @@ import meter.client
 import meter.client.retry
 from meter.client import Client
 from meter.client.stream import Stream
+from meter.core.keys import period_start
 from meter.core.protocol import Response
 from meter.errors import MeterError, Unavailable
 from tests.support.fixtures_dynamodb import create_table
@@ -272,16 +273,19 @@ def check_answer_chains(ledger: Ledger, expected: dict[str, dict[str, int]]) -> 
     return checked
 
 
-def read_back(fresh: NodeProcess) -> dict[str, dict[str, int]]:
-    """Every tenant's counters as a node with no log reads them from storage."""
+def read_back(fresh: NodeProcess, period: str) -> tuple[dict[str, dict[str, int]], list[Any]]:
+    """Every tenant's counters as a node with no log reads them from storage, and the units
+    the marks of ``period`` say their nodes counted (the stormed node's drain wrote its)."""
     fresh.start()
     try:
         with Client.connect(fresh.socket, timeout=10) as client:
             assert client.status()["durability"]["mode"] == "off"
             got = {tenant: client.usage_all(tenant) for tenant in TENANTS}
+            state = client.export_state(period)
     finally:
         assert fresh.stop() == 0, fresh.log()
-    return {t: per for t, per in got.items() if per}
+    said = [n["units"] for n in state["closed_nodes"] if n["units"] is not None]
+    return {t: per for t, per in got.items() if per}, said
 
 
 def resend_every_acked_id(node: NodeProcess, ledger: Ledger) -> None:
@@ -339,8 +343,17 @@ def run_storm(node: NodeProcess, seed: int) -> tuple[Ledger, Storm]:
     return ledger, storm
 
 
-def check(ledger: Ledger, storm: Storm, stored: dict[str, dict[str, int]], what: str) -> None:
+def check(
+    ledger: Ledger, storm: Storm, stored: dict[str, dict[str, int]], said: list[Any], what: str
+) -> None:
     expected = expected_totals(ledger)
+    # The node's drain mark says what it counted in the period by feature, however often it
+    # was killed: exactly what storage holds (it is the one node that wrote there).
+    by_feature: dict[str, int] = {}
+    for per in expected.values():
+        for feature, units in per.items():
+            by_feature[feature] = by_feature.get(feature, 0) + units
+    assert said == [by_feature], f"the drain mark says {said}, storage holds {by_feature}"
     nil = sum(1 for a in ledger.acked.values() if a.answer is None)
     print(
         f"\n{what}: {storm.kills} kills in {storm.seconds:.1f} s ({storm.restarting:.1f} s "
@@ -365,12 +378,13 @@ def test_kill_9_under_retrying_load_counts_every_acknowledged_id_once_sqlite(
     workdir: Path,
 ) -> None:
     node = NodeProcess(workdir, **FLUSH)
+    period = period_start("month")
     ledger, storm = run_storm(node, seed=1)
     # A node with no log, its own data dir, on the first node's SQLite file.
     sqlite_file = str(node.data_dir / "counters.sqlite3")
     fresh = NodeProcess(workdir, "fresh", METER_DURABILITY="off", METER_SQLITE_FILE=sqlite_file)
-    stored = read_back(fresh)
-    check(ledger, storm, stored, "sqlite")
+    stored, said = read_back(fresh, period)
+    check(ledger, storm, stored, said, "sqlite")
     resend_every_acked_id(node, ledger)
 
 
@@ -408,6 +422,7 @@ def test_kill_9_under_retrying_load_counts_every_acknowledged_id_once_dynamodb_t
     upstream = int(dynamodb_local.rsplit(":", 1)[1])
     with lossy_proxy(upstream, loss=0.2, seed=7) as proxy:
         node = NodeProcess(workdir, **dynamo_env(proxy.endpoint, table), **FLUSH)
+        period = period_start("month")
         ledger, storm = run_storm(node, seed=2)
         print(f"\nproxy: {proxy.lost} DynamoDB responses lost, {proxy.forwarded} forwarded")
         assert proxy.lost > 0, "the lossy link was not exercised"
@@ -415,6 +430,6 @@ def test_kill_9_under_retrying_load_counts_every_acknowledged_id_once_dynamodb_t
         fresh = NodeProcess(
             workdir, "fresh", METER_DURABILITY="off", **dynamo_env(dynamodb_local, table)
         )
-        stored = read_back(fresh)
-        check(ledger, storm, stored, "dynamodb through a lossy proxy")
+        stored, said = read_back(fresh, period)
+        check(ledger, storm, stored, said, "dynamodb through a lossy proxy")
         resend_every_acked_id(node, ledger)

@@ -135,7 +135,8 @@ def final_line(period: str, state: dict[str, Any]) -> str:
         if not state["nodes"]:
             return (f"meter: export: {period} is final: no node marked it (none counted there, "
                     "or only builds before period marks)")  # fmt: skip
-        return f"meter: export: {period} is final: every node that counted in it closed it{closed}"
+        return (f"meter: export: {period} is final: every node that counted in it closed it"
+                f"{closed}{units_note(state.get('closed_nodes', []))}")  # fmt: skip
     if state["read_at"] < state["closes_at"]:
         return (f"meter: export: {period} is NOT final: calls may still count in it until "
                 f"{_when(state['closes_at'])} (its end plus period_grace_s){closed}")  # fmt: skip
@@ -146,6 +147,24 @@ def final_line(period: str, state: dict[str, Any]) -> str:
         for n in state["open_nodes"]
     )
     return f"meter: export: {period} is NOT final: nodes still open: {nodes}{closed}"
+
+
+def units_note(closed_nodes: list[dict[str, Any]]) -> str:
+    """What the nodes' closes say they counted, summed by feature (docs/invoicing.md): to
+    hold against the export's totals."""
+    if not closed_nodes:
+        return ""
+    said: dict[str, int] = {}
+    unsaid = []
+    for n in closed_nodes:
+        if n.get("units") is None:
+            unsaid.append(n["node"])
+            continue
+        for feature, units in n["units"].items():
+            said[feature] = said.get(feature, 0) + units
+    shown = ", ".join(f"{f}={u}" for f, u in sorted(said.items())) or "none"
+    missing = f" (not said by {', '.join(unsaid)})" if unsaid else ""
+    return f"; units the nodes counted: {shown}{missing}"
 
 
 def _running(lease_ends: float | None, now: float) -> str:

@@ -620,7 +620,7 @@ class AsyncClient(_Ledger, Retrying):
 
     async def export_state(self, period: str) -> dict[str, Any]:
         """Whether ``period``'s export is final, and if not which nodes are still open:
-        ``{final, open_nodes, closed_by_operator, nodes, closes_at, read_at}``
+        ``{final, open_nodes, closed_nodes, closed_by_operator, nodes, closes_at, read_at}``
         (docs/invoicing.md)."""
         return await self._run(calls.EXPORT_STATE, period)
 

@@ -496,7 +496,7 @@ class Client(_Ledger, Retrying):
 
     def export_state(self, period: str) -> dict[str, Any]:
         """Whether ``period``'s export is final, and if not which nodes are still open:
-        ``{final, open_nodes, closed_by_operator, nodes, closes_at, read_at}``
+        ``{final, open_nodes, closed_nodes, closed_by_operator, nodes, closes_at, read_at}``
         (docs/invoicing.md)."""
         return self._run(calls.EXPORT_STATE, period)
 

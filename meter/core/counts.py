@@ -196,3 +196,49 @@ class FeatureUnits:
             self.added[feature] += delta
         else:
             self.removed[feature] -= delta
+
+
+#: Most features a close mark carries the units of (a node past it marks its units unknown).
+MAX_MARK_FEATURES = 1000
+
+
+class PeriodUnits:
+    """The units this node took for storage, by period and feature, dimension counters left
+    out (their units are their feature's): what its close of a period says it counted there
+    (docs/invoicing.md). Every take is of units the node counted, and a period closes only
+    once every take of it is stored. Kept by the write-ahead log (its ``FLUSH`` records, and
+    ``UNITS`` in checkpoints); ``kept`` false (no log): :meth:`of` knows nothing, as a
+    restart would start again from 0."""
+
+    __slots__ = ("by_period", "kept")
+
+    def __init__(self, kept: bool = True) -> None:
+        self.kept = kept
+        self.by_period: dict[str, dict[str, int]] = {}
+
+    def add(self, period: str, feature: str, units: int) -> None:
+        """Units of ``feature`` taken for storage in ``period``."""
+        held = self.by_period.get(period)
+        if held is None:
+            held = self.by_period[period] = {}
+        held[feature] = held.get(feature, 0) + units
+
+    def of(self, period: str) -> dict[str, int] | None:
+        """The units by feature of ``period`` (``None``: not known: no log, or more than
+        :data:`MAX_MARK_FEATURES` features)."""
+        held = self.by_period.get(period, {})
+        if not self.kept or len(held) > MAX_MARK_FEATURES:
+            return None
+        return dict(held)
+
+    def drop(self, period: str) -> None:
+        """Forget ``period`` (closed: its mark holds them)."""
+        self.by_period.pop(period, None)
+
+    def restore(self, by_period: dict[str, dict[str, int]]) -> None:
+        """The units the log holds (a restart)."""
+        self.by_period = {p: dict(held) for p, held in by_period.items()}
+
+    def items(self) -> list[tuple[str, str, int]]:
+        """Every ``(period, feature, units)`` (a snapshot)."""
+        return [(p, f, n) for p, held in self.by_period.items() for f, n in held.items()]

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from meter.config import CounterConfig
+from meter.core.counts import PeriodUnits
 from meter.core.gate import pool_key
 from meter.core.gauging import Gauging
 from meter.core.idempotency import RequestIds
@@ -42,6 +43,7 @@ class Journal:
         config: CounterConfig,
         gauging: Gauging,
         uniques: Uniques,
+        units: PeriodUnits | None = None,
     ) -> None:
         self.table = table
         self.keys = keys
@@ -52,6 +54,8 @@ class Journal:
         self.gauging = gauging
         #: Unique values' claims: outcomes undone; claims without one restated.
         self.uniques = uniques
+        #: The units taken for storage by period: restated after the keys' states.
+        self.units = units if units is not None else PeriodUnits()
         #: Keys a restart is reading ahead (recovery's warm-up) and may not have loaded yet:
         #: checkpoints list them as warm until the warm-up ends.
         self.warming: list[Key] = []
@@ -188,6 +192,14 @@ class Journal:
         for start in range(0, len(keys), CHECKPOINT_ITEMS):
             state = self.table.unstored_state(keys[start : start + CHECKPOINT_ITEMS])
             yield [R.STATE, [[*k, seq, inflight, pending] for k, seq, inflight, pending in state]]
+        # After every key's state: a take restated there and logged again (a retry) before it
+        # would otherwise be replayed as a new one, on top of a count that holds it.
+        tally = self.units.items()
+        for start in range(0, max(1, len(tally)), CHECKPOINT_ITEMS):
+            some = tally[start : start + CHECKPOINT_ITEMS]
+            by_period = self.units.by_period  # (read now: takes since the list are in)
+            units = [[p, f, by_period[p][f]] for p, f, _ in some if f in by_period.get(p, ())]
+            yield [R.UNITS, start == 0, units]
         readings = self.gauging.table.dirty()
         for start in range(0, len(readings), CHECKPOINT_ITEMS):
             part = readings[start : start + CHECKPOINT_ITEMS]

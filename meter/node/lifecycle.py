@@ -28,7 +28,7 @@ from cluster.codec import AlertItem, DeltaItem, HoldItem
 from cluster.gossip import Gossip
 from meter import BUILD, compiled
 from meter.config import NodeConfig
-from meter.core.counts import FeatureUnits, RequestStats
+from meter.core.counts import FeatureUnits, PeriodUnits, RequestStats
 from meter.core.gauges import GaugeTable
 from meter.core.idempotency import RequestIds
 from meter.core.keys import Key
@@ -203,6 +203,7 @@ class Node:
                     after_commit=None if self.wal is None else self.wal.at_commit,
                 )
             units = FeatureUnits(cfg.metrics.feature_labels) if cfg.metrics.address else None
+            period_units = PeriodUnits(kept=self.wal is not None)
             self.flusher = Flusher(
                 self.table,
                 self.storage,
@@ -214,6 +215,7 @@ class Node:
                 owner=self.owner,
                 feature_units=units,
                 limited=self._limited,
+                period_units=period_units,
             )
             self.gauge_flusher = GaugeFlusher(
                 gauges,
@@ -231,6 +233,7 @@ class Node:
                 cfg.counters,
                 gauges=gauges,
                 known_values=values,
+                period_units=period_units,
                 wal=self.wal,
                 ids=RequestIds(d.idempotency_window_s, d.idempotency_max_ids),
                 limits_poll_s=cfg.counters.limits_poll_ms / 1000,
@@ -272,6 +275,7 @@ class Node:
                 cfg.counters.period_grace_s,
                 self._unstored_keys,
                 self.data_dir.marks_id(),
+                period_units,
             )
             # Before the socket opens: the periods it may count in are marked open first.
             await self.closer.start()

@@ -21,6 +21,7 @@ from cluster.redis_bus import RedisBus
 from meter.catalog.methods import FeatureMethods
 from meter.config import CounterConfig, NodeConfig
 from meter.core.children import ChildrenMethod
+from meter.core.counts import PeriodUnits
 from meter.core.fence import Fence
 from meter.core.gate import Gate
 from meter.core.gauges import GaugeTable
@@ -206,6 +207,7 @@ def assemble(
     *,
     gauges: GaugeTable | None = None,
     known_values: KnownValues | None = None,
+    period_units: PeriodUnits | None = None,
     wal: WriteAheadLog | None = None,
     ids: RequestIds | None = None,
     limits_poll_s: float = 0.5,
@@ -220,8 +222,9 @@ def assemble(
 ) -> Parts:
     """Every part of a node's request path and the features it serves, wired.
 
-    ``gauges`` is the node's gauge table and ``known_values`` its unique values known claimed
-    (``None``: new ones). ``owned()`` says whether
+    ``gauges`` is the node's gauge table, ``known_values`` its unique values known claimed
+    and ``period_units`` the units its flusher takes by period (``None``: new ones; the
+    journal restates the units in checkpoints). ``owned()`` says whether
     this process owns its node id (``None``: not checked): strict shares are written only
     while it does. ``nodes()`` is how many nodes share the budgets; ``publish_limits`` tells
     peers of a limit change; the alert callbacks are those of
@@ -294,7 +297,7 @@ def assemble(
     uniques = Uniques(table, keys, gate, fence, ids, seeder, storage, known_values, value_voids)
     tracking = Tracking(table, keys, gate, fence, ids, seeder, groups, gauging, uniques)
     reserving = Reserving(table, keys, gate, fence, ids, seeder, groups, config)
-    journal = Journal(table, keys, ids, reserving, config, gauging, uniques)
+    journal = Journal(table, keys, ids, reserving, config, gauging, uniques, period_units)
     features = {
         **LimitMethods(limits, hierarchy=config.tenant_hierarchy).handlers(),
         **FeatureMethods(limits).handlers(),

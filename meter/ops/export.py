@@ -95,9 +95,9 @@ async def rpc_page(
 ) -> dict[str, Any]:
     """One page of the ``export`` method (its params checked by :func:`parse_params`):
     ``{"rows": [[tenant, feature, period, total], ...], "cursor": str | None, "final",
-    "open_nodes", "closed_by_operator", "closes_at"}`` (:func:`close_state`, read before the
-    page: a page of a period already final holds what stays); a dimension counter's row has
-    a fifth element, its dimensions ``{name: value}``."""
+    "open_nodes", "closed_nodes", "closed_by_operator", "closes_at"}`` (:func:`close_state`,
+    read before the page: a page of a period already final holds what stays); a dimension
+    counter's row has a fifth element, its dimensions ``{name: value}``."""
     try:
         state = await close_state(storage, period, grace_s, time.time())
         page = await storage.export_page(period, cursor, limit)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+from meter.core.counts import PeriodUnits
 from meter.core.cycles import of_kind
 from meter.core.keys import Key, PeriodKind, check_period
 from meter.core.params import args as check_args
@@ -176,8 +177,11 @@ class PeriodCloser:
         grace_s: float,
         unstored: Callable[[], Iterable[Key]],
         data_dir_id: str,
+        units: PeriodUnits | None = None,
     ) -> None:
         self.node = node
+        #: The units this node took for storage by period: its close marks carry them.
+        self.units = units if units is not None else PeriodUnits(kept=False)
         #: This node's data dir (its own id): the marks it opens carry it, so a restart
         #: takes back its own marks and never those another data dir opened under the same
         #: node id (whose units it does not hold).
@@ -215,6 +219,8 @@ class PeriodCloser:
                 for mark in await self.storage.period_marks(period):
                     if mark.node == self.node and mark.state == MARK_OPEN:
                         self._opened(period, mark.by)
+                    elif mark.node == self.node and mark.state == MARK_CLOSED:
+                        self.units.drop(period)  # (closed before a restart: in its mark)
             self._started = True
         except StorageError as exc:
             log.warning("period marks not read (will try again): %s", exc)
@@ -285,7 +291,7 @@ class PeriodCloser:
                 continue
             try:
                 mark = await self.storage.mark_period_closed(
-                    period, self.node, time.time(), self.node
+                    period, self.node, time.time(), self.node, self.units.of(period)
                 )
             except StorageError as exc:
                 log.warning("period %s not closed (will try again): %s", period, exc)
@@ -293,6 +299,7 @@ class PeriodCloser:
             if mark.by == OPERATOR:
                 log.error("period %s had been closed for this node by an operator", period)
             self.open.discard(period)
+            self.units.drop(period)
             self.closed_total += 1
             done.append(period)
             log.info("period %s closed: every unit this node counted there is stored", period)
@@ -306,7 +313,9 @@ class PeriodCloser:
         held = self._held()  # (open leases, claims: kept open)
         for period in sorted(self.open - held):
             try:
-                await self.storage.mark_period_drained(period, self.node, now)
+                await self.storage.mark_period_drained(
+                    period, self.node, now, self.units.of(period)
+                )
             except StorageError as exc:
                 log.warning("period %s not marked drained: %s", period, exc)
                 continue
@@ -348,7 +357,9 @@ async def close_state(
     ``open_nodes`` (each with when it marked the period open, when its ownership lease of its
     id ends: past, it is not running; and its last known state, from the note of its last
     renewal: ``seen_at`` and ``backlog``, the keys and units of the period it held not
-    stored), ``closed_by_operator`` (nodes closed by hand), ``nodes`` (how many marked it),
+    stored), ``closed_nodes`` (each closed or drained mark: ``node``, ``state``, ``at``,
+    ``by``, and ``units``, what the node counted there by feature, ``None`` if it did not
+    say), ``closed_by_operator`` (nodes closed by hand), ``nodes`` (how many marked it),
     ``closes_at`` and ``read_at`` (``now``)."""
     marks = await storage.period_marks(period)
     closes_at = period_closes_at(period, grace_s)
@@ -361,9 +372,15 @@ async def close_state(
                                "lease_ends": None if owner is None else owner.expires,
                                "seen_at": seen, "backlog": backlog})  # fmt: skip
     by_hand = [m.node for m in marks if m.state == MARK_CLOSED and m.by == OPERATOR]
+    closed_nodes = [
+        {"node": m.node, "state": m.state, "at": m.at, "by": m.by, "units": m.units}
+        for m in marks
+        if m.state != MARK_OPEN
+    ]
     return {
         "final": now >= closes_at and not open_nodes,
         "open_nodes": open_nodes,
+        "closed_nodes": closed_nodes,
         "closed_by_operator": by_hand,
         "nodes": len(marks),
         "closes_at": closes_at,

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from meter.core.counts import FLUSH_BOUNDS, Buckets, FeatureUnits
+from meter.core.counts import FLUSH_BOUNDS, Buckets, FeatureUnits, PeriodUnits
 from meter.core.dims import is_dimension, shown
 from meter.core.keys import Key
 from meter.core.table import CounterTable
@@ -101,8 +101,12 @@ class Flusher:
         owner: Ownership | None = None,
         feature_units: FeatureUnits | None = None,
         limited: Callable[[Key], bool] | None = None,
+        period_units: PeriodUnits | None = None,
     ) -> None:
         self.table = table
+        #: The units taken for storage by period, for the period's close mark (``None``:
+        #: not kept).
+        self.period_units = period_units
         #: Whether a key is under a limit, a price or alerts: never stretched (``None``: every
         #: key counts as limited, nothing is stretched).
         self.limited = limited
@@ -478,6 +482,7 @@ class Flusher:
         inflight_seq = self.table.inflight_seq
         based_on = self.table.based_on
         repair_keys = self._repair_keys
+        tally = self.period_units
         for key in keys:
             held = days.get(key)
             if held is not None and inflight_seq(key) != held[0]:
@@ -488,9 +493,12 @@ class Flusher:
                 continue
             if repair_keys and key in repair_keys:
                 continue
+            before = inflight_seq(key) if tally is not None else 0
             taken = self.table.take_flush(key)
             if taken is not None:
                 seq = taken[0]
+                if tally is not None and seq != before and not is_dimension(key[1]):
+                    tally.add(key[2], key[1], taken[1])  # (a new take: a retry's is in)
                 if held is not None and held[0] == seq:
                     day: str | None = held[1]
                 else:

@@ -28,6 +28,13 @@ from meter.wal.records import UNSAID, Spent, Won, spent_from_log
 from storage.base import GaugeReading as Reading
 from storage.base import reading_wins
 
+
+def is_dimension(feature: str) -> bool:
+    """Whether a counter name is a dimension counter's (as meter.core.dims says: it holds a
+    separator; the log may not import that module)."""
+    return "\x1f" in feature or "\x1e" in feature
+
+
 Counted = tuple[int, tuple[Key, ...], bool, Spent, Won | None]
 """What a call under a request id counted: ``(qty, keys, voided, credits, unique)``."""
 
@@ -88,6 +95,8 @@ class Replay:
     claims: dict[str, tuple[Key, str]] = field(default_factory=dict)
     #: Voided unique values not known marked in storage: claimant by ``(key, value)``.
     unmarked: dict[tuple[Key, str], str] = field(default_factory=dict)
+    #: The units taken for storage, by period and feature (meter.core.counts.PeriodUnits).
+    units: dict[str, dict[str, int]] = field(default_factory=dict)
     _segment: int = 0
     _listed_in: int = -1
     _mode: str | None = None
@@ -113,6 +122,14 @@ class Replay:
                     row.seq = seq
                     row.inflight = delta
                     row.pending -= delta
+                    if not is_dimension(f):
+                        held = self.units.setdefault(p, {})
+                        held[f] = held.get(f, 0) + delta
+        elif kind == R.UNITS:
+            if rec[1]:  # (the checkpoint's first: it holds every count as it was then)
+                self.units = {}
+            for p, f, n in rec[2]:
+                self.units.setdefault(p, {})[f] = n
         elif kind == R.STATE:
             for t, f, p, seq, inflight, pending in rec[1]:
                 row = self._row((t, f, p))
