@@ -499,8 +499,8 @@ def check_period_mark(
     """The mark of ``node`` in ``period`` to write (``at`` a float to the microsecond), if
     every input may be kept: a period (:func:`check_period`), a node id (:func:`check_node`),
     ``at`` a number in ``0..2**53``, ``by`` 1..128 printable UTF-8 bytes, ``units`` ``None``
-    or at most :data:`MAX_MARK_UNITS` features (names as :func:`check_feature_name`) to
-    int64s; else :class:`StoragePermanentError`."""
+    or at most :data:`MAX_MARK_UNITS` features (names of 1..256 UTF-8 bytes) to int64s;
+    else :class:`StoragePermanentError`."""
     check_period(period)
     check_node(node)
     assert isinstance(node, str)
@@ -520,8 +520,9 @@ def check_period_mark(
     return PeriodMark(node, state, round(when, 6), by, _mark_units(units))
 
 
-#: Most features a mark's units may name.
+#: Most features a mark's units may name, and the longest name (a feature's: 256 bytes).
 MAX_MARK_UNITS = 1000
+MAX_MARK_FEATURE_BYTES = 256
 
 
 def _mark_units(units: object) -> dict[str, int] | None:
@@ -530,7 +531,7 @@ def _mark_units(units: object) -> dict[str, int] | None:
     if not isinstance(units, dict) or len(units) > MAX_MARK_UNITS:
         raise StoragePermanentError(f"mark units must be a map of at most {MAX_MARK_UNITS}")
     for feature, n in units.items():
-        _check_text("mark units' feature", feature, 128)
+        _check_text("mark units' feature", feature, MAX_MARK_FEATURE_BYTES)
         if type(n) is not int or not -(2**63) <= n < 2**63:
             raise StoragePermanentError(f"mark units of {str(feature)[:32]!r}: not an int64")
     return dict(units)

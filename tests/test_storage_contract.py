@@ -1683,7 +1683,7 @@ async def test_concurrent_period_open_and_drained_leave_one_consistent_mark(
 
 
 async def test_a_close_or_a_drain_keeps_the_units_its_node_counted(storage: Storage) -> None:
-    units = {"api": 12, "tokens": 2**63 - 1, "neg": -3, "é" * 40: 0}
+    units = {"api": 12, "tokens": 2**63 - 1, "neg": -3, "é" * 128: 0}  # (a feature's longest)
     await storage.mark_period_open(P, "n1", 1.0)
     closed = await storage.mark_period_closed(P, "n1", 2.0, "n1", units)
     assert closed == PeriodMark("n1", "closed", 2.0, "n1", units)
@@ -1699,7 +1699,7 @@ async def test_a_close_or_a_drain_keeps_the_units_its_node_counted(storage: Stor
         "n2", 5.0, "operator"
     )
     assert await storage.period_marks(P) == [closed, _closed("n2", 5.0, "operator")]
-    for bad in ({"api": 1.5}, {"api": 2**63}, {"": 1}, {"x" * 129: 1}, ["api"], {"api": True}):
+    for bad in ({"api": 1.5}, {"api": 2**63}, {"": 1}, {"x" * 257: 1}, ["api"], {"api": True}):
         with pytest.raises(StoragePermanentError):
             await storage.mark_period_closed(P, "n3", 1.0, "n3", bad)  # type: ignore[arg-type]
     too_many = {f"f{i}": i for i in range(1001)}

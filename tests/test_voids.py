@@ -437,7 +437,7 @@ async def _calls_voids_and_restarts(ops: list[tuple[Any, ...]]) -> None:
         shutil.rmtree(d)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(OP, min_size=5, max_size=25))
 @example(  # unique values voided after a restart from the log's records, and from a checkpoint
     [

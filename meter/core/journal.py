@@ -193,13 +193,12 @@ class Journal:
             state = self.table.unstored_state(keys[start : start + CHECKPOINT_ITEMS])
             yield [R.STATE, [[*k, seq, inflight, pending] for k, seq, inflight, pending in state]]
         # After every key's state: a take restated there and logged again (a retry) before it
-        # would otherwise be replayed as a new one, on top of a count that holds it.
-        tally = self.units.items()
-        for start in range(0, max(1, len(tally)), CHECKPOINT_ITEMS):
-            some = tally[start : start + CHECKPOINT_ITEMS]
-            by_period = self.units.by_period  # (read now: takes since the list are in)
-            units = [[p, f, by_period[p][f]] for p, f, _ in some if f in by_period.get(p, ())]
-            yield [R.UNITS, start == 0, units]
+        # would otherwise be replayed as a new one, on top of a count that holds it. One
+        # record (a feature and period each, few): a checkpoint cut short leaves all or none.
+        # None to restate: no take is in the segment before it either (a take adds here).
+        units = self.units.items()
+        if units:
+            yield [R.UNITS, [[p, f, n] for p, f, n in units]]
         readings = self.gauging.table.dirty()
         for start in range(0, len(readings), CHECKPOINT_ITEMS):
             part = readings[start : start + CHECKPOINT_ITEMS]

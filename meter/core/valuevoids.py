@@ -12,6 +12,7 @@ Writing a mark twice changes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable
 
@@ -37,6 +38,8 @@ class ValueVoids:
         #: claimant: its item expired, or storage cannot keep it).
         self.marked = 0
         self.refused = 0
+        #: One writer at a time (the node's loop, a drain).
+        self._writing = asyncio.Lock()
 
     def voided(self, key: Key, value: str, claimant: str) -> None:
         """``value`` of ``key``, won by ``claimant``, was voided: mark it in storage."""
@@ -61,6 +64,10 @@ class ValueVoids:
     async def mark(self) -> int:
         """Write every mark whose void the log holds on disk; how many are left (storage did
         not answer, or the log cannot be written: tried again by the caller's loop)."""
+        async with self._writing:
+            return await self._mark()
+
+    async def _mark(self) -> int:
         todo = list(self.unmarked.items())
         if not todo:
             return 0
@@ -72,24 +79,21 @@ class ValueVoids:
         for (key, value), claimant in todo:
             if self.unmarked.get((key, value)) != claimant:
                 continue  # undone meanwhile
+            why: str | None = None
             try:
                 held = await self.storage.void_value(key, value, claimant)
             except StoragePermanentError as exc:
-                held = None
-                log.error("unique values: %s/%s cannot be marked voided: %s", *key[:2], exc)
+                why = f"storage cannot mark it: {exc}"
             except StorageError:
                 break  # tried again on the next pass
+            else:
+                if held != claimant:
+                    why = f"it is held by {held}, not by {claimant} that counted it"
             if self.unmarked.get((key, value)) == claimant:
                 del self.unmarked[(key, value)]
-            if held == claimant:
+            if why is None:
                 self.marked += 1
             else:
                 self.refused += 1
-                log.error(
-                    "unique values: a voided value of %s/%s is held by %s, not by %s that "
-                    "counted it; not marked",
-                    *key[:2],
-                    held,
-                    claimant,
-                )
+                log.error("unique values: a voided value of %s/%s is not marked: %s", *key[:2], why)
         return len(self.unmarked)

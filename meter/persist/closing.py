@@ -281,6 +281,7 @@ class PeriodCloser:
     async def close_due(self, now: float) -> list[str]:
         """Close every open period past its end plus the grace that holds nothing of this
         node's unstored; the periods closed."""
+        self._forget_units(now)
         due = [p for p in sorted(self.open) if now >= period_closes_at(p, self.grace_s)]
         if not due:
             return []
@@ -304,6 +305,24 @@ class PeriodCloser:
             done.append(period)
             log.info("period %s closed: every unit this node counted there is stored", period)
         return done
+
+    def _forget_units(self, now: float) -> None:
+        """Forget the units of periods that may no longer count and that this node neither
+        holds open nor holds anything of (drained, closed by an operator, closed before a
+        restart): no close of its will carry them. Not before :meth:`start` has found this
+        node's open marks (a restart's own open period would lose its units)."""
+        if not self._started:
+            return
+        over = [
+            p
+            for p in self.units.by_period
+            if p not in self.open and now >= period_closes_at(p, self.grace_s)
+        ]
+        if over:
+            held = self._held()
+            for period in over:
+                if period not in held:
+                    self.units.drop(period)
 
     async def drained(self, now: float) -> None:
         """After a clean drain (nothing unstored): close the periods due, and mark the others

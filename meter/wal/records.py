@@ -114,10 +114,10 @@ VOID: Final = 24
 #: ``[VALUE_VOIDS, [[t, f, p, value, claimant], ...]]``: voided values not known marked in
 #: storage (a checkpoint's restatement).
 VALUE_VOIDS: Final = 25
-#: ``[UNITS, first, [[period, feature, units], ...]]``: the units this node took for storage,
-#: by period and feature (a checkpoint's restatement, after its ``STATE`` records; ``first``:
-#: the first of the checkpoint's, which replaces every earlier count). Between checkpoints,
-#: each ``FLUSH`` item of a new sequence adds its delta (dimension counters left out).
+#: ``[UNITS, [[period, feature, units], ...]]``: the units this node took for storage, by
+#: period and feature (a checkpoint's restatement, one record after its ``STATE`` records;
+#: it replaces every earlier count). Between checkpoints, each ``FLUSH`` item of a new
+#: sequence adds its delta (dimension counters left out).
 UNITS: Final = 26
 
 FORMAT: Final = 2

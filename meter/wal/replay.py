@@ -125,10 +125,9 @@ class Replay:
                     if not is_dimension(f):
                         held = self.units.setdefault(p, {})
                         held[f] = held.get(f, 0) + delta
-        elif kind == R.UNITS:
-            if rec[1]:  # (the checkpoint's first: it holds every count as it was then)
-                self.units = {}
-            for p, f, n in rec[2]:
+        elif kind == R.UNITS:  # (every count as it was then)
+            self.units = {}
+            for p, f, n in rec[1]:
                 self.units.setdefault(p, {})[f] = n
         elif kind == R.STATE:
             for t, f, p, seq, inflight, pending in rec[1]:
