@@ -1277,6 +1277,23 @@ async def _older_layout(path: Path, table: str) -> tuple[SQLiteStorage, int]:
     return store, version
 
 
+async def _older_table(
+    path: Path, create: str, insert: str, rows: list[tuple[object, ...]]
+) -> SQLiteStorage:
+    """A SQLite file (:func:`_older_layout`) whose table ``create`` makes is as an older build
+    made it, holding ``rows``; the store, closed."""
+    import sqlite3
+
+    table = create.split()[2]
+    store, _ = await _older_layout(path, table)
+    conn = sqlite3.connect(path)
+    conn.execute(create)
+    conn.executemany(insert, rows)
+    conn.commit()
+    conn.close()
+    return store
+
+
 async def test_sqlite_a_file_of_the_older_layout_gets_the_values_table(tmp_path: Path) -> None:
     store, _ = await _older_layout(tmp_path / "m.db", "unique_values")
     await store.open()
@@ -1291,22 +1308,15 @@ async def test_sqlite_a_file_of_the_older_layout_gets_the_values_table(tmp_path:
 async def test_sqlite_a_values_table_without_the_voided_column_gets_it(tmp_path: Path) -> None:
     """A file whose ``unique_values`` an older build made (no ``voided``) keeps its values,
     none voided, and marks voids from then on."""
-    import sqlite3
-
     path = tmp_path / "v.db"
-    store, _ = await _older_layout(path, "unique_values")
-    conn = sqlite3.connect(path)
-    conn.execute(
+    store = await _older_table(
+        path,
         "CREATE TABLE unique_values (tenant TEXT NOT NULL, feature TEXT NOT NULL, period TEXT"
         " NOT NULL, value TEXT NOT NULL, claimant TEXT NOT NULL, expires_at INTEGER NOT NULL,"
-        " PRIMARY KEY (tenant, feature, period, value)) WITHOUT ROWID"
-    )
-    conn.executemany(
+        " PRIMARY KEY (tenant, feature, period, value)) WITHOUT ROWID",
         "INSERT INTO unique_values VALUES (?, ?, ?, ?, ?, ?)",
         [(*U, v, "c", 2**40) for v in ("u1", "u2")],
     )
-    conn.commit()
-    conn.close()
     await store.open()
     try:
         assert await store.values_page(U, None, 10) == (["u1", "u2"], None)
@@ -1711,18 +1721,13 @@ async def test_a_close_or_a_drain_keeps_the_units_its_node_counted(storage: Stor
 async def test_sqlite_a_marks_table_without_units_gets_them(tmp_path: Path) -> None:
     """A ``period_marks`` table an older build made (no ``units``) keeps its marks, none
     saying units, and keeps them from then on."""
-    import sqlite3
-
-    path = tmp_path / "m.db"
-    store, _ = await _older_layout(path, "period_marks")
-    conn = sqlite3.connect(path)
-    conn.execute(
+    store = await _older_table(
+        tmp_path / "m.db",
         "CREATE TABLE period_marks (period TEXT NOT NULL, node TEXT NOT NULL, state TEXT NOT"
-        " NULL, at REAL NOT NULL, by TEXT NOT NULL, PRIMARY KEY (period, node)) WITHOUT ROWID"
+        " NULL, at REAL NOT NULL, by TEXT NOT NULL, PRIMARY KEY (period, node)) WITHOUT ROWID",
+        "INSERT INTO period_marks VALUES (?, 'n1', 'closed', 1.0, 'n1')",
+        [(P,)],
     )
-    conn.execute("INSERT INTO period_marks VALUES (?, 'n1', 'closed', 1.0, 'n1')", (P,))
-    conn.commit()
-    conn.close()
     await store.open()
     try:
         assert await store.period_marks(P) == [_closed("n1", 1.0, "n1")]

@@ -465,6 +465,14 @@ def test_whatever_the_calls_voids_and_restarts_each_call_counts_until_voided_onc
     asyncio.run(_calls_voids_and_restarts(ops))
 
 
+async def log_back(wal: WriteAheadLog) -> None:
+    """Wait (10 s at most) for a broken log to write again."""
+    deadline = time.monotonic() + 10
+    while broken(wal) is not None:
+        assert time.monotonic() < deadline, "the log did not come back"
+        await asyncio.sleep(0.05)
+
+
 async def test_a_void_whose_log_write_fails_is_undone_and_may_be_sent_again() -> None:
     """The log cannot write the void: its units are counted again, the call is not voided,
     and the void's id is not remembered; once the log writes again, the void takes back."""
@@ -479,10 +487,7 @@ async def test_a_void_whose_log_write_fails_is_undone_and_may_be_sent_again() ->
             assert await call(svc, "void", "t1", {"id": "v1"}) == {"voided": 5, "value": 2}
             await settle()  # the commit fails: the void is undone
             assert broken(wal) is not None
-        deadline = time.monotonic() + 10
-        while broken(wal) is not None:
-            assert time.monotonic() < deadline, "the log did not come back"
-            await asyncio.sleep(0.05)
+        await log_back(wal)
         assert await call(svc, "usage", "acme", "api") == 7
         assert await call(svc, "void", "t1", {"id": "v1"}) == {"voided": 5, "value": 2}
         assert await call(svc, "usage", "acme", "api") == 2
@@ -514,10 +519,7 @@ async def test_a_void_of_a_unique_value_whose_log_write_fails_is_not_marked() ->
         assert svc.uniques.voids.unmarked == {}
         for key in keys:
             assert await store.values_page(key, None, 10) == (["ann", "bea"], None)
-        deadline = time.monotonic() + 10
-        while broken(wal) is not None:
-            assert time.monotonic() < deadline, "the log did not come back"
-            await asyncio.sleep(0.05)
+        await log_back(wal)
         assert await call(svc, "usage", "acme", "seats") == 2
         assert await call(svc, "void", "u1", {"id": "v1"}) == {"voided": 1, "value": 1}
         store.fail_next = 1  # (the first mark is not written: it waits for the next pass)
