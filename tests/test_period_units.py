@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from meter.cli.export import final_line
 from meter.config import CounterConfig
+from meter.core import journal
 from meter.core.counts import PeriodUnits
 from meter.core.dims import is_dimension
 from meter.core.idempotency import RequestIds
@@ -26,12 +27,15 @@ from meter.persist.closing import PeriodCloser, close_state
 from meter.persist.flusher import Flusher
 from meter.persist.recovery import recover
 from meter.quotas.store import LimitStore
+from meter.wal import log as wal_log
+from meter.wal import records as R
 from meter.wal import replay as wal_replay
 from meter.wal.log import WriteAheadLog
 from storage.memory import MemoryStorage
 from tests.support.nodes import short_tmpdir
 from tests.test_dimensions import call
-from tests.test_wal_service import settle
+from tests.test_voids import log_back
+from tests.test_wal_service import disk_full, settle
 
 MONTH = period_start("month")
 CONFIG = CounterConfig(tenant_hierarchy=True)
@@ -43,6 +47,7 @@ OP = st.one_of(
     st.tuples(st.just("flush")),
     st.tuples(st.just("fail")),  # the next write fails before it lands
     st.tuples(st.just("lose")),  # the next write lands, its answer is lost
+    st.tuples(st.just("full")),  # a flush whose log record a full disk loses
     st.tuples(st.just("crash")),  # kill -9: the log's records replayed
     st.tuples(st.just("restart")),  # a clean stop: a checkpoint replayed
 )
@@ -77,9 +82,19 @@ def _said(units: PeriodUnits) -> dict[str, dict[str, int]]:
     return _nonzero(units.by_period)
 
 
+async def on_disk(wal: WriteAheadLog) -> None:
+    """Wait until every record appended is on disk. (A record of its own: after a write that
+    failed, ``durable`` alone waits for the next commit's sync.)"""
+    wal.append([R.NOOP])
+    await wal.durable()
+
+
 async def _calls_flushes_and_crashes(ops: list[tuple[Any, ...]]) -> None:
     d = short_tmpdir("units-")
     store = MemoryStorage()
+    # Checkpoints of a record a key, over many passes: a crash may cut one short.
+    saved = journal.CHECKPOINT_ITEMS, wal_log.PROBE_INTERVAL_S
+    journal.CHECKPOINT_ITEMS, wal_log.PROBE_INTERVAL_S = 1, 0.01
     try:
         svc, wal, flusher = await _start(d, store)
         await call(svc, "set_feature", "tokens", {"dimensions": ["model"]})
@@ -94,8 +109,12 @@ async def _calls_flushes_and_crashes(ops: list[tuple[Any, ...]]) -> None:
                 store.fail_next = 1
             elif op[0] == "lose":
                 store.lose_next_ack = 1
+            elif op[0] == "full":
+                with disk_full(wal):
+                    await flusher.flush_once()
+                await log_back(wal)
             else:
-                await wal.durable()
+                await on_disk(wal)
                 await wal.close(final_checkpoint=op[0] == "restart")
                 svc, wal, flusher = await _start(d, store)
             await settle()  # (a checkpoint's steps run between calls)
@@ -106,12 +125,13 @@ async def _calls_flushes_and_crashes(ops: list[tuple[Any, ...]]) -> None:
                 break
         assert not svc.table.unstored_keys()
         assert _said(svc.journal.units) == _stored(store)
-        await wal.durable()
+        await on_disk(wal)
         await wal.close(final_checkpoint=False)  # and once more from the records alone
         svc, wal, flusher = await _start(d, store)
         assert _said(svc.journal.units) == _stored(store)
         await wal.close()
     finally:
+        journal.CHECKPOINT_ITEMS, wal_log.PROBE_INTERVAL_S = saved
         shutil.rmtree(d)
 
 
@@ -129,6 +149,19 @@ async def _calls_flushes_and_crashes(ops: list[tuple[Any, ...]]) -> None:
         ("flush",),
         ("restart",),
         ("track", "acme", -2),
+        ("flush",),
+        ("crash",),
+    ]
+)
+@example(  # a take whose record a full disk lost, then a checkpoint cut short: its retry counts
+    [
+        ("track", "acme/bob", 5),
+        ("dims", "beta", 3),
+        ("full",),
+        ("track", "acme", 2),
+        ("track", "beta", 4),
+        ("track", "acme/bob", 1),
+        ("crash",),
         ("flush",),
         ("crash",),
     ]
@@ -208,3 +241,43 @@ async def test_meter_export_says_what_the_nodes_counted_in_a_final_period() -> N
         "closed it; closed by an operator for n3; units the nodes counted: api=9, tokens=30 "
         "(not said by n3)"
     ), line
+
+
+def test_replay_counts_each_take_once_whatever_restates_it() -> None:
+    """A take counts once: its retry under the same sequence adds nothing, whether the take's
+    own record or a checkpoint's ``UNITS`` (which holds it) came first; a ``STATE`` restating
+    the key in flight does not stand for the take (a full disk may have lost its record, and
+    a checkpoint cut short before its ``UNITS`` leaves only the retry's)."""
+    key = ["acme", "api", MONTH]
+
+    def replayed(*records: list[Any]) -> dict[str, dict[str, int]]:
+        r = wal_replay.Replay()
+        r.apply_all(records)
+        return r.units
+
+    flush = [R.FLUSH, [[*key, 5, 10]]]
+    assert replayed(flush, flush) == {MONTH: {"api": 10}}
+    units = [R.UNITS, [[MONTH, "api", 10]], [[*key, 5]]]
+    assert replayed(flush, units, flush) == {MONTH: {"api": 10}}
+    assert replayed(units, flush, [R.FLUSH, [[*key, 6, 3]]]) == {MONTH: {"api": 13}}
+    state = [R.STATE, [[*key, 5, 10, 0]]]
+    assert replayed(state, flush) == {MONTH: {"api": 10}}  # (its own record lost)
+    dims = [R.FLUSH, [["acme", "api\x1fmodel=a", MONTH, 1, 10]]]
+    assert replayed(dims) == {}
+
+
+async def test_units_of_a_period_open_in_storage_are_kept_for_its_close() -> None:
+    """A period whose open mark reached storage though the node never heard it (the answer
+    lost), its units stored: past its grace the closer finds the mark, closes the period and
+    the close carries the units, rather than forgetting them."""
+    store = MemoryStorage()
+    units = PeriodUnits()
+    units.add("2026-11", "api", 7)
+    end = float(calendar.timegm((2026, 12, 1, 0, 0, 0)))
+    closer = PeriodCloser("n1", store, lambda: ["month"], lambda: [None], 60, list, "d1", units)
+    await closer.start(end + 10 * 86400)  # (November past its grace: not opened now)
+    assert "2026-11" not in closer.open
+    await store.mark_period_open("2026-11", "n1", end - 5, "d1")  # (written; answer lost)
+    assert await closer.close_due(end + 10 * 86400) == ["2026-11"]  # (found open: closed)
+    (mark,) = await store.period_marks("2026-11")
+    assert mark.state == "closed" and mark.units == {"api": 7}

@@ -13,6 +13,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterable
 
+from meter.core.keys import Key
+
 #: Request latency bucket bounds, seconds: a warm ``track`` answers in microseconds, one
 #: waiting on the log's fsync in about a millisecond, one waiting on storage in tens of ms.
 REQUEST_BOUNDS: tuple[float, ...] = (
@@ -210,11 +212,24 @@ class PeriodUnits:
     ``UNITS`` in checkpoints); ``kept`` false (no log): :meth:`of` knows nothing, as a
     restart would start again from 0."""
 
-    __slots__ = ("by_period", "kept")
+    __slots__ = ("by_period", "inflight", "kept")
 
     def __init__(self, kept: bool = True) -> None:
         self.kept = kept
         self.by_period: dict[str, dict[str, int]] = {}
+        #: The takes counted here that storage has not acknowledged: their sequence, by key
+        #: (a checkpoint restates them: a retry of one, logged after it, is not a new take).
+        self.inflight: dict[Key, int] = {}
+
+    def take(self, key: Key, seq: int, units: int) -> None:
+        """A new take of ``key``'s ``units`` for storage, under ``seq``."""
+        self.add(key[2], key[1], units)
+        self.inflight[key] = seq
+
+    def stored(self, key: Key, seq: int) -> None:
+        """Storage acknowledged ``key``'s take under ``seq``."""
+        if self.inflight.get(key) == seq:
+            del self.inflight[key]
 
     def add(self, period: str, feature: str, units: int) -> None:
         """Units of ``feature`` taken for storage in ``period``."""
@@ -235,9 +250,14 @@ class PeriodUnits:
         """Forget ``period`` (closed: its mark holds them)."""
         self.by_period.pop(period, None)
 
-    def restore(self, by_period: dict[str, dict[str, int]]) -> None:
-        """The units the log holds (a restart)."""
+    def restore(
+        self,
+        by_period: dict[str, dict[str, int]],
+        inflight: dict[Key, int] | None = None,
+    ) -> None:
+        """The units the log holds, and the takes it holds in flight (a restart)."""
         self.by_period = {p: dict(held) for p, held in by_period.items()}
+        self.inflight = dict(inflight or {})
 
     def items(self) -> list[tuple[str, str, int]]:
         """Every ``(period, feature, units)`` (a snapshot)."""

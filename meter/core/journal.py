@@ -192,13 +192,16 @@ class Journal:
         for start in range(0, len(keys), CHECKPOINT_ITEMS):
             state = self.table.unstored_state(keys[start : start + CHECKPOINT_ITEMS])
             yield [R.STATE, [[*k, seq, inflight, pending] for k, seq, inflight, pending in state]]
-        # After every key's state: a take restated there and logged again (a retry) before it
-        # would otherwise be replayed as a new one, on top of a count that holds it. One
-        # record (a feature and period each, few): a checkpoint cut short leaves all or none.
-        # None to restate: no take is in the segment before it either (a take adds here).
-        units = self.units.items()
-        if units:
-            yield [R.UNITS, [[p, f, n] for p, f, n in units]]
+        # The counts, and the takes in flight they hold: a retry of one, logged later under
+        # the same sequence, is not a new take. One record: a checkpoint cut short leaves all
+        # or none (replay then runs from the one before, and its records).
+        units = self.units
+        if units.by_period or units.inflight:
+            yield [
+                R.UNITS,
+                [[p, f, n] for p, f, n in units.items()],
+                [[*k, seq] for k, seq in units.inflight.items()],
+            ]
         readings = self.gauging.table.dirty()
         for start in range(0, len(readings), CHECKPOINT_ITEMS):
             part = readings[start : start + CHECKPOINT_ITEMS]

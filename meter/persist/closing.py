@@ -281,7 +281,7 @@ class PeriodCloser:
     async def close_due(self, now: float) -> list[str]:
         """Close every open period past its end plus the grace that holds nothing of this
         node's unstored; the periods closed."""
-        self._forget_units(now)
+        await self._forget_units(now)
         due = [p for p in sorted(self.open) if now >= period_closes_at(p, self.grace_s)]
         if not due:
             return []
@@ -306,11 +306,12 @@ class PeriodCloser:
             log.info("period %s closed: every unit this node counted there is stored", period)
         return done
 
-    def _forget_units(self, now: float) -> None:
-        """Forget the units of periods that may no longer count and that this node neither
-        holds open nor holds anything of (drained, closed by an operator, closed before a
-        restart): no close of its will carry them. Not before :meth:`start` has found this
-        node's open marks (a restart's own open period would lose its units)."""
+    async def _forget_units(self, now: float) -> None:
+        """Forget the units of periods that may no longer count, that this node holds nothing
+        of and whose mark storage holds is not this data dir's open one (drained, closed by
+        an operator, closed before a restart): no close of its will carry them. An open one
+        (its open's answer lost) is this node's to close. Not before :meth:`start` has read
+        this node's marks."""
         if not self._started:
             return
         over = [
@@ -318,11 +319,21 @@ class PeriodCloser:
             for p in self.units.by_period
             if p not in self.open and now >= period_closes_at(p, self.grace_s)
         ]
-        if over:
-            held = self._held()
-            for period in over:
-                if period not in held:
-                    self.units.drop(period)
+        if not over:
+            return
+        held = self._held()
+        for period in over:
+            if period in held:
+                continue
+            try:
+                marks = await self.storage.period_marks(period)
+            except StorageError:
+                return  # (tried again on the next pass)
+            mine = [m for m in marks if m.node == self.node and m.state == MARK_OPEN]
+            if mine:
+                self._opened(period, mine[0].by)
+            if period not in self.open:
+                self.units.drop(period)
 
     async def drained(self, now: float) -> None:
         """After a clean drain (nothing unstored): close the periods due, and mark the others

@@ -498,7 +498,7 @@ class Flusher:
             if taken is not None:
                 seq = taken[0]
                 if tally is not None and seq != before and not is_dimension(key[1]):
-                    tally.add(key[2], key[1], taken[1])  # (a new take: a retry's is in)
+                    tally.take(key, seq, taken[1])  # (a new take: a retry's is in)
                 if held is not None and held[0] == seq:
                     day: str | None = held[1]
                 else:
@@ -573,6 +573,8 @@ class Flusher:
                     suspects.append((d.key, d.seq))
                 written.append((d.key, outcome))
                 self.stats.keys_written += 1
+                if self.period_units is not None:
+                    self.period_units.stored(d.key, d.seq)
                 if self.feature_units is not None and not is_dimension(d.key[1]):
                     # (a dimension counter's units are its feature's, counted there)
                     self.feature_units.add(d.key[1], d.delta)

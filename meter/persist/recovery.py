@@ -76,7 +76,7 @@ async def recover(wal: WriteAheadLog, service: Service) -> list[Key]:
     # Claims of unique values the log holds no outcome of: claimed again (the node's loop).
     service.uniques.restore(replay.claims)
     service.uniques.voids.restore(replay.unmarked)
-    service.journal.units.restore(replay.units)
+    service.journal.units.restore(replay.units, replay.inflight_takes())
     seeded = await _seed(service, [*unstored, *(ls.key for ls in replay.leases.values())])
     service.gate.shares.recovered(replay.shares)
     wal.open(service.undo, service.checkpoint, service.journal.closing)

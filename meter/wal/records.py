@@ -114,10 +114,11 @@ VOID: Final = 24
 #: ``[VALUE_VOIDS, [[t, f, p, value, claimant], ...]]``: voided values not known marked in
 #: storage (a checkpoint's restatement).
 VALUE_VOIDS: Final = 25
-#: ``[UNITS, [[period, feature, units], ...]]``: the units this node took for storage, by
-#: period and feature (a checkpoint's restatement, one record after its ``STATE`` records;
-#: it replaces every earlier count). Between checkpoints, each ``FLUSH`` item of a new
-#: sequence adds its delta (dimension counters left out).
+#: ``[UNITS, [[period, feature, units], ...], [[t, f, p, seq], ...]]``: the units this node
+#: took for storage, by period and feature, and the takes among them storage had not
+#: acknowledged (a checkpoint's restatement; it replaces every earlier count). Between
+#: checkpoints, each ``FLUSH`` item of a take not counted yet (another sequence than the
+#: key's last counted one) adds its delta (dimension counters left out).
 UNITS: Final = 26
 
 FORMAT: Final = 2

@@ -95,8 +95,12 @@ class Replay:
     claims: dict[str, tuple[Key, str]] = field(default_factory=dict)
     #: Voided unique values not known marked in storage: claimant by ``(key, value)``.
     unmarked: dict[tuple[Key, str], str] = field(default_factory=dict)
-    #: The units taken for storage, by period and feature (meter.core.counts.PeriodUnits).
+    #: The units taken for storage, by period and feature (meter.core.counts.PeriodUnits),
+    #: and the last take counted in them, by key (a ``FLUSH`` of another sequence is a new
+    #: take; ``STATE`` records do not move it: a take whose record a failed write lost is
+    #: counted by its retry's).
     units: dict[str, dict[str, int]] = field(default_factory=dict)
+    counted: dict[Key, int] = field(default_factory=dict)
     _segment: int = 0
     _listed_in: int = -1
     _mode: str | None = None
@@ -122,13 +126,15 @@ class Replay:
                     row.seq = seq
                     row.inflight = delta
                     row.pending -= delta
-                    if not is_dimension(f):
-                        held = self.units.setdefault(p, {})
-                        held[f] = held.get(f, 0) + delta
+                if self.counted.get((t, f, p)) != seq and not is_dimension(f):
+                    self.counted[(t, f, p)] = seq
+                    held = self.units.setdefault(p, {})
+                    held[f] = held.get(f, 0) + delta
         elif kind == R.UNITS:  # (every count as it was then)
             self.units = {}
             for p, f, n in rec[1]:
                 self.units.setdefault(p, {})[f] = n
+            self.counted = {(t, f, p): seq for t, f, p, seq in rec[2]}
         elif kind == R.STATE:
             for t, f, p, seq, inflight, pending in rec[1]:
                 row = self._row((t, f, p))
@@ -282,6 +288,15 @@ class Replay:
             self.effects.pop(rid, None)
         else:
             self.effects[rid] = counted
+
+    def inflight_takes(self) -> dict[Key, int]:
+        """The counted takes still in flight after the replay (their keys' delta not known
+        stored), by key: their sequence."""
+        return {
+            key: seq
+            for key, seq in self.counted.items()
+            if (row := self.rows.get(key)) is not None and row.seq == seq and row.inflight
+        }
 
     def warm_keys(self) -> list[Key]:
         """The keys a restart should read ahead, most recent first, each once: every key the
