@@ -14,6 +14,7 @@ from bisect import bisect_left
 from collections.abc import Iterable
 
 from meter.core.keys import Key
+from storage.base import MAX_MARK_UNITS
 
 #: Request latency bucket bounds, seconds: a warm ``track`` answers in microseconds, one
 #: waiting on the log's fsync in about a millisecond, one waiting on storage in tens of ms.
@@ -200,10 +201,6 @@ class FeatureUnits:
             self.removed[feature] -= delta
 
 
-#: Most features a close mark carries the units of (a node past it marks its units unknown).
-MAX_MARK_FEATURES = 1000
-
-
 class PeriodUnits:
     """The units this node took for storage, by period and feature, dimension counters left
     out (their units are their feature's): what its close of a period says it counted there
@@ -222,9 +219,11 @@ class PeriodUnits:
         self.inflight: dict[Key, int] = {}
 
     def take(self, key: Key, seq: int, units: int) -> None:
-        """A new take of ``key``'s ``units`` for storage, under ``seq``."""
-        self.add(key[2], key[1], units)
-        self.inflight[key] = seq
+        """A take of ``key``'s ``units`` for storage under ``seq``: counted if new (a retry
+        of the take in flight, under its sequence, is counted already)."""
+        if self.inflight.get(key) != seq:
+            self.add(key[2], key[1], units)
+            self.inflight[key] = seq
 
     def stored(self, key: Key, seq: int) -> None:
         """Storage acknowledged ``key``'s take under ``seq``."""
@@ -240,9 +239,9 @@ class PeriodUnits:
 
     def of(self, period: str) -> dict[str, int] | None:
         """The units by feature of ``period`` (``None``: not known: no log, or more than
-        :data:`MAX_MARK_FEATURES` features)."""
+        :data:`~storage.base.MAX_MARK_UNITS` features, more than a mark holds)."""
         held = self.by_period.get(period, {})
-        if not self.kept or len(held) > MAX_MARK_FEATURES:
+        if not self.kept or len(held) > MAX_MARK_UNITS:
             return None
         return dict(held)
 

@@ -493,12 +493,11 @@ class Flusher:
                 continue
             if repair_keys and key in repair_keys:
                 continue
-            before = inflight_seq(key) if tally is not None else 0
             taken = self.table.take_flush(key)
             if taken is not None:
                 seq = taken[0]
-                if tally is not None and seq != before and not is_dimension(key[1]):
-                    tally.take(key, seq, taken[1])  # (a new take: a retry's is in)
+                if tally is not None and not is_dimension(key[1]):
+                    tally.take(key, seq, taken[1])
                 if held is not None and held[0] == seq:
                     day: str | None = held[1]
                 else:
