@@ -205,7 +205,7 @@ def test_corruption_before_the_tail_stops_the_node_naming_file_and_offset(
     data[first + R.HEADER.size + 2] ^= 0xFF  # inside the second record
     seg.write_bytes(bytes(data))
     with pytest.raises(RuntimeError) as info:
-        NodeProcess(workdir, **NO_FLUSH).start(timeout=10)
+        NodeProcess(workdir, **NO_FLUSH).start(timeout=60)
     assert f"{seg} is damaged at byte {first}" in str(info.value)
     assert f"truncate -s {first} {seg}" in str(info.value)
     # The documented way out: cut the log there and start (losing what followed).
@@ -591,7 +591,7 @@ def test_a_log_written_in_fsync_mode_is_read_as_such_after_a_switch_to_interval(
     data[second + R.HEADER.size + 2] ^= 0xFF
     seg.write_bytes(bytes(data))
     with pytest.raises(RuntimeError) as info:
-        NodeProcess(workdir, METER_DURABILITY="interval", **NO_FLUSH).start(timeout=10)
+        NodeProcess(workdir, METER_DURABILITY="interval", **NO_FLUSH).start(timeout=60)
     assert f"{seg} is damaged at byte {second}" in str(info.value)
 
 
@@ -620,7 +620,7 @@ def test_interval_mode_cuts_only_past_what_the_log_says_was_synced(workdir: Path
     damaged[before + R.HEADER.size + 1] ^= 0xFF
     seg.write_bytes(bytes(damaged))
     with pytest.raises(RuntimeError) as info:
-        NodeProcess(workdir, **env).start(timeout=10)
+        NodeProcess(workdir, **env).start(timeout=60)
     assert f"{seg} is damaged at byte {before}" in str(info.value)
     assert "were synced" in str(info.value)
 
