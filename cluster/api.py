@@ -99,5 +99,6 @@ class GaugeSource(Protocol):
         ...
 
 
-#: Re-read ``keys`` (``None``: every warm key) from storage and re-base on them.
-Resync = Callable[[list[Key] | None], Awaitable[object]]
+#: Re-read the warm keys (and gauges) a filter picks (``None``: every one) from storage and
+#: re-base on them.
+Resync = Callable[[Callable[[Key], bool] | None], Awaitable[object]]

@@ -7,6 +7,10 @@ heartbeat interval it sends a heartbeat, so peers see it alive and notice a lost
 
 Frames are numbered when encoded and sent by one task in that order, so a peer's gap detection
 sees sequences in order, and a slow or dead Redis never blocks the flusher or the tick.
+
+In a sharded cluster (ADR 0024) each key's items go on its tenant's shard, numbered per shard,
+and the control frames on the control channel with their own numbers; a heartbeat goes there
+every ``heartbeat`` seconds whatever else was sent, carrying each shard's last number.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cluster.api import AppliedView, GaugeSource, GossipSource, Key, ValueSource
 from cluster.bus import Bus, BusUnavailable
@@ -29,8 +34,10 @@ from cluster.codec import (
     HoldItem,
     Kind,
     ReadingItem,
+    ValueItem,
     chunks,
 )
+from cluster.shards import ShardMap
 
 log = logging.getLogger("cluster.broadcaster")
 
@@ -75,8 +82,11 @@ class Broadcaster:
         after_commit: Callable[[Callable[[], object]], None] | None = None,
         gauges: GaugeSource | None = None,
         values: ValueSource | None = None,
+        shards: ShardMap | None = None,
     ) -> None:
         self.table = table
+        #: The cluster's shards (one: every frame on the bus' own channel).
+        self.shards = shards or ShardMap(codec.cluster, 1)
         #: Gauges' readings go out with each tick's deltas (``None``: none kept).
         self.gauges = gauges
         #: Unique values learned claimed go out with each tick too (``None``: none kept).
@@ -93,14 +103,18 @@ class Broadcaster:
         self.frame_budget = frame_budget
         self.clock = clock
         self.stats = SendStats()
+        #: The last number of a frame on the bus' own channel (the control channel).
         self.seq = 0
-        #: Something peers should have heard was never sent (an announcement while the bus
-        #: was down; the table then drops the gossip of what was stored): the next frame
-        #: skips a message number, so every peer sees a gap and re-reads storage.
-        self._owe_gap = False
+        #: The last number of a frame on each data shard (sharded clusters).
+        self.shard_seqs = [0] * self.shards.shards
+        #: Channels on which something peers should have heard was never sent (an
+        #: announcement while the bus was down; the table then drops the gossip of what was
+        #: stored): their next frame skips a number, so every peer sees a gap there and
+        #: re-reads storage. ``None``: the bus' own channel.
+        self._owe_gap: set[int | None] = set()
         #: Send nothing (the node does not own its id: another process speaks for it).
         self.muted = False
-        self._outbox: asyncio.Queue[tuple[Kind, int, bytes]] = asyncio.Queue(max_outbox)
+        self._outbox: asyncio.Queue[tuple[Kind, int, bytes, int | None]] = asyncio.Queue(max_outbox)
         self._last_sent = time.monotonic()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -118,23 +132,33 @@ class Broadcaster:
             return 0
         t0 = time.thread_time()
         items: list[DeltaItem] = self.table.take_gossip_all()
-        for part in chunks(items, self.frame_budget):
-            self._queue("deltas", part)
+        self._queue_keyed("deltas", items)
         if self.gauges is not None:
             self.readings(self.gauges.take_readings())
         if self.values is not None:
-            for part in chunks(self.values.take_values(), self.frame_budget):
-                self._queue("values", part)
+            self._queue_keyed("values", self.values.take_values())
         self.stats.encode_s += time.thread_time() - t0
         return len(items)
+
+    def _queue_keyed(
+        self,
+        kind: Kind,
+        items: list[DeltaItem] | list[AnnounceItem] | list[ReadingItem] | list[ValueItem],
+    ) -> None:
+        """Queue items of keys in frames under the budget, each on its key's shard."""
+        if not items:
+            return
+        groups: dict[int | None, list[Any]] = self.shards.split(items)
+        for shard, group in groups.items():
+            for part in chunks(group, self.frame_budget):
+                self._queue(kind, part, shard=shard)
 
     def readings(self, items: Sequence[ReadingItem]) -> None:
         """Queue gauges' readings (observed here, or stored by the gauge flusher); nothing
         while the bus is down: peers re-read storage when it returns."""
         if not items or not self.bus.connected or self.muted:
             return
-        for part in chunks(items, self.frame_budget):
-            self._queue("readings", part)
+        self._queue_keyed("readings", list(items))
 
     def gossip_committed(self) -> None:
         """:meth:`gossip_now`, at the node's next commit boundary (see ``after_commit``)."""
@@ -150,18 +174,18 @@ class Broadcaster:
         if not self.bus.connected or self.muted:
             # Peers learn these totals from storage: they re-read it when they reconnect
             # themselves, or when they see the gap our next frame leaves.
-            self._owe_gap = True
+            of, sharded = self.shards.of, self.shards.sharded
+            self._owe_gap.update({of(k[0]) for k, _ in written} if sharded else {None})
             return
         items: list[AnnounceItem] = [
             (k[0], k[1], k[2], a.snapshot.total, dict(a.snapshot.seqs)) for k, a in written
         ]
-        for part in chunks(items, self.frame_budget):
-            self._queue("announce", part)
+        self._queue_keyed("announce", items)
 
     def heartbeat_now(self) -> None:
         """Queue a heartbeat."""
         if self.bus.connected and not self.muted:
-            self._queue("heartbeat", ())
+            self._queue("heartbeat", (), shard_seqs=self.shard_seqs)
 
     def limits_changed(self, version: int) -> None:
         """Queue a ``limits`` frame: this node changed the stored limits to ``version``.
@@ -192,17 +216,28 @@ class Broadcaster:
         | Sequence[AnnounceItem]
         | Sequence[HoldItem]
         | Sequence[AlertItem]
-        | Sequence[ReadingItem],
+        | Sequence[ReadingItem]
+        | Sequence[ValueItem],
         limits_version: int = 0,
+        *,
+        shard: int | None = None,
+        shard_seqs: Sequence[int] = (),
     ) -> None:
-        if self._owe_gap:
-            self._owe_gap = False
-            self.seq += 1  # a number never sent: a gap for every peer
-        self.seq += 1
-        header = Header(self.codec.cluster, self.node_id, self.incarnation, self.seq, self.clock())
-        frame = self.codec.encode(header, kind, items, limits_version)
+        skip = 0
+        if self._owe_gap and shard in self._owe_gap:
+            self._owe_gap.discard(shard)
+            skip = 1  # a number never sent: a gap for every peer
+        if shard is None:
+            self.seq += 1 + skip
+            seq = self.seq
+        else:
+            seq = self.shard_seqs[shard] = self.shard_seqs[shard] + 1 + skip
+        header = Header(
+            self.codec.cluster, self.node_id, self.incarnation, seq, self.clock(), shard
+        )
+        frame = self.codec.encode(header, kind, items, limits_version, shard_seqs)
         try:
-            self._outbox.put_nowait((kind, len(items), frame))
+            self._outbox.put_nowait((kind, len(items), frame, shard))
             self._idle.clear()
         except asyncio.QueueFull:
             self.stats.dropped += 1
@@ -225,7 +260,7 @@ class Broadcaster:
                         next_at = now + self.interval
                     self.gossip_committed()
                 if now - self._last_sent >= self.heartbeat:
-                    if self._outbox.empty():
+                    if self._outbox.empty() or self.shards.sharded:
                         self.heartbeat_now()
                     self._last_sent = now  # queued (or bus down): next look in a heartbeat
             except Exception:
@@ -233,17 +268,19 @@ class Broadcaster:
 
     async def run_sender(self) -> None:
         """Send queued frames in order, forever."""
+        channel = self.shards.channel
         while True:
-            kind, n, frame = await self._outbox.get()
+            kind, n, frame, shard = await self._outbox.get()
             try:
-                await self.bus.publish(frame)
+                await self.bus.publish(frame, None if shard is None else channel(shard))
             except BusUnavailable as exc:
                 self.stats.failed += 1
                 self.stats.last_error = str(exc)
             else:
                 self._count(kind, n, len(frame))
             finally:
-                self._last_sent = time.monotonic()
+                if shard is None:  # (sharded: heartbeats keep their schedule)
+                    self._last_sent = time.monotonic()
                 if self._outbox.empty():
                     self._idle.set()
 
@@ -295,5 +332,6 @@ class Broadcaster:
             "queued": self._outbox.qsize(),
             "last_error": s.last_error,
             "seq": self.seq,
+            **({"shard_seqs": list(self.shard_seqs)} if self.shards.sharded else {}),
             "encode_s": round(s.encode_s, 6),
         }

@@ -1,4 +1,8 @@
-"""The bus interface: publish bytes to the cluster channel, deliver received bytes to a callback.
+"""The bus interface: publish bytes to the cluster's channels, deliver received bytes to a callback.
+
+A bus always listens to its own channel (the control channel of a sharded cluster, the only
+channel of an unsharded one) and to the other channels :meth:`Bus.listen` names (a sharded
+cluster's data shards, ADR 0024).
 
 A bus is at-most-once and may be down. While it is down :meth:`Bus.publish` fails fast with
 :class:`BusUnavailable` (callers drop the message and carry on: peers detect the gap) and the
@@ -9,7 +13,7 @@ the gossip layer can resync after a reconnect.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 #: Called with each message received on the channel (the bus' own messages included).
 OnMessage = Callable[[bytes], None]
@@ -44,8 +48,16 @@ class Bus(abc.ABC):
         background, with backoff, until :meth:`close`)."""
 
     @abc.abstractmethod
-    async def publish(self, data: bytes) -> None:
-        """Send one message; :class:`BusUnavailable` if it could not be sent."""
+    async def publish(self, data: bytes, channel: str | None = None) -> None:
+        """Send one message on ``channel`` (``None``: the bus' own); :class:`BusUnavailable`
+        if it could not be sent."""
+
+    @abc.abstractmethod
+    async def listen(self, channels: Collection[str]) -> None:
+        """Listen to ``channels`` besides the bus' own (and to no other). Returns once every
+        new one is subscribed, so nothing published on it afterwards is missed;
+        :class:`BusUnavailable` if that could not be confirmed (the bus subscribes them
+        whenever it next connects)."""
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -62,5 +74,5 @@ class Bus(abc.ABC):
 
 
 def channel_name(cluster: str) -> str:
-    """The pub/sub channel of a cluster: two clusters can share one Redis."""
+    """The pub/sub channel of an unsharded cluster: two clusters can share one Redis."""
     return f"meter:{cluster}:gossip"

@@ -17,7 +17,9 @@ array ``[cluster, sender, incarnation, seq, sent_at, kind, body]``:
 ``sent_at``      the sender's wall clock in seconds (for the gossip lag);
 ``kind``         0 heartbeat (body ``nil``), 1 deltas, 2 flush announcements, 3 limits changed,
                  4 holds, 5 alert, 6 readings, 7 values;
-``body``         deltas: ``[[tenant, feature, period, flush_seq, delta], ...]``;
+``body``         heartbeat of a sharded cluster: ``[seq, ...]``, the sender's last message
+                 sequence on each shard (so a lost tail of a shard is seen);
+                 deltas: ``[[tenant, feature, period, flush_seq, delta], ...]``;
                  announcements: ``[[tenant, feature, period, total, {node: seq}], ...]``;
                  limits changed: ``[version]``, the stored limits' new version;
                  holds: ``[[tenant, feature, period, held], ...]``, every counter the sender
@@ -31,6 +33,11 @@ array ``[cluster, sender, incarnation, seq, sent_at, kind, body]``:
                  or stored (docs/dimensions.md);
                  values: ``[[tenant, feature, period, value], ...]``, unique features' values
                  storage holds claimed, as the sender learned them (docs/dimensions.md).
+
+A sharded cluster (``gossip_shards`` K > 1, ADR 0024) appends an eighth element, ``shard``, to
+the frames of its data channels (0..K-1): each shard numbers its frames on its own, and so does
+the control channel (frames of seven elements). A frame of the other shape than the codec's K
+is refused (``shards``).
 
 Deltas and totals that do not fit a signed 64-bit integer travel as decimal strings.
 :func:`decode` returns a :class:`Message` or a :class:`Rejected` with a reason; it never raises.
@@ -73,10 +80,12 @@ _KIND_CODE: Final[dict[str, int]] = {
     "readings": 6,
     "values": 7,
 }
+#: Kinds a sharded cluster sends on its control channel (the others go on data shards).
+CONTROL_KINDS: Final = frozenset({"heartbeat", "limits", "holds", "alert"})
 _GAUGE_KINDS: Final[tuple[str, str]] = ("max", "latest")
 _CODE_KIND: Final[dict[int, Kind]] = {v: cast(Kind, k) for k, v in _KIND_CODE.items()}
 
-Reason = Literal["oversize", "malformed", "version", "unsigned", "bad_mac", "cluster"]
+Reason = Literal["oversize", "malformed", "version", "unsigned", "bad_mac", "cluster", "shards"]
 #: Every rejection reason, for status maps that list zeros too.
 REASONS: Final[tuple[Reason, ...]] = (
     "oversize",
@@ -85,6 +94,7 @@ REASONS: Final[tuple[Reason, ...]] = (
     "unsigned",
     "bad_mac",
     "cluster",
+    "shards",
 )
 
 DeltaItem = tuple[str, str, str, int, int]
@@ -111,6 +121,9 @@ class Header:
     incarnation: int
     seq: int
     sent_at: float
+    #: The data shard the frame travels on; ``None``: the control channel (the only channel
+    #: of an unsharded cluster).
+    shard: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +144,8 @@ class Message:
     readings: tuple[ReadingItem, ...] = ()
     #: ``values``: unique features' values known claimed.
     values: tuple[ValueItem, ...] = ()
+    #: ``heartbeat`` of a sharded cluster: the sender's last sequence on each shard.
+    shard_seqs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,14 +161,16 @@ class _Bad(Exception):
 
 
 class Codec:
-    """Encodes this node's messages and decodes peers'. ``secret`` turns on HMAC-SHA256.
+    """Encodes this node's messages and decodes peers'. ``secret`` turns on HMAC-SHA256;
+    ``shards`` is the cluster's K.
 
     With a secret, every frame sent carries a MAC and every frame received must carry a valid
     one. Without a secret, MACs on received frames are not checked (there is no key).
     """
 
-    def __init__(self, cluster: str, secret: str | bytes | None = None) -> None:
+    def __init__(self, cluster: str, secret: str | bytes | None = None, shards: int = 1) -> None:
         self.cluster = cluster
+        self.shards = shards
         key = secret.encode() if isinstance(secret, str) else secret
         self._key = key or None
 
@@ -175,12 +192,14 @@ class Codec:
         | Sequence[ReadingItem]
         | Sequence[ValueItem] = (),
         limits_version: int = 0,
+        shard_seqs: Sequence[int] = (),
     ) -> bytes:
         """One frame. ``items`` are deltas or announcements according to ``kind``;
-        ``limits_version`` is the body of a ``limits`` frame."""
+        ``limits_version`` is the body of a ``limits`` frame, ``shard_seqs`` of a sharded
+        cluster's heartbeat."""
         body: Any
         if kind == "heartbeat":
-            body = None
+            body = list(shard_seqs) if self.shards > 1 else None
         elif kind == "limits":
             body = [limits_version]
         elif kind == "holds":
@@ -199,18 +218,18 @@ class Codec:
         else:
             anns = cast(Sequence[AnnounceItem], items)
             body = [[t, f, p, _wire_int(n), dict(q)] for t, f, p, n, q in anns]
-        payload: bytes = msgpack.packb(
-            [
-                header.cluster,
-                header.sender,
-                header.incarnation,
-                header.seq,
-                header.sent_at,
-                _KIND_CODE[kind],
-                body,
-            ],
-            use_bin_type=True,
-        )
+        fields = [
+            header.cluster,
+            header.sender,
+            header.incarnation,
+            header.seq,
+            header.sent_at,
+            _KIND_CODE[kind],
+            body,
+        ]
+        if header.shard is not None:
+            fields.append(header.shard)
+        payload: bytes = msgpack.packb(fields, use_bin_type=True)
         flags = FLAG_MAC if self._key else 0
         head = MAGIC + struct.pack("BB", VERSION, flags)
         frame = head + payload
@@ -265,26 +284,39 @@ class Codec:
             return Rejected("malformed", str(exc))
 
     def _message(self, raw: Any) -> Message | Rejected:
-        if not isinstance(raw, list) or len(raw) != 7:
-            raise _Bad("payload is not a 7-element array")
-        cluster, sender, incarnation, seq, sent_at, code, body = raw
+        if not isinstance(raw, list) or len(raw) not in (7, 8):
+            raise _Bad("payload is not a 7- or 8-element array")
+        cluster, sender, incarnation, seq, sent_at, code, body = raw[:7]
         cluster = _str(cluster, "cluster")
         if cluster != self.cluster:
             return Rejected("cluster", f"cluster {cluster[:64]!r}")
+        shard: int | None = None
+        if len(raw) == 8:
+            shard = raw[7]
+            if self.shards == 1 or type(shard) is not int or not 0 <= shard < self.shards:
+                return Rejected("shards", f"shard {shard!r} in a cluster of {self.shards}")
         header = Header(
             cluster,
             _str(sender, "sender"),
             _uint(incarnation, "incarnation"),
             _uint(seq, "seq", lo=1),
             _time(sent_at),
+            shard,
         )
         kind = _CODE_KIND.get(code) if type(code) is int else None
         if kind is None:
             raise _Bad(f"unknown kind {code!r}")
+        if (shard is None) != (kind in CONTROL_KINDS or self.shards == 1):
+            raise _Bad(f"{kind} frame on the {'control' if shard is None else 'data'} channel")
         if kind == "heartbeat":
-            if body is not None:
-                raise _Bad("heartbeat with a body")
-            return Message(header, kind)
+            if self.shards == 1:
+                if body is not None:
+                    raise _Bad("heartbeat with a body")
+                return Message(header, kind)
+            if not isinstance(body, list) or len(body) != self.shards:
+                return Rejected("shards", f"heartbeat of {_count(body)} shards, not {self.shards}")
+            seqs = tuple(_uint(s, "shard seq") for s in body)
+            return Message(header, kind, shard_seqs=seqs)
         if kind == "limits":
             if not isinstance(body, list) or len(body) != 1:
                 raise _Bad("limits body is not [version]")
@@ -302,6 +334,10 @@ class Codec:
         if kind == "values":
             return Message(header, kind, values=tuple(_value(i) for i in body))
         return Message(header, kind, announcements=tuple(_announce(i) for i in body))
+
+
+def _count(body: Any) -> object:
+    return len(body) if isinstance(body, list) else "no"
 
 
 def _wire_int(n: int) -> int | str:

@@ -10,6 +10,13 @@ restarting, going silent or being heard again after it was declared dead, and a 
 reconciliation all ask the node's ``resync``
 callback to re-read warm keys from storage and re-base on them. Requests are coalesced: one
 resync runs at a time, and any that arrive meanwhile become one more.
+
+Sharded (``shards`` K > 1, ADR 0024): a frame on a data shard is numbered within its (sender,
+shard), so a gap there re-reads only the warm keys of that shard; each heartbeat on the control
+channel says the sender's last number on every shard, and a number told by one heartbeat and
+still unheard at the next is a lost tail: a gap too. With ``subscribe="warm"`` the node listens
+only to the shards of tenants it holds warm, joining a shard (with a resync of its keys) when it
+warms the first key of it, leaving it when it holds none.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from cluster.api import AppliedView, GaugeSource, GossipTable, Key, Resync, ValueSource
 from cluster.broadcaster import Broadcaster
-from cluster.bus import Bus
+from cluster.bus import Bus, BusUnavailable
 from cluster.codec import (
     REASONS,
     AlertItem,
@@ -36,6 +43,7 @@ from cluster.codec import (
     Rejected,
 )
 from cluster.peers import Peers, Seen
+from cluster.shards import ShardMap
 
 log = logging.getLogger("cluster.gossip")
 
@@ -79,6 +87,12 @@ class GossipSettings:
     reconcile: float = 60.0
     #: Pause after a failed resync before trying again (doubles up to 30 s).
     resync_retry: float = 1.0
+    #: Gossip shards of the cluster (K; 1: one channel for everything).
+    shards: int = 1
+    #: ``all``: listen to every shard; ``warm``: only to the shards of tenants held warm.
+    subscribe: str = "all"
+    #: How often ``warm`` looks for shards to join or leave.
+    warm_check: float = 0.5
 
 
 class Gossip(Generic[S]):
@@ -119,8 +133,25 @@ class Gossip(Generic[S]):
         # message by it. The node keeps it in its data dir (max(now, last + 1)), so a restart on
         # a clock that went back is still newer; without one, the wall clock in ns.
         self.incarnation = time.time_ns() if incarnation is None else incarnation
-        self.codec = Codec(cluster, secret)
+        self.shards = ShardMap(cluster, self.settings.shards)
+        self.codec = Codec(cluster, secret, self.shards.shards)
+        #: Peers as heard on the bus' own channel (the control channel when sharded): who is
+        #: alive, restarts, and (unsharded) every frame's number.
         self.peers = Peers(self.settings.peer_timeout)
+        #: Sharded: each (sender, shard)'s frame numbers, one table per shard (never expired:
+        #: liveness is the control channel's).
+        self.shard_peers = [Peers(float("inf")) for _ in range(self.shards.shards)]
+        #: Sharded: the shards listened to (``all``: every one, from the start).
+        self.listening: frozenset[int] = frozenset(
+            range(self.shards.shards)
+            if self.shards.sharded and self.settings.subscribe != "warm"
+            else ()
+        )
+        #: The newest incarnation heard of each sender, on any channel (a restart is acted on
+        #: once, wherever it is heard first).
+        self._incarnations: dict[str, int] = {}
+        #: Each sender's last heartbeat's shard numbers, with its incarnation.
+        self._told: dict[str, tuple[int, tuple[int, ...]]] = {}
         self.broadcaster = Broadcaster(
             table,
             bus,
@@ -133,6 +164,7 @@ class Gossip(Generic[S]):
             after_commit=after_commit,
             gauges=gauges,
             values=values,
+            shards=self.shards,
         )
         self.received: dict[str, int] = {
             "messages": 0,
@@ -145,6 +177,7 @@ class Gossip(Generic[S]):
             "values_learned": 0,
             "values_skipped": 0,
             "echoes": 0,
+            "unheard_shard": 0,
         }
         #: CPU seconds (this thread) spent decoding and applying received frames.
         self.apply_s = 0.0
@@ -160,7 +193,11 @@ class Gossip(Generic[S]):
         self.resync_failures = 0
         self.resync_last_error: str | None = None
         self.forgotten_units = 0
+        self.shard_joins = 0
+        self.shard_leaves = 0
         self._want_resync: set[str] = set()
+        #: Shards whose keys a coming resync re-reads (``None``: every key).
+        self._want_shards: set[int] | None = set()
         self._resync_event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._warned_own_id = False
@@ -169,6 +206,10 @@ class Gossip(Generic[S]):
 
     async def start(self) -> None:
         """Start the bus (it connects in the background) and the loops."""
+        if self.listening:
+            # (Subscribed at the first connect; a bus that is not up yet says so: fine.)
+            with contextlib.suppress(BusUnavailable):
+                await self.bus.listen(self._channels(self.listening))
         await self.bus.start(self.on_bytes, self.on_state)
         self._tasks = [
             asyncio.create_task(self.broadcaster.run_sender(), name="gossip-sender"),
@@ -261,7 +302,57 @@ class Gossip(Generic[S]):
                 self._warned_own_id = True
                 log.error("another process publishes as node id %r (must be unique)", h.sender)
             return
+        if h.shard is not None:
+            self._receive_shard(msg)
+            return
+        sharded = self.shards.sharded
         verdict, missed = self.peers.observe(
+            h.sender, h.incarnation, h.seq, h.sent_at, self.clock(), time.monotonic()
+        )
+        if verdict is Seen.STALE or self._incarnation(h.sender, h.incarnation) < 0:
+            self.rejected["stale"] += 1
+            return
+        self.received["messages"] += 1
+        if verdict is Seen.GAP:
+            log.info("gossip gap from %s: %d messages lost; resyncing", h.sender, missed)
+            if not sharded:  # (sharded, this channel carries no counter's units)
+                self.request_resync("gap")
+            self._maybe_missed_limits()
+        elif verdict is Seen.FIRST and h.seq > 1 and not sharded:
+            # A peer that was running before we heard it: its earlier messages may hold
+            # deltas for keys we have warm. Cheap (once per peer), and closes that window.
+            self.request_resync("join")
+        elif verdict is Seen.RESTART:
+            if self._restarted(h.sender, h.incarnation):
+                self._restart(h.sender)
+        elif verdict is Seen.REVIVED:
+            # Declared dead while it was alive: its gossip was forgotten at its "death", and
+            # what it flushed meanwhile may never be announced to us again. Storage has it.
+            log.info("peer %s is heard again after being declared dead; resyncing", h.sender)
+            self.request_resync("revive")
+        if msg.kind == "heartbeat":
+            if msg.shard_seqs:
+                self._tails(h.sender, h.incarnation, msg.shard_seqs)
+        elif msg.kind in ("limits", "holds", "alert"):
+            self._control(msg)
+        else:
+            self._apply(msg)
+
+    def _receive_shard(self, msg: Message) -> None:
+        """A frame on data shard ``msg.header.shard``: numbered within (sender, shard)."""
+        h = msg.header
+        shard = h.shard
+        assert shard is not None
+        if shard not in self.listening:  # (a frame sent before we left the shard)
+            self.received["unheard_shard"] += 1
+            return
+        age = self._incarnation(h.sender, h.incarnation)
+        if age < 0:
+            self.rejected["stale"] += 1
+            return
+        if age > 0 and self._restarted(h.sender, h.incarnation):
+            self._restart(h.sender)  # heard here before its control channel said so
+        verdict, missed = self.shard_peers[shard].observe(
             h.sender, h.incarnation, h.seq, h.sent_at, self.clock(), time.monotonic()
         )
         if verdict is Seen.STALE:
@@ -269,22 +360,66 @@ class Gossip(Generic[S]):
             return
         self.received["messages"] += 1
         if verdict is Seen.GAP:
-            log.info("gossip gap from %s: %d messages lost; resyncing", h.sender, missed)
-            self.request_resync("gap")
-            self._maybe_missed_limits()
-        elif verdict is Seen.FIRST and h.seq > 1:
-            # A peer that was running before we heard it: its earlier messages may hold
-            # deltas for keys we have warm. Cheap (once per peer), and closes that window.
-            self.request_resync("join")
-        elif verdict is Seen.RESTART:
-            # Its earlier incarnation's un-flushed gossip will never be written as such.
-            self._forget(h.sender)
-            self.request_resync("peer")
-        elif verdict is Seen.REVIVED:
-            # Declared dead while it was alive: its gossip was forgotten at its "death", and
-            # what it flushed meanwhile may never be announced to us again. Storage has it.
-            log.info("peer %s is heard again after being declared dead; resyncing", h.sender)
-            self.request_resync("revive")
+            log.info(
+                "gossip gap from %s on shard %d: %d messages lost; resyncing",
+                h.sender, shard, missed,
+            )  # fmt: skip
+            self.request_resync("gap", shard)
+        elif verdict in (Seen.FIRST, Seen.RESTART) and h.seq > 1:
+            self.request_resync("join", shard)
+        self._apply(msg)
+
+    def _incarnation(self, sender: str, incarnation: int) -> int:
+        """-1 if ``incarnation`` is older than one heard of ``sender``, 1 if newer, else 0."""
+        known = self._incarnations.setdefault(sender, incarnation)
+        if incarnation == known:
+            return 0
+        return -1 if incarnation < known else 1
+
+    def _restarted(self, sender: str, incarnation: int) -> bool:
+        """Note ``sender``'s newer ``incarnation``; True if no channel had told it yet."""
+        known = self._incarnations.get(sender)
+        self._incarnations[sender] = incarnation
+        return known is None or incarnation > known
+
+    def _restart(self, sender: str) -> None:
+        # Its earlier incarnation's un-flushed gossip will never be written as such.
+        self._forget(sender)
+        self.request_resync("peer")
+
+    def _tails(self, sender: str, incarnation: int, told: tuple[int, ...]) -> None:
+        """A sharded heartbeat: ``sender``'s last number on each shard. A number the previous
+        heartbeat told that is still unheard is a lost tail (frames on another channel may
+        come a little after a heartbeat, never a whole heartbeat later)."""
+        before = self._told.get(sender)
+        earlier = before[1] if before is not None and before[0] == incarnation else None
+        self._told[sender] = (incarnation, told)
+        mono = time.monotonic()
+        for shard in self.listening:
+            peers = self.shard_peers[shard]
+            peer = peers.by_node.get(sender)
+            if peer is None or peer.incarnation != incarnation:
+                if told[shard] == 0:  # it sent nothing there yet: its first frame is 1
+                    peers.baseline(sender, incarnation, 0, mono)
+                elif earlier is not None and earlier[shard] > 0:
+                    # Frames of it there, none heard in a heartbeat: sent before we listened
+                    # or lost since; storage has what they held, once flushed.
+                    peers.baseline(sender, incarnation, earlier[shard], mono)
+                    self.request_resync("join", shard)
+            elif earlier is not None and earlier[shard] > peer.last_seq:
+                lost = earlier[shard] - peer.last_seq
+                peer.gaps += 1
+                peer.missed += lost
+                peer.last_seq = earlier[shard]
+                log.info(
+                    "gossip from %s on shard %d: its last %d messages lost; resyncing",
+                    sender, shard, lost,
+                )  # fmt: skip
+                self.request_resync("gap", shard)
+
+    def _apply(self, msg: Message) -> None:
+        """A frame's counters, gauges or values."""
+        h = msg.header
         table = self.table
         if msg.kind == "deltas":
             applied = table.apply_remote_many(h.sender, msg.deltas)
@@ -315,9 +450,13 @@ class Gossip(Generic[S]):
             learned = 0 if self.values is None else self.values.learn_values(msg.values)
             self.received["values_learned"] += learned
             self.received["values_skipped"] += len(msg.values) - learned
-        elif self.listener is None:
+
+    def _control(self, msg: Message) -> None:
+        """A frame for the node: limits changed, holds, an alert."""
+        if self.listener is None:
             return
-        elif msg.kind == "limits":
+        h = msg.header
+        if msg.kind == "limits":
             self.listener.on_limits(msg.limits_version)
         elif msg.kind == "holds":
             self.listener.on_holds(h.sender, msg.holds)
@@ -349,9 +488,14 @@ class Gossip(Generic[S]):
 
     # -- resync and housekeeping ---------------------------------------------------------------
 
-    def request_resync(self, reason: str) -> None:
-        """Ask for every warm key to be re-read from storage (coalesced)."""
+    def request_resync(self, reason: str, shard: int | None = None) -> None:
+        """Ask for the warm keys of ``shard`` (``None``: every warm key) to be re-read from
+        storage (coalesced)."""
         self._want_resync.add(reason)
+        if shard is None or not self.shards.sharded:
+            self._want_shards = None
+        elif self._want_shards is not None:
+            self._want_shards.add(shard)
         self._resync_event.set()
 
     async def _resync_loop(self) -> None:
@@ -360,8 +504,9 @@ class Gossip(Generic[S]):
             await self._resync_event.wait()
             self._resync_event.clear()
             reasons, self._want_resync = self._want_resync, set()
+            shards, self._want_shards = self._want_shards, set()
             try:
-                await self.resync(None)
+                await self.resync(self._of_shards(shards))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -369,6 +514,10 @@ class Gossip(Generic[S]):
                 self.resync_last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("gossip resync failed: %s", self.resync_last_error)
                 self._want_resync |= reasons
+                if shards is None or self._want_shards is None:
+                    self._want_shards = None
+                else:
+                    self._want_shards |= shards
                 await asyncio.sleep(backoff)
                 backoff = min(30.0, backoff * 2)
                 self._resync_event.set()
@@ -377,8 +526,20 @@ class Gossip(Generic[S]):
             for reason in reasons:
                 self.resyncs[reason] = self.resyncs.get(reason, 0) + 1
 
+    def _of_shards(self, shards: set[int] | None) -> Callable[[Key], bool] | None:
+        """The resync filter of the keys of ``shards`` (``None``: every key)."""
+        if shards is None:
+            return None
+        of = self.shards.of
+        return lambda key: of(key[0]) in shards
+
+    def _channels(self, shards: frozenset[int]) -> list[str]:
+        return [self.shards.channel(s) for s in sorted(shards)]
+
     async def _maintenance_loop(self) -> None:
         step = min(0.5, self.settings.peer_timeout / 4)
+        if self.shards.sharded and self.settings.subscribe == "warm":
+            step = min(step, self.settings.warm_check)
         last_reconcile = time.monotonic()
         while True:
             await asyncio.sleep(step)
@@ -388,10 +549,32 @@ class Gossip(Generic[S]):
                     log.warning("peer %s is silent: forgetting its un-flushed gossip", peer)
                     self._forget(peer)
                     self.request_resync("peer")
+            if self.shards.sharded and self.settings.subscribe == "warm":
+                await self.follow_warm()
             reconcile = self.settings.reconcile
             if reconcile > 0 and mono - last_reconcile >= reconcile:
                 last_reconcile = mono
                 self.request_resync("reconcile")
+
+    async def follow_warm(self) -> None:
+        """``warm``: listen to the shards of the tenants held warm, and to no other. A shard
+        joined is resynced once listening is confirmed (nothing sent after is missed)."""
+        of, warm = self.shards.of, self.table.keys()
+        wanted = frozenset({of(key[0]) for key in warm})
+        if wanted == self.listening:
+            return
+        joined, left = wanted - self.listening, self.listening - wanted
+        try:
+            await self.bus.listen(self._channels(wanted))
+        except BusUnavailable:
+            return  # (the bus listens to them when it reconnects, and resyncs everything)
+        self.listening = wanted
+        for shard in left:
+            self.shard_peers[shard] = Peers(float("inf"))  # numbers heard there are stale
+        for shard in joined:
+            self.request_resync("join", shard)
+        self.shard_joins += len(joined)
+        self.shard_leaves += len(left)
 
     # -- status -------------------------------------------------------------------------------
 
@@ -418,6 +601,20 @@ class Gossip(Generic[S]):
             "resync_failures": self.resync_failures,
             "resync_last_error": self.resync_last_error,
             "forgotten_units": self.forgotten_units,
+            **(self._shard_status() if self.shards.sharded else {}),
+        }
+
+    def _shard_status(self) -> dict[str, Any]:
+        return {
+            "shards": self.shards.shards,
+            "subscribe": self.settings.subscribe,
+            "listening": len(self.listening),
+            "shard_joins": self.shard_joins,
+            "shard_leaves": self.shard_leaves,
+            "shard_gaps": sum(p.gaps for peers in self.shard_peers for p in peers.by_node.values()),
+            "shard_missed": sum(
+                p.missed for peers in self.shard_peers for p in peers.by_node.values()
+            ),
         }
 
 

@@ -8,7 +8,7 @@ take the hub down and up (:meth:`LocalHub.set_up`) to exercise gaps and reconnec
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from cluster.bus import Bus, BusUnavailable, OnMessage, OnState
 
@@ -46,7 +46,11 @@ class LocalHub:
             self.dropped += 1
             return
         for bus in list(self.buses):
-            if bus.channel == channel and bus.connected and bus._on_message is not None:
+            if (
+                (bus.channel == channel or channel in bus.listening)
+                and bus.connected
+                and bus._on_message is not None
+            ):
                 asyncio.get_running_loop().call_soon(bus._on_message, data)
 
 
@@ -59,6 +63,8 @@ class LocalBus(Bus):
         super().__init__()
         self.hub = hub
         self.channel = channel
+        #: Channels listened to besides ``channel``.
+        self.listening: frozenset[str] = frozenset()
         self._on_message: OnMessage | None = None
         self._on_state: OnState | None = None
 
@@ -68,10 +74,15 @@ class LocalBus(Bus):
         self.hub.buses.append(self)
         self._set_connected(self.hub.up)
 
-    async def publish(self, data: bytes) -> None:
+    async def publish(self, data: bytes, channel: str | None = None) -> None:
         if not self.connected:
             raise BusUnavailable("local hub is down")
-        self.hub._deliver(self.channel, bytes(data))
+        self.hub._deliver(channel or self.channel, bytes(data))
+
+    async def listen(self, channels: Collection[str]) -> None:
+        self.listening = frozenset(channels)
+        if not self.connected:
+            raise BusUnavailable("local hub is down")
 
     async def close(self) -> None:
         if self in self.hub.buses:

@@ -86,6 +86,11 @@ class Peers:
         peer.lags.append(now - sent_at)
         return verdict, missed
 
+    def baseline(self, node: str, incarnation: int, seq: int, mono: float) -> None:
+        """Take ``seq`` as ``node``'s last message without a verdict (what it sent before was
+        read from storage by other means)."""
+        self.by_node[node] = Peer(node, incarnation, seq, mono)
+
     def expire(self, mono: float) -> list[str]:
         """Mark peers silent for ``dead_after`` as dead; return those that just died."""
         died = []

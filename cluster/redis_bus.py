@@ -3,7 +3,8 @@ with AUTH (``redis://user:password@host:port/db``) taken from the URL. TLS (``re
 options are redis-py's ``ssl_*`` connection arguments as URL query parameters, for instance
 ``rediss://:pw@host:6380/0?ssl_ca_certs=/etc/meter/redis-ca.pem`` (see docs/cluster.md).
 
-One subscriber connection reads the channel; publishes go through the client's pool. When the
+One subscriber connection reads the channel (and the shards' channels the gossip layer listens
+to, :meth:`RedisBus.listen`); publishes go through the client's pool. When the
 subscriber loses Redis the bus is *down*: :meth:`RedisBus.publish` fails fast without trying,
 and the subscriber reconnects with exponential backoff and full jitter (so a fleet does not
 reconnect in lock-step). Redis errors never leave this module: they become :class:`BusError`s.
@@ -17,6 +18,7 @@ import logging
 import random
 import re
 import ssl
+from collections.abc import Collection
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -66,6 +68,12 @@ class RedisBus(Bus):
             health_check_interval=health_check_s,
         )
         self._task: asyncio.Task[None] | None = None
+        #: Channels to listen to besides ``channel`` (subscribed at every connect).
+        self._listening: frozenset[str] = frozenset()
+        #: The connected subscriber and the channels Redis confirmed on it.
+        self._pubsub: Any = None
+        self._subscribed: set[str] = set()
+        self._waiters: dict[str, asyncio.Future[None]] = {}
         self._on_message: OnMessage | None = None
         self._on_state: OnState | None = None
         self._closing = False
@@ -75,13 +83,29 @@ class RedisBus(Bus):
         self._on_state = on_state
         self._task = asyncio.create_task(self._run(), name="redis-bus")
 
-    async def publish(self, data: bytes) -> None:
+    async def publish(self, data: bytes, channel: str | None = None) -> None:
         if not self.connected:
             raise BusUnavailable(f"redis is not connected: {self.last_error}")
         try:
-            await self._client.publish(self.channel, data)
+            await self._client.publish(channel or self.channel, data)
         except (RedisError, OSError) as exc:
             raise BusUnavailable(f"publish failed: {_describe(exc)}") from None
+
+    async def listen(self, channels: Collection[str]) -> None:
+        self._listening = frozenset(channels) - {self.channel}
+        pubsub = self._pubsub
+        if not self.connected or pubsub is None:
+            raise BusUnavailable(f"redis is not connected: {self.last_error}")
+        gone = self._subscribed - self._listening - {self.channel}
+        new = self._listening - self._subscribed
+        try:
+            if gone:
+                await pubsub.unsubscribe(*gone)
+                self._subscribed -= gone
+            if new:
+                await self._confirmed(pubsub, new)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise BusUnavailable(f"subscribe failed: {_describe(exc)}") from None
 
     async def xadd(self, stream: str, fields: dict[str, str], maxlen: int) -> str:
         """``XADD stream MAXLEN ~ maxlen * fields`` on the client's pool; the entry's id.
@@ -107,6 +131,8 @@ class RedisBus(Bus):
         out = super().describe()
         out["url"] = redact(self.url)
         out["channel"] = self.channel
+        if self._listening:
+            out["listening"] = len(self._listening)
         return out
 
     # -- the subscriber loop -----------------------------------------------------------------
@@ -115,9 +141,11 @@ class RedisBus(Bus):
         failures = 0
         while not self._closing:
             pubsub: Any = self._client.pubsub()
+            self._subscribed = set()
             try:
                 await self._subscribe(pubsub)
                 failures = 0
+                self._pubsub = pubsub
                 self._set_connected(True)
                 await self._read(pubsub)
             except (RedisError, OSError, TimeoutError) as exc:
@@ -127,6 +155,11 @@ class RedisBus(Bus):
                 self._set_connected(False)
                 failures += 1
             finally:
+                self._pubsub = None
+                for waiter in self._waiters.values():
+                    if not waiter.done():
+                        waiter.set_exception(BusUnavailable("the subscriber lost redis"))
+                self._waiters.clear()
                 with contextlib.suppress(RedisError, OSError, TimeoutError):
                     await asyncio.wait_for(pubsub.aclose(), 1.0)
             if self._stopped():
@@ -135,7 +168,8 @@ class RedisBus(Bus):
             await asyncio.sleep(random.uniform(cap / 2, cap))
 
     async def _subscribe(self, pubsub: Any) -> None:
-        await pubsub.subscribe(self.channel)
+        channels = {self.channel, *self._listening}
+        await pubsub.subscribe(*channels)
         # Connected means subscribed: wait for Redis to confirm, so nothing published after
         # this point is missed.
         loop = asyncio.get_running_loop()
@@ -143,13 +177,34 @@ class RedisBus(Bus):
         while loop.time() < deadline:
             msg = await pubsub.get_message(timeout=1.0)
             if msg is not None and msg.get("type") == "subscribe":
-                return
+                self._subscribed.add(_text(msg.get("channel")))
+                if channels <= self._subscribed:
+                    return
         raise TimeoutError("no subscribe confirmation from redis")
+
+    async def _confirmed(self, pubsub: Any, channels: Collection[str]) -> None:
+        """Subscribe ``channels`` on the live subscriber and wait until the reader sees Redis
+        confirm each."""
+        loop = asyncio.get_running_loop()
+        waiters = {ch: self._waiters.get(ch) or loop.create_future() for ch in channels}
+        self._waiters.update(waiters)
+        await pubsub.subscribe(*channels)
+        await asyncio.wait_for(asyncio.gather(*waiters.values()), 5.0)
 
     async def _read(self, pubsub: Any) -> None:
         while True:
-            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-            if msg is None or msg.get("type") != "message":
+            msg = await pubsub.get_message(timeout=1.0)
+            if msg is None:
+                continue
+            kind = msg.get("type")
+            if kind == "subscribe":
+                channel = _text(msg.get("channel"))
+                self._subscribed.add(channel)
+                waiter = self._waiters.pop(channel, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
+                continue
+            if kind != "message":
                 continue
             data = msg.get("data")
             if isinstance(data, bytes) and self._on_message is not None:
@@ -174,6 +229,10 @@ class RedisBus(Bus):
                 self._on_state(up)
             except Exception:
                 log.exception("bus state callback failed")
+
+
+def _text(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _describe(exc: BaseException) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from cluster.shards import MAX_SHARDS
 from meter.compiled import PURE_ENV
 from meter.core.keys import FEATURE_RE, PeriodKind
 from meter.errors import ConfigError
@@ -180,6 +181,11 @@ class ClusterConfig:
     #: The Redis Stream threshold alerts are added to (docs/quotas.md), and its MAXLEN (~).
     alerts_stream: str = "meter:alerts"
     alerts_stream_maxlen: int = 100_000
+    #: Gossip shards K (ADR 0024): fixed when the cluster is created, stored with it; 1 is
+    #: one channel for everything.
+    gossip_shards: int = 1
+    #: ``all``: listen to every shard; ``warm``: only to the shards of tenants held warm.
+    gossip_subscribe: str = "all"
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +351,14 @@ def _durability(setting: str, raw: Any) -> str:
 
 
 FLUSH_MODES = ("auto", "batched", "single")
+GOSSIP_SUBSCRIBE = ("all", "warm")
+
+
+def _gossip_subscribe(setting: str, raw: Any) -> str:
+    mode = _str(setting, raw).lower()
+    if mode not in GOSSIP_SUBSCRIBE:
+        raise ConfigError(setting, f"must be one of {', '.join(GOSSIP_SUBSCRIBE)}, got {raw!r}")
+    return mode
 
 
 def _flush_mode(setting: str, raw: Any) -> str:
@@ -541,6 +555,8 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "cluster_reconcile_s": ("cluster", "reconcile_s", _float(0, 10**7)),
     "alerts_stream": ("cluster", "alerts_stream", _str),
     "alerts_stream_maxlen": ("cluster", "alerts_stream_maxlen", _int(1, 1_000_000_000)),
+    "gossip_shards": ("cluster", "gossip_shards", _int(1, MAX_SHARDS)),
+    "gossip_subscribe": ("cluster", "gossip_subscribe", _gossip_subscribe),
     "durability": ("durability", "mode", _durability),
     "wal_fsync_interval_ms": ("durability", "fsync_interval_ms", _int(1, 60_000)),
     "wal_segment_bytes": ("durability", "segment_bytes", _int(4096, 1 << 40)),
@@ -659,6 +675,8 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
             f"{address[0]} is not a loopback address: set http_token too (docs/deployment.md)",
         )
     c = cfg.cluster
+    if c.gossip_subscribe == "warm" and c.gossip_shards == 1:
+        raise ConfigError("gossip_subscribe", "warm needs gossip_shards above 1 (ADR 0024)")
     if c.peer_timeout_ms <= 2 * c.heartbeat_ms:
         # An idle peer speaks once per heartbeat: with one heartbeat lost (or late) it must
         # not be declared dead, which forgets its gossip and costs a resync.

@@ -12,7 +12,8 @@ lease while it runs and writes only while it holds it (``docs/adr/0004-one-owner
 
 One Protocol per concern (:class:`Counters`, :class:`Owners`, :class:`LimitRecords`,
 :class:`BudgetRecords`, :class:`AlertClaims`, :class:`LedgerRecords`, :class:`GaugeRecords`,
-:class:`DayBuckets`, :class:`UniqueValues`, :class:`PeriodMarks`), so each part of the node
+:class:`DayBuckets`, :class:`UniqueValues`, :class:`PeriodMarks`, :class:`ClusterSettings`), so
+each part of the node
 depends on the store it uses; :class:`Storage`, the base every backend derives from, is all of
 them at once.
 """
@@ -654,6 +655,12 @@ class AlertClaims(Protocol):
     async def claim_alert(self, alert_id: str, body: str) -> bool: ...
 
 
+class ClusterSettings(Protocol):
+    """Settings fixed when a cluster is created (ADR 0024)."""
+
+    async def cluster_setting(self, name: str, value: str) -> str: ...
+
+
 class LedgerRecords(Protocol):
     """Credits ledgers (docs/ledger.md)."""
 
@@ -911,6 +918,14 @@ class Storage(abc.ABC):
         Bodies name their claimant, so two claimants never store equal bodies. Raises
         :class:`StorageError` if storage cannot tell (the caller tries again later)."""
         raise StoragePermanentError(f"{self.kind}: this storage does not keep alerts")
+
+    # -- cluster settings (ADR 0024) ---------------------------------------------------------
+
+    async def cluster_setting(self, name: str, value: str) -> str:
+        """Store ``value`` under ``name`` unless a value is stored there ("put if absent",
+        kept for good); answer the value stored now. Raises :class:`StorageError` if storage
+        cannot tell."""
+        raise StoragePermanentError(f"{self.kind}: this storage does not keep cluster settings")
 
     # -- credits ledgers (docs/ledger.md) ----------------------------------------------------
     # Per tenant: a balance record replaced by compare-and-swap on its version, an append-only

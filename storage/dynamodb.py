@@ -179,6 +179,9 @@ _BUDGET_SK = "#b#"
 #: A claimed threshold alert (docs/quotas.md) is the item ``pk = OWNER_PK, sk = "alert#" + id``
 #: with ``b`` (S): the body of the claim that stored it first.
 _ALERT_SK = "alert#"
+#: A cluster setting (ADR 0024) is the item ``pk = OWNER_PK, sk = "setting#" + name`` with ``b``
+#: (S): the value stored first. No ``ttl``: kept for good.
+_SETTING_SK = "setting#"
 #: A tenant's credits ledger (docs/ledger.md) lives in the tenant's partition under sort keys
 #: that start with ``#l#`` (never a counter's ``<period>#...`` nor a budget's ``#b#``): the
 #: balance record ``#l#bal`` with ``v`` (N, its version) and ``b`` (S); each entry
@@ -1524,6 +1527,26 @@ class DynamoDBStorage(Storage):
             raise StorageUnavailable("dynamodb: alert claim: not stored; try again")
         stored = item.get("b", {}).get("S")
         return bool(stored == body)
+
+    async def cluster_setting(self, name: str, value: str) -> str:
+        """A ``PutItem`` conditioned on ``attribute_not_exists(pk)``, then a consistent read
+        of what is stored (whichever put landed first)."""
+        key = {"pk": {"S": OWNER_PK}, "sk": {"S": _SETTING_SK + name}}
+        with contextlib.suppress(_ConditionFailed, StorageUnavailable):  # (the read tells)
+            await self._call(
+                "put_item",
+                "cluster setting",
+                TableName=self.table,
+                Item={**key, "b": {"S": value}},
+                ConditionExpression="attribute_not_exists(pk)",
+            )
+        resp = await self._call(
+            "get_item", "cluster setting", TableName=self.table, Key=key, ConsistentRead=True
+        )
+        stored = resp.get("Item", {}).get("b", {}).get("S")
+        if not isinstance(stored, str):
+            raise StorageUnavailable(f"dynamodb: cluster setting {name}: not stored; try again")
+        return stored
 
     # -- unique values (docs/storage.md, "Unique values") ------------------------------------
 

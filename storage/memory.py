@@ -83,6 +83,7 @@ class MemoryStorage(Storage):
         self.budget_lose_next = 0
         #: Claimed alerts: id -> body.
         self.alerts: dict[str, str] = {}
+        self.settings: dict[str, str] = {}
         #: Ledgers (docs/ledger.md) by tenant: (version, balance body), entries by seq, refs.
         self.ledgers: dict[str, tuple[int, str]] = {}
         self.ledger_entries_: dict[str, dict[int, str]] = {}
@@ -372,6 +373,9 @@ class MemoryStorage(Storage):
             self.lose_next_ack -= 1
             raise StorageUnavailable("injected loss of the response after the write")
         return stored == body
+
+    async def cluster_setting(self, name: str, value: str) -> str:
+        return self.settings.setdefault(name, value)
 
     # -- credits ledgers -----------------------------------------------------------------------
 

@@ -218,6 +218,13 @@ CREATE TABLE IF NOT EXISTS alerts (
     expires_at INTEGER NOT NULL
 ) WITHOUT ROWID
 """
+#: Settings fixed when the cluster was created (ADR 0024): the first value stays. Additive.
+_SETTINGS = """
+CREATE TABLE IF NOT EXISTS cluster_settings (
+    name  TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+) WITHOUT ROWID
+"""
 #: Credits ledgers (docs/ledger.md): a balance record per tenant replaced by version, its
 #: entries by sequence and its ref records. Additive tables: the schema version is unchanged.
 _LEDGERS = (
@@ -796,6 +803,22 @@ class SQLiteStorage(Storage):
 
         return await self._run(lambda: self._immediate(claim, f"claiming an alert in {self.path}"))
 
+    async def cluster_setting(self, name: str, value: str) -> str:
+        """``INSERT OR IGNORE`` then read back, in one ``BEGIN IMMEDIATE``."""
+
+        def put(conn: sqlite3.Connection) -> str:
+            conn.execute(
+                "INSERT OR IGNORE INTO cluster_settings (name, value) VALUES (?, ?)", (name, value)
+            )
+            row = conn.execute(
+                "SELECT value FROM cluster_settings WHERE name = ?", (name,)
+            ).fetchone()
+            return str(row[0])
+
+        return await self._run(
+            lambda: self._immediate(put, f"storing the cluster setting {name} in {self.path}")
+        )
+
     # -- unique values (docs/storage.md, "Unique values") ------------------------------------
 
     async def claim_value(self, key: Key, value: str, claimant: str) -> str:
@@ -1329,6 +1352,7 @@ class SQLiteStorage(Storage):
             conn.execute(_BUDGETS)
             conn.execute(_BUDGET_ADMITS)
             conn.execute(_ALERTS)
+            conn.execute(_SETTINGS)
             for statement in _LEDGERS:
                 conn.execute(statement)
             self._add_timeline(conn)

@@ -125,8 +125,41 @@ def test_every_rejection_reason() -> None:
         Codec("prod", "k").decode(_frame(GOOD)).reason,  # type: ignore[union-attr]
         Codec("prod", "k").decode(_frame(GOOD, flags=1) + b"\0" * 32).reason,  # type: ignore[union-attr]
         c.decode(_frame(["other", *GOOD[1:]])).reason,  # type: ignore[union-attr]
+        c.decode(_frame([*GOOD, 0])).reason,  # type: ignore[union-attr]
     }
     assert seen == set(REASONS)
+
+
+def test_sharded_frames_carry_their_shard_and_heartbeats_every_shards_number() -> None:
+    c = Codec("prod", shards=4)
+    on_shard = Header("prod", "node-a", 1, 7, 1.0, shard=3)
+    deltas = [("t1", "api", "2026-11", 3, 5)]
+    m = c.decode(c.encode(on_shard, "deltas", deltas))
+    assert isinstance(m, Message) and m.header == on_shard and list(m.deltas) == deltas
+    m = c.decode(c.encode(H, "heartbeat", shard_seqs=[0, 5, 2, 9]))
+    assert isinstance(m, Message) and m.header.shard is None and m.shard_seqs == (0, 5, 2, 9)
+    m = c.decode(c.encode(H, "limits", limits_version=3))
+    assert isinstance(m, Message) and m.limits_version == 3
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (["prod", "n", 1, 1, 1.0, 1, [], 4], "shards"),  # shard past K
+        (["prod", "n", 1, 1, 1.0, 1, [], -1], "shards"),
+        (["prod", "n", 1, 1, 1.0, 1, [], True], "shards"),
+        (["prod", "n", 1, 1, 1.0, 0, [1, 2]], "shards"),  # a heartbeat of another K
+        (["prod", "n", 1, 1, 1.0, 0, None], "shards"),  # an unsharded heartbeat
+        (["prod", "n", 1, 1, 1.0, 0, [1, 2, 3, -1]], "malformed"),
+        (["prod", "n", 1, 1, 1.0, 1, []], "malformed"),  # deltas on the control channel
+        (["prod", "n", 1, 1, 1.0, 3, [1], 0], "malformed"),  # limits on a data shard
+        (["prod", "n", 1, 1, 1.0, 0, [0, 0, 0, 0], 1], "malformed"),  # heartbeat on a shard
+        (["prod", "n", 1, 1, 1.0, 1, [], 0, 0], "malformed"),  # nine elements
+    ],
+)
+def test_a_sharded_codec_refuses_frames_of_another_shape(raw: list[Any], reason: str) -> None:
+    got = Codec("prod", shards=4).decode(_frame(raw))
+    assert isinstance(got, Rejected) and got.reason == reason, got
 
 
 def test_malformed_payloads() -> None:

@@ -19,6 +19,7 @@ from cluster.bus import channel_name
 from cluster.codec import AlertItem, Codec, DeltaItem, Header, HoldItem
 from cluster.gossip import Gossip, GossipSettings
 from cluster.local_bus import LocalHub
+from cluster.shards import ShardMap
 from meter.core.table import CounterTable
 from meter.node.wiring import resync_from
 from meter.persist.flusher import Flusher
@@ -65,11 +66,14 @@ class N:
 
 
 class Cluster:
-    def __init__(self, hub: LocalHub, store: MemoryStorage) -> None:
+    def __init__(
+        self, hub: LocalHub, store: MemoryStorage, keys: Sequence[tuple[str, str, str]] = KEYS
+    ) -> None:
         self.hub = hub
         self.store = store
+        self.keys = list(keys)
         self.nodes: list[N] = []
-        self.acked = dict.fromkeys(KEYS, 0)
+        self.acked = dict.fromkeys(self.keys, 0)
 
     async def add(
         self,
@@ -78,14 +82,16 @@ class Cluster:
         settings: GossipSettings = MANUAL,
         table_class: type[CounterTable] = CounterTable,
         replay: dict[tuple[str, str, str], int] | None = None,
+        warm: Sequence[tuple[str, str, str]] | None = None,
     ) -> N:
-        """A node on the hub and the store. ``replay``: units it held unflushed before a
-        restart (recovered from its write-ahead log), counted again after seeding."""
+        """A node on the hub and the store, holding ``warm`` keys (default: all). ``replay``:
+        units it held unflushed before a restart (recovered from its write-ahead log),
+        counted again after seeding."""
         table = table_class(name)
         heard = Heard()
         gossip: Gossip[Snapshot] = Gossip(
             table,
-            self.hub.bus(channel_name("t")),
+            self.hub.bus(ShardMap("t", settings.shards).control),
             node_id=name,
             cluster="t",
             make_snapshot=Snapshot,
@@ -95,8 +101,9 @@ class Cluster:
             listener=heard,
         )
         flusher = Flusher(table, self.store, interval=3600, on_flushed=gossip.on_flushed)
-        snaps = await self.store.load(KEYS)
-        for key in KEYS:
+        warm = self.keys if warm is None else warm
+        snaps = await self.store.load(warm)
+        for key in warm:
             table.seed(key, snaps.get(key, EMPTY))
         for key, qty in (replay or {}).items():
             table.incr(key, qty)

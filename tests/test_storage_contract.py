@@ -529,6 +529,16 @@ async def test_concurrent_alert_claims_have_one_winner(storage: Storage) -> None
     assert sum(won) == 1
 
 
+async def test_a_cluster_setting_keeps_the_first_value_stored(storage: Storage) -> None:
+    import asyncio
+
+    assert await storage.cluster_setting("gossip_shards", "16") == "16"
+    assert await storage.cluster_setting("gossip_shards", "4") == "16"  # kept for good
+    assert await storage.cluster_setting("other", "4") == "4"  # names are independent
+    won = await asyncio.gather(*(storage.cluster_setting("race", str(i)) for i in range(8)))
+    assert len(set(won)) == 1 and won[0] in {str(i) for i in range(8)}
+
+
 async def test_sqlite_reopen_after_close_keeps_data(tmp_path: Path) -> None:
     """Persistence is a property of the durable backends only (not ``memory``)."""
     path = tmp_path / "nested" / "dir" / "meter.db"

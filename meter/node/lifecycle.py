@@ -102,6 +102,8 @@ class Node:
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self.drained: bool | None = None
+        #: The cluster's stored ``gossip_shards`` turned out to be another (exit code 2).
+        self.refused = False
 
     def _unstored_keys(self) -> Iterator[Key]:
         """Keys of everything this node holds that storage may not hold yet: units, open
@@ -174,6 +176,10 @@ class Node:
                 note=self._owner_note,
             )
             await self.owner.claim()
+            # Gossip starts once storage says the cluster's K is this node's (ADR 0024).
+            shards_known = not cfg.cluster.redis_url or await loops.shards_match(
+                self.storage, cfg.cluster
+            )
             # Alone, nobody would take the gossip columns: the table does not keep them.
             self.table = CounterTable(node_id, gossip=bool(cfg.cluster.redis_url))
             gauges = GaugeTable(node_id, gossip=self.table.gossip)
@@ -341,7 +347,13 @@ class Node:
             # Right after the socket opens: requests arriving meanwhile are read first.
             self._tasks.append(asyncio.create_task(warm_up(service, warm), name="warm-up"))
         if self.gossip is not None:
-            await self.gossip.start()  # connects in the background; serving does not wait
+            if shards_known:
+                await self.gossip.start()  # connects in the background; serving does not wait
+            else:
+                start = loops.gossip_once_shards_known(
+                    self.storage, c, self.gossip, refuse=self._refuse
+                )
+                self._tasks.append(asyncio.create_task(start, name="gossip-shards"))
             holds = loops.HoldsAnnouncer(
                 service.reservations,
                 parts.peer_holds,
@@ -498,6 +510,10 @@ class Node:
 
     # -- run and stop -------------------------------------------------------------------------
 
+    def _refuse(self) -> None:
+        self.refused = True
+        self.request_stop()
+
     def request_stop(self) -> None:
         """Ask ``run()`` to drain and return (what SIGTERM does)."""
         self._stop.set()
@@ -510,7 +526,8 @@ class Node:
         try:
             await self._stop.wait()
             log.info("stop requested: draining")
-            return await self.stop()
+            code = await self.stop()
+            return 2 if self.refused else code
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)

@@ -1,6 +1,6 @@
 """A node's background loops beside the flusher, gossip and the limits: each a thin loop over
 the parts it keeps up (reservation expiry, eviction, retention purge, strict shares, holds,
-unique values' claims).
+unique values' claims, the wait for the cluster's gossip shards).
 
 Each loop runs until cancelled (the node's stop); one that must not end on a bug logs it and
 goes on.
@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from cluster.gossip import Gossip
+from meter.config import ClusterConfig
 from meter.core.leases import Reservations
 from meter.core.service import Service
 from meter.core.uniques import Uniques
+from meter.errors import ConfigError
 from meter.quotas.holds import MAX_HOLD_BYTES, MAX_HOLD_KEYS, PeerHolds, local_holds
 from meter.quotas.shares import Shares
 from storage.base import Snapshot, Storage, StorageError
@@ -31,6 +34,42 @@ EXPIRY_TICK_S = 0.05
 IDS_EVERY_TICKS = 20
 #: At most one warning per this many seconds while holds are left out of the frame.
 WARN_HOLDS_EVERY_S = 60.0
+
+
+async def shards_match(storage: Storage, c: ClusterConfig) -> bool:
+    """Whether the cluster's ``gossip_shards``, stored when it was created (now, if this node
+    is the first), is this node's (ADR 0024); :class:`ConfigError` if not; False if storage
+    cannot tell yet."""
+    try:
+        stored = await storage.cluster_setting("gossip_shards", str(c.gossip_shards))
+    except StorageError as exc:
+        log.warning("cannot read the cluster's gossip_shards yet (%s); gossip waits", exc)
+        return False
+    if stored != str(c.gossip_shards):
+        raise ConfigError(
+            "gossip_shards",
+            f"cluster {c.cluster_name!r} was created with gossip_shards = {stored}, this node "
+            f"has {c.gossip_shards}: K is fixed for the cluster's life, start the node with "
+            f'METER_GOSSIP_SHARDS={stored} (docs/cluster.md, "Shards")',
+        )
+    return True
+
+
+async def gossip_once_shards_known(
+    storage: Storage, c: ClusterConfig, gossip: Gossip[Snapshot], *, refuse: Callable[[], None]
+) -> None:
+    """Start ``gossip`` once storage tells the cluster's K (:func:`shards_match`); ``refuse``
+    (stop the node) if it is another."""
+    pause = 1.0
+    try:
+        while not await shards_match(storage, c):
+            await asyncio.sleep(pause)
+            pause = min(30.0, pause * 2)
+    except ConfigError as exc:
+        log.error("refusing to gossip: %s", exc.message)
+        refuse()
+        return
+    await gossip.start()
 
 
 async def expire_reservations(service: Service) -> None:

@@ -14,10 +14,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.bus import channel_name
 from cluster.codec import DeltaItem
 from cluster.gossip import Gossip, GossipSettings, Listener
 from cluster.redis_bus import RedisBus
+from cluster.shards import ShardMap
 from meter.catalog.methods import FeatureMethods
 from meter.config import CounterConfig, NodeConfig
 from meter.core.children import ChildrenMethod
@@ -96,17 +96,18 @@ def resync_from(
     listener: Listener,
     gauges: GaugeTable | None = None,
     chunk: int = 100,
-) -> Callable[[list[Key] | None], Awaitable[int]]:
-    """The gossip layer's resync callback: re-read keys (``None``: every warm, seeded key and
-    every warm gauge) from storage in chunks and re-base on them; ``listener`` hears the
-    views that moved (a crossing found only in storage still alerts). Storage errors
-    propagate (gossip retries later)."""
+) -> Callable[[Callable[[Key], bool] | None], Awaitable[int]]:
+    """The gossip layer's resync callback: re-read the warm, seeded keys and warm gauges
+    ``which`` picks (``None``: all) from storage in chunks and re-base on them; ``listener``
+    hears the views that moved (a crossing found only in storage still alerts). Storage
+    errors propagate (gossip retries later)."""
 
-    async def resync(keys: list[Key] | None) -> int:
+    async def resync(which: Callable[[Key], bool] | None) -> int:
         # Peers' words may have been lost (what a resync is for): the dimension counters a
         # peer made meanwhile are unknown here, so every listing is read again when needed.
         table.missed.forget()
-        wanted = [k for k in (table.keys() if keys is None else keys) if table.is_seeded(k)]
+        seeded, warm = table.is_seeded, table.keys()
+        wanted = [k for k in warm if seeded(k) and (which is None or which(k))]
         rebased = 0
         for start in range(0, len(wanted), chunk):
             try:
@@ -122,16 +123,19 @@ def resync_from(
                         moved.append((key[0], key[1], key[2], 0, by))
             if moved:
                 listener.on_deltas(moved)
-        if keys is None and gauges is not None:  # (after the counters: a bad gauge item
-            await _reread_gauges(storage, gauges, chunk)  # fails this resync, not theirs)
+        if gauges is not None:  # (after the counters: a bad gauge item fails this resync,
+            await _reread_gauges(storage, gauges, chunk, which)  # not theirs)
         return rebased
 
     return resync
 
 
-async def _reread_gauges(storage: Storage, gauges: GaugeTable, chunk: int) -> None:
-    """Merge every warm gauge's stored reading (a peer's reading lost with a frame)."""
-    warm = gauges.warm()
+async def _reread_gauges(
+    storage: Storage, gauges: GaugeTable, chunk: int, which: Callable[[Key], bool] | None
+) -> None:
+    """Merge the stored reading of every warm gauge ``which`` picks (a peer's reading lost
+    with a frame)."""
+    warm = [(key, kind) for key, kind in gauges.warm() if which is None or which(key)]
     for start in range(0, len(warm), chunk):
         part = warm[start : start + chunk]
         read = await storage.load_gauges([key for key, _ in part])
@@ -140,10 +144,11 @@ async def _reread_gauges(storage: Storage, gauges: GaugeTable, chunk: int) -> No
 
 
 def build_bus(cfg: NodeConfig) -> RedisBus:
-    """The Redis pub/sub bus of the configured cluster (also the alerts' stream)."""
+    """The Redis pub/sub bus of the configured cluster (also the alerts' stream), on its
+    control channel (the only channel of an unsharded cluster)."""
     c = cfg.cluster
     assert c.redis_url is not None
-    return RedisBus(c.redis_url, channel_name(c.cluster_name))
+    return RedisBus(c.redis_url, ShardMap(c.cluster_name, c.gossip_shards).control)
 
 
 def build_gossip(
@@ -179,6 +184,8 @@ def build_gossip(
             heartbeat=c.heartbeat_ms / 1000,
             peer_timeout=c.peer_timeout_ms / 1000,
             reconcile=c.reconcile_s,
+            shards=c.gossip_shards,
+            subscribe=c.gossip_subscribe,
         ),
         after_commit=after_commit,
         listener=listener,
