@@ -174,3 +174,38 @@ async def test_outage_fails_fast_and_reconnects(
         assert a.connects == 2
     finally:
         await a.close()
+
+
+async def test_listened_channels_are_confirmed_heard_left_and_kept_across_a_reconnect(
+    redis_factory: Callable[..., RedisServer], cluster_name: str
+) -> None:
+    """The shards' channels (ADR 0024): ``listen`` returns once Redis confirmed them, so what
+    is published next is heard; a channel left is not heard; a reconnect listens again."""
+    server = redis_factory()
+    control, shard = f"meter:{cluster_name}:control", f"meter:{cluster_name}:gossip:{{}}"
+    a, pa = await _bus(server.url, control)
+    b, pb = await _bus(server.url, control)
+    try:
+        await a.listen([shard.format(0), shard.format(1)])
+        await b.publish(b"s0", shard.format(0))  # at once: the subscription is confirmed
+        await b.publish(b"s2", shard.format(2))  # not listened to
+        await b.publish(b"s1", shard.format(1))
+        await b.publish(b"c")  # the bus' own channel
+        await pa.wait(lambda: len(pa.got) == 3)
+        assert pa.got == [b"s0", b"s1", b"c"]
+        await a.listen([shard.format(1)])  # leaves shard 0
+        await b.publish(b"gone", shard.format(0))
+        await b.publish(b"kept", shard.format(1))
+        await pa.wait(lambda: len(pa.got) == 4)
+        assert pa.got[3:] == [b"kept"]
+        assert a.describe()["listening"] == 1
+        server.restart()
+        await pa.wait(lambda: pa.states[-2:] == [False, True] and a.connected)
+        await pb.wait(lambda: b.connected)
+        await b.publish(b"again", shard.format(1))
+        await pa.wait(lambda: pa.got[-1:] == [b"again"])
+    finally:
+        await a.close()
+        await b.close()
+    with pytest.raises(BusUnavailable):  # closed: nothing to subscribe on
+        await a.listen([shard.format(3)])
