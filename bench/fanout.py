@@ -27,6 +27,13 @@ Measured per ``P``, over ``seconds`` of that load:
 
 The simulator shares the 2-core machine with the node and Redis: the frames per second it
 achieved are reported beside what was asked, and a run where it fell short says so.
+
+Then the same load on a sharded cluster (ADR 0024, ``gossip_shards`` :data:`SHARDS`), routed
+tenant-affine: the tenants fall in :data:`GROUPS` groups by their shard (``shard mod GROUPS``),
+each peer serves one group (peer ``i`` group ``i mod GROUPS``), and the node serves group 0,
+holding only its tenants warm, with ``gossip_subscribe = warm``. Measured: the deltas it
+receives a second against the unsharded run of the same peers (every frame reaches every
+node there), its CPU, and the probe's convergence (the probe's tenant is in group 0).
 """
 
 from __future__ import annotations
@@ -49,8 +56,8 @@ from bench.harness import (
     node_status,
     percentile,
 )
-from cluster.bus import channel_name
 from cluster.codec import Codec, Header
+from cluster.shards import ShardMap
 from meter.client import Client
 from meter.core.keys import period_start
 from meter.core.table import CounterTable
@@ -75,40 +82,72 @@ ISOLATED_TICKS = 30
 #: the per-delta figure).
 IDLE_S = 2.0
 SETTLE_S = 1.0
+#: The sharded, tenant-affine run: K, and groups of tenants a node serves one of.
+SHARDS, GROUPS = 16, 8
 
 
 def fanout(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     fs = sizes.fanout
     rows: list[Row] = []
+    got: dict[str, Any] = {}
     for peers in fs.peers:
         got = _one(svc, fs.keys, peers, fs.touched, fs.tick_ms, fs.seconds, progress)
         ticks = max(1, round(fs.seconds * 1000 / fs.tick_ms))
         iso_us = isolated_us(fs.keys, peers, fs.touched, min(ticks, ISOLATED_TICKS))
         progress(f"codec + apply alone, the same frames: {iso_us:.2f} us a delta")
         rows += _rows(got, peers, fs.touched, fs.tick_ms, iso_us)
+    peers = fs.peers[-1]
+    affine = _one(svc, fs.keys, peers, fs.touched, fs.tick_ms, fs.seconds, progress, SHARDS, GROUPS)
+    rows += _affine_rows(affine, got, peers, fs.touched, fs.tick_ms)
     return rows
+
+
+def group_of(tenant: str, shards: int = SHARDS, groups: int = GROUPS) -> int:
+    """The group of tenants ``tenant`` is routed to (tenant-affine routing by shard)."""
+    return ShardMap("", shards).of(tenant) % groups
+
+
+def _named(prefix: str, shards: int, groups: int) -> str:
+    """``prefix`` itself unsharded, else the first ``prefix<n>`` of group 0."""
+    if shards == 1:
+        return prefix
+    return next(f"{prefix}{n}" for n in range(1000) if group_of(f"{prefix}{n}", shards, groups) < 1)
+
+
+def _pools(keys: int, shards: int, groups: int) -> list[list[str]]:
+    """The tenants ``t0``.. ``t<keys-1>`` of each group (one group of all, unsharded)."""
+    names = [f"t{i}" for i in range(keys)]
+    if shards == 1:
+        return [names]
+    return [[t for t in names if group_of(t, shards, groups) == g] for g in range(groups)]
 
 
 def _one(
     svc: Services, keys: int, peers: int, touched: int, tick_ms: int, seconds: float,
-    progress: Progress,
+    progress: Progress, shards: int = 1, groups: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     node = svc.node(
-        f"fanout{peers}",
+        f"fanout{peers}" + (f"k{shards}" if shards > 1 else ""),
         METER_REDIS_URL=f"unix://{svc.redis().socket}",
-        METER_CLUSTER_NAME=CLUSTER,
+        METER_CLUSTER_NAME=f"{CLUSTER}{shards}",
         METER_CLUSTER_SECRET=SECRET,
         METER_GOSSIP_INTERVAL_MS=str(tick_ms),
+        METER_GOSSIP_SHARDS=str(shards),
+        METER_GOSSIP_SUBSCRIBE="warm" if shards > 1 else "all",
     )
     seen: list[float] = []
     stop = threading.Event()
+    own, probe = _named("own", shards, groups), _named(PROBE_TENANT, shards, groups)
     try:
-        for start in range(0, keys, 1000):  # every key warm (seeded): peers' deltas apply
-            items = [[f"t{i}", FEATURE, 1] for i in range(start, min(keys, start + 1000))]
-            node.call("track_many", items)
-        base = node.call("track", PROBE_TENANT, PROBE_FEATURE, 1)
-        progress(f"{peers} peers x {touched} keys a tick, {tick_ms} ms tick, {seconds:.0f} s")
-        side = threading.Thread(target=_poll_and_load, args=(node, base, seen, stop), daemon=True)
+        warm = _pools(keys, shards, groups)[0]  # (every key when unsharded)
+        for start in range(0, len(warm), 1000):  # warm (seeded): peers' deltas apply
+            node.call("track_many", [[t, FEATURE, 1] for t in warm[start : start + 1000]])
+        base = node.call("track", probe, PROBE_FEATURE, 1)
+        how = f", K = {shards} warm, tenant-affine ({groups} groups)" if shards > 1 else ""
+        progress(f"{peers} peers x {touched} keys a tick, {tick_ms} ms tick{how}, {seconds:.0f} s")
+        side = threading.Thread(
+            target=_poll_and_load, args=(node, base, seen, stop, own, probe), daemon=True
+        )
         pid = node.proc.pid if node.proc is not None else None
         side.start()
         # The node's CPU with its own load and the probe's polls but no peers: taken off.
@@ -121,8 +160,9 @@ def _one(
             ex.submit(time.sleep, 0).result()
             before, cpu0, t0 = node_status(node), cpu_seconds(pid), time.monotonic()
             sim = ex.submit(
-                simulate, str(svc.redis().socket), peers, keys, touched, tick_ms, seconds
-            ).result()
+                simulate, str(svc.redis().socket), peers, keys, touched, tick_ms, seconds,
+                shards, groups,
+            ).result()  # fmt: skip
             wall = time.monotonic() - t0
             cpu = cpu_seconds(pid) - cpu0
             after = node_status(node)
@@ -142,10 +182,13 @@ def _one(
         "idle_cpu_s": idle_rate * wall,
         "deltas": deltas,
         "deltas_skipped": ra["deltas_skipped"] - rb["deltas_skipped"],
+        "listening": after["cluster"].get("listening"),
         "frames": ra["messages"] - rb["messages"],
         "apply_s": ra["apply_s"] - rb["apply_s"],
         "own_frames": sa["delta_messages"] - sb["delta_messages"],
-        "gaps": after["cluster"]["gaps"] - before["cluster"]["gaps"],
+        "gaps": sum(
+            after["cluster"].get(k, 0) - before["cluster"].get(k, 0) for k in ("gaps", "shard_gaps")
+        ),
         "rejected": after["cluster"]["rejected"],
         "latencies_ms": lat,
         "probes_sent": len(sim["probes"]),
@@ -202,10 +245,48 @@ def _rows(got: dict[str, Any], peers: int, touched: int, tick_ms: int, iso_us: f
     ]  # fmt: skip
 
 
-def _poll_and_load(node: NodeProcess, base: int, seen: list[float], stop: threading.Event) -> None:
-    """Until ``stop``: poll the probe every :data:`POLL_S` (each new unit seen: its time in
-    ``seen``), and track a unit of the node's own every :data:`OWN_EVERY_S`, on one
-    connection (what the node spends on them is measured idle and taken off)."""
+def _affine_rows(
+    got: dict[str, Any], flat: dict[str, Any], peers: int, touched: int, tick_ms: int
+) -> list[Row]:
+    """The sharded, tenant-affine run against the unsharded run of as many peers."""
+    wall, flat_wall = got["wall_s"], flat["wall_s"]
+    received = (got["deltas"] + got["deltas_skipped"]) / wall
+    flat_received = (flat["deltas"] + flat["deltas_skipped"]) / flat_wall
+    share = got["cpu_s"] / wall * 100
+    lat = got["latencies_ms"]
+    missed = got["probes_sent"] - got["probes_seen"]
+    p99 = percentile(lat, 99)
+    name = f"{peers} peers x {touched} keys a tick, K = {SHARDS} warm, 1/{GROUPS} of the tenants"
+    detail = {
+        "deltas_per_s": round(received),
+        "unsharded_deltas_per_s": round(flat_received),
+        "frames_per_s": round(got["frames"] / wall, 1),
+        "unsharded_frames_per_s": round(flat["frames"] / flat_wall, 1),
+        "shards_listened": got["listening"],
+        "node_cpu_share": round(share, 1),
+        "unsharded_node_cpu_share": round(flat["cpu_s"] / flat_wall * 100, 1),
+        "gaps": got["gaps"],
+        "rejected": got["rejected"],
+        "convergence_p50_ms": round(median(lat), 2) if lat else None,
+        "probes": [got["probes_seen"], got["probes_sent"]],
+    }
+    cap = tick_ms + SLACK_MS
+    return [
+        Row(SCENARIO, f"deltas received a second, {name}, vs K = 1", "deltas/s", received,
+            flat_received, received / flat_received, "<= 1/6 of K = 1",
+            received <= flat_received / 6, detail),
+        Row(SCENARIO, f"convergence p99 of a probe, {name}", "ms", p99, cap, p99 / cap,
+            f"<= {cap:.0f} ms (tick + 50)", bool(lat) and not missed and p99 <= cap,
+            {"samples": len(lat), "missed": missed}, "target"),
+    ]  # fmt: skip
+
+
+def _poll_and_load(
+    node: NodeProcess, base: int, seen: list[float], stop: threading.Event, own: str, probe: str
+) -> None:
+    """Until ``stop``: poll the ``probe`` tenant every :data:`POLL_S` (each new unit seen: its
+    time in ``seen``), and track a unit of the node's ``own`` tenant every :data:`OWN_EVERY_S`,
+    on one connection (what the node spends on them is measured idle and taken off)."""
     want = base + 1
     own_due = time.monotonic()
     try:
@@ -213,9 +294,9 @@ def _poll_and_load(node: NodeProcess, base: int, seen: list[float], stop: thread
             while not stop.is_set():
                 now = time.monotonic()
                 if now >= own_due:
-                    client.track("own", FEATURE, 1)
+                    client.track(own, FEATURE, 1)
                     own_due = now + OWN_EVERY_S
-                value = client.usage(PROBE_TENANT, PROBE_FEATURE)
+                value = client.usage(probe, PROBE_FEATURE)
                 now = time.monotonic()
                 while value >= want:
                     seen.append(now)
@@ -226,36 +307,50 @@ def _poll_and_load(node: NodeProcess, base: int, seen: list[float], stop: thread
 
 
 def simulate(
-    redis_socket: str, peers: int, keys: int, touched: int, tick_ms: int, seconds: float
-) -> dict[str, Any]:
+    redis_socket: str, peers: int, keys: int, touched: int, tick_ms: int, seconds: float,
+    shards: int = 1, groups: int = 1,
+) -> dict[str, Any]:  # fmt: skip
     """Play ``peers`` peers for ``seconds`` (see the module doc); the frames and bytes sent,
     and the probe's call times (monotonic: the same clock in every process)."""
-    return asyncio.run(_simulate(redis_socket, peers, keys, touched, tick_ms, seconds))
+    return asyncio.run(
+        _simulate(redis_socket, peers, keys, touched, tick_ms, seconds, shards, groups)
+    )
 
 
 async def _simulate(
-    redis_socket: str, peers: int, keys: int, touched: int, tick_ms: int, seconds: float
-) -> dict[str, Any]:
+    redis_socket: str, peers: int, keys: int, touched: int, tick_ms: int, seconds: float,
+    shards: int, groups: int,
+) -> dict[str, Any]:  # fmt: skip
     import redis.asyncio as aioredis
 
     client = aioredis.Redis(unix_socket_path=redis_socket)
-    channel = channel_name(CLUSTER)
-    codec = Codec(CLUSTER, SECRET)
+    cluster = f"{CLUSTER}{shards}"
+    channels = ShardMap(cluster, shards)
+    codec = Codec(cluster, SECRET, shards)
     period = period_start("month")
-    names = [f"t{i}" for i in range(keys)]
+    pools = _pools(keys, shards, groups)
+    probe = _named(PROBE_TENANT, shards, groups)
     incarnation = time.time_ns()
-    seqs = [0] * peers
+    seqs = [0] * peers  # (the control channel's, sharded)
+    shard_seqs = [[0] * shards for _ in range(peers)]
     tick = tick_ms / 1000
     probes: list[float] = []
     pending_probe: list[float] = []
     frames = sent_bytes = delta_frames = 0
     rng = random.Random(7)
-    offsets = [rng.randrange(keys) for _ in range(peers)]
+    offsets = [rng.randrange(len(pools[i % len(pools)])) for i in range(peers)]
+    carriers = [i for i in range(peers) if i % len(pools) == 0]  # (they serve the probe)
 
-    def frame(i: int, kind: Any, items: Any = ()) -> bytes:
-        seqs[i] += 1
-        header = Header(CLUSTER, f"sim{i}", incarnation, seqs[i], time.time())
-        return codec.encode(header, kind, items)
+    def frame(i: int, kind: Any, items: Any = (), shard: int | None = None) -> tuple[str, bytes]:
+        if shard is None:
+            seqs[i] += 1
+            seq = seqs[i]
+        else:
+            shard_seqs[i][shard] += 1
+            seq = shard_seqs[i][shard]
+        header = Header(cluster, f"sim{i}", incarnation, seq, time.time(), shard)
+        data = codec.encode(header, kind, items, shard_seqs=shard_seqs[i])
+        return channels.channel(shard), data
 
     try:
         start = time.monotonic()
@@ -269,26 +364,29 @@ async def _simulate(
             while now >= next_probe:  # a call on peer 0: it goes out with its next frame
                 pending_probe.append(next_probe)
                 next_probe += PROBE_EVERY_S * (0.5 + rng.random())  # (any phase of the tick)
-            out: list[bytes] = []
+            out: list[tuple[str, bytes]] = []
             if now >= next_beat:
                 out += [frame(i, "heartbeat") for i in range(peers)]
                 next_beat += 1.0
-            carrier = rng.randrange(peers)  # (the probe: anywhere in the tick's burst)
+            carrier = rng.choice(carriers)  # (the probe: anywhere in the tick's burst)
             for i in range(peers):
-                at = (offsets[i] + n * touched) % keys
-                items = [(names[(at + j) % keys], FEATURE, period, 1, 1) for j in range(touched)]
+                names = pools[i % len(pools)]
+                at = (offsets[i] + n * touched) % len(names)
+                items = [(names[(at + j) % len(names)], FEATURE, period, 1, 1)
+                         for j in range(touched)]  # fmt: skip
                 if i == carrier and pending_probe:
-                    items.append((PROBE_TENANT, PROBE_FEATURE, period, 1, len(pending_probe)))
+                    items.append((probe, PROBE_FEATURE, period, 1, len(pending_probe)))
                     probes += pending_probe
                     pending_probe = []
-                out.append(frame(i, "deltas", items))
+                for shard, part in channels.split(items).items():
+                    out.append(frame(i, "deltas", part, shard))
+                    delta_frames += 1
             pipe = client.pipeline(transaction=False)
-            for data in out:
+            for channel, data in out:
                 pipe.publish(channel, data)
             await pipe.execute()
             frames += len(out)
-            delta_frames += peers
-            sent_bytes += sum(len(d) for d in out)
+            sent_bytes += sum(len(d) for _, d in out)
             n += 1
         wall = time.monotonic() - start
     finally:

@@ -346,12 +346,17 @@ def test_smoke_quotas_admits_exactly(tmp_path: Path) -> None:
 def test_smoke_fanout_receives_every_simulated_peers_frames(tmp_path: Path) -> None:
     """Scenario 14 at smoke size: the node received the simulated peers' frames signed and in
     sequence (no gap, none refused), applied every delta to its warm keys, showed every probe
-    unit, and the three rows of each peer count are there."""
+    unit, and the three rows of each peer count are there; then, sharded and tenant-affine,
+    the node listened to its group's shards only and received fewer deltas, none lost."""
     fs = SMOKE.fanout
     doc = run(SMOKE, ["fanout"], results_dir=tmp_path, out=io.StringIO())
     assert doc["failures"] == {}
-    rows = doc["rows"]
-    assert {r["scenario"] for r in rows} == {FANOUT} and len(rows) == 3 * len(fs.peers)
+    rows, affine = doc["rows"][:-2], doc["rows"][-2:]
+    assert {r["scenario"] for r in doc["rows"]} == {FANOUT} and len(rows) == 3 * len(fs.peers)
+    d = affine[0]["detail"]
+    assert d["gaps"] == 0 and not any(d["rejected"].values()), d
+    assert d["shards_listened"] == 2 and 0 < d["deltas_per_s"] < d["unsharded_deltas_per_s"], d
+    assert d["probes"][0] == d["probes"][1] > 0, d
     for r in rows[::3]:
         d = r["detail"]
         assert d["peers"] in fs.peers and d["gaps"] == 0 and not any(d["rejected"].values()), d
