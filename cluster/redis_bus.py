@@ -89,7 +89,7 @@ class RedisBus(Bus):
         try:
             await self._client.publish(channel or self.channel, data)
         except (RedisError, OSError) as exc:
-            raise BusUnavailable(f"publish failed: {_describe(exc)}") from None
+            raise BusUnavailable(f"publish failed: {describe_error(exc)}") from None
 
     async def listen(self, channels: Collection[str]) -> None:
         self._listening = frozenset(channels) - {self.channel}
@@ -105,7 +105,7 @@ class RedisBus(Bus):
             if new:
                 await self._confirmed(pubsub, new)
         except (RedisError, OSError, TimeoutError) as exc:
-            raise BusUnavailable(f"subscribe failed: {_describe(exc)}") from None
+            raise BusUnavailable(f"subscribe failed: {describe_error(exc)}") from None
 
     async def xadd(self, stream: str, fields: dict[str, str], maxlen: int) -> str:
         """``XADD stream MAXLEN ~ maxlen * fields`` on the client's pool; the entry's id.
@@ -113,7 +113,7 @@ class RedisBus(Bus):
         try:
             entry = await self._client.xadd(stream, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
         except (RedisError, OSError) as exc:
-            raise BusUnavailable(f"XADD {stream[:64]!r} failed: {_describe(exc)}") from None
+            raise BusUnavailable(f"XADD {stream[:64]!r} failed: {describe_error(exc)}") from None
         return entry.decode() if isinstance(entry, bytes) else str(entry)
 
     async def close(self) -> None:
@@ -149,7 +149,7 @@ class RedisBus(Bus):
                 self._set_connected(True)
                 await self._read(pubsub)
             except (RedisError, OSError, TimeoutError) as exc:
-                self.last_error = _describe(exc)
+                self.last_error = describe_error(exc)
                 if self.connected or failures == 0:
                     log.warning("redis bus %s: %s", redact(self.url), self.last_error)
                 self._set_connected(False)
@@ -177,7 +177,7 @@ class RedisBus(Bus):
         while loop.time() < deadline:
             msg = await pubsub.get_message(timeout=1.0)
             if msg is not None and msg.get("type") == "subscribe":
-                self._subscribed.add(_text(msg.get("channel")))
+                self._subscribed.add(text(msg.get("channel")))
                 if channels <= self._subscribed:
                     return
         raise TimeoutError("no subscribe confirmation from redis")
@@ -198,7 +198,7 @@ class RedisBus(Bus):
                 continue
             kind = msg.get("type")
             if kind == "subscribe":
-                channel = _text(msg.get("channel"))
+                channel = text(msg.get("channel"))
                 self._subscribed.add(channel)
                 waiter = self._waiters.pop(channel, None)
                 if waiter is not None and not waiter.done():
@@ -231,11 +231,13 @@ class RedisBus(Bus):
                 log.exception("bus state callback failed")
 
 
-def _text(v: object) -> str:
+def text(v: object) -> str:
+    """A channel name as Redis answered it."""
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
+    """A Redis error for logs and ``status`` (authentication and TLS failures named)."""
     if isinstance(exc, AuthenticationError) or (
         isinstance(exc, ResponseError) and ("NOAUTH" in str(exc) or "WRONGPASS" in str(exc))
     ):

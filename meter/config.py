@@ -166,9 +166,12 @@ class DurabilityConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """Gossip to peers (off when ``redis_url`` is unset)."""
+    """Gossip to peers (off when neither ``redis_url`` nor ``redis_cluster_nodes`` is set)."""
 
     redis_url: str | None = None
+    #: A Redis Cluster's startup nodes (``host:port``; one may be a ``redis://`` or
+    #: ``rediss://`` URL, whose AUTH and TLS serve all): sharded pub/sub (ADR 0024).
+    redis_cluster_nodes: tuple[str, ...] = ()
     gossip_interval_ms: int = 100
     cluster_name: str = "meter"
     secret: str | None = None
@@ -186,6 +189,11 @@ class ClusterConfig:
     gossip_shards: int = 1
     #: ``all``: listen to every shard; ``warm``: only to the shards of tenants held warm.
     gossip_subscribe: str = "all"
+
+    @property
+    def gossip(self) -> bool:
+        """Whether the node gossips (a Redis or a Redis Cluster is set)."""
+        return bool(self.redis_url or self.redis_cluster_nodes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,6 +416,15 @@ def _url(schemes: tuple[str, ...]) -> Any:
     return parse
 
 
+def _cluster_nodes(setting: str, raw: Any) -> tuple[str, ...]:
+    """``host:port,host:port`` (or a TOML list); each item is checked when the bus is built
+    (:func:`cluster.redis_cluster_bus.startup_nodes`)."""
+    items = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise ConfigError(setting, "must be host:port items, comma-separated")
+    return tuple(i.strip() for i in items if i.strip())
+
+
 def _address(setting: str, raw: Any) -> tuple[str, int] | None:
     """``host:port`` (``[v6]:port`` for an IPv6 address), port 0..65535; empty: none."""
     value = _opt_str(setting, raw)
@@ -547,6 +564,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "flush_max_backoff_ms": ("flush", "max_backoff_ms", _int(1, 3_600_000)),
     "drain_timeout_s": ("flush", "drain_timeout_s", _float(0, 3600)),
     "redis_url": ("cluster", "redis_url", _url(("redis://", "rediss://", "unix://"))),
+    "redis_cluster_nodes": ("cluster", "redis_cluster_nodes", _cluster_nodes),
     "gossip_interval_ms": ("cluster", "gossip_interval_ms", _int(1, 60_000)),
     "cluster_name": ("cluster", "cluster_name", _str),
     "cluster_secret": ("cluster", "secret", _opt_str),
@@ -675,6 +693,8 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
             f"{address[0]} is not a loopback address: set http_token too (docs/deployment.md)",
         )
     c = cfg.cluster
+    if c.redis_url and c.redis_cluster_nodes:
+        raise ConfigError("redis_cluster_nodes", "set redis_url or redis_cluster_nodes, not both")
     if c.gossip_subscribe == "warm" and c.gossip_shards == 1:
         raise ConfigError("gossip_subscribe", "warm needs gossip_shards above 1 (ADR 0024)")
     if c.peer_timeout_ms <= 2 * c.heartbeat_ms:

@@ -177,11 +177,11 @@ class Node:
             )
             await self.owner.claim()
             # Gossip starts once storage says the cluster's K is this node's (ADR 0024).
-            shards_known = not cfg.cluster.redis_url or await loops.shards_match(
+            shards_known = not cfg.cluster.gossip or await loops.shards_match(
                 self.storage, cfg.cluster
             )
             # Alone, nobody would take the gossip columns: the table does not keep them.
-            self.table = CounterTable(node_id, gossip=bool(cfg.cluster.redis_url))
+            self.table = CounterTable(node_id, gossip=cfg.cluster.gossip)
             gauges = GaugeTable(node_id, gossip=self.table.gossip)
             values = KnownValues(gossip=self.table.gossip, warm=self.table.is_warm)
             d = cfg.durability
@@ -195,7 +195,7 @@ class Node:
                     segment_bytes=d.segment_bytes,
                 )
             bus = None
-            if cfg.cluster.redis_url:
+            if cfg.cluster.gossip:
                 bus = wiring.build_bus(cfg)
                 self.gossip = wiring.build_gossip(
                     cfg,

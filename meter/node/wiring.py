@@ -17,6 +17,7 @@ from typing import Any
 from cluster.codec import DeltaItem
 from cluster.gossip import Gossip, GossipSettings, Listener
 from cluster.redis_bus import RedisBus
+from cluster.redis_cluster_bus import RedisClusterBus
 from cluster.shards import ShardMap
 from meter.catalog.methods import FeatureMethods
 from meter.config import CounterConfig, NodeConfig
@@ -143,19 +144,25 @@ async def _reread_gauges(
             gauges.seed(key, kind, read.get(key))
 
 
-def build_bus(cfg: NodeConfig) -> RedisBus:
-    """The Redis pub/sub bus of the configured cluster (also the alerts' stream), on its
-    control channel (the only channel of an unsharded cluster)."""
+def build_bus(cfg: NodeConfig) -> RedisBus | RedisClusterBus:
+    """The pub/sub bus of the configured Redis or Redis Cluster (also the alerts' stream), on
+    the control channel (the only channel of an unsharded cluster)."""
     c = cfg.cluster
+    control = ShardMap(c.cluster_name, c.gossip_shards).control
+    if c.redis_cluster_nodes:
+        try:
+            return RedisClusterBus(c.redis_cluster_nodes, control)
+        except ValueError as exc:
+            raise ConfigError("redis_cluster_nodes", str(exc)) from None
     assert c.redis_url is not None
-    return RedisBus(c.redis_url, ShardMap(c.cluster_name, c.gossip_shards).control)
+    return RedisBus(c.redis_url, control)
 
 
 def build_gossip(
     cfg: NodeConfig,
     table: CounterTable,
     storage: Storage,
-    bus: RedisBus,
+    bus: RedisBus | RedisClusterBus,
     incarnation: int,
     *,
     listener: Listener,
