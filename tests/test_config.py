@@ -119,6 +119,14 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
         ({"METER_PERIOD_GRACE_S": "-1"}, "period_grace_s"),
         ({"METER_PERIOD_GRACE_S": "an hour"}, "period_grace_s"),
         ({"METER_PERIOD_GRACE_S": "315360001"}, "period_grace_s"),
+        ({"METER_GOSSIP_SHARDS": "0"}, "gossip_shards"),
+        ({"METER_GOSSIP_SHARDS": "257"}, "gossip_shards"),
+        ({"METER_GOSSIP_SUBSCRIBE": "some"}, "gossip_subscribe"),
+        ({"METER_GOSSIP_SUBSCRIBE": "warm"}, "gossip_subscribe"),  # (needs shards)
+        (
+            {"METER_REDIS_URL": "redis://h:1", "METER_REDIS_CLUSTER_NODES": "h:2"},
+            "redis_cluster_nodes",
+        ),
     ],
 )
 def test_bad_settings_name_the_setting(env: dict[str, str], setting: str) -> None:
@@ -162,6 +170,19 @@ def _documented_environment() -> dict[str, str]:
     """setting -> environment variable, as the table of docs/configuration.md lists them."""
     text = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     return dict(re.findall(r"^\| `(\w+)` \| `(METER_\w+)` \|", text, flags=re.M))
+
+
+def test_cluster_nodes_and_shards_are_settings() -> None:
+    c = load(
+        env={
+            "METER_REDIS_CLUSTER_NODES": "a:7000, b:7001,",
+            "METER_GOSSIP_SHARDS": "16",
+            "METER_GOSSIP_SUBSCRIBE": "WARM",
+        }
+    ).cluster
+    assert c.redis_cluster_nodes == ("a:7000", "b:7001") and c.gossip
+    assert c.gossip_shards == 16 and c.gossip_subscribe == "warm"
+    assert not load(env={}).cluster.gossip and load(env={}).cluster.gossip_shards == 1
 
 
 def test_the_documented_settings_are_the_settings() -> None:

@@ -6,6 +6,8 @@
   them, a persistent RPC connection, load threads, the convergence measurement;
 - :mod:`~tests.support.redis_server`, :mod:`~tests.support.dynamodb_local`: throw-away
   ``redis-server`` and Amazon DynamoDB Local processes on free loopback ports;
+- :mod:`~tests.support.redis_cluster`: a throw-away Redis Cluster (3 masters, a replica each),
+  and a master's kill with its replica's promotion;
 - :mod:`~tests.support.dynamodb_proxy`, :mod:`~tests.support.lossy_proxy`: fault-injecting
   proxies in front of DynamoDB Local;
 - :mod:`~tests.support.stores`: in-memory stores with faults switched on by hand;
