@@ -46,6 +46,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+from bench.cluster_transport import cluster_rows
 from bench.harness import (
     Progress,
     Row,
@@ -99,7 +100,7 @@ def fanout(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     peers = fs.peers[-1]
     affine = _one(svc, fs.keys, peers, fs.touched, fs.tick_ms, fs.seconds, progress, SHARDS, GROUPS)
     rows += _affine_rows(affine, got, peers, fs.touched, fs.tick_ms)
-    return rows
+    return rows + cluster_rows(svc, sizes, progress)
 
 
 def group_of(tenant: str, shards: int = SHARDS, groups: int = GROUPS) -> int:

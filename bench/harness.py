@@ -99,6 +99,9 @@ class FanoutSizes:
     touched: int  # keys each peer touches a tick
     tick_ms: int
     seconds: float  # of load, per run
+    #: 3 nodes on a Redis Cluster vs on one redis-server: convergence samples a round, rounds.
+    cluster_samples: int = 100
+    cluster_rounds: int = 2
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ FULL = Sizes(
         10_000, 5, 100_000, 3, 10_000, 2.0, 30.0, 25.0, 10.0, 5.0, 1, True, conv_seconds=30.0
     ),
     QuotaSizes(((4, 1), (4, 16)), ((6, 1), (6, 16)), 10_000, 4, 20_000, 2, (25, 100, 1000), 100, 5),
-    FanoutSizes((10, 30, 100), 10_000, 100, 100, 10.0),
+    FanoutSizes((10, 30, 100), 10_000, 100, 100, 10.0, cluster_samples=200, cluster_rounds=3),
 )
 QUICK = Sizes(
     "quick",
@@ -178,7 +181,7 @@ SMOKE = Sizes(
     ((2, 4),),
     ScaleSizes(400, 1, 1_000, 1, 200, 1.0, 6.0, 4.0, 2.0, 2.0, 1, True, 200, 400, 2_000.0, 2.0),
     QuotaSizes(((2, 1),), ((3, 1),), 1_000, 2, 1_000, 2, (100,), 100, 1),
-    FanoutSizes((3,), 200, 20, 100, 1.0),
+    FanoutSizes((3,), 200, 20, 100, 1.0, cluster_samples=10, cluster_rounds=1),
     flush_cpu_keys=100,
     flush_tx_keys=200,
     flush_p99_seconds=0.5,

@@ -351,12 +351,15 @@ def test_smoke_fanout_receives_every_simulated_peers_frames(tmp_path: Path) -> N
     fs = SMOKE.fanout
     doc = run(SMOKE, ["fanout"], results_dir=tmp_path, out=io.StringIO())
     assert doc["failures"] == {}
-    rows, affine = doc["rows"][:-2], doc["rows"][-2:]
+    rows, affine, transport = doc["rows"][:-3], doc["rows"][-3:-1], doc["rows"][-1]
     assert {r["scenario"] for r in doc["rows"]} == {FANOUT} and len(rows) == 3 * len(fs.peers)
     d = affine[0]["detail"]
     assert d["gaps"] == 0 and not any(d["rejected"].values()), d
     assert d["shards_listened"] == 2 and 0 < d["deltas_per_s"] < d["unsharded_deltas_per_s"], d
     assert d["probes"][0] == d["probes"][1] > 0, d
+    t = transport["detail"]  # (3 nodes on a Redis Cluster, 3 on one redis-server)
+    assert t["samples"] == {"server": fs.cluster_samples, "cluster": fs.cluster_samples}, t
+    assert t["anomalies"] == {"server": [], "cluster": []} and transport["ratio"] > 0, t
     for r in rows[::3]:
         d = r["detail"]
         assert d["peers"] in fs.peers and d["gaps"] == 0 and not any(d["rejected"].values()), d

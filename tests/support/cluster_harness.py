@@ -399,6 +399,7 @@ def measure_visibility(
             "p99_ms": round(percentile(lat, 0.99), 2),
             "max_ms": round(max(lat), 2),
             "anomalies": anomalies,
+            "latencies_ms": lat,
         }
     finally:
         for c in conns:
