@@ -10,9 +10,10 @@ row is the cluster's p99 over the single server's, every round's samples pooled.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from bench.harness import Progress, Row, Services, Sizes, percentile
+from bench.harness import Progress, Row, Services, Sizes, cpu_seconds, percentile
 from bench.scale import cluster_env, start_cluster
 from tests.support.cluster_harness import measure_visibility
 from tests.support.nodes import NodeProcess
@@ -29,6 +30,8 @@ def cluster_rows(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     tick_s = fs.tick_ms / 1000
     got: dict[str, list[float]] = {"server": [], "cluster": []}
     anomalies: dict[str, list[Any]] = {"server": [], "cluster": []}
+    #: The fleet's CPU seconds and the wall seconds of its rounds (what the polls cost too).
+    cpu: dict[str, list[float]] = {"server": [0.0, 0.0], "cluster": [0.0, 0.0]}
     fleets: dict[str, list[NodeProcess]] = {}
     with RedisCluster(svc.workdir / "redis-cluster") as rc:
         rc.start()
@@ -44,7 +47,11 @@ def cluster_rows(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
                 fleets[name] = start_cluster(svc, [f"rc{name}{i}" for i in range(3)], env)
             for r in range(fs.cluster_rounds):
                 for name in ("server", "cluster") if r % 2 == 0 else ("cluster", "server"):
+                    pids = [p.proc.pid for p in fleets[name] if p.proc is not None]
+                    cpu0, t0 = sum(cpu_seconds(pid) for pid in pids), time.monotonic()
                     m = measure_visibility(fleets[name], "rc", fs.cluster_samples, tick_s)
+                    cpu[name][0] += sum(cpu_seconds(pid) for pid in pids) - cpu0
+                    cpu[name][1] += time.monotonic() - t0
                     got[name] += m["latencies_ms"]
                     anomalies[name] += m["anomalies"]
                     progress(f"3 nodes on the {name}: p99 {m['p99_ms']:.0f} ms (round {r + 1})")
@@ -60,6 +67,7 @@ def cluster_rows(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
         "samples": {k: len(v) for k, v in got.items()},
         "p50_ms": {k: round(percentile(v, 50), 2) for k, v in got.items()},
         "anomalies": anomalies,
+        "node_cpu_share": {k: round(c / w / 3 * 100, 1) for k, (c, w) in cpu.items() if w},
     }
     sound = not anomalies["server"] and not anomalies["cluster"]
     return [

@@ -86,7 +86,7 @@ class RedisClusterBus(Bus):
         *,
         connect_timeout: float = 0.5,
         op_timeout: float = 1.0,
-        poll_s: float = 0.1,
+        poll_s: float = 0.01,
         refresh_s: float = 0.5,
         min_backoff: float = 0.05,
         max_backoff: float = 5.0,
