@@ -98,6 +98,10 @@ class GaugeSource(Protocol):
         """Merge peers' readings into the gauges held; how many moved a view."""
         ...
 
+    def warm(self) -> list[tuple[Key, str]]:
+        """Every gauge held, with its kind."""
+        ...
+
 
 #: Re-read the warm keys (and gauges) a filter picks (``None``: every one) from storage and
 #: re-base on them.

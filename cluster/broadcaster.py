@@ -107,11 +107,11 @@ class Broadcaster:
         self.seq = 0
         #: The last number of a frame on each data shard (sharded clusters).
         self.shard_seqs = [0] * self.shards.shards
-        #: Channels on which something peers should have heard was never sent (an
-        #: announcement while the bus was down; the table then drops the gossip of what was
-        #: stored): their next frame skips a number, so every peer sees a gap there and
-        #: re-reads storage. ``None``: the bus' own channel.
-        self._owe_gap: set[int | None] = set()
+        #: Something peers should have heard was never sent (an announcement while the bus
+        #: was down; the table then drops the gossip of what was stored): the next frame
+        #: skips a number, so every peer sees a gap and re-reads storage. (Sharded, the
+        #: shard's number is skipped at once: the next heartbeat tells it, a lost tail.)
+        self._owe_gap = False
         #: Send nothing (the node does not own its id: another process speaks for it).
         self.muted = False
         self._outbox: asyncio.Queue[tuple[Kind, int, bytes, int | None]] = asyncio.Queue(max_outbox)
@@ -174,8 +174,11 @@ class Broadcaster:
         if not self.bus.connected or self.muted:
             # Peers learn these totals from storage: they re-read it when they reconnect
             # themselves, or when they see the gap our next frame leaves.
-            of, sharded = self.shards.of, self.shards.sharded
-            self._owe_gap.update({of(k[0]) for k, _ in written} if sharded else {None})
+            if self.shards.sharded:
+                for shard in {self.shards.of(k[0]) for k, _ in written}:
+                    self.shard_seqs[shard] += 1
+            else:
+                self._owe_gap = True
             return
         items: list[AnnounceItem] = [
             (k[0], k[1], k[2], a.snapshot.total, dict(a.snapshot.seqs)) for k, a in written
@@ -223,15 +226,14 @@ class Broadcaster:
         shard: int | None = None,
         shard_seqs: Sequence[int] = (),
     ) -> None:
-        skip = 0
-        if self._owe_gap and shard in self._owe_gap:
-            self._owe_gap.discard(shard)
-            skip = 1  # a number never sent: a gap for every peer
         if shard is None:
-            self.seq += 1 + skip
+            if self._owe_gap:
+                self._owe_gap = False
+                self.seq += 1  # a number never sent: a gap for every peer
+            self.seq += 1
             seq = self.seq
         else:
-            seq = self.shard_seqs[shard] = self.shard_seqs[shard] + 1 + skip
+            seq = self.shard_seqs[shard] = self.shard_seqs[shard] + 1
         header = Header(
             self.codec.cluster, self.node_id, self.incarnation, seq, self.clock(), shard
         )

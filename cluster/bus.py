@@ -13,7 +13,10 @@ the gossip layer can resync after a reconnect.
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable, Collection
+
+log = logging.getLogger("cluster.bus")
 
 #: Called with each message received on the channel (the bus' own messages included).
 OnMessage = Callable[[bytes], None]
@@ -41,6 +44,7 @@ class Bus(abc.ABC):
         self.connects = 0
         #: The last connection error, for ``status``.
         self.last_error: str | None = None
+        self._on_state: OnState | None = None
 
     @abc.abstractmethod
     async def start(self, on_message: OnMessage, on_state: OnState) -> None:
@@ -62,6 +66,20 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Stop delivering and release connections."""
+
+    def _set_connected(self, up: bool) -> None:
+        """Record a change of state and tell ``on_state`` (a callback's bug is logged)."""
+        if up == self.connected:
+            return
+        self.connected = up
+        if up:
+            self.connects += 1
+            self.last_error = None
+        if self._on_state is not None:
+            try:
+                self._on_state(up)
+            except Exception:
+                log.exception("bus state callback failed")
 
     def describe(self) -> dict[str, object]:
         """State for ``status``."""

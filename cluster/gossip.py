@@ -93,6 +93,9 @@ class GossipSettings:
     subscribe: str = "all"
     #: How often ``warm`` looks for shards to join or leave.
     warm_check: float = 0.5
+    #: A sharded heartbeat heard sooner than this after the one before is not judged against
+    #: it (frames on other masters may still be on their way); the next one is.
+    tail_slack: float = 0.25
 
 
 class Gossip(Generic[S]):
@@ -150,8 +153,12 @@ class Gossip(Generic[S]):
         #: The newest incarnation heard of each sender, on any channel (a restart is acted on
         #: once, wherever it is heard first).
         self._incarnations: dict[str, int] = {}
-        #: Each sender's last heartbeat's shard numbers, with its incarnation.
-        self._told: dict[str, tuple[int, tuple[int, ...]]] = {}
+        #: Each sender's last heartbeat judged: its incarnation, shard numbers, when heard.
+        self._told: dict[str, tuple[int, tuple[int, ...], float]] = {}
+        #: ``warm``: whether the bus confirmed :attr:`listening`, and shards joined whose
+        #: keys are re-read once it has.
+        self._listen_confirmed = True
+        self._joining: set[int] = set()
         self.broadcaster = Broadcaster(
             table,
             bus,
@@ -391,10 +398,15 @@ class Gossip(Generic[S]):
         """A sharded heartbeat: ``sender``'s last number on each shard. A number the previous
         heartbeat told that is still unheard is a lost tail (frames on another channel may
         come a little after a heartbeat, never a whole heartbeat later)."""
-        before = self._told.get(sender)
-        earlier = before[1] if before is not None and before[0] == incarnation else None
-        self._told[sender] = (incarnation, told)
         mono = time.monotonic()
+        before = self._told.get(sender)
+        if before is not None and before[0] == incarnation:
+            if mono - before[2] < self.settings.tail_slack:
+                return  # (one sent out of turn, at a connect: judged by the next in turn)
+            earlier: tuple[int, ...] | None = before[1]
+        else:
+            earlier = None
+        self._told[sender] = (incarnation, told, mono)
         for shard in self.listening:
             peers = self.shard_peers[shard]
             peer = peers.by_node.get(sender)
@@ -550,31 +562,41 @@ class Gossip(Generic[S]):
                     self._forget(peer)
                     self.request_resync("peer")
             if self.shards.sharded and self.settings.subscribe == "warm":
-                await self.follow_warm()
+                try:
+                    await self.follow_warm()
+                except Exception:  # a bug here must not end peers' expiry and reconciles
+                    log.exception("following the warm tenants' shards failed")
             reconcile = self.settings.reconcile
             if reconcile > 0 and mono - last_reconcile >= reconcile:
                 last_reconcile = mono
                 self.request_resync("reconcile")
 
     async def follow_warm(self) -> None:
-        """``warm``: listen to the shards of the tenants held warm, and to no other. A shard
-        joined is resynced once listening is confirmed (nothing sent after is missed)."""
-        of, warm = self.shards.of, self.table.keys()
-        wanted = frozenset({of(key[0]) for key in warm})
-        if wanted == self.listening:
+        """``warm``: listen to the shards of the tenants held warm (counters and gauges), and
+        to no other. A shard joined takes frames at once (the bus may deliver before it
+        confirms) and has its keys re-read once the bus confirmed it listens, so nothing
+        sent after is missed; a listen that failed is asked again until it succeeds."""
+        of = self.shards.of
+        keys, gauges = self.table.keys(), [] if self.gauges is None else self.gauges.warm()
+        wanted = frozenset({of(key[0]) for key in keys} | {of(key[0]) for key, _ in gauges})
+        if wanted == self.listening and self._listen_confirmed:
             return
         joined, left = wanted - self.listening, self.listening - wanted
+        for shard in joined | left:  # numbers heard there before are stale
+            self.shard_peers[shard] = Peers(float("inf"))
+        self.listening = wanted
+        self._joining = (self._joining | joined) - left
+        self.shard_joins += len(joined)
+        self.shard_leaves += len(left)
         try:
             await self.bus.listen(self._channels(wanted))
         except BusUnavailable:
-            return  # (the bus listens to them when it reconnects, and resyncs everything)
-        self.listening = wanted
-        for shard in left:
-            self.shard_peers[shard] = Peers(float("inf"))  # numbers heard there are stale
-        for shard in joined:
+            self._listen_confirmed = False  # (asked again next time; a reconnect resyncs)
+            return
+        self._listen_confirmed = True
+        for shard in self._joining:
             self.request_resync("join", shard)
-        self.shard_joins += len(joined)
-        self.shard_leaves += len(left)
+        self._joining = set()
 
     # -- status -------------------------------------------------------------------------------
 

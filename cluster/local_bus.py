@@ -66,7 +66,6 @@ class LocalBus(Bus):
         #: Channels listened to besides ``channel``.
         self.listening: frozenset[str] = frozenset()
         self._on_message: OnMessage | None = None
-        self._on_state: OnState | None = None
 
     async def start(self, on_message: OnMessage, on_state: OnState) -> None:
         self._on_message = on_message
@@ -91,12 +90,6 @@ class LocalBus(Bus):
         self._on_message = None
 
     def _set_connected(self, up: bool) -> None:
-        if up == self.connected:
-            return
-        self.connected = up
-        if up:
-            self.connects += 1
-        else:
+        if not up and self.connected:
             self.last_error = "local hub is down"
-        if self._on_state is not None:
-            self._on_state(up)
+        super()._set_connected(up)

@@ -375,6 +375,9 @@ class MemoryStorage(Storage):
         return stored == body
 
     async def cluster_setting(self, name: str, value: str) -> str:
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise StorageUnavailable("injected failure before the write")
         return self.settings.setdefault(name, value)
 
     # -- credits ledgers -----------------------------------------------------------------------

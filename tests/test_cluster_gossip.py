@@ -28,7 +28,7 @@ from storage.memory import MemoryStorage
 
 KEYS = [("acme", "api", "2026-11"), ("acme", "seats", "2026-11"), ("zeta", "api", "2026-11")]
 # Ticks never fire by themselves: the tests call tick() (a huge interval and heartbeat).
-MANUAL = GossipSettings(interval=3600, heartbeat=3600, peer_timeout=3600, reconcile=0)
+MANUAL = GossipSettings(interval=3600, heartbeat=3600, peer_timeout=3600, reconcile=0, tail_slack=0)
 
 
 class Heard:

@@ -5,6 +5,7 @@ re-reads that shard's keys only; ``warm`` listens to the shards of warm tenants 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
@@ -13,8 +14,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cluster.codec import Codec, Message
+from cluster.gossip import Gossip
 from cluster.local_bus import LocalHub
 from cluster.shards import ShardMap, shard_of
+from meter.config import ClusterConfig
+from meter.core.gauges import GaugeTable
+from meter.core.table import CounterTable
+from meter.errors import ConfigError
+from meter.node.loops import check_shards, shards_match
 from storage.base import Snapshot
 from storage.memory import MemoryStorage
 from tests.test_cluster_gossip import MANUAL, Cluster, eventually
@@ -237,3 +244,108 @@ async def _run(ops: list[Op], shards: int) -> None:
               ("lose", 0, ZETA, 0, 0), ("flush", 0, ZETA, 0, None)], shards=3)  # fmt: skip
 def test_any_interleaving_with_lost_frames_converges_exactly(ops: list[Op], shards: int) -> None:
     asyncio.run(_run(ops, shards))
+
+
+async def test_a_flush_announced_while_the_bus_was_down_is_a_lost_tail_on_its_shard(
+    cluster: Cluster,
+) -> None:
+    """K10 with shards: the announcement a node could not send skips its shard's number at
+    once, so peers see a lost tail from its heartbeats, though nothing else goes there."""
+    a, b = [await cluster.add(x, settings=SHARDED) for x in "ab"]
+    a.gossip.broadcaster.heartbeat_now()
+    await cluster.settle()
+    cluster.hub.set_up(False, only=[a.gossip.bus])
+    cluster.track(a, ZETA, 5)
+    await a.flush()  # stored; its announcement cannot go out
+    cluster.hub.set_up(True, only=[a.gossip.bus])  # a heartbeats at once, telling shard 0 at 1
+    await cluster.settle()
+    assert cluster.views(ZETA) == [5, 0] and b.gossip.resyncs["gap"] == 0
+    a.gossip.broadcaster.heartbeat_now()  # the number told is still unheard: a lost tail
+    await cluster.settle()
+    assert b.gossip.resyncs["gap"] == 1 and cluster.views(ZETA) == [5, 5]
+
+
+async def test_a_heartbeat_out_of_turn_is_not_judged_against_the_one_just_before(
+    cluster: Cluster,
+) -> None:
+    """Frames on other masters may come a little after a heartbeat: one heard within
+    ``tail_slack`` of the previous is not judged against it; the next in turn is."""
+    slack = replace(SHARDED, tail_slack=1.0)
+    a, b = await cluster.add("a", settings=slack), await cluster.add("b", settings=slack)
+    a.gossip.broadcaster.heartbeat_now()
+    await cluster.settle()
+    told = time.monotonic()
+    cluster.hub.drop = on_shard(0)
+    cluster.track(a, ZETA, 2)
+    await cluster.quiet_tick()  # lost (as if still on its way)
+    cluster.hub.drop = None
+    a.gossip.broadcaster.heartbeat_now()  # within the slack of the one before: not judged
+    await cluster.settle()
+    assert time.monotonic() - told < 1.0 and b.gossip.resyncs["gap"] == 0
+    await eventually(lambda: time.monotonic() - told >= 1.0, 3.0, "the slack passes")
+    a.gossip.broadcaster.heartbeat_now()  # told shard 0 at 0 before: nothing to judge yet
+    await cluster.settle()
+    third = time.monotonic()  # (it was heard before this)
+    a.gossip.broadcaster.heartbeat_now()
+    await cluster.settle()
+    assert b.gossip.resyncs["gap"] == 0  # (the last two came within the slack of each other)
+    await eventually(lambda: time.monotonic() - third >= 1.0, 3.0, "the slack passes again")
+    a.gossip.broadcaster.heartbeat_now()  # judged against one telling 1: a lost tail
+    await cluster.settle()
+    assert b.gossip.resyncs["gap"] == 1
+
+
+async def test_warm_asks_again_for_a_shard_the_bus_could_not_listen_to(cluster: Cluster) -> None:
+    warm = replace(SHARDED, subscribe="warm", warm_check=0.01)
+    a = await cluster.add("a", settings=SHARDED)
+    b = await cluster.add("b", settings=warm, warm=[ACME])
+    await eventually(lambda: b.gossip.listening == {2}, 2.0, "b listens to acme's shard")
+    cluster.hub.set_up(False, only=[b.gossip.bus])
+    b.table.seed(ZETA, (await cluster.store.load([ZETA]))[ZETA])
+    await eventually(lambda: b.gossip.listening == {0, 2}, 2.0, "b wants zeta's shard")
+    assert not b.gossip._listen_confirmed
+    cluster.hub.set_up(True, only=[b.gossip.bus])
+    await eventually(lambda: b.gossip._listen_confirmed, 2.0, "b's listen is confirmed")
+    cluster.track(a, ZETA, 3)
+    await cluster.quiet_tick()
+    assert b.table.value(ZETA) == 3
+
+
+async def test_warm_follows_the_shards_of_gauges_held_too() -> None:
+    hub = LocalHub()
+    table, gauges = CounterTable("b"), GaugeTable("b")
+    gauges.seed(ZETA, "max", None)
+
+    async def resync(_: object) -> int:
+        return 0
+
+    gossip: Gossip[Snapshot] = Gossip(
+        table, hub.bus(ShardMap("t", 3).control), node_id="b", cluster="t",
+        make_snapshot=Snapshot, resync=resync, gauges=gauges,
+        settings=replace(SHARDED, subscribe="warm"),
+    )  # fmt: skip
+    await gossip.start()
+    try:
+        await gossip.follow_warm()
+        assert gossip.listening == {0}  # zeta's, held as a gauge only
+    finally:
+        await gossip.stop(timeout=1)
+
+
+async def test_the_clusters_k_is_checked_until_storage_tells_and_another_k_refused() -> None:
+    """A node whose storage cannot tell the cluster's K at start checks again, backing off,
+    and stops (``refuse``) once storage says another K; each cluster name has its own K."""
+    store = MemoryStorage()
+    mine = ClusterConfig(redis_url="redis://x", cluster_name="c1", gossip_shards=4)
+    assert await shards_match(store, replace(mine, gossip_shards=8))  # the first node: 8
+    store.fail_next = 2  # storage down for the next two tries
+    refused: list[bool] = []
+    await check_shards(store, mine, refuse=lambda: refused.append(True), pause=0.01)
+    assert refused == [True] and store.fail_next == 0
+    with pytest.raises(ConfigError, match="created with gossip_shards = 8, this node has 4"):
+        await shards_match(store, mine)
+    other = replace(mine, cluster_name="c2")
+    assert await shards_match(store, other)  # another cluster on the same storage
+    store.fail_next = 1
+    await check_shards(store, other, refuse=lambda: refused.append(True), pause=0.01)
+    assert refused == [True]  # (the same K: it just ends)

@@ -12,11 +12,13 @@ from collections.abc import Callable, Iterator
 import pytest
 from redis.asyncio.cluster import ClusterNode
 
-from cluster.redis_cluster_bus import RedisClusterBus, startup_nodes
+from cluster.bus import BusUnavailable
+from cluster.redis_cluster_bus import DOWN_AFTER_S, RedisClusterBus, startup_nodes
 from cluster.shards import ShardMap
 from meter.core.keys import period_start
 from storage.dynamodb import DynamoDBStorage
 from tests.support.cluster_harness import KEY_TENANT, Fleet, Load, wait_until
+from tests.support.dynamodb_local import free_port
 from tests.support.nodes import short_tmpdir
 from tests.support.redis_cluster import RedisCluster
 
@@ -90,6 +92,39 @@ async def test_every_shard_is_heard_across_the_masters_and_again_after_a_failove
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_cluster_out_of_reach_is_down_and_the_bus_keeps_trying(
+    redis_cluster: RedisCluster,
+) -> None:
+    """Unreachable at start: down, saying why, trying on; reachable: up; every master and
+    replica killed: down within a few seconds (DOWN_AFTER_S of no slot map), publishing and
+    listening refused, never an error of the client's own."""
+    nowhere = RedisClusterBus([f"127.0.0.1:{free_port()}"], "meter:x:control", max_backoff=0.2)
+    await nowhere.start(lambda _: None, lambda _: None)
+    try:
+        await _until(lambda: nowhere.last_error is not None, 10, "the first failure is said")
+        await asyncio.sleep(0.5)  # (some more tries)
+        assert not nowhere.connected and nowhere.connects == 0
+        for call in (nowhere.publish(b"x"), nowhere.listen(["meter:x:gossip:0"])):
+            with pytest.raises(BusUnavailable):
+                await call
+    finally:
+        await nowhere.close()
+    states: list[bool] = []
+    bus = RedisClusterBus(redis_cluster.nodes_arg.split(","), "meter:x:control")
+    await bus.start(lambda _: None, states.append)
+    try:
+        await _until(lambda: bus.connected, 10, "the bus connects")
+        redis_cluster.stop()
+        await _until(lambda: not bus.connected, DOWN_AFTER_S + 5, "the bus says it is down")
+        assert states == [True, False] and bus.last_error
+        with pytest.raises(BusUnavailable):
+            await bus.publish(b"x")
+        with pytest.raises(BusUnavailable):
+            await bus.xadd("meter:alerts", {"a": "1"}, 10)
+    finally:
+        await bus.close()
 
 
 def _slot(channel: str) -> int:

@@ -162,6 +162,11 @@ class Node:
                 await self.storage.open()
             except StorageError as exc:
                 raise Unavailable(f"cannot open {self.storage.kind} storage: {exc}") from None
+            # The cluster's K is this node's (ADR 0024), or it refuses before it claims or
+            # serves anything (storage unreachable: checked again in the background).
+            shards_known = not cfg.cluster.gossip or await loops.shards_match(
+                self.storage, cfg.cluster
+            )
             # Claim the id before anything counts: a second process with it refuses from the
             # first call (storage unreachable: try again in the background, count meanwhile).
             token, earlier = self.data_dir.owner_tokens()
@@ -176,10 +181,6 @@ class Node:
                 note=self._owner_note,
             )
             await self.owner.claim()
-            # Gossip starts once storage says the cluster's K is this node's (ADR 0024).
-            shards_known = not cfg.cluster.gossip or await loops.shards_match(
-                self.storage, cfg.cluster
-            )
             # Alone, nobody would take the gossip columns: the table does not keep them.
             self.table = CounterTable(node_id, gossip=cfg.cluster.gossip)
             gauges = GaugeTable(node_id, gossip=self.table.gossip)
@@ -347,13 +348,10 @@ class Node:
             # Right after the socket opens: requests arriving meanwhile are read first.
             self._tasks.append(asyncio.create_task(warm_up(service, warm), name="warm-up"))
         if self.gossip is not None:
-            if shards_known:
-                await self.gossip.start()  # connects in the background; serving does not wait
-            else:
-                start = loops.gossip_once_shards_known(
-                    self.storage, c, self.gossip, refuse=self._refuse
-                )
-                self._tasks.append(asyncio.create_task(start, name="gossip-shards"))
+            await self.gossip.start()  # connects in the background; serving does not wait
+            if not shards_known:
+                check = loops.check_shards(self.storage, c, refuse=self._refuse)
+                self._tasks.append(asyncio.create_task(check, name="gossip-shards"))
             holds = loops.HoldsAnnouncer(
                 service.reservations,
                 parts.peer_holds,

@@ -41,9 +41,11 @@ async def shards_match(storage: Storage, c: ClusterConfig) -> bool:
     is the first), is this node's (ADR 0024); :class:`ConfigError` if not; False if storage
     cannot tell yet."""
     try:
-        stored = await storage.cluster_setting("gossip_shards", str(c.gossip_shards))
+        stored = await storage.cluster_setting(
+            f"gossip_shards:{c.cluster_name}", str(c.gossip_shards)
+        )
     except StorageError as exc:
-        log.warning("cannot read the cluster's gossip_shards yet (%s); gossip waits", exc)
+        log.warning("cannot read the cluster's gossip_shards yet (%s); checked again later", exc)
         return False
     if stored != str(c.gossip_shards):
         raise ConfigError(
@@ -55,21 +57,19 @@ async def shards_match(storage: Storage, c: ClusterConfig) -> bool:
     return True
 
 
-async def gossip_once_shards_known(
-    storage: Storage, c: ClusterConfig, gossip: Gossip[Snapshot], *, refuse: Callable[[], None]
+async def check_shards(
+    storage: Storage, c: ClusterConfig, *, refuse: Callable[[], None], pause: float = 1.0
 ) -> None:
-    """Start ``gossip`` once storage tells the cluster's K (:func:`shards_match`); ``refuse``
-    (stop the node) if it is another."""
-    pause = 1.0
+    """:func:`shards_match` until storage tells, backing off from ``pause`` seconds;
+    ``refuse`` (stop the node) if the cluster's K is another. (Meanwhile the node gossips: a
+    peer refuses frames of another K.)"""
     try:
         while not await shards_match(storage, c):
             await asyncio.sleep(pause)
             pause = min(30.0, pause * 2)
     except ConfigError as exc:
-        log.error("refusing to gossip: %s", exc.message)
+        log.error("refusing to run: %s", exc.message)
         refuse()
-        return
-    await gossip.start()
 
 
 async def expire_reservations(service: Service) -> None:
