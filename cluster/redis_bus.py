@@ -66,6 +66,9 @@ class RedisBus(PubSubBus):
         except REDIS_ERRORS as exc:
             raise BusUnavailable(f"publish failed: {describe_error(exc)}") from None
 
+    def name(self) -> str:
+        return f"redis bus {redact(self.url)}"
+
     def describe(self) -> dict[str, object]:
         out = super().describe()
         out["url"] = redact(self.url)

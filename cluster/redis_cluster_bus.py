@@ -120,6 +120,9 @@ class RedisClusterBus(PubSubBus):
         except REDIS_ERRORS as exc:
             raise BusUnavailable(f"publish failed: {describe_error(exc)}") from None
 
+    def name(self) -> str:
+        return "redis cluster bus"
+
     def describe(self) -> dict[str, object]:
         out = super().describe()
         out["nodes"] = [redact(n) for n in self.nodes]

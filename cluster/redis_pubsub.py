@@ -137,16 +137,16 @@ class PubSubBus(Bus):
             except REDIS_ERRORS as exc:
                 self.last_error = describe_error(exc)
                 if self.connected or failures == 0:
-                    log.warning("%s bus: %s", self.kind, self.last_error)
+                    log.warning("%s: %s", self.name(), self.last_error)
                 failures += 1
             except BusUnavailable as exc:  # (a session that gave up: its own words)
                 self.last_error = str(exc)
                 if self.connected or failures == 0:
-                    log.warning("%s bus: %s", self.kind, self.last_error)
+                    log.warning("%s: %s", self.name(), self.last_error)
                 failures += 1
             except Exception as exc:  # a bug: the bus starts over rather than end for good
                 self.last_error = f"{type(exc).__name__}: {exc}"
-                log.exception("%s bus failed", self.kind)
+                log.exception("%s failed", self.name())
                 failures += 1
             finally:
                 self._set_connected(False)
@@ -199,6 +199,10 @@ class PubSubBus(Bus):
         if not waiter.done():
             waiter.set_result(None)
         return True
+
+    def name(self) -> str:
+        """How logs name this bus."""
+        return f"{self.kind} bus"
 
     def _deliver(self, data: object) -> None:
         if isinstance(data, bytes) and self._on_message is not None:
