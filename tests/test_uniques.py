@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from meter.config import CounterConfig
@@ -422,6 +422,11 @@ _ops = st.lists(
 
 @settings(max_examples=60, deadline=None)
 @given(_ops)
+# A node restarted from its log knows a value claimed before its counter is read again: the
+# value met again is answered the long way, not with an unknown total (None). Found by CI.
+@example([("track", 0, "a", "before", 0)] * 17 + [("fail", 0, "a", "before", 0),
+         ("burst", 0, "c", "before", 0), ("heal", 0, "a", "before", 0),
+         ("crash", 2, "a", "before", 0), ("burst", 2, "a", "before", 0)])  # fmt: skip
 def test_nodes_count_each_value_once_whatever_fails_and_restarts(
     ops: list[tuple[str, int, str, str, int]],
 ) -> None:

@@ -124,8 +124,8 @@ class Uniques:
             key = keys.cache.get((tenant, feature))
         except TypeError:  # an unhashable name: checked (and refused) the long way
             return None
-        if key is None or not self.known(key, value):
-            return None
+        if key is None or not self.known(key, value) or not self.table.is_seeded(key):
+            return None  # (a value known of a counter not read yet: its total is unknown)
         fence = self.fence
         if fence.reason is not None:
             raise Unavailable(fence.reason)
