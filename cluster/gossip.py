@@ -113,6 +113,7 @@ class Gossip(Generic[S]):
         secret: str | None = None,
         settings: GossipSettings | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         after_commit: Callable[[Callable[[], object]], None] | None = None,
         incarnation: int | None = None,
         listener: Listener | None = None,
@@ -132,6 +133,8 @@ class Gossip(Generic[S]):
         self.make_snapshot = make_snapshot
         self.resync = resync
         self.clock = clock
+        #: When heartbeats are heard (the lost-tail check's slack).
+        self.monotonic = monotonic
         # Increasing across restarts of this node: peers tell a restart from a replay of an old
         # message by it. The node keeps it in its data dir (max(now, last + 1)), so a restart on
         # a clock that went back is still newer; without one, the wall clock in ns.
@@ -398,7 +401,7 @@ class Gossip(Generic[S]):
         """A sharded heartbeat: ``sender``'s last number on each shard. A number the previous
         heartbeat told that is still unheard is a lost tail (frames on another channel may
         come a little after a heartbeat, never a whole heartbeat later)."""
-        mono = time.monotonic()
+        mono = self.monotonic()
         before = self._told.get(sender)
         if before is not None and before[0] == incarnation:
             if mono - before[2] < self.settings.tail_slack:
@@ -588,11 +591,11 @@ class Gossip(Generic[S]):
         self._joining = (self._joining | joined) - left
         self.shard_joins += len(joined)
         self.shard_leaves += len(left)
+        self._listen_confirmed = False  # (until the bus says so: asked again next time)
         try:
             await self.bus.listen(self._channels(wanted))
         except BusUnavailable:
-            self._listen_confirmed = False  # (asked again next time; a reconnect resyncs)
-            return
+            return  # (a reconnect listens to them, and resyncs everything)
         self._listen_confirmed = True
         for shard in self._joining:
             self.request_resync("join", shard)

@@ -12,9 +12,6 @@ reconnect in lock-step). Redis errors never leave this module: they become :clas
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 from collections.abc import Collection
 from typing import Any
 
@@ -24,8 +21,6 @@ from redis.backoff import NoBackoff
 
 from cluster.bus import BusUnavailable
 from cluster.redis_pubsub import REDIS_ERRORS, PubSubBus, describe_error, redact, text
-
-log = logging.getLogger("cluster.redis")
 
 __all__ = ["RedisBus", "redact"]
 
@@ -79,29 +74,6 @@ class RedisBus(PubSubBus):
 
     async def _unsubscribe(self, pubsub: Any, channels: Collection[str]) -> None:
         await pubsub.unsubscribe(*channels)
-
-    async def _session(self) -> None:
-        pubsub: Any = self._client.pubsub()
-        reader: asyncio.Task[None] | None = None
-        try:
-            # Connected means subscribed: Redis confirmed, so nothing published after this
-            # point is missed. (The reader starts once the subscriber has its connection.)
-            channels = {self.channel, *self._listening}
-            waiters = self._expect(channels)
-            await self._subscribe(pubsub, channels)
-            reader = asyncio.create_task(self._read(pubsub), name="redis-reader")
-            await self._wait(waiters)
-            self._pubsub = pubsub
-            self._set_connected(True)
-            log.info("redis bus connected to %s (%s)", redact(self.url), self.channel)
-            await reader
-        finally:
-            if reader is not None:
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError, *REDIS_ERRORS):
-                    await reader
-            with contextlib.suppress(*REDIS_ERRORS):
-                await asyncio.wait_for(pubsub.aclose(), 1.0)
 
     async def _read(self, pubsub: Any) -> None:
         while True:

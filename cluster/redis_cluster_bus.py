@@ -21,10 +21,9 @@ the single-Redis bus. Redis errors never leave this module: they become :class:`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Coroutine, Sequence
 from typing import Any
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -136,31 +135,11 @@ class RedisClusterBus(PubSubBus):
     async def _unsubscribe(self, pubsub: Any, channels: Collection[str]) -> None:
         await pubsub.sunsubscribe(*channels)
 
-    async def _session(self) -> None:
+    async def _prepare(self) -> None:
         await self._client.initialize()
-        pubsub: Any = self._client.pubsub()
-        tasks: list[asyncio.Task[None]] = []
-        try:
-            channels = {self.channel, *self._listening}
-            waiters = self._expect(channels)
-            await self._subscribe(pubsub, channels)
-            tasks.append(asyncio.create_task(self._read(pubsub), name="redis-cluster-reader"))
-            await self._wait(waiters)
-            self._pubsub = pubsub
-            self._set_connected(True)
-            log.info("redis cluster bus connected (%s)", self.channel)
-            tasks.append(asyncio.create_task(self._refresh(), name="redis-cluster-slots"))
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # (raises what ended it)
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, *REDIS_ERRORS):
-                    await task
-            with contextlib.suppress(*REDIS_ERRORS):
-                await asyncio.wait_for(pubsub.aclose(), 1.0)
+
+    def _keepers(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._refresh()]
 
     async def _read(self, pubsub: Any) -> None:
         while True:
@@ -179,7 +158,8 @@ class RedisClusterBus(PubSubBus):
             kind = msg.get("type")
             if kind == "ssubscribe":
                 channel = text(msg.get("channel"))
-                if not self._confirm(channel) and self.connected:
+                known = channel in self._subscribed
+                if not self._confirm(channel) and known:
                     self.moves += 1
                     log.info("redis cluster bus: %s subscribed again by the client", channel)
             elif kind == "smessage":

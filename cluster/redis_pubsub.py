@@ -1,9 +1,10 @@
 """What the two Redis buses share: the channels listened to and their confirmations, the
 subscriber task with backoff, the alerts' stream, and Redis errors mapped to the bus' own.
 
-A subclass connects and reads in :meth:`PubSubBus._session` (one connection's life: it returns
-or raises when the subscriber must start over), and names its subscribe and unsubscribe
-commands (``SUBSCRIBE`` on one Redis, ``SSUBSCRIBE`` on a Redis Cluster).
+A session is one subscriber's life: subscribe (confirmed), read, and whatever else the subclass
+keeps up beside the reader, until one of them fails; the bus then says it is down and starts
+over with backoff. A subclass names its subscribe and unsubscribe commands (``SUBSCRIBE`` on
+one Redis, ``SSUBSCRIBE`` on a Redis Cluster) and reads its messages.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import random
 import re
 import ssl
-from collections.abc import Collection
+from collections.abc import Collection, Coroutine
 from typing import Any
 
 from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
@@ -54,16 +55,12 @@ class PubSubBus(Bus):
         self._pubsub: Any = None
         self._subscribed: set[str] = set()
         self._waiters: dict[str, asyncio.Future[None]] = {}
+        self._reader: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._on_message: OnMessage | None = None
         self._closing = False
 
     # -- what a subclass gives ---------------------------------------------------------------
-
-    @abc.abstractmethod
-    async def _session(self) -> None:
-        """Connect, subscribe (:meth:`_confirmed`), say so (``_set_connected(True)``) and read
-        until the connection fails (raise) or is closed."""
 
     @abc.abstractmethod
     async def _subscribe(self, pubsub: Any, channels: Collection[str]) -> None:
@@ -72,6 +69,18 @@ class PubSubBus(Bus):
     @abc.abstractmethod
     async def _unsubscribe(self, pubsub: Any, channels: Collection[str]) -> None:
         """Send the unsubscribe command of ``channels``."""
+
+    @abc.abstractmethod
+    async def _read(self, pubsub: Any) -> None:
+        """Read messages until the connection fails (raise): :meth:`_confirm` each
+        subscription Redis confirms, :meth:`_deliver` each message."""
+
+    async def _prepare(self) -> None:
+        """Before a session subscribes (a cluster reads its slot map)."""
+
+    def _keepers(self) -> list[Coroutine[Any, Any, None]]:
+        """What runs beside the reader while connected (raising ends the session)."""
+        return []
 
     # -- the bus -----------------------------------------------------------------------------
 
@@ -95,6 +104,8 @@ class PubSubBus(Bus):
                 await self._confirmed(pubsub, new)
         except REDIS_ERRORS as exc:
             raise BusUnavailable(f"subscribe failed: {describe_error(exc)}") from None
+        if pubsub is not self._pubsub:  # (the connection was lost meanwhile)
+            raise BusUnavailable(f"{self.kind} lost the connection; listening at the next")
 
     async def xadd(self, stream: str, fields: dict[str, str], maxlen: int) -> str:
         """``XADD stream MAXLEN ~ maxlen * fields``; the entry's id. :class:`BusUnavailable`
@@ -127,42 +138,77 @@ class PubSubBus(Bus):
 
     async def _run(self) -> None:
         """Sessions, one after another until :meth:`close`, with backoff and full jitter
-        between failures (a fleet does not reconnect in lock-step)."""
+        between failures (a fleet does not reconnect in lock-step); a session that was
+        connected starts the backoff over."""
         failures = 0
         while not self._stopped():
             self._subscribed = set()
+            connects = self.connects
             try:
                 await self._session()
-                failures = 0
+                error = "the subscriber stopped"
             except REDIS_ERRORS as exc:
-                self.last_error = describe_error(exc)
-                if self.connected or failures == 0:
-                    log.warning("%s: %s", self.name(), self.last_error)
-                failures += 1
+                error = describe_error(exc)
             except BusUnavailable as exc:  # (a session that gave up: its own words)
-                self.last_error = str(exc)
-                if self.connected or failures == 0:
-                    log.warning("%s: %s", self.name(), self.last_error)
-                failures += 1
+                error = str(exc)
             except Exception as exc:  # a bug: the bus starts over rather than end for good
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                error = f"{type(exc).__name__}: {exc}"
                 log.exception("%s failed", self.name())
-                failures += 1
-            finally:
-                self._set_connected(False)
-                self._pubsub = None
-                for waiter in self._waiters.values():
-                    if not waiter.done():
-                        waiter.set_exception(BusUnavailable("the subscriber lost redis"))
-                self._waiters.clear()
+            self._lost()
+            self.last_error = error
+            if self.connects > connects:
+                failures = 0
+            if failures == 0:  # (the connection lost, or the first try failed)
+                log.warning("%s: %s", self.name(), error)
+            failures += 1
             if self._stopped():
                 return
             cap = min(self.max_backoff, self.min_backoff * 2 ** min(failures, 16))
             await asyncio.sleep(random.uniform(cap / 2, cap))
 
+    async def _session(self) -> None:
+        """Subscribe ``channel`` and the channels listened to, say the bus is up once Redis
+        confirmed them (nothing published after is missed), and read, with the keepers
+        beside, until one of them fails."""
+        await self._prepare()
+        pubsub: Any = self._client.pubsub()
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            channels = {self.channel, *self._listening}
+            waiters = self._expect(channels)
+            # (The reader starts once the subscriber has its connection: the subscribe.)
+            await self._subscribe(pubsub, channels)
+            self._reader = asyncio.create_task(self._read(pubsub), name=f"{self.kind}-reader")
+            tasks.append(self._reader)
+            await self._wait(waiters)
+            self._pubsub = pubsub
+            self._set_connected(True)
+            log.info("%s connected (%s)", self.name(), self.channel)
+            tasks += [asyncio.create_task(keeper) for keeper in self._keepers()]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # (raises what ended it)
+        finally:
+            self._lost()  # (at once: publishes fail fast, peers' silence is ours)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._reader = None
+            with contextlib.suppress(*REDIS_ERRORS):
+                await asyncio.wait_for(pubsub.aclose(), 1.0)
+
+    def _lost(self) -> None:
+        """The subscriber is gone: the bus is down, and calls waiting for a confirmation
+        fail (:meth:`_wait`)."""
+        self._pubsub = None
+        self._set_connected(False)
+        for waiter in self._waiters.values():
+            waiter.cancel()
+        self._waiters.clear()
+
     async def _confirmed(self, pubsub: Any, channels: Collection[str]) -> None:
         """Subscribe ``channels`` and wait until the reader saw Redis confirm each (so nothing
-        published after is missed); :class:`TimeoutError` after :data:`CONFIRM_S`."""
+        published after is missed)."""
         waiters = self._expect(channels)
         await self._subscribe(pubsub, channels)
         await self._wait(waiters)
@@ -179,16 +225,29 @@ class PubSubBus(Bus):
         return waiters
 
     async def _wait(self, waiters: dict[str, asyncio.Future[None]]) -> None:
-        _, pending = await asyncio.wait(waiters.values(), timeout=CONFIRM_S)
-        for waiter in waiters.values():
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
-                raise BusUnavailable(str(waiter.exception()))
-        if pending:
-            for ch, waiter in waiters.items():
-                if not waiter.done():
-                    waiter.cancel()
-                    self._waiters.pop(ch, None)
-            raise TimeoutError(f"no subscribe confirmation from redis for {len(pending)} channels")
+        """Until every waiter is confirmed: :class:`BusUnavailable` if the subscriber is lost
+        or its reader ends first, :class:`TimeoutError` after :data:`CONFIRM_S`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CONFIRM_S
+        reader = self._reader
+        while True:
+            pending = [w for w in waiters.values() if not w.done()]
+            if any(w.cancelled() for w in waiters.values()):
+                raise BusUnavailable(f"{self.kind} lost the connection while subscribing")
+            if not pending:
+                return
+            if reader is None or reader.done():
+                raise BusUnavailable(f"{self.kind} subscriber stopped reading")
+            left = deadline - loop.time()
+            if left <= 0:
+                for ch, waiter in waiters.items():
+                    if not waiter.done():
+                        waiter.cancel()
+                        self._waiters.pop(ch, None)
+                raise TimeoutError(f"no subscribe confirmation for {len(pending)} channels")
+            await asyncio.wait(
+                [*pending, reader], timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
 
     def _confirm(self, channel: str) -> bool:
         """Redis confirmed ``channel``; whether a call was waiting for it."""

@@ -83,6 +83,7 @@ class Cluster:
         table_class: type[CounterTable] = CounterTable,
         replay: dict[tuple[str, str, str], int] | None = None,
         warm: Sequence[tuple[str, str, str]] | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> N:
         """A node on the hub and the store, holding ``warm`` keys (default: all). ``replay``:
         units it held unflushed before a restart (recovered from its write-ahead log),
@@ -99,6 +100,7 @@ class Cluster:
             secret=secret,
             settings=settings,
             listener=heard,
+            monotonic=monotonic,
         )
         flusher = Flusher(table, self.store, interval=3600, on_flushed=gossip.on_flushed)
         warm = self.keys if warm is None else warm
