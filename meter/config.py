@@ -282,6 +282,18 @@ def _opt_str(setting: str, raw: Any) -> str | None:
     return _str(setting, raw)
 
 
+def _choice(options: tuple[str, ...]) -> Any:
+    """A parser of one of ``options`` (any case)."""
+
+    def parse(setting: str, raw: Any) -> str:
+        value = _str(setting, raw).lower()
+        if value not in options:
+            raise ConfigError(setting, f"must be one of {', '.join(options)}, got {raw!r}")
+        return value
+
+    return parse
+
+
 def _path(setting: str, raw: Any) -> Path:
     return Path(_str(setting, raw))
 
@@ -344,36 +356,8 @@ def _float(lo: float, hi: float) -> Any:
     return parse
 
 
-def _storage_kind(setting: str, raw: Any) -> str:
-    kind = _str(setting, raw).lower()
-    if kind not in STORAGE_KINDS:
-        raise ConfigError(setting, f"must be one of {', '.join(STORAGE_KINDS)}, got {raw!r}")
-    return kind
-
-
-def _durability(setting: str, raw: Any) -> str:
-    mode = _str(setting, raw).lower()
-    if mode not in DURABILITY_MODES:
-        raise ConfigError(setting, f"must be one of {', '.join(DURABILITY_MODES)}, got {raw!r}")
-    return mode
-
-
 FLUSH_MODES = ("auto", "batched", "single")
 GOSSIP_SUBSCRIBE = ("all", "warm")
-
-
-def _gossip_subscribe(setting: str, raw: Any) -> str:
-    mode = _str(setting, raw).lower()
-    if mode not in GOSSIP_SUBSCRIBE:
-        raise ConfigError(setting, f"must be one of {', '.join(GOSSIP_SUBSCRIBE)}, got {raw!r}")
-    return mode
-
-
-def _flush_mode(setting: str, raw: Any) -> str:
-    mode = _str(setting, raw).lower()
-    if mode not in FLUSH_MODES:
-        raise ConfigError(setting, f"must be one of {', '.join(FLUSH_MODES)}, got {raw!r}")
-    return mode
 
 
 def _node_id(setting: str, raw: Any) -> str | None:
@@ -533,7 +517,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "max_frame_bytes": ("server", "max_frame_bytes", _int(1024, 64 << 20)),
     "request_drain_timeout_s": ("server", "request_drain_timeout_s", _float(0, 3600)),
     "gc_young_threshold": ("server", "gc_young_threshold", _int(0, 1_000_000)),
-    "storage": ("storage", "kind", _storage_kind),
+    "storage": ("storage", "kind", _choice(STORAGE_KINDS)),
     "sqlite_file": ("storage", "sqlite_file", _str),
     "dynamodb_table": ("storage", "dynamodb_table", _dynamodb_table),
     "dynamodb_endpoint": ("storage", "dynamodb_endpoint", _url(("http://", "https://"))),
@@ -542,7 +526,7 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "dynamodb_max_pool_connections": ("storage", "dynamodb_max_pool_connections", _int(1, 1024)),
     "dynamodb_connect_timeout_s": ("storage", "dynamodb_connect_timeout_s", _float(0.05, 120)),
     "dynamodb_read_timeout_s": ("storage", "dynamodb_read_timeout_s", _float(0.05, 600)),
-    "flush_mode": ("storage", "flush_mode", _flush_mode),
+    "flush_mode": ("storage", "flush_mode", _choice(FLUSH_MODES)),
     "dynamodb_transact_items": ("storage", "dynamodb_transact_items", _opt_int(2, 100)),
     "retention_days": ("storage", "retention_days", _int(1, 36500)),
     "retention_purge_interval_s": ("storage", "purge_interval_s", _float(0.1, 10**7)),
@@ -574,8 +558,8 @@ _SETTINGS: dict[str, tuple[str, str, Any]] = {
     "alerts_stream": ("cluster", "alerts_stream", _str),
     "alerts_stream_maxlen": ("cluster", "alerts_stream_maxlen", _int(1, 1_000_000_000)),
     "gossip_shards": ("cluster", "gossip_shards", _int(1, MAX_SHARDS)),
-    "gossip_subscribe": ("cluster", "gossip_subscribe", _gossip_subscribe),
-    "durability": ("durability", "mode", _durability),
+    "gossip_subscribe": ("cluster", "gossip_subscribe", _choice(GOSSIP_SUBSCRIBE)),
+    "durability": ("durability", "mode", _choice(DURABILITY_MODES)),
     "wal_fsync_interval_ms": ("durability", "fsync_interval_ms", _int(1, 60_000)),
     "wal_segment_bytes": ("durability", "segment_bytes", _int(4096, 1 << 40)),
     "idempotency_window_s": ("durability", "idempotency_window_s", _float(1, 30 * 86400)),
