@@ -1,6 +1,6 @@
 """A node's background loops beside the flusher, gossip and the limits: each a thin loop over
 the parts it keeps up (reservation expiry, eviction, retention purge, strict shares, holds,
-unique values' claims, the wait for the cluster's gossip shards).
+unique values' claims, the check of the cluster's gossip shards).
 
 Each loop runs until cancelled (the node's stop); one that must not end on a bug logs it and
 goes on.
@@ -61,8 +61,8 @@ async def check_shards(
     storage: Storage, c: ClusterConfig, *, refuse: Callable[[], None], pause: float = 1.0
 ) -> None:
     """:func:`shards_match` until storage tells, backing off from ``pause`` seconds;
-    ``refuse`` (stop the node) if the cluster's K is another. (Meanwhile the node gossips: a
-    peer refuses frames of another K.)"""
+    ``refuse`` (stop the node) if the cluster's K is another. (Meanwhile the node gossips;
+    with another K it and its peers do not hear each other.)"""
     try:
         while not await shards_match(storage, c):
             await asyncio.sleep(pause)
