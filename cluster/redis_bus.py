@@ -89,7 +89,8 @@ class RedisBus(PubSubBus):
         # PING is sent by :meth:`_health`.
         conn = pubsub.connection
         while True:
-            reply = await conn.read_response(timeout=math.inf, push_request=True)  # (a push: a list)
+            # (a push notification is a list)
+            reply = await conn.read_response(timeout=math.inf, push_request=True)
             if not isinstance(reply, list) or len(reply) != 3:
                 continue  # (a PING's reply: ``[b"pong", ...]`` is 2 long)
             kind = reply[0]

@@ -56,6 +56,33 @@ async def test_publish_reaches_every_subscriber(
             await bus.close()
 
 
+async def test_a_quiet_subscriber_pings_and_keeps_reading(
+    redis_server: RedisServer, cluster_name: str
+) -> None:
+    """The subscriber reads its replies itself: the health check's PING still goes out once
+    the connection has been quiet, and its reply does not stop the reading."""
+    import redis.asyncio as aioredis
+
+    ch = channel_name(cluster_name)
+    p = Probe()
+    bus = RedisBus(redis_server.url, ch, min_backoff=0.02, health_check_s=1)
+    await bus.start(p.got.append, p.states.append)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await p.wait(lambda: bus.connected)
+        before = (await admin.info("commandstats")).get("cmdstat_ping", {}).get("calls", 0)
+        deadline = time.monotonic() + 10
+        while (await admin.info("commandstats")).get("cmdstat_ping", {}).get("calls", 0) <= before:
+            assert time.monotonic() < deadline, "no health check PING from a quiet subscriber"
+            await asyncio.sleep(0.1)
+        await bus.publish(b"after the ping")
+        await p.wait(lambda: p.got == [b"after the ping"])
+        assert p.states == [True]  # (never down)
+    finally:
+        await bus.close()
+        await admin.aclose()
+
+
 async def test_auth_in_the_url(
     redis_factory: Callable[..., RedisServer], cluster_name: str
 ) -> None:
