@@ -7,12 +7,13 @@ without asking whose it is (docs/periods.md):
 - ``2026-11``: a UTC calendar month; ``2026-11-30``: a UTC day (the default calendar);
 - ``2026-11@15:America/New_York``: a billing-cycle month that starts at local midnight of the
   15th (of the month's last day where it is shorter) in that IANA zone and ends where the next
-  one starts;
+  one starts; ``2026-11@15T09:30:America/New_York``: the same anchored at 09:30 local time;
 - ``2026-11-30@America/New_York``: a local day of that zone.
 
-Only canonical names are valid: one period, one name (an anchor of 1 in ``UTC`` is the UTC
-calendar, named without ``@``). Kept in ``storage`` because storage validates names and sets
-TTLs by them, and storage must not depend on ``meter``.
+Only canonical names are valid: one period, one name (an anchor of 1 at midnight in ``UTC``
+is the UTC calendar, named without ``@``; midnight is named without ``T00:00``). Kept in
+``storage`` because storage validates names and sets TTLs by them, and storage must not
+depend on ``meter``.
 """
 
 from __future__ import annotations
@@ -30,16 +31,21 @@ PeriodKind = Literal["month", "day"]
 ZONE_RE = re.compile(r"[A-Za-z][A-Za-z0-9_+\-]*(?:/[A-Za-z0-9_+\-]+){0,3}")
 MAX_ZONE_CHARS = 64
 _NAME_RE = re.compile(
-    r"([0-9]{4})-([0-9]{2})(?:-([0-9]{2}))?(?:@(?:([1-9][0-9]?):)?([^@:]{1,64}))?"
+    r"([0-9]{4})-([0-9]{2})(?:-([0-9]{2}))?"
+    r"(?:@(?:([1-9][0-9]?)(?:T([0-9]{2}):([0-9]{2}))?:)?([^@:]{1,64}))?"
 )
+#: Minutes in a day: an anchor's time of day is ``0 <= minute < MINUTES_A_DAY``.
+MINUTES_A_DAY = 1440
 
 
 class Cycle(NamedTuple):
-    """A billing cycle: periods start at local midnight of ``day`` (1..31; the month's last
-    day where it is shorter) in the IANA zone ``zone``. ``None`` stands for the UTC calendar."""
+    """A billing cycle: periods start at local time ``minute`` (minutes after midnight) of
+    ``day`` (1..31; the month's last day where it is shorter) in the IANA zone ``zone``.
+    ``None`` stands for the UTC calendar."""
 
     day: int
     zone: str
+    minute: int = 0
 
 
 class Period(NamedTuple):
@@ -87,17 +93,36 @@ def zone(name: str) -> ZoneInfo:
         raise ValueError(f"time zone {name[:64]!r} is not a known IANA zone") from None
 
 
-def cycle(day: int, zone_name: str) -> Cycle | None:
-    """The cycle anchored on ``day`` in ``zone_name`` (checked; a name of UTC is ``UTC``),
-    ``None`` for the UTC calendar (day 1 in UTC); :class:`ValueError` for a bad one."""
+def cycle(day: int, zone_name: str, minute: int = 0) -> Cycle | None:
+    """The cycle anchored on ``day`` at ``minute`` (minutes after local midnight) in
+    ``zone_name`` (checked; a name of UTC is ``UTC``), ``None`` for the UTC calendar (day 1
+    at midnight in UTC); :class:`ValueError` for a bad one."""
     if isinstance(day, bool) or not isinstance(day, int) or not 1 <= day <= 31:
         raise ValueError(f"anchor day must be an integer in 1..31, got {day!r}")
+    if isinstance(minute, bool) or not isinstance(minute, int) or not 0 <= minute < MINUTES_A_DAY:
+        raise ValueError(f"anchor time must be a minute of the day in 0..1439, got {minute!r}")
     zone(zone_name)
     if zone_name in UTC_NAMES:
         zone_name = "UTC"
-    if day == 1 and zone_name == "UTC":
+    if day == 1 and zone_name == "UTC" and minute == 0:
         return None
-    return Cycle(day, zone_name)
+    return Cycle(day, zone_name, minute)
+
+
+def clock(minute: int) -> str:
+    """``minute`` (after midnight) as ``HH:MM``."""
+    return f"{minute // 60:02d}:{minute % 60:02d}"
+
+
+def minute_of(text: object) -> int:
+    """The minute after midnight that ``HH:MM`` (``00:00``..``23:59``) names;
+    :class:`ValueError` for anything else."""
+    if isinstance(text, str) and re.fullmatch(r"[0-9]{2}:[0-9]{2}", text):
+        hours, minutes = int(text[:2]), int(text[3:])
+        if hours < 24 and minutes < 60:
+            return hours * 60 + minutes
+    shown = text[:16] if isinstance(text, str) else type(text).__name__
+    raise ValueError(f"anchor time must be HH:MM (00:00..23:59), got {shown!r}")
 
 
 def month_start_day(year: int, month: int, anchor: int) -> int:
@@ -120,7 +145,15 @@ def _midnight(z: ZoneInfo, day: date) -> float:
 
 
 def _cycle_start(c: Cycle, year: int, month: int) -> float:
-    return _midnight(zone(c.zone), date(year, month, month_start_day(year, month, c.day)))
+    """The first instant of ``c``'s period of ``year``-``month``: its anchor's local time on
+    its start day; a time the clock skips that day is read with the offset before the change
+    (02:30 on a night the clock jumps from 02:00 to 03:00 is 03:30), a time it shows twice is
+    the first."""
+    day = date(year, month, month_start_day(year, month, c.day))
+    if not c.minute:
+        return _midnight(zone(c.zone), day)
+    hour, minute = divmod(c.minute, 60)
+    return datetime(day.year, day.month, day.day, hour, minute, tzinfo=zone(c.zone)).timestamp()
 
 
 def name(c: Cycle | None, kind: PeriodKind, at: float) -> str:
@@ -151,7 +184,12 @@ def name(c: Cycle | None, kind: PeriodKind, at: float) -> str:
         _cycle_start(c, *_next_month(year, month))  # (its end exists)
     except (OverflowError, ValueError):
         raise ValueError(f"instant {at!r} has no period in {c.zone} before year 10000") from None
-    return f"{year:04d}-{month:02d}@{c.day}:{c.zone}"
+    return f"{year:04d}-{month:02d}@{_anchor(c)}:{c.zone}"
+
+
+def _anchor(c: Cycle) -> str:
+    """A month name's anchor: ``15``, or ``15T09:30`` off midnight."""
+    return f"{c.day}T{clock(c.minute)}" if c.minute else str(c.day)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -161,7 +199,7 @@ def parse(period: str) -> Period:
     match = _NAME_RE.fullmatch(period) if isinstance(period, str) else None
     if match is None:
         raise ValueError(_bad(period))
-    y, m, d, anchor, zone_name = match.groups()
+    y, m, d, anchor, hh, mm, zone_name = match.groups()
     year, month = int(y), int(m)
     try:
         date(year, month, int(d) if d else 1)
@@ -173,13 +211,16 @@ def parse(period: str) -> Period:
     if (d is not None and anchor is not None) or (d is None and anchor is None):
         raise ValueError(_bad(period))
     try:
-        c = cycle(int(anchor) if anchor else 1, zone_name)
+        minute = minute_of(f"{hh}:{mm}") if hh is not None else 0
+        c = cycle(int(anchor) if anchor else 1, zone_name, minute)
     except ValueError as exc:
         raise ValueError(f"period {period[:80]!r}: {exc}") from None
+    if hh is not None and minute == 0:
+        raise ValueError(f"period {period[:80]!r}: name a midnight anchor without T00:00")
     if c is None or (d is not None and zone_name in UTC_NAMES):
         raise ValueError(f"period {period[:80]!r} is a UTC calendar period: name it without @")
     if c.zone != zone_name:
-        raise ValueError(f"period {period[:80]!r}: name UTC as UTC (...@{c.day}:UTC)")
+        raise ValueError(f"period {period[:80]!r}: name UTC as UTC (...@{_anchor(c)}:UTC)")
     if d is not None:
         out = Period("day", Cycle(1, zone_name), year, month, int(d))
     else:
@@ -194,8 +235,8 @@ def parse(period: str) -> Period:
 def _bad(period: object) -> str:
     shown = period[:80] if isinstance(period, str) else type(period).__name__
     return (
-        f"period {shown!r} is not a period name (YYYY-MM, YYYY-MM-DD, YYYY-MM@D:Zone or "
-        "YYYY-MM-DD@Zone)"
+        f"period {shown!r} is not a period name (YYYY-MM, YYYY-MM-DD, YYYY-MM@D:Zone, "
+        "YYYY-MM@DTHH:MM:Zone or YYYY-MM-DD@Zone)"
     )
 
 
@@ -245,7 +286,9 @@ def preceding(period: str) -> str:
 
 
 def days(period: str) -> tuple[date, date]:
-    """The first and last local dates of the month period ``period`` (its day buckets')."""
+    """The first and last local dates of the month period ``period`` (its day buckets'):
+    an anchor off midnight shares its start date with the period before (each has a bucket
+    of that date, :func:`day_of`)."""
     p = parse(period)
     if p.kind != "month":
         raise ValueError(f"period {period[:80]!r} is not a month period")
@@ -254,7 +297,10 @@ def days(period: str) -> tuple[date, date]:
     if y > 9999:
         return first, date(9999, 12, 31)
     anchor = 1 if p.cycle is None else p.cycle.day
-    return first, date(y, m, month_start_day(y, m, anchor)) - timedelta(days=1)
+    following_start = date(y, m, month_start_day(y, m, anchor))
+    if p.cycle is not None and p.cycle.minute:
+        return first, following_start
+    return first, following_start - timedelta(days=1)
 
 
 def day_of(period: str, at: float) -> str:
@@ -262,7 +308,9 @@ def day_of(period: str, at: float) -> str:
     ``at`` in the period's calendar, kept inside the period's dates (a key of a later or
     earlier period, counted with ``at``, gets its first or last); ``YYYY-MM-DD`` for a UTC
     month, ``YYYY-MM-DD@D:Zone`` for a billing cycle's (its own bucket: a date of a change
-    of calendar is in two periods, and a bucket keeps one sequence per node)."""
+    of calendar is in two periods, and a bucket keeps one sequence per node), and
+    ``YYYY-MM-DD@<period>`` for a cycle anchored off midnight (its start date is in two of
+    its periods)."""
     first, last = days(period)
     p = parse(period)
     tz = UTC if p.cycle is None else zone(p.cycle.zone)
@@ -271,7 +319,9 @@ def day_of(period: str, at: float) -> str:
     except (OverflowError, ValueError):
         today = last
     day = min(max(today, first), last).isoformat()
-    return day if p.cycle is None else f"{day}@{period[8:]}"
+    if p.cycle is None:
+        return day
+    return f"{day}@{period}" if p.cycle.minute else f"{day}@{period[8:]}"
 
 
 def bucket_date(bucket: str) -> str:
@@ -281,12 +331,16 @@ def bucket_date(bucket: str) -> str:
 
 def bucket_of(bucket: str, period: str) -> bool:
     """Whether ``bucket`` (a day bucket's name) is one of the month period ``period``'s:
-    one of its dates, under its calendar's name (none for a UTC month)."""
+    one of its dates, under its calendar's name (none for a UTC month; the period's own
+    for a cycle anchored off midnight, :func:`day_of`)."""
     date, at, calendar = bucket.partition("@")
     suffix = period.partition("@")[2]
-    if (at == "@") != bool(suffix) or calendar != suffix or len(date) != 10:
-        return False
     try:
+        p = parse(period)
+        if p.cycle is not None and p.cycle.minute:
+            suffix = period
+        if (at == "@") != bool(suffix) or calendar != suffix or len(date) != 10:
+            return False
         first, last = days(period)
         return first <= datetime.strptime(date, "%Y-%m-%d").date() <= last
     except ValueError:

@@ -131,7 +131,7 @@ async def test_a_billing_cycle_from_the_shell(
     assert (change["anchor_day"], change["tz"]) == (1, "Asia/Tokyo")
     assert time.time() + 58 <= change["from"] <= time.time() + 61
     assert await meter(sock, "limits", "acme") == 0
-    assert ", billing cycle day 15 America/New_York from " in capsys.readouterr().out
+    assert ", billing cycle day 15 00:00 America/New_York from " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -152,7 +152,7 @@ async def test_a_billing_cycle_from_the_shell(
         (["limit", "set", "acme", "api", "10", "--alert", "0"], 1, "alerts must be 1..1000"),
         (["plan", "assign", "acme", "pro", "--anchor-day", "32"], 1, "anchor day must be"),
         (["plan", "assign", "acme", "pro", "--tz", "Mars/Base"], 1, "not a known IANA zone"),
-        (["plan", "assign", "acme", "pro", "--now"], 2, "--now needs --anchor-day or --tz"),
+        (["plan", "assign", "acme", "pro", "--now"], 2, "--now needs --anchor-day, --anchor-time or --tz"),
         (["plan", "set", "pro", "--price", "gpu"], 2, "expected FEATURE=CREDITS"),
         (["plan", "set", "pro", "--price", "gpu=x"], 2, "CREDITS must be an integer"),
         (["plan", "set", "pro", "--price", "gpu=1", "--price", "gpu=2"], 2, "given twice"),

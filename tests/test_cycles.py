@@ -7,6 +7,7 @@ import calendar
 import itertools
 import time
 from datetime import UTC, date, datetime
+from zoneinfo import ZoneInfo
 
 import pytest
 from hypothesis import given, settings
@@ -42,21 +43,34 @@ def ts(*parts: int) -> float:
 # -- the period function: total, contiguous, non-overlapping (P01) ----------------------------
 
 
+@st.composite
+def _instants(draw: st.DrawFn, zone: str, day: int, minute: int) -> float:
+    """Any instant, or one a few hours from the anchor's local time on its day (where a
+    clock change next to a period's start matters)."""
+    if draw(st.booleans()):
+        return draw(st.floats(ts(1971, 1, 1), ts(2100, 1, 1), allow_nan=False))
+    year, month = draw(st.integers(1971, 2099)), draw(st.integers(1, 12))
+    local = datetime(year, month, P.month_start_day(year, month, day), tzinfo=ZoneInfo(zone))
+    return local.timestamp() + minute * 60 + draw(st.floats(-4 * 3600, 4 * 3600))
+
+
 @settings(max_examples=400, deadline=None)
 @given(
     day=st.integers(1, 31),
     zone=st.sampled_from(ZONES),
-    at=st.floats(ts(1971, 1, 1), ts(2100, 1, 1), allow_nan=False),
+    minute=st.one_of(st.just(0), st.integers(0, P.MINUTES_A_DAY - 1)),
     kind=st.sampled_from(["month", "day"]),
+    data=st.data(),
 )
 def test_every_instant_is_in_exactly_one_period_and_periods_follow_in_order(
-    day: int, zone: str, at: float, kind: P.PeriodKind
+    day: int, zone: str, minute: int, kind: P.PeriodKind, data: st.DataObject
 ) -> None:
-    """For any anchor, zone and instant: the period named for the instant holds it, the
-    next period starts exactly where it ends and the one before ends exactly where it
-    starts (no gap, no overlap), its name parses back to itself, and an instant one
-    period later is named after it."""
-    c = P.cycle(day, zone)
+    """For any anchor (day and time of day), zone and instant: the period named for the
+    instant holds it, the next period starts exactly where it ends and the one before ends
+    exactly where it starts (no gap, no overlap), its name parses back to itself, and an
+    instant one period later is named after it."""
+    at = data.draw(_instants(zone, day, minute))
+    c = P.cycle(day, zone, minute)
     name = P.name(c, kind, at)
     start, end = P.bounds(name)
     assert start <= at < end
@@ -69,7 +83,10 @@ def test_every_instant_is_in_exactly_one_period_and_periods_follow_in_order(
     assert P.parse(name).kind == kind
     if kind == "month":
         first, last = P.days(name)
-        assert first <= date.fromisoformat(P.bucket_date(P.day_of(name, at))) <= last
+        bucket = P.day_of(name, at)
+        assert first <= date.fromisoformat(P.bucket_date(bucket)) <= last
+        assert P.bucket_of(bucket, name) and not P.bucket_of(bucket, after)
+        check_day_of(bucket, name)
         assert P.bounds(name)[1] - P.bounds(name)[0] <= 32 * 86400
 
 
@@ -84,6 +101,56 @@ def test_a_short_month_starts_on_its_last_day_and_the_next_on_the_anchor() -> No
     assert P.name(c, "month", ts(2028, 2, 29, 12)) == "2028-02@31:UTC"
     assert P.bounds("2028-02@30:UTC") == (ts(2028, 2, 29), ts(2028, 3, 30))
     assert P.days(feb) == (date(2027, 2, 28), date(2027, 3, 30))
+
+
+def test_an_anchor_off_midnight_names_its_periods_and_starts_at_its_local_time() -> None:
+    """Anchored on the 15th at 09:30 in New York: the period starts at 09:30 local (14:30
+    UTC in winter, 13:30 in summer), its name carries the time, its start date is in two
+    periods, each with its own bucket of it; a time the clock skips is read with the offset
+    before the change, a time it shows twice is the first."""
+    c = P.cycle(15, NY, 9 * 60 + 30)
+    assert c == P.Cycle(15, NY, 570)
+    nov = P.name(c, "month", ts(2026, 12, 15, 14, 29))  # (09:29 EST on December 15)
+    assert nov == "2026-11@15T09:30:America/New_York"
+    assert P.bounds(nov) == (ts(2026, 11, 15, 14, 30), ts(2026, 12, 15, 14, 30))
+    assert P.name(c, "month", ts(2026, 12, 15, 14, 30)) == "2026-12@15T09:30:America/New_York"
+    assert P.bounds("2027-03@15T09:30:America/New_York")[0] == ts(2027, 3, 15, 13, 30)  # EDT
+    assert P.days(nov) == (date(2026, 11, 15), date(2026, 12, 15))
+    last = P.day_of(nov, ts(2026, 12, 15, 14, 29))
+    first = P.day_of(P.following(nov), ts(2026, 12, 15, 14, 30))
+    assert last == "2026-12-15@2026-11@15T09:30:America/New_York"
+    assert first == "2026-12-15@2026-12@15T09:30:America/New_York"
+    assert P.bucket_of(last, nov) and not P.bucket_of(last, P.following(nov))
+    assert P.bucket_of(first, P.following(nov)) and not P.bucket_of(first, nov)
+    assert not P.bucket_of("2026-12-15@15T09:30:America/New_York", nov)
+    # New York's clocks: 02:00 -> 03:00 on March 14, 2027; 02:00 -> 01:00 on November 7.
+    assert P.bounds("2027-03@14T02:30:America/New_York")[0] == ts(2027, 3, 14, 7, 30)
+    assert P.bounds("2027-11@7T01:30:America/New_York")[0] == ts(2027, 11, 7, 5, 30)
+    # Day periods stay the zone's midnight-to-midnight days; UTC at midnight on the 1st is
+    # the UTC calendar, any other time there is a cycle.
+    assert P.name(c, "day", ts(2026, 12, 15, 14, 29)) == "2026-12-15@America/New_York"
+    assert P.cycle(1, "UTC", 0) is None
+    assert P.name(P.cycle(1, "Etc/UTC", 60), "month", ts(2027, 1, 1, 0, 30)) == (
+        "2026-12@1T01:00:UTC"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("2026-11@15T00:00:America/New_York", "without T00:00"),
+        ("2026-11@15T24:00:America/New_York", "HH:MM"),
+        ("2026-11@15T09:60:America/New_York", "HH:MM"),
+        ("2026-11@15T9:30:America/New_York", "not a period name"),
+        ("2026-11@T09:30:America/New_York", "not a period name"),
+        ("2026-11-15@T09:30:America/New_York", "not a period name"),
+        ("2026-11-15@15T09:30:America/New_York", "not a period name"),
+    ],
+)
+def test_names_of_anchors_off_midnight_are_canonical(name: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        P.parse(name)
+    assert not P.is_period(name)
 
 
 def test_a_period_across_a_dst_change_starts_and_ends_at_local_midnight() -> None:
@@ -250,6 +317,8 @@ def test_bad_cycle_options_are_refused_with_clear_errors() -> None:
     assert check_cycle_opts({}) is None
     assert check_cycle_opts({"anchor_day": 15, "tz": NY}) == (P.Cycle(15, NY), "next_period")
     assert check_cycle_opts({"anchor_day": 1, "tz": "UTC", "effective": "now"}) == (None, "now")
+    assert check_cycle_opts({"anchor_time": "09:30"}) == (P.Cycle(1, "UTC", 570), "next_period")
+    assert check_cycle_opts({"anchor_day": 1, "anchor_time": "00:00"}) == (None, "next_period")
     bad: list[tuple[dict[str, object], str]] = [
         ({"anchor_day": 0}, "1..31"),
         ({"anchor_day": 32}, "1..31"),
@@ -260,14 +329,23 @@ def test_bad_cycle_options_are_refused_with_clear_errors() -> None:
         ({"tz": "posix/America/New_York"}, "not a known IANA zone"),
         ({"tz": 5}, "IANA zone name"),
         ({"tz": NY, "effective": "later"}, "effective must be"),
-        ({"effective": "now"}, "without anchor_day or tz"),
+        ({"effective": "now"}, "without anchor_day, anchor_time or tz"),
+        ({"anchor_time": "24:00"}, "HH:MM"),
+        ({"anchor_time": "9:30"}, "HH:MM"),
+        ({"anchor_time": 570}, "HH:MM"),
+        ({"anchor_time": "09:30:00"}, "HH:MM"),
     ]
     for opts, why in bad:
         with pytest.raises(ValueError, match=why):
             check_cycle_opts(opts)
-    for body in ("{}", "[[1, 15]]", '[[2, 15, "UTC"], [1, 15, "UTC"]]', '[["x", 1, "UTC"]]'):
+    for body in ("{}", "[[1, 15]]", '[[2, 15, "UTC"], [1, 15, "UTC"]]', '[["x", 1, "UTC"]]',
+                 '[[1, 15, "UTC", 1440]]', '[[1, 15, "UTC", 1, 2]]'):  # fmt: skip
         with pytest.raises(ValueError):
             decode(body)
+    # A stored schedule keeps a time of day; one at midnight is stored as before it had one.
+    schedule = ((1.0, P.cycle(15, NY, 570)), (2.0, P.cycle(15, NY)))
+    assert encode(schedule) == '[[1.0,15,"America/New_York",570],[2.0,15,"America/New_York"]]'
+    assert decode(encode(schedule)) == schedule
 
 
 # -- the node's keys (P03) ------------------------------------------------------------------

@@ -197,3 +197,53 @@ def _histories(node: NodeProcess) -> tuple[Any, ...]:
         node.call("history", "acme", "api", {"from": "2027-01-31", "to": "2027-02-01"}),
         node.call("history", "acme", "temp", months),
     )
+
+
+def test_an_anchor_at_a_time_of_day_splits_its_start_date_between_two_periods(
+    workdir: Path,
+) -> None:
+    """Anchored on the 15th at 09:30 in New York: calls without ``at`` while the node's clock
+    crosses 09:30 on December 15 count in November's period before it and December's after;
+    both periods keep a day bucket of December 15, and ``history`` of that date is every
+    call, from memory and from storage after a restart; after the grace November's export
+    is final with exactly its units."""
+    nov, dec = f"2026-11@15T09:30:{NY}", f"2026-12@15T09:30:{NY}"
+    end = ts(2026, 12, 15, 14, 30)  # (09:30 EST)
+    with node_at(workdir, ts(2026, 12, 1)) as node:
+        opts = {"anchor_day": 15, "anchor_time": "09:30", "tz": NY, "effective": "now"}
+        node.call("assign_plan", "acme", None, opts)
+        (change,) = node.call("limits", "acme")["cycle"]
+        assert (change["anchor_day"], change["anchor_time"], change["tz"]) == (15, "09:30", NY)
+    day = {"from": "2026-12-15", "to": "2026-12-15"}
+    with node_at(workdir, end - 6, METER_PERIOD_GRACE_S="2") as node:
+        shift = node.clock_shift
+        assert shift is not None
+        before = after = calls = 0
+        deadline = time.monotonic() + 30
+        while after < 5 and time.monotonic() < deadline:
+            sent = time.time() + shift
+            node.call("track", "acme", "api", 1)
+            answered = time.time() + shift
+            calls += 1
+            before += answered < end
+            after += sent >= end
+            time.sleep(0.2)
+        assert before >= 5 and after == 5
+        in_nov = node.call("usage", "acme", "api", {"at": end - 1})
+        in_dec = node.call("usage", "acme", "api", {"at": end})
+        assert in_nov + in_dec == calls and in_nov >= before and in_dec >= after
+        months = {"granularity": "month", "from": "2026-12", "to": "2026-12"}
+        assert node.call("history", "acme", "api", months) == [
+            ["2026-12", 0], [nov, in_nov], [dec, in_dec]
+        ]  # fmt: skip
+        assert node.call("history", "acme", "api", day) == [["2026-12-15", calls]]
+
+        def closed() -> bool:
+            return nov not in node.call("status")["periods"]["open"]
+
+        wait_for(closed, timeout=20, what="November's period closed after its end plus grace")
+        page, rows = export(node, nov)
+        assert page["final"] is True and rows == {("acme", "api"): in_nov}
+    with node_at(workdir, end + 60) as node:  # (drained: both buckets stored)
+        assert node.call("history", "acme", "api", day) == [["2026-12-15", calls]]
+        assert export(node, dec)[1] == {("acme", "api"): in_dec}

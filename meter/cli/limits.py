@@ -53,6 +53,11 @@ def add_parsers(sub: Any, common: Common) -> None:
         help="billing cycle: periods start on day D (1..31) of each month",
     )
     assign.add_argument(
+        "--anchor-time",
+        metavar="HH:MM",
+        help="billing cycle: periods start at this local time of the anchor day (default 00:00)",
+    )
+    assign.add_argument(
         "--tz", metavar="ZONE", help="billing cycle: in this IANA time zone (default UTC)"
     )
     assign.add_argument(
@@ -188,14 +193,21 @@ def run(args: argparse.Namespace, client: Client, as_json: bool) -> int:
         else:
             plan = args.plan if args.plan_command == "assign" else None
             opts: dict[str, Any] = {}
-            if plan is not None and (args.anchor_day is not None or args.tz is not None):
+            cycle_given = plan is not None and any(
+                v is not None for v in (args.anchor_day, args.anchor_time, args.tz)
+            )
+            if cycle_given:
                 opts = {
                     "anchor_day": 1 if args.anchor_day is None else args.anchor_day,
+                    "anchor_time": "00:00" if args.anchor_time is None else args.anchor_time,
                     "tz": "UTC" if args.tz is None else args.tz,
                     "effective": "now" if args.now else "next_period",
                 }
             elif plan is not None and args.now:
-                print("meter: plan assign: --now needs --anchor-day or --tz", file=sys.stderr)
+                print(
+                    "meter: plan assign: --now needs --anchor-day, --anchor-time or --tz",
+                    file=sys.stderr,
+                )
                 return 2
             version = client.assign_plan(args.tenant, plan, opts)
             text = f"{args.tenant} on plan {plan}" if plan else f"{args.tenant} on no plan"
@@ -255,7 +267,8 @@ def _limits_table(got: dict[str, Any]) -> str:
     cycle = got.get("cycle") or []
     if cycle:  # (its billing cycle: the change in force or the next one, docs/periods.md)
         c = cycle[-1]
-        head += f", billing cycle day {c['anchor_day']} {c['tz']} from {_utc(c['from'])}"
+        head += f", billing cycle day {c['anchor_day']} {c['anchor_time']} {c['tz']}"
+        head += f" from {_utc(c['from'])}"
     limits: dict[str, dict[str, Any]] = got.get("limits") or {}
     if not limits:
         return head + "\n(no limits)"

@@ -532,7 +532,7 @@ class Client(_Ledger, Retrying):
         self, tenant: str, plan: str | None, opts: Mapping[str, Any] | None = None
     ) -> int:
         """Put ``tenant`` on ``plan`` (``None``: on none); the limits' new version. ``opts``
-        ``{anchor_day, tz, effective}`` sets its billing cycle (docs/periods.md)."""
+        ``{anchor_day, anchor_time, tz, effective}`` sets its billing cycle (docs/periods.md)."""
         return self._run(calls.ASSIGN_PLAN, tenant, plan, opts)
 
     def set_limit(

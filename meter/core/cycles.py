@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from storage.periods import Cycle, PeriodKind, bounds, cycle, name
+from storage.periods import Cycle, PeriodKind, bounds, clock, cycle, minute_of, name
 
 #: A change takes effect this long after it is made, at the soonest: peers read the limits'
 #: records on a change frame at once and every half second anyway (docs/quotas.md).
@@ -112,8 +112,12 @@ def changed(
 
 
 def encode(schedule: Schedule) -> str:
-    """The stored body of ``schedule`` (JSON: ``[[from, day, zone], ...]``)."""
-    rows = [[start, *(c if c is not None else (1, "UTC"))] for start, c in schedule]
+    """The stored body of ``schedule`` (JSON: ``[[from, day, zone], ...]``, with a fourth
+    element, the anchor's minute of the day, where it is off midnight)."""
+    rows: list[list[object]] = []
+    for start, c in schedule:
+        day, zone_name, minute = c if c is not None else (1, "UTC", 0)
+        rows.append([start, day, zone_name, minute] if minute else [start, day, zone_name])
     return json.dumps(rows, separators=(",", ":"))
 
 
@@ -124,11 +128,11 @@ def decode(body: str) -> Schedule:
         raise ValueError("a schedule is a list of [from, day, zone]")
     out: list[tuple[float, Cycle | None]] = []
     for row in rows:
-        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], int | float)):
-            raise ValueError(f"schedule entry {str(row)[:64]} is not [from, day, zone]")
+        if not (isinstance(row, list) and len(row) in (3, 4) and isinstance(row[0], int | float)):
+            raise ValueError(f"schedule entry {str(row)[:64]} is not [from, day, zone(, minute)]")
         if out and row[0] <= out[-1][0]:
             raise ValueError("schedule entries are not in order")
-        out.append((float(row[0]), cycle(row[1], row[2])))
+        out.append((float(row[0]), cycle(row[1], row[2], row[3] if len(row) == 4 else 0)))
     return tuple(out)
 
 
@@ -143,24 +147,27 @@ def of_kind(calendars: Sequence[Cycle | None], kind: PeriodKind) -> list[Cycle |
 
 def describe(c: Cycle | None) -> dict[str, object]:
     """``c`` as the protocol shows it."""
-    return {"anchor_day": 1, "tz": "UTC"} if c is None else {"anchor_day": c.day, "tz": c.zone}
+    if c is None:
+        return {"anchor_day": 1, "anchor_time": "00:00", "tz": "UTC"}
+    return {"anchor_day": c.day, "anchor_time": clock(c.minute), "tz": c.zone}
 
 
 def check_cycle_opts(opts: Mapping[str, object]) -> tuple[Cycle | None, Effective] | None:
     """The cycle and when it takes effect that ``assign_plan``'s options ask for (``None``:
     they ask for no change); :class:`ValueError` for bad ones."""
-    if "anchor_day" not in opts and "tz" not in opts:
+    if "anchor_day" not in opts and "tz" not in opts and "anchor_time" not in opts:
         if "effective" in opts:
-            raise ValueError("effective is given without anchor_day or tz")
+            raise ValueError("effective is given without anchor_day, anchor_time or tz")
         return None
     day = opts.get("anchor_day", 1)
+    minute = minute_of(opts.get("anchor_time", "00:00"))
     zone_name = opts.get("tz", "UTC")
     if not isinstance(zone_name, str):
         raise ValueError(f"tz must be an IANA zone name (a string), got {type(zone_name).__name__}")
     effective = opts.get("effective", "next_period")
     if effective not in ("next_period", "now"):
         raise ValueError(f'effective must be "next_period" or "now", got {str(effective)[:32]!r}')
-    return cycle(day, zone_name), ("now" if effective == "now" else "next_period")  # type: ignore[arg-type]
+    return cycle(day, zone_name, minute), ("now" if effective == "now" else "next_period")  # type: ignore[arg-type]
 
 
 def entries(schedule: Schedule) -> Sequence[dict[str, object]]:

@@ -63,7 +63,8 @@ class KeyCache:
         self.hierarchy = hierarchy
         # (tenant, feature) -> its validated key in the current period. Valid only within
         # [day_start, day_end): a stretch of the current UTC day inside which no period of
-        # any calendar in use changes (a billing cycle's days start at its zone's midnight).
+        # any calendar in use changes (a billing cycle's days start at its zone's midnight, its
+        # months there too or at its anchor's time of day).
         self.cache: dict[tuple[str, str], Key] = {}
         self.day_start = 0.0
         self.day_end = 0.0
@@ -338,12 +339,14 @@ class KeyCache:
         self.cache.clear()
         start = now - now % 86400
         end = start + 86400
-        for c in self._calendars:  # (a cycle's months start at one of its days' start)
-            try:
-                day_start, day_end = bounds(named_periods.name(c, "day", now))
-            except ValueError:
-                continue
-            start, end = max(start, day_start), min(end, day_end)
+        for c in self._calendars:  # (a cycle's months start at one of its days' start, or
+            # at its anchor's time of day)
+            for kind in ("day", "month") if c.minute else ("day",):
+                try:
+                    cut_start, cut_end = bounds(named_periods.name(c, kind, now))
+                except ValueError:
+                    continue
+                start, end = max(start, cut_start), min(end, cut_end)
         i = bisect.bisect_right(self._changes, now)
         if i:
             start = max(start, self._changes[i - 1])

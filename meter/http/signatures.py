@@ -210,7 +210,12 @@ SIGNATURES: dict[str, Signature] = {
             "assign_plan",
             "Put a tenant on a plan (null: none); optionally its billing cycle.",
             (_TENANT, need("plan", {"type": ["string", "null"]})),
-            (Param("anchor_day", INT), Param("tz", STR), Param("effective", AT)),
+            (
+                Param("anchor_day", INT),
+                Param("anchor_time", STR),
+                Param("tz", STR),
+                Param("effective", AT),
+            ),
         ),
         Signature(
             "set_limit",

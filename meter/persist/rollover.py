@@ -67,7 +67,7 @@ class ReadAhead:
                 except ValueError:  # (no period after it: nothing to read ahead)
                     continue
                 end = bounds(current)[1]
-                tag = kind if calendar is None else f"{kind} {calendar.day}:{calendar.zone}"
+                tag = kind if calendar is None else f"{kind} {current.partition('@')[2]}"
                 passes = done.get((tag, end), 0)
                 if passes < READ_AHEAD_PASSES and now >= end - lead * (1 - passes / 4):
                     for k in [k for k in done if k[0] == tag and k[1] < end]:

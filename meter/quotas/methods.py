@@ -30,7 +30,7 @@ from storage.base import StorageError, VersionMoved
 from storage.periods import Cycle
 
 _CLEAR_OPTS = frozenset({"where"})
-_ASSIGN_OPTS = frozenset({"anchor_day", "tz", "effective"})
+_ASSIGN_OPTS = frozenset({"anchor_day", "anchor_time", "tz", "effective"})
 
 
 class LimitMethods:
