@@ -132,6 +132,16 @@ async def test_a_billing_cycle_from_the_shell(
     assert time.time() + 58 <= change["from"] <= time.time() + 61
     assert await meter(sock, "limits", "acme") == 0
     assert ", billing cycle day 15 00:00 America/New_York from " in capsys.readouterr().out
+    args = ["plan", "assign", "carol", "pro", "--anchor-time", "09:30", "--tz", "Europe/Paris"]
+    assert await meter(sock, *args) == 0
+    capsys.readouterr()
+    assert await meter(sock, "limits", "carol", "--json") == 0
+    (change,) = json.loads(capsys.readouterr().out)["cycle"]
+    assert (change["anchor_day"], change["anchor_time"], change["tz"]) == (
+        1,
+        "09:30",
+        "Europe/Paris",
+    )
 
 
 @pytest.mark.parametrize(
@@ -152,7 +162,12 @@ async def test_a_billing_cycle_from_the_shell(
         (["limit", "set", "acme", "api", "10", "--alert", "0"], 1, "alerts must be 1..1000"),
         (["plan", "assign", "acme", "pro", "--anchor-day", "32"], 1, "anchor day must be"),
         (["plan", "assign", "acme", "pro", "--tz", "Mars/Base"], 1, "not a known IANA zone"),
-        (["plan", "assign", "acme", "pro", "--now"], 2, "--now needs --anchor-day, --anchor-time or --tz"),
+        (
+            ["plan", "assign", "acme", "pro", "--now"],
+            2,
+            "--now needs --anchor-day, --anchor-time or --tz",
+        ),
+        (["plan", "assign", "acme", "pro", "--anchor-time", "9:30"], 1, "HH:MM"),
         (["plan", "set", "pro", "--price", "gpu"], 2, "expected FEATURE=CREDITS"),
         (["plan", "set", "pro", "--price", "gpu=x"], 2, "CREDITS must be an integer"),
         (["plan", "set", "pro", "--price", "gpu=1", "--price", "gpu=2"], 2, "given twice"),
