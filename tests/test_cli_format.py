@@ -71,6 +71,17 @@ def test_summary_of_a_clustered_node_with_trouble() -> None:
     assert "ready        NO: storage: the last flush round failed: throttled" in text
 
 
+def test_summary_shows_the_open_periods_and_an_overdue_one() -> None:
+    text = _fmt({"periods": {"open": ["2026-11", "2026-12"], "oldest_open": "2026-11",
+                             "overdue_s": 42.5, "closed": 3}})  # fmt: skip
+    assert (
+        "periods      2 open, oldest 2026-11, 3 closed here; OVERDUE by 42.5 s (its end plus "
+        "the grace has passed)"
+    ) in text.splitlines()
+    text = _fmt({"periods": {"open": [], "oldest_open": None, "overdue_s": 0.0, "closed": 0}})
+    assert "periods      0 open, oldest None, 0 closed here" in text.splitlines()
+
+
 def test_summary_says_when_the_log_is_off() -> None:
     text = _fmt({"durability": {"mode": "off", "wal": None}})
     assert "log          off (a crash loses what is not flushed)" in text

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from meter.config import load
 from meter.errors import BY_CODE, ConfigError
 from meter.ops.metrics import METRIC_NAMES
+from storage import periods
 from tests.support.dynamodb_local import TEST_JAVA_OPTIONS, DynamoDBLocal
 from tests.support.fixtures_dynamodb import create_table
 from tests.support.nodes import ROOT, NodeProcess, raw_call, short_tmpdir, wait_for
@@ -154,6 +155,14 @@ def test_counters_move_with_calls_and_labels_stay_bounded(workdir: Path) -> None
 
         def moved(name: str, **labels: str) -> float:
             return value(after, name, **labels) - value(before, name, **labels)
+
+        # The oldest open period by name (alone, no cycles: the current UTC day's or month's,
+        # whichever closes first), valued at its end plus the grace (3,600 s by default).
+        oldest = [(dict(lb), v) for (n, lb), v in after.items() if n == "meter_period_oldest_open"]
+        assert len(oldest) == 1
+        ((labels, closes_at),) = oldest
+        assert labels["period"] == node.call("status")["periods"]["oldest_open"]
+        assert closes_at == periods.bounds(labels["period"])[1] + 3600
 
         assert moved("meter_requests_total", method="track", result="ok") == 7 + 2 + 50
         assert moved("meter_requests_total", method="track", result="invalid_argument") == 1

@@ -132,6 +132,15 @@ def fmt(s: dict[str, Any]) -> str:
         if al.get("last_error"):
             line += f"; cannot claim: {al['last_error']}"
         lines.append(line)
+    per = s.get("periods")
+    if isinstance(per, dict):
+        line = (
+            f"periods      {len(per.get('open') or [])} open, oldest {per.get('oldest_open')}, "
+            f"{per.get('closed')} closed here"
+        )
+        if per.get("overdue_s"):
+            line += f"; OVERDUE by {per['overdue_s']} s (its end plus the grace has passed)"
+        lines.append(line)
     if flush.get("last_error"):
         lines.append(f"last error   {flush['last_error']}")
     for p in flush.get("poisoned") or []:

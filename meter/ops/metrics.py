@@ -30,7 +30,7 @@ from meter.core.counts import Buckets, FeatureUnits, RequestStats
 from meter.core.table import TableStats
 from meter.errors import BY_CODE
 from meter.ops.health import NodeView, can_count, health_checks
-from meter.persist.closing import overdue_s
+from meter.persist.closing import overdue_s, period_closes_at
 
 # Every family, by its full name (counters with ``_total``), as the docs name them.
 REQUESTS = "meter_requests_total"
@@ -82,6 +82,7 @@ UNIQUE_CLAIMS = "meter_unique_claims_total"
 UNIQUE_UNRESOLVED = "meter_unique_claims_unresolved"
 VOIDS = "meter_voids_total"
 PERIOD_OVERDUE = "meter_period_close_overdue_seconds"
+PERIOD_OLDEST_OPEN = "meter_period_oldest_open"
 READY = "meter_ready"
 DEGRADED = "meter_degraded"
 BUILD_INFO = "meter_build_info"
@@ -96,9 +97,8 @@ METRIC_NAMES: tuple[str, ...] = (
     WAL_FSYNCS, WAL_FSYNC_DURATION, WAL_FAILURES, WAL_WRITABLE, GOSSIP_BUS_CONNECTED,
     GOSSIP_PEERS, GOSSIP_LAG, GOSSIP_MESSAGES, GOSSIP_REJECTED, GOSSIP_GAPS, RESERVATIONS_OPEN,
     RESERVATIONS_EXPIRED, STRICT_SHARES, STRICT_WRITES, READY, DEGRADED, BUILD_INFO,
-    RESERVATIONS_EXPIRED, ALERTS, ALERTS_PENDING, READY, DEGRADED, BUILD_INFO,
-    UNIQUE_CLAIMS, UNIQUE_UNRESOLVED, VOIDS, PERIOD_OVERDUE, WEBHOOKS, WEBHOOKS_PENDING,
-    WEBHOOKS_OLDEST,
+    ALERTS, ALERTS_PENDING, UNIQUE_CLAIMS, UNIQUE_UNRESOLVED, VOIDS, PERIOD_OVERDUE,
+    PERIOD_OLDEST_OPEN, WEBHOOKS, WEBHOOKS_PENDING, WEBHOOKS_OLDEST,
 )  # fmt: skip
 
 
@@ -217,12 +217,22 @@ class NodeCollector(Collector):
                          "once).", len(uq.pending) + len(uq.flying))  # fmt: skip
         closer = node.closer
         if closer is not None:
+            grace, oldest = node.config.counters.period_grace_s, closer.oldest_open()
             yield _gauge(
                 PERIOD_OVERDUE,
                 "Seconds since this node's oldest period not closed should have closed (its "
                 "end plus period_grace_s; 0: none overdue).",
-                overdue_s(closer.oldest_open(), node.config.counters.period_grace_s, time.time()),
+                overdue_s(oldest, grace, time.time()),
             )
+            named = GaugeMetricFamily(
+                PERIOD_OLDEST_OPEN,
+                "This node's oldest period not closed (label period; no series: none), valued "
+                "at when it may close: its end plus period_grace_s, Unix seconds.",
+                labels=["period"],
+            )
+            if oldest is not None:
+                named.add_metric([oldest], period_closes_at(oldest, grace))
+            yield named
         shares = node.shares
         if shares is not None:
             yield _gauge(STRICT_SHARES, "Strict budgets this node holds a share of.",
