@@ -28,8 +28,8 @@ def add_parsers(sub: Any, common: Common) -> None:
         "--period",
         required=True,
         help="a period: a UTC month YYYY-MM (e.g. 2026-11) or day YYYY-MM-DD, a billing "
-        "cycle's month YYYY-MM@D:Zone (e.g. 2026-11@15:America/New_York) or a zone's day "
-        "YYYY-MM-DD@Zone",
+        "cycle's month YYYY-MM@D:Zone (e.g. 2026-11@15:America/New_York; YYYY-MM@DTHH:MM:Zone "
+        "anchored off midnight) or a zone's day YYYY-MM-DD@Zone",
     )
     export.add_argument("--format", choices=("csv", "jsonl"), default="csv", help="default csv")
     export.add_argument(

@@ -25,7 +25,7 @@ def add_parsers(sub: Any, common: Common) -> None:
         "not in the period; the export records the close as an operator's)",
         common,
     )
-    close.add_argument("period", help="a UTC month YYYY-MM or day YYYY-MM-DD, ended plus grace")
+    close.add_argument("period", help="a period name (as meter export takes), ended plus grace")
     close.add_argument("--node", required=True, help="the node id to close it for")
 
 
