@@ -250,3 +250,41 @@ def test_strict_limits_on_a_total_and_on_one_value_admit_exactly_their_limit(
         return True
 
     wait_until(exact, 15, "every node sees exactly the limits admitted", nodes)
+
+
+def test_voids_of_a_track_an_item_and_a_commit_reach_every_node_and_storage(
+    nodes: list[NodeProcess],
+) -> None:
+    """A ``track`` with dimensions, one ``track_many`` item and a ``commit`` with dimensions,
+    voided on the node that counted them (a retried void once): every node's view and groups
+    drop exactly their units within the gossip's reach, and storage keeps only the rest; a
+    node that does not remember an id answers ``not_found``."""
+    n0, tenant = nodes[0], "voided"
+    bys = [("model",), ("region",), ("model", "region")]
+    n0.call("track", tenant, "tokens", 5, {"id": "vt", "dims": {"model": "o1", "region": "eu"}})
+    items = [[tenant, "tokens", 7, {"id": "vm1"}], [tenant, "tokens", 11, {"id": "vm2"}]]
+    assert n0.call("track_many", items) == [12, 23]
+    lease = n0.call("reserve", tenant, "tokens", 20, {"dims": {"model": "mini"}})
+    assert n0.call("commit", lease, 13, {"id": "vc"}) == 36
+
+    def agree(total: int) -> bool:
+        want = [grouped(n0, tenant, by) for by in bys]
+        return want[0][0] == total and all(
+            [grouped(p, tenant, by) for by in bys] == want for p in nodes
+        )
+
+    wait_until(lambda: agree(36), 20, "every node sees the calls", nodes)
+    assert n0.call("void", "vt") == {"voided": 5, "value": 31}
+    assert n0.call("void", "vm2") == {"voided": 11, "value": 20}
+    for _ in range(2):  # (a retry answers as the first and takes back nothing more)
+        assert n0.call("void", "vc", {"id": "v-vc"}) == {"voided": 13, "value": 7}
+    with pytest.raises(AssertionError, match="not_found"):
+        nodes[1].call("void", "vm1")
+    wait_until(lambda: agree(7), 20, "every node sees the voids", nodes)
+    by_model = grouped(n0, tenant, ("model",))[1]
+    assert by_model.get(("o1",), 0) == by_model.get(("mini",), 0) == 0, by_model
+
+    def rest() -> dict[tuple[tuple[str, str], ...], int]:
+        return {k: v for k, v in stored(n0, tenant).items() if v}
+
+    wait_until(lambda: rest() == {(): 7}, 20, "storage keeps only the rest", nodes)
