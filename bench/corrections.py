@@ -6,10 +6,12 @@ side by side.
 
 Each of 4 worker processes, one connection each, unpipelined, sends ``track`` calls under
 fresh request ids (the calls a void can take back), then a ``void`` of each of them, every id
-once: both phases of all workers run at the same time, and a round's ratio is the voids' rate
-over the tracks' rate. The node is the compiled build on memory storage without a log (as
-scenario 1), tenant ``acme/u<worker>`` with the hierarchy on and feature ``f`` declared with
-dimension ``model``, so each call counts (and each void takes back) on 4 counters.
+once, under its own void id (as a client that retries sends it): both phases of all workers
+run at the same time, and a round's ratio is the voids' rate over the tracks' rate. The node
+is the compiled build, tenant ``acme/u<worker>`` with the hierarchy on and feature ``f``
+declared with dimension ``model``, so each call counts (and each void takes back) on 4
+counters: once on memory storage without a log (as scenario 1), once on SQLite with the log
+synced before each answer (``fsync``, the default there), where both calls wait for the disk.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from bench.harness import NODE_MEMORY, Progress, Row, Services, Sizes, median, n
 from bench.loadgen import Load, run_load
 from meter.core.keys import period_start
 
-SCENARIO = "13 corrections and billing cycles (memory storage)"
+SCENARIO = "13 corrections and billing cycles"
 WORKERS = 4
 
 
@@ -37,7 +39,8 @@ def corrections(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     cycles_node = svc.node("cycles")
     try:
         cycles_from = _anchor(cycles_node)
-        rows = _voids(svc, sizes, progress)
+        rows = _voids(svc, sizes, progress, "memory, no log", "memory", "off")
+        rows += _voids(svc, sizes, progress, "SQLite, log fsync", "sqlite", "fsync")
         rows.append(close_under_load(svc, sizes, progress))
         rows.append(cycles_vs_utc(cycles_node, cycles_from, sizes, progress))
     finally:
@@ -45,21 +48,30 @@ def corrections(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     return rows
 
 
-def _voids(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
-    node = svc.node("voids", METER_TENANT_HIERARCHY="true")
+def _voids(
+    svc: Services, sizes: Sizes, progress: Progress, how: str, storage: str, durability: str
+) -> list[Row]:
+    node = svc.node(
+        f"voids-{storage}",
+        METER_TENANT_HIERARCHY="true",
+        METER_STORAGE=storage,
+        METER_DURABILITY=durability,
+    )
     compiled = bool((node_status(node).get("build") or {}).get("compiled"))
     try:
         node.call("set_feature", "f", {"dimensions": ["model"]})
         calls = max(2000, int(10_000 * sizes.duration))
         work = functools.partial(_worker, str(node.socket))
-        tracks, voids, ratios, errors = _side_by_side(sizes, progress, "void vs track", work, calls)
+        tracks, voids, ratios, errors = _side_by_side(
+            sizes, progress, f"void vs track, {how}", work, calls
+        )
     finally:
         svc.stop_node(node)
     ratio = median(ratios)
     return [
         Row(
             SCENARIO,
-            "void vs the track it takes back (4 counters), 4 conn",
+            f"void vs the track it takes back (4 counters), 4 conn, {how}",
             "ops/s",
             median(voids),
             median(tracks),
@@ -67,7 +79,8 @@ def _voids(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
             ">= 0.8x",
             ratio >= 0.8 and errors == 0 and compiled,
             {
-                **NODE_MEMORY,
+                "node_storage": storage,
+                "node_durability": durability,
                 "connections": WORKERS,
                 "calls_per_worker_round": calls,
                 "errors": errors,
@@ -85,7 +98,7 @@ def _worker(path: str, worker: int, round_: int, calls: int) -> tuple[float, flo
     ids = [f"r{round_}-w{worker}-{i}" for i in range(calls)]
     tracks = [msgpack.packb([0, i, "track", [tenant, "f", 1, {"id": rid, "dims": {"model": "a"}}]])
               for i, rid in enumerate(ids)]  # fmt: skip
-    voids = [msgpack.packb([0, i, "void", [rid]]) for i, rid in enumerate(ids)]
+    voids = [msgpack.packb([0, i, "void", [rid, {"id": f"v-{rid}"}]]) for i, rid in enumerate(ids)]
     errors = 0
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(path)

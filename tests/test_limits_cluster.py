@@ -81,6 +81,23 @@ def test_a_limit_set_through_one_node_refuses_on_the_others_within_a_second(
     assert sent["limits_messages"] == 3, sent
 
 
+def test_a_billing_cycle_set_through_one_node_reaches_the_others(fleet: Fleet) -> None:
+    """A tenant's cycle is stored with the limits, fleet-wide: assigned through one node (a
+    time of day included), every node shows the same change within a second."""
+    nodes = fleet(2)
+    opts = {"anchor_day": 15, "anchor_time": "09:30", "tz": "America/New_York"}
+    nodes[0].call("assign_plan", "cycled", None, opts)
+    (change,) = nodes[0].call("limits", "cycled")["cycle"]
+    assert (change["anchor_day"], change["anchor_time"]) == (15, "09:30")
+    wait_until(
+        lambda: all(p.call("limits", "cycled")["cycle"] == [change] for p in nodes),
+        PROPAGATION_S,
+        "every node holds the cycle",
+        nodes,
+        step=POLL_S,
+    )
+
+
 def test_with_the_bus_down_a_limit_still_refuses_everywhere_within_a_second(
     fleet: Fleet,
     redis_factory: Callable[..., RedisServer],
