@@ -28,6 +28,9 @@ __all__ = ["RedisBus", "redact"]
 
 #: How often the subscriber connection is checked for a due health check PING, seconds.
 HEALTH_POLL_S = 1.0
+#: A subscriber that has read nothing (not even a PING's reply) for this many health check
+#: intervals has lost Redis without a reset (a host gone, a connection dropped on the way).
+SILENT_CHECKS = 2
 
 
 class RedisBus(PubSubBus):
@@ -57,6 +60,9 @@ class RedisBus(PubSubBus):
         )
         super().__init__(channel, client, min_backoff=min_backoff, max_backoff=max_backoff)
         self.url = url
+        self.health_check_s = health_check_s
+        #: When the subscriber last read a reply (the event loop's clock).
+        self._last_read = 0.0
 
     async def publish(self, data: bytes, channel: str | None = None) -> None:
         if not self.connected:
@@ -88,9 +94,12 @@ class RedisBus(PubSubBus):
         # PubSub's own reconnect and channel bookkeeping are not needed. The health check's
         # PING is sent by :meth:`_health`.
         conn = pubsub.connection
+        loop = asyncio.get_running_loop()
+        self._last_read = loop.time()
         while True:
             # (a push notification is a list)
             reply = await conn.read_response(timeout=math.inf, push_request=True)
+            self._last_read = loop.time()
             if not isinstance(reply, list) or len(reply) != 3:
                 continue  # (a PING's reply: ``[b"pong", ...]`` is 2 long)
             kind = reply[0]
@@ -102,12 +111,18 @@ class RedisBus(PubSubBus):
     def _keepers(self) -> list[Coroutine[Any, Any, None]]:
         pubsub = self._pubsub
         assert pubsub is not None  # (the session sets it before it starts the keepers)
-        return [self._health(pubsub)]
+        return [self._health(pubsub)] if self.health_check_s > 0 else []
 
     async def _health(self, pubsub: Any) -> None:
         """PING the subscriber connection once it has been quiet for ``health_check_s``
-        (redis-py's health check, which reads no longer make): a lost connection is seen
-        when the PING cannot be written."""
+        (redis-py's health check, which reads no longer make), and end the session when it
+        has read nothing, not even the PING's reply, for :data:`SILENT_CHECKS` intervals: a
+        Redis lost without a reset would otherwise be seen only when the kernel gives up on
+        the connection, many minutes on."""
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(HEALTH_POLL_S)
+            silent = loop.time() - self._last_read
+            if silent > SILENT_CHECKS * self.health_check_s + HEALTH_POLL_S:
+                raise BusUnavailable(f"no reply from redis for {silent:.1f} s (PING unanswered)")
             await pubsub.check_health()

@@ -275,7 +275,8 @@ def decode_cursor(cursor: object, max_len: int = 65_536) -> Any:
 def check_period(period: object) -> str:
     """``period`` if it names a period counters are stored under (:mod:`storage.periods`: a
     UTC month ``YYYY-MM`` or day ``YYYY-MM-DD``, a billing cycle's month ``YYYY-MM@D:Zone``
-    or a zone's day ``YYYY-MM-DD@Zone``), else :class:`StoragePermanentError`."""
+    or ``YYYY-MM@DTHH:MM:Zone``, or a zone's day ``YYYY-MM-DD@Zone``), else
+    :class:`StoragePermanentError`."""
     try:
         periods.parse(period)
     except (ValueError, TypeError) as exc:
@@ -294,7 +295,7 @@ def check_export_limit(limit: object) -> int:
 
 
 #: Ends a read of day buckets ``first``..``last``: a billing cycle's bucket of ``last``
-#: (``last@D:Zone``) sorts after ``last`` and before this.
+#: (``last@D:Zone``, ``last@<period>``) sorts after ``last`` and before this.
 DAYS_END = "\x7f"
 
 
@@ -345,7 +346,8 @@ def check_range(first: object, last: object) -> tuple[str, str]:
 def check_day_of(day: str, period: str) -> None:
     """:class:`StoragePermanentError` unless ``day`` is a day bucket of the month ``period``
     (a delta's): a ``YYYY-MM-DD`` inside it, named ``YYYY-MM-DD@D:Zone`` for a billing
-    cycle's month (``storage.periods.day_of``)."""
+    cycle's month (``YYYY-MM-DD@<period>`` for one anchored at a time of day,
+    ``storage.periods.day_of``)."""
     if len(period) == 7 and len(day) == 10 and day.startswith(period + "-"):
         check_period(day)
         return

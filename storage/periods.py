@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import calendar
 import functools
+import math
 import re
 from datetime import UTC, date, datetime, timedelta
 from typing import Literal, NamedTuple
@@ -160,7 +161,9 @@ def name(c: Cycle | None, kind: PeriodKind, at: float) -> str:
     """The name of the period of ``kind`` in calendar ``c`` that holds the instant ``at``
     (epoch seconds). :class:`ValueError` where the period has no end before year 10000."""
     if c is None or (kind == "day" and c.zone == "UTC"):
-        moment = datetime.fromtimestamp(at, tz=UTC)
+        # (whole seconds: a time is rounded to microseconds, which would move an instant a
+        # hair before midnight into the next day; every period starts on a whole second)
+        moment = datetime.fromtimestamp(math.floor(at), tz=UTC)
         if kind == "month":
             return f"{moment.year:04d}-{moment.month:02d}"
         return f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}"
@@ -315,7 +318,7 @@ def day_of(period: str, at: float) -> str:
     p = parse(period)
     tz = UTC if p.cycle is None else zone(p.cycle.zone)
     try:
-        today = datetime.fromtimestamp(at, tz=tz).date()
+        today = datetime.fromtimestamp(math.floor(at), tz=tz).date()
     except (OverflowError, ValueError):
         today = last
     day = min(max(today, first), last).isoformat()

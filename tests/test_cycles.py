@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import calendar
 import itertools
+import math
 import time
 from datetime import UTC, date, datetime
 from zoneinfo import ZoneInfo
@@ -20,6 +21,7 @@ from meter.core.cycles import (
     check_cycle_opts,
     decode,
     encode,
+    month_days,
     period_name,
     periods_between,
 )
@@ -86,6 +88,10 @@ def test_every_instant_is_in_exactly_one_period_and_periods_follow_in_order(
         bucket = P.day_of(name, at)
         assert first <= date.fromisoformat(P.bucket_date(bucket)) <= last
         assert P.bucket_of(bucket, name) and not P.bucket_of(bucket, after)
+        assert not P.bucket_of(bucket, before)
+        zone_of = ZoneInfo("UTC" if c is None else c.zone)
+        local = datetime.fromtimestamp(math.floor(at), zone_of).date()
+        assert P.bucket_date(bucket) == local.isoformat()  # (its own date: no clamping)
         check_day_of(bucket, name)
         assert P.bounds(name)[1] - P.bounds(name)[0] <= 32 * 86400
 
@@ -133,6 +139,25 @@ def test_an_anchor_off_midnight_names_its_periods_and_starts_at_its_local_time()
     assert P.name(P.cycle(1, "Etc/UTC", 60), "month", ts(2027, 1, 1, 0, 30)) == (
         "2026-12@1T01:00:UTC"
     )
+
+
+def test_a_day_split_by_an_anchor_time_is_the_earlier_periods_whatever_the_range() -> None:
+    """A day feature's month rows: a day counts in the month period holding its midnight,
+    so the start date of a period anchored at 09:30 is the period before's, whether the
+    range asked starts there or a month earlier."""
+    schedule = ((ts(2020, 1, 1), P.cycle(15, NY, 570)),)
+    nov = f"2026-11@15T09:30:{NY}"
+
+    def days_of(month: str, first_utc: tuple[int, int], last_utc: tuple[int, int]) -> list[str]:
+        start, end = ts(*first_utc, 1), ts(*last_utc, 28)
+        periods = periods_between(schedule, "month", start, end)
+        spans = month_days(schedule, periods, start, end)
+        return [p[:10] for p, at, _ in spans if period_name(schedule, "month", at) == month]
+
+    narrow = days_of(nov, (2026, 12), (2026, 12))
+    wide = days_of(nov, (2026, 11), (2026, 12))
+    assert narrow == wide
+    assert (narrow[0], narrow[-1], len(narrow)) == ("2026-11-16", "2026-12-15", 30)
 
 
 @pytest.mark.parametrize(
@@ -338,8 +363,9 @@ def test_bad_cycle_options_are_refused_with_clear_errors() -> None:
     for opts, why in bad:
         with pytest.raises(ValueError, match=why):
             check_cycle_opts(opts)
-    for body in ("{}", "[[1, 15]]", '[[2, 15, "UTC"], [1, 15, "UTC"]]', '[["x", 1, "UTC"]]',
-                 '[[1, 15, "UTC", 1440]]', '[[1, 15, "UTC", 1, 2]]'):  # fmt: skip
+    bodies = ["{}", "[[1, 15]]", '[[2, 15, "UTC"], [1, 15, "UTC"]]', '[["x", 1, "UTC"]]']
+    bodies += ['[[1, 15, "UTC", 1440]]', '[[1, 15, "UTC", 1, 2]]', '[[1, 15, "UTC", 0]]']
+    for body in bodies:
         with pytest.raises(ValueError):
             decode(body)
     # A stored schedule keeps a time of day; one at midnight is stored as before it had one.

@@ -83,6 +83,35 @@ async def test_a_quiet_subscriber_pings_and_keeps_reading(
         await admin.aclose()
 
 
+async def test_a_redis_that_stops_answering_is_seen_and_rejoined(
+    redis_factory: Callable[..., RedisServer], cluster_name: str
+) -> None:
+    """A Redis that keeps the connection but answers nothing (stopped: a host gone without a
+    reset looks the same) ends the session once the health check's PING is unanswered for
+    two intervals; the bus says it is down, and is back once Redis answers again."""
+    import os
+    import signal
+
+    server = redis_factory()
+    assert server.proc is not None
+    p = Probe()
+    bus = RedisBus(server.url, channel_name(cluster_name), min_backoff=0.02, health_check_s=1)
+    await bus.start(p.got.append, p.states.append)
+    try:
+        await p.wait(lambda: bus.connected)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            await p.wait(lambda: not bus.connected, timeout=15)
+            assert "PING unanswered" in (bus.last_error or ""), bus.last_error
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        await p.wait(lambda: bus.connected, timeout=15)
+        await bus.publish(b"back")
+        await p.wait(lambda: p.got == [b"back"])
+    finally:
+        await bus.close()
+
+
 async def test_auth_in_the_url(
     redis_factory: Callable[..., RedisServer], cluster_name: str
 ) -> None:

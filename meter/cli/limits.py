@@ -267,7 +267,7 @@ def _limits_table(got: dict[str, Any]) -> str:
     cycle = got.get("cycle") or []
     if cycle:  # (its billing cycle: the change in force or the next one, docs/periods.md)
         c = cycle[-1]
-        head += f", billing cycle day {c['anchor_day']} {c['anchor_time']} {c['tz']}"
+        head += f", billing cycle day {c['anchor_day']} {c.get('anchor_time', '00:00')} {c['tz']}"
         head += f" from {_utc(c['from'])}"
     limits: dict[str, dict[str, Any]] = got.get("limits") or {}
     if not limits:

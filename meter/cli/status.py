@@ -134,10 +134,9 @@ def fmt(s: dict[str, Any]) -> str:
         lines.append(line)
     per = s.get("periods")
     if isinstance(per, dict):
-        line = (
-            f"periods      {len(per.get('open') or [])} open, oldest {per.get('oldest_open')}, "
-            f"{per.get('closed')} closed here"
-        )
+        count = len(per.get("open") or [])
+        oldest = f"{count} open, oldest {per.get('oldest_open')}" if count else "none open"
+        line = f"periods      {oldest}, {per.get('closed')} closed here"
         if per.get("overdue_s"):
             line += f"; OVERDUE by {per['overdue_s']} s (its end plus the grace has passed)"
         lines.append(line)

@@ -7,7 +7,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any, cast
 
-from meter.core.cycles import Schedule, period_name, periods_between, stretches
+from meter.core.cycles import Schedule, month_days, period_name, periods_between, stretches
 from meter.core.dims import is_dimension, where_name
 from meter.core.gauging import Gauging
 from meter.core.groups import Groups
@@ -176,12 +176,9 @@ class HistoryMethods:
         # A day feature: each of the tenant's days is a period, named in its zone; a date of
         # a change of zone is two such days.
         if granularity == "month":  # (the whole stretches of those periods: a month's days)
-            wide = stretches(schedule, "month", start - 32 * 86400, end + 32 * 86400)
-            cut = [(a, b) for p, a, b in wide if p in periods]
-            start, end = min(a for a, _ in cut), max(b for _, b in cut)
-        else:
-            start, end = start - 86400, end + 86400  # (any zone's days of those dates)
-        spans = stretches(schedule, "day", start, end)
+            spans = month_days(schedule, periods, start, end)
+        else:  # (any zone's days of those dates)
+            spans = stretches(schedule, "day", start - 86400, end + 86400)
         values = await self._day_values(tenant, feature, [d[0] for d in spans], now)
         if granularity == "day":
             by_date: dict[str, int] = {}
@@ -271,9 +268,7 @@ class HistoryMethods:
             spans = stretches(schedule, "day", start - 86400, end + 86400)
             return [(d, [p for p, _, _ in spans if p[:10] == d]) for d in days_between(first, last)]
         periods = periods_between(schedule, "month", start, end)
-        wide = stretches(schedule, "month", start - 32 * 86400, end + 32 * 86400)
-        cut = [(a, b) for p, a, b in wide if p in periods]
-        spans = stretches(schedule, "day", min(a for a, _ in cut), max(b for _, b in cut))
+        spans = month_days(schedule, periods, start, end)
         return [
             (m, [p for p, at, _ in spans if period_name(schedule, "month", at) == m])
             for m in periods
