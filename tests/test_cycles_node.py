@@ -223,6 +223,7 @@ def test_an_anchor_at_a_time_of_day_splits_its_start_date_between_two_periods(
         while after < 5 and time.monotonic() < deadline:
             sent = time.time() + shift
             node.call("track", "acme", "api", 1)
+            node.call("track", "acme", "api_daily", 1)
             answered = time.time() + shift
             calls += 1
             before += answered < end
@@ -237,6 +238,11 @@ def test_an_anchor_at_a_time_of_day_splits_its_start_date_between_two_periods(
             ["2026-12", 0], [nov, in_nov], [dec, in_dec]
         ]  # fmt: skip
         assert node.call("history", "acme", "api", day) == [["2026-12-15", calls]]
+        # A day feature's December 15 is one counter: the month period holding its midnight.
+        assert node.call("history", "acme", "api_daily", day) == [["2026-12-15", calls]]
+        assert node.call("history", "acme", "api_daily", months) == [
+            ["2026-12", 0], [nov, calls], [dec, 0]
+        ]  # fmt: skip
 
         def closed() -> bool:
             return nov not in node.call("status")["periods"]["open"]
