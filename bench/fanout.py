@@ -14,9 +14,10 @@ Measured per ``P``, over ``seconds`` of that load:
 - the node's CPU (``/proc/<pid>/stat``) per delta received, less what it spends at the same
   rate without peers (its own load and the probe's polls, on one connection, measured for
   :data:`IDLE_S` first, once the warm-up has settled), against decoding frames made the same
-  way (each delta the first of its key from its peer) and applying them to a fresh table in
-  this process (:func:`isolated_us`, the codec and apply alone): the issue's "receive cost per
-  delta inside a loaded node vs in isolation";
+  way, as many ticks of them as the run's (each delta the first of its key from its peer; the
+  table's per-peer state grows with the ticks, and so does an apply's cost) and applying them
+  to a fresh table in this process (:func:`isolated_us`, the codec and apply alone): the
+  issue's "receive cost per delta inside a loaded node vs in isolation";
 - the node's CPU as a share of a core (all of it, and less the idle rate);
 - convergence: a simulated peer (a random one each time) adds a unit to a probe counter about
   every 100 ms (at any phase of its tick), in its next tick's frame, as a real peer would; the
@@ -77,8 +78,6 @@ POLL_S = 0.005
 SLACK_MS = 50.0
 #: The node's own load: a ``track`` this often, seconds.
 OWN_EVERY_S = 0.01
-#: Ticks of frames the in-process reference decodes and applies (at most).
-ISOLATED_TICKS = 30
 #: Seconds the node's CPU is measured with its own load and the polls but no peers (taken off
 #: the per-delta figure).
 IDLE_S = 2.0
@@ -94,7 +93,7 @@ def fanout(svc: Services, sizes: Sizes, progress: Progress) -> list[Row]:
     for peers in fs.peers:
         got = _one(svc, fs.keys, peers, fs.touched, fs.tick_ms, fs.seconds, progress)
         ticks = max(1, round(fs.seconds * 1000 / fs.tick_ms))
-        iso_us = isolated_us(fs.keys, peers, fs.touched, min(ticks, ISOLATED_TICKS))
+        iso_us = isolated_us(fs.keys, peers, fs.touched, ticks)
         progress(f"codec + apply alone, the same frames: {iso_us:.2f} us a delta")
         rows += _rows(got, peers, fs.touched, fs.tick_ms, iso_us)
     peers = fs.peers[-1]
