@@ -160,6 +160,41 @@ def test_a_day_split_by_an_anchor_time_is_the_earlier_periods_whatever_the_range
     assert (narrow[0], narrow[-1], len(narrow)) == ("2026-11-16", "2026-12-15", 30)
 
 
+def test_a_day_a_change_of_cycle_splits_in_its_zone_is_one_periods_whatever_the_range() -> None:
+    """A change of cycle in the same zone at 09:30 on December 15 (the anchor time's period
+    ends there): December 15 is one day counter, in the period holding its midnight, whether
+    the range asked starts at the new cycle's first month or a month before."""
+    before, after = P.cycle(15, NY, 570), P.cycle(1, NY)
+    change = P.bounds(f"2026-11@15T09:30:{NY}")[1]
+    schedule = ((ts(2020, 1, 1), before), (change, after))
+
+    def rows(first_utc: tuple[int, int], last_utc: tuple[int, int]) -> dict[str, list[str]]:
+        start, end = ts(*first_utc, 1), ts(*last_utc, 28)
+        periods = periods_between(schedule, "month", start, end)
+        out: dict[str, list[str]] = {p: [] for p in periods}
+        for day, at, _ in month_days(schedule, periods, start, end):
+            month = period_name(schedule, "month", at)
+            if month in out:
+                out[month].append(day[:10])
+        return out
+
+    narrow, wide = rows((2027, 1), (2027, 1)), rows((2026, 12), (2027, 1))
+    dec = f"2026-12@1:{NY}"
+    assert narrow[dec] == wide[dec] and narrow[dec][0] == "2026-12-16"
+    assert wide[f"2026-11@15T09:30:{NY}"][-1] == "2026-12-15"
+
+
+def test_utc_periods_and_days_are_judged_on_the_whole_second() -> None:
+    """An instant a hair before midnight is the day (and month) before, by the key cache's
+    UTC periods, by period names and by the day a flush dates a bucket."""
+    from meter.core.keys import period_start
+    from meter.history.days import utc_day
+
+    at = ts(2025, 12, 1) - 2e-7
+    assert period_start("month", at) == P.name(None, "month", at) == "2025-11"
+    assert period_start("day", at) == P.name(None, "day", at) == utc_day(at) == "2025-11-30"
+
+
 @pytest.mark.parametrize(
     ("name", "why"),
     [
@@ -364,7 +399,7 @@ def test_bad_cycle_options_are_refused_with_clear_errors() -> None:
         with pytest.raises(ValueError, match=why):
             check_cycle_opts(opts)
     bodies = ["{}", "[[1, 15]]", '[[2, 15, "UTC"], [1, 15, "UTC"]]', '[["x", 1, "UTC"]]']
-    bodies += ['[[1, 15, "UTC", 1440]]', '[[1, 15, "UTC", 1, 2]]', '[[1, 15, "UTC", 0]]']
+    bodies += ['[[1, 15, "UTC", 1440]]', '[[1, 15, "UTC", 1, 2]]']
     for body in bodies:
         with pytest.raises(ValueError):
             decode(body)

@@ -252,4 +252,8 @@ def test_an_anchor_at_a_time_of_day_splits_its_start_date_between_two_periods(
         assert page["final"] is True and rows == {("acme", "api"): in_nov}
     with node_at(workdir, end + 60) as node:  # (drained: both buckets stored)
         assert node.call("history", "acme", "api", day) == [["2026-12-15", calls]]
+        assert node.call("history", "acme", "api_daily", day) == [["2026-12-15", calls]]
+        assert node.call("history", "acme", "api_daily", months) == [
+            ["2026-12", 0], [nov, calls], [dec, 0]
+        ]  # fmt: skip
         assert export(node, dec)[1] == {("acme", "api"): in_dec}

@@ -83,14 +83,12 @@ def month_days(
     """The tenant's day stretches (:func:`stretches`) over the whole stretches of its month
     ``periods`` (those holding an instant of ``[start, end)``), from the start of the day
     holding the first one's start: a day counts in the month period holding its first
-    instant, so a day an anchor's time of day splits is the earlier period's, whatever the
-    range asked."""
+    instant, so a day an anchor's time of day (or a change of cycle in its zone) splits is
+    the earlier period's, whatever the range asked."""
     wide = stretches(schedule, "month", start - 32 * 86400, end + 32 * 86400)
     cut = [(a, b) for p, a, b in wide if p in periods]
     first, last = min(a for a, _ in cut), max(b for _, b in cut)
-    day = bounds(period_name(schedule, "day", first))[0]
-    changes = [f for f, _ in schedule if day < f <= first]
-    return stretches(schedule, "day", max([day, *changes]), last)
+    return stretches(schedule, "day", bounds(period_name(schedule, "day", first))[0], last)
 
 
 def periods_between(schedule: Schedule, kind: PeriodKind, start: float, end: float) -> list[str]:
@@ -148,8 +146,6 @@ def decode(body: str) -> Schedule:
             raise ValueError(f"schedule entry {str(row)[:64]} is not [from, day, zone(, minute)]")
         if out and row[0] <= out[-1][0]:
             raise ValueError("schedule entries are not in order")
-        if len(row) == 4 and row[3] == 0:  # (one stored form of a schedule: midnight has none)
-            raise ValueError(f"schedule entry {str(row)[:64]} names midnight: it has 3 elements")
         out.append((float(row[0]), cycle(row[1], row[2], row[3] if len(row) == 4 else 0)))
     return tuple(out)
 

@@ -10,6 +10,7 @@ roll-over needs no reset.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from datetime import UTC, datetime
@@ -102,8 +103,10 @@ def check_at(at: object) -> float:
 
 
 def period_start(kind: PeriodKind, at: float | None = None) -> str:
-    """The period of ``kind`` containing the instant ``at`` (epoch seconds, default now)."""
-    moment = datetime.fromtimestamp(time.time() if at is None else at, tz=UTC)
+    """The period of ``kind`` containing the instant ``at`` (epoch seconds, default now),
+    judged on the whole second (as :func:`storage.periods.name`: a time is rounded to
+    microseconds, which would move an instant a hair before midnight into the next day)."""
+    moment = datetime.fromtimestamp(math.floor(time.time() if at is None else at), tz=UTC)
     if kind == "month":
         return f"{moment.year:04d}-{moment.month:02d}"
     return f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}"

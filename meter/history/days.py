@@ -11,6 +11,7 @@ current day's (or month's) bucket agrees with ``usage``. Pure: dates and ranges,
 from __future__ import annotations
 
 import calendar
+import math
 import re
 import time
 from datetime import UTC, date, datetime, timedelta
@@ -47,8 +48,9 @@ def flush_day(period: str, now: float) -> str | None:
 
 
 def utc_day(now: float) -> str:
-    """The UTC day (``YYYY-MM-DD``) of the instant ``now``."""
-    moment = datetime.fromtimestamp(now, tz=UTC)
+    """The UTC day (``YYYY-MM-DD``) of the instant ``now`` (its whole second, as period
+    names are judged)."""
+    moment = datetime.fromtimestamp(math.floor(now), tz=UTC)
     return f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}"
 
 
