@@ -151,9 +151,7 @@ def _cycle_start(c: Cycle, year: int, month: int) -> float:
     (02:30 on a night the clock jumps from 02:00 to 03:00 is 03:30), a time it shows twice is
     the first."""
     day = date(year, month, month_start_day(year, month, c.day))
-    if not c.minute:
-        return _midnight(zone(c.zone), day)
-    hour, minute = divmod(c.minute, 60)
+    hour, minute = divmod(c.minute, 60)  # (midnight: what _midnight reads)
     return datetime(day.year, day.month, day.day, hour, minute, tzinfo=zone(c.zone)).timestamp()
 
 
